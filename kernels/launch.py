@@ -1,0 +1,174 @@
+"""Launchers: one kernel launch per pattern family, for all heads of a layer at once."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .plan import SparsePlan
+from .sparse_attn_kernel import _sparse_attn_fwd
+
+# Tile shapes per device kind. The block_m of the plan is semantic (it defines the near
+# range); BLOCK_N, warps and stages are free (except for the block family, whose key block
+# is the plan's block_n). Hopper values come from benchmarks/kernels.py --tune, see
+# BENCHMARKS.md.
+GPU_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+CPU_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _config(q, plan, family_name, config):
+    cfg = dict(GPU_CONFIG if q.is_cuda and not _interpret() else CPU_CONFIG)
+    cfg.update(config or {})
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], plan.block_m) if family_name != "block" else plan.block_n
+    return cfg
+
+
+def _check_inputs(q, k, v, plan):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [B, H, N, D]")
+    B, Hq, N, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != N or k.shape[3] != D:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if Hq % k.shape[1]:
+        raise ValueError(f"query heads {Hq} not a multiple of kv heads {k.shape[1]}")
+    if (B, Hq, N) != (plan.batch, plan.num_heads, plan.n):
+        raise ValueError(f"plan is for B={plan.batch}, H={plan.num_heads}, N={plan.n}; "
+                         f"got {B}, {Hq}, {N}")
+    if D not in (16, 32, 64, 80, 96, 128, 256):
+        raise ValueError(f"head dim {D} not supported")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype {q.dtype} not supported")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the last dim of q, k, v must be contiguous")
+
+
+def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl, scale,
+            write_lse, count, config):
+    B, Hq, N, D = q.shape
+    cfg = _config(q, plan, name, config)
+    dev = q.device
+    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy_i8 = torch.zeros(1, dtype=torch.int8, device=dev)
+    R = plan.n_row_blocks
+    n_programs = R + fl.n_rowline_programs
+    S = fl.n_slots
+    kg = plan.key_groups if plan.key_groups is not None else dummy_i32
+    os_ = scratch if scratch is not None else out.unsqueeze(0)
+    ls_ = lse_s if lse_s is not None else lse.unsqueeze(0)
+    grid = (n_programs, B * S)
+    _sparse_attn_fwd[grid](
+        q, k, v, out, os_, lse, ls_, tiles if tiles is not None else dummy_i32,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        os_.stride(0), os_.stride(1), os_.stride(2), os_.stride(3),
+        lse.stride(0), lse.stride(1), ls_.stride(0), ls_.stride(1), ls_.stride(2),
+        plan.table, R, n_programs, fl.params, S,
+        fl.vidx if fl.vidx is not None else dummy_i32,
+        fl.vcnt if fl.vcnt is not None else dummy_i32,
+        fl.vflag if fl.vflag is not None else dummy_i8,
+        fl.sidx if fl.sidx is not None else dummy_i32,
+        fl.srange if fl.srange is not None else dummy_i32,
+        fl.bidx if fl.bidx is not None else dummy_i32,
+        fl.bcnt if fl.bcnt is not None else dummy_i32,
+        kg,
+        fl.vidx.shape[-1] if fl.vidx is not None else 0,
+        fl.sidx.shape[-1] if fl.sidx is not None else 0,
+        fl.bidx.shape[-1] if fl.bidx is not None else 0,
+        N, Hq // k.shape[1], scale * 1.4426950408889634,
+        HEAD_D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=plan.block_m,
+        BLOCK_N=cfg["BLOCK_N"], FAMILY=fl.family, KEY_GROUPED=plan.key_groups is not None,
+        WRITE_LSE=write_lse, COUNT=count, IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
+                     return_lse: bool = False, out: torch.Tensor | None = None, config=None):
+    """Exact causal attention over the plan's pair set.
+
+    q ``[B, Hq, N, D]``; k, v ``[B, Hkv, N, D]`` (GQA by head index, never repeated).
+    ``out`` may be any ``[B, Hq, N, D]`` view (e.g. a transposed ``[B, N, Hq, D]`` buffer).
+    Returns ``out`` (and the natural-log LSE ``[B, Hq, N]`` fp32 when ``return_lse``).
+    """
+    _check_inputs(q, k, v, plan)
+    B, Hq, N, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(q)
+    need_lse = return_lse or bool(plan.heads_2d)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device) if need_lse else \
+        torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+    scratch = lse_s = None
+    if plan.heads_2d:
+        G, H2 = plan.n_key_groups, len(plan.heads_2d)
+        scratch = torch.empty(G, B, H2, N, D, dtype=q.dtype, device=q.device)
+        lse_s = torch.empty(G, B, H2, N, dtype=torch.float32, device=q.device)
+    for name, fl in plan.launches.items():
+        _launch(q, k, v, out, lse, scratch, lse_s, None, plan, name, fl, scale, need_lse,
+                False, config)
+    if plan.heads_2d:
+        _merge_partials(out, lse, scratch, lse_s, plan.heads_2d)
+    return (out, lse) if return_lse else out
+
+
+def _merge_partials(out, lse, scratch, lse_s, heads_2d):
+    """Combine the per-key-group partials of 2D-boundary heads through their LSE."""
+    m = lse_s.max(dim=0).values                          # [B, H2, N]
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse_s - m_safe[None])                  # [G, B, H2, N]
+    denom = w.sum(0)
+    o = (w[..., None] * scratch.float()).sum(0) / denom.clamp(min=1e-30)[..., None]
+    idx = torch.tensor(heads_2d, device=out.device)
+    out.index_copy_(1, idx, o.to(out.dtype))
+    lse.index_copy_(1, idx, m_safe + torch.log(denom))
+
+
+def count_plan(plan: SparsePlan) -> dict:
+    """Run the kernels in count mode: logical pairs and visited tiles, as fractions of the
+    causal triangle (all heads, all batch entries)."""
+    dev = plan.table.device
+    B, H, N = plan.batch, plan.num_heads, plan.n
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    q = torch.empty(B, H, N, 16, dtype=dtype, device=dev)
+    kv = torch.empty(B, 1, N, 16, dtype=dtype, device=dev)
+    counts = torch.zeros(B, H, N, dtype=torch.float32, device=dev)
+    G = max(plan.n_key_groups, 1)
+    counts_s = torch.zeros(G, B, max(len(plan.heads_2d), 1), N, dtype=torch.float32,
+                           device=dev)
+    logical = 0.0
+    physical = 0
+    tiles_by_family = {}
+    for name, fl in plan.launches.items():
+        cfg = _config(q, plan, name, None)
+        n_prog = plan.n_row_blocks + fl.n_rowline_programs
+        tiles = torch.zeros(B * fl.n_slots, n_prog, dtype=torch.int32, device=dev)
+        counts.zero_()
+        counts_s.zero_()
+        _launch(q, kv, kv, q, counts, None,
+                counts_s if plan.heads_2d else None, tiles, plan, name, fl, 1.0, True, True,
+                None)
+        logical += float(counts.double().sum() + counts_s.double().sum())
+        t = int(tiles.to(torch.int64).sum())
+        tiles_by_family[name] = t
+        physical += t * plan.block_m * cfg["BLOCK_N"]
+    tri = B * H * N * (N + 1) / 2
+    return {"logical": logical / tri, "physical": physical / tri,
+            "tiles": tiles_by_family, "pairs": logical}
+
+
+def dense_flops(n: int, heads: int, d: int, batch: int = 1) -> float:
+    """FLOPs of causal attention forward (two matmuls over the triangle)."""
+    return 4.0 * batch * heads * d * n * (n + 1) / 2
+
+
+def effective_tflops(density: float, n: int, heads: int, d: int, ms: float) -> float:
+    return dense_flops(n, heads, d) * density / (ms * 1e-3) / 1e12
+
+
+__all__ = ["sparse_attention", "count_plan", "dense_flops", "effective_tflops"]

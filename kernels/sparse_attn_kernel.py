@@ -1,0 +1,295 @@
+"""Triton kernel: causal attention over an exact, permuted block-sparse pair set.
+
+One program owns one block of query rows for one *slot* (a query head, optionally restricted
+to one query modality group and one key modality group). Its keys are split into
+
+* the **near range** ``[lo, diagonal]`` with ``lo = block_start - window`` (causal mask on
+  the last tiles only), and
+* **far keys**, all ``< lo``: sinks, grid columns (strided addresses), vertical columns
+  (gathered), slash ranges, chosen key blocks.
+
+Far streams are disjoint from the near range and from each other by construction, so one
+online softmax runs over all of them and every (query, key) pair is counted once. Grid
+row lines (queries ``≡ phase (mod stride)``) are programs of their own whose rows are loaded
+with strided addresses; ordinary blocks skip storing those rows. Q, K and V are never
+copied into permuted order: every permutation is address arithmetic here.
+
+The launcher and the plan that feeds this kernel live in ``launch.py`` and ``plan.py``.
+"""
+
+import triton
+import triton.language as tl
+
+# Pattern families (one launch each).
+A_SHAPE = 0
+GRID = 1
+VERTICAL_SLASH = 2
+BLOCK = 3
+
+# Fields of one slot's int32 parameter row ([B, n_slots, NF]).
+F_HEAD, F_QGROUP, F_KGROUP, F_DST, F_DSTHEAD, F_SINK, F_WINDOW = 0, 1, 2, 3, 4, 5, 6
+F_START, F_END, F_STRIDE, F_PHASE, F_LINES = 7, 8, 9, 10, 11
+NF = 12
+LINES_COLS, LINES_ROWS = 1, 2
+
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _key_ok(kvalid, kpos, KGb, kgroup, KEY_GROUPED: tl.constexpr):
+    # 2D-boundary slots see only keys of their key modality group.
+    if KEY_GROUPED:
+        kg = tl.load(KGb + kpos, mask=kvalid, other=-1)
+        kvalid = kvalid & (kg == kgroup)
+    return kvalid
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmask, qk_scale,
+            CAUSAL: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of the online softmax (base 2). Invalid logits are -inf before the max."""
+    valid = kvalid[None, :]
+    if CAUSAL:
+        valid = valid & (kpos[None, :] <= qpos[:, None])
+    if COUNT:
+        # Count mode: l_i counts visited pairs per row, m_i counts tiles.
+        full = valid & (qpos[:, None] >= 0)
+        l_i += tl.sum(full.to(tl.float32), 1)
+        m_i += 1.0
+    else:
+        kv_mask = kvalid[:, None] & dmask[None, :]
+        k = tl.load(Kb + kpos[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(Vb + kpos[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
+          dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
+          COUNT: tl.constexpr, IEEE: tl.constexpr):
+    """Keys [lo, r1): tiles entirely below r0 (<= every row) unmasked, the rest causal."""
+    n_full = (r0 - lo) // BLOCK_N
+    for t in range(0, n_full):
+        kpos = lo + t * BLOCK_N + offs_n
+        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                offs_d, dmask, qk_scale, False, COUNT, IEEE)
+    for start in range(lo + n_full * BLOCK_N, r1, BLOCK_N):
+        kpos = start + offs_n
+        kvalid = _key_ok(kpos < r1, kpos, KGb, kgroup, KEY_GROUPED)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                offs_d, dmask, qk_scale, True, COUNT, IEEE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _segment(acc, m_i, l_i, q, qpos, a, b, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
+             dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
+             COUNT: tl.constexpr, IEEE: tl.constexpr):
+    """Far keys [a, b), all below every row of the block: no causal mask."""
+    for start in range(a, b, BLOCK_N):
+        kpos = start + offs_n
+        kvalid = _key_ok(kpos < b, kpos, KGb, kgroup, KEY_GROUPED)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                offs_d, dmask, qk_scale, False, COUNT, IEEE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _sparse_attn_fwd(
+    Q, K, V, O, OS, L, LS, TILES,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+    sos, sosb, sosh, sosn, slb, slh, sls, slsb, slsh,
+    Table, n_table, n_programs, P, n_slots,
+    VIdx, VCnt, VFlag, SIdx, SRange, BIdx, BCnt, KGid,
+    nv_max, ns_max, nb_max,
+    N, kv_group, qk_scale,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, FAMILY: tl.constexpr, KEY_GROUPED: tl.constexpr,
+    WRITE_LSE: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    b = pid_bs // n_slots
+    s = pid_bs % n_slots
+    prm = P + pid_bs * 12
+    head = tl.load(prm + 0)
+    qgroup = tl.load(prm + 1)
+    kgroup = tl.load(prm + 2)
+    dst = tl.load(prm + 3)
+    dsthead = tl.load(prm + 4)
+    sink = tl.load(prm + 5)
+    window = tl.load(prm + 6)
+    g_start = tl.load(prm + 7)
+    g_end = tl.load(prm + 8)
+    g_stride = tl.load(prm + 9)
+    g_phase = tl.load(prm + 10)
+    g_lines = tl.load(prm + 11)
+    kvh = head // kv_group
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_D
+
+    Kb = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    Vb = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    KGb = KGid + b.to(tl.int64) * N
+    slot_base = pid_bs.to(tl.int64)
+
+    is_rowline = pid_m >= n_table
+    r = n_table - 1 - pid_m  # latest (longest) row blocks first; negative for row lines
+    if is_rowline:
+        # Grid horizontal lines: rows start + phase + (t*BLOCK_M + i)*stride see every key.
+        t_line = pid_m - n_table
+        first = g_start + g_phase
+        qpos = first + (t_line * BLOCK_M + offs_m) * g_stride
+        qvalid = (qpos < g_end) & ((g_lines & 2) != 0)
+        r0 = first + t_line * BLOCK_M * g_stride
+        active = (FAMILY == 1) & (r0 < g_end) & ((g_lines & 2) != 0)
+        r1 = tl.minimum(tl.max(tl.where(qvalid, qpos, 0), 0) + 1, N)
+        store_ok = qvalid
+    else:
+        r0 = tl.load(Table + r * 3 + 0)
+        r1 = tl.load(Table + r * 3 + 1)
+        rg = tl.load(Table + r * 3 + 2)
+        active = (qgroup < 0) | (rg == qgroup)
+        qpos = r0 + offs_m
+        qvalid = qpos < r1
+        store_ok = qvalid
+        if FAMILY == 1:
+            on_line = (qpos >= g_start) & (qpos < g_end) & \
+                ((qpos - g_start) % g_stride == g_phase) & ((g_lines & 2) != 0)
+            store_ok = qvalid & (~on_line)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    if COUNT:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if active:
+        qrow = tl.where(qvalid, qpos, 0)
+        q_ptrs = Q + b.to(tl.int64) * sqb + head.to(tl.int64) * sqh + \
+            qrow.to(tl.int64)[:, None] * sqn + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=qvalid[:, None] & dmask[None, :], other=0.0)
+
+        if is_rowline:
+            acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, 0, r0 + 1, r1, Kb, Vb, skn, svn,
+                                  KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
+                                  KEY_GROUPED, COUNT, IEEE)
+        else:
+            lo = tl.maximum(r0 - window, 0)
+            if FAMILY == 0:
+                acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
+                                         Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
+                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE)
+            if FAMILY == 1:
+                s_end = tl.minimum(sink, lo)
+                acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
+                                         Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
+                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE)
+                if (g_lines & 1) != 0:
+                    # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
+                    c_lo = tl.maximum(sink, g_start)
+                    c_hi = tl.minimum(g_end, lo)
+                    skip = tl.maximum(c_lo - g_start - g_phase, 0)
+                    j0 = g_start + g_phase + ((skip + g_stride - 1) // g_stride) * g_stride
+                    n_cols = tl.maximum((c_hi - j0 + g_stride - 1) // g_stride, 0)
+                    for t in range(0, tl.cdiv(n_cols, BLOCK_N)):
+                        idx = t * BLOCK_N + offs_n
+                        kpos = j0 + idx * g_stride
+                        kvalid = _key_ok(idx < n_cols, kpos, KGb, kgroup, KEY_GROUPED)
+                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                                skn, svn, offs_d, dmask, qk_scale, False,
+                                                COUNT, IEEE)
+            if FAMILY == 2:
+                # Vertical columns below lo (sorted; the count per row block is precomputed).
+                vbase = VIdx + slot_base * nv_max
+                n_v = tl.load(VCnt + slot_base * n_table + r)
+                for t in range(0, tl.cdiv(n_v, BLOCK_N)):
+                    idx = t * BLOCK_N + offs_n
+                    vmask = idx < n_v
+                    kpos = tl.load(vbase + idx, mask=vmask, other=0)
+                    kvalid = _key_ok(vmask, kpos, KGb, kgroup, KEY_GROUPED)
+                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                            skn, svn, offs_d, dmask, qk_scale, False,
+                                            COUNT, IEEE)
+                # Slash ranges: offset o covers keys [r0 - o, r1 - o) for this row block,
+                # clipped below the previous (smaller) offset's range and below lo, so the
+                # ranges are disjoint; keys that are vertical columns are left to the
+                # vertical stream above.
+                sbase = SIdx + slot_base * ns_max
+                fbase = VFlag + slot_base * N
+                k_lo = tl.load(SRange + (slot_base * n_table + r) * 2 + 0)
+                k_hi = tl.load(SRange + (slot_base * n_table + r) * 2 + 1)
+                o_prev = -(1 << 30)
+                for kk in range(k_lo, k_hi):
+                    o = tl.load(sbase + kk)
+                    ks = tl.maximum(r0 - o, 0)
+                    ke = tl.minimum(tl.minimum(r1 - o, r0 - o_prev), lo)
+                    for start in range(ks, ke, BLOCK_N):
+                        kpos = start + offs_n
+                        inr = kpos < ke
+                        isv = tl.load(fbase + kpos, mask=inr, other=1)
+                        kvalid = _key_ok(inr & (isv == 0), kpos, KGb, kgroup, KEY_GROUPED)
+                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                                skn, svn, offs_d, dmask, qk_scale, False,
+                                                COUNT, IEEE)
+                    o_prev = o
+            if FAMILY == 3:
+                bbase = BIdx + (slot_base * n_table + r) * nb_max
+                n_b = tl.load(BCnt + slot_base * n_table + r)
+                for t in range(0, n_b):
+                    c = tl.load(bbase + t)
+                    kpos = c * BLOCK_N + offs_n
+                    kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
+                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                            skn, svn, offs_d, dmask, qk_scale, False,
+                                            COUNT, IEEE)
+            acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
+                                  KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
+                                  KEY_GROUPED, COUNT, IEEE)
+
+        if COUNT:
+            res = l_i
+            tl.store(TILES + slot_base * n_programs + pid_m, tl.max(m_i, 0).to(tl.int32))
+        else:
+            res = tl.where(l_i > 0, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
+                           float("-inf"))
+            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            acc = acc / l_safe[:, None]
+        srow = tl.where(store_ok, qpos, 0).to(tl.int64)
+        if dst == 0:
+            if not COUNT:
+                o_ptrs = O + b.to(tl.int64) * sob + head.to(tl.int64) * soh + \
+                    srow[:, None] * son + offs_d[None, :]
+                tl.store(o_ptrs, acc.to(O.dtype.element_ty),
+                         mask=store_ok[:, None] & dmask[None, :])
+            if WRITE_LSE or COUNT:
+                tl.store(L + b.to(tl.int64) * slb + head.to(tl.int64) * slh + srow, res,
+                         mask=store_ok)
+        else:
+            part = (dst - 1).to(tl.int64)
+            if not COUNT:
+                o_ptrs = OS + part * sos + b.to(tl.int64) * sosb + \
+                    dsthead.to(tl.int64) * sosh + srow[:, None] * sosn + offs_d[None, :]
+                tl.store(o_ptrs, acc.to(OS.dtype.element_ty),
+                         mask=store_ok[:, None] & dmask[None, :])
+            tl.store(LS + part * sls + b.to(tl.int64) * slsb + dsthead.to(tl.int64) * slsh +
+                     srow, res, mask=store_ok)

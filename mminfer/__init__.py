@@ -1,0 +1,3 @@
+"""mminfer: fast long-video question answering with modality-aware sparse prefill."""
+
+__version__ = "0.1.0"
