@@ -1,0 +1,1 @@
+"""Model adapters: Qwen2.5-VL, LongVILA and the embedded default model."""
