@@ -344,12 +344,13 @@ def _check_grid_spans(params, row_groups):
     # Row-line programs store rows by position: the grid span must lie inside the slot's
     # query group, or those rows would be written by two slots.
     p = params[0].cpu()
-    for qg, start, end in zip(p[:, 1].tolist(), p[:, 7].tolist(), p[:, 8].tolist()):
-        if qg < 0 or end <= start:
+    for qg, start, end, lines in zip(p[:, 1].tolist(), p[:, 7].tolist(), p[:, 8].tolist(),
+                                     p[:, 11].tolist()):
+        if qg < 0 or end <= start or not lines & 2:
             continue
         if not any(s <= start and end <= e and g == qg for s, e, g in row_groups):
-            raise ValueError(f"grid span [{start}, {end}) is not inside one span of query "
-                             f"group {qg}")
+            raise ValueError(f"grid span [{start}, {end}) with row lines is not inside one "
+                             f"span of query group {qg}")
 
 
 def _check_coverage(slot_meta, num_heads, groups, kgroups_used, heads_2d):

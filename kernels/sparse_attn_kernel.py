@@ -40,7 +40,7 @@ def _key_ok(kvalid, kpos, KGb, kgroup, KEY_GROUPED: tl.constexpr):
     # 2D-boundary slots see only keys of their key modality group.
     if KEY_GROUPED:
         kg = tl.load(KGb + kpos, mask=kvalid, other=-1)
-        kvalid = kvalid & (kg == kgroup)
+        kvalid = kvalid & ((kg == kgroup) | (kgroup < 0))
     return kvalid
 
 
@@ -270,9 +270,9 @@ def _sparse_attn_fwd(
             res = l_i
             tl.store(TILES + slot_base * n_programs + pid_m, tl.max(m_i, 0).to(tl.int32))
         else:
-            res = tl.where(l_i > 0, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
-                           float("-inf"))
             l_safe = tl.where(l_i > 0, l_i, 1.0)
+            res = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453,
+                           float("-inf"))
             acc = acc / l_safe[:, None]
         srow = tl.where(store_ok, qpos, 0).to(tl.int64)
         if dst == 0:

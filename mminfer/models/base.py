@@ -1,0 +1,140 @@
+"""What every model adapter gives the pipeline, and the greedy prefill/decode loop they share.
+
+An adapter owns one loaded checkpoint. ``prepare`` turns decoded frames and a question into
+model inputs plus the ModalityIndex (from the token layout it built, never from values);
+``embed`` runs the vision tower and splices its output into the text embeddings; the shared
+``generate`` then runs the language model: one prefill under our attention hook (sparse or
+dense by the PrefillContext), then dense greedy decode over the full KV cache.
+
+An adapter implements: ``accepts`` and ``load`` (classmethods), ``name``, ``identity``,
+``patterns``, ``max_context``, ``sampling``, ``tokenizer``, ``text_model`` (the decoder stack:
+takes ``inputs_embeds``, ``position_ids``, the cache, returns ``last_hidden_state``),
+``lm_head``, ``eos_token_ids``, ``prepare``, ``embed`` and ``positions``. Its module exposes
+the class as ``ADAPTER``; ``mminfer.pipeline.ADAPTER_MODULES`` lists the modules, and the first
+whose ``ADAPTER.accepts(checkpoint_dir)`` is true loads the checkpoint.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrepareOptions:
+    """Per-request knobs of preprocessing. ``None`` means the adapter's default."""
+    min_pixels: int | None = None       # per frame (Qwen)
+    max_pixels: int | None = None       # per frame (Qwen)
+    total_pixels: int | None = None     # whole-video budget (Qwen, qwen-vl-utils rule)
+
+
+@dataclass
+class Prepared:
+    """Model inputs of one request (batch of one, no padding)."""
+    input_ids: object                   # LongTensor [1, L] (media spans as placeholder ids)
+    index: object                       # mminfer.modality.ModalityIndex over the L tokens
+    n_frames: int                       # frames the model sees (after any padding)
+    visual_tokens: int
+    text_tokens: int
+    tensors: dict = field(default_factory=dict)   # adapter-specific (pixels, grids, positions)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.visual_tokens + self.text_tokens
+
+
+@dataclass
+class Generated:
+    text: str
+    token_ids: list
+    prefill_tokens: int
+
+
+class Adapter:
+    name: str = "base"
+    sampling: str = "qwen"     # mminfer.video.decode sampling rule this model was trained with
+    identity = None            # mminfer.patterns.ModelIdentity
+    patterns = None            # mminfer.patterns.HeadPatternConfig (None: dense only)
+    max_context: int = 0       # tokens the LLM takes (prompt + answer)
+    tokenizer = None
+    text_model = None
+    lm_head = None
+    eos_token_ids: tuple = ()
+    device = None
+    dtype = None
+
+    # ------------------------------------------------------------ per adapter
+    @classmethod
+    def accepts(cls, path) -> bool:
+        """Whether the checkpoint at local ``path`` is of this adapter's layout."""
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, path, *, device="cpu", dtype=None, model_id: str | None = None,
+             revision: str | None = None) -> "Adapter":
+        """Load from local checkpoint dir ``path``; ``model_id``/``revision`` name it (hub id and
+        commit) for the head-pattern identity check; LLM attention goes through
+        ``mminfer.models.hooks.register()``, the vision tower stays on SDPA."""
+        raise NotImplementedError
+
+    def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
+        raise NotImplementedError
+
+    def embed(self, prepared: Prepared):
+        """Run the vision tower; return inputs_embeds ``[1, L, hidden]`` in the model dtype."""
+        raise NotImplementedError
+
+    def positions(self, prepared: Prepared, start: int, length: int):
+        """position_ids for tokens [start, start+length) (``None``: the model's 1-D default)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ shared
+    def generate(self, prepared: Prepared, *, max_new_tokens: int = 32, ctx=None,
+                 timer=None) -> Generated:
+        """Greedy answer. ``ctx`` (hooks.PrefillContext) is active during the prefill only, so
+        decode-step attention is neither sparse nor counted as prefill attention. Sections
+        timed: vision, prefill, generate (the decode steps after the first token)."""
+        import torch
+        from contextlib import nullcontext
+        from mminfer.models.hooks import prefill_context
+
+        section = timer if timer is not None else (lambda name: nullcontext())
+        L = prepared.input_ids.shape[1]
+        with torch.inference_mode():
+            with section("vision"):
+                embeds = self.embed(prepared)                     # [1, L, hidden]
+            cache = _new_cache(self.text_model)
+            with section("prefill"), (prefill_context(ctx) if ctx is not None else nullcontext()):
+                hidden = self._step(embeds, self.positions(prepared, 0, L), cache)
+                token = self.lm_head(hidden[:, -1:]).argmax(-1)   # [1, 1]
+            out = [int(token)]
+            with section("generate"):
+                embed_tokens = self.text_model.get_input_embeddings()
+                while len(out) < max_new_tokens and out[-1] not in self.eos_token_ids:
+                    pos = self.positions(prepared, L + len(out) - 1, 1)
+                    hidden = self._step(embed_tokens(token), pos, cache)
+                    token = self.lm_head(hidden[:, -1:]).argmax(-1)
+                    out.append(int(token))
+        answer = [t for t in out if t not in self.eos_token_ids]
+        text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+        return Generated(text=text, token_ids=out, prefill_tokens=L)
+
+    def _step(self, embeds, position_ids, cache):
+        kw = {_cache_kwarg(self.text_model): cache}
+        if position_ids is not None:
+            kw["position_ids"] = position_ids
+        return self.text_model(inputs_embeds=embeds, use_cache=True, **kw).last_hidden_state
+
+
+def _new_cache(text_model):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=text_model.config)
+    except TypeError:   # older signatures take no config
+        return DynamicCache()
+
+
+def _cache_kwarg(module) -> str:
+    # transformers 5.24 renamed the forward kwarg past_key_values -> cache; 5.17 has the old.
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
