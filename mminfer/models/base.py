@@ -6,7 +6,7 @@ model inputs plus the ModalityIndex (from the token layout it built, never from 
 ``generate`` then runs the language model: one prefill under our attention hook (sparse or
 dense by the PrefillContext), then dense greedy decode over the full KV cache.
 
-An adapter implements: ``accepts`` and ``load`` (classmethods), ``name``, ``identity``,
+An adapter implements: ``accepts`` and ``from_pretrained`` (classmethods), ``name``, ``identity``,
 ``patterns``, ``max_context``, ``sampling``, ``tokenizer``, ``text_model`` (the decoder stack:
 takes ``inputs_embeds``, ``position_ids``, the cache, returns ``last_hidden_state``),
 ``lm_head``, ``eos_token_ids``, ``prepare``, ``embed`` and ``positions``. Its module exposes
@@ -17,7 +17,11 @@ whose ``ADAPTER.accepts(checkpoint_dir)`` is true loads the checkpoint.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from mminfer.errors import ConfigError
 
 
 @dataclass
@@ -70,10 +74,11 @@ class Adapter:
         raise NotImplementedError
 
     @classmethod
-    def load(cls, path, *, device="cpu", dtype=None, model_id: str | None = None,
-             revision: str | None = None) -> "Adapter":
-        """Load from local checkpoint dir ``path``; ``model_id``/``revision`` name it (hub id and
-        commit) for the head-pattern identity check; LLM attention goes through
+    def from_pretrained(cls, path, *, device=None, dtype=None, model_id: str | None = None,
+                        revision: str | None = None) -> "Adapter":
+        """Load from checkpoint dir ``path`` (the pipeline passes a local dir, a hub snapshot
+        for hub ids); ``model_id``/``revision`` name it (hub id and commit) for the
+        head-pattern identity check; LLM attention goes through
         ``mminfer.models.hooks.register()``, the vision tower stays on SDPA."""
         raise NotImplementedError
 
@@ -138,3 +143,28 @@ def _cache_kwarg(module) -> str:
     # transformers 5.24 renamed the forward kwarg past_key_values -> cache; 5.17 has the old.
     params = inspect.signature(module.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def resolve_checkpoint(model: str) -> tuple[Path, str, str | None]:
+    """A local directory, or a hub id fetched (or found in the cache under HF_HUB_OFFLINE).
+    Returns (local dir, id, revision): a hub id and its commit; for a local directory, the
+    hub id and commit when it is a hub cache snapshot, else its folder name and None (the
+    name head-pattern files next to it are made for)."""
+    p = Path(model).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConfigError(f"model path {model} is not a directory")
+        parts = p.resolve().parts     # .../models--owner--name/snapshots/<commit>
+        if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+            return p, parts[-3][len("models--"):].replace("--", "/"), parts[-1]
+        return p, p.resolve().name, None
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ConfigError(f"model {model!r} is neither a directory nor a hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        local = Path(snapshot_download(repo_id=model))
+    except Exception as e:   # offline, missing, gated, network: all mean "cannot get it"
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        why = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
+        raise ConfigError(f"cannot get model {model}{why}: {type(e).__name__}: {e}") from e
+    return local, model, local.name

@@ -1,0 +1,342 @@
+"""Kernel benchmark on one GPU: our sparse kernels against cuDNN SDPA, flash SDPA (dense causal)
+and FlexAttention given exactly the same block set, side by side in one run.
+
+Qwen2.5-VL-7B attention shape: 28 query heads, 4 KV heads, head dim 128, bf16, batch 1.
+Every head of a launch uses the same pattern parameters so that FlexAttention can be given
+one block mask (broadcast over heads) that visits exactly the tiles our kernel visits.
+
+    python benchmarks/kernels.py                       # table + JSON under $OUT (or ./out)
+    python benchmarks/kernels.py --lengths 131072 --tune   # tile-shape sweep
+
+Effective TFLOP/s = 4·d·(visited tile area)·heads / time (attention-gym's density-scaled
+count); "logical" density is the exact pair set, "physical" the visited tiles, both as
+fractions of the causal triangle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mminfer.kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table  # noqa: E402
+from mminfer.kernels import launch as L  # noqa: E402
+
+HQ, HKV, D = 28, 4, 128
+BM = 128
+
+
+def bench(fn, rep=200):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+# ----------------------------------------------------------------------------- patterns
+def a_shape_spec(n, density):
+    # logical ≈ 2(sink + window + BM/2)/N per row
+    w = max(int(density * n / 2 - 128 - BM / 2) // 128 * 128, 128)
+    return [AShape(list(range(HQ)), sink=128, window=w)], {"sink": 128, "window": w}
+
+
+def grid_spec(n, density, start=1024):
+    # columns + rows at stride s: ≈ 2/s; sink + window ≈ 2(sink + window)/N
+    w = min(1024, max(int(density * n / 8) // 128 * 128, 128))
+    rest = density - 2 * (128 + w + BM / 2) / n
+    s = max(int(round(2 / max(rest, 1e-3))), 3)
+    p = s // 3
+    return ([Grid(list(range(HQ)), start=start, end=n - 256, stride=s, phase=p, lines="both",
+                  sink=128, window=w)],
+            {"stride": s, "phase": p, "sink": 128, "window": w, "start": start, "end": n - 256})
+
+
+def vs_spec(n, density, device):
+    nv, w = 1000, 1024
+    ns = max(int((density * n / 2 - nv - w) / BM), 1)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    vert = torch.randint(0, n, (1, HQ, nv), generator=g)
+    vert[..., :64] = torch.arange(64)
+    sl = torch.randint(w, n, (1, HQ, ns), generator=g)
+    return ([VerticalSlash(list(range(HQ)), vert.to(device), sl.to(device), window=w)],
+            {"n_vertical": nv, "n_slash": ns, "window": w})
+
+
+def block_spec(n, density, device, block_n=128):
+    table = row_table(n, BM)
+    R = table.shape[0]
+    nkb = (n + block_n - 1) // block_n
+    kmax = max(int(density * nkb) + 1, 1)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    r = torch.arange(R)[:, None].float()
+    # per row block about density·(row blocks so far) random earlier key blocks, same for all
+    # heads (FlexAttention gets one mask)
+    k_r = (density * (r + 1)).ceil()
+    ids = (torch.rand(R, kmax, generator=g) * (r * BM / block_n)).floor().long()
+    ids = torch.where(torch.arange(kmax)[None, :] < k_r, ids, torch.full_like(ids, -1))
+    kb = ids[None, None].expand(1, HQ, R, kmax).to(device)
+    return [Block(list(range(HQ)), kb, window=0)], {"key_blocks_per_row": f"~{density:.0%}"}
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+def _from_dense_blocks(partial, full, n, block):
+    """BlockMask from [Rq, Rk] partial/full block booleans (full width index tensors)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def lists(m):
+        cnt = m.sum(-1).to(torch.int32)
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return cnt[None, None].contiguous(), idx[None, None].contiguous()
+
+    kv_num, kv_idx = lists(partial)
+    full_num, full_idx = lists(full)
+    return kv_num, kv_idx, full_num, full_idx
+
+
+# mask_mods live at module level and read their parameters from these tensors, so the
+# compiled flex_attention is not recompiled for every density (a new closure or a new Python
+# int would each fail dynamo's guards).
+_FX: dict = {}
+
+
+def _mm_a_shape(b, h, q, k):
+    return (k <= q) & ((k < _FX["S"]) | (k >= (q // BM) * BM - _FX["W"]))
+
+
+def _mm_block(b, h, q, k):
+    return (k <= q) & (_FX["full"][q // 128, k // 128] | (q // 128 == k // 128))
+
+
+def _mm_grid(b, h, q, k):
+    oq, ok = _FX["qperm"][q], _FX["kperm"][k]
+    st, en, s, p = _FX["st"], _FX["en"], _FX["s"], _FX["p"]
+    line_q = (oq >= st) & (oq < en) & ((oq - st) % s == p)
+    col_k = (ok >= st) & (ok < en) & ((ok - st) % s == p)
+    return (ok <= oq) & (line_q | col_k | (ok < _FX["S"]) | (ok >= (oq // BM) * BM - _FX["W"]))
+
+
+def flex_mask(kind, prm, n, device, kb=None):
+    """Block set (and exact mask_mod) identical to our kernel's visit, at 128×128 blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B = 128
+    R = (n + B - 1) // B
+    qb = torch.arange(R, device=device)[:, None]
+    kbk = torch.arange(R, device=device)[None, :]
+    diag = qb == kbk
+    if kind == "a_shape":
+        S, W = prm["sink"], prm["window"]
+        lo_b = (qb * B - W).clamp(min=0) // B
+        full = ((kbk < S // B) | ((kbk >= lo_b) & (kbk < qb))) & ~diag
+        partial = diag
+        _FX.update(S=torch.tensor(S, device=device), W=torch.tensor(W, device=device))
+        mask_mod = _mm_a_shape
+        perm = None
+    elif kind == "block":
+        sel = torch.zeros(R, R + 1, dtype=torch.bool, device=device)
+        ids = kb[0, 0].long().clamp(min=-1)
+        ids = torch.where(ids < 0, torch.full_like(ids, R), ids)
+        sel.scatter_(1, ids, True)
+        full = sel[:, :R] & (kbk < qb)
+        partial = diag
+        _FX.update(full=full)
+        mask_mod = _mm_block
+        perm = None
+    else:  # grid: keys permuted as [column keys] + [other keys], rows as [others] + [lines]
+        S, W, s, p = prm["sink"], prm["window"], prm["stride"], prm["phase"]
+        st, en = prm["start"], prm["end"]
+        pos = torch.arange(n, device=device)
+        on = (pos >= st) & (pos < en) & ((pos - st) % s == p)
+        kperm = torch.cat([pos[on], pos[~on]])
+        qperm = torch.cat([pos[~on], pos[on]])
+        n_on = int(on.sum())
+        # block-level bounds of original positions
+        kmin = torch.nn.functional.pad(kperm, (0, R * B - n), value=n).view(R, B).amin(1)
+        kmax = torch.nn.functional.pad(kperm, (0, R * B - n), value=-1).view(R, B).amax(1)
+        qmin = torch.nn.functional.pad(qperm, (0, R * B - n), value=n).view(R, B).amin(1)
+        qmax = torch.nn.functional.pad(qperm, (0, R * B - n), value=-1).view(R, B).amax(1)
+        kcls = torch.arange(R, device=device) * B < n_on          # block starts in column keys
+        kcls_end = (torch.arange(R, device=device) + 1) * B <= n_on  # block all column keys
+        rb = torch.arange(R, device=device)
+        q_ord = (rb * B < n - n_on)[:, None]         # block holds ordinary rows
+        q_line = ((rb + 1) * B > n - n_on)[:, None]  # block holds row-line rows
+        # ordinary rows: r0(i) = (i // BM)·BM in original order
+        lo_min = ((qmin // BM) * BM - W).clamp(min=0)[:, None]
+        lo_max = ((qmax // BM) * BM - W).clamp(min=0)[:, None]
+        any_ok = kmin[None, :] <= qmax[:, None]
+        vis_ord = any_ok & (kcls[None, :] | (kmin[None, :] < S) | (kmax[None, :] >= lo_min))
+        full_ord = (kmax[None, :] < qmin[:, None]) & (
+            (kcls_end[None, :] & (kmax[None, :] < lo_min)) | (kmax[None, :] < S) |
+            ((kmin[None, :] >= lo_max) & ~kcls[None, :]))
+        vis = (q_ord & vis_ord) | (q_line & any_ok)
+        full = vis & (~q_ord | full_ord) & (~q_line | (kmax[None, :] <= qmin[:, None]))
+        partial = vis & ~full
+        t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+        _FX.update(qperm=qperm, kperm=kperm, st=t(st), en=t(en), s=t(s), p=t(p), S=t(S), W=t(W))
+        mask_mod = _mm_grid
+        perm = (qperm, kperm)
+    kv_num, kv_idx, full_num, full_idx = _from_dense_blocks(partial, full, n, B)
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=B,
+                                  mask_mod=mask_mod, seq_lengths=(n, n))
+    tiles = int(partial.sum() + full.sum())
+    return bm, perm, tiles
+
+
+# ----------------------------------------------------------------------------- main
+def run(lengths, densities, patterns, out_dir, tune, rep):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+    dev = torch.device("cuda")
+    torch._dynamo.config.cache_size_limit = 64
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    props = torch.cuda.get_device_properties(dev)
+    print(f"device: {props.name}, torch {torch.__version__}")
+    for n in lengths:
+        torch.manual_seed(0)
+        q = torch.randn(1, HQ, n, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(1, HKV, n, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(1, HKV, n, D, device=dev, dtype=torch.bfloat16)
+        dense_f = L.dense_flops(n, HQ, D)
+        dense = {}
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            if n > 262144 and name == "flash":
+                continue
+            try:
+                kk = k.repeat_interleave(HQ // HKV, 1)
+                vv = v.repeat_interleave(HQ // HKV, 1)
+
+                def f(be=be, kk=kk, vv=vv):
+                    with sdpa_kernel(be):
+                        return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+                ms = bench(f, rep=rep) if n <= 262144 else _once(f)
+                dense[name] = ms
+                rows.append({"n": n, "impl": f"{name} dense", "pattern": "causal", "ms": ms,
+                             "logical": 1.0, "physical": 1.0,
+                             "tflops": dense_f / ms / 1e9})
+                del kk, vv
+            except Exception as e:  # report, keep going
+                print(f"{name} dense failed at n={n}: {type(e).__name__}: {e}")
+        torch.cuda.empty_cache()
+        for pat in patterns:
+            for dens in densities:
+                if pat == "block" and n > 262144:
+                    continue
+                if pat == "grid":
+                    specs, prm = grid_spec(n, dens)
+                elif pat == "a_shape":
+                    specs, prm = a_shape_spec(n, dens)
+                elif pat == "vertical_slash":
+                    if n > 262144:
+                        continue
+                    specs, prm = vs_spec(n, dens, dev)
+                else:
+                    specs, prm = block_spec(n, dens, dev)
+                block_n = 128 if pat == "block" else 64
+                plan = SparsePlan.build(n, HQ, specs, block_m=BM, block_n=block_n, device=dev)
+                den = plan.density()
+                configs = [None]
+                if tune:
+                    configs = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                               for bn, w, st in ((64, 4, 3), (64, 8, 3), (128, 8, 3), (64, 8, 4),
+                                                 (128, 8, 2), (32, 4, 3))]
+                    if pat == "block":
+                        configs = [{"num_warps": w, "num_stages": st} for w, st in
+                                   ((4, 3), (8, 3), (8, 2), (8, 4))]
+                out = torch.empty_like(q)
+                for cfg in configs:
+                    try:
+                        ms = bench(lambda: L.sparse_attention(q, k, v, plan, out=out, config=cfg),
+                                   rep=rep)
+                    except Exception as e:
+                        print(f"ours {pat} cfg={cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    bn = (cfg or {}).get("BLOCK_N", L.GPU_CONFIG["BLOCK_N"]) if pat != "block" else 128
+                    phys_pairs = den["physical"]
+                    rows.append({"n": n, "impl": "mminfer", "pattern": pat, "density": dens,
+                                 "params": prm, "config": cfg or L.GPU_CONFIG, "ms": ms,
+                                 "logical": den["logical"], "physical": phys_pairs,
+                                 "tflops": dense_f * phys_pairs / ms / 1e9,
+                                 "vs_cudnn": dense.get("cudnn", float("nan")) / ms})
+                    _print(rows[-1])
+                if pat != "vertical_slash" and not tune:
+                    try:
+                        kb = specs[0].key_blocks if pat == "block" else None
+                        bmask, perm, tiles = flex_mask(pat, prm, n, dev, kb)
+                        if perm is not None:
+                            qperm, kperm = perm
+                            qf, kf, vf = q[:, :, qperm], k[:, :, kperm], v[:, :, kperm]
+                        else:
+                            qf, kf, vf = q, k, v
+                        of = flex(qf, kf, vf, block_mask=bmask, enable_gqa=True)
+                        if perm is not None:
+                            unperm = torch.empty_like(of)
+                            unperm[:, :, qperm] = of
+                            of = unperm
+                        L.sparse_attention(q, k, v, plan, out=out)
+                        diff = (of.float() - out.float()).abs().max().item()
+                        del of
+                        ms = bench(lambda: flex(qf, kf, vf, block_mask=bmask, enable_gqa=True),
+                                   rep=rep)
+                        phys = tiles * 128 * 128 / (n * (n + 1) / 2)
+                        ours = rows[-1]["ms"] if rows[-1]["impl"] == "mminfer" else float("nan")
+                        rows.append({"n": n, "impl": "flex", "pattern": pat, "density": dens,
+                                     "ms": ms, "logical": den["logical"], "physical": phys,
+                                     "tflops": dense_f * phys / ms / 1e9,
+                                     "vs_cudnn": dense.get("cudnn", float("nan")) / ms,
+                                     "ours_speedup_vs_flex": ms / ours,
+                                     "max_abs_diff_vs_ours": diff})
+                        _print(rows[-1])
+                        del qf, kf, vf, bmask
+                    except Exception as e:
+                        print(f"flex {pat} n={n} failed: {type(e).__name__}: {str(e)[:300]}")
+                del plan
+                torch.cuda.empty_cache()
+        del q, k, v
+        torch.cuda.empty_cache()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+        json.dump({"device": props.name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return rows
+
+
+def _once(f):
+    f()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    f()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e)
+
+
+def _print(r):
+    extra = f" vs cuDNN {r.get('vs_cudnn', float('nan')):6.2f}x"
+    if "ours_speedup_vs_flex" in r:
+        extra += (f"  ours/flex {r['ours_speedup_vs_flex']:5.2f}x"
+                  f" |flex-ours| {r['max_abs_diff_vs_ours']:.3g}")
+    print(f"n={r['n']:>8} {r['impl']:>8} {r['pattern']:>15} d={r.get('density', 1):.2f} "
+          f"logical={r['logical']:.4f} physical={r['physical']:.4f} {r['ms']:9.3f} ms "
+          f"{r['tflops']:6.1f} TFLOP/s{extra} {r.get('config', '')}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 262144, 1048576])
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.10, 0.25])
+    ap.add_argument("--patterns", nargs="+", default=["block", "a_shape", "grid", "vertical_slash"])
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = ap.parse_args()
+    t0 = time.time()
+    run(a.lengths, a.densities, a.patterns, a.out, a.tune, a.rep)
+    print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The ``mminfer`` command. Subcommands live in modules with ``add_arguments(parser)`` and
+``run(args) -> int``; they must import light (torch and friends inside ``run``), so that
+``mminfer --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from mminfer.errors import MMInferError
+
+# name -> (module, one-line help). `answer` is defined below; the others are added by their
+# owners: create the module and it appears here (a module not written yet is skipped).
+SUBCOMMANDS = {
+    "answer": (__name__, "answer a question about a video"),
+    "serve": ("mminfer.server.cli", "run the HTTP service"),                    # TODO(serve)
+    "batch": ("mminfer.batch", "answer questions about every video of a directory"),  # TODO
+    "calibrate": ("mminfer.calibrate", "search head patterns on calibration videos"),  # TODO
+    "bench": ("mminfer.bench", "measure kernels and end-to-end latency"),      # TODO(bench)
+}
+
+NO_MODEL = ("--model is required for now (the embedded default model is not shipped yet): "
+            "pass a Qwen2.5-VL or LongVILA checkpoint directory or hub id")
+
+
+# ---------------------------------------------------------------------- answer
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("video", help="video file")
+    p.add_argument("question", help="question about the video")
+    p.add_argument("--model", help="checkpoint directory or hub id (required for now)")
+    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
+                   help="prefill attention (auto: sparse for long prompts)")
+    p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
+    p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
+    p.add_argument("--start", type=float, help="clip start (seconds)")
+    p.add_argument("--end", type=float, help="clip end (seconds)")
+    p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--min-sparse-len", type=int, default=8192,
+                   help="auto mode: shorter prefills stay dense")
+    p.add_argument("--json", action="store_true", help="print the full record as JSON")
+
+
+def run(args) -> int:
+    if not args.model:
+        raise MMInferError(NO_MODEL)
+    from mminfer.pipeline import Pipeline
+    pipe = Pipeline(args.model, attention=args.attention, device=args.device, dtype=args.dtype,
+                    min_sparse_len=args.min_sparse_len)
+    res = pipe.answer(args.video, args.question, fps=args.fps, max_frames=args.max_frames,
+                      max_new_tokens=args.max_new_tokens, start=args.start, end=args.end)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+    else:
+        print(format_result(res.to_dict()))
+    return 0
+
+
+def format_result(d: dict) -> str:
+    v, t = d["video"], d["tokens"]
+    lines = [d["answer"], ""]
+    attn = d["attention"]
+    if d.get("sparsity"):
+        attn += f" (density {d['sparsity']['mean_density']:.3f})"
+    lines.append(f"video  {v['frames']} frames at {v['sampled_fps']:.2f} fps of "
+                 f"{v['duration']:.1f} s, {v['width']}x{v['height']}")
+    lines.append(f"tokens {t['total']} ({t['visual']} visual, {t['text']} text), "
+                 f"attention {attn}")
+    lines.append("")
+    width = max(len(k) for k in d["timings_ms"])
+    for k, ms in d["timings_ms"].items():
+        lines.append(f"  {k:<{width}}  {ms:10.1f} ms")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mminfer", description="Fast long-video question answering with modality-aware "
+                                    "sparse prefill (MMInference).")
+    from mminfer import __version__
+    parser.add_argument("--version", action="version", version=f"mminfer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in SUBCOMMANDS.items():
+        try:
+            mod = sys.modules[__name__] if module == __name__ else importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if module.startswith(e.name or "\0"):   # not written yet
+                continue
+            raise
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except MMInferError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:   # a bug, not bad input: still one line unless debugging
+        if os.environ.get("MMINFER_DEBUG"):
+            raise
+        print(f"error: internal: {type(e).__name__}: {e} (MMINFER_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

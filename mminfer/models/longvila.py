@@ -1,0 +1,475 @@
+"""LongVILA: a Qwen2 LLM, a SigLIP vision tower and the ``mlp_downsample`` projector, loaded
+from the checkpoint's own subfolders with transformers' building blocks.
+
+transformers has no VILA class and VILA's remote code does not import on 5.x, so the
+checkpoint is read piece by piece: the root ``config.json`` as plain JSON (VILA's
+``llava_llama`` format and the ``vila`` remote-code format share the fields we read),
+``llm/`` as ``Qwen2ForCausalLM`` with our attention hook, ``vision_tower/`` as
+``SiglipVisionModel`` (sdpa), ``mm_projector/`` rebuilt here from its weights.
+
+Token layout of one request (VILA's ``BasicVideoEncoder``): the user text is
+``"<vila/video>" + question`` inside Qwen2's ChatML template; the one ``<vila/video>`` token
+becomes F frames of P visual embeddings followed by the embedding of "\\n", so frame f
+occupies [s + f(P+1), s + (f+1)(P+1)) with its newline last. ``Prepared.input_ids`` spells
+that layout out (video id at visual rows, the newline id at separators), so the
+ModalityIndex and the embedding splice read the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mminfer.errors import ConfigError, InputError, VideoError
+from mminfer.modality import ModalityIndex
+from mminfer.models.base import Adapter, Prepared, PrepareOptions
+
+VIDEO_TOKEN = "<vila/video>"
+MEDIA_TOKENS = ("<vila/sentinel>", "<image>", VIDEO_TOKEN)
+# VILA names the 2×2 merge both ways; the module and its weight names are the same.
+PROJECTOR_TYPES = ("mlp_downsample", "mlp_downsample_2x2_fix")
+SUBFOLDERS = ("llm", "vision_tower", "mm_projector")
+LONGVILA_7B_1M = "Efficient-Large-Model/qwen2-7b-longvila-1M"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PATTERNS_FILE = "mminfer_patterns.json"       # a checkpoint's own calibrated patterns
+# The real 7B LLM shape (layers, heads, kv heads, head dim) -> its shipped head patterns.
+SHIPPED_PATTERNS = {(28, 28, 4, 128): "longvila_7b_1m.json"}
+# VILA's chat_templates/qwen2.jinja: Qwen2 ChatML, system text without the final period.
+_VILA_QWEN2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+# --------------------------------------------------------------------------- projector
+def space_to_depth_2x2(x: torch.Tensor) -> torch.Tensor:
+    """``[B, N, C]`` tokens of a √N×√N row-major grid → ``[B, ⌈√N/2⌉², 4C]``.
+
+    An odd side gets a zero row (bottom) / column (right) first. Merged cell (i, j) holds the
+    channels of (2i,2j), (2i,2j+1), (2i+1,2j), (2i+1,2j+1) in that order; cells row-major.
+    This is VILA's ``DownSampleBlock.flat_square`` order, which the projector was trained on.
+    """
+    b, n, c = x.shape
+    s = math.isqrt(n)
+    if s * s != n:
+        raise ConfigError(f"vision tower gave {n} tokens per frame, not a square grid")
+    x = x.reshape(b, s, s, c)
+    if s % 2:
+        x = nn.functional.pad(x, (0, 0, 0, 1, 0, 1))       # [B, s+1, s+1, C]
+    h = x.shape[1] // 2
+    x = x.reshape(b, h, 2, h, 2, c).permute(0, 1, 3, 2, 4, 5)   # [B, i, j, di, dj, C]
+    return x.reshape(b, h * h, 4 * c)
+
+
+class SpaceToDepth2x2(nn.Module):
+    def forward(self, x):
+        return space_to_depth_2x2(x)
+
+
+class Projector(nn.Module):
+    """VILA's ``mlp_downsample`` projector; the Sequential indices are the weight names
+    (``layers.1`` LayerNorm, ``layers.2`` and ``layers.4`` Linear)."""
+
+    def __init__(self, vision_hidden: int, llm_hidden: int):
+        super().__init__()
+        self.layers = nn.Sequential(
+            SpaceToDepth2x2(),
+            nn.LayerNorm(4 * vision_hidden),
+            nn.Linear(4 * vision_hidden, llm_hidden),
+            nn.GELU(),
+            nn.Linear(llm_hidden, llm_hidden),
+        )
+
+    def forward(self, x):                                  # [B, N, C] -> [B, P, hidden]
+        return self.layers(x)
+
+
+def tokens_per_frame(image_size: int, patch_size: int) -> int:
+    """P = ⌈⌊S/patch⌋ / 2⌉²: 448 px → 256, 384 px → 196."""
+    return math.ceil((image_size // patch_size) / 2) ** 2
+
+
+# --------------------------------------------------------------------------- layout
+@dataclass
+class Layout:
+    """What the root config and the subfolders say, checked before any weight is read."""
+    root: Path
+    config: dict
+    projector_type: str
+    select_layer: int
+    num_video_frames: int
+    image_size: int
+    patch_size: int
+    image_mean: tuple
+    image_std: tuple
+    chat_template: str | None
+
+
+def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local checkpoint folder, or a hub id fetched (or found in the cache when
+    HF_HUB_OFFLINE is set) with ``snapshot_download``."""
+    p = Path(path_or_id).expanduser()
+    if p.exists():
+        return p
+    name = str(path_or_id)
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise ConfigError(f"LongVILA checkpoint {name!r}: no such folder, and not a hub id")
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(name, revision=revision))
+    except Exception as e:   # offline miss, unknown repo, gated: all mean "not available here"
+        raise ConfigError(f"LongVILA checkpoint {name!r} is not available locally and could "
+                          f"not be downloaded ({type(e).__name__}: {e})") from e
+
+
+def read_layout(root: Path) -> Layout:
+    root = Path(root)
+    cfg = _read_json(root / "config.json", "the root config.json")
+    if not _is_vila_config(cfg):
+        raise ConfigError(f"{root}/config.json is not a VILA/LongVILA config "
+                          f"(model_type {cfg.get('model_type')!r}, no llm_cfg)")
+    for sub in SUBFOLDERS:
+        if not (root / sub / "config.json").is_file():
+            raise ConfigError(f"LongVILA checkpoint {root} has no {sub}/ subfolder "
+                              f"(expected {sub}/config.json and its weights)")
+    if cfg.get("s2") or cfg.get("dynamic_s2"):
+        raise ConfigError("multi-scale (S2) vision features are NVILA's recipe, not LongVILA's; "
+                          "not supported")
+    enc = cfg.get("video_encoder")
+    if isinstance(enc, dict) and "Basic" not in str(enc.get("_target_", "Basic")):
+        raise ConfigError(f"video encoder {enc.get('_target_')!r} pools frames (NVILA); only "
+                          "LongVILA's one-newline-per-frame encoder is supported")
+
+    pcfg = _read_json(root / "mm_projector" / "config.json", "mm_projector/config.json")
+    root_pcfg = cfg.get("mm_projector_cfg")
+    ptype = (pcfg.get("mm_projector_type")
+             or (root_pcfg.get("mm_projector_type") if isinstance(root_pcfg, dict) else None)
+             or cfg.get("mm_projector_type") or cfg.get("mm_projector"))
+    if ptype not in PROJECTOR_TYPES:
+        raise ConfigError(f"unknown LongVILA projector type {ptype!r} in {root}/mm_projector "
+                          f"(supported: {', '.join(PROJECTOR_TYPES)})")
+    feature = cfg.get("mm_vision_select_feature", "cls_patch")
+    if feature != "cls_patch":
+        raise ConfigError(f"mm_vision_select_feature {feature!r}: SigLIP towers keep all "
+                          "tokens ('cls_patch'); nothing else is supported")
+
+    vcfg = _read_json(root / "vision_tower" / "config.json", "vision_tower/config.json")
+    vcfg = vcfg.get("vision_config", vcfg)   # a full SigLIP config nests the vision part
+    pre_path = root / "vision_tower" / "preprocessor_config.json"
+    pre = _read_json(pre_path, "preprocessor_config.json") if pre_path.is_file() else {}
+    template = cfg.get("chat_template")
+    return Layout(
+        root=root, config=cfg, projector_type=ptype,
+        select_layer=int(cfg.get("mm_vision_select_layer", -2)),
+        num_video_frames=int(cfg.get("num_video_frames") or 8),
+        image_size=int(vcfg.get("image_size", 224)), patch_size=int(vcfg.get("patch_size", 14)),
+        image_mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
+        image_std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+        chat_template=_VILA_QWEN2_TEMPLATE if template == "qwen2" else None)
+
+
+def _is_vila_config(cfg: dict) -> bool:
+    return cfg.get("model_type") in ("llava_llama", "vila") or "llm_cfg" in cfg
+
+
+def _read_json(p: Path, what: str) -> dict:
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found at {p}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} at {p} is not valid JSON: {e}") from None
+
+
+def load_projector(folder: Path, vision_hidden: int, llm_hidden: int) -> Projector:
+    from safetensors.torch import load_file
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no projector weights (*.safetensors) in {folder}")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    proj = Projector(vision_hidden, llm_hidden)
+    try:
+        proj.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"projector weights in {folder} do not fit mlp_downsample "
+                          f"{4 * vision_hidden}->{llm_hidden}->{llm_hidden}: {e}") from None
+    return proj
+
+
+# --------------------------------------------------------------------------- adapter
+class LongVILA(Adapter):
+    name = "longvila"
+    sampling = "uniform"          # VILA: linspace(0, T-1, num_video_frames) as int
+    vision_batch = 32             # frames per vision-tower call (bounds activation memory)
+
+    @classmethod
+    def accepts(cls, path) -> bool:
+        p = Path(path) / "config.json"
+        try:
+            return p.is_file() and _is_vila_config(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return False
+
+    @classmethod
+    def from_pretrained(cls, path_or_id, *, revision: str | None = None, **kw) -> "LongVILA":
+        """Load from a local folder or a hub id (see ``resolve``); ``kw`` as ``load``."""
+        root = resolve(path_or_id, revision)
+        if Path(path_or_id).expanduser().exists():
+            return cls.load(root, revision=revision, **kw)
+        # a hub snapshot folder is named by its commit: the exact revision loaded
+        return cls.load(root, **{"model_id": str(path_or_id), "revision": root.name, **kw})
+
+    @classmethod
+    def load(cls, path, *, device=None, dtype=None, model_id: str | None = None,
+             revision: str | None = None, num_frames: int | None = None,
+             patterns=None) -> "LongVILA":
+        """Load the checkpoint in local folder ``path``. ``num_frames`` overrides the config's
+        ``num_video_frames``. ``patterns``: a head-pattern file or HeadPatternConfig (checked
+        against the model identity); None takes ``mminfer_patterns.json`` next to the
+        checkpoint, else the shipped file of the real 7B shape, else a generated default."""
+        from transformers import AutoTokenizer, Qwen2ForCausalLM, SiglipVisionModel
+
+        from mminfer.models import hooks
+
+        root = Path(path)
+        layout = read_layout(root)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+        self = cls()
+        self.layout, self.device, self.dtype = layout, device, dtype
+        self.num_frames = int(num_frames or layout.num_video_frames)
+        self.model_id, self.revision = model_id or str(root), revision
+
+        tok = AutoTokenizer.from_pretrained(root / "llm")
+        missing = [t for t in MEDIA_TOKENS if t not in tok.get_vocab()]
+        if missing:   # never embedded (replaced in embedding space), so the vocab may end before
+            tok.add_tokens(missing, special_tokens=True)
+        if layout.chat_template is not None or not tok.chat_template:
+            tok.chat_template = layout.chat_template or _VILA_QWEN2_TEMPLATE
+        self.tokenizer = tok
+        self.video_token_id = tok.convert_tokens_to_ids(VIDEO_TOKEN)
+        nl = tok.encode("\n", add_special_tokens=False)
+        if len(nl) != 1:
+            raise ConfigError(f"the tokenizer in {root}/llm splits '\\n' into {nl}; LongVILA "
+                              "separates frames with one newline token")
+        self.newline_id = nl[0]
+
+        llm = Qwen2ForCausalLM.from_pretrained(root / "llm", dtype=dtype,
+                                               attn_implementation=hooks.register())
+        self.llm = llm.to(device).eval()
+        self.text_model, self.lm_head = self.llm.model, self.llm.lm_head
+        lcfg = self.llm.config
+        self.max_context = int(lcfg.max_position_embeddings)
+        eos = {tok.eos_token_id, *_as_list(self.llm.generation_config.eos_token_id),
+               *_as_list(lcfg.eos_token_id)}
+        for t in ("<|im_end|>", "<|endoftext|>"):
+            if t in tok.get_vocab():
+                eos.add(tok.convert_tokens_to_ids(t))
+        self.eos_token_ids = tuple(sorted(e for e in eos if e is not None))
+
+        vision = SiglipVisionModel.from_pretrained(root / "vision_tower", dtype=dtype,
+                                                   attn_implementation="sdpa")
+        self.tower = _truncate_tower(vision, layout.select_layer).to(device).eval()
+        vhidden = vision.config.hidden_size
+        self.image_size = layout.image_size
+        self.tokens_per_frame = tokens_per_frame(layout.image_size, layout.patch_size)
+        self.projector = load_projector(root / "mm_projector", vhidden, lcfg.hidden_size)
+        self.projector.to(device=device, dtype=dtype).eval()
+
+        self.identity = _identity(self.model_id, self.revision, lcfg)
+        self.patterns = _head_patterns(root, patterns, self.identity)
+        return self
+
+    # ------------------------------------------------------------ per request
+    def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
+        """Frames ``[T, H, W, 3]`` uint8 (or a decoded video with ``.frames``) + question →
+        token layout, ModalityIndex and the frames squashed to S×S (uint8, normalised later
+        on the device)."""
+        frames = _frames_tensor(video)                                  # [T, H, W, 3] uint8
+        want = int(getattr(options, "num_frames", None) or self.num_frames)
+        if frames.shape[0] > want:   # VILA's rule: linspace(0, T-1, F) truncated to int
+            idx = torch.linspace(0, frames.shape[0] - 1, want, dtype=torch.float64).long()
+            frames = frames[idx]
+        n_frames = frames.shape[0]
+        pixels = self._squash(frames)                                   # [F, 3, S, S] uint8
+
+        prefix, suffix = self._prompt_ids(question)
+        P = self.tokens_per_frame
+        video_ids = ([self.video_token_id] * P + [self.newline_id]) * n_frames
+        ids = prefix + video_ids + suffix
+        if len(ids) > self.max_context:
+            raise InputError(f"prompt of {len(ids)} tokens ({n_frames} frames × {P + 1}) is "
+                             f"over the model's context of {self.max_context}",
+                             tokens=len(ids), max_context=self.max_context)
+        index = ModalityIndex.longvila(len(prefix), n_frames, P, len(suffix))
+        return Prepared(input_ids=torch.tensor([ids], dtype=torch.long), index=index,
+                        n_frames=n_frames, visual_tokens=len(video_ids),
+                        text_tokens=len(prefix) + len(suffix),
+                        tensors={"pixels": pixels, "resized": (self.image_size,) * 2})
+
+    def embed(self, prepared: Prepared) -> torch.Tensor:
+        ids = prepared.input_ids.to(self.device)                       # [1, L]
+        visual = self.encode_frames(prepared.tensors["pixels"])        # [F, P, hidden]
+        is_vis = ids == self.video_token_id
+        if int(is_vis.sum()) != visual.shape[0] * visual.shape[1]:
+            raise InputError(f"{int(is_vis.sum())} video positions for "
+                             f"{visual.shape[0]}×{visual.shape[1]} visual embeddings")
+        # the video id may lie past the LLM vocab (added at load); its rows are replaced anyway
+        embeds = self.text_model.get_input_embeddings()(ids.masked_fill(is_vis, 0))
+        embeds[is_vis] = visual.reshape(-1, visual.shape[-1]).to(embeds.dtype)
+        return embeds                                                   # [1, L, hidden]
+
+    def positions(self, prepared: Prepared, start: int, length: int):
+        return None                  # plain 1-D RoPE: the model counts from the cache length
+
+    # ------------------------------------------------------------ pieces
+    def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[F, 3, S, S]`` uint8 → ``[F, P, hidden]`` projected visual embeddings."""
+        mean = torch.tensor(self.layout.image_mean, device=self.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.layout.image_std, device=self.device).view(1, 3, 1, 1)
+        out = []
+        with torch.inference_mode():
+            for chunk in pixels.split(self.vision_batch):
+                x = chunk.to(self.device, non_blocking=True).float().div_(255)
+                x = ((x - mean) / std).to(self.dtype)                    # [f, 3, S, S]
+                h = self.tower.embeddings(x)                             # [f, N, C]
+                h = _last_hidden(self.tower.encoder(inputs_embeds=h))    # layer select_layer
+                out.append(self.projector(h))                            # [f, P, hidden]
+        return torch.cat(out)
+
+    def _squash(self, frames: torch.Tensor) -> torch.Tensor:
+        """SigLIP preprocessing without aspect preservation: bicubic (antialiased, like PIL)
+        resize to S×S, rounded back to uint8 as the PIL path does."""
+        S = self.image_size
+        out = []
+        for chunk in frames.split(64):
+            x = chunk.to(self.device).permute(0, 3, 1, 2).float()     # [f, 3, H, W]
+            if x.shape[-2:] != (S, S):
+                x = nn.functional.interpolate(x, size=(S, S), mode="bicubic",
+                                              align_corners=False, antialias=True)
+            out.append(x.round_().clamp_(0, 255).to(torch.uint8))
+        return torch.cat(out)
+
+    def prompt_text(self, question: str) -> str:
+        msgs = [{"role": "user", "content": VIDEO_TOKEN + question}]
+        return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                  tokenize=False)
+
+    def _prompt_ids(self, question: str) -> tuple[list[int], list[int]]:
+        if not isinstance(question, str) or not question.strip():
+            raise InputError("the question is empty")
+        specials = set(self.tokenizer.all_special_tokens) | set(MEDIA_TOKENS) | {
+            "<|im_start|>", "<|im_end|>", "<|endoftext|>"}
+        bad = sorted(t for t in specials if t and t in question)
+        if bad:
+            raise InputError(f"the question contains special tokens {bad}")
+        ids = self.tokenizer(self.prompt_text(question), add_special_tokens=False)["input_ids"]
+        at = [i for i, t in enumerate(ids) if t == self.video_token_id]
+        if len(at) != 1:
+            raise ConfigError(f"the chat template produced {len(at)} {VIDEO_TOKEN} tokens")
+        return ids[:at[0]], ids[at[0] + 1:]
+
+
+ADAPTER = LongVILA
+
+
+# --------------------------------------------------------------------------- helpers
+def _truncate_tower(vision, select_layer: int):
+    """Keep the encoder layers up to VILA's ``hidden_states[select_layer]`` so the encoder's
+    own output is that feature (no layers run for nothing, no stack of all hidden states);
+    ``post_layernorm`` and the pooling head are never called."""
+    tower = getattr(vision, "vision_model", vision)   # older transformers nest the transformer
+    layers = tower.encoder.layers
+    n = len(layers)
+    keep = select_layer if select_layer >= 0 else n + 1 + select_layer
+    if not 0 <= keep <= n:
+        raise ConfigError(f"mm_vision_select_layer {select_layer} is outside a {n}-layer tower")
+    tower.encoder.layers = layers[:keep]
+    return tower
+
+
+def _last_hidden(out):
+    return out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+def _frames_tensor(video) -> torch.Tensor:
+    frames = getattr(video, "frames", video)
+    if not isinstance(frames, torch.Tensor):
+        import numpy as np
+        frames = torch.from_numpy(np.ascontiguousarray(frames))
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise VideoError(f"expected frames [T, H, W, 3], got shape {tuple(frames.shape)}")
+    if frames.shape[0] == 0:
+        raise VideoError("the video has no frames")
+    if frames.dtype != torch.uint8:
+        raise VideoError(f"expected uint8 RGB frames, got {frames.dtype}")
+    return frames
+
+
+def _as_list(x):
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _identity(model_id, revision, cfg):
+    from mminfer.patterns import ModelIdentity
+    return ModelIdentity(id=model_id, revision=revision, layers=cfg.num_hidden_layers,
+                         heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                         head_dim=getattr(cfg, "head_dim", None)
+                         or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _head_patterns(root: Path, patterns, identity):
+    from mminfer.patterns import HeadPatternConfig
+    if isinstance(patterns, HeadPatternConfig):
+        patterns.check(identity)
+        return patterns
+    if patterns is not None:
+        return HeadPatternConfig.load(Path(patterns), expect=identity)
+    local = root / PATTERNS_FILE
+    if local.is_file():
+        return HeadPatternConfig.load(local, expect=identity)
+    shape = (identity.layers, identity.heads, identity.kv_heads, identity.head_dim)
+    shipped = REPO_CONFIGS / SHIPPED_PATTERNS.get(shape, "-")
+    if shipped.is_file():
+        return HeadPatternConfig.load(shipped, expect=identity)
+    return HeadPatternConfig.default(identity)
+
+
+# --------------------------------------------------------------------------- benchmark LLM
+def longvila_7b_llm_config():
+    """Qwen2Config of LongVILA-7B-1M's language model (llm/config.json numbers), for
+    benchmarks that need the full-size LLM without downloading it."""
+    from transformers import Qwen2Config
+    return Qwen2Config(
+        vocab_size=151648, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",
+        max_position_embeddings=1048576, rms_norm_eps=1e-6, rope_theta=3.58e9,
+        tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
+        eos_token_id=151645, architectures=["Qwen2ForCausalLM"])
+
+
+def random_llm(config=None, *, dtype=None, device=None):
+    """``Qwen2ForCausalLM`` with random weights built directly on ``device`` (default: the
+    7B-1M config), its attention routed through our hook."""
+    from transformers import Qwen2ForCausalLM
+
+    from mminfer.models import hooks
+    config = config or longvila_7b_llm_config()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with device:
+        model = Qwen2ForCausalLM._from_config(config, dtype=dtype,
+                                              attn_implementation=hooks.register())
+    return model.eval()

@@ -1,0 +1,364 @@
+"""Qwen2.5-VL adapter: our own video preprocessing (no torchvision), the chat-template prompt,
+M-RoPE positions by the reference rule, and the ModalityIndex from the same token layout.
+
+Preprocessing follows qwen-vl-utils + Qwen2VLVideoProcessor numerically: ``smart_resize``
+(factor 28) under a per-frame pixel cap derived from a whole-video budget, bicubic resize with
+antialias rounded to uint8 levels, CLIP normalisation, an even frame count (last frame
+repeated), and patches in (t, h/2, w/2, 2, 2) order with features (C, T, 14, 14).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from mminfer.errors import ConfigError, InputError, VideoError
+from mminfer.models.base import Adapter, PrepareOptions, Prepared, resolve_checkpoint
+
+# qwen-vl-utils defaults (video): pixels per frame and for the whole video.
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
+FRAME_FACTOR = 2
+MAX_RATIO = 200
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+SYSTEM = "You are a helpful assistant."
+RESIZE_CHUNK = 16     # frames resized at once: bounds the float copy of a long video
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PATTERNS_FILE = "mminfer_patterns.json"
+# The real 7B shape -> its shipped head-pattern config.
+SHIPPED_PATTERNS = {(28, 28, 4, 128): "qwen2_5_vl_7b.json"}   # (layers, heads, kv, dim)
+
+
+# ---------------------------------------------------------------------- resize numerics
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = VIDEO_MIN_PIXELS,
+                 max_pixels: int = VIDEO_MAX_PIXELS) -> tuple[int, int]:
+    """Both sides multiples of ``factor``, area within [min_pixels, max_pixels], aspect ratio
+    kept as closely as possible (qwen-vl-utils ``smart_resize``)."""
+    if min(height, width) <= 0:
+        raise VideoError(f"frame size {width}x{height} is empty")
+    if max(height, width) / min(height, width) > MAX_RATIO:
+        raise VideoError(f"frame aspect ratio {width}x{height} is beyond {MAX_RATIO}:1")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def frame_pixel_range(n_frames: int, min_pixels: int | None = None,
+                      max_pixels: int | None = None,
+                      total_pixels: int | None = None) -> tuple[int, int]:
+    """Per-frame (min, max) pixels: the whole-video budget spread over the frames (two frames
+    make one temporal patch), capped at 768 tokens per frame and never below 1.05 x min."""
+    lo = VIDEO_MIN_PIXELS if min_pixels is None else min_pixels
+    total = VIDEO_TOTAL_PIXELS if total_pixels is None else total_pixels
+    hi = max(min(VIDEO_MAX_PIXELS, total / max(n_frames, 1) * FRAME_FACTOR), int(lo * 1.05))
+    if max_pixels is not None:
+        hi = min(hi, max_pixels)
+    return lo, int(hi)
+
+
+def resize_frames(frames, height: int, width: int):
+    """uint8 ``[T, H, W, 3]`` -> float ``[T, 3, height, width]`` on uint8 levels (0..255,
+    rounded), bicubic with antialias as torchvision does for the uint8 tensors qwen-vl-utils
+    resizes."""
+    import torch
+    x = frames.permute(0, 3, 1, 2).float()                          # [T, 3, H, W]
+    if x.shape[-2:] != (height, width):
+        x = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic",
+                                            align_corners=False, antialias=True)
+    return x.round_().clamp_(0, 255)
+
+
+def patchify(x, patch: int = 14, temporal: int = 2, merge: int = 2):
+    """Normalised frames ``[T, C, H, W]`` (T a multiple of ``temporal``) -> patches
+    ``[t*h*w, C*temporal*patch*patch]`` in (t, h/merge, w/merge, merge, merge) order."""
+    T, C, H, W = x.shape
+    t, h, w = T // temporal, H // patch, W // patch
+    x = x.reshape(t, temporal, C, h // merge, merge, patch, w // merge, merge, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)       # t, h/m, w/m, m, m, C, T, p, p
+    return x.reshape(t * h * w, C * temporal * patch * patch)
+
+
+def preprocess_video(frames, *, min_pixels=None, max_pixels=None, total_pixels=None,
+                     mean=CLIP_MEAN, std=CLIP_STD, patch: int = 14, temporal: int = 2,
+                     merge: int = 2, device="cpu", dtype=None):
+    """Decoded frames (uint8 ``[T, H, W, 3]``, numpy or torch) -> ``(pixel_values_videos
+    [t*h*w, 3*temporal*patch^2], grid_thw (t, h, w), n_frames_after_padding)``."""
+    import torch
+    frames = torch.as_tensor(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
+        raise VideoError(f"expected frames [T, H, W, 3], got {tuple(frames.shape)}")
+    T, H, W, _ = frames.shape
+    lo, hi = frame_pixel_range(T, min_pixels, max_pixels, total_pixels)
+    rh, rw = smart_resize(H, W, patch * merge, lo, hi)
+    T_pad = -(-T // temporal) * temporal
+    t, h, w = T_pad // temporal, rh // patch, rw // patch
+    dtype = dtype or torch.float32
+    out = torch.empty(t * h * w, 3 * temporal * patch * patch, dtype=dtype, device=device)
+    mean_t = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255.0
+    std_t = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255.0
+    rows = h * w
+    step = RESIZE_CHUNK - RESIZE_CHUNK % temporal
+    for s in range(0, T_pad, step):
+        idx = torch.arange(s, min(s + step, T_pad)).clamp_(max=T - 1)   # pads with the last frame
+        x = resize_frames(frames[idx].to(device), rh, rw)               # [n, 3, rh, rw]
+        x = (x - mean_t) / std_t
+        g0, g1 = s // temporal, (s + len(idx)) // temporal
+        out[g0 * rows:g1 * rows] = patchify(x, patch, temporal, merge).to(dtype)
+    return out, (t, h, w), T_pad
+
+
+# ---------------------------------------------------------------------- M-RoPE
+def mrope_positions(index, second_per_grid_ts, tokens_per_second: float):
+    """3-D positions ``[3, L]`` and ``rope_delta`` by the reference rule (Qwen training code,
+    vLLM): text runs count on from the current position; a video span starting at s puts
+    token (g, r, c) at (s + floor(g * second_per_grid_ts * tokens_per_second), s + r, s + c);
+    the text after it starts at max(vision positions) + 1. Decode token i is at
+    ``i + rope_delta`` on all three axes."""
+    import torch
+    L = index.n
+    pos = torch.empty(3, L, dtype=torch.long)
+    cur, k = 0, 0
+    for sp in index.spans:
+        a, b = sp.start, sp.end
+        if sp.modality == "text":
+            pos[:, a:b] = torch.arange(cur, cur + sp.length)
+            cur += sp.length
+            continue
+        t, gh, gw = sp.n_frames, sp.grid_h, sp.grid_w
+        if sp.modality == "video":
+            interval = float(second_per_grid_ts[k]) * tokens_per_second
+            k += 1
+        else:
+            interval = 1.0
+        tt = torch.floor(torch.arange(t, dtype=torch.float64) * interval).long()
+        pos[0, a:b] = (cur + tt).repeat_interleave(gh * gw)
+        pos[1, a:b] = (cur + torch.arange(gh)).repeat_interleave(gw).repeat(t)
+        pos[2, a:b] = (cur + torch.arange(gw)).repeat(t * gh)
+        cur = int(pos[:, a:b].max()) + 1
+    return pos, int(pos.max()) + 1 - L
+
+
+# ---------------------------------------------------------------------- the adapter
+class Qwen2_5_VLAdapter(Adapter):
+    name = "qwen2_5_vl"
+    sampling = "qwen"
+
+    def __init__(self, model, tokenizer, path, *, device="cpu", dtype=None, model_id=None,
+                 revision=None, video_defaults=None, mean=CLIP_MEAN, std=CLIP_STD):
+        import torch
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = Path(path)
+        self.device = torch.device(device)
+        self.dtype = dtype or next(model.parameters()).dtype
+        cfg = model.config
+        self.cfg, self.tcfg, self.vcfg = cfg, cfg.text_config, cfg.vision_config
+        self.text_model = model.model.language_model
+        self.lm_head = model.lm_head
+        self.video_token_id = int(cfg.video_token_id)
+        self.image_token_id = int(cfg.image_token_id)
+        self.max_context = int(self.tcfg.max_position_embeddings)
+        self.video_defaults = video_defaults or {}
+        self.mean, self.std = mean, std
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.identity = _identity(self.tcfg, model_id or self.path.resolve().name, revision)
+        self.patterns = None
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def accepts(cls, path) -> bool:
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            return False
+        try:
+            return json.loads(cfg.read_text()).get("model_type") == "qwen2_5_vl"
+        except (OSError, ValueError):
+            return False
+
+    @classmethod
+    def from_pretrained(cls, path, *, device=None, dtype=None, model_id=None, revision=None):
+        """Load a local checkpoint dir or hub id (HF_HUB_OFFLINE respected)."""
+        import torch
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+        from mminfer.models import hooks
+
+        path, rid, rrev = resolve_checkpoint(str(path))
+        model_id, revision = model_id or rid, revision or rrev
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        try:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                path, dtype=dtype,
+                attn_implementation={"text_config": hooks.register(), "vision_config": "sdpa"})
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load Qwen2.5-VL checkpoint {path}: {e}") from e
+        model.to(device).eval()
+        pre = _read_json(path / "preprocessor_config.json")
+        adapter = cls(model, tokenizer, path, device=device, dtype=dtype, model_id=model_id,
+                      revision=revision, video_defaults=_video_defaults(path),
+                      mean=tuple(pre.get("image_mean", CLIP_MEAN)),
+                      std=tuple(pre.get("image_std", CLIP_STD)))
+        adapter.patterns = load_patterns(path, adapter.identity)
+        return adapter
+
+    # ---------------------------------------------------------------- per request
+    def prompt_ids(self, question: str, n_video_tokens: int) -> list[int]:
+        """Token ids of the chat-template layout with the single ``<|video_pad|>`` expanded to
+        ``n_video_tokens`` copies (what the HF processor does, without tokenizing 10^5 pads)."""
+        text = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+                f"<|vision_start|><|video_pad|><|vision_end|>{question}<|im_end|>\n"
+                f"<|im_start|>assistant\n")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        at = [i for i, x in enumerate(ids) if x == self.video_token_id]
+        if len(at) != 1:
+            raise InputError("the question must not contain the video placeholder token")
+        i = at[0]
+        return ids[:i] + [self.video_token_id] * n_video_tokens + ids[i + 1:]
+
+    def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
+        import torch
+        from mminfer.modality import ModalityIndex
+
+        opt = options or PrepareOptions()
+        pick = lambda v, key: v if v is not None else self.video_defaults.get(key)  # noqa: E731
+        v = self.vcfg
+        pixels, (t, h, w), n_frames = preprocess_video(
+            video.frames, min_pixels=pick(opt.min_pixels, "min_pixels"),
+            max_pixels=pick(opt.max_pixels, "max_pixels"),
+            total_pixels=pick(opt.total_pixels, "total_pixels"), mean=self.mean, std=self.std,
+            patch=v.patch_size, temporal=v.temporal_patch_size, merge=v.spatial_merge_size,
+            device=self.device, dtype=self.dtype)
+        merge = v.spatial_merge_size
+        n_video = t * (h // merge) * (w // merge)
+        ids = self.prompt_ids(question, n_video)
+        grid = torch.tensor([[t, h, w]], dtype=torch.long)
+        index = ModalityIndex.qwen2_5_vl(ids, grid, video_token_id=self.video_token_id,
+                                         image_token_id=self.image_token_id,
+                                         spatial_merge_size=merge)
+        fps = float(video.sampled_fps)
+        if not fps > 0:
+            raise VideoError(f"sampled fps {fps} is not positive")
+        sgt = [v.temporal_patch_size / fps]
+        pos, delta = mrope_positions(index, sgt, float(v.tokens_per_second))
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        return Prepared(
+            input_ids=input_ids, index=index, n_frames=n_frames, visual_tokens=n_video,
+            text_tokens=len(ids) - n_video,
+            tensors={"pixel_values_videos": pixels, "video_grid_thw": grid.to(self.device),
+                     "second_per_grid_ts": sgt, "position_ids": pos[:, None].to(self.device),
+                     "rope_delta": delta,
+                     "mm_token_type_ids": (input_ids == self.video_token_id).long() * 2,
+                     "resized": (h * v.patch_size, w * v.patch_size)})
+
+    def embed(self, prepared: Prepared):
+        import torch
+        ids = prepared.input_ids
+        embeds = self.text_model.get_input_embeddings()(ids)              # [1, L, hidden]
+        tens = prepared.tensors
+        out = self.model.model.get_video_features(tens["pixel_values_videos"],
+                                                  tens["video_grid_thw"])
+        feats = getattr(out, "pooler_output", out)   # 5.x output object; older: tuple/tensor
+        if isinstance(feats, (tuple, list)):
+            feats = torch.cat(list(feats), 0)
+        mask = (ids == self.video_token_id).unsqueeze(-1)                 # [1, L, 1]
+        if feats.shape[0] != prepared.visual_tokens:
+            raise ConfigError(f"vision tower gave {feats.shape[0]} embeddings for "
+                              f"{prepared.visual_tokens} video tokens")
+        return embeds.masked_scatter(mask, feats.to(embeds.dtype))
+
+    def positions(self, prepared: Prepared, start: int, length: int):
+        import torch
+        L = prepared.input_ids.shape[1]
+        if start == 0 and length == L:
+            return prepared.tensors["position_ids"]                       # [3, 1, L]
+        p = torch.arange(start, start + length, device=self.device) + prepared.tensors["rope_delta"]
+        return p.view(1, 1, -1).expand(3, 1, -1)
+
+
+ADAPTER = Qwen2_5_VLAdapter
+
+
+# ---------------------------------------------------------------------- helpers
+def _read_json(p: Path) -> dict:
+    try:
+        return json.loads(p.read_text()) if p.is_file() else {}
+    except ValueError as e:
+        raise ConfigError(f"{p} is not valid JSON: {e}") from e
+
+
+def _video_defaults(path: Path) -> dict:
+    """Per-frame pixel range a checkpoint asks for in ``video_preprocessor_config.json``.
+    The hub Qwen2.5-VL repos have none, so they get qwen-vl-utils' defaults; their image
+    ``preprocessor_config.json`` range is deliberately not used (it would keep 1080p frames
+    at full size)."""
+    cfg = _read_json(path / "video_preprocessor_config.json")
+    size = cfg.get("size") or {}
+    out = {"min_pixels": size.get("shortest_edge", cfg.get("min_pixels")),
+           "max_pixels": size.get("longest_edge", cfg.get("max_pixels")),
+           "total_pixels": cfg.get("total_pixels")}
+    return {k: int(v) for k, v in out.items() if v is not None}
+
+
+def _eos_ids(model, tokenizer) -> tuple:
+    ids = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    for tok in ("<|im_end|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(tok)
+        if i is not None and i != tokenizer.unk_token_id:
+            ids.add(i)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(int(i) for i in ids if i is not None))
+
+
+def _identity(tcfg, model_id: str, revision):
+    from mminfer.patterns import ModelIdentity
+    heads = tcfg.num_attention_heads
+    head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
+    return ModelIdentity(id=model_id, revision=revision or "local",
+                         layers=tcfg.num_hidden_layers, heads=heads,
+                         kv_heads=tcfg.num_key_value_heads, head_dim=head_dim)
+
+
+def load_patterns(path: Path, identity):
+    """Head patterns for this checkpoint: ``mminfer_patterns.json`` next to it (identity
+    checked in full), else the shipped config of its shape (the real 7B: checked on the
+    shape, so a local copy or a same-shape fine-tune under another name still gets it), else
+    an uncalibrated default for its shape."""
+    from dataclasses import replace
+    from mminfer import patterns
+    local = Path(path) / PATTERNS_FILE
+    if local.is_file():
+        return patterns.HeadPatternConfig.load(local, expect=identity)
+    shape = (identity.layers, identity.heads, identity.kv_heads, identity.head_dim)
+    name = SHIPPED_PATTERNS.get(shape)
+    if name and (REPO_CONFIGS / name).is_file():
+        shipped = json.loads((REPO_CONFIGS / name).read_text()).get("model", {})
+        expect = replace(identity, id=shipped.get("id", identity.id),
+                         revision=shipped.get("revision", identity.revision))
+        return patterns.HeadPatternConfig.load(REPO_CONFIGS / name, expect=expect)
+    return default_patterns(identity)
+
+
+def default_patterns(identity):
+    """Uncalibrated default: every head vertical-slash with the default budget (the pattern
+    that assumes the least about a head)."""
+    from mminfer import patterns
+    return patterns.HeadPatternConfig.uniform(
+        identity, patterns.HeadPattern.single(patterns.vertical_slash()), uncalibrated=True,
+        provenance=patterns.provenance(how="generated default, not calibrated"))

@@ -1,0 +1,497 @@
+"""Video decoding and frame sampling.
+
+decord is the first backend (fast random access with ``get_batch``); PyAV is the fallback
+when decord is missing or cannot read the file. Only the sampled frames are converted to
+RGB, and neither backend decodes the whole file when the samples are sparse (decord seeks
+per batch; the PyAV reader seeks when the next sample is far ahead).
+
+Two samplers:
+  * ``qwen``: qwen-vl-utils 0.0.14 (``smart_nframes`` + ``torch.linspace(s, e, n).round()``),
+    what Qwen2.5-VL was trained with.
+  * ``uniform``: LongVILA / VILA (``np.linspace(0, total - 1, n)`` truncated to int).
+
+Every failure a user can cause comes out as ``VideoError`` with a message that says what is
+wrong with the file or the arguments; backend exceptions never reach the caller.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from mminfer.errors import VideoError
+
+FRAME_FACTOR = 2  # Qwen2.5-VL merges frames in temporal pairs
+BACKENDS = ("decord", "pyav")
+SAMPLINGS = ("qwen", "uniform")
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    path: str
+    frames: int
+    fps: float
+    duration: float  # seconds, frames / fps
+    width: int
+    height: int
+    codec: str
+    backend: str
+
+
+@dataclass
+class DecodedVideo:
+    frames: np.ndarray  # [T, H, W, 3] uint8 RGB
+    timestamps: np.ndarray  # [T] float64, presentation time of each sampled frame, seconds
+    indices: np.ndarray  # [T] int64, source frame index of each sampled frame
+    fps: float  # source frame rate
+    sampled_fps: float  # T / (frames in the window) * fps, as qwen-vl-utils reports it
+    duration: float  # source duration, seconds
+    width: int
+    height: int
+    backend: str
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frames)
+
+    def processor_metadata(self) -> dict:
+        # Without this the HF Qwen2-VL video processor assumes 24 fps and the temporal
+        # M-RoPE positions collapse (research/models.md §2.1).
+        return {"fps": self.sampled_fps, "total_num_frames": self.num_frames,
+                "frames_indices": list(range(self.num_frames))}
+
+
+# ---------------------------------------------------------------------------- sampling
+
+def _floor2(x: float) -> int:
+    return math.floor(x / FRAME_FACTOR) * FRAME_FACTOR
+
+
+def _ceil2(x: float) -> int:
+    return math.ceil(x / FRAME_FACTOR) * FRAME_FACTOR
+
+
+def _round2(x: float) -> int:
+    return round(x / FRAME_FACTOR) * FRAME_FACTOR  # Python round: half to even, like qwen
+
+
+def _torch_linspace_round(start: int, end: int, n: int) -> np.ndarray:
+    """``torch.linspace(start, end, n).round()`` bit for bit, without importing torch.
+
+    torch computes in float32, the first half as start + step*i and the second half as
+    end - step*(n-1-i), with a fused multiply-add on CPU; float64 numpy.linspace rounds
+    differently at .5 ties for long videos, which would shift frames by one.
+    """
+    a, b = np.float32(start), np.float32(end)
+    if n == 1:
+        return np.array([round(float(a))], dtype=np.int64)
+    step = np.float32((b - a) / np.float32(n - 1))
+    i = np.arange(n, dtype=np.float64)
+    lo = (np.float64(a) + np.float64(step) * i).astype(np.float32)  # fma: one rounding
+    hi = (np.float64(b) - np.float64(step) * (n - 1 - i)).astype(np.float32)
+    vals = np.where(np.arange(n) < n // 2, lo, hi)
+    return np.round(vals).astype(np.int64)
+
+
+def frame_range(total: int, video_fps: float, start: float | None = None,
+                end: float | None = None) -> tuple[int, int]:
+    """Inclusive [first, last] source frames of the window [start, end) in seconds, as
+    qwen-vl-utils' ``calculate_video_frame_range`` computes them."""
+    if start is None and end is None:
+        return 0, total - 1
+    duration = total / video_fps
+    first = math.ceil(max(0.0, min(start, duration)) * video_fps) if start is not None else 0
+    last = total - 1
+    if end is not None:
+        last = min(math.floor(max(0.0, min(end, duration)) * video_fps), total - 1)
+    if first >= last:
+        raise VideoError(
+            f"the time window start={start} end={end} selects fewer than 2 frames of a "
+            f"{duration:.2f} s video", start=start, end=end, duration=duration)
+    return first, last
+
+
+def qwen_nframes(total: int, video_fps: float, *, fps: float = 2.0, min_frames: int = 4,
+                 max_frames: int = 768, num_frames: int | None = None) -> int:
+    """qwen-vl-utils ``smart_nframes`` for ``total`` frames at ``video_fps``.
+
+    Where qwen-vl-utils would raise (fewer than 2 frames available, or ``num_frames`` over
+    the total) this clamps to what the video holds, with a floor of 2 (one temporal pair:
+    a 1-frame video gives its frame twice, as the HF processor's padding would)."""
+    if num_frames is not None:
+        n = _round2(num_frames)
+        n = min(n, _floor2(total))
+    else:
+        lo = _ceil2(min_frames)
+        hi = _floor2(min(max_frames, total))
+        n = total / video_fps * fps
+        n = _floor2(min(min(max(n, lo), hi), total))
+    return max(n, FRAME_FACTOR)
+
+
+def sample_indices(total: int, video_fps: float, *, sampling: str = "qwen", fps: float = 2.0,
+                   max_frames: int = 768, min_frames: int = 4, num_frames: int | None = None,
+                   start: float | None = None, end: float | None = None) -> np.ndarray:
+    """Source frame indices to decode for a video of ``total`` frames at ``video_fps``."""
+    _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end)
+    if total < 1:
+        raise VideoError("the video contains no frames")
+    first, last = frame_range(total, video_fps, start, end)
+    window = last - first + 1
+    if sampling == "qwen":
+        n = qwen_nframes(window, video_fps, fps=fps, min_frames=min_frames,
+                         max_frames=max_frames, num_frames=num_frames)
+        return _torch_linspace_round(first, last, n)
+    # uniform (LongVILA): an explicit num_frames is honoured even beyond the window
+    # (frames repeat), as VILA's loader does; otherwise fps·duration within the limits.
+    if num_frames is None:
+        num_frames = min(max(math.floor(window / video_fps * fps), min_frames), max_frames, window)
+    return np.linspace(first, last, max(num_frames, 1)).astype(np.int64)
+
+
+def _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end) -> None:
+    def bad(msg, **kw):
+        raise VideoError(msg, **kw)
+
+    if sampling not in SAMPLINGS:
+        bad(f"unknown sampling {sampling!r}; use one of {', '.join(SAMPLINGS)}")
+    if not _is_real(fps) or not math.isfinite(fps) or fps <= 0:
+        bad(f"fps must be a positive finite number, got {fps!r}", fps=repr(fps))
+    for name, v in (("max_frames", max_frames), ("min_frames", min_frames)):
+        if not _is_int(v) or v < 1:
+            bad(f"{name} must be an integer >= 1, got {v!r}", **{name: repr(v)})
+    if num_frames is not None and (not _is_int(num_frames) or num_frames < 1):
+        bad(f"num_frames must be an integer >= 1, got {num_frames!r}")
+    for name, v in (("start", start), ("end", end)):
+        if v is not None and (not _is_real(v) or not math.isfinite(v) or v < 0):
+            bad(f"{name} must be a finite number of seconds >= 0, got {v!r}")
+    if start is not None and end is not None and start >= end:
+        bad(f"start ({start} s) must be before end ({end} s)", start=start, end=end)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+# ----------------------------------------------------------------------- file checks
+
+# Magic numbers of still images ffmpeg would happily open as a one-frame "video".
+_IMAGE_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+)
+
+
+def _sniff(head: bytes) -> str | None:
+    for magic, kind in _IMAGE_MAGIC:
+        if head.startswith(magic):
+            return kind
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WEBP"
+    if head[4:8] == b"ftyp":
+        return "mp4"
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "matroska"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if all(c.isprintable() or c in "\r\n\t" for c in text):
+        return "text"
+    return None
+
+
+def _check_file(path: str) -> str | None:
+    """Raise for what can be told without a demuxer; return the sniffed kind."""
+    if not os.path.exists(path):
+        raise VideoError(f"video file not found: {path}", path=path)
+    if not os.path.isfile(path):
+        raise VideoError(f"not a regular file: {path}", path=path)
+    if os.path.getsize(path) == 0:
+        raise VideoError(f"video file is empty (0 bytes): {path}", path=path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise VideoError(f"cannot read {path}: {e.strerror or e}", path=path) from None
+    kind = _sniff(head)
+    if kind in ("PNG", "JPEG", "BMP", "TIFF", "WEBP"):
+        raise VideoError(f"{path} is a {kind} image, not a video; send it as an image",
+                         path=path, detected=kind)
+    if kind == "text":
+        raise VideoError(f"{path} is a text file, not a video", path=path, detected="text")
+    return kind
+
+
+def _probe_av(path: str, kind: str | None) -> dict | None:
+    """Container facts from the headers only (no decoding); None when PyAV is missing.
+
+    Raises VideoError for files that are not usable videos at all, whatever the backend."""
+    try:
+        import av
+    except ImportError:
+        return None
+    try:
+        container = av.open(path, metadata_errors="ignore")
+    except Exception as e:  # av.error.* (InvalidDataError, ...) and OSError
+        reason = getattr(e, "strerror", None) or type(e).__name__
+        if kind in ("mp4", "matroska"):
+            raise VideoError(f"{path} looks like {'an MP4' if kind == 'mp4' else 'a Matroska'}"
+                             f" file but cannot be opened: it is truncated or corrupt ({reason})",
+                             path=path) from None
+        raise VideoError(f"{path} is not a readable video file ({reason})", path=path) from None
+    with container:
+        fmt = container.format.name
+        if fmt.endswith("_pipe") or fmt == "image2":  # ffmpeg's still-image demuxers
+            raise VideoError(f"{path} is a still image ({fmt}), not a video", path=path)
+        if not container.streams.video:
+            what = "audio only" if container.streams.audio else "no streams"
+            raise VideoError(f"{path} has no video stream ({what})", path=path)
+        s = container.streams.video[0]
+        cc = s.codec_context
+        rate = s.average_rate or s.guessed_rate or s.base_rate
+        fps = float(rate) if rate else 0.0
+        start = float(s.start_time * s.time_base) if s.start_time is not None else 0.0
+        if s.duration is not None:
+            seconds = float(s.duration * s.time_base)
+        elif container.duration is not None:
+            seconds = container.duration / 1e6
+        else:
+            seconds = 0.0
+        frames = s.frames or (round(seconds * fps) if fps else 0)
+        return {"frames": int(frames), "fps": fps, "start": start, "width": cc.width,
+                "height": cc.height, "codec": cc.name, "format": fmt}
+
+
+# --------------------------------------------------------------------------- readers
+
+class _DecordReader:
+    name = "decord"
+
+    def __init__(self, path: str):
+        import decord
+
+        decord.logging.set_level(decord.logging.QUIET)
+        self.vr = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=0)
+        self.total = len(self.vr)
+        self.fps = float(self.vr.get_avg_fps())
+        if not (self.fps > 0 and math.isfinite(self.fps)):
+            raise RuntimeError("decord reports no frame rate")
+
+    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        idx = [int(i) for i in indices]
+        frames = self.vr.get_batch(idx).asnumpy()
+        ts = self.vr.get_frame_timestamp(idx)[:, 0]
+        t0 = self.vr.get_frame_timestamp([0])[0, 0]
+        return frames, np.asarray(ts - t0, dtype=np.float64)
+
+    def close(self):
+        self.vr = None
+
+
+class _PyAVReader:
+    name = "pyav"
+
+    def __init__(self, path: str, facts: dict):
+        import av
+
+        self.av = av
+        self.path = path
+        self.total, self.fps, self.start = facts["frames"], facts["fps"], facts["start"]
+        if not self.fps > 0:
+            raise VideoError(f"{path}: the video stream has no frame rate", path=path)
+        if self.total < 1:
+            self.total = self._count_packets()
+        self.container = av.open(path, metadata_errors="ignore")
+        self.stream = self.container.streams.video[0]
+        self.stream.thread_type = "AUTO"
+
+    def _count_packets(self) -> int:
+        # Some containers (e.g. Matroska) carry no frame count; demuxing reads packet
+        # headers only, far cheaper than decoding.
+        with self.av.open(self.path, metadata_errors="ignore") as c:
+            try:
+                return sum(1 for p in c.demux(video=0) if p.size)
+            except self.av.error.FFmpegError:
+                return 0
+
+    def _index(self, frame) -> int:
+        return round((frame.time - self.start) * self.fps)
+
+    def _frames_from(self, target: int | None):
+        """Decoded frames from the keyframe at or before ``target`` (from the start when
+        None), skipping packets the decoder rejects instead of giving up on the file."""
+        seconds = self.start + target / self.fps if target else 0.0
+        offset = int(seconds / self.stream.time_base) if target else 0
+        self.container.seek(offset, stream=self.stream, backward=True, any_frame=False)
+        demux = self.container.demux(self.stream)
+        while True:
+            try:
+                packet = next(demux)
+            except StopIteration:
+                return
+            except self.av.error.FFmpegError:
+                return  # unreadable data from here on: truncated
+            try:
+                frames = packet.decode()
+            except self.av.error.FFmpegError:
+                continue
+            yield from frames
+
+    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        targets = sorted(set(int(i) for i in indices))
+        got: dict[int, tuple[np.ndarray, float]] = {}
+        last_index, last = -1, None
+        seek_gap = max(32, int(2 * self.fps))  # beyond this, seeking beats decoding through
+        pos, sequential = 0, False
+        while pos < len(targets):
+            # Seek to the next target; containers without an index (MPEG-TS) can land
+            # after it or mid-GOP with nothing decodable, so then fall back to one
+            # sequential pass from the start.
+            progressed, first = False, True
+            for frame in self._frames_from(None if sequential else targets[pos]):
+                if frame.time is None:
+                    continue
+                i = self._index(frame)
+                if first and not sequential and i > targets[pos]:
+                    break  # overshot
+                first = False
+                if i < targets[pos]:
+                    continue
+                progressed = True
+                rgb = frame.to_ndarray(format="rgb24")
+                last_index, last = i, (rgb, frame.time - self.start)
+                while pos < len(targets) and targets[pos] <= i:
+                    got[targets[pos]] = last
+                    pos += 1
+                if pos == len(targets) or (not sequential and targets[pos] - i > seek_gap):
+                    break
+            if sequential:
+                break
+            if not progressed:
+                sequential = True
+        if not got:
+            raise VideoError(f"{self.path} contains no decodable video frames "
+                             f"(the video data is truncated or corrupt)", path=self.path)
+        if pos < len(targets):
+            # A frame count taken from the container duration can overshoot by a frame or
+            # two; further than that, the data ends early: the file is truncated.
+            missing = targets[pos:]
+            if missing[-1] - last_index > max(2, self.total // 100):
+                raise VideoError(
+                    f"{self.path} is truncated or corrupt: decoding stopped at frame "
+                    f"{last_index} of {self.total}", path=self.path)
+            for t in missing:
+                got[t] = last
+        frames = np.stack([got[int(i)][0] for i in indices])
+        ts = np.array([got[int(i)][1] for i in indices], dtype=np.float64)
+        return frames, ts
+
+    def close(self):
+        self.container.close()
+
+
+def _backend_order(backend: str | None) -> tuple[str, ...]:
+    if backend is None:
+        return BACKENDS
+    if backend not in BACKENDS:
+        raise VideoError(f"unknown video backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    return (backend,)
+
+
+def _with_reader(path, backend, fn):
+    """Run ``fn(reader, facts)`` with the first backend that opens and reads the file."""
+    path = os.fspath(path)
+    order = _backend_order(backend)
+    kind = _check_file(path)
+    facts = _probe_av(path, kind)
+    failures: list[tuple[str, str, BaseException]] = []
+    for name in order:
+        try:
+            if name == "decord":
+                reader = _DecordReader(path)
+            elif facts is None:
+                raise ImportError("PyAV (the av package) is not installed")
+            else:
+                reader = _PyAVReader(path, facts)
+        except ImportError as e:
+            failures.append((name, "missing", e))
+            continue
+        except Exception as e:  # decord raises DECORDError/RuntimeError on bad files
+            failures.append((name, "open", e))
+            continue
+        try:
+            return fn(reader, facts)
+        except VideoError:
+            raise
+        except Exception as e:
+            failures.append((name, "read", e))
+        finally:
+            reader.close()
+    raise _explain(path, failures)
+
+
+def _explain(path: str, failures) -> VideoError:
+    for _, _, e in failures:
+        if isinstance(e, VideoError):
+            return e
+    if all(stage == "missing" for _, stage, _ in failures):
+        names = " or ".join(n for n, _, _ in failures)
+        return VideoError(f"no video backend available: install {names}")
+    if any(stage == "read" for _, stage, _ in failures):
+        return VideoError(f"{path} is truncated or corrupt: its frames cannot be decoded",
+                          path=path)
+    return VideoError(f"{path} cannot be opened as a video (corrupt or unsupported format)",
+                      path=path)
+
+
+# ------------------------------------------------------------------------------ API
+
+def probe(path, *, backend: str | None = None) -> VideoInfo:
+    """Frame count, frame rate and size of a video, as the decoding backend sees them."""
+
+    def info(reader, facts):
+        if reader.total < 1:
+            raise VideoError(f"{path} contains no video frames", path=os.fspath(path))
+        if facts is not None:
+            w, h, codec = facts["width"], facts["height"], facts["codec"]
+        else:
+            h, w = reader.read(np.array([0]))[0].shape[1:3]
+            codec = "unknown"
+        return VideoInfo(os.fspath(path), reader.total, reader.fps, reader.total / reader.fps,
+                         int(w), int(h), codec, reader.name)
+
+    return _with_reader(path, backend, info)
+
+
+def decode(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: int = 768,
+           min_frames: int = 4, num_frames: int | None = None, start: float | None = None,
+           end: float | None = None, backend: str | None = None) -> DecodedVideo:
+    """Decode the sampled frames of a video (RGB uint8) with their timestamps.
+
+    ``start``/``end`` (seconds) restrict sampling to a window; ``num_frames`` overrides the
+    fps rule; ``backend`` forces "decord" or "pyav" (default: decord, then PyAV)."""
+    _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end)
+
+    def run(reader, facts):
+        idx = sample_indices(reader.total, reader.fps, sampling=sampling, fps=fps,
+                             max_frames=max_frames, min_frames=min_frames,
+                             num_frames=num_frames, start=start, end=end)
+        frames, ts = reader.read(idx)
+        if frames.ndim != 4 or frames.shape[0] != len(idx) or frames.shape[-1] != 3:
+            raise RuntimeError(f"backend returned frames of shape {frames.shape}")
+        first, last = frame_range(reader.total, reader.fps, start, end)
+        return DecodedVideo(
+            frames=np.ascontiguousarray(frames, dtype=np.uint8), timestamps=ts,
+            indices=idx, fps=reader.fps,
+            sampled_fps=len(idx) / (last - first + 1) * reader.fps,
+            duration=reader.total / reader.fps, width=int(frames.shape[2]),
+            height=int(frames.shape[1]), backend=reader.name)
+
+    return _with_reader(path, backend, run)

@@ -1,0 +1,225 @@
+"""LongVILA adapter on a tiny checkpoint in the real layout: loading, the projector's exact
+channel order, the token layout, dense and sparse answers, and the errors of a broken
+checkpoint."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mminfer.errors import ConfigError, InputError, VideoError
+from mminfer.models.longvila import LongVILA, space_to_depth_2x2, tokens_per_frame
+from mminfer.models.tiny_longvila import save_tiny_longvila
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_longvila(tmp_path_factory.mktemp("longvila") / "tiny-longvila")
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return LongVILA.from_pretrained(ckpt, device="cpu")
+
+
+def _frames(n=12, h=40, w=70, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, h, w, 3), dtype=torch.uint8, generator=g)
+
+
+def _logits(adapter, prepared):
+    with torch.inference_mode():
+        embeds = adapter.embed(prepared)
+        hidden = adapter.text_model(inputs_embeds=embeds).last_hidden_state
+        return adapter.lm_head(hidden).float()                       # [1, L, vocab]
+
+
+def test_layout_on_disk(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["model_type"] == "llava_llama" and cfg["mm_vision_select_layer"] == -2
+    assert json.loads((ckpt / "mm_projector" / "config.json").read_text())[
+        "mm_projector_type"] == "mlp_downsample"
+    from safetensors import safe_open
+    with safe_open(str(ckpt / "mm_projector" / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(f"layers.{i}.{p}" for i in (1, 2, 4)
+                                          for p in ("weight", "bias"))
+    assert LongVILA.accepts(ckpt) and not LongVILA.accepts(ckpt / "llm")
+
+
+def test_space_to_depth_order_by_hand():
+    # 3×3 grid, one channel: odd sides get a zero bottom row and right column; each merged
+    # cell lists (2i,2j), (2i,2j+1), (2i+1,2j), (2i+1,2j+1); cells row-major.
+    x = torch.arange(1.0, 10.0).view(1, 9, 1)
+    want = torch.tensor([[1, 2, 4, 5], [3, 0, 6, 0], [7, 8, 0, 0], [9, 0, 0, 0]],
+                        dtype=torch.float32)
+    assert torch.equal(space_to_depth_2x2(x)[0], want)
+    # even side, two channels: channel pairs stay together in the same order
+    x = torch.arange(32.0).view(1, 16, 2)                 # 4×4 grid, token t = (t//4, t%4)
+    cell = space_to_depth_2x2(x)[0, 1].view(4, 2)         # merged cell (0, 1)
+    assert torch.equal(cell[:, 0] / 2, torch.tensor([2.0, 3.0, 6.0, 7.0]))
+    assert tokens_per_frame(448, 14) == 256 and tokens_per_frame(384, 14) == 196
+
+
+def test_vision_features_are_hidden_states_minus_2(model, ckpt):
+    # The truncated tower must give what VILA reads: hidden_states[-2] of the full tower.
+    from transformers import SiglipVisionModel
+    full = SiglipVisionModel.from_pretrained(ckpt / "vision_tower").eval()
+    pixels = model._squash(_frames(3))
+    x = (pixels.float() / 255 - 0.5) / 0.5
+    with torch.inference_mode():
+        want = full(pixel_values=x, output_hidden_states=True).hidden_states[-2]
+        got = model.tower.encoder(inputs_embeds=model.tower.embeddings(x)).last_hidden_state
+    assert len(model.tower.encoder.layers) == full.config.num_hidden_layers - 1
+    torch.testing.assert_close(got, want)
+
+
+def test_token_layout_and_index(model):
+    prepared = model.prepare(_frames(12), "What moves?")
+    ids = prepared.input_ids[0]
+    F, P = 8, model.tokens_per_frame                       # config num_video_frames = 8
+    assert P == 4 and prepared.n_frames == F
+    (video,) = prepared.index.spans_of("video")
+    assert (video.frame_stride, video.grid_h, video.grid_w, video.separators) == (P + 1, 2, 2, 1)
+    assert video.length == F * (P + 1) == prepared.visual_tokens
+    assert prepared.index.n == ids.numel() == prepared.total_tokens
+    # the newline embeddings sit last in every frame, visual tokens everywhere else in the span
+    newline = [video.start + f * (P + 1) + P for f in range(F)]
+    span_ids = ids[video.start:video.end]
+    assert torch.nonzero(span_ids == model.newline_id).flatten().add(video.start).tolist() == newline
+    assert (span_ids == model.video_token_id).sum() == F * P
+    assert model.video_token_id not in ids[:video.start].tolist() + ids[video.end:].tolist()
+    # text before: the ChatML user turn up to <vila/video>; after: question + assistant turn
+    tok = model.tokenizer
+    assert tok.decode(ids[:video.start]).endswith("<|im_start|>user\n")
+    assert tok.decode(ids[video.end:]) == "What moves?<|im_end|>\n<|im_start|>assistant\n"
+    # the spliced embedding at a separator is the embedding of "\n"
+    embeds = model.embed(prepared)
+    table = model.text_model.get_input_embeddings().weight
+    assert torch.equal(embeds[0, newline[3]], table[model.newline_id])
+    assert not torch.equal(embeds[0, newline[3] - 1], table[0])
+
+
+def test_frame_count_override_and_short_video(ckpt, model):
+    assert model.prepare(_frames(3), "Why?").n_frames == 3          # fewer frames: all of them
+    adapter = LongVILA.from_pretrained(ckpt, device="cpu", num_frames=5)
+    assert adapter.prepare(_frames(12), "Why?").index.spans_of("video")[0].n_frames == 5
+
+
+def test_reload_and_reference_logits(ckpt, model):
+    """Two loads give identical logits, and they equal an independent assembly of the same
+    checkpoint from plain transformers pieces (full tower, VILA's reshape order, sdpa)."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM, SiglipVisionModel
+
+    prepared = model.prepare(_frames(8, seed=1), "Which color?")
+    got = _logits(model, prepared)
+    again = LongVILA.from_pretrained(ckpt, device="cpu")
+    assert torch.equal(_logits(again, prepared), got)
+
+    llm = Qwen2ForCausalLM.from_pretrained(ckpt / "llm", attn_implementation="sdpa").eval()
+    tower = SiglipVisionModel.from_pretrained(ckpt / "vision_tower").eval()
+    w = load_file(str(ckpt / "mm_projector" / "model.safetensors"))
+    x = (prepared.tensors["pixels"].float() / 255 - 0.5) / 0.5
+    with torch.inference_mode():
+        feats = tower(pixel_values=x, output_hidden_states=True).hidden_states[-2]  # [F, 16, C]
+        n, _, c = feats.shape
+        # VILA's flat_square, transcribed: pair columns, transpose, pair rows, transpose back
+        g = feats.view(n, 4, 2, 2 * c).permute(0, 2, 1, 3).reshape(n, 2, 2, 4 * c)
+        g = g.permute(0, 2, 1, 3).reshape(n, 4, 4 * c)
+        g = torch.nn.functional.layer_norm(g, (4 * c,), w["layers.1.weight"], w["layers.1.bias"])
+        g = torch.nn.functional.gelu(g @ w["layers.2.weight"].T + w["layers.2.bias"])
+        vis = g @ w["layers.4.weight"].T + w["layers.4.bias"]                        # [F, 4, H]
+        rows = torch.cat([vis, llm.model.embed_tokens.weight[model.newline_id].expand(n, 1, -1)],
+                         dim=1).reshape(-1, vis.shape[-1])
+        (video,) = prepared.index.spans_of("video")
+        ids = prepared.input_ids
+        embeds = torch.cat([llm.model.embed_tokens(ids[:, :video.start]), rows[None],
+                            llm.model.embed_tokens(ids[:, video.end:])], dim=1)
+        want = llm(inputs_embeds=embeds).logits.float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_answer_matches_transformers_generate(model):
+    prepared = model.prepare(_frames(8, seed=2), "What happens at the end?")
+    out = model.generate(prepared, max_new_tokens=6)
+    assert out.prefill_tokens == prepared.index.n
+    with torch.inference_mode():
+        ref = model.llm.generate(inputs_embeds=model.embed(prepared),
+                                 attention_mask=torch.ones_like(prepared.input_ids),
+                                 max_new_tokens=6, do_sample=False,
+                                 eos_token_id=list(model.eos_token_ids),
+                                 pad_token_id=model.eos_token_ids[0])
+    assert out.token_ids == ref[0].tolist()[:len(out.token_ids)]
+    assert isinstance(out.text, str)
+
+
+def test_bad_requests(model):
+    with pytest.raises(InputError):
+        model.prepare(_frames(4), "   ")
+    with pytest.raises(InputError, match="special tokens"):
+        model.prepare(_frames(4), "<|im_end|>now")
+    with pytest.raises(VideoError):
+        model.prepare(torch.zeros(0, 8, 8, 3, dtype=torch.uint8), "Why?")
+    with pytest.raises(VideoError):
+        model.prepare(torch.zeros(2, 8, 8, dtype=torch.uint8), "Why?")
+
+
+def _broken(ckpt, tmp_path, edit):
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    edit(bad)
+    return bad
+
+
+def _set_json(path, **kv):
+    d = json.loads(path.read_text())
+    d.update(kv)
+    path.write_text(json.dumps(d))
+
+
+def _plain_llama(path):
+    d = json.loads(path.read_text())
+    d.pop("llm_cfg")
+    path.write_text(json.dumps({**d, "model_type": "llama"}))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda p: shutil.rmtree(p / "mm_projector"), "no mm_projector/ subfolder"),
+    (lambda p: shutil.rmtree(p / "vision_tower"), "no vision_tower/ subfolder"),
+    (lambda p: _set_json(p / "mm_projector" / "config.json", mm_projector_type="mlp2x_gelu"),
+     "unknown LongVILA projector type 'mlp2x_gelu'"),
+    (lambda p: _plain_llama(p / "config.json"), "not a VILA/LongVILA config"),
+    (lambda p: (p / "mm_projector" / "model.safetensors").unlink(), "no projector weights"),
+])
+def test_broken_checkpoints(ckpt, tmp_path, edit, message):
+    bad = _broken(ckpt, tmp_path, edit)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LongVILA.from_pretrained(bad, device="cpu")
+
+
+def test_hub_id_from_the_offline_cache(ckpt, tmp_path, monkeypatch):
+    """A hub id resolves through snapshot_download, offline from the local cache; a missing
+    repo is a ConfigError, not a network hang."""
+    from huggingface_hub import constants
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--Owner--tiny-longvila"
+    shutil.copytree(ckpt, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    adapter = LongVILA.from_pretrained("Owner/tiny-longvila", device="cpu")
+    assert adapter.identity.id == "Owner/tiny-longvila" and adapter.identity.revision == commit
+    with pytest.raises(ConfigError, match="not available locally"):
+        LongVILA.from_pretrained("Owner/absent", device="cpu")
+
+
+def test_full_size_llm_config():
+    from mminfer.models.longvila import longvila_7b_llm_config
+    cfg = longvila_7b_llm_config()
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size) == \
+        (28, 3584, 28, 4, 18944, 151648)
+    assert cfg.rope_parameters["rope_theta"] == pytest.approx(3.58e9)
+    assert cfg.hidden_size // cfg.num_attention_heads == 128
