@@ -186,7 +186,7 @@ def flex_mask(kind, prm, n, device, kb=None):
 
 
 # ----------------------------------------------------------------------------- main
-def run(lengths, densities, patterns, out_dir, tune, rep):
+def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.json"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
     dev = torch.device("cuda")
@@ -240,12 +240,11 @@ def run(lengths, densities, patterns, out_dir, tune, rep):
                 den = plan.density()
                 configs = [None]
                 if tune:
-                    configs = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-                               for bn, w, st in ((64, 4, 3), (64, 8, 3), (128, 8, 3), (64, 8, 4),
-                                                 (128, 8, 2), (32, 4, 3))]
-                    if pat == "block":
-                        configs = [{"num_warps": w, "num_stages": st} for w, st in
-                                   ((4, 3), (8, 3), (8, 2), (8, 4))]
+                    # run 1 (2026-11-29) found BLOCK_N 128 / stages 4 out of shared memory
+                    # and 64/8 warps/3 stages best; now: full-tile fast path on and off
+                    configs = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "FAST": f}
+                               for bn, w, st, f in ((64, 8, 3, False), (64, 8, 3, True),
+                                                    (64, 8, 2, True), (64, 4, 2, True))]
                 out = torch.empty_like(q)
                 for cfg in configs:
                     try:
@@ -254,7 +253,6 @@ def run(lengths, densities, patterns, out_dir, tune, rep):
                     except Exception as e:
                         print(f"ours {pat} cfg={cfg} failed: {type(e).__name__}: {str(e)[:200]}")
                         continue
-                    bn = (cfg or {}).get("BLOCK_N", L.GPU_CONFIG["BLOCK_N"]) if pat != "block" else 128
                     phys_pairs = den["physical"]
                     rows.append({"n": n, "impl": "mminfer", "pattern": pat, "density": dens,
                                  "params": prm, "config": cfg or L.GPU_CONFIG, "ms": ms,
@@ -262,6 +260,7 @@ def run(lengths, densities, patterns, out_dir, tune, rep):
                                  "tflops": dense_f * phys_pairs / ms / 1e9,
                                  "vs_cudnn": dense.get("cudnn", float("nan")) / ms})
                     _print(rows[-1])
+                    _save(rows, out_dir, json_name)
                 if pat != "vertical_slash" and not tune:
                     try:
                         kb = specs[0].key_blocks if pat == "block" else None
@@ -297,9 +296,7 @@ def run(lengths, densities, patterns, out_dir, tune, rep):
                 torch.cuda.empty_cache()
         del q, k, v
         torch.cuda.empty_cache()
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
-        json.dump({"device": props.name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    _save(rows, out_dir, json_name)
     return rows
 
 
@@ -312,6 +309,13 @@ def _once(f):
     e.record()
     torch.cuda.synchronize()
     return s.elapsed_time(e)
+
+
+def _save(rows, out_dir, name):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "rows": rows}, f, indent=1)
 
 
 def _print(r):
@@ -334,7 +338,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     t0 = time.time()
-    run(a.lengths, a.densities, a.patterns, a.out, a.tune, a.rep)
+    run(a.lengths, a.densities, a.patterns, a.out, a.tune, a.rep,
+        "kernels_tune.json" if a.tune else f"kernels_{'_'.join(map(str, a.lengths))}.json")
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -25,7 +25,8 @@ def _interpret() -> bool:
 def _config(q, plan, family_name, config):
     cfg = dict(GPU_CONFIG if q.is_cuda and not _interpret() else CPU_CONFIG)
     cfg.update(config or {})
-    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], plan.block_m) if family_name != "block" else plan.block_n
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], plan.block_m, plan.block_n)
+    cfg.setdefault("FAST", True)
     return cfg
 
 
@@ -84,6 +85,7 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
         HEAD_D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=plan.block_m,
         BLOCK_N=cfg["BLOCK_N"], FAMILY=fl.family, KEY_GROUPED=plan.key_groups is not None,
         WRITE_LSE=write_lse, COUNT=count, IEEE=q.dtype == torch.float32,
+        BLOCK_K=plan.block_n, FAST=cfg["FAST"], DMASK=D != max(16, triton.next_power_of_2(D)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -46,8 +46,11 @@ def _key_ok(kvalid, kpos, KGb, kgroup, KEY_GROUPED: tl.constexpr):
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmask, qk_scale,
-            CAUSAL: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr):
-    """One key tile of the online softmax (base 2). Invalid logits are -inf before the max."""
+            CAUSAL: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr,
+            EVEN: tl.constexpr = False, DMASK: tl.constexpr = True):
+    """One key tile of the online softmax (base 2). Invalid logits are -inf before the max.
+    EVEN: every key of the tile is valid and no causal mask applies, so loads and logits go
+    unmasked (the bulk of the work: full tiles of near ranges, segments and columns)."""
     valid = kvalid[None, :]
     if CAUSAL:
         valid = valid & (kpos[None, :] <= qpos[:, None])
@@ -57,19 +60,28 @@ def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmas
         l_i += tl.sum(full.to(tl.float32), 1)
         m_i += 1.0
     else:
-        kv_mask = kvalid[:, None] & dmask[None, :]
-        k = tl.load(Kb + kpos[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if EVEN and not DMASK:
+            k = tl.load(Kb + kpos[:, None] * skn + offs_d[None, :])
+        else:
+            kv_mask = kvalid[:, None] & dmask[None, :]
+            k = tl.load(Kb + kpos[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(valid, qk * qk_scale, float("-inf"))
+        if EVEN:
+            qk = qk * qk_scale
+        else:
+            qk = tl.where(valid, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(Vb + kpos[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if EVEN and not DMASK:
+            v = tl.load(Vb + kpos[:, None] * svn + offs_d[None, :])
+        else:
+            v = tl.load(Vb + kpos[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -81,14 +93,15 @@ def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmas
 @triton.jit
 def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
           dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-          COUNT: tl.constexpr, IEEE: tl.constexpr):
+          COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr):
     """Keys [lo, r1): tiles entirely below r0 (<= every row) unmasked, the rest causal."""
     n_full = (r0 - lo) // BLOCK_N
     for t in range(0, n_full):
         kpos = lo + t * BLOCK_N + offs_n
         kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, False, COUNT, IEEE)
+                                offs_d, dmask, qk_scale, False, COUNT, IEEE,
+                                FAST and not KEY_GROUPED, DMASK)
     for start in range(lo + n_full * BLOCK_N, r1, BLOCK_N):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < r1, kpos, KGb, kgroup, KEY_GROUPED)
@@ -100,9 +113,18 @@ def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, off
 @triton.jit
 def _segment(acc, m_i, l_i, q, qpos, a, b, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
              dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-             COUNT: tl.constexpr, IEEE: tl.constexpr):
+             COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr):
     """Far keys [a, b), all below every row of the block: no causal mask."""
-    for start in range(a, b, BLOCK_N):
+    n_full = tl.maximum(b - a, 0) // BLOCK_N
+    if not FAST:
+        n_full = 0
+    for t in range(0, n_full):
+        kpos = a + t * BLOCK_N + offs_n
+        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                offs_d, dmask, qk_scale, False, COUNT, IEEE,
+                                not KEY_GROUPED, DMASK)
+    for start in range(a + n_full * BLOCK_N, b, BLOCK_N):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < b, kpos, KGb, kgroup, KEY_GROUPED)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
@@ -122,6 +144,7 @@ def _sparse_attn_fwd(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, FAMILY: tl.constexpr, KEY_GROUPED: tl.constexpr,
     WRITE_LSE: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr = 64, FAST: tl.constexpr = True, DMASK: tl.constexpr = True,
 ):
     pid_m = tl.program_id(0)
     pid_bs = tl.program_id(1)
@@ -192,18 +215,18 @@ def _sparse_attn_fwd(
         if is_rowline:
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, 0, r0 + 1, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, COUNT, IEEE)
+                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
         else:
             lo = tl.maximum(r0 - window, 0)
             if FAMILY == 0:
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE)
+                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
             if FAMILY == 1:
                 s_end = tl.minimum(sink, lo)
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE)
+                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
                 if (g_lines & 1) != 0:
                     # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
                     c_lo = tl.maximum(sink, g_start)
@@ -211,7 +234,16 @@ def _sparse_attn_fwd(
                     skip = tl.maximum(c_lo - g_start - g_phase, 0)
                     j0 = g_start + g_phase + ((skip + g_stride - 1) // g_stride) * g_stride
                     n_cols = tl.maximum((c_hi - j0 + g_stride - 1) // g_stride, 0)
-                    for t in range(0, tl.cdiv(n_cols, BLOCK_N)):
+                    n_cfull = n_cols // BLOCK_N
+                    if not FAST:
+                        n_cfull = 0
+                    for t in range(0, n_cfull):
+                        kpos = j0 + (t * BLOCK_N + offs_n) * g_stride
+                        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                                skn, svn, offs_d, dmask, qk_scale, False,
+                                                COUNT, IEEE, not KEY_GROUPED, DMASK)
+                    for t in range(n_cfull, tl.cdiv(n_cols, BLOCK_N)):
                         idx = t * BLOCK_N + offs_n
                         kpos = j0 + idx * g_stride
                         kvalid = _key_ok(idx < n_cols, kpos, KGb, kgroup, KEY_GROUPED)
@@ -255,16 +287,19 @@ def _sparse_attn_fwd(
             if FAMILY == 3:
                 bbase = BIdx + (slot_base * n_table + r) * nb_max
                 n_b = tl.load(BCnt + slot_base * n_table + r)
+                # Key blocks of BLOCK_K keys, visited as BLOCK_K // BLOCK_N tiles; only the
+                # last listed block can reach past lo.
                 for t in range(0, n_b):
                     c = tl.load(bbase + t)
-                    kpos = c * BLOCK_N + offs_n
-                    kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
-                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                            skn, svn, offs_d, dmask, qk_scale, False,
-                                            COUNT, IEEE)
+                    for sub in tl.static_range(BLOCK_K // BLOCK_N):
+                        kpos = c * BLOCK_K + sub * BLOCK_N + offs_n
+                        kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
+                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                                skn, svn, offs_d, dmask, qk_scale, False,
+                                                COUNT, IEEE)
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, COUNT, IEEE)
+                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
 
         if COUNT:
             res = l_i

@@ -50,7 +50,12 @@ def add_arguments(p: argparse.ArgumentParser):
 def run(args) -> int:
     if not args.model:
         raise MMInferError(NO_MODEL)
-    from mminfer.pipeline import Pipeline
+    from mminfer.pipeline import Pipeline, check_request
+    # bad arguments fail before the model loads
+    check_request(args.question, args.fps, args.max_frames, args.max_new_tokens, args.start,
+                  args.end, args.attention)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     pipe = Pipeline(args.model, attention=args.attention, device=args.device, dtype=args.dtype,
                     min_sparse_len=args.min_sparse_len)
     res = pipe.answer(args.video, args.question, fps=args.fps, max_frames=args.max_frames,

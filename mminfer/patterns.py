@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,13 +33,13 @@ QUERY_MODALITIES = ("text", "video", "image")
 LINES = ("rows", "cols", "both")
 
 # Budget fields of each kind, with their defaults. At 1M tokens with 128 x 64 tiles these
-# cost about: a_shape 0.8 %, vertical_slash 2-3 %, grid (frame stride 257) 2 %, block 2 %
-# of the causal triangle (configs/README.md says how that was checked).
+# cost about (physical tiles / causal triangle): a_shape 0.8 %, vertical_slash 2-3 %,
+# grid at LongVILA's frame stride 257 2.0 %, block 1.6 % (configs/README.md: how checked).
 _FIELDS: dict[str, dict[str, Any]] = {
     "a_shape": {"sink": 128, "window": 4096},
     "vertical_slash": {"n_vertical": 1024, "n_slash": 64, "window": 256, "sink": 64},
     "grid": {"lines": "both", "sink": 128, "window": 6144, "min_lift": 3.0, "fallback": None},
-    "block": {"top_k": 256, "window": 256},
+    "block": {"top_k": 128, "window": 256},
     "dense": {},
 }
 _ALL_FIELDS = ("kind", "sink", "window", "n_vertical", "n_slash", "lines", "min_lift",
@@ -269,6 +269,9 @@ class HeadPatternConfig:
     uncalibrated: bool = True
     provenance: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # Names of the head patterns in the file's table (canonical JSON -> name), kept so a
+    # loaded and saved file keeps its names.
+    names: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------------ access
     def layer(self, i: int) -> list:
@@ -290,9 +293,6 @@ class HeadPatternConfig:
     def uniform(cls, identity: ModelIdentity, head: HeadPattern, **kw) -> "HeadPatternConfig":
         return cls(identity, [[head] * identity.heads for _ in range(identity.layers)], **kw)
 
-    def with_provenance(self, **kw) -> "HeadPatternConfig":
-        return replace(self, provenance={**self.provenance, **kw})
-
     # ------------------------------------------------------------------ (de)serialise
     def to_dict(self) -> dict:
         names: dict[str, str] = {}     # canonical JSON of a head pattern -> its name
@@ -303,7 +303,9 @@ class HeadPatternConfig:
             for hp in row:
                 key = json.dumps(hp.to_dict(), sort_keys=True)
                 if key not in names:
-                    names[key] = _auto_name(hp, table)
+                    names[key] = self.names.get(key) or _auto_name(hp, table)
+                    if names[key] in table:
+                        names[key] = _auto_name(hp, table)
                     table[names[key]] = hp.to_dict()
                 ids.append(names[key])
             default = max(set(ids), key=ids.count)
@@ -360,7 +362,9 @@ class HeadPatternConfig:
             raise ConfigError(f"config has {len(rows)} layers but model.layers = "
                               f"{identity.layers}")
         layers = [_layer_row(row, i, table, identity.heads) for i, row in enumerate(rows)]
-        return cls(identity, layers, d["uncalibrated"], d["provenance"], d["schema_version"])
+        names = {json.dumps(hp.to_dict(), sort_keys=True): name for name, hp in table.items()}
+        return cls(identity, layers, d["uncalibrated"], d["provenance"], d["schema_version"],
+                   names)
 
     @classmethod
     def load(cls, path, expect: ModelIdentity | None = None) -> "HeadPatternConfig":
@@ -431,3 +435,54 @@ def _auto_name(hp: HeadPattern, table: dict) -> str:
 def provenance(**kw) -> dict:
     """Provenance with today's date (UTC) filled in."""
     return {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), **kw}
+
+
+# ---------------------------------------------------------------------- shipped defaults
+KNOWN_MODELS = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": ModelIdentity(
+        "Qwen/Qwen2.5-VL-7B-Instruct", "main", layers=28, heads=28, kv_heads=4, head_dim=128),
+    "Efficient-Large-Model/qwen2-7b-longvila-1M": ModelIdentity(
+        "Efficient-Large-Model/qwen2-7b-longvila-1M", "main", layers=28, heads=28, kv_heads=4,
+        head_dim=128),
+}
+
+
+def default_head_patterns() -> dict[str, HeadPattern]:
+    """The named head patterns of the uncalibrated configs (configs/README.md)."""
+    vs = vertical_slash()
+    return {
+        # Video rows: grid lines at the estimated stride/phase (vertical_slash when the lift
+        # is weak); text rows (the question): vertical_slash over everything before them.
+        "q_grid": HeadPattern("q", {"video": grid(fallback=vs), "image": grid(fallback=vs),
+                                    "text": vs}),
+        # Verticals split between text and visual keys (text keys are few but heavy).
+        "k_vs": HeadPattern("k", {"all": vs}),
+        "a_shape": HeadPattern("none", {"all": a_shape()}),
+        "vs": HeadPattern("none", {"all": vs}),
+    }
+
+
+def default_config(identity: ModelIdentity) -> HeadPatternConfig:
+    """An uncalibrated mix: the first two layers vertical_slash (their attention is broad and
+    local, little grid structure); elsewhere, per GQA group (7 heads for 28/4), one
+    K-boundary vertical_slash head, one A-shape head and the rest Q-boundary grid heads. ``mminfer
+    calibrate`` replaces it with measured choices."""
+    named = default_head_patterns()
+    group = identity.heads // identity.kv_heads
+    layers = []
+    for layer in range(identity.layers):
+        row = []
+        for h in range(identity.heads):
+            if layer < 2 or h % group == 0:
+                row.append(named["k_vs"])
+            elif group > 3 and h % group == 3:
+                row.append(named["a_shape"])
+            else:
+                row.append(named["q_grid"])
+        layers.append(row)
+    cfg = HeadPatternConfig(identity, layers, uncalibrated=True, provenance=provenance(
+        made_by="mminfer.patterns.default_config", calibration_inputs=[],
+        objective=None, budgets=None, device=None,
+        note="uncalibrated starting point; run `mminfer calibrate` to replace it"))
+    cfg.names = {json.dumps(hp.to_dict(), sort_keys=True): name for name, hp in named.items()}
+    return cfg

@@ -110,7 +110,7 @@ class Pipeline:
         from mminfer.timing import StageTimer
 
         mode = attention or self.attention
-        question = _check_request(question, fps, max_frames, max_new_tokens, start, end, mode)
+        question = check_request(question, fps, max_frames, max_new_tokens, start, end, mode)
         if mode == "sparse" and self.adapter.patterns is None:
             raise InputError(f"sparse attention needs head patterns; {self.model_id} has none")
         ad = self.adapter
@@ -150,10 +150,11 @@ class Pipeline:
                    "resized": list(resized) if resized else None},
             tokens={"total": n, "visual": prep.visual_tokens, "text": prep.text_tokens,
                     "generated": len(gen.token_ids)},
-            sparsity=_sparsity(ctx.densities), timings_ms=timings)
+            sparsity=_sparsity(ctx.densities, ad.patterns), timings_ms=timings)
 
 
-def _check_request(question, fps, max_frames, max_new_tokens, start, end, mode) -> str:
+def check_request(question, fps, max_frames, max_new_tokens, start, end, mode) -> str:
+    """Raise InputError for a request field that is wrong; return the stripped question."""
     if not isinstance(question, str) or not question.strip():
         raise InputError("the question is empty")
     try:
@@ -176,7 +177,7 @@ def _check_request(question, fps, max_frames, max_new_tokens, start, end, mode) 
     return question.strip()
 
 
-def _sparsity(plans: dict) -> dict | None:
+def _sparsity(plans: dict, patterns) -> dict | None:
     """Densities of the sparse layers (fractions of the causal triangle), read from the plans
     after the request so reading them never sits inside the timed prefill."""
     if not plans:
@@ -192,7 +193,8 @@ def _sparsity(plans: dict) -> dict | None:
             per_layer[layer] = float(d)
     out = {"mean_density": sum(per_layer.values()) / len(per_layer),
            "per_layer": [round(v, 6) for v in per_layer.values()],
-           "layers": list(per_layer)}
+           "layers": list(per_layer),
+           "uncalibrated": bool(getattr(patterns, "uncalibrated", True))}
     if tiles:
         out["mean_tile_density"] = sum(tiles.values()) / len(tiles)
     return out

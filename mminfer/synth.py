@@ -129,10 +129,13 @@ def _background(rng, h: int, w: int, neutral: bool) -> tuple[np.ndarray, str]:
     style = ("solid", "gradient", "noise")[rng.integers(3)]
     img = np.broadcast_to(base, (h, w, 3)).astype(np.float32)
     if style == "gradient":
-        other = pick()  # blends of two non-red colours can pass near red: keep it dim then
+        # saturation <= 0.55 keeps every channel >= 45 % of the brightest one, so no
+        # blend of two such colours reads as red either
+        other = pick()
         angle = rng.uniform(0, 2 * math.pi)
         yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-        t = (xx / max(w - 1, 1) - 0.5) * math.cos(angle) + (yy / max(h - 1, 1) - 0.5) * math.sin(angle)
+        t = ((xx / max(w - 1, 1) - 0.5) * math.cos(angle)
+             + (yy / max(h - 1, 1) - 0.5) * math.sin(angle))
         t = (t - t.min()) / max(float(t.max() - t.min()), 1e-6)
         img = base * (1 - t[..., None]) + other * t[..., None]
     elif style == "noise":
@@ -196,9 +199,8 @@ class _Shape:
     angle0: float
 
 
-def _distractors(rng, n_frames, h, w, *, neutral: bool, kinds=("circle", "rect", "triangle"),
-                 count: int | None = None, bg_value: float = 0.0) -> list[_Shape]:
-    n = int(rng.integers(2, 6)) if count is None else count
+def _distractors(rng, n_frames, h, w, *, neutral: bool, kinds, bg_value: float) -> list[_Shape]:
+    n = int(rng.integers(2, 6))
     shapes = []
     for _ in range(n):
         kind = kinds[rng.integers(len(kinds))]
@@ -216,13 +218,12 @@ def _distractors(rng, n_frames, h, w, *, neutral: bool, kinds=("circle", "rect",
     return shapes
 
 
-def _draw_scene(bg: np.ndarray, shapes: list[_Shape]) -> np.ndarray:
+def _draw_scene(bg: np.ndarray, shapes: list[_Shape], n_frames: int) -> np.ndarray:
     from PIL import Image, ImageDraw
 
     base = Image.fromarray(bg.astype(np.uint8))
     frames = []
-    n = len(shapes[0].x) if shapes else 0
-    for t in range(n):
+    for t in range(n_frames):
         im = base.copy()
         d = ImageDraw.Draw(im)
         for s in shapes:
@@ -277,7 +278,8 @@ def _segment_glyph(digit: str, h: int, thick: float) -> np.ndarray:
     d = ImageDraw.Draw(im)
     mid = H / 2
     segs = {
-        "a": (T, 0, W - T, T), "d": (T, H - T, W - T, H), "g": (T, mid - T / 2, W - T, mid + T / 2),
+        "a": (T, 0, W - T, T), "d": (T, H - T, W - T, H),
+        "g": (T, mid - T / 2, W - T, mid + T / 2),
         "f": (0, T / 2, T, mid), "b": (W - T, T / 2, W, mid),
         "e": (0, mid, T, H - T / 2), "c": (W - T, mid, W, H - T / 2),
     }
@@ -445,7 +447,7 @@ def needle(seed: int, n_frames: int = 20, height: int = 224, width: int = 224, *
     if not 10 <= number <= 99:
         raise ValueError(f"number must be two digits (10-99), got {number}")
     bg, shapes, meta = _scene(rng, n_frames, height, width)
-    frames = _draw_scene(bg, shapes)
+    frames = _draw_scene(bg, shapes, n_frames)
     idx, depth = _needle_span(rng, n_frames, needle_frames, depth)
     paint, box, desc = _text_stamp(rng, str(number), height, width, bg)
     for i in idx:
@@ -471,7 +473,7 @@ def colour(seed: int, n_frames: int = 20, height: int = 224, width: int = 224, *
     r = rng.uniform(0.09, 0.16) * min(height, width)
     x, y, path = _path(rng, n_frames, height, width, r)
     shapes.append(_Shape("circle", rgb, r, x, y, 0.0, 0.0))  # drawn last: always on top
-    frames = _draw_scene(bg, shapes)
+    frames = _draw_scene(bg, shapes, n_frames)
     meta.update(colour=name, rgb=list(rgb), radius=float(r), path=path,
                 centres=np.stack([x, y], 1).round(1).tolist())
     return Example("colour", frames, QUESTIONS["colour"], name, meta)
@@ -487,7 +489,7 @@ def count(seed: int, n_frames: int = 20, height: int = 224, width: int = 224, *,
     if not 1 <= k <= most:
         raise ValueError(f"count must be in [1, {most}] for {n_frames} frames, got {k}")
     bg, shapes, meta = _scene(rng, n_frames, height, width)
-    frames = _draw_scene(bg, shapes)
+    frames = _draw_scene(bg, shapes, n_frames)
     # k flashes with at least one ordinary frame between: choose k of n-k+1 slots and
     # spread them apart by their rank.
     slots = np.sort(rng.choice(n_frames - k + 1, size=k, replace=False))
@@ -495,7 +497,8 @@ def count(seed: int, n_frames: int = 20, height: int = 224, width: int = 224, *,
     for i in flashes:
         red = np.array([rng.uniform(200, 255), rng.uniform(0, 35), rng.uniform(0, 35)])
         shade = rng.uniform(0.92, 1.0, (height, 1, 1)) if rng.random() < 0.5 else 1.0
-        frames[i] = np.clip(np.broadcast_to(red, (height, width, 3)) * shade, 0, 255).astype(np.uint8)
+        flash = np.broadcast_to(red, (height, width, 3)) * shade
+        frames[i] = np.clip(flash, 0, 255).astype(np.uint8)
     meta.update(count=k, flash_frames=flashes)
     return Example("count", frames, QUESTIONS["count"], str(k), meta)
 
@@ -512,7 +515,7 @@ def order(seed: int, n_frames: int = 20, height: int = 224, width: int = 224, *,
     if a == b or not (10 <= a <= 99 and 10 <= b <= 99):
         raise ValueError(f"numbers must be two different two-digit numbers, got {numbers}")
     bg, shapes, meta = _scene(rng, n_frames, height, width)
-    frames = _draw_scene(bg, shapes)
+    frames = _draw_scene(bg, shapes, n_frames)
     l1, l2 = (int(v) for v in rng.integers(1, 3, size=2))
     while l1 + l2 + 1 > n_frames:  # short videos: shorten the runs
         l1, l2 = max(1, l1 - 1), max(1, l2 - (l1 == 1))

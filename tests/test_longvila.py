@@ -154,6 +154,62 @@ def test_dense_answer_matches_transformers_generate(model):
     assert isinstance(out.text, str)
 
 
+def _small_budget_row():
+    """One layer's heads: every pattern family, budgets far below the ~90-token prompt."""
+    from mminfer import patterns as P
+    return [P.HeadPattern.single(P.a_shape(sink=4, window=16)),
+            P.HeadPattern.single(P.vertical_slash(n_vertical=8, n_slash=4, window=16, sink=4)),
+            P.HeadPattern("q", {"video": P.grid(sink=4, window=16), "text": P.a_shape(4, 16)}),
+            P.HeadPattern.single(P.block(top_k=2, window=16))]
+
+
+def _sparse_ctx(prepared, rows, **kw):
+    from mminfer.models.hooks import PrefillContext
+    from mminfer.patterns import HeadPatternConfig
+    return PrefillContext(index=prepared.index, mode="auto", min_sparse_len=16, keep_plans=True,
+                          patterns=HeadPatternConfig(kw.pop("identity"), rows), **kw)
+
+
+def test_sparse_prefill_at_full_budget_matches_dense(model):
+    from mminfer.estimate import full_budget
+    from mminfer.models.hooks import prefill_context
+    prepared = model.prepare(_frames(4, seed=3), "Where does it go?")
+    n, layers = prepared.index.n, model.identity.layers
+    dense = _logits(model, prepared)
+    ctx = _sparse_ctx(prepared, [full_budget(_small_budget_row(), n)] * layers,
+                      identity=model.identity)
+    with prefill_context(ctx):
+        sparse = _logits(model, prepared)
+    assert sorted(ctx.densities) == list(range(layers))        # every layer went sparse
+    assert all(p.density()["logical"] == 1.0 for p in ctx.densities.values())
+    torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_answer(model):
+    prepared = model.prepare(_frames(4, seed=4), "Where does it go?")
+    ctx = _sparse_ctx(prepared, [_small_budget_row()] * model.identity.layers,
+                      identity=model.identity)
+    out = model.generate(prepared, max_new_tokens=3, ctx=ctx)
+    densities = [p.density()["logical"] for p in ctx.densities.values()]
+    assert len(densities) == model.identity.layers and all(0 < d < 0.9 for d in densities)
+    assert 1 <= len(out.token_ids) <= 3 and out.prefill_tokens == prepared.index.n
+
+
+def test_head_patterns_follow_the_model_identity(ckpt, model, tmp_path):
+    from dataclasses import replace
+    from mminfer.patterns import HeadPatternConfig
+    assert model.patterns.identity == model.identity            # generated for this shape
+    good = HeadPatternConfig(model.identity, [_small_budget_row()] * model.identity.layers)
+    path = tmp_path / "patterns.json"
+    good.save(path)
+    loaded = LongVILA.load(ckpt, device="cpu", model_id=model.identity.id,
+                           revision=model.identity.revision, patterns=path)
+    assert loaded.patterns.layer(1)[3].patterns["all"].top_k == 2
+    other = replace(good, identity=replace(model.identity, heads=8))
+    with pytest.raises(ConfigError, match="heads"):
+        LongVILA.load(ckpt, device="cpu", patterns=other)
+
+
 def test_bad_requests(model):
     with pytest.raises(InputError):
         model.prepare(_frames(4), "   ")
@@ -191,6 +247,9 @@ def _plain_llama(path):
      "unknown LongVILA projector type 'mlp2x_gelu'"),
     (lambda p: _plain_llama(p / "config.json"), "not a VILA/LongVILA config"),
     (lambda p: (p / "mm_projector" / "model.safetensors").unlink(), "no projector weights"),
+    (lambda p: (p / "llm" / "model.safetensors").unlink(),
+     "cannot load the LongVILA language model"),
+    (lambda p: _set_json(p / "config.json", mm_vision_select_layer=-9), "outside a 3-layer"),
 ])
 def test_broken_checkpoints(ckpt, tmp_path, edit, message):
     bad = _broken(ckpt, tmp_path, edit)

@@ -114,3 +114,21 @@ def test_checkpoint_choice_and_errors(ckpt, tmp_path, monkeypatch):
         Pipeline("nobody/no-such-model", device="cpu")
     with pytest.raises(ConfigError, match="attention"):
         Pipeline(str(ckpt), attention="fast")
+
+
+def test_sparse_and_dense_one_flag_apart(pipe, ckpt, mp4):
+    dense = pipe.answer(mp4, "where does the square move?", fps=4.0, max_new_tokens=4)
+    sparse = pipe.answer(mp4, "where does the square move?", fps=4.0, max_new_tokens=4,
+                         attention="sparse")
+    assert dense.attention == "dense" and sparse.attention == "sparse"
+    assert sparse.attention_requested == "sparse" and sparse.tokens == dense.tokens
+    # the default patterns' budgets cover every pair of a 40-token prompt: same answer
+    assert sparse.answer == dense.answer
+    s = sparse.sparsity
+    assert s["layers"] == [0, 1] and len(s["per_layer"]) == 2
+    assert s["mean_density"] == pytest.approx(1.0) and s["uncalibrated"] is True
+    assert sparse.timings_ms["index"] > 0 and dense.timings_ms["index"] == 0
+    # auto: sparse from min_sparse_len tokens on
+    auto = Pipeline(str(ckpt), device="cpu", min_sparse_len=16)
+    assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "sparse"
+    assert pipe.answer(mp4, "what?", max_new_tokens=2, attention="auto").attention == "dense"

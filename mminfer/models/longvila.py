@@ -252,7 +252,7 @@ class LongVILA(Adapter):
         self.num_frames = int(num_frames or layout.num_video_frames)
         self.model_id, self.revision = model_id or str(root), revision
 
-        tok = AutoTokenizer.from_pretrained(root / "llm")
+        tok = _load(AutoTokenizer.from_pretrained, root / "llm", "tokenizer")
         missing = [t for t in MEDIA_TOKENS if t not in tok.get_vocab()]
         if missing:   # never embedded (replaced in embedding space), so the vocab may end before
             tok.add_tokens(missing, special_tokens=True)
@@ -266,8 +266,9 @@ class LongVILA(Adapter):
                               "separates frames with one newline token")
         self.newline_id = nl[0]
 
-        llm = Qwen2ForCausalLM.from_pretrained(root / "llm", dtype=dtype,
-                                               attn_implementation=hooks.register())
+        # no device_map: it needs accelerate; 7B in bf16 loads on the host, then moves
+        llm = _load(Qwen2ForCausalLM.from_pretrained, root / "llm", "language model",
+                    dtype=dtype, attn_implementation=hooks.register())
         self.llm = llm.to(device).eval()
         self.text_model, self.lm_head = self.llm.model, self.llm.lm_head
         lcfg = self.llm.config
@@ -279,8 +280,8 @@ class LongVILA(Adapter):
                 eos.add(tok.convert_tokens_to_ids(t))
         self.eos_token_ids = tuple(sorted(e for e in eos if e is not None))
 
-        vision = SiglipVisionModel.from_pretrained(root / "vision_tower", dtype=dtype,
-                                                   attn_implementation="sdpa")
+        vision = _load(SiglipVisionModel.from_pretrained, root / "vision_tower",
+                       "vision tower", dtype=dtype, attn_implementation="sdpa")
         self.tower = _truncate_tower(vision, layout.select_layer).to(device).eval()
         vhidden = vision.config.hidden_size
         self.image_size = layout.image_size
@@ -400,6 +401,13 @@ def _truncate_tower(vision, select_layer: int):
     return tower
 
 
+def _load(fn, folder: Path, what: str, **kw):
+    try:
+        return fn(folder, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot load the LongVILA {what} from {folder}: {e}") from e
+
+
 def _last_hidden(out):
     return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
@@ -424,27 +432,40 @@ def _as_list(x):
 
 def _identity(model_id, revision, cfg):
     from mminfer.patterns import ModelIdentity
-    return ModelIdentity(id=model_id, revision=revision, layers=cfg.num_hidden_layers,
+    # a local folder has no revision; the file format wants a string (as the Qwen adapter)
+    return ModelIdentity(id=model_id, revision=revision or "local",
+                         layers=cfg.num_hidden_layers,
                          heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                          head_dim=getattr(cfg, "head_dim", None)
                          or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def _head_patterns(root: Path, patterns, identity):
-    from mminfer.patterns import HeadPatternConfig
-    if isinstance(patterns, HeadPatternConfig):
-        patterns.check(identity)
+    """An explicit file or config (identity checked in full), else ``mminfer_patterns.json``
+    next to the checkpoint (checked in full), else the shipped config of the real 7B shape
+    (checked on the shape, so a local copy, another revision or a same-shape LongVILA still
+    gets it; as the Qwen2.5-VL adapter does), else the uncalibrated default for the shape."""
+    from dataclasses import replace
+
+    from mminfer import patterns as P
+    if isinstance(patterns, P.HeadPatternConfig):
+        if patterns.identity != identity:
+            raise ConfigError(f"head patterns are for {patterns.identity}, the model is "
+                              f"{identity}")
         return patterns
     if patterns is not None:
-        return HeadPatternConfig.load(Path(patterns), expect=identity)
+        return P.HeadPatternConfig.load(Path(patterns), expect=identity)
     local = root / PATTERNS_FILE
     if local.is_file():
-        return HeadPatternConfig.load(local, expect=identity)
+        return P.HeadPatternConfig.load(local, expect=identity)
     shape = (identity.layers, identity.heads, identity.kv_heads, identity.head_dim)
     shipped = REPO_CONFIGS / SHIPPED_PATTERNS.get(shape, "-")
     if shipped.is_file():
-        return HeadPatternConfig.load(shipped, expect=identity)
-    return HeadPatternConfig.default(identity)
+        model = _read_json(shipped, "head-pattern config").get("model", {})
+        expect = replace(identity, id=model.get("id", identity.id),
+                         revision=model.get("revision", identity.revision))
+        return P.HeadPatternConfig.load(shipped, expect=expect)
+    return P.default_config(identity)
 
 
 # --------------------------------------------------------------------------- benchmark LLM

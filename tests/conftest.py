@@ -1,0 +1,71 @@
+"""Shared fixtures: small videos written with PyAV into the test's tmp_path."""
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def gray_level(i: int, n_frames: int) -> int:
+    """Frame i of a ``make_video`` clip is flat gray at this level (16..236), so a decoded
+    frame tells which source frame it came from."""
+    return int(round(16 + i * 220 / max(n_frames - 1, 1)))
+
+
+def write_video(path, n_frames=30, fps=10.0, width=64, height=48, *, codec="libx264",
+                container=None, faststart=False, noise=False, audio=False, gop=None) -> Path:
+    """Write a clip whose frame i is flat ``gray_level(i, n_frames)``; ``noise`` adds
+    per-pixel noise (big packets: useful for truncation tests); ``audio`` adds an AAC
+    track; ``n_frames=0`` with ``audio`` gives an audio-only file."""
+    import av
+
+    path = Path(path)
+    opts = {"movflags": "faststart"} if faststart else {}
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w", format=container, options=opts) as c:
+        vs = None
+        if n_frames:
+            vs = c.add_stream(codec, rate=Fraction(fps).limit_denominator(1001),
+                              options={"g": str(gop)} if gop else {})
+            vs.width, vs.height, vs.pix_fmt = width, height, "yuv420p"
+        if audio:
+            a = c.add_stream("aac", rate=16000)
+            fr = av.AudioFrame.from_ndarray(np.zeros((1, 16000), np.float32), format="fltp",
+                                            layout="mono")
+            fr.sample_rate, fr.pts = 16000, 0
+            for p in [*a.encode(fr), *a.encode()]:
+                c.mux(p)
+        for i in range(n_frames):
+            f = np.full((height, width, 3), gray_level(i, n_frames), np.int16)
+            if noise:
+                f = f + rng.integers(-16, 17, f.shape)
+            frame = av.VideoFrame.from_ndarray(np.clip(f, 0, 255).astype(np.uint8), "rgb24")
+            for p in vs.encode(frame):
+                c.mux(p)
+        if vs is not None:
+            for p in vs.encode():
+                c.mux(p)
+    return path
+
+
+@pytest.fixture
+def make_video(tmp_path):
+    """``make_video(name="clip.mp4", **write_video options) -> Path`` in tmp_path."""
+
+    def make(name="clip.mp4", **kw):
+        return write_video(tmp_path / name, **kw)
+
+    return make
+
+
+@pytest.fixture
+def frame_index():
+    """``frame_index(frame, n_frames) -> int``: which source frame of a ``make_video``
+    clip a decoded RGB frame is (inverse of gray_level)."""
+
+    def index(frame, n_frames):
+        return int(round((float(np.mean(frame)) - 16) * max(n_frames - 1, 1) / 220))
+
+    return index

@@ -1,0 +1,98 @@
+"""The ``mminfer`` command: instant help, ``answer --json`` record, human output, and errors
+as one line with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import av
+import numpy as np
+import pytest
+
+from mminfer.cli import main
+from mminfer.models.tiny import save_tiny_qwen2_5_vl
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("cli") / "tiny-qwen")
+
+
+@pytest.fixture(scope="module")
+def mp4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clivid") / "clip.mp4"
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=8)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for i in range(12):
+            img = np.full((48, 64, 3), 20 * i, np.uint8)
+            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def test_help_is_light():
+    code = ("import sys, mminfer.cli as c; c.build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'triton', 'decord', 'av', "
+            "'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+    help_ = subprocess.run([sys.executable, "-m", "mminfer.cli", "--help"], capture_output=True,
+                           text=True, check=True).stdout
+    assert "answer" in help_
+
+
+def test_answer_json(ckpt, mp4, capsys):
+    rc = main(["answer", str(mp4), "what color is it?", "--model", str(ckpt), "--json",
+               "--attention", "dense", "--fps", "4", "--max-new-tokens", "3"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert set(d) == {"answer", "model", "attention", "attention_requested", "video", "tokens",
+                      "sparsity", "timings_ms"}
+    assert isinstance(d["answer"], str) and d["attention"] == "dense" and d["sparsity"] is None
+    assert {"frames", "fps", "sampled_fps", "duration", "width", "height"} <= set(d["video"])
+    assert d["video"]["frames"] == 6 and d["video"]["width"] == 64
+    assert d["tokens"]["total"] == d["tokens"]["visual"] + d["tokens"]["text"]
+    assert set(d["timings_ms"]) == {"decode", "preprocess", "vision", "index", "attention",
+                                    "llm_other", "generate", "ttft", "total"}
+
+
+def test_answer_json_sparse(ckpt, mp4, capsys):
+    assert main(["answer", str(mp4), "what?", "--model", str(ckpt), "--json", "--attention",
+                 "sparse", "--max-new-tokens", "2"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["attention"] == "sparse" and d["timings_ms"]["index"] > 0
+    assert {"mean_density", "per_layer", "layers", "uncalibrated"} <= set(d["sparsity"])
+
+
+def test_answer_human(ckpt, mp4, capsys):
+    assert main(["answer", str(mp4), "what?", "--model", str(ckpt), "--attention", "dense",
+                 "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens" in out and "attention dense" in out
+    assert any(line.strip().startswith("ttft") and line.endswith(" ms") for line in out.splitlines())
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["answer", "{mp4}", "what?"], "--model is required"),
+    (["answer", "{tmp}/nope.mp4", "what?", "--model", "{ckpt}"], "not found"),
+    (["answer", "{mp4}", " ", "--model", "{ckpt}"], "question is empty"),
+    (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--fps", "0"], "fps"),
+    (["answer", "{mp4}", "what?", "--model", "{tmp}"], "not a checkpoint"),
+])
+def test_errors_are_one_line_exit_2(ckpt, mp4, tmp_path, capsys, argv, needle):
+    argv = [a.format(mp4=mp4, ckpt=ckpt, tmp=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_no_traceback_from_the_console(mp4):
+    # the real entry point, as a user runs it
+    r = subprocess.run([sys.executable, "-m", "mminfer.cli", "answer", str(mp4), "what?"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--model" in r.stderr
