@@ -289,14 +289,14 @@ def _sparse_attn_fwd(
                 n_b = tl.load(BCnt + slot_base * n_table + r)
                 # Key blocks of BLOCK_K keys, visited as BLOCK_K // BLOCK_N tiles; only the
                 # last listed block can reach past lo.
-                for t in range(0, n_b):
-                    c = tl.load(bbase + t)
-                    for sub in tl.static_range(BLOCK_K // BLOCK_N):
-                        kpos = c * BLOCK_K + sub * BLOCK_N + offs_n
-                        kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
-                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                                skn, svn, offs_d, dmask, qk_scale, False,
-                                                COUNT, IEEE)
+                # One flat loop over tiles (not a nested one) so loads stay pipelined.
+                for u in range(0, n_b * (BLOCK_K // BLOCK_N)):
+                    c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
+                    kpos = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N + offs_n
+                    kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
+                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                            skn, svn, offs_d, dmask, qk_scale, False,
+                                            COUNT, IEEE)
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
                                   KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
