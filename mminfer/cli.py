@@ -1,12 +1,13 @@
 """The ``mminfer`` command. Subcommands live in modules with ``add_arguments(parser)`` and
-``run(args) -> int``; they must import light (torch and friends inside ``run``), so that
-``mminfer --help`` stays instant.
+``run(args) -> int``. Only the module of the subcommand being run is imported, so
+``mminfer --help`` stays instant whatever the subcommand modules import.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ from mminfer.errors import MMInferError
 # name -> (module, one-line help). `answer` is defined below; the others are added by their
 # owners: create the module and it appears here (a module not written yet is skipped).
 SUBCOMMANDS = {
-    "answer": (__name__, "answer a question about a video"),
+    "answer": ("mminfer.cli", "answer a question about a video"),
     "serve": ("mminfer.server.cli", "run the HTTP service"),                    # TODO(serve)
     "batch": ("mminfer.batch", "answer questions about every video of a directory"),  # TODO
     "calibrate": ("mminfer.calibrate", "search head patterns on calibration videos"),  # TODO
@@ -85,28 +86,36 @@ def format_result(d: dict) -> str:
 
 
 # ---------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv=()) -> argparse.ArgumentParser:
+    """The parser; only the subcommand named in ``argv`` gets its module imported."""
     parser = argparse.ArgumentParser(
         prog="mminfer", description="Fast long-video question answering with modality-aware "
                                     "sparse prefill (MMInference).")
     from mminfer import __version__
     parser.add_argument("--version", action="version", version=f"mminfer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_) in SUBCOMMANDS.items():
-        try:
-            mod = sys.modules[__name__] if module == __name__ else importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if module.startswith(e.name or "\0"):   # not written yet
-                continue
-            raise
+        if not _exists(module):
+            continue
         p = sub.add_parser(name, help=help_, description=help_)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        if name == wanted:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:     # its parent package is not written yet
+        return False
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -35,6 +35,7 @@ def mp4(tmp_path_factory):
 
 def test_help_is_light():
     code = ("import sys, mminfer.cli as c; c.build_parser().format_help(); "
+            "c.build_parser(['answer', '--help']).format_help(); "
             "print(sorted(m for m in ('torch', 'transformers', 'triton', 'decord', 'av', "
             "'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -73,7 +74,8 @@ def test_answer_human(ckpt, mp4, capsys):
                  "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "tokens" in out and "attention dense" in out
-    assert any(line.strip().startswith("ttft") and line.endswith(" ms") for line in out.splitlines())
+    lines = out.splitlines()
+    assert any(line.strip().startswith("ttft") and line.endswith(" ms") for line in lines)
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -83,27 +83,43 @@ def test_token_layout_and_index(model):
     assert (video.frame_stride, video.grid_h, video.grid_w, video.separators) == (P + 1, 2, 2, 1)
     assert video.length == F * (P + 1) == prepared.visual_tokens
     assert prepared.index.n == ids.numel() == prepared.total_tokens
-    # the newline embeddings sit last in every frame, visual tokens everywhere else in the span
-    newline = [video.start + f * (P + 1) + P for f in range(F)]
-    span_ids = ids[video.start:video.end]
-    assert torch.nonzero(span_ids == model.newline_id).flatten().add(video.start).tolist() == newline
-    assert (span_ids == model.video_token_id).sum() == F * P
+    assert (ids[video.start:video.end] == model.video_token_id).sum() == F * P
     assert model.video_token_id not in ids[:video.start].tolist() + ids[video.end:].tolist()
+    # where the index puts frame f, the spliced embeddings hold frame f's P projected tokens
+    # followed by the embedding of "\n"
+    embeds = model.embed(prepared)[0]                                  # [L, hidden]
+    visual = model.encode_frames(prepared.tensors["pixels"])           # [F, P, hidden]
+    newline_row = model.text_model.get_input_embeddings().weight[model.newline_id]
+    starts = video.frame_starts()
+    assert len(starts) == F
+    for f, s in enumerate(starts):
+        assert torch.equal(embeds[s:s + P], visual[f])
+        assert torch.equal(embeds[s + P], newline_row)
     # text before: the ChatML user turn up to <vila/video>; after: question + assistant turn
     tok = model.tokenizer
     assert tok.decode(ids[:video.start]).endswith("<|im_start|>user\n")
     assert tok.decode(ids[video.end:]) == "What moves?<|im_end|>\n<|im_start|>assistant\n"
-    # the spliced embedding at a separator is the embedding of "\n"
-    embeds = model.embed(prepared)
-    table = model.text_model.get_input_embeddings().weight
-    assert torch.equal(embeds[0, newline[3]], table[model.newline_id])
-    assert not torch.equal(embeds[0, newline[3] - 1], table[0])
 
 
-def test_frame_count_override_and_short_video(ckpt, model):
+def test_frame_selection(ckpt, model):
+    # frame i is flat gray 20*i: the squashed pixels tell which frames were kept
+    frames = (torch.arange(12, dtype=torch.uint8) * 20).view(12, 1, 1, 1).expand(12, 30, 50, 3)
+    pixels = model.prepare(frames.contiguous(), "Why?").tensors["pixels"]   # [8, 3, 56, 56]
+    kept = (pixels.float().mean(dim=(1, 2, 3)) / 20).round().long().tolist()
+    assert kept == [0, 1, 3, 4, 6, 7, 9, 11]          # VILA: linspace(0, 11, 8) as int
     assert model.prepare(_frames(3), "Why?").n_frames == 3          # fewer frames: all of them
     adapter = LongVILA.from_pretrained(ckpt, device="cpu", num_frames=5)
     assert adapter.prepare(_frames(12), "Why?").index.spans_of("video")[0].n_frames == 5
+
+
+def test_aspect_ratio_pad(ckpt, tmp_path):
+    # "pad": the wide frame is centred on a square of the mean colour (0.5 -> 127), then
+    # resized (here already 56 wide: no resize); the default squashes it instead
+    padded = _broken(ckpt, tmp_path, lambda p: _set_json(p / "config.json",
+                                                         image_aspect_ratio="pad"))
+    frame = torch.full((1, 20, 56, 3), 200, dtype=torch.uint8)
+    px = LongVILA.load(padded, device="cpu").prepare(frame, "Why?").tensors["pixels"][0]
+    assert px[:, :18].eq(127).all() and px[:, 18:38].eq(200).all() and px[:, 38:].eq(127).all()
 
 
 def test_reload_and_reference_logits(ckpt, model):
@@ -274,6 +290,16 @@ def test_hub_id_from_the_offline_cache(ckpt, tmp_path, monkeypatch):
         LongVILA.from_pretrained("Owner/absent", device="cpu")
 
 
+def test_pipeline_answers_with_longvila(ckpt, make_video):
+    from mminfer.pipeline import Pipeline
+    pipe = Pipeline(str(ckpt), attention="dense", device="cpu")
+    assert isinstance(pipe.adapter, LongVILA)
+    res = pipe.answer(make_video(n_frames=20, fps=10.0), "What color is it?", max_new_tokens=2)
+    frames = res.video["model_frames"]
+    assert 1 <= frames <= 8 and res.video["resized"] == [56, 56]
+    assert res.tokens["visual"] == frames * 5 and res.attention == "dense"
+
+
 def test_full_size_llm_config():
     from mminfer.models.longvila import longvila_7b_llm_config
     cfg = longvila_7b_llm_config()
@@ -282,3 +308,12 @@ def test_full_size_llm_config():
         (28, 3584, 28, 4, 18944, 151648)
     assert cfg.rope_parameters["rope_theta"] == pytest.approx(3.58e9)
     assert cfg.hidden_size // cfg.num_attention_heads == 128
+    # the same builder at a small size: random weights, attention through our hook
+    from mminfer.models import hooks
+    from mminfer.models.longvila import random_llm
+    small = longvila_7b_llm_config(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    llm = random_llm(small, device="cpu")
+    assert llm.config._attn_implementation == hooks.ATTN_NAME
+    with torch.inference_mode():
+        assert llm(input_ids=torch.arange(10)[None]).logits.shape == (1, 10, 64)

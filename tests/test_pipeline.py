@@ -58,7 +58,8 @@ def test_dense_answer_record(pipe, mp4):
     # tiny checkpoint's pixel range: 96x64 frames stay 84x56 (28-multiples) -> 2x3 merged grid
     h, w = v["resized"]
     t = d["tokens"]
-    assert t["visual"] == (8 // 2) * (h // 28) * (w // 28) and t["total"] == t["visual"] + t["text"]
+    assert t["visual"] == (8 // 2) * (h // 28) * (w // 28)
+    assert t["total"] == t["visual"] + t["text"]
     assert 1 <= t["generated"] <= 5 and t["text"] > 10
     ms = d["timings_ms"]
     assert list(ms) == list(STAGES) and all(x >= 0 for x in ms.values())

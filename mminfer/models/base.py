@@ -16,6 +16,7 @@ whose ``ADAPTER.accepts(checkpoint_dir)`` is true loads the checkpoint.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -140,8 +141,13 @@ def _new_cache(text_model):
 
 
 def _cache_kwarg(module) -> str:
+    return _cache_kwarg_of(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(cls) -> str:
     # transformers 5.24 renamed the forward kwarg past_key_values -> cache; 5.17 has the old.
-    params = inspect.signature(module.forward).parameters
+    params = inspect.signature(cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

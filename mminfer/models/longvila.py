@@ -110,6 +110,7 @@ class Layout:
     patch_size: int
     image_mean: tuple
     image_std: tuple
+    pad_to_square: bool       # image_aspect_ratio "pad"; every other value squashes frames
     chat_template: str | None
 
 
@@ -173,6 +174,7 @@ def read_layout(root: Path) -> Layout:
         image_size=int(vcfg.get("image_size", 224)), patch_size=int(vcfg.get("patch_size", 14)),
         image_mean=tuple(pre.get("image_mean", (0.5, 0.5, 0.5))),
         image_std=tuple(pre.get("image_std", (0.5, 0.5, 0.5))),
+        pad_to_square=cfg.get("image_aspect_ratio") == "pad",
         chat_template=_VILA_QWEN2_TEMPLATE if template == "qwen2" else None)
 
 
@@ -351,12 +353,16 @@ class LongVILA(Adapter):
         return torch.cat(out)
 
     def _squash(self, frames: torch.Tensor) -> torch.Tensor:
-        """SigLIP preprocessing without aspect preservation: bicubic (antialiased, like PIL)
-        resize to S×S, rounded back to uint8 as the PIL path does."""
+        """SigLIP preprocessing: bicubic (antialiased, like PIL) resize to S×S without keeping
+        the aspect ratio (VILA's video frames with ``image_aspect_ratio`` "resize" or
+        "dynamic"), rounded back to uint8 as the PIL path does. With "pad", LLaVA's
+        expand2square first: centred on a square of the mean colour."""
         S = self.image_size
         out = []
         for chunk in frames.split(64):
             x = chunk.to(self.device).permute(0, 3, 1, 2).float()     # [f, 3, H, W]
+            if self.layout.pad_to_square and x.shape[-1] != x.shape[-2]:
+                x = _expand_to_square(x, self.layout.image_mean)
             if x.shape[-2:] != (S, S):
                 x = nn.functional.interpolate(x, size=(S, S), mode="bicubic",
                                               align_corners=False, antialias=True)
@@ -399,6 +405,18 @@ def _truncate_tower(vision, select_layer: int):
         raise ConfigError(f"mm_vision_select_layer {select_layer} is outside a {n}-layer tower")
     tower.encoder.layers = layers[:keep]
     return tower
+
+
+def _expand_to_square(x: torch.Tensor, mean) -> torch.Tensor:
+    """``[f, 3, H, W]`` → ``[f, 3, M, M]``, M = max(H, W), the frame centred (offset floored)
+    on ``int(mean * 255)``, as LLaVA's ``expand2square``."""
+    f, c, h, w = x.shape
+    m = max(h, w)
+    fill = torch.tensor([int(v * 255) for v in mean], dtype=x.dtype, device=x.device)
+    out = fill.view(1, c, 1, 1).repeat(f, 1, m, m)
+    top, left = (m - h) // 2, (m - w) // 2
+    out[:, :, top:top + h, left:left + w] = x
+    return out
 
 
 def _load(fn, folder: Path, what: str, **kw):
@@ -469,16 +487,18 @@ def _head_patterns(root: Path, patterns, identity):
 
 
 # --------------------------------------------------------------------------- benchmark LLM
-def longvila_7b_llm_config():
-    """Qwen2Config of LongVILA-7B-1M's language model (llm/config.json numbers), for
-    benchmarks that need the full-size LLM without downloading it."""
+def longvila_7b_llm_config(**overrides):
+    """Qwen2Config of LongVILA-7B-1M's language model (llm/config.json numbers; rope_theta
+    is the ~3.58e9 of the 1M stage), for benchmarks that need the full-size LLM without
+    downloading it. ``overrides`` change fields (e.g. ``num_hidden_layers=1``)."""
     from transformers import Qwen2Config
-    return Qwen2Config(
-        vocab_size=151648, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",
-        max_position_embeddings=1048576, rms_norm_eps=1e-6, rope_theta=3.58e9,
-        tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
-        eos_token_id=151645, architectures=["Qwen2ForCausalLM"])
+    return Qwen2Config(**{
+        "vocab_size": 151648, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "hidden_act": "silu", "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6,
+        "rope_theta": 3.58e9, "tie_word_embeddings": False, "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151645,
+        "architectures": ["Qwen2ForCausalLM"], **overrides})
 
 
 def random_llm(config=None, *, dtype=None, device=None):

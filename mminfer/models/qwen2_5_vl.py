@@ -216,17 +216,17 @@ class Qwen2_5_VLAdapter(Adapter):
 
     # ---------------------------------------------------------------- per request
     def prompt_ids(self, question: str, n_video_tokens: int) -> list[int]:
-        """Token ids of the chat-template layout with the single ``<|video_pad|>`` expanded to
-        ``n_video_tokens`` copies (what the HF processor does, without tokenizing 10^5 pads)."""
-        text = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
-                f"<|vision_start|><|video_pad|><|vision_end|>{question}<|im_end|>\n"
-                f"<|im_start|>assistant\n")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        at = [i for i, x in enumerate(ids) if x == self.video_token_id]
-        if len(at) != 1:
-            raise InputError("the question must not contain the video placeholder token")
-        i = at[0]
-        return ids[:i] + [self.video_token_id] * n_video_tokens + ids[i + 1:]
+        """Token ids of the chat-template layout, the video as ``n_video_tokens`` pads (what
+        the HF processor makes of one ``<|video_pad|>``, without tokenizing 10^5 pads). The
+        question is tokenized as plain text: special-token strings in it stay text, so a
+        question cannot end the turn or add a video."""
+        tok = self.tokenizer
+        head = tok(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+                   f"<|vision_start|>", add_special_tokens=False)["input_ids"]
+        end = tok("<|vision_end|>", add_special_tokens=False)["input_ids"]
+        q = tok(question, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        tail = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        return head + [self.video_token_id] * n_video_tokens + end + q + tail
 
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
         import torch
@@ -284,8 +284,8 @@ class Qwen2_5_VLAdapter(Adapter):
         L = prepared.input_ids.shape[1]
         if start == 0 and length == L:
             return prepared.tensors["position_ids"]                       # [3, 1, L]
-        p = torch.arange(start, start + length, device=self.device) + prepared.tensors["rope_delta"]
-        return p.view(1, 1, -1).expand(3, 1, -1)
+        p = torch.arange(start, start + length, device=self.device)
+        return (p + prepared.tensors["rope_delta"]).view(1, 1, -1).expand(3, 1, -1)
 
 
 ADAPTER = Qwen2_5_VLAdapter
@@ -352,13 +352,4 @@ def load_patterns(path: Path, identity):
         expect = replace(identity, id=shipped.get("id", identity.id),
                          revision=shipped.get("revision", identity.revision))
         return patterns.HeadPatternConfig.load(REPO_CONFIGS / name, expect=expect)
-    return default_patterns(identity)
-
-
-def default_patterns(identity):
-    """Uncalibrated default: every head vertical-slash with the default budget (the pattern
-    that assumes the least about a head)."""
-    from mminfer import patterns
-    return patterns.HeadPatternConfig.uniform(
-        identity, patterns.HeadPattern.single(patterns.vertical_slash()), uncalibrated=True,
-        provenance=patterns.provenance(how="generated default, not calibrated"))
+    return patterns.default_config(identity)

@@ -1,0 +1,72 @@
+"""layer_attention: the per-layer entry point used by the transformers hook."""
+
+import pytest
+import torch
+
+from mminfer.attention import layer_attention
+from mminfer.kernels import masked_attention
+from mminfer.modality import ModalityIndex
+from mminfer.patterns import HeadPattern, a_shape, grid, vertical_slash
+from mminfer.timing import StageTimer
+
+VS = vertical_slash(n_vertical=8, n_slash=4, window=8, sink=2)
+HEADS = [HeadPattern("q", {"video": grid(sink=2, window=8, min_lift=0.0, fallback=VS),
+                           "text": VS}),
+         HeadPattern.single(VS, "k"),
+         HeadPattern.single(a_shape(sink=4, window=16)),
+         HeadPattern.single(grid(sink=2, window=8, min_lift=1e9, fallback=VS))]
+
+
+def _inputs(seed=0, H=4, Hkv=2, D=32):
+    idx = ModalityIndex.from_segments([("text", 12), ("video", 4, 4, 6, 0), ("text", 30)])
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, idx.n, D, generator=g)
+    k = torch.randn(1, Hkv, idx.n, D, generator=g)
+    v = torch.randn(1, Hkv, idx.n, D, generator=g)
+    return idx, q, k, v
+
+
+def _sdpa(q, k, v, scale=None):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=True, scale=scale)
+
+
+def test_short_input_goes_dense_into_a_transposed_out():
+    idx, q, k, v = _inputs()
+    B, H, N, D = q.shape
+    buf = torch.full((B, N, H, D), float("nan"))
+    timer = StageTimer()
+    out, plan = layer_attention(q, k, v, idx, HEADS, min_sparse_len=N + 1, return_plan=True,
+                                out=buf.transpose(1, 2), timer=timer)
+    assert plan is None
+    torch.testing.assert_close(buf.transpose(1, 2), _sdpa(q, k, v))
+    assert out.data_ptr() == buf.data_ptr()
+    assert set(timer.totals_ms()) == {"attention"}
+    # No index: dense whatever the length.
+    torch.testing.assert_close(layer_attention(q, k, v, None, HEADS, min_sparse_len=0),
+                               _sdpa(q, k, v))
+
+
+def test_sparse_path_matches_masked_attention_of_its_plan():
+    idx, q, k, v = _inputs(seed=1)
+    B, H, N, D = q.shape
+    buf = torch.full((B, N, H, D), float("nan"))
+    timer = StageTimer()
+    scale = 0.3
+    out, plan = layer_attention(q, k, v, idx, HEADS, min_sparse_len=0, return_plan=True,
+                                scale=scale, out=buf.transpose(1, 2), timer=timer)
+    assert out.data_ptr() == buf.data_ptr()
+    assert plan.block_m == 16 and plan.estimate.row_groups == idx.row_groups()
+    mask = plan.masks()
+    ref, _ = masked_attention(q, k, v, mask, scale=scale)
+    torch.testing.assert_close(buf.transpose(1, 2), ref, atol=2e-5, rtol=2e-5)
+    # Sparse for real: fewer pairs than the causal triangle, and not the dense answer.
+    assert float(mask.float().sum()) < 0.9 * H * N * (N + 1) / 2
+    assert (buf.transpose(1, 2) - _sdpa(q, k, v, scale)).abs().max() > 1e-3
+    assert {"index", "attention"} <= set(timer.totals_ms())
+
+
+def test_sparse_path_rejects_wrong_head_count():
+    idx, q, k, v = _inputs()
+    with pytest.raises(ValueError, match="3 head patterns for 4 query heads"):
+        layer_attention(q, k, v, idx, HEADS[:3], min_sparse_len=0)

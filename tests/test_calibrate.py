@@ -1,0 +1,122 @@
+"""Offline search: blockwise dense reference, per-head cost, per-head choice, the CLI entry."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from mminfer.calibrate import (add_arguments, calibrate, dense_reference, head_density,
+                               run)
+from mminfer.errors import ConfigError
+from mminfer.estimate import estimate_layer
+from mminfer.modality import ModalityIndex
+from mminfer.patterns import (HeadPattern, HeadPatternConfig, ModelIdentity, a_shape, grid,
+                              vertical_slash)
+
+IDENTITY = ModelIdentity("toy/model", "main", layers=2, heads=2, kv_heads=2, head_dim=32)
+
+
+def _capture(n=160, D=32, seed=0):
+    """Head 0 attends locally (slow rotary on both q and k); head 1 to four early key columns."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, n, D, generator=g) * 0.2
+    k = torch.randn(1, 2, n, D, generator=g) * 0.2
+    v = torch.randn(1, 2, n, D, generator=g)
+    i = torch.arange(n).float()
+    theta = torch.linspace(0.02, 0.15, 8)
+    rot = torch.cat([(i[:, None] * theta).cos(), (i[:, None] * theta).sin()], -1) * 2.5
+    q[0, 0, :, :16] += rot
+    k[0, 0, :, :16] += rot
+    u = torch.nn.functional.normalize(torch.randn(D, generator=g), dim=0)
+    q[0, 1] += u * 4
+    k[0, 1, torch.tensor([5, 12, 20, 30])] += u * 4
+    idx = ModalityIndex.from_segments([("text", n)])
+    return {"index": idx.to_dict(), "layers": {0: {"q": q, "k": k, "v": v}},
+            "name": f"cap{seed}"}
+
+
+def test_dense_reference_matches_sdpa_in_chunks():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 45, 16, generator=g)
+    k, v = torch.randn(1, 2, 45, 16, generator=g), torch.randn(1, 2, 45, 16, generator=g)
+    out, lse = dense_reference(q, k, v, scale=0.2, rows=7)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                           enable_gqa=True, scale=0.2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.2
+    s = s.masked_fill(~torch.ones(45, 45, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_head_density_adds_up_to_the_plan_density():
+    idx = ModalityIndex.from_segments([("text", 10), ("video", 4, 4, 5, 0), ("text", 30)])
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 3, idx.n, 16, generator=g), torch.randn(1, 1, idx.n, 16, generator=g)
+    heads = [HeadPattern.single(a_shape(sink=2, window=8)),
+             HeadPattern("2d", {"video->video": a_shape(sink=0, window=4),
+                                "all": a_shape(sink=2, window=30)}),
+             HeadPattern("q", {"video": grid(sink=2, window=8, min_lift=0.0),
+                               "text": vertical_slash(8, 2, 8, 2)})]
+    plan = estimate_layer(q, k, idx, heads, block_m=16, block_n=16).build_plan()
+    logical, physical = head_density(plan)
+    d = plan.density()
+    assert float(logical.mean()) == pytest.approx(d["logical"], rel=1e-9)
+    assert float(physical.mean()) == pytest.approx(d["physical"], rel=1e-9)
+    masks = plan.masks()[0]
+    n = idx.n
+    torch.testing.assert_close(logical, masks.double().sum((1, 2)) / (n * (n + 1) / 2))
+
+
+def test_calibrate_chooses_per_head_at_the_smallest_sufficient_budget(tmp_path):
+    def candidates(index, n, budget, **_):
+        small = budget < 0.5
+        return {"local": HeadPattern.single(a_shape(sink=2, window=16 if small else 32)),
+                "verticals": HeadPattern.single(vertical_slash(n_vertical=4 if small else 20,
+                                                               n_slash=1, window=2, sink=2))}
+
+    cfg, report = calibrate([_capture(seed=0), _capture(seed=1)], IDENTITY,
+                            budgets=[0.9, 0.3], candidates=candidates, max_error=0.05,
+                            engine="reference", progress=False)
+    head0, head1 = cfg.layer(0)
+    # The local head is fine with the small budget; the vertical head is not at any budget
+    # and takes the larger budget's best pattern.
+    assert head0 == candidates(None, 160, 0.3)["local"]
+    assert head1 == candidates(None, 160, 0.9)["verticals"]
+    by_head = {r["head"]: r for r in report}
+    assert by_head[0]["budget"] == 0.3 and by_head[0]["error"] < 0.05
+    assert by_head[0]["mass"] > 0.99 and by_head[0]["density"] < 0.45
+    assert by_head[1]["budget"] == 0.9 and by_head[1]["pattern"] == "verticals"
+    assert by_head[1]["candidates"]["verticals@0.9"]["error"] < \
+        by_head[1]["candidates"]["local@0.9"]["error"]
+    assert [r["error"] for r in report] == sorted((r["error"] for r in report), reverse=True)
+    # Layer 1 had no capture: it keeps the default and the file says it is uncalibrated.
+    assert cfg.uncalibrated and cfg.provenance["layers_calibrated"] == [0]
+    assert [x["tokens"] for x in cfg.provenance["calibration_inputs"]] == [160, 160]
+    assert cfg.provenance["objective"] == "output_error"
+    assert cfg.provenance["budgets"] == [0.3, 0.9]
+    path = tmp_path / "c.json"
+    cfg.save(path)
+    assert HeadPatternConfig.load(path, expect=IDENTITY).layers == cfg.layers
+    with pytest.raises(ConfigError, match="model.heads = 4 but input cap0 layer 0 has 2"):
+        calibrate([_capture()], ModelIdentity("toy/model", "main", 2, 4, 2, 32),
+                  budgets=[0.5], candidates=candidates, engine="reference", progress=False)
+
+
+def test_cli_run_writes_config_and_report(tmp_path, capsys):
+    (tmp_path / "caps").mkdir()
+    torch.save(_capture(seed=2), tmp_path / "caps" / "a.pt")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "toy.json"
+    args = parser.parse_args([str(tmp_path / "caps"), "--out", str(out), "--model-id",
+                              "toy/model", "--layers", "1", "--budget", "0.5",
+                              "--engine", "reference"])
+    assert run(args) == 0
+    ident = ModelIdentity("toy/model", "main", 1, 2, 2, 32)
+    cfg = HeadPatternConfig.load(out, expect=ident)
+    assert not cfg.uncalibrated and cfg.provenance["calibration_inputs"][0]["name"] == "cap2"
+    report = json.loads((tmp_path / "toy.report.json").read_text())
+    assert len(report) == 2 and report[0]["error"] >= report[1]["error"]
+    assert {r["pattern"] for r in report} <= {"a_shape", "vertical_slash", "block"}
+    assert "wrote" in capsys.readouterr().out
