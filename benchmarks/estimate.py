@@ -1,0 +1,114 @@
+"""Online estimation cost against sparse attention time, one layer, on one GPU.
+
+LongVILA-7B shape (28 query heads, 4 KV heads, d 128, bf16), 257 tokens per frame, the
+layer's head patterns from ``configs/longvila_7b_1m.json``. Random q/k carry a planted grid
+(keys at one phase of the frame stride attract every query, as grid heads do in real
+models) so grid heads take their grid path rather than the fallback.
+
+    python benchmarks/estimate.py --lengths 131072 262144 1048576
+
+Per length: estimation + plan time, sparse attention time, their ratio, the density, and
+cuDNN dense attention of the same layer (at 1M: one call, measured once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mminfer.estimate import estimate_layer  # noqa: E402
+from mminfer.kernels import sparse_attention  # noqa: E402
+from mminfer.modality import ModalityIndex  # noqa: E402
+from mminfer.patterns import HeadPatternConfig  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def events_ms(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def inputs(n, stride=257, phase=5, strength=4.0):
+    index = ModalityIndex.from_segments([("text", 20), ("video", (n - 50) // stride, 16, 16, 1),
+                                         ("text", 30)])
+    n = index.n
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 28, n, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    u = torch.randn(128, device="cuda", generator=g)
+    u = (u / u.norm() * strength * 128 ** 0.5).to(torch.bfloat16)
+    vs = index.spans_of("video")[0]
+    cols = torch.arange(vs.start + phase, vs.end, stride, device="cuda")
+    k[:, :, cols] += u
+    q += u * 0.5
+    return index, q, k, v
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 1048576])
+    ap.add_argument("--layer", type=int, default=14)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = ap.parse_args()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = HeadPatternConfig.load(os.path.join(ROOT, "configs", "longvila_7b_1m.json"))
+    heads = cfg.layer(a.layer)
+    rows = []
+    for n in a.lengths:
+        index, q, k, v = inputs(n)
+        box = {}
+
+        def est():
+            box["plan"] = estimate_layer(q, k, index, heads).build_plan(q.device)
+
+        est_ms = events_ms(est)
+        plan = box["plan"]
+        out = torch.empty_like(q)
+        attn_ms = events_ms(lambda: sparse_attention(q, k, v, plan, out=out))
+        dens = plan.density()
+        grids = plan.estimate.summary()
+        fell_back = sum(any(any(x) for x in c["fallback"]) for cs in grids.values() for c in cs)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            dense_ms = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True), reps=1 if n > 300000 else 3)
+        row = {"n": index.n, "estimate_plan_ms": est_ms, "sparse_attention_ms": attn_ms,
+               "estimate_share": est_ms / (est_ms + attn_ms), "logical": dens["logical"],
+               "physical": dens["physical"], "grid_heads_fell_back": fell_back,
+               "dense_cudnn_ms": dense_ms,
+               "speedup_incl_estimation": dense_ms / (est_ms + attn_ms)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, plan, box, out
+        torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "estimate.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "layer": a.layer, "rows": rows}, f,
+                  indent=1)
+    print(f"{'N':>8} {'est+plan ms':>11} {'attn ms':>9} {'share':>6} {'density':>8} "
+          f"{'dense ms':>9} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['n']:>8} {r['estimate_plan_ms']:11.2f} {r['sparse_attention_ms']:9.2f} "
+              f"{r['estimate_share']:6.1%} {r['logical']:8.4f} {r['dense_cudnn_ms']:9.1f} "
+              f"{r['speedup_incl_estimation']:7.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""End-to-end prefill benchmark on one GPU: time to first token, dense (cuDNN SDPA) against
+sparse (our estimation + kernels), for the full-size Qwen2.5-VL-7B and LongVILA-7B language
+models built from their configs with random weights (no download), on video-shaped inputs
+with the real ModalityIndex layout.
+
+    python benchmarks/prefill.py                         # both models, default lengths
+    python benchmarks/prefill.py --model longvila --lengths 1048576
+
+The prefill runs layer by layer through the real decoder modules and our attention hook,
+with the MLP chunked over tokens and only the last position's logits computed, so 1M tokens
+fit on one H200. No KV cache is kept (``use_cache=False``, as MInference's e2e benchmark).
+Stages: ``index`` (online estimation + plan), ``attention`` (kernels), ``llm_other``
+(projections, norms, RoPE, MLP, logits) from CUDA events with one synchronisation per run.
+Dense runs longer than ``--dense-full-max`` tokens are extrapolated from one measured layer
+of dense attention plus the measured non-attention time, and marked as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mminfer.modality import ModalityIndex  # noqa: E402
+from mminfer.models import hooks  # noqa: E402
+from mminfer.patterns import HeadPatternConfig  # noqa: E402
+from mminfer.timing import StageTimer  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def qwen_7b_text_model(device):
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+    cfg = Qwen2_5_VLConfig(text_config=dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=1048576,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                            "mrope_section": [16, 24, 24]},
+        tie_word_embeddings=False))
+    tcfg = cfg.text_config
+    tcfg._attn_implementation = hooks.register()
+    with torch.device(device):
+        model = m.Qwen2_5_VLTextModel._from_config(tcfg, dtype=torch.bfloat16,
+                                                    attn_implementation=hooks.register())
+        head = torch.nn.Linear(3584, 152064, bias=False, dtype=torch.bfloat16)
+    return model.eval(), head
+
+
+def longvila_7b(device):
+    from mminfer.models.longvila import random_llm
+    lm = random_llm(device=device, dtype=torch.bfloat16)
+    return lm.model, lm.lm_head
+
+
+def layout(kind, n):
+    pre, suf = 20, 30
+    if kind == "qwen":   # 1280x720 video at 560x1008: 20 x 36 merged tokens per frame pair
+        h, w, sep = 20, 36, 0
+    else:                # LongVILA: 16 x 16 tokens + one newline per frame
+        h, w, sep = 16, 16, 1
+    frames = (n - pre - suf) // (h * w + sep)
+    return ModalityIndex.from_segments([("text", pre), ("video", frames, h, w, sep),
+                                        ("text", suf)])
+
+
+def positions(kind, index, device):
+    if kind == "qwen":
+        from mminfer.models.qwen2_5_vl import mrope_positions
+        pos, _ = mrope_positions(index, [1.0], 2.0)
+        return pos[:, None, :].to(device)
+    return torch.arange(index.n, device=device)[None, :]
+
+
+@torch.no_grad()
+def prefill(model, head, index, pos, ctx, n_layers=None, mlp_chunk=65536):
+    """Layer loop over the real modules; returns the last position's logits."""
+    layers = model.layers[:n_layers] if n_layers else model.layers
+    g = torch.Generator(device=pos.device).manual_seed(0)
+    h = torch.randn(1, index.n, model.config.hidden_size, device=pos.device,
+                    dtype=torch.bfloat16, generator=g)
+    pe = model.rotary_emb(h, pos)
+    with hooks.prefill_context(ctx):
+        for layer in layers:
+            x = layer.input_layernorm(h)
+            x = layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=None)[0]
+            h += x
+            del x
+            for s in range(0, index.n, mlp_chunk):
+                part = h[:, s:s + mlp_chunk]
+                part += layer.mlp(layer.post_attention_layernorm(part))
+    return head(model.norm(h[:, -1:]))
+
+
+def run_one(model, head, kind, n, mode, patterns, dense_layer_ms=None):
+    dev = torch.device("cuda")
+    index = layout(kind, n)
+    pos = positions(kind, index, dev)
+    timer = StageTimer(dev)
+    ctx = hooks.PrefillContext(index=index, patterns=patterns, mode=mode, min_sparse_len=0,
+                               timer=timer, keep_plans=(mode == "sparse"))
+    # warm-up on two layers: compiles every kernel variant outside the timed run
+    prefill(model, head, index, pos, hooks.PrefillContext(index=index, patterns=patterns,
+                                                          mode=mode, min_sparse_len=0), 2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    prefill(model, head, index, pos, ctx)
+    end.record()
+    torch.cuda.synchronize()
+    total = start.elapsed_time(end)
+    stages = timer.totals_ms()
+    row = {"model": kind, "n": index.n, "mode": mode, "ttft_ms": total,
+           "index_ms": stages.get("index", 0.0), "attention_ms": stages.get("attention", 0.0),
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    row["llm_other_ms"] = total - row["index_ms"] - row["attention_ms"]
+    if mode == "sparse":
+        dens = [p.density()["logical"] for _, p in sorted(ctx.densities.items()) if p is not None]
+        row["density_mean"] = sum(dens) / max(len(dens), 1)
+        row["density_per_layer"] = dens
+    return row
+
+
+def dense_one_layer_ms(model, kind, n):
+    """cuDNN dense causal attention of one layer at n tokens (28/4 heads, d 128)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(1, 28, n, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        f = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, enable_gqa=True)
+        f()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        f()
+        e.record()
+        torch.cuda.synchronize()
+    return s.elapsed_time(e)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["qwen", "longvila", "both"], default="both")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--dense-full-max", type=int, default=300000)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    a = ap.parse_args()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    todo = []
+    if a.model in ("qwen", "both"):
+        todo.append(("qwen", a.lengths or [65536, 131072, 262144]))
+    if a.model in ("longvila", "both"):
+        todo.append(("longvila", a.lengths or [262144, 524288, 1048576]))
+    rows = []
+    os.makedirs(a.out, exist_ok=True)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    for kind, lengths in todo:
+        t0 = time.time()
+        model, head = qwen_7b_text_model("cuda") if kind == "qwen" else longvila_7b("cuda")
+        cfg_path = os.path.join(ROOT, "configs", "qwen2_5_vl_7b.json" if kind == "qwen"
+                                else "longvila_7b_1m.json")
+        patterns = HeadPatternConfig.load(cfg_path)
+        print(f"{kind}: built in {time.time() - t0:.0f} s", flush=True)
+        for n in lengths:
+            sp = run_one(model, head, kind, n, "sparse", patterns)
+            rows.append(sp)
+            print(json.dumps({k: v for k, v in sp.items() if k != "density_per_layer"}),
+                  flush=True)
+            if n <= a.dense_full_max:
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+                    de = run_one(model, head, kind, n, "dense", patterns)
+                de["extrapolated"] = False
+            else:
+                layer_ms = dense_one_layer_ms(model, kind, sp["n"])
+                n_layers = len(model.layers)
+                de = {"model": kind, "n": sp["n"], "mode": "dense", "extrapolated": True,
+                      "attention_ms": layer_ms * n_layers, "index_ms": 0.0,
+                      "llm_other_ms": sp["llm_other_ms"],
+                      "ttft_ms": layer_ms * n_layers + sp["llm_other_ms"],
+                      "dense_layer_ms": layer_ms}
+            de["speedup"] = de["ttft_ms"] / sp["ttft_ms"]
+            rows.append(de)
+            print(json.dumps(de), flush=True)
+            with open(os.path.join(a.out, "prefill.json"), "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "rows": rows}, f, indent=1)
+            torch.cuda.empty_cache()
+        del model, head
+        torch.cuda.empty_cache()
+    print(f"{'model':>9} {'N':>8} {'mode':>6} {'TTFT ms':>10} {'index':>8} {'attn':>9} "
+          f"{'other':>8} {'density':>8} {'peak GiB':>8} {'speedup':>7}")
+    for r in rows:
+        print(f"{r['model']:>9} {r['n']:>8} {r['mode']:>6} {r['ttft_ms']:10.0f} "
+              f"{r['index_ms']:8.0f} {r['attention_ms']:9.0f} {r['llm_other_ms']:8.0f} "
+              f"{r.get('density_mean', 1.0):8.3f} {r.get('peak_gib', float('nan')):8.1f} "
+              f"{r.get('speedup', float('nan')):7.2f}{' (dense extrapolated)' if r.get('extrapolated') else ''}")
+
+
+if __name__ == "__main__":
+    main()
