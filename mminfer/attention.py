@@ -1,4 +1,4 @@
-"""One layer's prefill attention: dense for short inputs, else estimate -> plan -> sparse kernel."""
+"""One layer's prefill attention: dense when short, else estimate -> plan -> sparse kernel."""
 
 from __future__ import annotations
 

@@ -11,11 +11,11 @@ plan) and run for all heads at once. Per head it gets:
 * density: physical tiles / causal triangle, counted per head by the kernel's count mode
   (the reference engine, used on the CPU for small N, reports logical pairs instead).
 
-Choice: per budget, the candidate with the lowest objective among those whose density is
-within ``1.5 x`` the budget; per head, the smallest budget whose winner meets
-``max_error`` (else the largest budget's winner). So easy heads end up cheap and hard heads
-get the larger budgets. The dense reference is computed in query chunks (never N x N), so
-calibration works at any length the device holds q/k/v for.
+Choice: per budget, the candidate with the lowest objective (error, or 1 - mass) among
+those whose density is within ``1.5 x`` the budget; per head, the smallest budget whose
+winner's objective is at most ``max_error`` (else the largest budget's winner). So easy
+heads end up cheap and hard heads get the larger budgets. The dense reference is computed
+in query chunks (never N x N), so calibration works at any length the device holds q/k/v for.
 
 Input: ``.pt`` files (or directories of them), one per calibration input::
 
@@ -39,7 +39,7 @@ from .patterns import (KNOWN_MODELS, HeadPattern, HeadPatternConfig, ModelIdenti
                        block, default_config, grid, provenance, vertical_slash)
 
 DENSITY_SLACK = 1.5     # a candidate may exceed its budget by this factor and still compete
-_REF_ELEMS = 1 << 25    # fp32 scores per query chunk of the dense reference
+_REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
 
 
 @dataclass
@@ -101,7 +101,8 @@ def dense_reference(q, k, v, scale=None, rows: int | None = None):
     Hkv = k.shape[1]
     g = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
-    rows = rows or max(1, _REF_ELEMS // max(1, B * Hq * N))
+    budget = _REF_ELEMS["cuda" if q.is_cuda else "cpu"]
+    rows = rows or max(1, budget // max(1, B * Hq * N))
     kf, vf = k.float(), v.float()
     out = torch.empty(B, Hq, N, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
@@ -298,7 +299,7 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
                     continue
                 best = min(fits, key=lambda key: float(score[key][h]))
                 chosen = best
-                if float(m[best]["error"][h]) <= max_error:
+                if float(score[best][h]) <= max_error:
                     break
             if chosen is None:   # nothing within budget: the cheapest candidate measured
                 chosen = min(m, key=lambda key: float(m[key]["density"][h]))
@@ -378,7 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "calibration length), smallest tried first")
     parser.add_argument("--objective", choices=["output_error", "mass"], default="output_error")
     parser.add_argument("--max-error", type=float, default=0.05,
-                        help="a head takes the smallest budget whose best error is below this")
+                        help="a head takes the smallest budget whose best objective (error, "
+                        "or 1 - mass) is at most this")
     parser.add_argument("--engine", choices=["auto", "kernel", "reference"], default="auto")
     parser.add_argument("--block-m", type=int)
     parser.add_argument("--block-n", type=int)

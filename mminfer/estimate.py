@@ -17,10 +17,9 @@ the column mass over the visual keys give, per phase, the *lift* = phase mass / 
 uniform share. The best phase per stride, then the best stride: a multiple of a smaller
 candidate counts only if the divisor's phase mass above uniform sits in one of its sub-phases
 (else every multiple of the true stride would tie or win by noise, at a fraction of the
-recall). A best lift below
-``min_lift`` switches the head to its fallback pattern -- decided on the device: both the
-grid slot and the fallback slot are planned, and the losing one is switched off in the plan
-(``LayerEstimate.build_plan``), so nothing waits for the GPU.
+recall). A best lift below ``min_lift`` switches the head to its fallback pattern, decided
+on the device: both the grid slot and the fallback slot are planned and the losing one is
+switched off in the plan (``LayerEstimate.build_plan``), so nothing waits for the GPU.
 
 Nothing in the hot path reads a device tensor on the host (no ``.item()``/``.tolist()``).
 """
@@ -37,9 +36,10 @@ from .kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table
 from .modality import ModalityIndex
 from .patterns import HeadPattern, Pattern
 
-RUNNER_UP = 0.2          # stride multiples: max runner-up sub-phase share (see grid())
+RUNNER_UP = 0.2           # stride multiples: max runner-up sub-phase share (see grid())
 INACTIVE = 1 << 20        # a query group no row has: switches a slot off (see build_plan)
-_CHUNK_ELEMS = 1 << 26    # fp32 proxy scores per key chunk (256 MiB)
+_CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
+_PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
 _F_QGROUP, _F_LINES = 1, 11   # kernel parameter fields (kernels/sparse_attn_kernel.py)
 
 
@@ -121,7 +121,9 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
                    last_q: int = 64, chunk: int | None = None,
                    scale: float | None = None) -> LayerEstimate:
     """Kernel specs for all heads of one layer. q ``[B, Hq, N, D]``, k ``[B, Hkv, N, D]``;
-    ``heads[h]`` is the HeadPattern of (local) head h."""
+    ``heads[h]`` is the HeadPattern of (local) head h. ``block_m``/``block_n`` must be the
+    plan's (block heads list key blocks of ``block_n`` per row block of ``block_m``);
+    ``chunk`` is the key chunk of the proxy (default: about 256 MiB of fp32 scores)."""
     B, Hq, N, D = q.shape
     if len(heads) != Hq:
         raise ValueError(f"{len(heads)} head patterns for {Hq} query heads")
@@ -164,7 +166,7 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
         hs = [h for h, _ in members]
         pats = [p for _, p in members]
         if kind == "grid":
-            est.grid(out, hs, pats, qm, km)
+            est.grid(out, hs, pats, qm, km, ksplit)
         else:
             out.specs.append(est.spec(kind, hs, pats, qm, km, ksplit))
     return out
@@ -331,7 +333,7 @@ class _Estimator:
                      qgroup=self._group(qmod), kgroup=self._group(kmod))
 
     # ------------------------------------------------------------------ grid
-    def grid(self, est: LayerEstimate, hs, pats, qmod, kmod):
+    def grid(self, est: LayerEstimate, hs, pats, qmod, kmod, ksplit=False):
         span, lines_ok = self._grid_span(qmod, kmod)
         strides = [s for s in self.index.grid_strides() if span and 2 * s <= span[1] - span[0]]
         if not strides:
@@ -342,7 +344,7 @@ class _Estimator:
                 by_kind.setdefault(p.fallback.kind, []).append((h, p.fallback))
             for kind, mem in by_kind.items():
                 est.specs.append(self.spec(kind, [h for h, _ in mem], [p for _, p in mem],
-                                           qmod, kmod))
+                                           qmod, kmod, ksplit))
             return
         start, end = span
         col, _ = self.stats(qmod, kmod)
@@ -386,7 +388,8 @@ class _Estimator:
                     sub = (phases[i] % sj)[..., None] + \
                         sj * torch.arange(si // sj, device=self.dev)
                     top2 = excess[i].gather(-1, sub).topk(2, dim=-1).values
-                    valid[..., i] &= (top2[..., 0] > 0) & (top2[..., 1] <= RUNNER_UP * top2[..., 0])
+                    valid[..., i] &= (top2[..., 0] > 0) & \
+                        (top2[..., 1] <= RUNNER_UP * top2[..., 0])
         pick = torch.where(valid, lift, torch.full_like(lift, -1.0)).argmax(-1, keepdim=True)
         stride_t = torch.tensor(strides, device=self.dev)
         g_stride = stride_t[pick[..., 0]]                                 # [B, H']
@@ -410,7 +413,7 @@ class _Estimator:
             by_kind.setdefault(p.fallback.kind, []).append(i)
         for kind, pos_list in by_kind.items():
             fb = self.spec(kind, [hs[i] for i in pos_list], [pats[i].fallback for i in pos_list],
-                           qmod, kmod)
+                           qmod, kmod, ksplit)
             est.fallback_specs.append(fb)
             est.switches.append(_Switch(gi, len(est.fallback_specs) - 1, pos_list,
                                         fire[:, self._ints(pos_list)]))
@@ -447,37 +450,64 @@ def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
     nq = len(pos)
     dev = q.device
     pos_t = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
-    qs = q[:, :, pos_t].reshape(B, Hkv, g * nq, D)                # [B, Hkv, g*nq, D]
+    qs = (q[:, :, pos_t] * scale).reshape(B, Hkv, g * nq, D)      # [B, Hkv, g*nq, D]
     kend, qmin = pos[-1] + 1, pos[0]
     if chunk is None:
-        chunk = max(1024, _CHUNK_ELEMS // max(1, B * Hq * nq))
+        budget = _PROXY_ELEMS["cuda" if q.is_cuda else "cpu"]
+        chunk = max(1024, budget // max(1, B * Hq * nq))
     spans = [(a, min(a + chunk, kend)) for a in range(0, kend, chunk)]
 
     def scores(a, b):
         s = torch.matmul(qs, k[:, :, a:b].transpose(-1, -2)).float().view(B, Hq, nq, b - a)
-        s = s * scale
         if b - 1 > qmin:
             j = torch.arange(a, b, device=dev)
             s = s.masked_fill(j[None, :] > pos_t[:, None], float("-inf"))
         return s
 
+    # One chunk (up to ~150K keys for 28 heads on a GPU): keep the scores for pass two.
+    kept = scores(*spans[0]) if len(spans) == 1 else None
     lse = torch.full((B, Hq, nq), float("-inf"), device=dev)
     for a, b in spans:
-        lse = torch.logaddexp(lse, torch.logsumexp(scores(a, b), dim=-1))
+        lse = torch.logaddexp(lse, torch.logsumexp(
+            kept if kept is not None else scores(a, b), dim=-1))
     col = torch.zeros(B, Hq, N, device=dev)
     diag = torch.zeros(B, Hq, N, device=dev) if want_diag else None
     diag_k = {km: torch.zeros(B, Hq, N, device=dev) for km, _ in kmasks}
+    contiguous = pos == list(range(qmin, qmin + nq))
     for a, b in spans:
-        p = torch.exp(scores(a, b) - lse[..., None])                  # [B, Hq, nq, C]
+        p = kept if kept is not None else scores(a, b)
+        p = p.sub_(lse[..., None]).exp_()                             # [B, Hq, nq, C]
         col[:, :, a:b] = p.sum(2)
-        off = (pos_t[:, None] - torch.arange(a, b, device=dev)[None, :]).clamp(min=0)
-        idx = off.reshape(1, 1, -1).expand(B, Hq, -1)
-        if diag is not None:
-            diag.scatter_add_(2, idx, p.reshape(B, Hq, -1))
-        for km, mask in kmasks:
-            pm = p * mask[a:b]
-            diag_k[km].scatter_add_(2, idx, pm.reshape(B, Hq, -1))
+        targets = ([(diag, p)] if diag is not None else []) + \
+            [(diag_k[km], p * mask[a:b]) for km, mask in kmasks]
+        for out, x in targets:
+            if contiguous:
+                _diag_add(out, x, qmin, a)
+            else:
+                off = (pos_t[:, None] - torch.arange(a, b, device=dev)[None, :]).clamp(min=0)
+                out.scatter_add_(2, off.reshape(1, 1, -1).expand(B, Hq, -1),
+                                 x.reshape(B, Hq, -1))
     return col, diag, diag_k
+
+
+def _diag_add(out, p, q0, a):
+    """``out[..., o] += sum of p[..., r, c]`` over ``o = (q0 + r) - (a + c)``, for queries at
+    the contiguous positions q0.. and keys from a: a skew (each row r shifted left by r
+    through a strided view of a padded copy) turns diagonals into columns, so there is no
+    scatter and no atomics."""
+    B, H, nq, C = p.shape
+    W = C + nq
+    # Row r of p goes to flat r * W + nq of a zeroed buffer; read back with rows of W + 1,
+    # skew[r, c] = p[r, c + r - nq]: column c is offset q0 - a + nq - c.
+    buf = torch.zeros(B, H, nq * (W + 1), dtype=p.dtype, device=p.device)
+    buf.as_strided((B, H, nq, C), (H * nq * (W + 1), nq * (W + 1), W, 1),
+                   buf.storage_offset() + nq).copy_(p)
+    skew = buf.view(B, H, nq, W + 1)
+    s = skew.sum(2).flip(-1)                                  # s[t]: offset q0 - a - C + t
+    lo = q0 - a - C
+    t0, t1 = max(0, -lo), min(W + 1, out.shape[-1] - lo)
+    if t1 > t0:
+        out[..., lo + t0:lo + t1] += s[..., t0:t1]
 
 
 def _topk_ids(score, budgets, dev):

@@ -121,8 +121,9 @@ class Pattern:
             raise ConfigError(f"config {where}.kind = {kind!r} is not one of {', '.join(KINDS)}")
         extra = set(d) - {"kind"} - set(_FIELDS[kind])
         if extra:
+            own = ", ".join(_FIELDS[kind]) or "none"
             raise ConfigError(f"config {where}: unknown field(s) {', '.join(sorted(extra))} for "
-                              f"a {kind} pattern (its fields: {', '.join(_FIELDS[kind]) or 'none'})")
+                              f"a {kind} pattern (its fields: {own})")
         kw = {k: v for k, v in d.items() if k != "kind"}
         if kw.get("fallback") is not None:
             kw["fallback"] = cls.from_dict(kw["fallback"], f"{where}.fallback")
@@ -308,7 +309,7 @@ class HeadPatternConfig:
                         names[key] = _auto_name(hp, table)
                     table[names[key]] = hp.to_dict()
                 ids.append(names[key])
-            default = max(set(ids), key=ids.count)
+            default = max(dict.fromkeys(ids), key=ids.count)   # ties: first seen
             over = {str(h): n for h, n in enumerate(ids) if n != default}
             layers.append({"default": default, "heads": over} if over else {"default": default})
         return {"schema_version": self.schema_version, "model": self.identity.to_dict(),

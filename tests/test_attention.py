@@ -70,3 +70,35 @@ def test_sparse_path_rejects_wrong_head_count():
     idx, q, k, v = _inputs()
     with pytest.raises(ValueError, match="3 head patterns for 4 query heads"):
         layer_attention(q, k, v, idx, HEADS[:3], min_sparse_len=0)
+
+
+def test_through_the_transformers_hook_full_budget_equals_sdpa():
+    """The hook's contract: HeadPatternConfig.layer(i) -> layer_attention(..., out=view,
+    timer=...), plans kept for reporting; full budgets reproduce the dense model."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mminfer.estimate import full_budget
+    from mminfer.models.hooks import PrefillContext, prefill_context, register
+    from mminfer.patterns import HeadPatternConfig, ModelIdentity
+
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    idx = ModalityIndex.from_segments([("text", 6), ("video", 2, 4, 6, 0), ("text", 10)])
+    ids = torch.randint(0, 100, (1, idx.n))
+    patterns = HeadPatternConfig(ModelIdentity("tiny", "main", 2, 4, 2, 16),
+                                 [full_budget(HEADS, idx.n)] * 2)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids).logits
+        model.set_attn_implementation(register())
+        timer = StageTimer()
+        ctx = PrefillContext(index=idx, patterns=patterns, mode="sparse", timer=timer,
+                             keep_plans=True)
+        with prefill_context(ctx):
+            out = model(ids).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert set(ctx.densities) == {0, 1}
+    assert ctx.densities[0].estimate.row_groups == idx.row_groups()   # Q-boundary head
+    assert {"index", "attention"} <= set(timer.totals_ms())

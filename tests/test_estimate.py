@@ -323,3 +323,26 @@ def test_bad_inputs():
         estimate_layer(q, k, idx, [HeadPattern.single(dense())] * 3)
     with pytest.raises(ValueError, match="modality index is for"):
         estimate_layer(q[:, :, :50], k[:, :, :50], idx, [HeadPattern.single(dense())] * 4)
+
+
+def test_proxy_reductions_match_brute_force():
+    from mminfer.estimate import _proxy_stats
+    g = torch.Generator().manual_seed(0)
+    n = 150
+    q, k = torch.randn(1, 4, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+    keys = torch.rand(n, generator=g) > 0.5
+    # Contiguous queries (skewed diagonal sums) and scattered ones (scatter_add), small chunks.
+    for pos in (list(range(86, 150)), list(range(40, 60)) + list(range(100, 120))):
+        col, diag, by_key = _proxy_stats(q, k, pos, 0.5, 37, True, [("video", keys)])
+        s = q[:, :, pos] @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.5
+        s = s.masked_fill(torch.arange(n)[None, :] > torch.tensor(pos)[:, None], float("-inf"))
+        p = s.softmax(-1)                                    # [1, 4, len(pos), n]
+        off = torch.tensor(pos)[:, None] - torch.arange(n)[None, :]
+        want = torch.zeros(1, 4, n)
+        want_k = torch.zeros(1, 4, n)
+        ok = off >= 0
+        want.index_add_(2, off[ok], p[:, :, ok])
+        want_k.index_add_(2, off[ok & keys], p[:, :, ok & keys])
+        torch.testing.assert_close(col, p.sum(2))
+        torch.testing.assert_close(diag, want)
+        torch.testing.assert_close(by_key["video"], want_k)
