@@ -6,7 +6,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup test test-gpu bench-kernels clean
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup run test system-deps test-gpu bench-kernels clean
 
 setup: $(STAMP)
 
@@ -19,12 +22,22 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-test: $(STAMP)
+# The main job: the service on loopback with the embedded default model.
+run: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT)
+
+# Headless Chromium for the report-page test (Debian); skipped quietly where apt is not ours.
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "chromium not installed: the report-page browser test will be skipped"; }
+
+test: $(STAMP) system-deps
 	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra
 
 # On a CUDA machine: the same tests compiled for the GPU, bf16 included.
 test-gpu:
-	python3 -m pytest -q -ra tests/test_kernels.py tests/test_kernels_gpu.py
+	python3 -m pytest -q -ra -m gpu tests/test_kernels.py
 
 bench-kernels:
 	python3 benchmarks/kernels.py

@@ -85,7 +85,7 @@ def main():
         attn_ms = events_ms(lambda: sparse_attention(q, k, v, plan, out=out))
         dens = plan.density()
         grids = plan.estimate.summary()
-        fell_back = sum(any(any(x) for x in c["fallback"]) for cs in grids.values() for c in cs)
+        fell_back = sum(any(c["fallback"]) for cs in grids.values() for c in cs)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
             dense_ms = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True), reps=1 if n > 300000 else 3)
