@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import mminfer.estimate as E  # noqa: E402
 from mminfer.estimate import estimate_layer  # noqa: E402
 from mminfer.kernels import sparse_attention  # noqa: E402
 from mminfer.modality import ModalityIndex  # noqa: E402
@@ -66,6 +67,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 1048576])
     ap.add_argument("--layer", type=int, default=14)
+    ap.add_argument("--profile", action="store_true", help="CUDA profile of one estimate")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,8 +81,22 @@ def main():
         def est():
             box["plan"] = estimate_layer(q, k, index, heads).build_plan(q.device)
 
+        # A/B in one run: diagonal sums of split query sets by scatter_add (before) and by
+        # contiguous runs through the skew view (after).
+        E.DIAG_BY_RUNS = False
+        est_ms_scatter = events_ms(est)
+        E.DIAG_BY_RUNS = True
         est_ms = events_ms(est)
         plan = box["plan"]
+        if a.profile and n == a.lengths[0]:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                est()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            with open(os.path.join(a.out, "estimate_profile.txt"), "w") as f:
+                f.write(table)
+            print(table[:4000])
         out = torch.empty_like(q)
         attn_ms = events_ms(lambda: sparse_attention(q, k, v, plan, out=out))
         dens = plan.density()
@@ -89,7 +105,8 @@ def main():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
             dense_ms = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True), reps=1 if n > 300000 else 3)
-        row = {"n": index.n, "estimate_plan_ms": est_ms, "sparse_attention_ms": attn_ms,
+        row = {"n": index.n, "estimate_plan_ms": est_ms,
+               "estimate_plan_ms_scatter_diag": est_ms_scatter, "sparse_attention_ms": attn_ms,
                "estimate_share": est_ms / (est_ms + attn_ms), "logical": dens["logical"],
                "physical": dens["physical"], "grid_heads_fell_back": fell_back,
                "dense_cudnn_ms": dense_ms,
@@ -102,10 +119,11 @@ def main():
     with open(os.path.join(a.out, "estimate.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "layer": a.layer, "rows": rows}, f,
                   indent=1)
-    print(f"{'N':>8} {'est+plan ms':>11} {'attn ms':>9} {'share':>6} {'density':>8} "
-          f"{'dense ms':>9} {'speedup':>8}")
+    print(f"{'N':>8} {'before ms':>9} {'est+plan ms':>11} {'attn ms':>9} {'share':>6} "
+          f"{'density':>8} {'dense ms':>9} {'speedup':>8}")
     for r in rows:
-        print(f"{r['n']:>8} {r['estimate_plan_ms']:11.2f} {r['sparse_attention_ms']:9.2f} "
+        print(f"{r['n']:>8} {r['estimate_plan_ms_scatter_diag']:9.2f} "
+              f"{r['estimate_plan_ms']:11.2f} {r['sparse_attention_ms']:9.2f} "
               f"{r['estimate_share']:6.1%} {r['logical']:8.4f} {r['dense_cudnn_ms']:9.1f} "
               f"{r['speedup_incl_estimation']:7.1f}x")
 

@@ -40,6 +40,7 @@ RUNNER_UP = 0.2           # stride multiples: max runner-up sub-phase share (see
 INACTIVE = 1 << 20        # a query group no row has: switches a slot off (see build_plan)
 _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
+DIAG_BY_RUNS = True   # False: the older scatter_add path (kept for the A/B in benchmarks)
 _F_QGROUP, _F_LINES = 1, 11   # kernel parameter fields (kernels/sparse_attn_kernel.py)
 
 
@@ -473,7 +474,14 @@ def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
     col = torch.zeros(B, Hq, N, device=dev)
     diag = torch.zeros(B, Hq, N, device=dev) if want_diag else None
     diag_k = {km: torch.zeros(B, Hq, N, device=dev) for km, _ in kmasks}
-    contiguous = pos == list(range(qmin, qmin + nq))
+    # Query positions as contiguous runs (a modality's last queries can sit in several
+    # spans): each run takes the skew path; a scatter_add over rows × keys would pile up
+    # atomics on the same few thousand offsets (measured: most of the index time at 256K).
+    runs, r = [], 0
+    for i in range(1, nq + 1):
+        if i == nq or pos[i] != pos[i - 1] + 1:
+            runs.append((r, i, pos[r]))
+            r = i
     for a, b in spans:
         p = kept if kept is not None else scores(a, b)
         p = p.sub_(lse[..., None]).exp_()                             # [B, Hq, nq, C]
@@ -481,8 +489,9 @@ def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
         targets = ([(diag, p)] if diag is not None else []) + \
             [(diag_k[km], p * mask[a:b]) for km, mask in kmasks]
         for out, x in targets:
-            if contiguous:
-                _diag_add(out, x, qmin, a)
+            if DIAG_BY_RUNS:
+                for r0, r1, q0 in runs:
+                    _diag_add(out, x[:, :, r0:r1], q0, a)
             else:
                 off = (pos_t[:, None] - torch.arange(a, b, device=dev)[None, :]).clamp(min=0)
                 out.scatter_add_(2, off.reshape(1, 1, -1).expand(B, Hq, -1),

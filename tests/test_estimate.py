@@ -346,3 +346,24 @@ def test_proxy_reductions_match_brute_force():
         torch.testing.assert_close(col, p.sum(2))
         torch.testing.assert_close(diag, want)
         torch.testing.assert_close(by_key["video"], want_k)
+
+
+def test_diagonal_sums_by_runs_match_scatter():
+    """A query set in several spans (e.g. text before and after a video) takes the skew path
+    run by run; it must equal the plain scatter over every (row, key)."""
+    import mminfer.estimate as E
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1500, 32, generator=g)
+    k = torch.randn(1, 2, 1500, 32, generator=g)
+    pos = list(range(40, 60)) + list(range(1450, 1490)) + [1495, 1499]
+    old = E.DIAG_BY_RUNS
+    try:
+        E.DIAG_BY_RUNS = True
+        col_a, diag_a, _ = E._proxy_stats(q, k, pos, 0.2, 400, True, [])
+        E.DIAG_BY_RUNS = False
+        col_b, diag_b, _ = E._proxy_stats(q, k, pos, 0.2, 400, True, [])
+    finally:
+        E.DIAG_BY_RUNS = old
+    assert torch.equal(col_a, col_b)
+    assert torch.allclose(diag_a, diag_b, atol=1e-6)
+    assert diag_a.sum() > 0
