@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 
 # The main job: the service on loopback with the embedded default model.
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT)
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=$${TRITON_INTERPRET:-1} $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT)
 
 # Headless Chromium for the report-page test (Debian); skipped quietly where apt is not ours.
 system-deps:

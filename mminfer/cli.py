@@ -18,21 +18,19 @@ from mminfer.errors import MMInferError
 # owners: create the module and it appears here (a module not written yet is skipped).
 SUBCOMMANDS = {
     "answer": ("mminfer.cli", "answer a question about a video"),
-    "serve": ("mminfer.server.cli", "run the HTTP service"),                    # TODO(serve)
-    "batch": ("mminfer.batch", "answer questions about every video of a directory"),  # TODO
+    "serve": ("mminfer.server.cli", "run the HTTP service"),
+    "batch": ("mminfer.batch", "answer questions about every video of a directory"),
     "calibrate": ("mminfer.calibrate", "search head patterns on calibration videos"),  # TODO
     "bench": ("mminfer.bench", "measure kernels and end-to-end latency"),      # TODO(bench)
 }
-
-NO_MODEL = ("--model is required for now (the embedded default model is not shipped yet): "
-            "pass a Qwen2.5-VL or LongVILA checkpoint directory or hub id")
 
 
 # ---------------------------------------------------------------------- answer
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("video", help="video file")
     p.add_argument("question", help="question about the video")
-    p.add_argument("--model", help="checkpoint directory or hub id (required for now)")
+    p.add_argument("--model", help="checkpoint directory or hub id (default: the embedded "
+                   "model in samples/model)")
     p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
                    help="prefill attention (auto: sparse for long prompts)")
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
@@ -49,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    if not args.model:
-        raise MMInferError(NO_MODEL)
+    if not args.model:      # the embedded default; a clear error says how to build it
+        from mminfer.models.embedded import default_model
+        args.model = str(default_model())
     from mminfer.pipeline import Pipeline, check_request
     # bad arguments fail before the model loads
     check_request(args.question, args.fps, args.max_frames, args.max_new_tokens, args.start,

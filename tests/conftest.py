@@ -69,3 +69,51 @@ def frame_index():
         return int(round((float(np.mean(frame)) - 16) * max(n_frames - 1, 1) / 220))
 
     return index
+
+
+class LiveServer:
+    """A real uvicorn server for an app, on a free loopback port, in a background thread."""
+
+    def __init__(self, app):
+        import threading
+
+        import uvicorn
+
+        self.app = app
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.port = port
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture
+def live_server():
+    """``live_server(app) -> LiveServer`` (started; ``.url``); stopped at teardown."""
+    started = []
+
+    def start(app):
+        s = LiveServer(app).__enter__()
+        started.append(s)
+        return s
+
+    yield start
+    for s in reversed(started):
+        s.__exit__(None, None, None)

@@ -1,0 +1,429 @@
+"""``mminfer batch DIR``: answer questions about every video under a folder, resumably.
+
+Output is append-only JSONL, one record per (video, question), each line flushed and fsynced
+before the next item starts, so a killed job loses at most the item in flight. A record's
+``custom_id`` is stable across runs: sha256 of the video's relative path, size, mtime and
+the question's hash; editing or replacing a video makes it a new item.
+
+Rerunning with the same ``--out`` skips items that already have a success record and, with
+``--retry-errors``, runs again the ones whose records are errors (a new record is appended;
+earlier ones are never rewritten). The configuration fingerprint (model, attention, fps,
+max_frames, max_new_tokens) is in every record, and a file holding records of another
+fingerprint is refused: results of two configurations never mix in one file (write the new
+configuration to another ``--out``).
+
+``--ray ADDRESS|auto|local`` runs the same job on a Ray cluster: one actor per GPU (or one
+on the CPU when the cluster has no GPU) holds the model, one task per video answers all its
+questions, and the driver alone writes the JSONL, so records stay exactly-once. The nodes
+need mminfer installed and the video folder and model at the same paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from mminfer.errors import ConfigError, InputError, MMInferError
+
+VIDEO_EXTS = frozenset((".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg",
+                        ".ts", ".mts", ".m2ts", ".flv", ".wmv", ".3gp", ".ogv"))
+SCHEMA = 1
+
+
+# ------------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class Video:
+    rel: str          # POSIX path relative to the scanned folder: the stable name
+    path: str         # absolute path
+    size: int
+    mtime_ns: int
+
+
+def scan(root) -> list[Video]:
+    """Video files under ``root``, recursively, sorted by relative path (byte order, so the
+    order does not depend on the locale or the file system)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise InputError(f"{root} is not a directory")
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            if name.startswith(".") or Path(name).suffix.lower() not in VIDEO_EXTS:
+                continue
+            p = Path(dirpath) / name
+            try:
+                st = p.stat()
+            except OSError:
+                continue                # vanished or a dangling link
+            if not p.is_file():
+                continue
+            out.append(Video(p.relative_to(root).as_posix(), str(p.resolve()), st.st_size,
+                             st.st_mtime_ns))
+    out.sort(key=lambda v: v.rel.encode("utf-8", "surrogateescape"))
+    return out
+
+
+def read_questions(question: list[str] | None, questions_file: str | None) -> list[str]:
+    qs = [q for q in (question or [])]
+    if questions_file:
+        try:
+            text = Path(questions_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read the questions file {questions_file}: {e}") from None
+        qs += [ln.strip() for ln in text.splitlines()
+               if ln.strip() and not ln.lstrip().startswith("#")]
+    qs = [q.strip() for q in qs if q and q.strip()]
+    if not qs:
+        raise InputError("no question: pass --question Q or --questions FILE (one a line)")
+    return list(dict.fromkeys(qs))      # the same question twice would be the same item
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def item_id(video: Video, question: str) -> str:
+    return _sha(f"{video.rel}\0{video.size}\0{video.mtime_ns}\0{_sha(question)}")[:32]
+
+
+def model_identity(model: str) -> str:
+    """A local checkpoint: its real path and a hash of its small JSON files (config,
+    tokenizer, generation config), so a retrained model in the same folder is a new
+    configuration; a hub id: the id."""
+    p = Path(model).expanduser()
+    if not p.is_dir():
+        return model
+    h = hashlib.sha256()
+    for f in sorted(p.glob("*.json")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return f"{p.resolve()}#{h.hexdigest()[:16]}"
+
+
+def config_of(model, attention, fps, max_frames, max_new_tokens) -> dict:
+    return {"model": model_identity(model), "attention": attention, "fps": float(fps),
+            "max_frames": int(max_frames), "max_new_tokens": int(max_new_tokens)}
+
+
+def fingerprint(config: dict) -> str:
+    return _sha(json.dumps(config, sort_keys=True))[:16]
+
+
+# ------------------------------------------------------------------- output
+
+class Results:
+    """The JSONL file: what it already holds, and appending to it durably."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "a+b")
+        try:
+            import fcntl
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:          # not POSIX: no lock
+            pass
+        except OSError:
+            self.f.close()
+            raise ConfigError(f"another batch job is writing {self.path}") from None
+        self._drop_torn_tail()
+        self.records = self._read()
+
+    def _drop_torn_tail(self):
+        """A kill during a write can leave half a line at the end; it is no record, and
+        the next one must start on a line of its own."""
+        self.f.seek(0, os.SEEK_END)
+        size = self.f.tell()
+        if size == 0:
+            return
+        self.f.seek(max(0, size - 1))
+        if self.f.read(1) == b"\n":
+            return
+        self.f.seek(0)
+        data = self.f.read()
+        keep = data.rfind(b"\n") + 1
+        self.f.truncate(keep)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def _read(self) -> list[dict]:
+        self.f.seek(0)
+        out = []
+        for line in self.f.read().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and "custom_id" in r:
+                out.append(r)
+        return out
+
+    def append(self, record: dict):
+        self.f.seek(0, os.SEEK_END)
+        self.f.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self):
+        self.f.close()
+
+
+# ------------------------------------------------------------------- answering
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
+               attempt: int) -> dict:
+    """One record; any error of this item becomes an error record, never an exception."""
+    rec = {"custom_id": cid, "video": video["rel"], "question": question,
+           "size": video["size"], "mtime_ns": video["mtime_ns"], "config_fingerprint": fp,
+           "config": cfg, "attempt": attempt, "status": "ok", "response": None,
+           "error": None, "timings_ms": {}, "host": socket.gethostname(), "schema": SCHEMA}
+    t0 = time.perf_counter()
+    try:
+        res = pipe.answer(video["path"], question, fps=cfg["fps"],
+                          max_frames=cfg["max_frames"], max_new_tokens=cfg["max_new_tokens"])
+        d = res.to_dict()
+        d["video"].pop("path", None)
+        rec["response"] = {"answer": d["answer"], "model": d["model"],
+                           "attention": d["attention"], "tokens": d["tokens"],
+                           "sparsity": d["sparsity"], "video": d["video"]}
+        rec["timings_ms"] = d["timings_ms"]
+    except MMInferError as e:
+        rec["status"] = "error"
+        rec["error"] = {"code": e.code, "message": e.message.replace(video["path"], video["rel"])}
+    except Exception as e:      # noqa: BLE001 - one bad item must not end the job
+        rec["status"] = "error"
+        rec["error"] = {"code": "internal", "message": f"{type(e).__name__}: {e}"}
+    if not rec["timings_ms"]:
+        rec["timings_ms"] = {"total": round((time.perf_counter() - t0) * 1e3, 3)}
+    rec["finished_at"] = _now()
+    return rec
+
+
+def load_pipeline(load_args: dict):
+    from mminfer.pipeline import Pipeline
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    return Pipeline(load_args["model"], attention=load_args["attention"],
+                    device=load_args.get("device"), dtype=load_args.get("dtype"),
+                    min_sparse_len=load_args.get("min_sparse_len", 8192))
+
+
+class _Answerer:
+    """The Ray actor: loads the model once, answers one video's questions per call."""
+
+    def __init__(self, load_args: dict):
+        self.pipe = load_pipeline(load_args)
+
+    def answer_video(self, video: dict, items: list, cfg: dict, fp: str) -> list[dict]:
+        return [answer_one(self.pipe, video, q, cid, cfg, fp, attempt)
+                for cid, q, attempt in items]
+
+
+# ------------------------------------------------------------------- the job
+
+@dataclass
+class Summary:
+    items: int = 0
+    done: int = 0          # answered in this run
+    skipped: int = 0       # already done (or errored, without --retry-errors)
+    errors: int = 0        # failed in this run
+    latencies_ms: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        xs = sorted(self.latencies_ms)
+        pct = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa
+        return {"items": self.items, "done": self.done, "skipped": self.skipped,
+                "errors": self.errors,
+                "latency_ms": {"mean": round(sum(xs) / len(xs), 1), "p50": round(pct(.5), 1),
+                               "p95": round(pct(.95), 1)} if xs else None}
+
+    def line(self) -> str:
+        d = self.to_dict()
+        s = (f"batch: {d['items']} items: {d['done']} answered, {d['skipped']} skipped, "
+             f"{d['errors']} errors")
+        if d["latency_ms"]:
+            lat = d["latency_ms"]
+            s += (f"; latency per answer mean {lat['mean']:.0f} ms, p50 {lat['p50']:.0f} ms, "
+                  f"p95 {lat['p95']:.0f} ms")
+        return s
+
+
+def run_batch(root, questions: list[str], out, *, model: str, attention: str = "auto",
+              fps: float = 2.0, max_frames: int = 768, max_new_tokens: int = 32,
+              device=None, dtype=None, min_sparse_len: int = 8192, retry_errors: bool = False,
+              ray_address: str | None = None, ray_workers: int | None = None,
+              progress: bool = True) -> Summary:
+    from mminfer.pipeline import check_request
+    for q in questions:
+        check_request(q, fps, max_frames, max_new_tokens, None, None, attention)
+    cfg = config_of(model, attention, fps, max_frames, max_new_tokens)
+    fp = fingerprint(cfg)
+    videos = scan(root)
+    results = Results(out)
+    try:
+        other = next((r for r in results.records if r.get("config_fingerprint") != fp), None)
+        if other is not None:
+            raise ConfigError(
+                f"{out} holds results of another configuration (fingerprint "
+                f"{other.get('config_fingerprint')}: {json.dumps(other.get('config'))}; this "
+                f"run is {fp}: {json.dumps(cfg)}); write this run to another --out file")
+        ok = {r["custom_id"] for r in results.records if r.get("status") == "ok"}
+        attempts: dict[str, int] = {}
+        for r in results.records:
+            attempts[r["custom_id"]] = attempts.get(r["custom_id"], 0) + 1
+        summary = Summary()
+        todo: list[tuple[Video, list]] = []        # per video: [(id, question, attempt)]
+        for v in videos:
+            items = []
+            for q in questions:
+                cid = item_id(v, q)
+                summary.items += 1
+                if cid in ok or (cid in attempts and not retry_errors):
+                    summary.skipped += 1
+                    continue
+                items.append((cid, q, attempts.get(cid, 0) + 1))
+            if items:
+                todo.append((v, items))
+        n = sum(len(items) for _, items in todo)
+        if n == 0:
+            return summary
+        from tqdm import tqdm
+        bar = tqdm(total=n, unit="answer", disable=not progress, file=sys.stderr,
+                   dynamic_ncols=True, desc="batch")
+        load_args = {"model": model, "attention": attention, "device": device, "dtype": dtype,
+                     "min_sparse_len": min_sparse_len}
+
+        def record(rec):
+            results.append(rec)
+            if rec["status"] == "ok":
+                summary.done += 1
+                summary.latencies_ms.append(rec["timings_ms"].get("total", 0.0))
+            else:
+                summary.errors += 1
+            bar.update(1)
+            bar.set_postfix(errors=summary.errors, refresh=False)
+
+        try:
+            if ray_address:
+                _run_ray(ray_address, ray_workers, load_args, todo, cfg, fp, record)
+            else:
+                pipe = load_pipeline(load_args)
+                for v, items in todo:
+                    vd = {"rel": v.rel, "path": v.path, "size": v.size, "mtime_ns": v.mtime_ns}
+                    for cid, q, attempt in items:
+                        record(answer_one(pipe, vd, q, cid, cfg, fp, attempt))
+        finally:
+            bar.close()
+        return summary
+    finally:
+        results.close()
+
+
+def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, record):
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs the ray package: pip install 'ray>=2.44'") from None
+    if not ray.is_initialized():
+        if address == "local":
+            ray.init(include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    opts = {"num_gpus": 1} if gpus >= 1 else {"num_cpus": 1}
+    n = workers or (int(gpus) if gpus >= 1 else 1)
+    n = max(1, min(n, len(todo)))
+    actor_cls = ray.remote(**opts)(_Answerer)
+    idle = [actor_cls.remote(load_args) for _ in range(n)]
+    pending = list(reversed(todo))                 # pop() from the end keeps the scan order
+    running = {}
+    answered = set()                               # actors that finished a task
+    while pending or running:
+        while idle and pending:
+            v, items = pending.pop()
+            actor = idle.pop()
+            vd = {"rel": v.rel, "path": v.path, "size": v.size, "mtime_ns": v.mtime_ns}
+            ref = actor.answer_video.remote(vd, items, cfg, fp)
+            running[ref] = (actor, vd, items)
+        ready, _ = ray.wait(list(running), num_returns=1)
+        ref = ready[0]
+        actor, vd, items = running.pop(ref)
+        try:
+            recs = ray.get(ref)
+            answered.add(actor)
+        except ray.exceptions.RayError as e:
+            if actor not in answered and not answered:
+                # no actor has ever answered: the model does not load there, and new
+                # actors would fail the same way on every video
+                raise ConfigError(f"the Ray workers cannot start: {str(e)[-800:]}") from None
+            # The actor (or its node) died: these items get error records, a new actor
+            # takes its place.
+            recs = [{"custom_id": cid, "video": vd["rel"], "question": q, "size": vd["size"],
+                     "mtime_ns": vd["mtime_ns"], "config_fingerprint": fp, "config": cfg,
+                     "attempt": attempt, "status": "error", "response": None,
+                     "error": {"code": "ray_worker_died", "message": str(e)[:500]},
+                     "timings_ms": {}, "finished_at": _now(), "schema": SCHEMA}
+                    for cid, q, attempt in items]
+            actor = actor_cls.remote(load_args)
+        for rec in recs:
+            record(rec)
+        idle.append(actor)
+
+
+# ------------------------------------------------------------------- CLI
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("dir", help="folder scanned recursively for video files")
+    g = p.add_argument_group("questions (at least one)")
+    g.add_argument("--question", action="append", help="a question (repeatable)")
+    g.add_argument("--questions", metavar="FILE", help="questions, one a line ('#' comments)")
+    p.add_argument("--out", required=True, help="JSONL results file (appended to, resumable)")
+    p.add_argument("--model", help="checkpoint directory or hub id (default: $MMINFER_MODEL, "
+                                   "else the embedded samples/model)")
+    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto")
+    p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
+    p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
+    p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--min-sparse-len", type=int, default=8192)
+    p.add_argument("--retry-errors", action="store_true",
+                   help="run again the items whose earlier records are errors")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run on a Ray cluster: its address, 'auto', or 'local' (start one)")
+    p.add_argument("--ray-workers", type=int,
+                   help="model replicas on Ray (default: one per GPU, or 1 without GPUs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from mminfer.server.app import resolve_model
+    questions = read_questions(args.question, args.questions)
+    model = resolve_model(args.model)
+    summary = run_batch(args.dir, questions, args.out, model=model, attention=args.attention,
+                        fps=args.fps, max_frames=args.max_frames,
+                        max_new_tokens=args.max_new_tokens, device=args.device,
+                        dtype=args.dtype, min_sparse_len=args.min_sparse_len,
+                        retry_errors=args.retry_errors, ray_address=args.ray,
+                        ray_workers=args.ray_workers, progress=not args.no_progress)
+    print(summary.line())
+    print(json.dumps({"summary": summary.to_dict(), "out": str(args.out)}))
+    return 1 if summary.errors else 0

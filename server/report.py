@@ -1,0 +1,214 @@
+"""The latency report page: plain HTML with SVG charts drawn here, on the server.
+
+No script and no external asset, so the page works offline, behind strict proxies and in a
+headless browser alike. Every chart element carries ``data-*`` attributes with the numbers it
+draws (bucket, count, milliseconds), which is also what the page test reads.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+
+from .store import bucket_of
+
+# Stages that add up to the time to first token, then the answer tokens.
+TTFT_STAGES = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
+               "llm_other")
+BAR_STAGES = TTFT_STAGES + ("generate",)
+COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "decode": "#8d6e63", "preprocess": "#ffb74d",
+          "vision": "#4db6ac", "index": "#ba68c8", "attention": "#e57373",
+          "llm_other": "#64b5f6", "generate": "#81c784", "ttft": "#1565c0",
+          "total": "#37474f"}
+WINDOWS = (("last 15 min", 900), ("last hour", 3600), ("last day", 86400), ("all", None))
+
+e = html.escape
+
+
+def _fmt_ms(ms: float) -> str:
+    if ms is None or (isinstance(ms, float) and math.isnan(ms)):
+        return "-"
+    if ms >= 10_000:
+        return f"{ms / 1e3:.1f} s"
+    if ms >= 100:
+        return f"{ms:.0f} ms"
+    return f"{ms:.1f} ms"
+
+
+def _cell(report, stage, bucket):
+    for r in report["rows"]:
+        if r["stage"] == stage and r["bucket"] == bucket:
+            return r
+    return None
+
+
+def stage_bars(report: dict) -> str:
+    """One horizontal bar per length bucket: median time of each stage, stacked."""
+    buckets = report["buckets"]
+    if not buckets:
+        return '<p class="empty">No successful requests in this window yet.</p>'
+    width, label_w, row_h, top = 860, 110, 34, 28
+    height = top + row_h * len(buckets) + 30
+    medians = {b: [(s, (_cell(report, s, b) or {}).get("p50_ms", 0.0) or 0.0)
+                   for s in BAR_STAGES] for b in buckets}
+    biggest = max(sum(ms for _, ms in v) for v in medians.values()) or 1.0
+    scale = (width - label_w - 130) / biggest
+    out = [f'<svg class="chart" id="stage-chart" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" '
+           f'aria-label="Median time per stage and prompt length">']
+    x = label_w
+    for s in BAR_STAGES:          # legend
+        out.append(f'<rect x="{x}" y="6" width="10" height="10" fill="{COLORS[s]}"/>'
+                   f'<text x="{x + 13}" y="15" class="legend">{e(s)}</text>')
+        x += 13 + 7 * len(s) + 12
+    for i, b in enumerate(buckets):
+        y = top + i * row_h
+        count = (_cell(report, "total", b) or {}).get("count", 0)
+        out.append(f'<g class="bucket" data-bucket="{e(b)}" data-count="{count}">')
+        out.append(f'<text x="{label_w - 8}" y="{y + 19}" text-anchor="end" class="label">'
+                   f'{e(b)} tok</text>')
+        x = label_w
+        for s, ms in medians[b]:
+            w = ms * scale
+            if w <= 0:
+                continue
+            out.append(f'<rect class="stage" data-stage="{e(s)}" data-p50-ms="{ms:.3f}" '
+                       f'x="{x:.2f}" y="{y + 4}" width="{max(w, 0.5):.2f}" height="{row_h - 10}"'
+                       f' fill="{COLORS[s]}"><title>{e(b)} tokens, {e(s)}: median '
+                       f'{_fmt_ms(ms)}</title></rect>')
+            x += w
+        total = sum(ms for _, ms in medians[b])
+        out.append(f'<text x="{x + 6:.2f}" y="{y + 19}" class="value">{_fmt_ms(total)} '
+                   f'(n={count})</text></g>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def percentile_bars(report: dict, stage: str) -> str:
+    """p50 / p95 / p99 of one stage per length bucket, as grouped vertical bars."""
+    buckets = [b for b in report["buckets"] if _cell(report, stage, b)]
+    if not buckets:
+        return ""
+    width, height, left, bottom, top = 860, 240, 60, 40, 20
+    group = (width - left - 20) / len(buckets)
+    bar = min(36, group / 4)
+    peak = max(_cell(report, stage, b)["p99_ms"] for b in buckets) or 1.0
+    scale = (height - top - bottom) / peak
+    out = [f'<svg class="chart" id="pct-{e(stage)}" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" '
+           f'aria-label="{e(stage)} percentiles per prompt length">',
+           f'<line x1="{left}" y1="{height - bottom}" x2="{width - 10}" y2="{height - bottom}" '
+           f'stroke="#888"/>',
+           f'<text x="{left}" y="14" class="label">{e(stage)}: p50 / p95 / p99 '
+           f'(max {_fmt_ms(peak)})</text>']
+    shades = (("p50_ms", 1.0), ("p95_ms", 0.65), ("p99_ms", 0.4))
+    for i, b in enumerate(buckets):
+        c = _cell(report, stage, b)
+        gx = left + i * group + (group - 3 * bar) / 2
+        out.append(f'<g class="bucket" data-bucket="{e(b)}" data-count="{c["count"]}">')
+        for j, (key, opacity) in enumerate(shades):
+            h = c[key] * scale
+            out.append(f'<rect class="pct" data-pct="{key[:-3]}" data-ms="{c[key]:.3f}" '
+                       f'x="{gx + j * bar:.2f}" y="{height - bottom - h:.2f}" '
+                       f'width="{bar - 2:.2f}" height="{max(h, 0.5):.2f}" '
+                       f'fill="{COLORS.get(stage, "#1565c0")}" fill-opacity="{opacity}">'
+                       f'<title>{e(b)} tokens, {key[:-3]}: {_fmt_ms(c[key])} '
+                       f'(n={c["count"]})</title></rect>')
+        out.append(f'<text x="{gx + 1.5 * bar:.2f}" y="{height - bottom + 16}" '
+                   f'text-anchor="middle" class="label">{e(b)} (n={c["count"]})</text></g>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def scatter(rows: list[dict]) -> str:
+    """Each recent successful request: prompt tokens (x, log) against ttft (y, log)."""
+    pts = [r for r in rows if r["status"] == 200 and r["tokens"]
+           and r["timings"].get("ttft", 0) > 0]
+    if not pts:
+        return ""
+    width, height, left, bottom, top = 860, 270, 60, 36, 26
+    xs = [math.log10(r["tokens"]) for r in pts]
+    ys = [math.log10(r["timings"]["ttft"]) for r in pts]
+    x0, x1 = math.floor(min(xs)), math.ceil(max(xs)) + (min(xs) == max(xs))
+    y0, y1 = math.floor(min(ys)), math.ceil(max(ys)) + (min(ys) == max(ys))
+    sx = lambda v: left + (v - x0) / (x1 - x0) * (width - left - 20)           # noqa: E731
+    sy = lambda v: height - bottom - (v - y0) / (y1 - y0) * (height - top - bottom)  # noqa
+    out = [f'<svg class="chart" id="scatter" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" '
+           f'aria-label="Time to first token against prompt length">']
+    legend = (("dense", COLORS["ttft"]), ("sparse", COLORS["attention"]))
+    for i, (name, color) in enumerate(legend):
+        out.append(f'<circle cx="{left + 10 + 80 * i}" cy="{top - 6}" r="4" fill="{color}"/>'
+                   f'<text x="{left + 18 + 80 * i}" y="{top - 2}" class="legend">{name}</text>')
+    for d in range(x0, x1 + 1):
+        anchor = "end" if d == x1 else "middle"
+        out.append(f'<line x1="{sx(d):.1f}" y1="{top}" x2="{sx(d):.1f}" '
+                   f'y2="{height - bottom}" stroke="#eee"/><text x="{sx(d):.1f}" '
+                   f'y="{height - bottom + 16}" text-anchor="{anchor}" class="label">'
+                   f'{10 ** d:,} tok</text>')
+    for d in range(y0, y1 + 1):
+        out.append(f'<line x1="{left}" y1="{sy(d):.1f}" x2="{width - 20}" y2="{sy(d):.1f}" '
+                   f'stroke="#eee"/><text x="{left - 6}" y="{sy(d) + 4:.1f}" '
+                   f'text-anchor="end" class="label">{_fmt_ms(10.0 ** d)}</text>')
+    for r, x, y in zip(pts, xs, ys):
+        color = COLORS["attention"] if r["attention"] == "sparse" else COLORS["ttft"]
+        out.append(f'<circle class="point" data-bucket="{e(bucket_of(r["tokens"]))}" '
+                   f'data-tokens="{r["tokens"]}" data-ttft-ms="{r["timings"]["ttft"]:.3f}" '
+                   f'data-attention="{e(r["attention"] or "")}" cx="{sx(x):.2f}" '
+                   f'cy="{sy(y):.2f}" r="4" fill="{color}" fill-opacity="0.7">'
+                   f'<title>{r["tokens"]} tokens, ttft {_fmt_ms(r["timings"]["ttft"])}, '
+                   f'{e(r["attention"] or "")}</title></circle>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def table(report: dict) -> str:
+    if not report["rows"]:
+        return ""
+    head = ("<tr><th>stage</th><th>length</th><th>count</th><th>p50</th><th>p95</th>"
+            "<th>p99</th><th>mean density</th></tr>")
+    body = []
+    for r in report["rows"]:
+        dens = "-" if r["mean_density"] is None else f'{r["mean_density"]:.3f}'
+        body.append(f'<tr data-stage="{e(r["stage"])}" data-bucket="{e(r["bucket"])}">'
+                    f'<td>{e(r["stage"])}</td><td>{e(r["bucket"])}</td><td>{r["count"]}</td>'
+                    f'<td>{_fmt_ms(r["p50_ms"])}</td><td>{_fmt_ms(r["p95_ms"])}</td>'
+                    f'<td>{_fmt_ms(r["p99_ms"])}</td><td>{dens}</td></tr>')
+    return f'<table id="latency-table">{head}{"".join(body)}</table>'
+
+
+def render(report: dict, rows: list[dict], model: str, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    links = " · ".join(
+        f'<a href="/report{"" if s is None else f"?since={now - s:.0f}"}">{e(name)}</a>'
+        for name, s in WINDOWS)
+    window = "all time" if report["since"] is None else (
+        "since " + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(report["since"])))
+    errors = ", ".join(f"{e(k)}: {v}" for k, v in sorted(report["errors"].items())) or "none"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>mminfer latency report</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 900px; }}
+h1 {{ font-size: 20px; }} h2 {{ font-size: 16px; margin-top: 28px; }}
+.label, .legend, .value {{ font-size: 12px; fill: #333; }}
+table {{ border-collapse: collapse; font-size: 13px; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: right; }}
+td:first-child, th:first-child, td:nth-child(2) {{ text-align: left; }}
+.empty {{ color: #777; }}
+</style></head><body>
+<h1>mminfer latency report</h1>
+<p>Model <code>{e(model)}</code>; {window}; {report["requests"]} requests,
+{report["succeeded"]} answered; errors: {errors}.<br>{links} ·
+<a href="/v1/latency-report">JSON</a> · <a href="/metrics">metrics</a></p>
+<h2>Where the time goes (median per stage, by prompt length)</h2>
+{stage_bars(report)}
+<h2>Time to first token</h2>
+{percentile_bars(report, "ttft")}
+<h2>Time to first token against prompt length (recent requests)</h2>
+{scatter(rows)}
+<h2>All stages</h2>
+{table(report)}
+</body></html>
+"""

@@ -1,0 +1,159 @@
+"""The directory batch job with the tiny Qwen2.5-VL checkpoint: stable order and ids, a run
+killed mid-way and resumed (every item exactly once), --retry-errors, a changed
+configuration refused, and the same job on a local Ray instance."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+from conftest import write_video
+
+from mminfer import cli
+from mminfer.batch import item_id, read_questions, run_batch, scan
+from mminfer.errors import ConfigError, InputError
+from mminfer.models.tiny import save_tiny_qwen2_5_vl
+
+QUESTIONS = ["what color is it?", "how many frames?"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("batch") / "tiny-qwen")
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """Seven readable clips in nested folders, one broken file, and files to ignore."""
+    root = tmp_path_factory.mktemp("videos")
+    names = ["b.mp4", "a/z.mp4", "a/b/c.mkv", "A.mp4", "a/x y.mp4", "c/d.mov", "c/e.MP4"]
+    for i, name in enumerate(names):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        write_video(root / name, n_frames=8 + 2 * i, fps=4.0, width=64, height=48,
+                    container="matroska" if name.endswith(".mkv") else
+                    "mov" if name.endswith(".mov") else None)
+    (root / "c" / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x01" * 500)
+    (root / "notes.txt").write_text("not a video")
+    (root / ".hidden").mkdir()
+    write_video(root / ".hidden" / "skip.mp4", n_frames=4)
+    return root
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_scan_order_and_stable_ids(videos):
+    got = [v.rel for v in scan(videos)]
+    assert got == ["A.mp4", "a/b/c.mkv", "a/x y.mp4", "a/z.mp4", "b.mp4", "c/broken.mp4",
+                   "c/d.mov", "c/e.MP4"]
+    first, again = scan(videos), scan(videos)
+    assert [item_id(v, "q") for v in first] == [item_id(v, "q") for v in again]
+    assert item_id(first[0], "q") != item_id(first[0], "q2")
+    os.utime(first[0].path, ns=(first[0].mtime_ns + 10**9, first[0].mtime_ns + 10**9))
+    moved = scan(videos)[0]
+    assert item_id(moved, "q") != item_id(first[0], "q")      # an edited video is new work
+    os.utime(first[0].path, ns=(first[0].mtime_ns, first[0].mtime_ns))
+    with pytest.raises(InputError, match="no question"):
+        read_questions(None, None)
+
+
+def test_questions_file(tmp_path):
+    f = tmp_path / "q.txt"
+    f.write_text("# comment\nwhat color?\n\nhow many?\nwhat color?\n", encoding="utf-8")
+    assert read_questions(["first?"], str(f)) == ["first?", "what color?", "how many?"]
+
+
+def test_killed_run_resumes_exactly_once(ckpt, videos, tmp_path, capsys):
+    out = tmp_path / "results.jsonl"
+    n_items = len(scan(videos)) * len(QUESTIONS)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = ["batch", str(videos), "--out", str(out), "--model", str(ckpt),
+            "--max-new-tokens", "8", "--no-progress"]
+    for q in QUESTIONS:
+        args += ["--question", q]
+    p = subprocess.Popen([sys.executable, "-m", "mminfer.cli", *args], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and p.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= 3:
+            break
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+    assert p.returncode == -signal.SIGKILL, p.stderr.read().decode()[-2000:]
+    p.stderr.close()
+    before = [json.loads(ln) for ln in out.read_bytes().split(b"\n") if ln.endswith(b"}")]
+    assert 3 <= len(before) < n_items, "the job finished before it could be killed"
+    with open(out, "ab") as f:                   # a write torn by the kill
+        f.write(b'{"custom_id": "deadbeef", "video": "b.mp')
+
+    code = cli.main(args)
+    summary = capsys.readouterr().out
+    recs = records(out)                          # every line parses: the torn tail is gone
+    assert code == 1                             # the broken file is an error
+    ok = Counter((r["video"], r["question"]) for r in recs if r["status"] == "ok")
+    readable = [v.rel for v in scan(videos) if v.rel != "c/broken.mp4"]
+    assert set(ok) == {(v, q) for v in readable for q in QUESTIONS}
+    assert set(ok.values()) == {1}               # each exactly once
+    assert len({r["custom_id"] for r in recs}) == n_items == len(recs)
+    errs = [r for r in recs if r["status"] == "error"]
+    assert {r["video"] for r in errs} == {"c/broken.mp4"}
+    assert all(r["error"]["code"] == "bad_video" and str(videos) not in r["error"]["message"]
+               for r in errs)
+    fp = {r["config_fingerprint"] for r in recs}
+    assert len(fp) == 1
+    r = next(r for r in recs if r["status"] == "ok")
+    assert r["response"]["answer"] is not None and r["timings_ms"]["vision"] > 0
+    assert "path" not in r["response"]["video"]
+    line = next(ln for ln in summary.splitlines() if ln.startswith("batch:"))
+    done_before = sum(1 for r in before if r["status"] == "ok")
+    err_before = len(before) - done_before
+    assert f"{len(before)} skipped" in line and "latency" in line and "p95" in line
+    final = json.loads(summary.strip().splitlines()[-1])["summary"]
+    assert final["skipped"] == len(before) and final["done"] + final["errors"] == \
+        n_items - len(before)
+    assert final["errors"] == len(QUESTIONS) - err_before
+
+    # a rerun has nothing left to do; --retry-errors runs the errors again
+    s = run_batch(videos, QUESTIONS, out, model=str(ckpt), max_new_tokens=8, progress=False)
+    assert (s.done, s.errors, s.skipped) == (0, 0, n_items)
+    s = run_batch(videos, QUESTIONS, out, model=str(ckpt), max_new_tokens=8, progress=False,
+                  retry_errors=True)
+    assert (s.done, s.errors, s.skipped) == (0, len(QUESTIONS), n_items - len(QUESTIONS))
+    retried = [r for r in records(out) if r["status"] == "error"]
+    assert Counter(r["attempt"] for r in retried) == {1: 2, 2: 2}
+    assert len(records(out)) == n_items + len(QUESTIONS)
+
+    # another configuration is refused and the file is left as it was
+    snapshot = out.read_bytes()
+    with pytest.raises(ConfigError, match="another configuration"):
+        run_batch(videos, QUESTIONS, out, model=str(ckpt), max_new_tokens=8, fps=1.0,
+                  progress=False)
+    assert out.read_bytes() == snapshot
+
+
+def test_ray_runs_the_same_job(ckpt, videos, tmp_path):
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
+    local = tmp_path / "local.jsonl"
+    on_ray = tmp_path / "ray.jsonl"
+    questions = QUESTIONS[:1]
+    run_batch(videos, questions, local, model=str(ckpt), max_new_tokens=4, progress=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        s = run_batch(videos, questions, on_ray, model=str(ckpt), max_new_tokens=4,
+                      progress=False, ray_address="auto", ray_workers=2)
+    finally:
+        ray.shutdown()
+    assert (s.done, s.errors) == (len(scan(videos)) - 1, 1)
+    a = {r["custom_id"]: r for r in records(local)}
+    b = {r["custom_id"]: r for r in records(on_ray)}
+    assert len(b) == len(records(on_ray)) == len(a)         # exactly once
+    for cid, r in a.items():                                 # greedy: the same answers
+        assert b[cid]["status"] == r["status"]
+        if r["status"] == "ok":
+            assert b[cid]["response"]["answer"] == r["response"]["answer"]
