@@ -79,9 +79,9 @@ def positions(kind, index, device):
 
 
 @torch.no_grad()
-def prefill(model, head, index, pos, ctx, n_layers=None, mlp_chunk=65536):
+def prefill(model, head, index, pos, ctx, layer_ids=None, mlp_chunk=65536):
     """Layer loop over the real modules; returns the last position's logits."""
-    layers = model.layers[:n_layers] if n_layers else model.layers
+    layers = [model.layers[i] for i in layer_ids] if layer_ids else model.layers
     g = torch.Generator(device=pos.device).manual_seed(0)
     h = torch.randn(1, index.n, model.config.hidden_size, device=pos.device,
                     dtype=torch.bfloat16, generator=g)
@@ -105,9 +105,11 @@ def run_one(model, head, kind, n, mode, patterns, dense_layer_ms=None):
     timer = StageTimer(dev)
     ctx = hooks.PrefillContext(index=index, patterns=patterns, mode=mode, min_sparse_len=0,
                                timer=timer, keep_plans=(mode == "sparse"))
-    # warm-up on two layers: compiles every kernel variant outside the timed run
+    # warm-up on the first and the last layer (the configs' two kinds of layer): compiles
+    # every kernel variant outside the timed run
     prefill(model, head, index, pos, hooks.PrefillContext(index=index, patterns=patterns,
-                                                          mode=mode, min_sparse_len=0), 2)
+                                                          mode=mode, min_sparse_len=0),
+            [0, len(model.layers) - 1])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
