@@ -132,8 +132,8 @@ def _merge_partials(out, lse, scratch, lse_s, heads_2d):
 
 
 def count_plan(plan: SparsePlan) -> dict:
-    """Run the kernels in count mode: logical pairs and visited tiles, as fractions of the
-    causal triangle (all heads, all batch entries)."""
+    """Run the kernels in count mode: logical pairs and visited tiles as fractions of the
+    causal triangle, in total and per query head (``[H]`` tensors, on the CPU)."""
     dev = plan.table.device
     B, H, N = plan.batch, plan.num_heads, plan.n
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
@@ -143,8 +143,8 @@ def count_plan(plan: SparsePlan) -> dict:
     G = max(plan.n_key_groups, 1)
     counts_s = torch.zeros(G, B, max(len(plan.heads_2d), 1), N, dtype=torch.float32,
                            device=dev)
-    logical = 0.0
-    physical = 0
+    logical = torch.zeros(H, dtype=torch.float64, device=dev)
+    physical = torch.zeros(H, dtype=torch.float64, device=dev)
     tiles_by_family = {}
     for name, fl in plan.launches.items():
         cfg = _config(q, plan, name, None)
@@ -152,16 +152,22 @@ def count_plan(plan: SparsePlan) -> dict:
         tiles = torch.zeros(B * fl.n_slots, n_prog, dtype=torch.int32, device=dev)
         counts.zero_()
         counts_s.zero_()
-        _launch(q, kv, kv, q, counts, None,
-                counts_s if plan.heads_2d else None, tiles, plan, name, fl, 1.0, True, True,
-                None)
-        logical += float(counts.double().sum() + counts_s.double().sum())
-        t = int(tiles.to(torch.int64).sum())
-        tiles_by_family[name] = t
-        physical += t * plan.block_m * cfg["BLOCK_N"]
-    tri = B * H * N * (N + 1) / 2
-    return {"logical": logical / tri, "physical": physical / tri,
-            "tiles": tiles_by_family, "pairs": logical}
+        _launch(q, kv, kv, q, counts, None, counts_s if plan.heads_2d else None, tiles, plan,
+                name, fl, 1.0, True, True, None)
+        logical += counts.double().sum((0, 2))
+        if plan.heads_2d:
+            logical.index_add_(0, torch.tensor(plan.heads_2d, device=dev),
+                               counts_s.double().sum((0, 1, 3)))
+        slot_tiles = tiles.to(torch.int64).sum(1)
+        tiles_by_family[name] = int(slot_tiles.sum())
+        physical.index_add_(0, fl.params[:, :, 0].reshape(-1).long(),
+                            slot_tiles.double() * plan.block_m * cfg["BLOCK_N"])
+    tri = N * (N + 1) / 2
+    return {"logical": float(logical.sum()) / (B * H * tri),
+            "physical": float(physical.sum()) / (B * H * tri),
+            "tiles": tiles_by_family, "pairs": float(logical.sum()),
+            "logical_per_head": (logical / (B * tri)).cpu(),
+            "physical_per_head": (physical / (B * tri)).cpu()}
 
 
 def dense_flops(n: int, heads: int, d: int, batch: int = 1) -> float:

@@ -121,34 +121,9 @@ def dense_reference(q, k, v, scale=None, rows: int | None = None):
 
 def head_density(plan) -> tuple:
     """Per head ``(logical [H], physical [H])`` fractions of the causal triangle, from the
-    kernel's count mode (``count_plan`` per head; only the summing differs)."""
-    from .kernels.launch import _config, _launch
-    dev = plan.table.device
-    B, H, N = plan.batch, plan.num_heads, plan.n
-    dtype = torch.float16 if dev.type == "cuda" else torch.float32
-    q = torch.empty(B, H, N, 16, dtype=dtype, device=dev)
-    kv = torch.empty(B, 1, N, 16, dtype=dtype, device=dev)
-    counts = torch.zeros(B, H, N, dtype=torch.float32, device=dev)
-    G = max(plan.n_key_groups, 1)
-    counts_s = torch.zeros(G, B, max(len(plan.heads_2d), 1), N, dtype=torch.float32, device=dev)
-    logical = torch.zeros(H, dtype=torch.float64, device=dev)
-    physical = torch.zeros(H, dtype=torch.float64, device=dev)
-    for name, fl in plan.launches.items():
-        cfg = _config(q, plan, name, None)
-        tiles = torch.zeros(B * fl.n_slots, plan.n_row_blocks + fl.n_rowline_programs,
-                            dtype=torch.int32, device=dev)
-        counts.zero_()
-        counts_s.zero_()
-        _launch(q, kv, kv, q, counts, None, counts_s if plan.heads_2d else None, tiles, plan,
-                name, fl, 1.0, True, True, None)
-        logical += counts.double().sum((0, 2))
-        if plan.heads_2d:
-            logical.index_add_(0, torch.tensor(plan.heads_2d, device=dev),
-                               counts_s.double().sum((0, 1, 3)))
-        slot_head = fl.params[:, :, 0].reshape(-1).long()
-        physical.index_add_(0, slot_head, tiles.double().sum(1) * plan.block_m * cfg["BLOCK_N"])
-    tri = B * N * (N + 1) / 2
-    return (logical / tri).cpu(), (physical / tri).cpu()
+    kernel's count mode."""
+    d = plan.density()
+    return d["logical_per_head"], d["physical_per_head"]
 
 
 def evaluate(q, k, v, index, heads: Sequence[HeadPattern], ref, *, engine="kernel",
