@@ -340,8 +340,17 @@ def _progress(total, enabled):
 
 # ---------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+",
+    parser.add_argument("inputs", nargs="*",
                         help="captured q/k/v: .pt files or directories of them")
+    parser.add_argument("--model", help="capture q/k/v from this checkpoint first "
+                        "(with --videos): a prefill per video, dense")
+    parser.add_argument("--videos", nargs="+", default=[], help="calibration videos")
+    parser.add_argument("--question", default="What happens in the video?",
+                        help="question placed after each calibration video")
+    parser.add_argument("--fps", type=float, default=2.0)
+    parser.add_argument("--max-frames", type=int, default=768)
+    parser.add_argument("--capture-dir", help="where captured .pt files go "
+                        "(default: a folder next to --out)")
     parser.add_argument("--out", required=True, help="head-pattern config to write (JSON)")
     parser.add_argument("--report", help="per-head report (JSON; default: OUT.report.json)")
     parser.add_argument("--model-id", help="model id (known ids fill in the shape; others "
@@ -363,7 +372,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    caps = load_captures(args.inputs)
+    inputs = list(args.inputs)
+    if args.model or args.videos:
+        if not (args.model and args.videos):
+            raise InputError("capturing needs both --model and --videos")
+        from .capture import capture_qkv
+        cap_dir = Path(args.capture_dir or str(Path(args.out).with_suffix("")) + ".captures")
+        paths = capture_qkv(args.model, args.videos, args.question, cap_dir, fps=args.fps,
+                            max_frames=args.max_frames, device=args.device,
+                            progress=lambda p, n: print(f"captured {p} ({n} tokens)"))
+        inputs += [str(p) for p in paths]
+        if not args.model_id:
+            from .pipeline import resolve_checkpoint
+            args.model_id = resolve_checkpoint(args.model)[1]
+    if not inputs:
+        raise InputError("give captured .pt inputs, or --model with --videos to capture them")
+    caps = load_captures(inputs)
     if args.device:
         for c in caps:
             c.layers = {i: tuple(t.to(args.device) for t in qkv) for i, qkv in c.layers.items()}

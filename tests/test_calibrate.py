@@ -120,3 +120,31 @@ def test_cli_run_writes_config_and_report(tmp_path, capsys):
     assert len(report) == 2 and report[0]["error"] >= report[1]["error"]
     assert {r["pattern"] for r in report} <= {"a_shape", "vertical_slash", "block"}
     assert "wrote" in capsys.readouterr().out
+
+
+def test_capture_from_a_real_layout_checkpoint_then_calibrate(tmp_path):
+    """`mminfer calibrate --model M --videos V`: q/k/v captured from the tiny Qwen2.5-VL
+    checkpoint's dense prefill on a sample video, then searched; the written config loads
+    back for that model's shape and the report is sorted worst-first."""
+    import argparse
+    from pathlib import Path
+
+    from mminfer import calibrate as C
+    from mminfer.models.tiny import save_tiny_qwen2_5_vl
+    from mminfer.patterns import HeadPatternConfig, ModelIdentity
+
+    ckpt = save_tiny_qwen2_5_vl(tmp_path / "ckpt")
+    video = Path(__file__).resolve().parents[1] / "samples" / "videos" / "needle_0.mp4"
+    p = argparse.ArgumentParser()
+    C.add_arguments(p)
+    out = tmp_path / "patterns.json"
+    args = p.parse_args(["--model", str(ckpt), "--videos", str(video), "--out", str(out),
+                         "--model-id", "tiny-test", "--budget", "0.5", "--fps", "2"])
+    assert C.run(args) == 0
+    caps = list((tmp_path / "patterns.captures").glob("*.pt"))
+    assert len(caps) == 1
+    cfg = HeadPatternConfig.load(out, expect=ModelIdentity("tiny-test", "main", 2, 4, 2, 16))
+    assert len(cfg.layer(0)) == 4 and cfg.provenance["calibration_inputs"]
+    report = json.loads((tmp_path / "patterns.report.json").read_text())
+    errors = [r["error"] for r in report]
+    assert errors == sorted(errors, reverse=True) and len(report) == 8

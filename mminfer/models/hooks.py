@@ -26,6 +26,7 @@ class PrefillContext:
     timer: object = None            # mminfer.timing.StageTimer
     keep_plans: bool = False
     densities: dict = field(default_factory=dict)  # layer -> plan (density read lazily)
+    capture: dict | None = None     # calibration: layer -> (q, k, v) of the prefill, on CPU
 
 
 @contextmanager
@@ -51,6 +52,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if ctx is not None and ctx.capture is not None and layer is not None and q_len == kv_len:
+        ctx.capture[layer] = tuple(t.detach().to("cpu", copy=True) for t in (query, key, value))
     sparse = (ctx is not None and layer is not None and ctx.mode != "dense"
               and ctx.patterns is not None and ctx.index is not None and q_len == kv_len
               and attention_mask is None and (ctx.mode == "sparse" or q_len >= ctx.min_sparse_len))
