@@ -82,14 +82,18 @@ def _dtype(dtype, device):
 
 
 class Pipeline:
-    """A loaded model ready to answer. ``attention`` is the default mode of its requests:
-    "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens."""
+    """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
+    embedded default model (``samples/model``). ``attention`` is the default mode of its
+    requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens."""
 
-    def __init__(self, model: str, attention: str = "auto", device=None, dtype=None,
-                 min_sparse_len: int = 8192):
+    def __init__(self, model: str | None = None, attention: str = "auto", device=None,
+                 dtype=None, min_sparse_len: int = 8192):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
+        if model is None:       # the embedded default model (samples/model)
+            from mminfer.models.embedded import default_model
+            model = default_model()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.attention = attention
