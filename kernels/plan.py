@@ -226,14 +226,13 @@ class SparsePlan:
         for name, sps in by_family.items():
             parts = []
             for sp in sps:
-                parts.append(_family_params(name, sp, batch, num_heads, n, pos_2d, device))
+                parts.append(_family_params(name, sp, batch, num_heads, n, pos_2d, device,
+                                            row_groups))
             params = torch.cat(parts, dim=1)  # [B, S, NF] int64
             fl = FamilyLaunch(family=FAMILIES[name], params=params.to(torch.int32).contiguous())
             window = params[:, :, 6]
             lo = torch.clamp(r0[None, None, :] - window[:, :, None], min=0)  # [B, S, R]
             if name == "grid":
-                if row_groups is not None:
-                    _check_grid_spans(params, row_groups)
                 fl.n_rowline_programs = _rowline_programs(params, block_m, max_row_lines)
             if name == "vertical_slash":
                 vs = torch.cat([_sorted_unique(sp.verticals.to(device)) for sp in sps], dim=1)
@@ -289,7 +288,9 @@ class SparsePlan:
         return count_plan(self)
 
 
-def _family_params(name, sp, batch, num_heads, n, pos_2d, device) -> torch.Tensor:
+def _family_params(name, sp, batch, num_heads, n, pos_2d, device, row_groups) -> torch.Tensor:
+    """``[B, H', NF]`` int64 on ``device``. Everything but grid stride/phase comes from the
+    host, and is checked there: the per-layer hot path never waits on the device."""
     H = len(sp.heads)
     p = torch.zeros(batch, H, NF, dtype=torch.int64)
     heads = torch.tensor(list(sp.heads), dtype=torch.int64)
@@ -303,29 +304,34 @@ def _family_params(name, sp, batch, num_heads, n, pos_2d, device) -> torch.Tenso
     p[:, :, 6] = _per_slot(sp.window, batch, H, "window")
     if name in ("a_shape", "grid"):
         p[:, :, 5] = _per_slot(sp.sink, batch, H, "sink")
-    p = p.to(device)
-    if name == "grid":
-        start = _per_slot(sp.start, batch, H, "start").to(device)
-        end = _per_slot(sp.end, batch, H, "end").to(device)
-        stride = _per_slot(sp.stride, batch, H, "stride").to(device)
-        phase = _per_slot(sp.phase, batch, H, "phase").to(device)
-        lines = sp.lines
-        if isinstance(lines, str):
-            lines = [lines] * H
-        if len(lines) != H or any(x not in _LINES for x in lines):
-            raise ValueError(f"grid lines must be one of {sorted(_LINES)} per head")
-        p[:, :, 7], p[:, :, 8], p[:, :, 9], p[:, :, 10] = start, end, stride, phase
-        p[:, :, 11] = torch.tensor([_LINES[x] for x in lines], device=device)[None, :]
-        if not isinstance(sp.stride, torch.Tensor) or sp.stride.device.type == "cpu":
-            if (stride < 1).any():
-                raise ValueError("grid stride must be >= 1")
-            if ((phase < 0) | (phase >= stride)).any():
-                raise ValueError("grid phase must be in [0, stride)")
-            if ((start < 0) | (end > n) | (end < start)).any():
-                raise ValueError(f"grid span must lie in [0, {n}]")
     if (p[:, :, 6] < 0).any() or (p[:, :, 5] < 0).any():
         raise ValueError(f"{name}: sink and window must be >= 0")
+    if name != "grid":
+        return p.to(device)
+    lines = [sp.lines] * H if isinstance(sp.lines, str) else list(sp.lines)
+    if len(lines) != H or any(x not in _LINES for x in lines):
+        raise ValueError(f"grid lines must be one of {sorted(_LINES)} per head")
+    p[:, :, 7] = _per_slot(_host(sp.start), batch, H, "start")
+    p[:, :, 8] = _per_slot(_host(sp.end), batch, H, "end")
+    p[:, :, 11] = torch.tensor([_LINES[x] for x in lines])[None, :]
+    if ((p[:, :, 7] < 0) | (p[:, :, 8] > n) | (p[:, :, 8] < p[:, :, 7])).any():
+        raise ValueError(f"grid span must lie in [0, {n}]")
+    if row_groups is not None:
+        _check_grid_spans(p, row_groups)
+    stride = _per_slot(sp.stride, batch, H, "stride")
+    phase = _per_slot(sp.phase, batch, H, "phase")
+    if stride.device.type == "cpu":   # estimated on the device: trusted, never synced
+        if (stride < 1).any():
+            raise ValueError("grid stride must be >= 1")
+        if ((phase < 0) | (phase >= stride)).any():
+            raise ValueError("grid phase must be in [0, stride)")
+    p = p.to(device)
+    p[:, :, 9], p[:, :, 10] = stride.to(device), phase.to(device)
     return p
+
+
+def _host(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
 def _rowline_programs(params, block_m, hint) -> int:
@@ -343,7 +349,7 @@ def _rowline_programs(params, block_m, hint) -> int:
 def _check_grid_spans(params, row_groups):
     # Row-line programs store rows by position: the grid span must lie inside the slot's
     # query group, or those rows would be written by two slots.
-    p = params[0].cpu()
+    p = params[0]
     for qg, start, end, lines in zip(p[:, 1].tolist(), p[:, 7].tolist(), p[:, 8].tolist(),
                                      p[:, 11].tolist()):
         if qg < 0 or end <= start or not lines & 2:
