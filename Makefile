@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-# The main job: the service on loopback with the embedded default model.
+# The main job: the service on loopback with the embedded default model (samples/model), or
+# MODEL=<checkpoint dir or hub id>.
+MODEL ?=
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=$${TRITON_INTERPRET:-1} $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} TRITON_INTERPRET=$${TRITON_INTERPRET:-1} \
+	  $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL))
 
 # Headless Chromium for the report-page test (Debian); skipped quietly where apt is not ours.
 system-deps:
