@@ -372,6 +372,15 @@ class BatchedVision:
         pix = torch.randn(n_pairs * self.h * self.w, p.in_channels * p.temporal_patch_size
                           * p.patch_size ** 2, generator=g).to(dev, dt)
         grid = torch.tensor([[n_pairs, self.h, self.w]], device=dev)
+        tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            return self._check(pix, grid, n_pairs)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+    def _check(self, pix, grid, n_pairs):
+        import torch
         with torch.no_grad():
             ref = self.model.model.get_video_features(pix, grid)
             ref = getattr(ref, "pooler_output", ref)

@@ -1,0 +1,387 @@
+"""Sparse vs dense answer quality of the embedded model on held-out synthetic videos.
+
+    python3 benchmarks/quality.py --out $OUT/quality            # H200, about 2 minutes
+    TRITON_INTERPRET=1 python3 benchmarks/quality.py --lengths 256 512 --depths 0 1 \
+        --per-task 1 --densities 0.5 --out /tmp/quality         # CPU, tiny grid
+
+Held-out videos: ``mminfer.synth`` examples with seeds in [500,000, 800,000) (training uses
+seeds >= 1,000,000 and private random streams, its periodic evaluation [800,000, 801,000),
+the shipped samples 1000-1002), drawn at 224 x 224 and resized to 112 x 112 with the
+adapter's own resize (the pixels an mp4 of them would give, minus the codec), at lengths of
+~1K to 32K visual tokens (16 tokens per pair of frames at 2 fps). The needle task is swept
+over depths (0 = first frame, 1 = last); colour, count and order get ``--per-task`` videos
+per length. Videos are fed to the model directly (no mp4): the adapter's ``prepare`` builds
+the prompt, M-RoPE positions and ModalityIndex; the vision tower runs batched over frame
+pairs; then one prefill per attention mode, through mminfer's attention hook:
+
+* ``dense``: SDPA;
+* ``config``: sparse with the model's own head-pattern config, as ``mminfer answer`` runs it;
+* ``d=0.10`` ...: sparse with every head's pattern (its kind, boundary and regions kept)
+  re-sized by ``mminfer.calibrate.candidate_patterns`` to that density of the causal
+  triangle at the example's length. The measured density (logical pairs, kernel count mode)
+  is reported next to it.
+
+The answer is the greedy first token (every answer of these tasks is one token). Writes
+``quality.json`` (every example, per-mode accuracy by task and length, agreement with dense,
+densities) and ``quality_needle.png`` (V-NIAH-style heatmaps, length x depth, one panel per
+mode), and prints the table. ``--max-minutes`` stops taking new examples (the grid is
+ordered so that a cut run still covers every length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mminfer.models import embedded as E  # noqa: E402
+
+TASKS = ("needle", "colour", "count", "order")
+_T0 = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - _T0:6.1f}s] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------- examples
+def grid_specs(lengths, depths, needle_reps, per_task, tasks, seed0):
+    """Example specs, ordered round by round so that a run cut short still covers every
+    length (round r holds the r-th repetition of every cell)."""
+    specs = []
+    rounds = max(needle_reps, per_task)
+    k = 0
+    for r in range(rounds):
+        for tokens in lengths:
+            n_frames = 2 * max(1, round(tokens / E.TOKENS_PER_PAIR))
+            for task in tasks:
+                if task == "needle":
+                    if r >= needle_reps:
+                        continue
+                    for d in depths:
+                        specs.append({"task": task, "tokens": tokens, "n_frames": n_frames,
+                                      "depth": float(d), "seed": seed0 + k})
+                        k += 1
+                elif r < per_task:
+                    specs.append({"task": task, "tokens": tokens, "n_frames": n_frames,
+                                  "depth": None, "seed": seed0 + k})
+                    k += 1
+    if seed0 + k > E.HELDOUT_SEED_MAX:
+        raise ValueError("grid too large for the held-out seed range")
+    return specs
+
+
+def _init_worker():
+    torch.set_num_threads(1)
+    E.use_bundled_fonts()
+
+
+def render(spec):
+    kw = {"depth": spec["depth"]} if spec["task"] == "needle" else {}
+    frames, answer, question, meta = E.render_example(spec["task"], spec["seed"],
+                                                      spec["n_frames"], **kw)
+    return spec, frames, answer, question
+
+
+def rendered(specs, workers):
+    if workers <= 0:
+        for s in specs:
+            yield render(s)
+        return
+    import multiprocessing as mp
+    pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker)
+    try:
+        yield from pool.imap(render, specs)
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+# ------------------------------------------------------------------------- patterns
+def sized_config(base, index, n, density, block_m, block_n):
+    """``base`` with every pattern replaced by the candidate of the same kind (grid: same
+    lines) that ``calibrate.candidate_patterns`` sizes to ``density`` at length ``n``."""
+    from mminfer.calibrate import candidate_patterns
+    from mminfer.patterns import HeadPattern, HeadPatternConfig, dense
+
+    c = candidate_patterns(index, n, density, block_m=block_m, block_n=block_n)
+
+    def resize(p):
+        if p.kind == "dense":
+            return dense()
+        if p.kind == "grid":
+            key = "grid_cols" if p.lines == "cols" else "grid"
+            if key not in c:             # no visual span: what a grid falls back to
+                return c["vertical_slash"].patterns["all"]
+            return c[key].patterns["all"]
+        return c[p.kind].patterns["all"]
+
+    memo = {}
+
+    def head(hp):
+        key = id(hp)
+        if key not in memo:
+            memo[key] = HeadPattern(hp.boundary, {r: resize(p) for r, p in hp.patterns.items()})
+        return memo[key]
+
+    layers = [[head(hp) for hp in row] for row in base.layers]
+    return HeadPatternConfig(base.identity, layers, uncalibrated=base.uncalibrated,
+                             provenance={"made_by": "benchmarks/quality.py sized_config",
+                                         "density": density, "n": n})
+
+
+# ------------------------------------------------------------------------- model
+class Runner:
+    def __init__(self, model_dir, device, dtype):
+        from mminfer.pipeline import Pipeline
+        self.pipe = Pipeline(str(model_dir), attention="dense", device=device, dtype=dtype)
+        self.ad = self.pipe.adapter
+        self.bv = None
+        try:
+            bv = E.BatchedVision(self.ad.model)
+            if bv.check() < 2e-2:
+                self.bv = bv
+        except Exception as e:   # any trouble: the adapter's own (slower) vision path
+            log(f"batched vision unavailable ({type(e).__name__}: {e}); using the adapter's")
+        cuda = self.ad.device.type == "cuda"
+        self.block_m, self.block_n = (128, 64) if cuda else (16, 16)
+        self.answer_ids = E.answer_ids(self.ad.tokenizer)
+
+    def prepare(self, frames, question):
+        from mminfer.video import DecodedVideo
+        T = len(frames)
+        vid = DecodedVideo(frames=frames, timestamps=np.arange(T) / 2.0,
+                           indices=np.arange(T), fps=2.0, sampled_fps=2.0, duration=T / 2.0,
+                           width=frames.shape[2], height=frames.shape[1], backend="synth")
+        return self.ad.prepare(vid, question)
+
+    @torch.inference_mode()
+    def embeds(self, prep):
+        ad = self.ad
+        t, h, w = (int(x) for x in prep.tensors["video_grid_thw"][0])
+        if self.bv is None or (h, w) != (self.bv.h, self.bv.w):
+            return ad.embed(prep)
+        ids = prep.input_ids
+        emb = ad.text_model.get_input_embeddings()(ids)
+        feats = self.bv(prep.tensors["pixel_values_videos"], t)
+        mask = (ids == ad.video_token_id).unsqueeze(-1)
+        return emb.masked_scatter(mask, feats.to(emb.dtype))
+
+    @torch.inference_mode()
+    def first_token(self, prep, embeds, patterns, sparse: bool, density: bool):
+        from mminfer.models.hooks import PrefillContext, prefill_context
+        ad = self.ad
+        L = prep.input_ids.shape[1]
+        ctx = PrefillContext(index=prep.index, patterns=patterns,
+                             mode="sparse" if sparse else "dense", min_sparse_len=0,
+                             keep_plans=True)
+        with prefill_context(ctx):
+            h = ad.text_model(inputs_embeds=embeds, position_ids=ad.positions(prep, 0, L),
+                              use_cache=False).last_hidden_state
+        tok = int(ad.lm_head(h[:, -1]).argmax(-1))
+        dens = None
+        if sparse and density and ctx.densities:
+            vals = []
+            for plan in ctx.densities.values():
+                d = plan.density()
+                vals.append(float(d["logical"]) if isinstance(d, dict) else float(d))
+            dens = sum(vals) / len(vals)
+        return tok, dens, bool(ctx.densities)
+
+
+# ------------------------------------------------------------------------- report
+def summarise(records, modes, lengths, depths):
+    out = {"accuracy": {}, "agreement_with_dense": {}, "density": {}, "needle_grid": {},
+           "counts": {}}
+    for m in modes:
+        acc, grid, dens = {}, {}, {}
+        agree = n_agree = 0
+        for r in records:
+            if m not in r["modes"]:
+                continue
+            ok = r["modes"][m]["correct"]
+            key = (r["task"], r["tokens"])
+            acc.setdefault(key, []).append(ok)
+            if r["task"] == "needle":
+                grid.setdefault((r["tokens"], r["depth"]), []).append(ok)
+            if r["modes"][m].get("density") is not None:
+                dens.setdefault(r["tokens"], []).append(r["modes"][m]["density"])
+            if "dense" in r["modes"]:
+                agree += r["modes"][m]["answer"] == r["modes"]["dense"]["answer"]
+                n_agree += 1
+        out["accuracy"][m] = {t: {str(n): _mean(acc.get((t, n))) for n in lengths}
+                              for t in TASKS}
+        out["accuracy"][m]["all"] = _mean([v for vs in acc.values() for v in vs])
+        out["needle_grid"][m] = {str(n): {f"{d:g}": _mean(grid.get((n, d))) for d in depths}
+                                 for n in lengths}
+        out["density"][m] = {str(n): _mean(dens.get(n)) for n in lengths}
+        out["agreement_with_dense"][m] = agree / n_agree if n_agree else None
+    out["counts"] = {t: {str(n): sum(1 for r in records if r["task"] == t and r["tokens"] == n)
+                         for n in lengths} for t in TASKS}
+    return out
+
+
+def _mean(v):
+    return (sum(float(x) for x in v) / len(v)) if v else None
+
+
+def table(summary, modes, lengths) -> str:
+    def f(x):
+        return "  -  " if x is None else f"{x:5.2f}"
+    head = f"{'task':<8}{'tokens':>7} " + " ".join(f"{m:>8}" for m in modes)
+    lines = [head, "-" * len(head)]
+    for t in TASKS:
+        for n in lengths:
+            if not summary["counts"][t][str(n)]:
+                continue
+            lines.append(f"{t:<8}{n:>7} " + " ".join(
+                f"{f(summary['accuracy'][m][t][str(n)]):>8}" for m in modes)
+                + f"   (n={summary['counts'][t][str(n)]})")
+    lines.append(f"{'all':<15} " + " ".join(f"{f(summary['accuracy'][m]['all']):>8}"
+                                           for m in modes))
+    lines.append(f"{'agree w/ dense':<15} " + " ".join(
+        f"{f(summary['agreement_with_dense'][m]):>8}" for m in modes))
+    for n in lengths:
+        lines.append(f"{'density':<8}{n:>7} " + " ".join(
+            f"{f(summary['density'][m][str(n)]):>8}" for m in modes))
+    return "\n".join(lines)
+
+
+def heatmap_png(summary, modes, lengths, depths, path):
+    """One panel per mode: rows = lengths (short at top), columns = depths; green = right."""
+    from PIL import Image, ImageDraw
+    cw, ch, lw, top = 44, 26, 70, 40
+    pw = max(lw + cw * len(depths) + 20, 250)
+    ph = top + ch * len(lengths) + 30
+    img = Image.new("RGB", (pw * len(modes), ph), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    for i, m in enumerate(modes):
+        x0 = i * pw
+        d.text((x0 + lw, 6), f"needle: {m}", fill=(0, 0, 0))
+        for j, dep in enumerate(depths):
+            d.text((x0 + lw + j * cw + 8, top - 14), f"{dep:g}", fill=(0, 0, 0))
+        for r, n in enumerate(lengths):
+            y = top + r * ch
+            d.text((x0 + 4, y + 7), f"{n // 1024}K" if n >= 1024 else str(n), fill=(0, 0, 0))
+            for j, dep in enumerate(depths):
+                v = summary["needle_grid"][m][str(n)][f"{dep:g}"]
+                col = (200, 200, 200) if v is None else (int(220 * (1 - v)), int(60 + 150 * v), 60)
+                box = (x0 + lw + j * cw, y, x0 + lw + (j + 1) * cw - 2, y + ch - 2)
+                d.rectangle(box, fill=col)
+                if v is not None:
+                    d.text((box[0] + 8, box[1] + 7), f"{v:.2f}", fill=(255, 255, 255))
+        d.text((x0 + lw, ph - 20), "depth ->   rows: visual tokens", fill=(80, 80, 80))
+    img.save(path)
+
+
+# ------------------------------------------------------------------------- main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint dir (default: the embedded model)")
+    ap.add_argument("--out", default="out/quality", help="folder for quality.json + PNG")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768],
+                    help="visual tokens per video (16 per pair of frames)")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--needle-reps", type=int, default=1, help="needle videos per cell")
+    ap.add_argument("--per-task", type=int, default=2,
+                    help="colour/count/order videos per length")
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    ap.add_argument("--densities", type=float, nargs="*", default=[0.1, 0.25, 0.5])
+    ap.add_argument("--no-config", action="store_true",
+                    help="skip the mode with the model's own head-pattern config")
+    ap.add_argument("--no-density", action="store_true",
+                    help="do not measure densities (saves the count-mode kernel runs)")
+    ap.add_argument("--seed0", type=int, default=E.HELDOUT_SEED_MIN)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="rendering processes (default: cores - 2 on GPU, 0 on CPU)")
+    ap.add_argument("--device")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--max-minutes", type=float, default=2.0,
+                    help="stop taking new examples after this long")
+    args = ap.parse_args(argv)
+
+    E.use_bundled_fonts()
+    model_dir = Path(args.model) if args.model else E.default_model()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(model_dir, args.device, args.dtype)
+    ad = runner.ad
+    cuda = ad.device.type == "cuda"
+    workers = args.workers if args.workers is not None else (
+        max(0, min(14, (os.cpu_count() or 2) - 2)) if cuda else 0)
+    lengths, depths = sorted(args.lengths), [float(x) for x in args.depths]
+    modes = ["dense"] + ([] if args.no_config else ["config"]) + \
+        [f"d={x:.2f}" for x in args.densities]
+    specs = grid_specs(lengths, depths, args.needle_reps, args.per_task, args.tasks, args.seed0)
+    log(f"model {model_dir} on {ad.device} ({ad.dtype}); {len(specs)} videos, modes "
+        f"{', '.join(modes)}; vision {'batched' if runner.bv else 'adapter'}; "
+        f"{workers} rendering workers")
+    if ad.patterns is None:
+        raise SystemExit("the model has no head-pattern config: sparse modes impossible")
+
+    records = []
+    deadline = time.time() + args.max_minutes * 60
+    stopped = None
+    try:
+        for spec, frames, answer, question in rendered(specs, workers):
+            if time.time() > deadline:
+                stopped = f"--max-minutes {args.max_minutes:g} reached"
+                break
+            t0 = time.time()
+            prep = runner.prepare(frames, question)
+            emb = runner.embeds(prep)
+            want = runner.answer_ids[spec["task"]][answer]
+            n = prep.total_tokens
+            rec = {**spec, "answer": answer, "total_tokens": n, "modes": {}}
+            for m in modes:
+                if m == "dense":
+                    pats, sparse = ad.patterns, False
+                elif m == "config":
+                    pats, sparse = ad.patterns, True
+                else:
+                    pats = sized_config(ad.patterns, prep.index, n, float(m[2:]),
+                                        runner.block_m, runner.block_n)
+                    sparse = True
+                tok, dens, ran_sparse = runner.first_token(prep, emb, pats, sparse,
+                                                           not args.no_density)
+                rec["modes"][m] = {"answer": ad.tokenizer.decode([tok]).strip(),
+                                   "correct": tok == want, "density": dens,
+                                   "sparse": ran_sparse}
+            rec["seconds"] = round(time.time() - t0, 3)
+            records.append(rec)
+            marks = " ".join(f"{m}:{'ok' if r['correct'] else r['answer'] or '?'}"
+                             for m, r in rec["modes"].items())
+            log(f"{spec['task']:<6} {n:>6} tok" + (f" depth {spec['depth']:.2f}"
+                                                   if spec["depth"] is not None else "")
+                + f"  answer {answer:<6} {marks}  ({rec['seconds']:.1f}s)")
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    finally:
+        summary = summarise(records, modes, lengths, depths)
+        result = {"model": str(model_dir), "device": torch.cuda.get_device_name(ad.device)
+                  if cuda else "cpu", "dtype": str(ad.dtype), "modes": modes,
+                  "lengths": lengths, "depths": depths, "held_out_seeds":
+                  [E.HELDOUT_SEED_MIN, E.HELDOUT_SEED_MAX], "stopped": stopped,
+                  "patterns_uncalibrated": bool(getattr(ad.patterns, "uncalibrated", True)),
+                  "summary": summary, "examples": records}
+        (out / "quality.json").write_text(json.dumps(result, indent=1, default=str))
+        if records:
+            heatmap_png(summary, modes, lengths, depths, out / "quality_needle.png")
+        print(table(summary, modes, lengths), flush=True)
+        log(f"{len(records)} videos; wrote {out / 'quality.json'}"
+            + (f" ({stopped})" if stopped else ""))
+    return result
+
+
+if __name__ == "__main__":
+    main()
