@@ -98,7 +98,13 @@ def rendered(specs, workers):
             yield render(s)
         return
     import multiprocessing as mp
-    pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker)
+    try:
+        pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker)
+    except (OSError, RuntimeError, ImportError) as e:     # e.g. no /dev/shm semaphores
+        log(f"no worker processes ({type(e).__name__}: {e}); rendering in this process")
+        for s in specs:
+            yield render(s)
+        return
     try:
         yield from pool.imap(render, specs)
     finally:

@@ -2,6 +2,7 @@
 as one line with exit status 2."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -85,7 +86,10 @@ def test_answer_human(ckpt, mp4, capsys):
     (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--fps", "0"], "fps"),
     (["answer", "{mp4}", "what?", "--model", "{tmp}"], "not a checkpoint"),
 ])
-def test_errors_are_one_line_exit_2(ckpt, mp4, tmp_path, capsys, argv, needle):
+def test_errors_are_one_line_exit_2(ckpt, mp4, tmp_path, capsys, monkeypatch, argv, needle):
+    from mminfer.models import embedded
+    # as on a machine where the embedded default model is not built
+    monkeypatch.setattr(embedded, "DEFAULT_MODEL_DIR", tmp_path / "no-model")
     argv = [a.format(mp4=mp4, ckpt=ckpt, tmp=tmp_path) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -93,8 +97,9 @@ def test_errors_are_one_line_exit_2(ckpt, mp4, tmp_path, capsys, argv, needle):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_no_traceback_from_the_console(mp4):
-    # the real entry point, as a user runs it
+def test_no_traceback_from_the_console(mp4, tmp_path):
+    # the real entry point, as a user runs it, where the embedded model is not built
+    env = dict(os.environ, MMINFER_EMBEDDED_MODEL=str(tmp_path / "no-model"))
     r = subprocess.run([sys.executable, "-m", "mminfer.cli", "answer", str(mp4), "what?"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--model" in r.stderr

@@ -40,7 +40,8 @@ from pathlib import Path
 from mminfer.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL_DIR = REPO / "samples" / "model"
+# MMINFER_EMBEDDED_MODEL overrides where the default model is looked for (deployments, tests)
+DEFAULT_MODEL_DIR = Path(os.environ.get("MMINFER_EMBEDDED_MODEL") or REPO / "samples" / "model")
 FONTS_DIR = REPO / "samples" / "fonts"
 BUILD_COMMAND = "python3 scripts/train_embedded.py --minutes 5 --out samples/model"
 
