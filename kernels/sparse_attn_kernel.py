@@ -60,11 +60,13 @@ def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmas
         l_i += tl.sum(full.to(tl.float32), 1)
         m_i += 1.0
     else:
+        # 64-bit row offsets: N x (heads x d) strides pass 2^31 at a few million tokens.
+        krow = kpos.to(tl.int64)[:, None]
         if EVEN and not DMASK:
-            k = tl.load(Kb + kpos[:, None] * skn + offs_d[None, :])
+            k = tl.load(Kb + krow * skn + offs_d[None, :])
         else:
             kv_mask = kvalid[:, None] & dmask[None, :]
-            k = tl.load(Kb + kpos[:, None] * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(Kb + krow * skn + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -79,9 +81,9 @@ def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmas
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if EVEN and not DMASK:
-            v = tl.load(Vb + kpos[:, None] * svn + offs_d[None, :])
+            v = tl.load(Vb + krow * svn + offs_d[None, :])
         else:
-            v = tl.load(Vb + kpos[:, None] * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(Vb + krow * svn + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
