@@ -223,7 +223,7 @@ def load_pipeline(load_args: dict):
         pass
     return Pipeline(load_args["model"], attention=load_args["attention"],
                     device=load_args.get("device"), dtype=load_args.get("dtype"),
-                    min_sparse_len=load_args.get("min_sparse_len", 8192))
+                    min_sparse_len=load_args.get("min_sparse_len"))
 
 
 class _Answerer:
@@ -268,7 +268,7 @@ class Summary:
 
 def run_batch(root, questions: list[str], out, *, model: str, attention: str = "auto",
               fps: float = 2.0, max_frames: int = 768, max_new_tokens: int = 32,
-              device=None, dtype=None, min_sparse_len: int = 8192, retry_errors: bool = False,
+              device=None, dtype=None, min_sparse_len: int | None = None, retry_errors: bool = False,
               ray_address: str | None = None, ray_workers: int | None = None,
               progress: bool = True) -> Summary:
     from mminfer.pipeline import check_request
@@ -404,7 +404,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--min-sparse-len", type=int, default=8192)
+    p.add_argument("--min-sparse-len", type=int, default=None,
+                   help="auto attention goes sparse from this many tokens (default: 65536 "
+                   "on a GPU, dense on the CPU)")
     p.add_argument("--retry-errors", action="store_true",
                    help="run again the items whose earlier records are errors")
     p.add_argument("--ray", metavar="ADDRESS",

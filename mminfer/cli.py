@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--min-sparse-len", type=int, default=8192,
-                   help="auto mode: shorter prefills stay dense")
+    p.add_argument("--min-sparse-len", type=int, default=None,
+                   help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
+                   "always dense on the CPU)")
     p.add_argument("--json", action="store_true", help="print the full record as JSON")
 
 

@@ -81,13 +81,19 @@ def _dtype(dtype, device):
     return dtype
 
 
+# "auto" attention: sparse prefill from this many tokens on a GPU (BENCHMARKS.md §2: sparse
+# already wins at 128K; below 64K estimation is not yet amortised). On the CPU "auto" stays
+# dense: the Triton interpreter there is for tests, not speed.
+AUTO_SPARSE_MIN_TOKENS = 65536
+
+
 class Pipeline:
     """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
     embedded default model (``samples/model``). ``attention`` is the default mode of its
     requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens."""
 
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
-                 dtype=None, min_sparse_len: int = 8192):
+                 dtype=None, min_sparse_len: int | None = None):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
@@ -97,6 +103,8 @@ class Pipeline:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _dtype(dtype, self.device)
         self.attention = attention
+        if min_sparse_len is None:
+            min_sparse_len = AUTO_SPARSE_MIN_TOKENS if self.device.type == "cuda" else 1 << 62
         self.min_sparse_len = int(min_sparse_len)
         path, model_id, revision = resolve_checkpoint(str(model))
         self.model_id = model_id

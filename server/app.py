@@ -66,7 +66,7 @@ class Settings:
     attention: str = "auto"
     device: str | None = None
     dtype: str | None = None
-    min_sparse_len: int = 8192
+    min_sparse_len: int | None = None   # None: the pipeline's default (GPU 65536, CPU dense)
     data_dir: str = "./mminfer-data"
     max_upload_mb: float = 512.0
     queue_size: int = 8

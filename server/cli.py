@@ -25,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="default prefill attention of requests")
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--min-sparse-len", type=int, default=8192,
-                   help="auto mode: shorter prefills stay dense")
+    p.add_argument("--min-sparse-len", type=int, default=None,
+                   help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
+                   "always dense on the CPU)")
     p.add_argument("--data-dir", default="./mminfer-data",
                    help="latency database and upload temp files")
     p.add_argument("--max-upload-mb", type=float, default=512.0, help="largest video accepted")
