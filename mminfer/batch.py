@@ -396,17 +396,11 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--question", action="append", help="a question (repeatable)")
     g.add_argument("--questions", metavar="FILE", help="questions, one a line ('#' comments)")
     p.add_argument("--out", required=True, help="JSONL results file (appended to, resumable)")
-    p.add_argument("--model", help="checkpoint directory or hub id (default: $MMINFER_MODEL, "
-                                   "else the embedded samples/model)")
-    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto")
+    from mminfer.cli import add_model_arguments
+    add_model_arguments(p, "$MMINFER_MODEL, else the embedded samples/model")
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
     p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
-    p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--min-sparse-len", type=int, default=None,
-                   help="auto attention goes sparse from this many tokens (default: 65536 "
-                   "on a GPU, dense on the CPU)")
     p.add_argument("--retry-errors", action="store_true",
                    help="run again the items whose earlier records are errors")
     p.add_argument("--ray", metavar="ADDRESS",

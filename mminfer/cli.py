@@ -25,25 +25,30 @@ SUBCOMMANDS = {
 }
 
 
-# ---------------------------------------------------------------------- answer
-def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("video", help="video file")
-    p.add_argument("question", help="question about the video")
-    p.add_argument("--model", help="checkpoint directory or hub id (default: the embedded "
-                   "model in samples/model)")
+# ---------------------------------------------------------------------- shared options
+def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
+    """Which model and how it runs: the same options for answer, serve and batch."""
+    p.add_argument("--model", help=f"checkpoint directory or hub id (default: {model_default})")
     p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
                    help="prefill attention (auto: sparse for long prompts)")
-    p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
-    p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
-    p.add_argument("--start", type=float, help="clip start (seconds)")
-    p.add_argument("--end", type=float, help="clip end (seconds)")
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
                    "always dense on the CPU)")
+
+
+# ---------------------------------------------------------------------- answer
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("video", help="video file")
+    p.add_argument("question", help="question about the video")
+    add_model_arguments(p, "the embedded model in samples/model")
+    p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
+    p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
+    p.add_argument("--start", type=float, help="clip start (seconds)")
+    p.add_argument("--end", type=float, help="clip end (seconds)")
     p.add_argument("--json", action="store_true", help="print the full record as JSON")
 
 

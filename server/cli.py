@@ -11,6 +11,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from mminfer.cli import add_model_arguments
 from mminfer.errors import ConfigError
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
@@ -19,15 +20,7 @@ SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    p.add_argument("--model", help="checkpoint directory or hub id (default: $MMINFER_MODEL, "
-                                   "else the embedded samples/model)")
-    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
-                   help="default prefill attention of requests")
-    p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--min-sparse-len", type=int, default=None,
-                   help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
-                   "always dense on the CPU)")
+    add_model_arguments(p, "$MMINFER_MODEL, else the embedded samples/model")
     p.add_argument("--data-dir", default="./mminfer-data",
                    help="latency database and upload temp files")
     p.add_argument("--max-upload-mb", type=float, default=512.0, help="largest video accepted")
