@@ -27,22 +27,9 @@ from mminfer.estimate import estimate_layer  # noqa: E402
 from mminfer.kernels import sparse_attention  # noqa: E402
 from mminfer.modality import ModalityIndex  # noqa: E402
 from mminfer.patterns import HeadPatternConfig  # noqa: E402
+from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-
-
-def events_ms(fn, reps=3):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 def inputs(n, stride=257, phase=5, strength=4.0):

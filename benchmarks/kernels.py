@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mminfer.kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table  # noqa: E402
 from mminfer.kernels import launch as L  # noqa: E402
+from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 HQ, HKV, D = 28, 4, 128
 BM = 128
@@ -212,7 +213,7 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                 def f(be=be, kk=kk, vv=vv):
                     with sdpa_kernel(be):
                         return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True)
-                ms = bench(f, rep=rep) if n <= 262144 else _once(f)
+                ms = bench(f, rep=rep) if n <= 262144 else events_ms(f, reps=1)
                 dense[name] = ms
                 rows.append({"n": n, "impl": f"{name} dense", "pattern": "causal", "ms": ms,
                              "logical": 1.0, "physical": 1.0,
@@ -298,17 +299,6 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
         torch.cuda.empty_cache()
     _save(rows, out_dir, json_name)
     return rows
-
-
-def _once(f):
-    f()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    f()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e)
 
 
 def _save(rows, out_dir, name):

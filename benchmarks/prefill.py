@@ -31,6 +31,7 @@ from mminfer.modality import ModalityIndex  # noqa: E402
 from mminfer.models import hooks  # noqa: E402
 from mminfer.patterns import HeadPatternConfig  # noqa: E402
 from mminfer.timing import StageTimer  # noqa: E402
+from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -137,16 +138,8 @@ def dense_one_layer_ms(model, kind, n):
     k = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        f = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-            q, k, v, is_causal=True, enable_gqa=True)
-        f()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        f()
-        e.record()
-        torch.cuda.synchronize()
-    return s.elapsed_time(e)
+        return events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True), reps=1)
 
 
 def main():
