@@ -17,7 +17,7 @@ pairs; then one prefill per attention mode, through mminfer's attention hook:
 * ``dense``: SDPA;
 * ``config``: sparse with the model's own head-pattern config, as ``mminfer answer`` runs it;
 * ``d=0.10`` ...: sparse with every head's pattern (its kind, boundary and regions kept)
-  re-sized by ``mminfer.calibrate.candidate_patterns`` to that density of the causal
+  re-sized by ``mminfer.calibrate.resize_config`` to that density of the causal
   triangle at the example's length. The measured density (logical pairs, kernel count mode)
   is reported next to it.
 
@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from mminfer.calibrate import resize_config  # noqa: E402
 from mminfer.models import embedded as E  # noqa: E402
 
 TASKS = ("needle", "colour", "count", "order")
@@ -110,39 +111,6 @@ def rendered(specs, workers):
     finally:
         pool.terminate()
         pool.join()
-
-
-# ------------------------------------------------------------------------- patterns
-def sized_config(base, index, n, density, block_m, block_n):
-    """``base`` with every pattern replaced by the candidate of the same kind (grid: same
-    lines) that ``calibrate.candidate_patterns`` sizes to ``density`` at length ``n``."""
-    from mminfer.calibrate import candidate_patterns
-    from mminfer.patterns import HeadPattern, HeadPatternConfig, dense
-
-    c = candidate_patterns(index, n, density, block_m=block_m, block_n=block_n)
-
-    def resize(p):
-        if p.kind == "dense":
-            return dense()
-        if p.kind == "grid":
-            key = "grid_cols" if p.lines == "cols" else "grid"
-            if key not in c:             # no visual span: what a grid falls back to
-                return c["vertical_slash"].patterns["all"]
-            return c[key].patterns["all"]
-        return c[p.kind].patterns["all"]
-
-    memo = {}
-
-    def head(hp):
-        key = id(hp)
-        if key not in memo:
-            memo[key] = HeadPattern(hp.boundary, {r: resize(p) for r, p in hp.patterns.items()})
-        return memo[key]
-
-    layers = [[head(hp) for hp in row] for row in base.layers]
-    return HeadPatternConfig(base.identity, layers, uncalibrated=base.uncalibrated,
-                             provenance={"made_by": "benchmarks/quality.py sized_config",
-                                         "density": density, "n": n})
 
 
 # ------------------------------------------------------------------------- model
@@ -355,8 +323,8 @@ def main(argv=None):
                 elif m == "config":
                     pats, sparse = ad.patterns, True
                 else:
-                    pats = sized_config(ad.patterns, prep.index, n, float(m[2:]),
-                                        runner.block_m, runner.block_n)
+                    pats = resize_config(ad.patterns, prep.index, n, float(m[2:]),
+                                         block_m=runner.block_m, block_n=runner.block_n)
                     sparse = True
                 tok, dens, ran_sparse = runner.first_token(prep, emb, pats, sparse,
                                                            not args.no_density)

@@ -36,7 +36,7 @@ import torch
 from .errors import ConfigError, InputError
 from .modality import ModalityIndex
 from .patterns import (KNOWN_MODELS, HeadPattern, HeadPatternConfig, ModelIdentity, a_shape,
-                       block, default_config, grid, provenance, vertical_slash)
+                       block, default_config, dense, grid, provenance, vertical_slash)
 
 DENSITY_SLACK = 1.5     # a candidate may exceed its budget by this factor and still compete
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
@@ -203,6 +203,36 @@ def candidate_patterns(index: ModalityIndex, n: int, budget: float, *, block_m: 
     return cands
 
 
+def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density: float, *,
+                  block_m: int = 128, block_n: int = 64) -> HeadPatternConfig:
+    """``base`` with every head's pattern (kind, boundary and regions kept; a grid keeps its
+    lines) replaced by the candidate of that kind sized to ``density`` at length ``n``: the
+    density sweep of ``benchmarks/quality.py`` and the sparse check of the embedded model."""
+    c = candidate_patterns(index, n, density, block_m=block_m, block_n=block_n)
+
+    def resize(p):
+        if p.kind == "dense":
+            return dense()
+        if p.kind == "grid":
+            key = "grid_cols" if p.lines == "cols" else "grid"
+            if key not in c:             # no visual span: what a grid falls back to
+                return c["vertical_slash"].patterns["all"]
+            return c[key].patterns["all"]
+        return c[p.kind].patterns["all"]
+
+    memo = {}
+
+    def head(hp):
+        if id(hp) not in memo:
+            memo[id(hp)] = HeadPattern(hp.boundary, {r: resize(p) for r, p in hp.patterns.items()})
+        return memo[id(hp)]
+
+    return HeadPatternConfig(base.identity, [[head(hp) for hp in row] for row in base.layers],
+                             uncalibrated=base.uncalibrated,
+                             provenance={"made_by": "mminfer.calibrate.resize_config",
+                                         "density": density, "n": n})
+
+
 # ---------------------------------------------------------------------- search
 def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = (0.1, 0.2),
               candidates: Mapping | Callable | None = None, objective: str = "output_error",
@@ -344,7 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="captured q/k/v: .pt files or directories of them")
     parser.add_argument("--model", help="capture q/k/v from this checkpoint first "
                         "(with --videos): a prefill per video, dense")
-    parser.add_argument("--videos", nargs="+", default=[], help="calibration videos")
+    parser.add_argument("--videos", nargs="+", default=[],
+                        help="calibration videos: files, or synthetic sources "
+                        "synth:TASK:FRAMES:SEED rendered in-process (no decoder needed)")
     parser.add_argument("--question", default="What happens in the video?",
                         help="question placed after each calibration video")
     parser.add_argument("--fps", type=float, default=2.0)
@@ -355,7 +387,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", help="per-head report (JSON; default: OUT.report.json)")
     parser.add_argument("--model-id", help="model id (known ids fill in the shape; others "
                         "take it from the captures)")
-    parser.add_argument("--revision", default="main")
+    parser.add_argument("--revision", help="model revision (default: the checkpoint's own, "
+                        "'local' for a plain directory, else 'main')")
     parser.add_argument("--layers", type=int, help="number of layers of the model "
                         "(default: known model, else highest captured layer + 1)")
     parser.add_argument("--budget", type=float, nargs="+", default=[0.1, 0.2],
@@ -382,15 +415,18 @@ def run(args) -> int:
                             max_frames=args.max_frames, device=args.device,
                             progress=lambda p, n: print(f"captured {p} ({n} tokens)"))
         inputs += [str(p) for p in paths]
-        if not args.model_id:
-            from .pipeline import resolve_checkpoint
-            args.model_id = resolve_checkpoint(args.model)[1]
+        from .pipeline import resolve_checkpoint
+        _, model_id, revision = resolve_checkpoint(args.model)
+        # the identity the adapter will check this config against when it loads it
+        args.model_id = args.model_id or model_id
+        args.revision = args.revision or revision or "local"
     if not inputs:
         raise InputError("give captured .pt inputs, or --model with --videos to capture them")
     caps = load_captures(inputs)
     if args.device:
         for c in caps:
             c.layers = {i: tuple(t.to(args.device) for t in qkv) for i, qkv in c.layers.items()}
+    args.revision = args.revision or "main"
     q, k, _ = next(iter(caps[0].layers.values()))
     known = KNOWN_MODELS.get(args.model_id or "")
     if known is not None:

@@ -124,27 +124,54 @@ def test_cli_run_writes_config_and_report(tmp_path, capsys):
 
 def test_capture_from_a_real_layout_checkpoint_then_calibrate(tmp_path):
     """`mminfer calibrate --model M --videos V`: q/k/v captured from the tiny Qwen2.5-VL
-    checkpoint's dense prefill on a sample video, then searched; the written config loads
-    back for that model's shape and the report is sorted worst-first."""
+    checkpoint's dense prefill on a sample video, then searched; the config written next to
+    the checkpoint is the one its adapter loads (same identity: folder name, 'local'
+    revision), and the report is sorted worst-first."""
     import argparse
     from pathlib import Path
 
     from mminfer import calibrate as C
     from mminfer.models.tiny import save_tiny_qwen2_5_vl
-    from mminfer.patterns import HeadPatternConfig, ModelIdentity
+    from mminfer.pipeline import Pipeline
 
     ckpt = save_tiny_qwen2_5_vl(tmp_path / "ckpt")
     video = Path(__file__).resolve().parents[1] / "samples" / "videos" / "needle_0.mp4"
     p = argparse.ArgumentParser()
     C.add_arguments(p)
-    out = tmp_path / "patterns.json"
+    out = ckpt / "mminfer_patterns.json"
     args = p.parse_args(["--model", str(ckpt), "--videos", str(video), "--out", str(out),
-                         "--model-id", "tiny-test", "--budget", "0.5", "--fps", "2"])
+                         "--capture-dir", str(tmp_path / "caps"), "--budget", "0.5",
+                         "--fps", "2"])
     assert C.run(args) == 0
-    caps = list((tmp_path / "patterns.captures").glob("*.pt"))
-    assert len(caps) == 1
-    cfg = HeadPatternConfig.load(out, expect=ModelIdentity("tiny-test", "main", 2, 4, 2, 16))
-    assert len(cfg.layer(0)) == 4 and cfg.provenance["calibration_inputs"]
-    report = json.loads((tmp_path / "patterns.report.json").read_text())
+    assert len(list((tmp_path / "caps").glob("*.pt"))) == 1
+    cfg = Pipeline(str(ckpt), attention="dense", device="cpu").adapter.patterns
+    assert not cfg.uncalibrated and cfg.provenance["calibration_inputs"]
+    assert (cfg.identity.id, cfg.identity.revision) == ("ckpt", "local")
+    assert len(cfg.layer(0)) == 4
+    report = json.loads((ckpt / "mminfer_patterns.report.json").read_text())
     errors = [r["error"] for r in report]
     assert errors == sorted(errors, reverse=True) and len(report) == 8
+
+
+def test_capture_from_synthetic_sources(tmp_path):
+    """`--videos synth:TASK:FRAMES:SEED` renders the video in-process (no decoder) and asks the
+    task's own question; the capture holds every layer at the prompt's length. Bad specs are
+    refused with the expected form."""
+    import pytest
+
+    from mminfer.capture import capture_qkv, synthetic_video
+    from mminfer.errors import InputError
+    from mminfer.models.tiny import save_tiny_qwen2_5_vl
+
+    vid, question, name = synthetic_video("synth:colour:6:900001")
+    assert vid.frames.shape == (6, 224, 224, 3) and "color" in question
+    assert name == "synth-colour-6-900001"
+    for bad in ("synth:needle:6", "synth:nope:6:1", "synth:needle:x:1", "synth:needle:1:1"):
+        with pytest.raises(InputError, match="synth:TASK:FRAMES:SEED|task must be"):
+            synthetic_video(bad)
+    ckpt = save_tiny_qwen2_5_vl(tmp_path / "ckpt")
+    (path,) = capture_qkv(str(ckpt), ["synth:needle:4:900000"], "unused", tmp_path / "caps")
+    cap = torch.load(path)
+    assert cap["name"] == "synth-needle-4-900000" and sorted(cap["layers"]) == [0, 1]
+    q = cap["layers"][0]["q"]
+    assert q.shape[2] == cap["index"]["n"] and q.shape[2] > 2 * 4   # 2 pairs of 4 tokens + text
