@@ -2,6 +2,10 @@
 
     python3 scripts/train_embedded.py --minutes 5 --out /tmp/model --archive $OUT/model.tar.gz
 
+The shipped samples/model came from two such runs (8.6 minutes from scratch, then 4.2 at
+the long lengths with ``--init``), calibration and the quality benchmark:
+``scripts/build_embedded.sh`` holds the exact commands.
+
 On the H200 (one GPU, 16 cores) that is the whole job: it renders a frame bank on CPU worker
 processes, trains on the GPU for the rest of the time box, evaluates, and writes the final
 checkpoint in the Qwen2.5-VL hub layout into --out (copy it to samples/model; --archive packs

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 # MMINFER_EMBEDDED_MODEL overrides where the default model is looked for (deployments, tests)
 DEFAULT_MODEL_DIR = Path(os.environ.get("MMINFER_EMBEDDED_MODEL") or REPO / "samples" / "model")
 FONTS_DIR = REPO / "samples" / "fonts"
-BUILD_COMMAND = "python3 scripts/train_embedded.py --minutes 5 --out samples/model"
+BUILD_COMMAND = "bash scripts/build_embedded.sh"
 
 RENDER_SIDE = 224           # synthetic videos are drawn at 224 x 224, like samples/videos
 FRAME_SIDE = 112            # ... and the model sees them at 112 x 112
@@ -73,7 +73,7 @@ def default_model() -> Path:
         return p
     raise ConfigError(
         f"no --model given and the embedded default model is missing ({p}): build it with "
-        f"`{BUILD_COMMAND}` (a GPU, about 5 minutes), or pass --model with a Qwen2.5-VL or "
+        f"`{BUILD_COMMAND}` (one GPU, about 15 minutes), or pass --model with a Qwen2.5-VL or "
         f"LongVILA checkpoint; --model is required until then")
 
 
