@@ -12,6 +12,7 @@ everything up to the first answer token.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -87,6 +88,16 @@ def _dtype(dtype, device):
 AUTO_SPARSE_MIN_TOKENS = 65536
 
 
+def sparse_unavailable(device) -> str | None:
+    """Why the sparse kernels cannot run on ``device``, or None. Triton needs a GPU; on the
+    CPU only its interpreter runs them, and that must be chosen before triton is imported."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("sparse attention runs Triton kernels: it needs a CUDA GPU, or "
+                "TRITON_INTERPRET=1 in the environment on the CPU (slow: for tests); "
+                "use --attention dense or auto here")
+    return None
+
+
 class Pipeline:
     """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
     embedded default model (``samples/model``). ``attention`` is the default mode of its
@@ -112,6 +123,9 @@ class Pipeline:
             path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision)
         if attention == "sparse" and self.adapter.patterns is None:
             raise ConfigError(f"no head patterns for {model_id}: sparse attention unavailable")
+        self.sparse_unavailable = sparse_unavailable(self.device)
+        if attention == "sparse" and self.sparse_unavailable:
+            raise ConfigError(self.sparse_unavailable)
 
     def answer(self, video_path, question: str, *, fps: float = 2.0, max_frames: int = 768,
                max_new_tokens: int = 32, start: float | None = None, end: float | None = None,
@@ -125,6 +139,8 @@ class Pipeline:
         question = check_request(question, fps, max_frames, max_new_tokens, start, end, mode)
         if mode == "sparse" and self.adapter.patterns is None:
             raise InputError(f"sparse attention needs head patterns; {self.model_id} has none")
+        if mode == "sparse" and self.sparse_unavailable:
+            raise InputError(self.sparse_unavailable)
         ad = self.adapter
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
@@ -140,8 +156,10 @@ class Pipeline:
                 f"the prompt is {n} tokens ({prep.visual_tokens} visual) and {max_new_tokens} "
                 f"new tokens are asked for, over the model's context of {ad.max_context} "
                 f"tokens; lower fps or max_frames", tokens=n, limit=ad.max_context)
+        # "auto" where the kernels cannot run stays dense whatever --min-sparse-len says
+        min_sparse = 1 << 62 if self.sparse_unavailable else self.min_sparse_len
         ctx = PrefillContext(index=prep.index, patterns=ad.patterns, mode=mode,
-                             min_sparse_len=self.min_sparse_len, timer=timer, keep_plans=True)
+                             min_sparse_len=min_sparse, timer=timer, keep_plans=True)
         gen = ad.generate(prep, max_new_tokens=max_new_tokens, ctx=ctx, timer=timer)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
 

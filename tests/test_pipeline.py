@@ -133,3 +133,15 @@ def test_sparse_and_dense_one_flag_apart(pipe, ckpt, mp4):
     auto = Pipeline(str(ckpt), device="cpu", min_sparse_len=16)
     assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "sparse"
     assert pipe.answer(mp4, "what?", max_new_tokens=2, attention="auto").attention == "dense"
+
+
+def test_sparse_without_a_gpu_or_the_interpreter_says_why(pipe, ckpt, mp4, monkeypatch):
+    """On a CPU without TRITON_INTERPRET=1 the kernels cannot run: an explicit "sparse" is
+    refused with the reason (not triton's "0 active drivers"), "auto" answers dense."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        Pipeline(str(ckpt), attention="sparse", device="cpu")
+    auto = Pipeline(str(ckpt), device="cpu", min_sparse_len=16)
+    with pytest.raises(InputError, match="needs a CUDA GPU"):
+        auto.answer(mp4, "what?", max_new_tokens=2, attention="sparse")
+    assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "dense"
