@@ -36,7 +36,9 @@ COPY kernels kernels
 COPY server server
 COPY configs configs
 COPY samples samples
-RUN uv pip install .
+# Editable: the package finds configs/ and samples/ (the embedded default model) beside its
+# source; a plain install would copy the code into site-packages and lose them.
+RUN uv pip install -e .
 
 RUN useradd --create-home --uid 1000 mminfer \
     && mkdir -p /app/mminfer-data /app/hf-cache \
@@ -48,5 +50,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)" || exit 1
 
-# With no --model, the embedded samples/model (found in the working folder /app) is served.
+# With no --model, the embedded /app/samples/model is served.
 ENTRYPOINT ["mminfer", "serve", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/app/mminfer-data"]
