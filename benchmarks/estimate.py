@@ -7,8 +7,10 @@ models) so grid heads take their grid path rather than the fallback.
 
     python benchmarks/estimate.py --lengths 131072 262144 1048576
 
-Per length: estimation + plan time, sparse attention time, their ratio, the density, and
-cuDNN dense attention of the same layer (at 1M: one call, measured once).
+Per length: estimation + plan time with the fused proxy kernels and with the PyTorch proxy
+(same run, and how much of the two plans agrees), sparse attention time, the estimation
+share, the density, and cuDNN dense attention of the same layer (at 1M: one call, measured
+once).
 """
 
 from __future__ import annotations
@@ -49,6 +51,25 @@ def inputs(n, stride=257, phase=5, strength=4.0):
     return index, q, k, v
 
 
+def _same_plan(a, b) -> float:
+    """Share of the estimated index entries (verticals, slashes, blocks, grid choices) the
+    two plans hold in common: 1.0 when the fused proxy chose exactly what PyTorch chose."""
+    same = total = 0
+    ea, eb = a.estimate, b.estimate
+    for sa, sb in zip(ea.specs + ea.fallback_specs, eb.specs + eb.fallback_specs):
+        for name in ("verticals", "slashes", "key_blocks"):
+            x, y = getattr(sa, name, None), getattr(sb, name, None)
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                xs, ys = x.sort(-1).values, y.sort(-1).values
+                same += int((xs == ys).sum())
+                total += xs.numel()
+    for ga, gb in zip(a.estimate.grids, b.estimate.grids):
+        for name in ("stride", "phase", "fallback"):
+            same += int((getattr(ga, name) == getattr(gb, name)).sum())
+            total += getattr(ga, name).numel()
+    return same / max(total, 1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,13 +89,16 @@ def main():
         def est():
             box["plan"] = estimate_layer(q, k, index, heads).build_plan(q.device)
 
-        # A/B in one run: diagonal sums of split query sets by scatter_add (before) and by
-        # contiguous runs through the skew view (after).
-        E.DIAG_BY_RUNS = False
-        est_ms_scatter = events_ms(est)
-        E.DIAG_BY_RUNS = True
+        # A/B in one run: the proxy by PyTorch passes (before) and by the fused Triton
+        # kernels (after, kernels/proxy.py); the two plans must agree.
+        E.PROXY = "torch"
+        est_ms_torch = events_ms(est)
+        plan_torch = box["plan"]
+        E.PROXY = "triton"
         est_ms = events_ms(est)
         plan = box["plan"]
+        agree = _same_plan(plan_torch, plan)
+        del plan_torch
         if a.profile and n == a.lengths[0]:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -93,7 +117,8 @@ def main():
             dense_ms = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=True), reps=1 if n > 300000 else 3)
         row = {"n": index.n, "estimate_plan_ms": est_ms,
-               "estimate_plan_ms_scatter_diag": est_ms_scatter, "sparse_attention_ms": attn_ms,
+               "estimate_plan_ms_torch_proxy": est_ms_torch, "plans_agree": agree,
+               "sparse_attention_ms": attn_ms,
                "estimate_share": est_ms / (est_ms + attn_ms), "logical": dens["logical"],
                "physical": dens["physical"], "grid_heads_fell_back": fell_back,
                "dense_cudnn_ms": dense_ms,
@@ -106,13 +131,13 @@ def main():
     with open(os.path.join(a.out, "estimate.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "layer": a.layer, "rows": rows}, f,
                   indent=1)
-    print(f"{'N':>8} {'before ms':>9} {'est+plan ms':>11} {'attn ms':>9} {'share':>6} "
-          f"{'density':>8} {'dense ms':>9} {'speedup':>8}")
+    print(f"{'N':>8} {'torch ms':>9} {'est+plan ms':>11} {'attn ms':>9} {'share':>6} "
+          f"{'density':>8} {'dense ms':>9} {'speedup':>8} agree")
     for r in rows:
-        print(f"{r['n']:>8} {r['estimate_plan_ms_scatter_diag']:9.2f} "
+        print(f"{r['n']:>8} {r['estimate_plan_ms_torch_proxy']:9.2f} "
               f"{r['estimate_plan_ms']:11.2f} {r['sparse_attention_ms']:9.2f} "
               f"{r['estimate_share']:6.1%} {r['logical']:8.4f} {r['dense_cudnn_ms']:9.1f} "
-              f"{r['speedup_incl_estimation']:7.1f}x")
+              f"{r['speedup_incl_estimation']:7.1f}x {r['plans_agree']:.3f}")
 
 
 if __name__ == "__main__":

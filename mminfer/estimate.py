@@ -27,6 +27,7 @@ Nothing in the hot path reads a device tensor on the host (no ``.item()``/``.tol
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -41,6 +42,10 @@ INACTIVE = 1 << 20        # a query group no row has: switches a slot off (see b
 _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
 DIAG_BY_RUNS = True   # False: the older scatter_add path (kept for the A/B in benchmarks)
+# "triton": the fused proxy kernels (kernels/proxy.py) for a contiguous run of at most 64
+# queries; "torch": the chunked PyTorch passes below. torch stays the default until the
+# fused path is measured on the GPU (benchmarks/estimate.py runs both in one go).
+PROXY = os.environ.get("MMINFER_PROXY", "torch")
 _F_QGROUP, _F_LINES = 1, 11   # kernel parameter fields (kernels/sparse_attn_kernel.py)
 
 
@@ -213,9 +218,18 @@ class _Estimator:
         if pos not in self._stats:
             want = self.needs.get(pos, set())
             kg, _ = _key_groups(self.index, self.dev)
-            kmasks = [(km, kg == self.index.group_of(km)) for km in want if km is not None]
-            self._stats[pos] = _proxy_stats(self.q, self.k, list(pos), self.scale, self.chunk,
-                                            None in want, kmasks)
+            fused = PROXY == "triton" and len(pos) <= 64 and pos[-1] - pos[0] == len(pos) - 1
+            if fused:
+                from .kernels.proxy import proxy_stats
+                groups = {km: self.index.group_of(km) for km in want if km is not None}
+                col, diag, by_group = proxy_stats(
+                    self.q, self.k, pos[0], len(pos), self.scale, diag=None in want,
+                    kgroup=kg, targets=tuple(sorted(set(groups.values()))))
+                self._stats[pos] = (col, diag, {km: by_group[g] for km, g in groups.items()})
+            else:
+                kmasks = [(km, kg == self.index.group_of(km)) for km in want if km is not None]
+                self._stats[pos] = _proxy_stats(self.q, self.k, list(pos), self.scale,
+                                                self.chunk, None in want, kmasks)
         col, diag, diag_k = self._stats[pos]
         return col, (diag_k[kmod] if kmod is not None else diag)
 

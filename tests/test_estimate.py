@@ -367,3 +367,91 @@ def test_diagonal_sums_by_runs_match_scatter():
     assert torch.equal(col_a, col_b)
     assert torch.allclose(diag_a, diag_b, atol=1e-6)
     assert diag_a.sum() > 0
+
+
+# ---------------------------------------------------------------------- fused proxy kernels
+@pytest.mark.parametrize("B,H,Hkv,n,D,q0,nq,dtype", [
+    (1, 4, 2, 150, 8, 86, 64, torch.float32),       # last 64 queries, GQA 2, d padded to 16
+    (2, 2, 1, 97, 80, 30, 23, torch.float16),       # batch 2, a short run inside, d 80
+])
+def test_fused_proxy_matches_brute_force(B, H, Hkv, n, D, q0, nq, dtype):
+    """kernels/proxy.py: column sums, diagonal sums and diagonal sums over one key group,
+    against softmax of the full score rows in fp32 (error of the inputs' dtype)."""
+    from mminfer.kernels.proxy import proxy_stats
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, n, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, n, D, generator=g).to(dtype)
+    kgroup = (torch.rand(n, generator=g) > 0.5).to(torch.int32)
+    scale = D ** -0.5
+    pos = torch.arange(q0, q0 + nq)
+    s = q.float()[:, :, q0:q0 + nq] @ k.float().repeat_interleave(H // Hkv, 1).transpose(-1, -2)
+    s = (s * scale).masked_fill(torch.arange(n)[None, :] > pos[:, None], float("-inf"))
+    p = s.softmax(-1)
+    off = pos[:, None] - torch.arange(n)[None, :]
+    ok = off >= 0
+    want = torch.zeros(B, H, n).index_add_(2, off[ok], p[:, :, ok])
+    in1 = ok & (kgroup[None, :] == 1)
+    want1 = torch.zeros(B, H, n).index_add_(2, off[in1], p[:, :, in1])
+    col, diag, by_group = proxy_stats(q, k, q0, nq, scale, kgroup=kgroup, targets=(1,))
+    tol = dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(col, p.sum(2), **tol)
+    torch.testing.assert_close(diag, want, **tol)
+    torch.testing.assert_close(by_group[1], want1, **tol)
+    col2, none, only = proxy_stats(q, k, q0, nq, scale, diag=False, kgroup=kgroup, targets=(1,))
+    assert none is None and torch.equal(col2, col) and torch.equal(only[1], by_group[1])
+    with pytest.raises(ValueError, match="query run"):
+        proxy_stats(q, k, q0, 65, scale)
+
+
+def test_fused_proxy_gives_the_torch_estimate(monkeypatch):
+    """estimate_layer with MMINFER_PROXY=triton takes the fused kernels for every contiguous
+    query run (here: 2D- and Q-boundary vertical-slash heads on video-text-video-text) and
+    chooses the same verticals and slashes as the PyTorch passes."""
+    import mminfer.estimate as E
+    import mminfer.kernels.proxy as P
+    idx, q, k, _ = _mixed()
+    vs = vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)
+    heads = [HeadPattern("2d", {"video->video": vs, "video->text": vs, "text->text": vs,
+                                "text->video": vs}),
+             HeadPattern("q", {"video": vs, "text": vs}),
+             HeadPattern.single(vs), HeadPattern.single(vs)]
+    ref = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN)
+    calls = []
+    real = P.proxy_stats
+    monkeypatch.setattr(P, "proxy_stats", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    monkeypatch.setattr(E, "PROXY", "triton")
+    got = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN)
+    assert len(calls) >= 2                      # text rows and video rows: both fused
+    assert len(got.specs) == len(ref.specs)
+    for a, b in zip(ref.specs, got.specs):
+        assert type(a) is type(b) and a.heads == b.heads
+        if hasattr(a, "verticals"):
+            assert torch.equal(a.verticals.sort(-1).values, b.verticals.sort(-1).values)
+            assert torch.equal(a.slashes.sort(-1).values, b.slashes.sort(-1).values)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_proxy_on_gpu_bf16():
+    """The compiled kernels (persistent mass kernel, barriers, vector atomics) at a length
+    of several thousand keys in bf16, against the fp32 softmax of the same bf16 inputs."""
+    from mminfer.kernels.proxy import proxy_stats
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, Hkv, n, D = 1, 28, 4, 9001, 128
+    q = torch.randn(B, H, n, D, device="cuda", generator=g).bfloat16()
+    k = torch.randn(B, Hkv, n, D, device="cuda", generator=g).bfloat16()
+    kgroup = (torch.arange(n, device="cuda") // 777 % 2).to(torch.int32)
+    q0, nq = n - 64, 64
+    col, diag, by_group = proxy_stats(q, k, q0, nq, D ** -0.5, kgroup=kgroup, targets=(0, 1))
+    s = q.float()[:, :, q0:] @ k.float().repeat_interleave(H // Hkv, 1).transpose(-1, -2)
+    pos = torch.arange(q0, n, device="cuda")
+    s = (s * D ** -0.5).masked_fill(torch.arange(n, device="cuda")[None, :] > pos[:, None],
+                                    float("-inf"))
+    p = s.softmax(-1)
+    off = pos[:, None] - torch.arange(n, device="cuda")[None, :]
+    ok = off >= 0
+    want = torch.zeros(B, H, n, device="cuda").index_add_(2, off[ok], p[:, :, ok])
+    tol = dict(atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(col, p.sum(2), **tol)
+    torch.testing.assert_close(diag, want, **tol)
+    torch.testing.assert_close(by_group[0] + by_group[1], diag, **tol)
