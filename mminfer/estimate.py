@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .errors import ConfigError
 from .kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table
 from .modality import ModalityIndex
 from .patterns import HeadPattern, Pattern
@@ -43,9 +44,12 @@ _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
 DIAG_BY_RUNS = True   # False: the older scatter_add path (kept for the A/B in benchmarks)
 # "triton": the fused proxy kernels (kernels/proxy.py) for a contiguous run of at most 64
-# queries; "torch": the chunked PyTorch passes below. torch stays the default until the
-# fused path is measured on the GPU (benchmarks/estimate.py runs both in one go).
-PROXY = os.environ.get("MMINFER_PROXY", "torch")
+# queries; "torch": the chunked PyTorch passes below; "auto": triton on a GPU (1.4-1.7x less
+# estimation time at 128K-256K, BENCHMARKS.md section 3), torch on the CPU (where only the
+# slow interpreter runs Triton).
+PROXY = os.environ.get("MMINFER_PROXY", "auto")
+if PROXY not in ("auto", "torch", "triton"):
+    raise ConfigError(f"MMINFER_PROXY must be auto, torch or triton, not {PROXY!r}")
 _F_QGROUP, _F_LINES = 1, 11   # kernel parameter fields (kernels/sparse_attn_kernel.py)
 
 
@@ -218,7 +222,8 @@ class _Estimator:
         if pos not in self._stats:
             want = self.needs.get(pos, set())
             kg, _ = _key_groups(self.index, self.dev)
-            fused = PROXY == "triton" and len(pos) <= 64 and pos[-1] - pos[0] == len(pos) - 1
+            use = PROXY if PROXY != "auto" else ("triton" if self.q.is_cuda else "torch")
+            fused = use == "triton" and len(pos) <= 64 and pos[-1] - pos[0] == len(pos) - 1
             if fused:
                 from .kernels.proxy import proxy_stats
                 groups = {km: self.index.group_of(km) for km in want if km is not None}
