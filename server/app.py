@@ -39,21 +39,15 @@ from .worker import Job, ModelWorker, WorkerDead
 
 log = logging.getLogger("mminfer.server")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SAMPLE_MODEL = Path("samples") / "model"
 STAGE_ORDER = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
                "llm_other", "generate", "ttft", "total")
 
 
 def default_model() -> str:
-    """The embedded default model (``samples/model`` of the source tree, or of the current
-    folder as in the Docker image); ConfigError telling what to do when it is not there."""
-    for base in (REPO_ROOT, Path.cwd()):
-        if (base / SAMPLE_MODEL).is_dir():
-            return str(base / SAMPLE_MODEL)
-    raise ConfigError("no model given and the embedded default model (samples/model) is not "
-                      "there: pass --model with a Qwen2.5-VL or LongVILA checkpoint directory "
-                      "or hub id, or set MMINFER_MODEL")
+    """The embedded default model (``mminfer.models.embedded``: samples/model), or the
+    ConfigError that says how to build it or what to pass instead."""
+    from mminfer.models.embedded import default_model as embedded_model
+    return str(embedded_model())
 
 
 def resolve_model(model: str | None = None) -> str:

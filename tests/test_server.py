@@ -605,15 +605,17 @@ def test_store_report_math(tmp_path):
 # ----------------------------------------------------------------------- CLI and default model
 
 def test_default_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(app_module, "REPO_ROOT", tmp_path)
-    monkeypatch.chdir(tmp_path)
+    """No --model: MMINFER_MODEL, else the embedded model; missing, a ConfigError that says
+    how to build it and what to pass instead."""
+    from mminfer.models import embedded
     monkeypatch.delenv("MMINFER_MODEL", raising=False)
-    with pytest.raises(ConfigError, match="--model"):
-        app_module.default_model()
-    with pytest.raises(ConfigError, match="--model"):
+    monkeypatch.setattr(embedded, "DEFAULT_MODEL_DIR", tmp_path / "model")
+    with pytest.raises(ConfigError, match="--model.*|build_embedded"):
         app_module.resolve_model(None)
-    (tmp_path / "samples" / "model").mkdir(parents=True)
-    assert app_module.default_model() == str(tmp_path / "samples" / "model")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    assert app_module.resolve_model(None) == str(tmp_path / "model")
     monkeypatch.setenv("MMINFER_MODEL", "/some/where")
     assert app_module.resolve_model(None) == "/some/where"
     assert app_module.resolve_model("/given") == "/given"
