@@ -42,7 +42,6 @@ RUNNER_UP = 0.2           # stride multiples: max runner-up sub-phase share (see
 INACTIVE = 1 << 20        # a query group no row has: switches a slot off (see build_plan)
 _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
-DIAG_BY_RUNS = True   # False: the older scatter_add path (kept for the A/B in benchmarks)
 # "triton": the fused proxy kernels (kernels/proxy.py) for a contiguous run of at most 64
 # queries; "torch": the chunked PyTorch passes below; "auto": triton on a GPU (1.4-1.7x less
 # estimation time at 128K-256K, BENCHMARKS.md section 3), torch on the CPU (where only the
@@ -508,13 +507,8 @@ def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
         targets = ([(diag, p)] if diag is not None else []) + \
             [(diag_k[km], p * mask[a:b]) for km, mask in kmasks]
         for out, x in targets:
-            if DIAG_BY_RUNS:
-                for r0, r1, q0 in runs:
-                    _diag_add(out, x[:, :, r0:r1], q0, a)
-            else:
-                off = (pos_t[:, None] - torch.arange(a, b, device=dev)[None, :]).clamp(min=0)
-                out.scatter_add_(2, off.reshape(1, 1, -1).expand(B, Hq, -1),
-                                 x.reshape(B, Hq, -1))
+            for r0, r1, q0 in runs:
+                _diag_add(out, x[:, :, r0:r1], q0, a)
     return col, diag, diag_k
 
 
