@@ -32,13 +32,9 @@ RUN uv pip install torch==2.11.0
 
 COPY pyproject.toml README.md* ./
 COPY mminfer mminfer
-COPY kernels kernels
-COPY server server
-COPY configs configs
 COPY samples samples
-# Editable: the package finds configs/ and samples/ (the embedded default model) beside its
-# source; a plain install would copy the code into site-packages and lose them.
-RUN uv pip install -e .
+# A plain install: configs and the embedded default model are package data.
+RUN uv pip install . && rm -rf mminfer
 
 RUN useradd --create-home --uid 1000 mminfer \
     && mkdir -p /app/mminfer-data /app/hf-cache \
@@ -50,5 +46,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)" || exit 1
 
-# With no --model, the embedded /app/samples/model is served.
+# With no --model, the embedded default model (package data) is served.
 ENTRYPOINT ["mminfer", "serve", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/app/mminfer-data"]

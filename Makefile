@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-# The main job: the service on loopback with the embedded default model (samples/model), or
+# The main job: the service on loopback with the embedded default model (mminfer/models/mminfer-embedded), or
 # MODEL=<checkpoint dir or hub id>.
 MODEL ?=
 run: $(STAMP)
@@ -40,7 +40,7 @@ test: $(STAMP) system-deps
 
 # On a CUDA machine: the same tests compiled for the GPU, bf16 included.
 test-gpu:
-	python3 -m pytest -q -ra -m gpu tests/test_kernels.py
+	python3 -m pytest -q -ra -m gpu tests/kernels
 
 bench-kernels:
 	python3 benchmarks/kernels.py

@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import mminfer.estimate as E  # noqa: E402
-from mminfer.estimate import estimate_layer  # noqa: E402
+import mminfer.sparse.estimate as E  # noqa: E402
+from mminfer.sparse.estimate import estimate_layer  # noqa: E402
 from mminfer.kernels import sparse_attention  # noqa: E402
-from mminfer.modality import ModalityIndex  # noqa: E402
-from mminfer.patterns import HeadPatternConfig  # noqa: E402
+from mminfer.sparse.modality import ModalityIndex  # noqa: E402
+from mminfer.sparse.patterns import HeadPatternConfig  # noqa: E402
 from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    cfg = HeadPatternConfig.load(os.path.join(ROOT, "configs", "longvila_7b_1m.json"))
+    cfg = HeadPatternConfig.load(os.path.join(ROOT, "mminfer", "models", "configs", "longvila_7b_1m.json"))
     heads = cfg.layer(a.layer)
     rows = []
     for n in a.lengths:

@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mminfer.modality import ModalityIndex  # noqa: E402
+from mminfer.sparse.modality import ModalityIndex  # noqa: E402
 from mminfer.models import hooks  # noqa: E402
-from mminfer.patterns import HeadPatternConfig  # noqa: E402
-from mminfer.timing import StageTimer  # noqa: E402
+from mminfer.sparse.patterns import HeadPatternConfig  # noqa: E402
+from mminfer.engine.timing import StageTimer  # noqa: E402
 from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -162,7 +162,7 @@ def main():
     for kind, lengths in todo:
         t0 = time.time()
         model, head = qwen_7b_text_model("cuda") if kind == "qwen" else longvila_7b("cuda")
-        cfg_path = os.path.join(ROOT, "configs", "qwen2_5_vl_7b.json" if kind == "qwen"
+        cfg_path = os.path.join(ROOT, "mminfer", "models", "configs", "qwen2_5_vl_7b.json" if kind == "qwen"
                                 else "longvila_7b_1m.json")
         patterns = HeadPatternConfig.load(cfg_path)
         print(f"{kind}: built in {time.time() - t0:.0f} s", flush=True)

@@ -4,7 +4,7 @@
     TRITON_INTERPRET=1 python3 benchmarks/quality.py --lengths 256 512 --depths 0 1 \
         --per-task 1 --densities 0.5 --out /tmp/quality         # CPU, tiny grid
 
-Held-out videos: ``mminfer.synth`` examples with seeds in [500,000, 800,000) (training uses
+Held-out videos: ``mminfer.toy.synth`` examples with seeds in [500,000, 800,000) (training uses
 seeds >= 1,000,000 and private random streams, its periodic evaluation [800,000, 801,000),
 the shipped samples 1000-1002), drawn at 224 x 224 and resized to 112 x 112 with the
 adapter's own resize (the pixels an mp4 of them would give, minus the codec), at lengths of
@@ -17,7 +17,7 @@ pairs; then one prefill per attention mode, through mminfer's attention hook:
 * ``dense``: SDPA;
 * ``config``: sparse with the model's own head-pattern config, as ``mminfer answer`` runs it;
 * ``d=0.10`` ...: sparse with every head's pattern (its kind, boundary and regions kept)
-  re-sized by ``mminfer.calibrate.resize_config`` to that density of the causal
+  re-sized by ``mminfer.offline.calibrate.resize_config`` to that density of the causal
   triangle at the example's length. The measured density (logical pairs, kernel count mode)
   is reported next to it.
 
@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from mminfer.calibrate import resize_config  # noqa: E402
-from mminfer.models import embedded as E  # noqa: E402
+from mminfer.offline.calibrate import resize_config  # noqa: E402
+from mminfer.toy import embedded as E  # noqa: E402
 
 TASKS = ("needle", "colour", "count", "order")
 _T0 = time.time()
@@ -116,7 +116,7 @@ def rendered(specs, workers):
 # ------------------------------------------------------------------------- model
 class Runner:
     def __init__(self, model_dir, device, dtype):
-        from mminfer.pipeline import Pipeline
+        from mminfer.engine.pipeline import Pipeline
         self.pipe = Pipeline(str(model_dir), attention="dense", device=device, dtype=dtype)
         self.ad = self.pipe.adapter
         self.bv = None
@@ -131,7 +131,7 @@ class Runner:
         self.answer_ids = E.answer_ids(self.ad.tokenizer)
 
     def prepare(self, frames, question):
-        from mminfer.video import DecodedVideo
+        from mminfer.engine.video import DecodedVideo
         T = len(frames)
         vid = DecodedVideo(frames=frames, timestamps=np.arange(T) / 2.0,
                            indices=np.arange(T), fps=2.0, sampled_fps=2.0, duration=T / 2.0,

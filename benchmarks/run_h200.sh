@@ -8,7 +8,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_estimate.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  python3 -m pytest -q -m gpu tests/kernels tests/sparse 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 fi
 if [ "${SKIP_TUNE:-0}" != 1 ]; then
   python3 benchmarks/kernels.py --lengths 131072 --densities 0.1 --tune --rep 100 \

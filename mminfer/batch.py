@@ -215,7 +215,7 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
 
 
 def load_pipeline(load_args: dict):
-    from mminfer.pipeline import Pipeline
+    from mminfer.engine.pipeline import Pipeline
     try:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -271,7 +271,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
               device=None, dtype=None, min_sparse_len: int | None = None, retry_errors: bool = False,
               ray_address: str | None = None, ray_workers: int | None = None,
               progress: bool = True) -> Summary:
-    from mminfer.pipeline import check_request
+    from mminfer.engine.pipeline import check_request
     for q in questions:
         check_request(q, fps, max_frames, max_new_tokens, None, None, attention)
     cfg = config_of(model, attention, fps, max_frames, max_new_tokens)
@@ -396,8 +396,8 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--question", action="append", help="a question (repeatable)")
     g.add_argument("--questions", metavar="FILE", help="questions, one a line ('#' comments)")
     p.add_argument("--out", required=True, help="JSONL results file (appended to, resumable)")
-    from mminfer.cli import add_model_arguments
-    add_model_arguments(p, "$MMINFER_MODEL, else the embedded samples/model")
+    from mminfer.engine.options import add_model_arguments
+    add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
     p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
@@ -411,7 +411,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from mminfer.server.app import resolve_model
+    from mminfer.models.embedded import resolve_model
     questions = read_questions(args.question, args.questions)
     model = resolve_model(args.model)
     summary = run_batch(args.dir, questions, args.out, model=model, attention=args.attention,

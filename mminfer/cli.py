@@ -12,38 +12,25 @@ import json
 import os
 import sys
 
+from mminfer.engine.options import add_model_arguments
 from mminfer.errors import MMInferError
 
 # name -> (module, one-line help). `answer` is defined below; the others are added by their
 # owners: create the module and it appears here (a module not written yet is skipped).
 SUBCOMMANDS = {
     "answer": ("mminfer.cli", "answer a question about a video"),
-    "serve": ("mminfer.server.cli", "run the HTTP service"),
+    "serve": ("mminfer.serve.cli", "run the HTTP service"),
     "batch": ("mminfer.batch", "answer questions about every video of a directory"),
-    "calibrate": ("mminfer.calibrate", "search head patterns on calibration videos"),  # TODO
+    "calibrate": ("mminfer.offline.calibrate", "search head patterns on calibration videos"),  # TODO
     "bench": ("mminfer.bench", "measure kernels and end-to-end latency"),      # TODO(bench)
 }
-
-
-# ---------------------------------------------------------------------- shared options
-def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
-    """Which model and how it runs: the same options for answer, serve and batch."""
-    p.add_argument("--model", help=f"checkpoint directory or hub id (default: {model_default})")
-    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
-                   help="prefill attention (auto: sparse for long prompts)")
-    p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
-                   help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--min-sparse-len", type=int, default=None,
-                   help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
-                   "always dense on the CPU)")
 
 
 # ---------------------------------------------------------------------- answer
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("video", help="video file")
     p.add_argument("question", help="question about the video")
-    add_model_arguments(p, "the embedded model in samples/model")
+    add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
     p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
@@ -53,10 +40,9 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    if not args.model:      # the embedded default; a clear error says how to build it
-        from mminfer.models.embedded import default_model
-        args.model = str(default_model())
-    from mminfer.pipeline import Pipeline, check_request
+    from mminfer.models.embedded import resolve_model
+    args.model = resolve_model(args.model)   # a clear error says how to get a model
+    from mminfer.engine.pipeline import Pipeline, check_request
     # bad arguments fail before the model loads
     check_request(args.question, args.fps, args.max_frames, args.max_new_tokens, args.start,
                   args.end, args.attention)

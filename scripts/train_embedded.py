@@ -2,18 +2,18 @@
 
     python3 scripts/train_embedded.py --minutes 5 --out /tmp/model --archive $OUT/model.tar.gz
 
-The shipped samples/model came from two such runs (8.6 minutes from scratch, then 4.2 at
+The shipped mminfer/models/mminfer-embedded came from two such runs (8.6 minutes from scratch, then 4.2 at
 the long lengths with ``--init``), calibration and the quality benchmark:
 ``scripts/build_embedded.sh`` holds the exact commands.
 
 On the H200 (one GPU, 16 cores) that is the whole job: it renders a frame bank on CPU worker
 processes, trains on the GPU for the rest of the time box, evaluates, and writes the final
-checkpoint in the Qwen2.5-VL hub layout into --out (copy it to samples/model; --archive packs
+checkpoint in the Qwen2.5-VL hub layout into --out (copy it to mminfer/models/mminfer-embedded; --archive packs
 it into one file). ``--minutes`` bounds the whole run, bank and final save included;
 checkpoints are written every ``--ckpt-every`` seconds and always at the end, also when
 training stops early (time box, Ctrl-C, repeated errors). ``--resume`` continues from
 ``--state`` (default ``<out>.state.pt``: weights, optimizer, curriculum) on the same machine;
-``--init DIR`` starts a new run from a saved checkpoint's weights (e.g. samples/model).
+``--init DIR`` starts a new run from a saved checkpoint's weights (e.g. mminfer/models/mminfer-embedded).
 
 CPU smoke test (a minute on 2 cores; answers are nonsense):
 
@@ -21,7 +21,7 @@ CPU smoke test (a minute on 2 cores; answers are nonsense):
         --out /tmp/embedded-smoke
 
 How the data is made. Training videos are composed from a bank of pre-rendered 112 x 112
-frames, the adapter's own pixels (drawn at 224 by ``mminfer.synth``'s renderer, resized with
+frames, the adapter's own pixels (drawn at 224 by ``mminfer.toy.synth``'s renderer, resized with
 the adapter's resize), so the training distribution is the one the real videos have:
 
 * scene clips: ``synth``'s scene (background, moving non-red distractors), ``--clip-frames``
@@ -70,8 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from mminfer import synth  # noqa: E402
-from mminfer.models import embedded as E  # noqa: E402
+from mminfer.toy import synth  # noqa: E402
+from mminfer.toy import embedded as E  # noqa: E402
 
 TASKS = ("needle", "colour", "count", "order")
 TASK_WEIGHT = {"needle": 1.0, "colour": 0.6, "count": 0.8, "order": 1.0}

@@ -10,7 +10,7 @@ An adapter implements: ``accepts`` and ``from_pretrained`` (classmethods), ``nam
 ``patterns``, ``max_context``, ``sampling``, ``tokenizer``, ``text_model`` (the decoder stack:
 takes ``inputs_embeds``, ``position_ids``, the cache, returns ``last_hidden_state``),
 ``lm_head``, ``eos_token_ids``, ``prepare``, ``embed`` and ``positions``. Its module exposes
-the class as ``ADAPTER``; ``mminfer.pipeline.ADAPTER_MODULES`` lists the modules, and the first
+the class as ``ADAPTER``; ``mminfer.engine.pipeline.ADAPTER_MODULES`` lists the modules, and the first
 whose ``ADAPTER.accepts(checkpoint_dir)`` is true loads the checkpoint.
 """
 
@@ -37,7 +37,7 @@ class PrepareOptions:
 class Prepared:
     """Model inputs of one request (batch of one, no padding)."""
     input_ids: object                   # LongTensor [1, L] (media spans as placeholder ids)
-    index: object                       # mminfer.modality.ModalityIndex over the L tokens
+    index: object                       # mminfer.sparse.modality.ModalityIndex over the L tokens
     n_frames: int                       # frames the model sees (after any padding)
     visual_tokens: int
     text_tokens: int
@@ -57,9 +57,9 @@ class Generated:
 
 class Adapter:
     name: str = "base"
-    sampling: str = "qwen"     # mminfer.video.decode sampling rule this model was trained with
-    identity = None            # mminfer.patterns.ModelIdentity
-    patterns = None            # mminfer.patterns.HeadPatternConfig (None: dense only)
+    sampling: str = "qwen"     # mminfer.engine.video.decode sampling rule this model was trained with
+    identity = None            # mminfer.sparse.patterns.ModelIdentity
+    patterns = None            # mminfer.sparse.patterns.HeadPatternConfig (None: dense only)
     max_context: int = 0       # tokens the LLM takes (prompt + answer)
     tokenizer = None
     text_model = None

@@ -19,11 +19,11 @@ _current: contextvars.ContextVar = contextvars.ContextVar("mminfer_prefill", def
 
 @dataclass
 class PrefillContext:
-    index: object = None            # mminfer.modality.ModalityIndex of this request
-    patterns: object = None         # mminfer.patterns.HeadPatternConfig (or None: dense)
+    index: object = None            # mminfer.sparse.modality.ModalityIndex of this request
+    patterns: object = None         # mminfer.sparse.patterns.HeadPatternConfig (or None: dense)
     mode: str = "auto"              # "sparse" | "dense" | "auto"
     min_sparse_len: int = 8192      # "auto": shorter prefills go dense
-    timer: object = None            # mminfer.timing.StageTimer
+    timer: object = None            # mminfer.engine.timing.StageTimer
     keep_plans: bool = False
     densities: dict = field(default_factory=dict)  # layer -> plan (density read lazily)
     capture: dict | None = None     # calibration: layer -> (q, k, v) of the prefill, on CPU
@@ -66,7 +66,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
 
-    from mminfer.attention import layer_attention
+    from mminfer.sparse.attention import layer_attention
 
     B, H, N, D = query.shape
     out = torch.empty(B, N, H, D, dtype=query.dtype, device=query.device)

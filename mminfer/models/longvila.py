@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mminfer.errors import ConfigError, InputError, VideoError
-from mminfer.modality import ModalityIndex
+from mminfer.sparse.modality import ModalityIndex
 from mminfer.models.base import Adapter, Prepared, PrepareOptions
 
 VIDEO_TOKEN = "<vila/video>"
@@ -36,7 +36,7 @@ MEDIA_TOKENS = ("<vila/sentinel>", "<image>", VIDEO_TOKEN)
 PROJECTOR_TYPES = ("mlp_downsample", "mlp_downsample_2x2_fix")
 SUBFOLDERS = ("llm", "vision_tower", "mm_projector")
 LONGVILA_7B_1M = "Efficient-Large-Model/qwen2-7b-longvila-1M"
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parent / "configs"   # shipped as package data
 PATTERNS_FILE = "mminfer_patterns.json"       # a checkpoint's own calibrated patterns
 # The real 7B LLM shape (layers, heads, kv heads, head dim) -> its shipped head patterns.
 SHIPPED_PATTERNS = {(28, 28, 4, 128): "longvila_7b_1m.json"}
@@ -449,7 +449,7 @@ def _as_list(x):
 
 
 def _identity(model_id, revision, cfg):
-    from mminfer.patterns import ModelIdentity
+    from mminfer.sparse.patterns import ModelIdentity
     # a local folder has no revision; the file format wants a string (as the Qwen adapter)
     return ModelIdentity(id=model_id, revision=revision or "local",
                          layers=cfg.num_hidden_layers,
@@ -465,7 +465,7 @@ def _head_patterns(root: Path, patterns, identity):
     gets it; as the Qwen2.5-VL adapter does), else the uncalibrated default for the shape."""
     from dataclasses import replace
 
-    from mminfer import patterns as P
+    from mminfer.sparse import patterns as P
     if isinstance(patterns, P.HeadPatternConfig):
         if patterns.identity != identity:
             raise ConfigError(f"head patterns are for {patterns.identity}, the model is "

@@ -27,7 +27,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 SYSTEM = "You are a helpful assistant."
 RESIZE_CHUNK = 16     # frames resized at once: bounds the float copy of a long video
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parent / "configs"   # shipped as package data
 PATTERNS_FILE = "mminfer_patterns.json"
 # The real 7B shape -> its shipped head-pattern config.
 SHIPPED_PATTERNS = {(28, 28, 4, 128): "qwen2_5_vl_7b.json"}   # (layers, heads, kv, dim)
@@ -230,7 +230,7 @@ class Qwen2_5_VLAdapter(Adapter):
 
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
         import torch
-        from mminfer.modality import ModalityIndex
+        from mminfer.sparse.modality import ModalityIndex
 
         opt = options or PrepareOptions()
         pick = lambda v, key: v if v is not None else self.video_defaults.get(key)  # noqa: E731
@@ -327,7 +327,7 @@ def _eos_ids(model, tokenizer) -> tuple:
 
 
 def _identity(tcfg, model_id: str, revision):
-    from mminfer.patterns import ModelIdentity
+    from mminfer.sparse.patterns import ModelIdentity
     heads = tcfg.num_attention_heads
     head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
     return ModelIdentity(id=model_id, revision=revision or "local",
@@ -341,7 +341,7 @@ def load_patterns(path: Path, identity):
     shape, so a local copy or a same-shape fine-tune under another name still gets it), else
     an uncalibrated default for its shape."""
     from dataclasses import replace
-    from mminfer import patterns
+    from mminfer.sparse import patterns
     local = Path(path) / PATTERNS_FILE
     if local.is_file():
         return patterns.HeadPatternConfig.load(local, expect=identity)

@@ -1,0 +1,19 @@
+"""Which model and how it runs: one set of options for answer, serve and batch, mapping
+onto :class:`mminfer.engine.pipeline.Pipeline`'s constructor."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
+    """Which model and how it runs: the same options for answer, serve and batch."""
+    p.add_argument("--model", help=f"checkpoint directory or hub id (default: {model_default})")
+    p.add_argument("--attention", choices=("auto", "sparse", "dense"), default="auto",
+                   help="prefill attention (auto: sparse for long prompts)")
+    p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--min-sparse-len", type=int, default=None,
+                   help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
+                   "always dense on the CPU)")

@@ -1,0 +1,78 @@
+"""Capture one model's prefill q/k/v per layer on real inputs, for `mminfer calibrate`.
+
+The prefill runs dense through the ordinary adapter (same preprocessing, same ModalityIndex
+as serving); the attention hook copies each layer's rotated q and cached k/v to the CPU. One
+``.pt`` file per video, in the format ``mminfer.offline.calibrate.load_captures`` reads.
+
+A video may also be a synthetic source ``synth:TASK:FRAMES:SEED`` (``mminfer.toy.synth``, drawn at
+224 x 224 and 2 fps in-process, asked its own task question): the embedded model is
+calibrated that way on machines without a video decoder, on seeds no training or
+evaluation uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def capture_qkv(model, videos, question: str, out_dir, *, fps: float = 2.0,
+                max_frames: int = 768, device=None, progress=None) -> list[Path]:
+    import torch
+
+    from mminfer.engine import video as videolib
+    from mminfer.models.base import PrepareOptions
+    from mminfer.models.hooks import PrefillContext
+    from mminfer.engine.pipeline import Pipeline
+
+    pipe = model if isinstance(model, Pipeline) else Pipeline(model=model, attention="dense",
+                                                              device=device)
+    ad = pipe.adapter
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for v in videos:
+        if str(v).startswith("synth:"):
+            decoded, q_text, name = synthetic_video(str(v))
+        else:
+            decoded = videolib.decode(str(v), sampling=ad.sampling, fps=fps,
+                                      max_frames=max_frames)
+            q_text, name = question, Path(v).stem
+        prep = ad.prepare(decoded, q_text, PrepareOptions())
+        ctx = PrefillContext(index=prep.index, patterns=None, mode="dense", capture={})
+        ad.generate(prep, max_new_tokens=1, ctx=ctx)
+        path = out_dir / (name + ".pt")
+        torch.save({"name": name, "index": prep.index.to_dict(),
+                    "layers": {i: {"q": q, "k": k, "v": vv}
+                               for i, (q, k, vv) in sorted(ctx.capture.items())}}, path)
+        paths.append(path)
+        if progress:
+            progress(path, prep.total_tokens)
+    return paths
+
+
+def synthetic_video(spec: str):
+    """``synth:TASK:FRAMES:SEED`` -> (DecodedVideo at 2 fps, the task's question, a file stem)."""
+    import numpy as np
+
+    from mminfer.toy import synth
+    from mminfer.errors import InputError
+    from mminfer.engine.video import DecodedVideo
+
+    parts = spec.split(":")
+    try:
+        _, task, frames, seed = parts
+        n, seed = int(frames), int(seed)
+        if n < 2:
+            raise ValueError
+    except ValueError:
+        raise InputError(f"bad synthetic video {spec!r}: use synth:TASK:FRAMES:SEED "
+                         f"(FRAMES >= 2), e.g. synth:needle:2048:900000") from None
+    if task not in synth.TASKS:
+        raise InputError(f"bad synthetic video {spec!r}: task must be one of "
+                         f"{', '.join(synth.TASKS)}")
+    ex = synth.make_example(task, seed, n_frames=n, height=224, width=224)
+    T = len(ex.frames)
+    vid = DecodedVideo(frames=ex.frames, timestamps=np.arange(T) / 2.0, indices=np.arange(T),
+                       fps=2.0, sampled_fps=2.0, duration=T / 2.0, width=224, height=224,
+                       backend="synth")
+    return vid, ex.question, f"synth-{task}-{n}-{seed}"

@@ -1,0 +1,650 @@
+"""Online estimation: one layer's q, k + the ModalityIndex -> kernel specs for every head.
+
+All heads at once. Heads are grouped by (query region, key region, pattern kind); each group
+is one batched computation, so the work per layer does not grow a Python loop per head.
+
+The proxy is softmax(Q[last queries] · Kᵀ · scale) in fp32 under the causal mask, for the
+last ``last_q`` queries of the sequence (none/k-boundary heads) or of one modality
+(q/2d-boundary heads). It is reduced on the fly over key chunks in two passes (log-sum-exp,
+then normalised mass), so no ``[H, last_q, N]`` matrix exists at long N:
+
+* column sums -> verticals (vertical_slash) and phase sums (grid);
+* diagonal sums -> slash offsets (vertical_slash);
+* block heads use mean-pooled q/k per block instead (no proxy).
+
+Grid: for every candidate stride of the layout (``index.grid_strides()``) the phase sums of
+the column mass over the visual keys give, per phase, the *lift* = phase mass / the phase's
+uniform share. The best phase per stride, then the best stride: a multiple of a smaller
+candidate counts only if the divisor's phase mass above uniform sits in one of its sub-phases
+(else every multiple of the true stride would tie or win by noise, at a fraction of the
+recall). A best lift below ``min_lift`` switches the head to its fallback pattern, decided
+on the device: both the grid slot and the fallback slot are planned and the losing one is
+switched off in the plan (``LayerEstimate.build_plan``), so nothing waits for the GPU.
+
+Nothing in the hot path reads a device tensor on the host (no ``.item()``/``.tolist()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+
+from mminfer.errors import ConfigError
+from mminfer.kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table
+from .modality import ModalityIndex
+from .patterns import HeadPattern, Pattern
+
+RUNNER_UP = 0.2           # stride multiples: max runner-up sub-phase share (see grid())
+INACTIVE = 1 << 20        # a query group no row has: switches a slot off (see build_plan)
+_CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
+_PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
+# "triton": the fused proxy kernels (kernels/proxy.py) for a contiguous run of at most 64
+# queries; "torch": the chunked PyTorch passes below; "auto": triton on a GPU (1.4-1.7x less
+# estimation time at 128K-256K, BENCHMARKS.md section 3), torch on the CPU (where only the
+# slow interpreter runs Triton).
+PROXY = os.environ.get("MMINFER_PROXY", "auto")
+if PROXY not in ("auto", "torch", "triton"):
+    raise ConfigError(f"MMINFER_PROXY must be auto, torch or triton, not {PROXY!r}")
+_F_QGROUP, _F_LINES = 1, 11   # kernel parameter fields (kernels/sparse_attn_kernel.py)
+
+
+@dataclass
+class GridChoice:
+    """What the grid estimate chose for a group of heads (device tensors ``[B, H']``)."""
+    heads: list
+    qmod: Optional[str]
+    kmod: Optional[str]
+    start: int
+    end: int
+    stride: torch.Tensor
+    phase: torch.Tensor
+    lift: torch.Tensor
+    fallback: torch.Tensor        # bool: the fallback pattern is used
+
+
+@dataclass
+class _Switch:
+    primary: int                  # index into specs (the grid spec)
+    fallback: int                 # index into fallback_specs
+    positions: list               # slots of the grid spec that this fallback spec covers
+    fire: torch.Tensor            # [B, len(positions)] bool: use the fallback
+
+
+@dataclass
+class LayerEstimate:
+    n: int
+    batch: int
+    num_heads: int
+    block_m: int
+    block_n: int
+    specs: list                   # every head exactly once per query (and 2D key) group
+    row_groups: Optional[list]    # None when no head uses a boundary
+    fallback_specs: list = field(default_factory=list)
+    switches: list = field(default_factory=list)
+    row_line_programs: int = 0    # grid row-line programs per slot (plan hint, no sync)
+    grids: list = field(default_factory=list)   # GridChoice per grid group
+    device: torch.device = torch.device("cpu")
+
+    def build_plan(self, device=None) -> SparsePlan:
+        """The kernel plan. With fallbacks, grid and fallback slots are both planned and the
+        loser of each pair is switched off on the device: its query group becomes one no row
+        has (and a grid's lines are cleared, so its row-line programs idle too)."""
+        device = device if device is not None else self.device
+        specs = _pad_index_lists(self.specs + self.fallback_specs)
+        plan = SparsePlan.build(self.n, self.num_heads, specs, block_m=self.block_m,
+                                block_n=self.block_n, row_groups=self.row_groups,
+                                batch=self.batch, device=device,
+                                max_row_lines=self.row_line_programs,
+                                check_coverage=not self.fallback_specs)
+        if self.switches:
+            first = _slot_offsets(specs)
+            for sw in self.switches:
+                g_fam, g0 = first[sw.primary]
+                f_fam, f0 = first[len(self.specs) + sw.fallback]
+                g_slots = [g0 + p for p in sw.positions]
+                f_slots = list(range(f0, f0 + len(sw.positions)))
+                _switch_off(plan.launches[g_fam].params, g_slots, sw.fire, grid=True)
+                _switch_off(plan.launches[f_fam].params, f_slots, ~sw.fire, grid=False)
+        plan.estimate = self
+        return plan
+
+    def summary(self) -> dict:
+        """Per-head grid choices as host values (synchronises: for reports and tests)."""
+        out = {}
+        for g in self.grids:
+            for i, h in enumerate(g.heads):
+                out.setdefault(h, []).append({
+                    "region": g.qmod or "all", "keys": g.kmod or "all",
+                    "stride": g.stride[:, i].tolist(), "phase": g.phase[:, i].tolist(),
+                    "lift": [round(x, 3) for x in g.lift[:, i].tolist()],
+                    "fallback": g.fallback[:, i].tolist()})
+        return out
+
+
+def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
+                   heads: Sequence[HeadPattern], *, block_m: int = 128, block_n: int = 64,
+                   last_q: int = 64, chunk: int | None = None,
+                   scale: float | None = None) -> LayerEstimate:
+    """Kernel specs for all heads of one layer. q ``[B, Hq, N, D]``, k ``[B, Hkv, N, D]``;
+    ``heads[h]`` is the HeadPattern of (local) head h. ``block_m``/``block_n`` must be the
+    plan's (block heads list key blocks of ``block_n`` per row block of ``block_m``);
+    ``chunk`` is the key chunk of the proxy (default: about 256 MiB of fp32 scores)."""
+    B, Hq, N, D = q.shape
+    if len(heads) != Hq:
+        raise ValueError(f"{len(heads)} head patterns for {Hq} query heads")
+    if index.n != N:
+        raise ValueError(f"modality index is for {index.n} tokens, q has {N}")
+    if k.shape[0] != B or k.shape[2] != N or Hq % k.shape[1]:
+        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
+    scale = D ** -0.5 if scale is None else scale
+    mods = index.modalities()
+    multi = len(mods) > 1
+
+    # Host bookkeeping over the config (ints and strings only): head -> regions -> groups.
+    groups: dict[tuple, list] = {}
+    uses_boundary = False
+    for h, hp in enumerate(heads):
+        b = hp.boundary if multi else "none"
+        if b in ("none", "k"):
+            regions = [(None, None, hp.for_region(mods[0], mods[0]))]
+        elif b == "q":
+            regions = [(m, None, hp.for_region(m)) for m in mods]
+        else:
+            regions = [(qm, km, hp.for_region(qm, km)) for qm in mods for km in mods]
+        uses_boundary |= b in ("q", "2d")
+        for qm, km, p in regions:
+            groups.setdefault((qm, km, p.kind, b == "k"), []).append((h, p))
+
+    # Which diagonal sums each query set needs (None: over all keys; a modality: 2D keys).
+    needs: dict = {}
+    for (qm, km, kind, _), members in groups.items():
+        if kind == "vertical_slash" or (kind == "grid" and any(
+                p.fallback.kind == "vertical_slash" for _, p in members)):
+            needs.setdefault(qm, set()).add(km)
+
+    row_groups = index.row_groups() if uses_boundary else None
+    est = _Estimator(q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
+                     needs)
+    out = LayerEstimate(n=N, batch=B, num_heads=Hq, block_m=block_m, block_n=block_n,
+                        specs=[], row_groups=row_groups, device=q.device)
+    for (qm, km, kind, ksplit), members in groups.items():
+        hs = [h for h, _ in members]
+        pats = [p for _, p in members]
+        if kind == "grid":
+            est.grid(out, hs, pats, qm, km, ksplit)
+        else:
+            out.specs.append(est.spec(kind, hs, pats, qm, km, ksplit))
+    return out
+
+
+class _Estimator:
+    """Per-call state: the proxy statistics of each query set, computed once, shared by all
+    groups that read them."""
+
+    def __init__(self, q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
+                 needs):
+        self.q, self.k, self.index = q, k, index
+        self.block_m, self.block_n, self.last_q = block_m, block_n, last_q
+        self.chunk, self.scale, self.multi = chunk, scale, multi
+        self.row_groups = row_groups
+        self.dev = q.device
+        self.B, self.Hq, self.N, _ = q.shape
+        self._stats: dict = {}
+        # Query sets by position: "text" and "all" are often the same last 64 tokens.
+        self.needs: dict = {}
+        for qm, kms in needs.items():
+            self.needs.setdefault(tuple(self._qpos(qm)), set()).update(kms)
+
+    # ------------------------------------------------------------------ helpers
+    def _group(self, mod):
+        return -1 if mod is None or not self.multi else self.index.group_of(mod)
+
+    def _heads(self, hs):
+        return torch.tensor(hs, dtype=torch.long).to(self.dev, non_blocking=True)
+
+    def _ints(self, xs):
+        return torch.tensor(xs, dtype=torch.long).to(self.dev, non_blocking=True)
+
+    def _qpos(self, qmod):
+        if qmod is None or not self.multi:
+            return list(range(max(0, self.N - self.last_q), self.N))
+        return self.index.last_positions(qmod, self.last_q)
+
+    def stats(self, qmod, kmod=None):
+        """(col [B, Hq, N], diag [B, Hq, N] or None) of the query set of ``qmod``; with
+        ``kmod`` the diagonal sums count only keys of that modality (2D-boundary)."""
+        pos = tuple(self._qpos(qmod))
+        if pos not in self._stats:
+            want = self.needs.get(pos, set())
+            kg, _ = _key_groups(self.index, self.dev)
+            use = PROXY if PROXY != "auto" else ("triton" if self.q.is_cuda else "torch")
+            fused = use == "triton" and len(pos) <= 64 and pos[-1] - pos[0] == len(pos) - 1
+            if fused:
+                from mminfer.kernels.proxy import proxy_stats
+                groups = {km: self.index.group_of(km) for km in want if km is not None}
+                col, diag, by_group = proxy_stats(
+                    self.q, self.k, pos[0], len(pos), self.scale, diag=None in want,
+                    kgroup=kg, targets=tuple(sorted(set(groups.values()))))
+                self._stats[pos] = (col, diag, {km: by_group[g] for km, g in groups.items()})
+            else:
+                kmasks = [(km, kg == self.index.group_of(km)) for km in want if km is not None]
+                self._stats[pos] = _proxy_stats(self.q, self.k, list(pos), self.scale,
+                                                self.chunk, None in want, kmasks)
+        col, diag, diag_k = self._stats[pos]
+        return col, (diag_k[kmod] if kmod is not None else diag)
+
+    # ------------------------------------------------------------------ specs
+    def spec(self, kind, hs, pats, qmod, kmod, ksplit=False):
+        qg, kg = self._group(qmod), self._group(kmod)
+        if kind == "dense":
+            return AShape(heads=hs, sink=0, window=self.N, qgroup=qg, kgroup=kg)
+        if kind == "a_shape":
+            return AShape(heads=hs, sink=[p.sink for p in pats], window=[p.window for p in pats],
+                          qgroup=qg, kgroup=kg)
+        if kind == "vertical_slash":
+            return self._vertical_slash(hs, pats, qmod, kmod, ksplit)
+        if kind == "block":
+            return self._block(hs, pats, qmod, kmod)
+        raise ValueError(f"unknown pattern kind {kind!r}")
+
+    def _vertical_slash(self, hs, pats, qmod, kmod, ksplit):
+        N, dev = self.N, self.dev
+        col, diag = self.stats(qmod, kmod)
+        hidx = self._heads(hs)
+        col, diag = col[:, hidx], diag[:, hidx]                     # [B, H', N]
+        sink = self._ints([p.sink for p in pats])
+        window = self._ints([p.window for p in pats])
+        j = torch.arange(N, device=dev)
+        neg = torch.tensor(float("-inf"), device=dev)
+
+        # Verticals: sinks forced in, the rest by column mass (restricted to 2D key group).
+        score = torch.where(j[None, None, :] < sink[None, :, None], neg, col)
+        kgroups, counts = _key_groups(self.index, dev)
+        if kmod is not None and self.multi:
+            score = torch.where(kgroups == self.index.group_of(kmod), score, neg)
+        nv = [p.n_vertical for p in pats]
+        if ksplit and self.multi:
+            # K-boundary: the budget split across key modalities (a modality with fewer
+            # keys than its share hands the rest to the largest one).
+            M = len(counts)
+            nv_t = torch.tensor(nv)
+            share = torch.minimum((nv_t // M)[:, None], torch.tensor(counts)[None, :])
+            big = max(range(M), key=lambda m: counts[m])
+            share[:, big] = torch.clamp(share[:, big] + nv_t - share.sum(1), max=counts[big])
+            parts = []
+            for m in range(M):
+                sm = torch.where(kgroups == m, score, neg)
+                parts.append(_topk_ids(sm, share[:, m].tolist(), dev))
+            top = torch.cat(parts, dim=-1)
+        else:
+            top = _topk_ids(score, nv, dev)
+        max_sink = min(max(p.sink for p in pats), N)
+        sinks = torch.arange(max_sink, device=dev)[None, None, :].expand(self.B, len(hs), -1)
+        sinks = torch.where(sinks < sink[None, :, None], sinks, torch.full_like(sinks, -1))
+        verticals = torch.cat([sinks, top], dim=-1)
+
+        # Slashes: diagonals within the window are the near range already.
+        dscore = torch.where(j[None, None, :] <= window[None, :, None], neg, diag)
+        slashes = _topk_ids(dscore, [p.n_slash for p in pats], dev)
+        return VerticalSlash(heads=hs, verticals=verticals, slashes=slashes,
+                             window=[p.window for p in pats], qgroup=self._group(qmod),
+                             kgroup=self._group(kmod))
+
+    def _block(self, hs, pats, qmod, kmod):
+        q, k, dev = self.q, self.k, self.dev
+        B, Hq, N, D = q.shape
+        group = Hq // k.shape[1]
+        bn = self.block_n
+        table, rb = _row_blocks(N, self.block_m, self.row_groups, dev)
+        R = table.shape[0]
+        hidx = self._heads(hs)
+        kvidx = self._heads([h // group for h in hs])
+        step = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * D))
+        # Mean-pooled queries per row block and keys per key block, in fp32, chunked.
+        qbar = torch.zeros(B, len(hs), R, D, dtype=torch.float32, device=dev)
+        for a in range(0, N, step):
+            b = min(a + step, N)
+            qbar.index_add_(2, rb[a:b], q[:, hidx, a:b].float())
+        qbar /= (table[:, 1] - table[:, 0]).to(torch.float32)[None, None, :, None]
+        nkb = -(-N // bn)
+        kbar = torch.empty(B, k.shape[1], nkb, D, dtype=torch.float32, device=dev)
+        kstep = max(bn, (_CHUNK_ELEMS // max(1, B * k.shape[1] * D)) // bn * bn)
+        for a in range(0, N, kstep):
+            b = min(a + kstep, N)
+            kc = k[:, :, a:b].float()
+            full = (b - a) // bn
+            if full:
+                kbar[:, :, a // bn:a // bn + full] = \
+                    kc[:, :, :full * bn].reshape(B, k.shape[1], full, bn, D).mean(3)
+            if full * bn < b - a:
+                kbar[:, :, a // bn + full] = kc[:, :, full * bn:].mean(2)
+        kbar = kbar[:, kvidx]                                  # [B, H', NKB, D] (pooled)
+
+        window = self._ints([p.window for p in pats])
+        top_k = [p.top_k for p in pats]
+        kmax = min(max(top_k), nkb)
+        cstart = torch.arange(nkb, device=dev) * bn
+        ok_k = torch.ones(nkb, dtype=torch.bool, device=dev)
+        if kmod is not None and self.multi:
+            kg, _ = _key_groups(self.index, dev)
+            hit = torch.zeros(nkb + 1, dtype=torch.int32, device=dev)
+            hit.index_add_(0, torch.arange(N, device=dev) // bn,
+                           (kg == self.index.group_of(kmod)).to(torch.int32))
+            ok_k = hit[:nkb] > 0
+        out = torch.full((B, len(hs), R, kmax), -1, dtype=torch.long, device=dev)
+        rstep = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * nkb))
+        budget = torch.tensor(top_k, device=dev)[None, :, None, None]
+        rank = torch.arange(kmax, device=dev)
+        for a in range(0, R, rstep):
+            b = min(a + rstep, R)
+            s = torch.matmul(qbar[:, :, a:b], kbar.transpose(-1, -2))    # [B, H', r, NKB]
+            lo = torch.clamp(table[a:b, 0][None, :] - window[:, None], min=0)  # [H', r]
+            far = (cstart[None, None, :] < lo[:, :, None]) & ok_k
+            s = torch.where(far[None], s, torch.tensor(float("-inf"), device=dev))
+            vals, ids = torch.topk(s, kmax, dim=-1)
+            keep = (rank < budget) & torch.isfinite(vals)
+            out[:, :, a:b] = torch.where(keep, ids, torch.full_like(ids, -1))
+        return Block(heads=hs, key_blocks=out, window=[p.window for p in pats],
+                     qgroup=self._group(qmod), kgroup=self._group(kmod))
+
+    # ------------------------------------------------------------------ grid
+    def grid(self, est: LayerEstimate, hs, pats, qmod, kmod, ksplit=False):
+        span, lines_ok = self._grid_span(qmod, kmod)
+        strides = [s for s in self.index.grid_strides() if span and 2 * s <= span[1] - span[0]]
+        if not strides:
+            # No visual span these rows may carry lines in (text rows, text keys, no
+            # video): the fallback is the pattern, decided by the layout alone.
+            by_kind: dict[str, list] = {}
+            for h, p in zip(hs, pats):
+                by_kind.setdefault(p.fallback.kind, []).append((h, p.fallback))
+            for kind, mem in by_kind.items():
+                est.specs.append(self.spec(kind, [h for h, _ in mem], [p for _, p in mem],
+                                           qmod, kmod, ksplit))
+            return
+        start, end = span
+        col, _ = self.stats(qmod, kmod)
+        hidx = self._heads(hs)
+        window = self._ints([p.window for p in pats])
+        qmin = min(self._qpos(qmod))
+        L = end - start
+        # Phase sums over the span's keys outside the proxy queries' near window (the
+        # window is covered anyway, and its local mass would swamp the phase histogram).
+        mass = col[:, hidx, start:end]                                   # [B, H', L]
+        pos = start + torch.arange(L, device=self.dev)
+        vis = pos[None, :] < (qmin - window)[:, None]                     # [H', L]
+        if kmod is not None and self.multi:
+            kg, _ = _key_groups(self.index, self.dev)
+            vis = vis & (kg[start:end] == self.index.group_of(kmod))[None, :]
+        mass = mass * vis
+        total = mass.sum(-1)                                              # [B, H']
+        ntot = vis.sum(-1).to(torch.float32)                              # [H']
+        lifts, phases, excess = [], [], []
+        for s in strides:
+            pad = (-L) % s
+            fold = torch.nn.functional.pad(mass, (0, pad)).view(self.B, len(hs), -1, s).sum(2)
+            cnt = torch.nn.functional.pad(vis.to(torch.float32), (0, pad)) \
+                .view(len(hs), -1, s).sum(1)                              # [H', s]
+            share = total[..., None] * cnt[None] / ntot.clamp(min=1)[None, :, None]
+            lift = torch.where(cnt[None] > 0, fold / share.clamp(min=1e-30),
+                               torch.zeros_like(fold))                    # [B, H', s]
+            best, phase = lift.max(-1)
+            lifts.append(best)
+            phases.append(phase)
+            excess.append((fold - share) / total.clamp(min=1e-30)[..., None])
+        lift = torch.stack(lifts, -1)                                     # [B, H', C]
+        phase = torch.stack(phases, -1)
+        # A multiple s_i = m * s_j of a smaller candidate is a real structure only if one of
+        # the m sub-phases of the s_j phase holds its excess mass: a true s_j structure
+        # spreads it over all m (so the runner-up sub-phase is about as heavy).
+        valid = torch.ones_like(lift, dtype=torch.bool)
+        for i, si in enumerate(strides):
+            for j, sj in enumerate(strides[:i]):
+                if si % sj == 0:
+                    sub = (phases[i] % sj)[..., None] + \
+                        sj * torch.arange(si // sj, device=self.dev)
+                    top2 = excess[i].gather(-1, sub).topk(2, dim=-1).values
+                    valid[..., i] &= (top2[..., 0] > 0) & \
+                        (top2[..., 1] <= RUNNER_UP * top2[..., 0])
+        pick = torch.where(valid, lift, torch.full_like(lift, -1.0)).argmax(-1, keepdim=True)
+        stride_t = torch.tensor(strides, device=self.dev)
+        g_stride = stride_t[pick[..., 0]]                                 # [B, H']
+        g_phase = phase.gather(-1, pick)[..., 0]
+        g_lift = lift.gather(-1, pick)[..., 0]
+        min_lift = torch.tensor([p.min_lift for p in pats], device=self.dev)
+        fire = g_lift < min_lift[None, :]
+
+        lines = [p.lines if lines_ok else "cols" for p in pats]
+        qg, kg_ = self._group(qmod), self._group(kmod)
+        est.specs.append(Grid(heads=hs, start=start, end=end, stride=g_stride, phase=g_phase,
+                              lines=lines, sink=[p.sink for p in pats],
+                              window=[p.window for p in pats], qgroup=qg, kgroup=kg_))
+        gi = len(est.specs) - 1
+        if any(x != "cols" for x in lines):
+            n_lines = -(-L // min(strides))
+            est.row_line_programs = max(est.row_line_programs, -(-n_lines // self.block_m))
+        est.grids.append(GridChoice(hs, qmod, kmod, start, end, g_stride, g_phase, g_lift, fire))
+        by_kind: dict[str, list] = {}
+        for i, p in enumerate(pats):
+            by_kind.setdefault(p.fallback.kind, []).append(i)
+        for kind, pos_list in by_kind.items():
+            fb = self.spec(kind, [hs[i] for i in pos_list], [pats[i].fallback for i in pos_list],
+                           qmod, kmod, ksplit)
+            est.fallback_specs.append(fb)
+            est.switches.append(_Switch(gi, len(est.fallback_specs) - 1, pos_list,
+                                        fire[:, self._ints(pos_list)]))
+
+    def _grid_span(self, qmod, kmod):
+        """(start, end) of the lines and whether row lines are allowed there. Slots of one
+        query group need their lines inside one span of that group (row lines are stored
+        by position); whole-head slots span all visual tokens, columns only if that range
+        holds text too."""
+        vis = self.index.visual_spans()
+        if not vis:
+            return None, False
+        if kmod is not None and self.multi and kmod != qmod:
+            return None, False   # lines in the query modality's span, keys of another: none
+        if qmod is not None and self.multi:
+            own = [s for s in vis if s.modality == qmod]
+            if not own:
+                return None, False
+            s = own[-1]
+            return (s.start, s.end), True
+        if len(vis) == 1:
+            return (vis[0].start, vis[0].end), True
+        return (vis[0].start, vis[-1].end), False
+
+
+# ---------------------------------------------------------------------- proxy
+def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
+    """Column and diagonal sums of softmax(q[pos] kᵀ · scale) (causal, fp32), two passes over
+    key chunks. GQA by index: the query heads of one kv head are stacked as rows of one
+    matmul against that kv head's keys. Returns (col, diag, {kmod: diag over its keys})."""
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    nq = len(pos)
+    dev = q.device
+    pos_t = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
+    qs = (q[:, :, pos_t] * scale).reshape(B, Hkv, g * nq, D)      # [B, Hkv, g*nq, D]
+    kend, qmin = pos[-1] + 1, pos[0]
+    if chunk is None:
+        budget = _PROXY_ELEMS["cuda" if q.is_cuda else "cpu"]
+        chunk = max(1024, budget // max(1, B * Hq * nq))
+    spans = [(a, min(a + chunk, kend)) for a in range(0, kend, chunk)]
+
+    def scores(a, b):
+        s = torch.matmul(qs, k[:, :, a:b].transpose(-1, -2)).float().view(B, Hq, nq, b - a)
+        if b - 1 > qmin:
+            j = torch.arange(a, b, device=dev)
+            s = s.masked_fill(j[None, :] > pos_t[:, None], float("-inf"))
+        return s
+
+    # One chunk (up to ~150K keys for 28 heads on a GPU): keep the scores for pass two.
+    kept = scores(*spans[0]) if len(spans) == 1 else None
+    lse = torch.full((B, Hq, nq), float("-inf"), device=dev)
+    for a, b in spans:
+        lse = torch.logaddexp(lse, torch.logsumexp(
+            kept if kept is not None else scores(a, b), dim=-1))
+    col = torch.zeros(B, Hq, N, device=dev)
+    diag = torch.zeros(B, Hq, N, device=dev) if want_diag else None
+    diag_k = {km: torch.zeros(B, Hq, N, device=dev) for km, _ in kmasks}
+    # Query positions as contiguous runs (a modality's last queries can sit in several
+    # spans): each run takes the skew path; a scatter_add over rows × keys would pile up
+    # atomics on the same few thousand offsets (measured: most of the index time at 256K).
+    runs, r = [], 0
+    for i in range(1, nq + 1):
+        if i == nq or pos[i] != pos[i - 1] + 1:
+            runs.append((r, i, pos[r]))
+            r = i
+    for a, b in spans:
+        p = kept if kept is not None else scores(a, b)
+        p = p.sub_(lse[..., None]).exp_()                             # [B, Hq, nq, C]
+        col[:, :, a:b] = p.sum(2)
+        targets = ([(diag, p)] if diag is not None else []) + \
+            [(diag_k[km], p * mask[a:b]) for km, mask in kmasks]
+        for out, x in targets:
+            for r0, r1, q0 in runs:
+                _diag_add(out, x[:, :, r0:r1], q0, a)
+    return col, diag, diag_k
+
+
+def _diag_add(out, p, q0, a):
+    """``out[..., o] += sum of p[..., r, c]`` over ``o = (q0 + r) - (a + c)``, for queries at
+    the contiguous positions q0.. and keys from a: a skew (each row r shifted left by r
+    through a strided view of a padded copy) turns diagonals into columns, so there is no
+    scatter and no atomics."""
+    B, H, nq, C = p.shape
+    W = C + nq
+    # Row r of p goes to flat r * W + nq of a zeroed buffer; read back with rows of W + 1,
+    # skew[r, c] = p[r, c + r - nq]: column c is offset q0 - a + nq - c.
+    buf = torch.zeros(B, H, nq * (W + 1), dtype=p.dtype, device=p.device)
+    buf.as_strided((B, H, nq, C), (H * nq * (W + 1), nq * (W + 1), W, 1),
+                   buf.storage_offset() + nq).copy_(p)
+    skew = buf.view(B, H, nq, W + 1)
+    s = skew.sum(2).flip(-1)                                  # s[t]: offset q0 - a - C + t
+    lo = q0 - a - C
+    t0, t1 = max(0, -lo), min(W + 1, out.shape[-1] - lo)
+    if t1 > t0:
+        out[..., lo + t0:lo + t1] += s[..., t0:t1]
+
+
+def _topk_ids(score, budgets, dev):
+    """Top ``budgets[h]`` ids of ``score [B, H', N]`` per head, ``-1`` padded (also where the
+    score is -inf: masked-out candidates are never chosen)."""
+    kmax = min(max(budgets) if budgets else 0, score.shape[-1])
+    if kmax <= 0:
+        return torch.full(score.shape[:2] + (0,), -1, dtype=torch.long, device=dev)
+    vals, ids = torch.topk(score, kmax, dim=-1)
+    budget = torch.tensor(budgets, dtype=torch.long).to(dev, non_blocking=True)
+    keep = (torch.arange(kmax, device=dev)[None, None, :] < budget[None, :, None]) \
+        & (vals > float("-inf"))
+    return torch.where(keep, ids, torch.full_like(ids, -1))
+
+
+# ---------------------------------------------------------------------- layout caches
+# The layout is the same for every layer of a request: build its device tensors once.
+@functools.lru_cache(maxsize=16)
+def _key_groups_cached(n, spans, mods, device):
+    gid = torch.empty(n, dtype=torch.int32)
+    ids = {m: g for g, m in enumerate(mods)}
+    counts = [0] * len(mods)
+    for s in spans:
+        gid[s.start:s.end] = ids[s.modality]
+        counts[ids[s.modality]] += s.length
+    return gid.to(device), counts
+
+
+def _key_groups(index: ModalityIndex, device):
+    """Group id per key ``[N]`` (device) and key count per group (host)."""
+    return _key_groups_cached(index.n, tuple(index.spans), tuple(index.modalities()),
+                              torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _row_blocks_cached(n, block_m, row_groups, device):
+    table = row_table(n, block_m, [tuple(x) for x in row_groups] if row_groups else None)
+    lens = (table[:, 1] - table[:, 0]).to(torch.long)
+    rb = torch.repeat_interleave(torch.arange(table.shape[0]), lens)
+    return table.to(torch.long).to(device), rb.to(device)
+
+
+def _row_blocks(n, block_m, row_groups, device):
+    """The plan's row table ``[R, 3]`` and the row block of every position ``[N]``."""
+    return _row_blocks_cached(n, block_m, tuple(map(tuple, row_groups)) if row_groups else None,
+                              torch.device(device))
+
+
+# ---------------------------------------------------------------------- plan switches
+def _pad_index_lists(specs):
+    """SparsePlan.build concatenates the index lists of one family's specs along the head
+    axis, so they need one width: pad with -1 (padding) to the widest."""
+    def widen(t, width):
+        if t.shape[-1] == width:
+            return t
+        pad = torch.full(t.shape[:-1] + (width - t.shape[-1],), -1, dtype=t.dtype,
+                         device=t.device)
+        return torch.cat([t, pad], dim=-1)
+
+    vs = [sp for sp in specs if isinstance(sp, VerticalSlash)]
+    bl = [sp for sp in specs if isinstance(sp, Block)]
+    if len(vs) < 2 and len(bl) < 2:
+        return specs
+    wv = max((sp.verticals.shape[-1] for sp in vs), default=0)
+    ws = max((sp.slashes.shape[-1] for sp in vs), default=0)
+    wb = max((sp.key_blocks.shape[-1] for sp in bl), default=0)
+    out = []
+    for sp in specs:
+        if isinstance(sp, VerticalSlash):
+            sp = replace(sp, verticals=widen(sp.verticals, wv), slashes=widen(sp.slashes, ws))
+        elif isinstance(sp, Block):
+            sp = replace(sp, key_blocks=widen(sp.key_blocks, wb))
+        out.append(sp)
+    return out
+
+
+def _slot_offsets(specs):
+    """(family, first slot) of each spec, in the order SparsePlan.build concatenates them."""
+    names = {AShape: "a_shape", Grid: "grid", VerticalSlash: "vertical_slash", Block: "block"}
+    used: dict[str, int] = {}
+    out = []
+    for sp in specs:
+        fam = names[type(sp)]
+        out.append((fam, used.get(fam, 0)))
+        used[fam] = used.get(fam, 0) + len(sp.heads)
+    return out
+
+
+def _switch_off(params, slots, off, grid):
+    """Switch the ``slots`` of a family's ``[B, S, NF]`` parameters off where ``off [B, len]``."""
+    idx = torch.tensor(slots, dtype=torch.long).to(params.device, non_blocking=True)
+    sub = params[:, idx]
+    off = off.to(params.device)
+    sub[..., _F_QGROUP] = torch.where(off, torch.full_like(sub[..., _F_QGROUP], INACTIVE),
+                                      sub[..., _F_QGROUP])
+    if grid:
+        sub[..., _F_LINES] = torch.where(off, torch.zeros_like(sub[..., _F_LINES]),
+                                         sub[..., _F_LINES])
+    params[:, idx] = sub
+
+
+def full_budget(heads: Sequence[HeadPattern], n: int) -> list:
+    """The same head patterns with every budget >= n (their plans are dense): for tests and
+    for checking a configuration end to end."""
+    def big(p: Pattern) -> Pattern:
+        if p.kind == "a_shape":
+            return Pattern("a_shape", sink=n, window=n)
+        if p.kind == "vertical_slash":
+            return Pattern("vertical_slash", n_vertical=n, n_slash=n, window=n, sink=n)
+        if p.kind == "block":
+            return Pattern("block", top_k=n, window=n)
+        if p.kind == "grid":
+            return Pattern("grid", lines=p.lines, sink=n, window=n, min_lift=p.min_lift,
+                           fallback=big(p.fallback))
+        return p
+    return [HeadPattern(hp.boundary, {k: big(p) for k, p in hp.patterns.items()})
+            for hp in heads]
+

@@ -1,0 +1,489 @@
+"""Head patterns: the offline choice per (layer, global head), and the config files holding them.
+
+A ``HeadPattern`` is a boundary type plus one intra-modality ``Pattern`` per region:
+
+* ``none`` / ``k``: one pattern for the whole head, key ``"all"`` (``k``: vertical budgets
+  are split across key modalities, see ``estimate.py``);
+* ``q``: one pattern per *query* modality (``"text"``, ``"video"``, ``"image"``);
+* ``2d``: one pattern per (query modality, key modality) pair, key ``"video->text"``.
+
+A config names every head of every layer (global head ids, so tensor-parallel rank r reads
+``r * local_heads + h``), says which model it is for and how it was made. Loading one for a
+different model is a ``ConfigError``, never a warning. The JSON layout (see
+``configs/README.md``) keeps a table of named head patterns plus, per layer, a default name
+and per-head overrides, so a 28 x 28 file stays readable.
+
+No torch here: configs load in the CLI and the server without heavy imports.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from mminfer.errors import ConfigError
+
+SCHEMA_VERSION = 1
+KINDS = ("a_shape", "vertical_slash", "grid", "block", "dense")
+BOUNDARIES = ("none", "k", "q", "2d")
+QUERY_MODALITIES = ("text", "video", "image")
+LINES = ("rows", "cols", "both")
+
+# Budget fields of each kind, with their defaults. At 1M tokens with 128 x 64 tiles these
+# cost about (physical tiles / causal triangle): a_shape 0.8 %, vertical_slash 2-3 %,
+# grid at LongVILA's frame stride 257 2.0 %, block 1.6 % (configs/README.md: how checked).
+_FIELDS: dict[str, dict[str, Any]] = {
+    "a_shape": {"sink": 128, "window": 4096},
+    "vertical_slash": {"n_vertical": 1024, "n_slash": 64, "window": 256, "sink": 64},
+    "grid": {"lines": "both", "sink": 128, "window": 6144, "min_lift": 3.0, "fallback": None},
+    "block": {"top_k": 128, "window": 256},
+    "dense": {},
+}
+_ALL_FIELDS = ("kind", "sink", "window", "n_vertical", "n_slash", "lines", "min_lift",
+               "fallback", "top_k")
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One intra-modality pattern with its budget. Fields that a kind does not use stay None;
+    fields it uses and that are left None get the kind's default (``_FIELDS``).
+
+    * ``a_shape(sink, window)``: the first ``sink`` keys + a local window;
+    * ``vertical_slash(n_vertical, n_slash, window, sink)``: top verticals and diagonals of
+      the proxy; the first ``sink`` columns are forced-in verticals, diagonals closer than
+      ``window`` are the near range;
+    * ``grid(lines, sink, window, min_lift, fallback)``: lines every ``stride`` tokens at the
+      best phase (estimated online); rows, columns or both; a best lift under ``min_lift``
+      uses ``fallback`` (default: vertical_slash with its defaults);
+    * ``block(top_k, window)``: ``top_k`` key blocks per query block;
+    * ``dense``: every causal pair.
+    """
+    kind: str
+    sink: Optional[int] = None
+    window: Optional[int] = None
+    n_vertical: Optional[int] = None
+    n_slash: Optional[int] = None
+    lines: Optional[str] = None
+    min_lift: Optional[float] = None
+    fallback: Optional["Pattern"] = None
+    top_k: Optional[int] = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError(f"pattern kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        own = _FIELDS[self.kind]
+        for name in _ALL_FIELDS[1:]:
+            value = getattr(self, name)
+            if name not in own:
+                if value is not None:
+                    raise ConfigError(f"{self.kind} pattern has no field {name!r} "
+                                      f"(its fields: {', '.join(own) or 'none'})")
+            elif value is None:
+                default = own[name]
+                if name == "fallback" and default is None:
+                    default = Pattern("vertical_slash")
+                object.__setattr__(self, name, default)
+        for name in ("sink", "window", "n_vertical", "n_slash", "top_k"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise ConfigError(f"{self.kind} {name} must be an int >= 0, got {value!r}")
+        if self.kind == "grid":
+            if self.lines not in LINES:
+                raise ConfigError(f"grid lines {self.lines!r} is not one of {', '.join(LINES)}")
+            if not isinstance(self.min_lift, (int, float)) or self.min_lift < 0:
+                raise ConfigError(f"grid min_lift must be a number >= 0, got {self.min_lift!r}")
+            object.__setattr__(self, "min_lift", float(self.min_lift))
+            if not isinstance(self.fallback, Pattern) or self.fallback.kind == "grid":
+                raise ConfigError("grid fallback must be a non-grid pattern")
+
+    def params(self) -> dict:
+        """The kind's own fields (what goes into the JSON besides ``kind``)."""
+        return {name: getattr(self, name) for name in _FIELDS[self.kind]}
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind}
+        for name, value in self.params().items():
+            d[name] = value.to_dict() if isinstance(value, Pattern) else value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "pattern") -> "Pattern":
+        if not isinstance(d, dict):
+            raise ConfigError(f"config {where} must be an object, got {type(d).__name__}")
+        if "kind" not in d:
+            raise ConfigError(f"config {where} is missing field 'kind'")
+        kind = d["kind"]
+        if kind not in KINDS:
+            raise ConfigError(f"config {where}.kind = {kind!r} is not one of {', '.join(KINDS)}")
+        extra = set(d) - {"kind"} - set(_FIELDS[kind])
+        if extra:
+            own = ", ".join(_FIELDS[kind]) or "none"
+            raise ConfigError(f"config {where}: unknown field(s) {', '.join(sorted(extra))} for "
+                              f"a {kind} pattern (its fields: {own})")
+        kw = {k: v for k, v in d.items() if k != "kind"}
+        if kw.get("fallback") is not None:
+            kw["fallback"] = cls.from_dict(kw["fallback"], f"{where}.fallback")
+        try:
+            return cls(kind, **kw)
+        except ConfigError as e:
+            raise ConfigError(f"config {where}: {e.message}") from None
+
+
+def a_shape(sink: int | None = None, window: int | None = None) -> Pattern:
+    return Pattern("a_shape", sink=sink, window=window)
+
+
+def vertical_slash(n_vertical=None, n_slash=None, window=None, sink=None) -> Pattern:
+    return Pattern("vertical_slash", n_vertical=n_vertical, n_slash=n_slash, window=window,
+                   sink=sink)
+
+
+def grid(lines=None, sink=None, window=None, min_lift=None, fallback=None) -> Pattern:
+    return Pattern("grid", lines=lines, sink=sink, window=window, min_lift=min_lift,
+                   fallback=fallback)
+
+
+def block(top_k=None, window=None) -> Pattern:
+    return Pattern("block", top_k=top_k, window=window)
+
+
+def dense() -> Pattern:
+    return Pattern("dense")
+
+
+@dataclass(frozen=True)
+class HeadPattern:
+    """Boundary type + pattern per region (see the module docstring for the keys)."""
+    boundary: str
+    patterns: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.boundary not in BOUNDARIES:
+            raise ConfigError(f"boundary {self.boundary!r} is not one of {', '.join(BOUNDARIES)}")
+        for key, p in self.patterns.items():
+            if not isinstance(p, Pattern):
+                raise ConfigError(f"head pattern {key!r} must be a Pattern")
+            _check_key(self.boundary, key)
+        if self.boundary in ("none", "k") and "all" not in self.patterns:
+            raise ConfigError(f"a {self.boundary}-boundary head needs the pattern 'all'")
+        if self.boundary in ("q", "2d") and not self.patterns:
+            raise ConfigError(f"a {self.boundary}-boundary head needs at least one pattern")
+
+    @classmethod
+    def single(cls, pattern: Pattern, boundary: str = "none") -> "HeadPattern":
+        return cls(boundary, {"all": pattern})
+
+    def for_region(self, qmod: str | None, kmod: str | None = None) -> Pattern:
+        """The pattern of the rows of ``qmod`` (and, for 2D, the keys of ``kmod``).
+        Lookup: the exact key, then the other visual modality (image <-> video), then
+        ``"all"``; a region with none of them is dense (never silently skipped)."""
+        p = self.patterns
+        if self.boundary in ("none", "k") or qmod is None:
+            return p.get("all") or next(iter(p.values()))
+        alias = {"image": "video", "video": "image"}
+        if self.boundary == "q":
+            keys = [qmod, alias.get(qmod)]
+        else:
+            keys = [f"{qmod}->{kmod}", f"{alias.get(qmod, qmod)}->{kmod}",
+                    f"{qmod}->{alias.get(kmod, kmod)}",
+                    f"{alias.get(qmod, qmod)}->{alias.get(kmod, kmod)}"]
+        for key in keys + ["all"]:
+            if key in p:
+                return p[key]
+        return dense()
+
+    def kinds(self) -> set:
+        return {p.kind for p in self.patterns.values()}
+
+    def to_dict(self) -> dict:
+        return {"boundary": self.boundary,
+                "patterns": {k: v.to_dict() for k, v in self.patterns.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "HeadPattern":
+        if not isinstance(d, dict):
+            raise ConfigError(f"config {where} must be an object, got {type(d).__name__}")
+        for name in ("boundary", "patterns"):
+            if name not in d:
+                raise ConfigError(f"config {where} is missing field {name!r}")
+        extra = set(d) - {"boundary", "patterns"}
+        if extra:
+            raise ConfigError(f"config {where}: unknown field(s) {', '.join(sorted(extra))}")
+        if d["boundary"] not in BOUNDARIES:
+            raise ConfigError(f"config {where}.boundary = {d['boundary']!r} is not one of "
+                              f"{', '.join(BOUNDARIES)}")
+        if not isinstance(d["patterns"], dict):
+            raise ConfigError(f"config {where}.patterns must be an object")
+        pats = {}
+        for key, pd in d["patterns"].items():
+            try:
+                _check_key(d["boundary"], key)
+            except ConfigError as e:
+                raise ConfigError(f"config {where}.patterns: {e.message}") from None
+            pats[key] = Pattern.from_dict(pd, f"{where}.patterns.{key}")
+        try:
+            return cls(d["boundary"], pats)
+        except ConfigError as e:
+            raise ConfigError(f"config {where}: {e.message}") from None
+
+
+def _check_key(boundary: str, key: str):
+    if key == "all":
+        return
+    if boundary in ("none", "k"):
+        raise ConfigError(f"a {boundary}-boundary head takes only the key 'all', got {key!r}")
+    if boundary == "q" and key not in QUERY_MODALITIES:
+        raise ConfigError(f"q-boundary key {key!r} is not one of all, "
+                          f"{', '.join(QUERY_MODALITIES)}")
+    if boundary == "2d":
+        parts = key.split("->")
+        if len(parts) != 2 or any(x not in QUERY_MODALITIES for x in parts):
+            raise ConfigError(f"2d-boundary key {key!r} must be 'qmod->kmod' with modalities "
+                              f"in {', '.join(QUERY_MODALITIES)}")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    id: str
+    revision: str = "main"
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_IDENTITY_TYPES = {"id": str, "revision": str, "layers": int, "heads": int, "kv_heads": int,
+                   "head_dim": int}
+
+
+@dataclass
+class HeadPatternConfig:
+    identity: ModelIdentity
+    layers: list                       # [layer][global head] -> HeadPattern
+    uncalibrated: bool = True
+    provenance: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+    # Names of the head patterns in the file's table (canonical JSON -> name), kept so a
+    # loaded and saved file keeps its names.
+    names: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ access
+    def layer(self, i: int) -> list:
+        """HeadPattern of every global head of layer ``i``."""
+        if not 0 <= i < len(self.layers):
+            raise ConfigError(f"layer {i} is outside the config's {len(self.layers)} layers")
+        return self.layers[i]
+
+    def heads_for_rank(self, layer: int, rank: int, local_heads: int) -> list:
+        """Tensor parallelism: rank ``r`` holds global heads ``r * local_heads + h``."""
+        row = self.layer(layer)
+        lo = rank * local_heads
+        if rank < 0 or lo + local_heads > len(row):
+            raise ConfigError(f"rank {rank} x {local_heads} local heads exceeds the "
+                              f"{len(row)} heads of layer {layer}")
+        return row[lo:lo + local_heads]
+
+    @classmethod
+    def uniform(cls, identity: ModelIdentity, head: HeadPattern, **kw) -> "HeadPatternConfig":
+        return cls(identity, [[head] * identity.heads for _ in range(identity.layers)], **kw)
+
+    # ------------------------------------------------------------------ (de)serialise
+    def to_dict(self) -> dict:
+        names: dict[str, str] = {}     # canonical JSON of a head pattern -> its name
+        table: dict[str, dict] = {}
+        layers = []
+        for row in self.layers:
+            ids = []
+            for hp in row:
+                key = json.dumps(hp.to_dict(), sort_keys=True)
+                if key not in names:
+                    names[key] = self.names.get(key) or _auto_name(hp, table)
+                    if names[key] in table:
+                        names[key] = _auto_name(hp, table)
+                    table[names[key]] = hp.to_dict()
+                ids.append(names[key])
+            default = max(dict.fromkeys(ids), key=ids.count)   # ties: first seen
+            over = {str(h): n for h, n in enumerate(ids) if n != default}
+            layers.append({"default": default, "heads": over} if over else {"default": default})
+        return {"schema_version": self.schema_version, "model": self.identity.to_dict(),
+                "uncalibrated": self.uncalibrated, "provenance": self.provenance,
+                "patterns": table, "layers": layers}
+
+    def save(self, path) -> None:
+        d = self.to_dict()
+        # One layer per line keeps a 28-layer file diffable without a line per head.
+        head = {k: v for k, v in d.items() if k != "layers"}
+        text = json.dumps(head, indent=2)[:-2]
+        text += ',\n  "layers": [\n' + ",\n".join(
+            "    " + json.dumps(row) for row in d["layers"]) + "\n  ]\n}\n"
+        Path(path).write_text(text)
+
+    @classmethod
+    def from_dict(cls, d: Any, expect: ModelIdentity | None = None) -> "HeadPatternConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("config must be a JSON object")
+        for name in ("schema_version", "model", "uncalibrated", "provenance", "patterns",
+                     "layers"):
+            if name not in d:
+                raise ConfigError(f"config is missing field {name!r}")
+        extra = set(d) - {"schema_version", "model", "uncalibrated", "provenance", "patterns",
+                          "layers"}
+        if extra:
+            raise ConfigError(f"config: unknown field(s) {', '.join(sorted(extra))}")
+        if d["schema_version"] != SCHEMA_VERSION:
+            raise ConfigError(f"config schema_version = {d['schema_version']!r} but this mminfer "
+                              f"reads {SCHEMA_VERSION}")
+        identity = _identity(d["model"])
+        if expect is not None:
+            for f in fields(ModelIdentity):
+                got, want = getattr(identity, f.name), getattr(expect, f.name)
+                if got != want:
+                    raise ConfigError(f"config model.{f.name} = {got!r} but the model has "
+                                      f"{want!r}", field=f"model.{f.name}")
+        if not isinstance(d["uncalibrated"], bool):
+            raise ConfigError(f"config uncalibrated must be true or false, "
+                              f"got {d['uncalibrated']!r}")
+        if not isinstance(d["provenance"], dict):
+            raise ConfigError("config provenance must be an object")
+        if not isinstance(d["patterns"], dict):
+            raise ConfigError("config patterns must be an object of named head patterns")
+        table = {name: HeadPattern.from_dict(hp, f"patterns.{name}")
+                 for name, hp in d["patterns"].items()}
+        rows = d["layers"]
+        if not isinstance(rows, list):
+            raise ConfigError("config layers must be a list")
+        if len(rows) != identity.layers:
+            raise ConfigError(f"config has {len(rows)} layers but model.layers = "
+                              f"{identity.layers}")
+        layers = [_layer_row(row, i, table, identity.heads) for i, row in enumerate(rows)]
+        names = {json.dumps(hp.to_dict(), sort_keys=True): name for name, hp in table.items()}
+        return cls(identity, layers, d["uncalibrated"], d["provenance"], d["schema_version"],
+                   names)
+
+    @classmethod
+    def load(cls, path, expect: ModelIdentity | None = None) -> "HeadPatternConfig":
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"head-pattern config {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"head-pattern config {path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(d, expect)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e.message}", **e.details) from None
+
+
+def _identity(m: Any) -> ModelIdentity:
+    if not isinstance(m, dict):
+        raise ConfigError("config model must be an object")
+    for name, typ in _IDENTITY_TYPES.items():
+        if name not in m:
+            raise ConfigError(f"config is missing field model.{name}")
+        if not isinstance(m[name], typ) or isinstance(m[name], bool):
+            raise ConfigError(f"config model.{name} must be {typ.__name__}, got {m[name]!r}")
+        if typ is int and m[name] <= 0:
+            raise ConfigError(f"config model.{name} must be > 0, got {m[name]}")
+    extra = set(m) - set(_IDENTITY_TYPES)
+    if extra:
+        raise ConfigError(f"config model: unknown field(s) {', '.join(sorted(extra))}")
+    if m["heads"] % m["kv_heads"]:
+        raise ConfigError(f"config model.heads = {m['heads']} is not a multiple of "
+                          f"model.kv_heads = {m['kv_heads']}")
+    return ModelIdentity(**m)
+
+
+def _layer_row(row: Any, i: int, table: dict, n_heads: int) -> list:
+    where = f"layers[{i}]"
+
+    def resolve(ref, at):
+        if isinstance(ref, str):
+            if ref not in table:
+                raise ConfigError(f"config {at} names pattern {ref!r}, which is not in patterns")
+            return table[ref]
+        return HeadPattern.from_dict(ref, at)   # an inline head pattern is fine too
+
+    if not isinstance(row, dict) or "default" not in row:
+        raise ConfigError(f"config {where} must be an object with a 'default' pattern")
+    extra = set(row) - {"default", "heads"}
+    if extra:
+        raise ConfigError(f"config {where}: unknown field(s) {', '.join(sorted(extra))}")
+    out = [resolve(row["default"], f"{where}.default")] * n_heads
+    for h, ref in (row.get("heads") or {}).items():
+        if not (isinstance(h, str) and h.isdigit() and int(h) < n_heads):
+            raise ConfigError(f"config {where}.heads: head {h!r} is not in [0, {n_heads})")
+        out[int(h)] = resolve(ref, f"{where}.heads.{h}")
+    return out
+
+
+def _auto_name(hp: HeadPattern, table: dict) -> str:
+    kinds = "+".join(sorted(hp.kinds()))
+    base = f"{hp.boundary}:{kinds}"
+    name, i = base, 1
+    while name in table:
+        i += 1
+        name = f"{base}#{i}"
+    return name
+
+
+def provenance(**kw) -> dict:
+    """Provenance with today's date (UTC) filled in."""
+    return {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), **kw}
+
+
+# ---------------------------------------------------------------------- shipped defaults
+KNOWN_MODELS = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": ModelIdentity(
+        "Qwen/Qwen2.5-VL-7B-Instruct", "main", layers=28, heads=28, kv_heads=4, head_dim=128),
+    "Efficient-Large-Model/qwen2-7b-longvila-1M": ModelIdentity(
+        "Efficient-Large-Model/qwen2-7b-longvila-1M", "main", layers=28, heads=28, kv_heads=4,
+        head_dim=128),
+}
+
+
+def default_head_patterns() -> dict[str, HeadPattern]:
+    """The named head patterns of the uncalibrated configs (configs/README.md)."""
+    vs = vertical_slash()
+    return {
+        # Video rows: grid lines at the estimated stride/phase (vertical_slash when the lift
+        # is weak); text rows (the question): vertical_slash over everything before them.
+        "q_grid": HeadPattern("q", {"video": grid(fallback=vs), "image": grid(fallback=vs),
+                                    "text": vs}),
+        # Verticals split between text and visual keys (text keys are few but heavy).
+        "k_vs": HeadPattern("k", {"all": vs}),
+        "a_shape": HeadPattern("none", {"all": a_shape()}),
+        "vs": HeadPattern("none", {"all": vs}),
+    }
+
+
+def default_config(identity: ModelIdentity) -> HeadPatternConfig:
+    """An uncalibrated mix: the first two layers vertical_slash (their attention is broad and
+    local, little grid structure); elsewhere, per GQA group (7 heads for 28/4), one
+    K-boundary vertical_slash head, one A-shape head and the rest Q-boundary grid heads. ``mminfer
+    calibrate`` replaces it with measured choices."""
+    named = default_head_patterns()
+    group = identity.heads // identity.kv_heads
+    layers = []
+    for layer in range(identity.layers):
+        row = []
+        for h in range(identity.heads):
+            if layer < 2 or h % group == 0:
+                row.append(named["k_vs"])
+            elif group > 3 and h % group == 3:
+                row.append(named["a_shape"])
+            else:
+                row.append(named["q_grid"])
+        layers.append(row)
+    cfg = HeadPatternConfig(identity, layers, uncalibrated=True, provenance=provenance(
+        made_by="mminfer.sparse.patterns.default_config", calibration_inputs=[],
+        objective=None, budgets=None, device=None,
+        note="uncalibrated starting point; run `mminfer calibrate` to replace it"))
+    cfg.names = {json.dumps(hp.to_dict(), sort_keys=True): name for name, hp in named.items()}
+    return cfg

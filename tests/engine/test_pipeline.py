@@ -1,0 +1,147 @@
+"""The answer pipeline end to end on a tiny Qwen2.5-VL checkpoint and a generated mp4:
+the record (video facts, token counts, timings, sparsity), dense and sparse one flag apart,
+adapter choice, and the errors users get."""
+
+import json
+import os
+
+import av
+import numpy as np
+import pytest
+
+from mminfer.errors import ConfigError, InputError, VideoError
+from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from mminfer.engine.pipeline import STAGES, Pipeline, pick_adapter
+
+
+def write_mp4(path, n=16, w=96, h=64, fps=8):
+    """A red square moving right over a dark blue background."""
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        for i in range(n):
+            img = np.zeros((h, w, 3), np.uint8)
+            img[..., 2] = 40
+            x = 4 * i % (w - 16)
+            img[24:40, x:x + 16, 0] = 255
+            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("pipe") / "tiny-qwen")
+
+
+@pytest.fixture(scope="module")
+def mp4(tmp_path_factory):
+    return write_mp4(tmp_path_factory.mktemp("vid") / "square.mp4")
+
+
+@pytest.fixture(scope="module")
+def pipe(ckpt):
+    return Pipeline(str(ckpt), attention="dense", device="cpu")
+
+
+def test_dense_answer_record(pipe, mp4):
+    res = pipe.answer(mp4, "  where does the red square move?  ", fps=4.0, max_new_tokens=5)
+    d = res.to_dict()
+    json.dumps(d)                                  # the record is plain JSON
+    assert isinstance(res.answer, str) and res.attention == "dense" and res.sparsity is None
+    assert d["model"] == "tiny-qwen" and d["attention_requested"] == "dense"
+    v = d["video"]
+    assert (v["frames"], v["fps"], v["duration"], v["width"], v["height"]) == (8, 8.0, 2.0, 96, 64)
+    assert v["sampled_fps"] == pytest.approx(4.0) and v["model_frames"] == 8
+    # tiny checkpoint's pixel range: 96x64 frames stay 84x56 (28-multiples) -> 2x3 merged grid
+    h, w = v["resized"]
+    t = d["tokens"]
+    assert t["visual"] == (8 // 2) * (h // 28) * (w // 28)
+    assert t["total"] == t["visual"] + t["text"]
+    assert 1 <= t["generated"] <= 5 and t["text"] > 10
+    ms = d["timings_ms"]
+    assert list(ms) == list(STAGES) and all(x >= 0 for x in ms.values())
+    for k in ("decode", "preprocess", "vision", "attention", "llm_other", "ttft", "total"):
+        assert ms[k] > 0, k
+    assert ms["index"] == 0                        # no estimation in a dense prefill
+    assert ms["ttft"] <= ms["total"] and ms["attention"] + ms["llm_other"] <= ms["ttft"]
+
+
+def test_same_request_same_answer(pipe, mp4):
+    a = pipe.answer(mp4, "what color is the square?", max_new_tokens=4)
+    b = pipe.answer(mp4, "what color is the square?", max_new_tokens=4)
+    assert a.answer == b.answer and a.tokens == b.tokens        # greedy: deterministic
+
+
+def test_request_errors(pipe, mp4, tmp_path):
+    with pytest.raises(InputError, match="question is empty"):
+        pipe.answer(mp4, "   ")
+    for fps in (0, -1.0, float("nan"), 1000):
+        with pytest.raises(InputError, match="fps"):
+            pipe.answer(mp4, "what?", fps=fps)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        pipe.answer(mp4, "what?", max_new_tokens=0)
+    with pytest.raises(InputError, match="attention"):
+        pipe.answer(mp4, "what?", attention="fast")
+    with pytest.raises(VideoError, match="not found"):
+        pipe.answer(tmp_path / "missing.mp4", "what?")
+    (tmp_path / "notes.txt").write_text("not a video at all\n")
+    with pytest.raises(VideoError):
+        pipe.answer(tmp_path / "notes.txt", "what?")
+
+
+def test_prompt_over_the_context(tmp_path, mp4):
+    small = save_tiny_qwen2_5_vl(tmp_path / "short-ctx", max_position_embeddings=40)
+    p = Pipeline(str(small), attention="dense", device="cpu")
+    with pytest.raises(InputError) as e:
+        p.answer(mp4, "what?", fps=4.0, max_new_tokens=4)     # 24 visual + 18 text tokens
+    assert e.value.details["limit"] == 40 and e.value.details["tokens"] + 4 > 40
+    assert "40" in e.value.message and str(e.value.details["tokens"]) in e.value.message
+
+
+def test_checkpoint_choice_and_errors(ckpt, tmp_path, monkeypatch):
+    from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter
+    assert pick_adapter(ckpt) is Qwen2_5_VLAdapter
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="not a checkpoint mminfer knows"):
+        pick_adapter(tmp_path)
+    with pytest.raises(ConfigError, match="not a directory"):
+        Pipeline(str(tmp_path / "config.json"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE"):
+        Pipeline("nobody/no-such-model", device="cpu")
+    with pytest.raises(ConfigError, match="attention"):
+        Pipeline(str(ckpt), attention="fast")
+
+
+def test_sparse_and_dense_one_flag_apart(pipe, ckpt, mp4):
+    dense = pipe.answer(mp4, "where does the square move?", fps=4.0, max_new_tokens=4)
+    sparse = pipe.answer(mp4, "where does the square move?", fps=4.0, max_new_tokens=4,
+                         attention="sparse")
+    assert dense.attention == "dense" and sparse.attention == "sparse"
+    assert sparse.attention_requested == "sparse" and sparse.tokens == dense.tokens
+    # the default patterns' budgets cover every pair of a 40-token prompt: same answer
+    assert sparse.answer == dense.answer
+    s = sparse.sparsity
+    assert s["layers"] == [0, 1] and len(s["per_layer"]) == 2
+    assert s["mean_density"] == pytest.approx(1.0) and s["uncalibrated"] is True
+    assert sparse.timings_ms["index"] > 0 and dense.timings_ms["index"] == 0
+    # auto: sparse from min_sparse_len tokens on
+    auto = Pipeline(str(ckpt), device="cpu", min_sparse_len=16)
+    assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "sparse"
+    assert pipe.answer(mp4, "what?", max_new_tokens=2, attention="auto").attention == "dense"
+
+
+def test_sparse_without_a_gpu_or_the_interpreter_says_why(pipe, ckpt, mp4, monkeypatch):
+    """On a CPU without TRITON_INTERPRET=1 the kernels cannot run: an explicit "sparse" is
+    refused with the reason (not triton's "0 active drivers"), "auto" answers dense."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        Pipeline(str(ckpt), attention="sparse", device="cpu")
+    auto = Pipeline(str(ckpt), device="cpu", min_sparse_len=16)
+    with pytest.raises(InputError, match="needs a CUDA GPU"):
+        auto.answer(mp4, "what?", max_new_tokens=2, attention="sparse")
+    assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "dense"

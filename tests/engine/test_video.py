@@ -1,0 +1,214 @@
+import math
+
+import numpy as np
+import pytest
+
+from mminfer.errors import VideoError
+from mminfer.engine.video import decode, probe, sample_indices
+
+BACKENDS = ["decord", "pyav"]
+
+
+# --------------------------------------------------------- reference: qwen-vl-utils 0.0.14
+
+def qwen_reference(total, video_fps, fps=2.0, start=None, end=None, nframes=None):
+    """calculate_video_frame_range + smart_nframes + torch.linspace(...).round(), transcribed
+    from qwen-vl-utils 0.0.14 (vision_process.py, decord reader) with the default ele."""
+    import torch
+
+    if start is None and end is None:
+        s, e, total = 0, total - 1, total
+    else:
+        max_duration = total / video_fps
+        s = math.ceil(max(0.0, min(start, max_duration)) * video_fps) if start is not None else 0
+        if end is not None:
+            e = min(math.floor(max(0.0, min(end, max_duration)) * video_fps), total - 1)
+        else:
+            e = total - 1
+        assert s < e
+        total = e - s + 1
+    if nframes is not None:
+        n = round(nframes / 2) * 2
+    else:
+        min_frames = math.ceil(4 / 2) * 2
+        max_frames = math.floor(min(768, total) / 2) * 2
+        n = total / video_fps * fps
+        n = min(min(max(n, min_frames), max_frames), total)
+        n = math.floor(n / 2) * 2
+    assert 2 <= n <= total
+    return torch.linspace(s, e, n).round().long().numpy()
+
+
+@pytest.mark.parametrize("video_fps", [10, 24, 30000 / 1001, 30, 60])
+def test_qwen_rule_matches_reference(video_fps):
+    for total in [2, 3, 5, 9, 30, 61, 299, 1801, 7201, 54000, 216000]:
+        for fps in [0.5, 1.0, 2.0, 4.0]:
+            ours = sample_indices(total, video_fps, fps=fps)
+            ref = qwen_reference(total, video_fps, fps=fps)
+            assert np.array_equal(ours, ref), (total, video_fps, fps)
+            assert len(ours) % 2 == 0 and len(ours) <= 768
+
+
+def test_qwen_rule_windows_and_num_frames():
+    for total, vfps, start, end in [(300, 30, 1.0, 4.0), (300, 30, None, 2.5),
+                                    (300, 30, 7.3, None), (54000, 29.97, 600.0, 1500.5),
+                                    (61, 24, 0.0, 100.0)]:
+        assert np.array_equal(sample_indices(total, vfps, start=start, end=end),
+                              qwen_reference(total, vfps, start=start, end=end))
+    for n in [3, 5, 7, 16, 33]:
+        assert np.array_equal(sample_indices(1000, 30, num_frames=n),
+                              qwen_reference(1000, 30, nframes=n))
+    # the long-video cap and the short-video floor
+    assert len(sample_indices(3600 * 30, 30)) == 768
+    assert len(sample_indices(20, 30)) == 4
+
+
+def test_qwen_rule_small_videos_keep_a_temporal_pair():
+    # qwen-vl-utils raises below 2 frames; we return one temporal pair instead.
+    assert sample_indices(1, 25).tolist() == [0, 0]
+    assert sample_indices(3, 25).tolist() == [0, 2]
+    assert len(sample_indices(10, 25, num_frames=64)) == 10  # capped at what exists
+
+
+def test_uniform_rule_is_longvila():
+    assert sample_indices(30, 10, sampling="uniform", num_frames=5).tolist() == [0, 7, 14, 21, 29]
+    assert np.array_equal(sample_indices(1000, 30, sampling="uniform", num_frames=8),
+                          np.linspace(0, 999, 8).astype(int))
+    # an explicit count is honoured even on a shorter video (frames repeat), as VILA does
+    assert sample_indices(3, 10, sampling="uniform", num_frames=6).tolist() == [0, 0, 0, 1, 1, 2]
+    # without num_frames: fps * duration within [min_frames, max_frames]
+    assert len(sample_indices(600, 30, sampling="uniform", fps=1.0)) == 20
+    assert len(sample_indices(600, 30, sampling="uniform", fps=1.0, max_frames=8)) == 8
+
+
+# ------------------------------------------------------------------------ decoding
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_qwen_sampling(make_video, frame_index, backend):
+    path = make_video(n_frames=30, fps=10)
+    v = decode(path, backend=backend)
+    expected = qwen_reference(30, 10)  # 3 s at 2 fps: 6 frames
+    assert v.backend == backend
+    assert v.frames.shape == (6, 48, 64, 3) and v.frames.dtype == np.uint8
+    assert v.indices.tolist() == expected.tolist()
+    assert [frame_index(f, 30) for f in v.frames] == expected.tolist()
+    np.testing.assert_allclose(v.timestamps, expected / 10, atol=1e-3)
+    assert (v.fps, v.sampled_fps, v.duration, v.width, v.height) == (10.0, 2.0, 3.0, 64, 48)
+    assert v.processor_metadata() == {"fps": 2.0, "total_num_frames": 6,
+                                      "frames_indices": list(range(6))}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_window_and_uniform(make_video, frame_index, backend):
+    path = make_video(n_frames=30, fps=10)
+    v = decode(path, start=1.0, end=2.0, backend=backend)
+    assert v.indices.tolist() == [10, 13, 17, 20]
+    assert [frame_index(f, 30) for f in v.frames] == [10, 13, 17, 20]
+    assert 1.0 - 1e-6 <= v.timestamps.min() and v.timestamps.max() <= 2.0 + 1e-6
+    assert v.sampled_fps == pytest.approx(4 / 11 * 10)
+    u = decode(path, sampling="uniform", num_frames=5, backend=backend)
+    assert [frame_index(f, 30) for f in u.frames] == [0, 7, 14, 21, 29]
+
+
+def test_backends_agree_and_seek_lands_on_the_right_frames(make_video, frame_index):
+    # 120 frames, keyframe every 10: the PyAV reader seeks between the sparse samples
+    path = make_video(n_frames=120, fps=10, gop=10)
+    a = decode(path, sampling="uniform", num_frames=4, backend="decord")
+    b = decode(path, sampling="uniform", num_frames=4, backend="pyav")
+    assert a.indices.tolist() == b.indices.tolist() == [0, 39, 79, 119]
+    assert np.array_equal(a.frames, b.frames)
+    np.testing.assert_allclose(a.timestamps, b.timestamps, atol=1e-3)
+    assert all(abs(frame_index(f, 120) - i) <= 1 for f, i in zip(b.frames, b.indices))
+
+
+def test_fallback_to_pyav_when_decord_cannot_read(make_video, frame_index):
+    # decord 0.6 fails on MPEG-TS (EOF handling); the default path must still decode it,
+    # and MPEG-TS starts at a non-zero timestamp, which must not leak into timestamps.
+    path = make_video("clip.ts", n_frames=40, fps=10, container="mpegts")
+    v = decode(path, sampling="uniform", num_frames=4)
+    assert v.backend == "pyav"
+    assert [frame_index(f, 40) for f in v.frames] == [0, 13, 26, 39]
+    np.testing.assert_allclose(v.timestamps, [0.0, 1.3, 2.6, 3.9], atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probe(make_video, backend):
+    info = probe(make_video(n_frames=25, fps=5, width=32, height=24), backend=backend)
+    assert (info.frames, info.fps, info.duration) == (25, 5.0, 5.0)
+    assert (info.width, info.height, info.codec, info.backend) == (32, 24, "h264", backend)
+
+
+def test_pyav_counts_frames_when_container_has_no_count(make_video):
+    # Matroska headers carry no frame count
+    path = make_video("clip.mkv", n_frames=25, fps=10, container="matroska")
+    assert probe(path, backend="pyav").frames == 25
+    assert len(decode(path, backend="pyav", sampling="uniform", num_frames=25).frames) == 25
+
+
+def test_single_frame_video(make_video, frame_index):
+    v = decode(make_video(n_frames=1, fps=1))
+    assert v.indices.tolist() == [0, 0] and v.frames.shape[0] == 2
+
+
+# -------------------------------------------------------------------------- errors
+
+def _bad_files(tmp_path, make_video):
+    from PIL import Image
+
+    out = {}
+    out["missing"] = (tmp_path / "nope.mp4", "not found")
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    out["empty"] = (tmp_path / "empty.mp4", "empty")
+    (tmp_path / "notes.mp4").write_text("this is a text file, not a video\n" * 20)
+    out["text"] = (tmp_path / "notes.mp4", "text file")
+    (tmp_path / "random.mp4").write_bytes(np.random.default_rng(0).bytes(20000))
+    out["random"] = (tmp_path / "random.mp4", "not a readable video")
+    for name, fast in (("cut", False), ("cut_faststart", True)):
+        full = make_video(f"{name}_full.mp4", n_frames=40, width=96, height=64, noise=True,
+                          faststart=fast)
+        data = full.read_bytes()
+        (tmp_path / f"{name}.mp4").write_bytes(data[: len(data) // 2])
+        out[name] = (tmp_path / f"{name}.mp4", "truncated")
+    out["audio_only"] = (make_video("sound.m4a", n_frames=0, audio=True), "no video stream")
+    img = Image.fromarray(np.zeros((32, 32, 3), np.uint8))
+    img.save(tmp_path / "pic.png")
+    img.save(tmp_path / "pic.jpg")
+    (tmp_path / "pic.png").rename(tmp_path / "png_as.mp4")
+    out["png"] = (tmp_path / "png_as.mp4", "PNG image")
+    out["jpeg"] = (tmp_path / "pic.jpg", "JPEG image")
+    img.save(tmp_path / "pic.ppm")  # no magic number we know: caught by the demuxer's kind
+    out["ppm"] = (tmp_path / "pic.ppm", "still image")
+    # a well-formed index whose frame data is all zeros: nothing decodes
+    data = bytearray(make_video("z.mp4", n_frames=10, faststart=True).read_bytes())
+    at = data.find(b"mdat") + 4
+    data[at:] = bytes(len(data) - at)
+    (tmp_path / "zeroed.mp4").write_bytes(bytes(data))
+    out["no_frames"] = (tmp_path / "zeroed.mp4", "no decodable video frames")
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", [None, "pyav"])
+def test_bad_files_raise_video_error(tmp_path, make_video, backend):
+    for kind, (path, words) in _bad_files(tmp_path, make_video).items():
+        for fn in (decode, probe) if kind in ("missing", "png", "audio_only") else (decode,):
+            with pytest.raises(VideoError) as e:
+                fn(path, backend=backend)
+            assert words in str(e.value), (kind, str(e.value))
+            assert str(path) in str(e.value)  # says which file
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(fps=0), "fps"), (dict(fps=-2.0), "fps"), (dict(fps=float("nan")), "fps"),
+    (dict(fps=float("inf")), "fps"), (dict(start=2.0, end=1.0), "before end"),
+    (dict(start=1.0, end=1.0), "before end"), (dict(start=-1.0), "start"),
+    (dict(max_frames=0), "max_frames"), (dict(min_frames=0), "min_frames"),
+    (dict(num_frames=0), "num_frames"), (dict(sampling="random"), "sampling"),
+    (dict(backend="opencv"), "backend"), (dict(start=50.0), "window"),
+    (dict(start=2.95, end=3.0), "window"),
+])
+def test_bad_arguments_raise_video_error(make_video, kw, words):
+    path = make_video(n_frames=30, fps=10)
+    with pytest.raises(VideoError) as e:
+        decode(path, **kw)
+    assert words in str(e.value)

@@ -1,0 +1,251 @@
+"""The embedded default model: its tokenizer, a micro training run of
+``scripts/train_embedded.py``, and (once ``mminfer/models/mminfer-embedded`` is built) real answers about the
+shipped samples, dense and sparse, within the CPU time limit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from mminfer.toy import synth
+from mminfer.models import embedded as M
+from mminfer.toy import embedded as E
+from mminfer.toy.tiny import QWEN_SPECIALS
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "samples" / "videos"
+BUILT = (M.DEFAULT_MODEL_DIR / "config.json").is_file()
+NOT_BUILT = (f"the embedded model is not built yet ({M.DEFAULT_MODEL_DIR}): "
+             f"`{M.BUILD_COMMAND}` on a GPU")
+CPU_ANSWER_LIMIT_S = 10.0
+# Sparse on CPU runs the Triton interpreter (about 10 s per sample): (sample, density; None =
+# the shipped config as served)
+SPARSE_SAMPLES = (("needle_0.mp4", None), ("needle_0.mp4", 0.5), ("order_0.mp4", 0.5),
+                  ("colour_0.mp4", 0.5))
+TINY = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate": 128,
+        "vision_hidden": 32, "vision_depth": 1, "vision_heads": 1, "vision_intermediate": 64}
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("train_embedded",
+                                                  REPO / "scripts" / "train_embedded.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --------------------------------------------------------------------------- tokenizer
+def test_tokenizer_specials_and_task_vocabulary():
+    tok = E.build_tokenizer()
+    for i, t in enumerate(QWEN_SPECIALS):           # Qwen's specials in their real order
+        assert tok.convert_tokens_to_ids(t) == i
+    assert tok.convert_tokens_to_ids("[UNK]") == 14 == tok.unk_token_id
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    for w in synth.ANSWER_VOCAB:                    # every question / answer word: one token
+        ids = tok(w, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and ids[0] > 14, w
+        assert tok.decode(ids) == w
+    for q in synth.QUESTIONS.values():
+        ids = tok(q, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids) == q.lower()
+    ans = E.answer_ids(tok)
+    assert all(len(v) == len(synth.ANSWERS[t]) for t, v in ans.items())
+    assert len(set(ans["needle"].values())) == 90
+
+    cfg = E.build_config(tok)
+    roles = {"video_token_id": "<|video_pad|>", "image_token_id": "<|image_pad|>",
+             "vision_start_token_id": "<|vision_start|>",
+             "vision_end_token_id": "<|vision_end|>"}
+    for attr, t in roles.items():
+        assert getattr(cfg, attr) == tok.convert_tokens_to_ids(t)
+    assert cfg.text_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert cfg.text_config.vocab_size >= len(tok)
+
+    # the adapter's prompt layout, words and specials in their places
+    head, tail, pos = E.layout(tok, cfg, synth.QUESTIONS["needle"], 3)
+    words = tok.convert_ids_to_tokens(head + tail)
+    assert words[:3] == ["<|im_start|>", "system", "you"] and words[len(head) - 1] == \
+        "<|vision_start|>"
+    assert words[len(head)] == "<|vision_end|>" and words[-2:] == ["<|im_start|>", "assistant"]
+    assert pos.shape == (3, len(head) + 3 * E.TOKENS_PER_PAIR + len(tail) + 1)
+
+
+def test_batched_vision_matches_the_model():
+    model, _ = E.new_model(TINY)
+    bv = E.BatchedVision(model)
+    assert bv.rope_source == "captured"
+    assert bv.check(n_pairs=3) < 1e-5
+    computed = bv._computed_rope()
+    assert all(float((a - b).abs().max()) < 1e-6 for a, b in zip(computed, bv.rope))
+
+
+# --------------------------------------------------------------------------- training
+def test_composed_videos_match_their_labels():
+    """Training videos composed from the frame bank: answers, where the needles / flashes /
+    colour clips sit, and the auxiliary labels all agree with the bank's records."""
+    import numpy as np
+    import torch
+
+    train = _train_module()
+    bank = train.Bank(torch.device("cpu"), scenes=4, needles_per_scene=3, clip_frames=4,
+                      colour_clips=8, red=4)
+    bank.add(train.job_scenes(0, 0, 4, 4, 3, 0.5))
+    bank.add(train.job_colour(0, 0, 8, 4, 0.5))
+    bank.add(train.job_red(0, 0, 4, 0.5))
+    tok = E.build_tokenizer()
+    inv = {i: a for t in E.answer_ids(tok).values() for a, i in t.items()}
+    comp = train.Composer(bank, E.answer_ids(tok))
+    rng = np.random.default_rng(0)
+    nb = bank.needle_base
+    for Tp in (1, 2, 5, 9):
+        idx, ans, aux, atok = comp.make("needle", rng, 16, Tp)
+        for b in range(16):
+            nf = np.flatnonzero((idx[b] >= nb) & (idx[b] < bank.colour_base))
+            assert 1 <= len(nf) <= 2 and np.all(np.diff(nf) == 1)
+            run = (idx[b, nf[0]] - nb) // 2
+            assert inv[ans[b]] == str(bank.num.reshape(-1)[run])
+            pairs = sorted(set(nf // 2))
+            assert sorted(np.flatnonzero(aux[b])) == pairs
+            assert all((atok[b, p] == bank.tok.reshape(-1, 16)[run]).all() for p in pairs)
+            assert not atok[b, [p for p in range(Tp) if p not in pairs]].any()
+        if Tp >= 2:
+            idx, ans, aux, _ = comp.make("order", rng, 16, Tp)
+            for b in range(16):
+                runs = (idx[b][(idx[b] >= nb) & (idx[b] < bank.colour_base)] - nb) // 2
+                first = bank.num.reshape(-1)[runs[0]]
+                assert inv[ans[b]] == str(first)
+                assert len(set(bank.num.reshape(-1)[runs])) == 2      # two different numbers
+        idx, ans, aux, _ = comp.make("count", rng, 16, Tp)
+        for b in range(16):
+            red = np.flatnonzero(idx[b] >= bank.red_base)
+            assert inv[ans[b]] == str(len(red)) and np.all(np.diff(red) > 1)
+            assert sorted(np.flatnonzero(aux[b])) == sorted(set(red // 2))
+        idx, ans, aux, _ = comp.make("colour", rng, 16, Tp)
+        for b in range(16):
+            clips = (idx[b] - bank.colour_base) // bank.F
+            assert ((idx[b] >= bank.colour_base) & (idx[b] < bank.red_base)).all()
+            assert {list(synth.COLOURS)[c] for c in
+                    bank.colour_label[clips]} == {inv[ans[b]]}
+
+
+def test_micro_training_lowers_the_loss_and_saves_a_loadable_checkpoint(tmp_path):
+    from mminfer.engine.pipeline import Pipeline
+
+    train = _train_module()
+    out = tmp_path / "model"
+    res = train.main([
+        "--minutes", "3", "--steps", "12", "--out", str(out), "--workers", "0",
+        "--device", "cpu", "--shape", json.dumps(TINY), "--max-tokens", "32",
+        "--start-pairs", "2", "--batch-tokens", "96", "--max-batch", "6", "--lr", "3e-3",
+        "--warmup", "1", "--scenes", "6", "--colour-clips", "6", "--red", "6", "--chunk", "3",
+        "--clip-frames", "4", "--needles-per-scene", "2", "--eval-n", "1", "--log-every", "0",
+        "--ckpt-every", "1000", "--eval-every", "1000", "--reserve", "1",
+        "--archive", str(tmp_path / "model.tar.gz")])
+    losses = [h["loss"] for h in res["history"] if "loss" in h]
+    assert res["step"] == 12 and len(losses) >= 10
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    info = json.loads((out / "embedded.json").read_text())
+    assert info["final"] and info["steps"] == 12
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "float16" and cfg["model_type"] == "qwen2_5_vl"
+    assert (tmp_path / "model.tar.gz").stat().st_size > 0
+    assert (tmp_path / "model.state.pt").is_file()      # for --resume
+
+    pipe = Pipeline(str(out), attention="dense", device="cpu")
+    r = pipe.answer(SAMPLES / "needle_0.mp4", synth.QUESTIONS["needle"], max_new_tokens=3)
+    assert isinstance(r.answer, str)
+    assert r.video["resized"] == [E.FRAME_SIDE, E.FRAME_SIDE]
+    assert r.tokens["visual"] == 10 * E.TOKENS_PER_PAIR     # 20 frames = 10 pairs
+
+
+# --------------------------------------------------------------------------- defaults
+def test_missing_embedded_model_says_how_to_build_it(tmp_path, monkeypatch, capsys):
+    from mminfer.cli import main
+    monkeypatch.setattr(M, "DEFAULT_MODEL_DIR", tmp_path / "none")
+    assert main(["answer", str(SAMPLES / "needle_0.mp4"), "what?"]) == 2
+    err = capsys.readouterr().err
+    assert "build_embedded.sh" in err and "--model" in err and err.count("\n") == 1
+    with pytest.raises(Exception, match="build_embedded.sh"):
+        M.default_model()
+
+
+@pytest.fixture(scope="module")
+def default_pipe():
+    if not BUILT:
+        pytest.skip(NOT_BUILT)
+    from mminfer.engine.pipeline import Pipeline
+    return Pipeline(attention="dense", device="cpu", min_sparse_len=16)
+
+
+def _answers():
+    return json.loads((SAMPLES / "answers.json").read_text())
+
+
+@pytest.mark.skipif(not BUILT, reason=NOT_BUILT)
+def test_default_model_is_small_and_real():
+    size = sum(f.stat().st_size for f in M.DEFAULT_MODEL_DIR.glob("*.safetensors"))
+    assert size <= 16 * 2 ** 20
+    cfg = json.loads((M.DEFAULT_MODEL_DIR / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert M.default_model() == M.DEFAULT_MODEL_DIR
+
+
+def test_default_model_answers_the_samples_dense(default_pipe):
+    wrong, slow = [], []
+    for name, d in _answers().items():
+        t0 = time.perf_counter()
+        r = default_pipe.answer(SAMPLES / name, d["question"])
+        dt = time.perf_counter() - t0
+        assert r.attention == "dense" and r.model == M.DEFAULT_MODEL_DIR.name
+        if r.answer != d["answer"]:
+            wrong.append((name, r.answer, d["answer"]))
+        if dt > CPU_ANSWER_LIMIT_S:
+            slow.append((name, round(dt, 2)))
+    assert not wrong, wrong
+    assert not slow, slow
+
+
+def test_default_model_answers_the_samples_sparse(default_pipe):
+    """The shipped config as served (at the samples' 183 tokens its patterns cover every
+    pair), then the same heads re-sized to half the causal pairs (about the least 16 x 16
+    tiles allow at this length): the retrieval and colour samples still answer right."""
+    import torch
+    if default_pipe.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("sparse attention on CPU needs TRITON_INTERPRET=1")
+    from mminfer.engine import video as videolib
+    from mminfer.offline.calibrate import resize_config
+    from mminfer.models.hooks import PrefillContext
+
+    ad = default_pipe.adapter
+    assert ad.patterns is not None and not ad.patterns.uncalibrated   # the shipped calibration
+    answers = _answers()
+    for name, density in SPARSE_SAMPLES:
+        d = answers[name]
+        dec = videolib.decode(str(SAMPLES / name), sampling=ad.sampling, fps=2.0)
+        prep = ad.prepare(dec, d["question"])
+        pats = ad.patterns if density is None else resize_config(
+            ad.patterns, prep.index, prep.total_tokens, density, block_m=16, block_n=16)
+        ctx = PrefillContext(index=prep.index, patterns=pats, mode="sparse",
+                             min_sparse_len=16, keep_plans=True)
+        gen = ad.generate(prep, max_new_tokens=4, ctx=ctx)
+        assert sorted(ctx.densities) == list(range(ad.identity.layers)), name  # sparse ran
+        if density is not None:
+            measured = [float(p.density()["logical"]) for p in ctx.densities.values()]
+            assert max(measured) < 0.6, (name, measured)
+        assert gen.text == d["answer"], (name, density, gen.text)
+    assert torch.is_grad_enabled()
+
+
+@pytest.mark.skipif(not BUILT, reason=NOT_BUILT)
+def test_cli_answers_without_model(capsys):
+    from mminfer.cli import main
+    assert main(["answer", str(SAMPLES / "count_1.mp4"), synth.QUESTIONS["count"], "--json",
+                 "--attention", "dense", "--device", "cpu"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["answer"] == _answers()["count_1.mp4"]["answer"]

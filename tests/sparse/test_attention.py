@@ -1,0 +1,104 @@
+"""layer_attention: the per-layer entry point used by the transformers hook."""
+
+import pytest
+import torch
+
+from mminfer.sparse.attention import layer_attention
+from mminfer.kernels import masked_attention
+from mminfer.sparse.modality import ModalityIndex
+from mminfer.sparse.patterns import HeadPattern, a_shape, grid, vertical_slash
+from mminfer.engine.timing import StageTimer
+
+VS = vertical_slash(n_vertical=8, n_slash=4, window=8, sink=2)
+HEADS = [HeadPattern("q", {"video": grid(sink=2, window=8, min_lift=0.0, fallback=VS),
+                           "text": VS}),
+         HeadPattern.single(VS, "k"),
+         HeadPattern.single(a_shape(sink=4, window=16)),
+         HeadPattern.single(grid(sink=2, window=8, min_lift=1e9, fallback=VS))]
+
+
+def _inputs(seed=0, H=4, Hkv=2, D=32):
+    idx = ModalityIndex.from_segments([("text", 12), ("video", 4, 4, 6, 0), ("text", 30)])
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, idx.n, D, generator=g)
+    k = torch.randn(1, Hkv, idx.n, D, generator=g)
+    v = torch.randn(1, Hkv, idx.n, D, generator=g)
+    return idx, q, k, v
+
+
+def _sdpa(q, k, v, scale=None):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=True, scale=scale)
+
+
+def test_short_input_goes_dense_into_a_transposed_out():
+    idx, q, k, v = _inputs()
+    B, H, N, D = q.shape
+    buf = torch.full((B, N, H, D), float("nan"))
+    timer = StageTimer()
+    out, plan = layer_attention(q, k, v, idx, HEADS, min_sparse_len=N + 1, return_plan=True,
+                                out=buf.transpose(1, 2), timer=timer)
+    assert plan is None
+    torch.testing.assert_close(buf.transpose(1, 2), _sdpa(q, k, v))
+    assert out.data_ptr() == buf.data_ptr()
+    assert set(timer.totals_ms()) == {"attention"}
+    # No index: dense whatever the length.
+    torch.testing.assert_close(layer_attention(q, k, v, None, HEADS, min_sparse_len=0),
+                               _sdpa(q, k, v))
+
+
+def test_sparse_path_matches_masked_attention_of_its_plan():
+    idx, q, k, v = _inputs(seed=1)
+    B, H, N, D = q.shape
+    buf = torch.full((B, N, H, D), float("nan"))
+    timer = StageTimer()
+    scale = 0.3
+    out, plan = layer_attention(q, k, v, idx, HEADS, min_sparse_len=0, return_plan=True,
+                                scale=scale, out=buf.transpose(1, 2), timer=timer)
+    assert out.data_ptr() == buf.data_ptr()
+    assert plan.block_m == 16 and plan.estimate.row_groups == idx.row_groups()
+    mask = plan.masks()
+    ref, _ = masked_attention(q, k, v, mask, scale=scale)
+    torch.testing.assert_close(buf.transpose(1, 2), ref, atol=2e-5, rtol=2e-5)
+    # Sparse for real: fewer pairs than the causal triangle, and not the dense answer.
+    assert float(mask.float().sum()) < 0.9 * H * N * (N + 1) / 2
+    assert (buf.transpose(1, 2) - _sdpa(q, k, v, scale)).abs().max() > 1e-3
+    assert {"index", "attention"} <= set(timer.totals_ms())
+
+
+def test_sparse_path_rejects_wrong_head_count():
+    idx, q, k, v = _inputs()
+    with pytest.raises(ValueError, match="3 head patterns for 4 query heads"):
+        layer_attention(q, k, v, idx, HEADS[:3], min_sparse_len=0)
+
+
+def test_through_the_transformers_hook_full_budget_equals_sdpa():
+    """The hook's contract: HeadPatternConfig.layer(i) -> layer_attention(..., out=view,
+    timer=...), plans kept for reporting; full budgets reproduce the dense model."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mminfer.sparse.estimate import full_budget
+    from mminfer.models.hooks import PrefillContext, prefill_context, register
+    from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity
+
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    idx = ModalityIndex.from_segments([("text", 6), ("video", 2, 4, 6, 0), ("text", 10)])
+    ids = torch.randint(0, 100, (1, idx.n))
+    patterns = HeadPatternConfig(ModelIdentity("tiny", "main", 2, 4, 2, 16),
+                                 [full_budget(HEADS, idx.n)] * 2)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids).logits
+        model.set_attn_implementation(register())
+        timer = StageTimer()
+        ctx = PrefillContext(index=idx, patterns=patterns, mode="sparse", timer=timer,
+                             keep_plans=True)
+        with prefill_context(ctx):
+            out = model(ids).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert set(ctx.densities) == {0, 1}
+    assert ctx.densities[0].estimate.row_groups == idx.row_groups()   # Q-boundary head
+    assert {"index", "attention"} <= set(timer.totals_ms())
