@@ -29,3 +29,11 @@ class ConfigError(MMInferError):
     """A head-pattern config or model file does not match what it is loaded for."""
     code = "bad_config"
     http_status = 500
+
+
+class Cancelled(MMInferError):
+    """The request was stopped before its answer (client gone, deadline passed, shutdown).
+    Raised by the engine between stages and between decoder layers when the request's
+    ``cancel()`` callable returns True."""
+    code = "cancelled"
+    http_status = 499

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from mminfer.errors import ConfigError, InputError
+from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.models.base import resolve_checkpoint
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
@@ -129,7 +129,9 @@ class Pipeline:
 
     def answer(self, video_path, question: str, *, fps: float = 2.0, max_frames: int = 768,
                max_new_tokens: int = 32, start: float | None = None, end: float | None = None,
-               attention: str | None = None, options=None) -> AnswerResult:
+               attention: str | None = None, options=None, cancel=None) -> AnswerResult:
+        """``cancel``: a callable checked between stages and before every decoder layer's
+        attention; when it returns True the request stops with :class:`Cancelled`."""
         from mminfer.engine import video as videolib
         from mminfer.models.base import PrepareOptions
         from mminfer.models.hooks import PrefillContext
@@ -148,6 +150,7 @@ class Pipeline:
         decoded = videolib.decode(str(video_path), sampling=ad.sampling, fps=fps,
                                   max_frames=max_frames, start=start, end=end)
         timer.add_ms("decode", (time.perf_counter() - t0) * 1e3)
+        _check(cancel, "after decoding")
         with timer("preprocess"):
             prep = ad.prepare(decoded, question, options or PrepareOptions())
         n = prep.total_tokens
@@ -158,8 +161,10 @@ class Pipeline:
                 f"tokens; lower fps or max_frames", tokens=n, limit=ad.max_context)
         # "auto" where the kernels cannot run stays dense whatever --min-sparse-len says
         min_sparse = 1 << 62 if self.sparse_unavailable else self.min_sparse_len
+        _check(cancel, "before the prefill")
         ctx = PrefillContext(index=prep.index, patterns=ad.patterns, mode=mode,
-                             min_sparse_len=min_sparse, timer=timer, keep_plans=True)
+                             min_sparse_len=min_sparse, timer=timer, keep_plans=True,
+                             cancel=cancel)
         gen = ad.generate(prep, max_new_tokens=max_new_tokens, ctx=ctx, timer=timer)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
 
@@ -181,6 +186,11 @@ class Pipeline:
             tokens={"total": n, "visual": prep.visual_tokens, "text": prep.text_tokens,
                     "generated": len(gen.token_ids)},
             sparsity=_sparsity(ctx.densities, ad.patterns), timings_ms=timings)
+
+
+def _check(cancel, where: str):
+    if cancel is not None and cancel():
+        raise Cancelled(f"request cancelled {where}")
 
 
 def check_request(question, fps, max_frames, max_new_tokens, start, end, mode) -> str:

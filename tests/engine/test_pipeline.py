@@ -145,3 +145,20 @@ def test_sparse_without_a_gpu_or_the_interpreter_says_why(pipe, ckpt, mp4, monke
     with pytest.raises(InputError, match="needs a CUDA GPU"):
         auto.answer(mp4, "what?", max_new_tokens=2, attention="sparse")
     assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "dense"
+
+
+def test_cancel_stops_between_stages_and_layers():
+    """A request whose cancel() turns True stops with Cancelled: after decoding when it is
+    already set, and inside the prefill (before decoder layer 0) when it turns on there; the
+    pipeline answers normally afterwards."""
+    from pathlib import Path
+    from mminfer.errors import Cancelled
+    video = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
+    q = "What number appears in the video?"
+    pipe = Pipeline(attention="dense", device="cpu")
+    with pytest.raises(Cancelled, match="after decoding"):
+        pipe.answer(video, q, cancel=lambda: True)
+    calls = iter([False, False])        # both stage checks pass, the first layer check stops
+    with pytest.raises(Cancelled, match="layer 0"):
+        pipe.answer(video, q, cancel=lambda: next(calls, True))
+    assert pipe.answer(video, q).answer == "99"
