@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--start", type=float, help="clip start (seconds)")
     p.add_argument("--end", type=float, help="clip end (seconds)")
     p.add_argument("--json", action="store_true", help="print the full record as JSON")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the language model over N processes started by `torchrun "
+                   "--nproc-per-node N -m mminfer answer ...` (default: 1)")
 
 
 def run(args) -> int:
@@ -49,9 +52,11 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     pipe = Pipeline(args.model, attention=args.attention, device=args.device, dtype=args.dtype,
-                    min_sparse_len=args.min_sparse_len)
+                    min_sparse_len=args.min_sparse_len, tensor_parallel=args.tensor_parallel)
     res = pipe.answer(args.video, args.question, fps=args.fps, max_frames=args.max_frames,
                       max_new_tokens=args.max_new_tokens, start=args.start, end=args.end)
+    if pipe.rank != 0:       # tensor parallel: every rank computes the answer, one prints it
+        return 0
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
     else:

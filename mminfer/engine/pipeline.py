@@ -104,7 +104,7 @@ class Pipeline:
     requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens."""
 
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
-                 dtype=None, min_sparse_len: int | None = None):
+                 dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
@@ -112,6 +112,13 @@ class Pipeline:
             from mminfer.models.embedded import default_model
             model = default_model()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tensor_parallel, self.rank = int(tensor_parallel), 0
+        if self.tensor_parallel > 1:
+            from mminfer.engine.parallel import init_from_env
+            self.rank, local = init_from_env(self.tensor_parallel, self.device.type)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", local)
+                torch.cuda.set_device(self.device)
         self.dtype = _dtype(dtype, self.device)
         self.attention = attention
         if min_sparse_len is None:
@@ -121,6 +128,11 @@ class Pipeline:
         self.model_id = model_id
         self.adapter = pick_adapter(path).from_pretrained(
             path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision)
+        if self.tensor_parallel > 1:
+            from mminfer.engine.parallel import shard_decoder
+            shard_decoder(self.adapter.text_model, self.rank, self.tensor_parallel)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         if attention == "sparse" and self.adapter.patterns is None:
             raise ConfigError(f"no head patterns for {model_id}: sparse attention unavailable")
         self.sparse_unavailable = sparse_unavailable(self.device)

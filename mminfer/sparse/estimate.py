@@ -146,7 +146,6 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
 
     # Host bookkeeping over the config (ints and strings only): head -> regions -> groups.
     groups: dict[tuple, list] = {}
-    uses_boundary = False
     for h, hp in enumerate(heads):
         b = hp.boundary if multi else "none"
         if b in ("none", "k"):
@@ -155,7 +154,6 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
             regions = [(m, None, hp.for_region(m)) for m in mods]
         else:
             regions = [(qm, km, hp.for_region(qm, km)) for qm in mods for km in mods]
-        uses_boundary |= b in ("q", "2d")
         for qm, km, p in regions:
             groups.setdefault((qm, km, p.kind, b == "k"), []).append((h, p))
 
@@ -166,7 +164,11 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
                 p.fallback.kind == "vertical_slash" for _, p in members)):
             needs.setdefault(qm, set()).add(km)
 
-    row_groups = index.row_groups() if uses_boundary else None
+    # Row blocks never straddle a modality span when the input has several, whatever this
+    # layer's heads are: a head's tiles (and so its mask) then depend on its own pattern and
+    # the token layout only, not on which other heads share the launch (tensor-parallel
+    # ranks hold different heads and must compute what one process does).
+    row_groups = index.row_groups() if multi else None
     est = _Estimator(q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
                      needs)
     out = LayerEstimate(n=N, batch=B, num_heads=Hq, block_m=block_m, block_n=block_n,

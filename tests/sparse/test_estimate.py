@@ -213,7 +213,8 @@ def test_k_boundary_splits_verticals_across_key_modalities():
     pat = vertical_slash(n_vertical=16, n_slash=0, window=4, sink=0)
     est = estimate_layer(q, k, idx, [HeadPattern.single(pat, "k")] * 2 +
                          [HeadPattern.single(pat)] * 2, block_m=BM, block_n=BN)
-    assert est.row_groups is None                         # a K-boundary needs no row groups
+    # row blocks follow the modality spans whatever the heads (see the next test)
+    assert est.row_groups == idx.row_groups()
     by_heads = {tuple(sp.heads): sp for sp in est.specs}
     kv = by_heads[(0, 1)].verticals[0]                    # [2, 16]
     for row in kv:
@@ -455,3 +456,16 @@ def test_fused_proxy_on_gpu_bf16():
     torch.testing.assert_close(col, p.sum(2), **tol)
     torch.testing.assert_close(diag, want, **tol)
     torch.testing.assert_close(by_group[0] + by_group[1], diag, **tol)
+
+
+def test_a_heads_plan_does_not_depend_on_the_other_heads():
+    """Each head's mask is a function of its own pattern and the token layout: the same
+    head gives the same mask whether or not a Q-boundary head shares its layer (tensor
+    parallel ranks hold different heads and must compute what one process does)."""
+    idx, q, k, _ = _mixed()
+    mine = [HeadPattern.single(a_shape(sink=2, window=8)),
+            HeadPattern.single(vertical_slash(n_vertical=8, n_slash=2, window=4, sink=2), "k")]
+    other = [HeadPattern("q", {"video": a_shape(sink=0, window=4), "text": dense()})] * 2
+    alone = estimate_layer(q[:, :2], k[:, :1], idx, mine, block_m=BM, block_n=BN)
+    mixed = estimate_layer(q, k, idx, mine + other, block_m=BM, block_n=BN)
+    assert torch.equal(alone.build_plan().masks()[0], mixed.build_plan().masks()[0, :2])

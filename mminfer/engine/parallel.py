@@ -1,0 +1,109 @@
+"""Tensor parallelism for the language model: one request spread over N processes.
+
+Started by ``torchrun --nproc-per-node N -m mminfer answer ... --tensor-parallel N``. Each
+rank loads the checkpoint, then :func:`shard_decoder` keeps only its slice of every decoder
+layer (Megatron's split): q/k/v and MLP gate/up are split by output rows (whole heads, whole
+KV heads), o_proj and MLP down by input columns, and their outputs are summed over ranks with
+one all-reduce each — the only communication. The KV cache each rank writes therefore holds
+only its own KV heads. Embeddings, norms, lm_head and the vision tower stay whole on every
+rank (they are a small share of the work at long inputs).
+
+Sparse attention needs nothing gathered: rank ``r`` holds global heads ``r * local + h``, and
+the attention hook reads their patterns with ``HeadPatternConfig.heads_for_rank`` (the
+sharded attention module carries ``tp_rank``), estimating and running the kernels for those
+heads only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mminfer.errors import ConfigError
+
+
+def init_from_env(world_size: int, device_type: str):
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ...): NCCL on
+    GPUs, gloo on the CPU. Returns ``(rank, local_rank)``."""
+    import torch.distributed as dist
+
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_world != world_size:
+        raise ConfigError(
+            f"--tensor-parallel {world_size} needs {world_size} processes, started by "
+            f"`torchrun --nproc-per-node {world_size} -m mminfer ...`; this process sees "
+            f"WORLD_SIZE={env_world}")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+
+def _row_parallel(linear, group):
+    """A row-parallel ``nn.Linear``: this rank's partial product, summed over the ranks (its
+    bias, if any, is kept on rank 0 only, so the sum adds it once)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    class RowParallel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = linear
+
+        @property
+        def weight(self):       # callers that read .weight (dtype, device) still work
+            return self.inner.weight
+
+        def forward(self, x):
+            y = self.inner(x)
+            dist.all_reduce(y, group=group)
+            return y
+
+    return RowParallel()
+
+
+def _keep_rows(linear, lo: int, hi: int):
+    import torch
+    linear.weight = torch.nn.Parameter(linear.weight.data[lo:hi].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.data[lo:hi].clone(), requires_grad=False)
+    linear.out_features = hi - lo
+
+
+def _keep_cols(linear, lo: int, hi: int, rank: int):
+    import torch
+    linear.weight = torch.nn.Parameter(linear.weight.data[:, lo:hi].clone(), requires_grad=False)
+    if linear.bias is not None and rank != 0:
+        linear.bias = None
+    linear.in_features = hi - lo
+
+
+def shard_decoder(text_model, rank: int, world: int, group=None) -> int:
+    """Keep rank ``rank``'s slice of every decoder layer of ``text_model`` (in place).
+    Returns the number of query heads each rank holds."""
+    cfg = text_model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    inter = cfg.intermediate_size
+    if heads % world or kv % world or inter % world:
+        raise ConfigError(
+            f"--tensor-parallel {world} must divide the model's {heads} query heads, {kv} KV "
+            f"heads and MLP width {inter}")
+    hq, hkv, mi = heads // world, kv // world, inter // world
+    for layer in text_model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        d = attn.head_dim
+        _keep_rows(attn.q_proj, rank * hq * d, (rank + 1) * hq * d)
+        _keep_rows(attn.k_proj, rank * hkv * d, (rank + 1) * hkv * d)
+        _keep_rows(attn.v_proj, rank * hkv * d, (rank + 1) * hkv * d)
+        _keep_cols(attn.o_proj, rank * hq * d, (rank + 1) * hq * d, rank)
+        attn.o_proj = _row_parallel(attn.o_proj, group)
+        _keep_rows(mlp.gate_proj, rank * mi, (rank + 1) * mi)
+        _keep_rows(mlp.up_proj, rank * mi, (rank + 1) * mi)
+        _keep_cols(mlp.down_proj, rank * mi, (rank + 1) * mi, rank)
+        mlp.down_proj = _row_parallel(mlp.down_proj, group)
+        attn.tp_rank = rank      # the attention hook reads this rank's global heads
+        for name in ("num_heads", "num_attention_heads"):
+            if hasattr(attn, name):
+                setattr(attn, name, hq)
+        for name in ("num_key_value_heads",):
+            if hasattr(attn, name):
+                setattr(attn, name, hkv)
+    return hq
