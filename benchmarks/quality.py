@@ -88,6 +88,11 @@ def _init_worker():
 
 def render(spec):
     kw = {"depth": spec["depth"]} if spec["task"] == "needle" else {}
+    if spec.get("renderer") == "eval":      # the evaluation-only renderer, its own sizes
+        from mminfer.toy import render_eval
+        ex = render_eval.make_example(spec["task"], spec["seed"], n_frames=spec["n_frames"],
+                                      **kw)
+        return spec, ex.frames, ex.answer, ex.question
     frames, answer, question, meta = E.render_example(spec["task"], spec["seed"],
                                                       spec["n_frames"], **kw)
     return spec, frames, answer, question
@@ -275,6 +280,9 @@ def main(argv=None):
                     help="skip the mode with the model's own head-pattern config")
     ap.add_argument("--no-density", action="store_true",
                     help="do not measure densities (saves the count-mode kernel runs)")
+    ap.add_argument("--renderer", choices=("synth", "eval"), default="synth",
+                    help="synth: the training renderer (held-out seeds); eval: "
+                    "mminfer.toy.render_eval, a renderer training never sees")
     ap.add_argument("--seed0", type=int, default=E.HELDOUT_SEED_MIN)
     ap.add_argument("--workers", type=int, default=None,
                     help="rendering processes (default: cores - 2 on GPU, 0 on CPU)")
@@ -297,6 +305,8 @@ def main(argv=None):
     modes = ["dense"] + ([] if args.no_config else ["config"]) + \
         [f"d={x:.2f}" for x in args.densities]
     specs = grid_specs(lengths, depths, args.needle_reps, args.per_task, args.tasks, args.seed0)
+    for sp in specs:
+        sp["renderer"] = args.renderer
     log(f"model {model_dir} on {ad.device} ({ad.dtype}); {len(specs)} videos, modes "
         f"{', '.join(modes)}; vision {'batched' if runner.bv else 'adapter'}; "
         f"{workers} rendering workers")
@@ -344,7 +354,8 @@ def main(argv=None):
         summary = summarise(records, modes, lengths, depths)
         result = {"model": str(model_dir), "device": torch.cuda.get_device_name(ad.device)
                   if cuda else "cpu", "dtype": str(ad.dtype), "modes": modes,
-                  "lengths": lengths, "depths": depths, "held_out_seeds":
+                  "lengths": lengths, "depths": depths, "renderer": args.renderer,
+                  "held_out_seeds":
                   [E.HELDOUT_SEED_MIN, E.HELDOUT_SEED_MAX], "stopped": stopped,
                   "patterns_uncalibrated": bool(getattr(ad.patterns, "uncalibrated", True)),
                   "summary": summary, "examples": records}

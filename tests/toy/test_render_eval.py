@@ -1,0 +1,69 @@
+"""The evaluation-only renderer: same tasks and answers as synth, other pictures, and never
+imported by the training code."""
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mminfer.toy import render_eval as R
+from mminfer.toy import synth
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("task", list(R.TASKS))
+def test_tasks_are_synths_tasks_and_reproducible(task):
+    a = R.make_example(task, 7, n_frames=12, height=96, width=160)
+    b = R.make_example(task, 7, n_frames=12, height=96, width=160)
+    assert a.question == synth.QUESTIONS[task] and a.answer in synth.ANSWERS[task]
+    assert a.frames.shape == (12, 96, 160, 3) and a.frames.dtype == np.uint8
+    assert np.array_equal(a.frames, b.frames)
+    assert not np.array_equal(a.frames, R.make_example(task, 8, n_frames=12, height=96,
+                                                       width=160).frames)
+
+
+def test_count_flashes_are_the_only_red_frames():
+    for seed in range(6):
+        ex = R.count(seed, n_frames=20, height=64, width=96)
+        assert synth.red_frames(ex.frames) == ex.meta["flash_frames"]
+        assert len(ex.meta["flash_frames"]) == int(ex.answer)
+
+
+def test_needle_shows_only_on_its_frames():
+    ex = R.needle(3, n_frames=10, height=96, width=128)
+    on = ex.meta["needle_frames"]
+    x, y, w, h = ex.meta["box"]
+    others = [i for i in range(10) if i not in on]
+    assert on and others
+    # the stamp is drawn in full contrast ink: its box differs strongly from a frame without it
+    diff = [np.abs(ex.frames[i, y:y + h, x:x + w].astype(int)
+                   - ex.frames[others[0], y:y + h, x:x + w].astype(int)).mean() for i in on]
+    assert min(diff) > 10
+
+
+def test_colour_ball_is_the_only_saturated_object():
+    ex = R.colour(5, n_frames=6, height=96, width=128)
+    f = ex.frames.astype(float)
+    sat = f.max(-1) - f.min(-1)
+    ball = synth.COLOURS[ex.answer]
+    if max(ball) - min(ball) > 100:         # white has no saturation to find
+        assert ((sat > 80).mean(axis=(1, 2)) > 0.01).all()
+
+
+def _imports(path: Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_training_code_never_sees_it():
+    for p in (ROOT / "scripts" / "train_embedded.py", ROOT / "mminfer" / "toy" / "embedded.py",
+              ROOT / "mminfer" / "toy" / "synth.py"):
+        assert not any("render_eval" in n for n in _imports(p)), p
