@@ -54,29 +54,39 @@ frames and scaled per frame. Ratios are taken within the one run; the table at t
 prints them side by side, the JSON (``--out``/e2e.json, rewritten after every step) has
 everything.
 
-Device time on one H200, estimated on paper (16 cores; "today" = the code at e08440d with
-the sdpa vision tower and the one-shot prefill, "after" = issue 11's vision and prefill
-targets; from issue 11's Pipeline measurements and BENCHMARKS.md section 2):
+Device time on one H200, estimated on paper (16 cores; "today" = the code at e08440d: the
+sdpa vision tower, the one-shot prefill; "after" = issue 11's vision and prefill targets met).
+Sources: issue 11's Pipeline measurements (vision 56-70 ms per 720-token frame pair; 106K:
+18.8 s sparse / 19.0 s dense, tower 10.5-13 s; 276K: 36.7 s sparse / 62.6 s dense, tower
+25 s, decode 1.7 s; LongVILA SigLIP 2.2 s per 1024 frames), BENCHMARKS.md section 2 (LLM
+prefill: dense 9.4 s at 130K, 33 s at 262K; sparse 9.7 s at 262K, 38.5 s at 1M; one dense
+cuDNN layer 0.97 s at 262K, 15.8 s at 1M) and timings taken here (2 shared cores: video
+frames 9 ms each at 1120x840, x264 ultrafast 27 ms per frame; save_pretrained 0.3 GB/s):
 
-  setup        wheels + imports ~10 s; the three videos are encoded in background processes
-               while the Qwen checkpoint is written (768x1120x840, 768x1008x560, 4096x640x360:
-               ~10-25 s of CPU each, hidden); Qwen checkpoint: 8.3 B params, init on the GPU
-               ~5 s + save_pretrained of 16.6 GB at 0.3 GB/s (measured on this machine's 2
-               shared cores) to ~1.5 GB/s: 15-55 s; each Pipeline load 16.6 GB from page
-               cache to the GPU: 10-20 s (two Qwen loads, one LongVILA).
-  qwen115k     (115K tokens) warm-up 25-35 s; sparse 19 s today (vision 10.5-13 s) / 8 s
-               after; dense 21 s / 12 s; probe 0.3 s; baseline ~22 s. Case: ~110 s / ~80 s.
-  qwen276k     (276K) warm-up ~37 s / ~17 s; sparse 36.7 s today / ~16 s after; dense
-               62.6 s / ~41 s; probe ~1 s; baseline ~62 s. Case: ~215 s / ~150 s.
-  longvila1m   (1.05M) checkpoint 16.0 GB: 15-55 s; load 10-20 s; warm-up ``short`` (512
-               frames, 131K) ~15 s; sparse: decode ~5 s + SigLIP ~9 s (2.2 s per 1024 frames)
-               + prefill ~40 s (38.5 s in BENCHMARKS section 2) + generate ~2 s = ~57 s after;
-               today the one-shot prefill runs out of memory after ~15 s; dense and baseline
-               extrapolated (probe: one KV group of heads at 1M ~4 s; baseline SigLIP on 512
-               frames ~1 s). Case: ~80 s today / ~130 s after.
-  total        ~7.5 min today, ~6.8 min after, plus the machine's start (1-2 min). Without
-               longvila1m: ~5.5 / ~4.5 min. ``--deadline-s`` skips (and marks) any step that
-               would not end in time, so the JSON and the table always come back.
+  setup        wheel install + imports ~10 s. The videos (768 x 1120x840, 768 x 1008x560,
+               4096 x 640x360) are encoded by child processes while the Qwen checkpoint is
+               written: ~10-25 s of CPU each on 16 cores, hidden. Qwen checkpoint (8.29 B
+               params, 16.6 GB bf16): init on the GPU ~5 s + save_pretrained 15-55 s (0.3 GB/s
+               here to ~1.5 GB/s). Each Pipeline load (16.6 GB, page cache -> host -> GPU):
+               10-20 s; two Qwen loads (the long-context folder is a second checkpoint).
+  qwen115k     ~115.2K tokens. Decode ~3 s per request (1120x840 H.264). Warm-up (sparse, full
+               length, kernel compilation ~15 s) 25-35 s; sparse ~19 s today / ~8 s after;
+               dense ~21 s / ~12 s; probe (all heads, 115K) 0.2 s; transformers baseline
+               ~22 s. Case with load: ~110 s today / ~80 s after.
+  qwen276k     ~276.5K tokens. Load 10-20 s; warm-up ~37 s / ~17 s (kernels already built);
+               sparse 36.7 s today / ~16 s after; dense 62.6 s / ~41 s; probe ~1 s; baseline
+               ~62 s (one-shot, fits: ~70 GiB). Case: ~215 s today / ~150 s after.
+  longvila1m   ~1.0527M tokens. Checkpoint (8.07 B params, 16.1 GB) 15-55 s; load 10-20 s;
+               warm-up ``short`` (512 frames, 131K) ~15 s; sparse: decode ~5 s + SigLIP ~9 s
+               + prefill ~40 s + generate ~2 s = ~57 s after; today the one-shot prefill runs
+               out of memory after ~15 s (recorded; dense and baseline then skipped). Dense
+               and baseline are extrapolated: probe (one KV group, 1M) ~4 s, baseline SigLIP
+               on 512 frames ~1 s. Case: ~80 s today / ~130 s after.
+  total        ~7.5 min today, ~6.8 min after, plus the machine's start (1-2 min): one call
+               within the 10-minute command limit. Without longvila1m ~5.5 / ~4.5 min.
+               ``--deadline-s`` skips (and marks) a step that would not end in time, and a
+               TERM signal still writes the table, so the JSON and the table always come
+               back; ``--warmup short`` saves ~20 s per Qwen case.
 """
 
 from __future__ import annotations
@@ -367,7 +377,7 @@ class VideoJobs:
         self.work, self.jobs, self.info = work, {}, {}
         for c in cases:
             path = work / c.video_name
-            if path in self.jobs or path.name in self.info:
+            if path.name in self.jobs or path.name in self.info:
                 continue
             args = [str(path), str(c.frames), str(c.height), str(c.width), str(c.video_fps)]
             if path.exists():
@@ -884,6 +894,8 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
     pipe = Pipeline(str(path), attention="auto", device=args.device, dtype=args.dtype,
                     min_sparse_len=args.min_sparse_len)
     rec["load_s"] = round(time.perf_counter() - t0, 2)
+    print(f"[{clock.elapsed():6.0f} s] {case.name}: checkpoint {info.get('write_s')} s, "
+          f"video {rec['video'].get('write_s')} s, load {rec['load_s']} s", flush=True)
     sparse_ok = pipe.sparse_unavailable is None and pipe.adapter.patterns is not None
     rec["sparse_available"] = sparse_ok
     rec["patterns_uncalibrated"] = bool(getattr(pipe.adapter.patterns, "uncalibrated", True))
@@ -896,6 +908,7 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
                                          args, frames=wf)
             R["first_request"]["warmup_frames"] = wf
             R["first_request"]["full_length"] = wf == case.frames
+            progress(clock, case, f"first request ({wf} frames)", R["first_request"])
             save()
         if sparse_ok:
             R["sparse"] = timed_step(clock, est.get("sparse"), lambda: request(
@@ -903,11 +916,13 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
         else:
             R["sparse"] = {"mode": "sparse", "skipped": pipe.sparse_unavailable
                            or "no head patterns"}
+        progress(clock, case, "sparse", R["sparse"])
         save()
         n = _tokens(R) or 0
         probe = None
         if n:
             probe = rec["probe"] = probe_dense_layer(pipe, n, args.probe_full_max)
+            progress(clock, case, "probe", probe)
             save()
         if not n and not sparse_ok:      # dense is the only mode here: it gives the length
             R["dense"] = request(pipe, case, video, "dense", args)
@@ -930,6 +945,7 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
                 measured = R["dense"]
                 R["dense"] = extrapolated_dense(R.get("sparse"), probe)
                 R["dense"]["why"], R["dense"]["failed_run"] = "out of memory", measured
+        progress(clock, case, "dense", R["dense"])
         save()
         for i in range(1, args.repeats):
             for mode in (("sparse", "dense") if sparse_ok else ("dense",)):
@@ -952,12 +968,31 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
                                              sparse=R.get("sparse"), probe=probe)
                 R["transformers"]["why"], R["transformers"]["failed_run"] = \
                     "out of memory", measured
+            progress(clock, case, "transformers", R["transformers"])
             save()
     finally:
         pipe = None     # the requests' closures hold the name, not the object
         free_memory()
     rec["summary"] = summarise(case, R)
     save()
+
+
+def progress(clock: Clock, case: Case, label: str, e: dict | None):
+    """One line per finished step, so a cut-short log still says how far it got."""
+    if not e:
+        return
+    if "timings_ms" in e:
+        t = e["timings_ms"]
+        parts = " ".join(f"{k} {_s(t.get(k))}" for k in ("decode", "preprocess", "vision",
+                                                          "index", "attention", "llm_other"))
+        what = (f"ttft {_s(t.get('ttft'))} s ({parts}) tokens {(e.get('tokens') or {}).get('total')}"
+                f" GPU {_g(e.get('peak_gpu_gib'))} GiB RSS {_g(e.get('peak_rss_gib'))} GiB"
+                + ("" if e.get("measured", True) else " [extrapolated]"))
+    elif "all_layers_ms" in e:
+        what = f"dense layer {e['layer_ms'] / 1e3:.2f} s x {e['layers']} at {e['tokens']} tokens"
+    else:
+        what = str(e.get("skipped") or e.get("error"))[:200]
+    print(f"[{clock.elapsed():6.0f} s] {case.name} {label}: {what}", flush=True)
 
 
 def timed_step(clock: Clock, estimate_s, fn) -> dict:
@@ -1222,9 +1257,10 @@ def main(argv=None) -> int:
                 free_memory()
             save()
             rec = report["cases"].get(case.name, {})
+            s = rec.get("summary")
             print(f"[{clock.elapsed():6.0f} s] case {case.name} done: "
-                  f"{json.dumps(rec.get('summary', rec.get('error', rec.get('skipped'))))}",
-                  flush=True)
+                  + (json.dumps(s["ratios"]) if s else
+                     str(rec.get("error") or rec.get("skipped"))[:300]), flush=True)
     except KeyboardInterrupt as e:
         report["interrupted"] = str(e)
         rc = 130
