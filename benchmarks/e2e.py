@@ -661,7 +661,7 @@ def baseline(pipe, case: Case, video: str, args, *, run_prefill: bool, vision_fr
             tokens = {"total": L, "visual": prep.visual_tokens, "text": prep.text_tokens}
             with torch.inference_mode():
                 if case.model == "qwen":
-                    embeds, note = _qwen_vision(ad, prep, ev, run_prefill)
+                    embeds, note = _qwen_vision(ad, prep, ev, run_prefill, sparse)
                 else:
                     embeds, note = _longvila_vision(ad, prep, ev, run_prefill)
                 entry["vision_inputs"] = note
@@ -716,7 +716,7 @@ def baseline(pipe, case: Case, video: str, args, *, run_prefill: bool, vision_fr
     return entry
 
 
-def _qwen_vision(ad, prep, ev, need_embeds: bool):
+def _qwen_vision(ad, prep, ev, need_embeds: bool, sparse: dict | None):
     """``get_video_features`` of transformers' Qwen2.5-VL tower (sdpa), whole video, one call,
     then the splice into the text embeddings (what our vision stage also covers); a fresh
     transformers tower of the same config when the adapter's is not transformers'."""
@@ -724,13 +724,15 @@ def _qwen_vision(ad, prep, ev, need_embeds: bool):
     ids = prep.input_ids
     tens = prep.tensors
     pix, grid = tens.get("pixel_values_videos"), tens.get("video_grid_thw")
-    if pix is None or grid is None:
-        raise RuntimeError("the adapter's Prepared has no pixel_values_videos/video_grid_thw: "
-                           "the baseline needs the patches transformers' tower takes")
     note = "prepared"
-    model = ad.model.model
-    visual = model.visual
-    if _is_transformers(visual):
+    if pix is None or grid is None:
+        # preprocessing no longer hands over all patches at once (streamed into the tower):
+        # the tower's time does not depend on pixel values, so patches of the request's shape
+        pix, grid = _qwen_patches_like(ad, sparse)
+        note = "synthetic patches of the sparse request's shape"
+    model = getattr(getattr(ad, "model", None), "model", None)
+    visual = getattr(model, "visual", None)
+    if visual is not None and _is_transformers(visual):
         run = lambda: model.get_video_features(pix, grid)      # noqa: E731
     else:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
@@ -738,7 +740,7 @@ def _qwen_vision(ad, prep, ev, need_embeds: bool):
             visual = m.Qwen2_5_VisionTransformerPretrainedModel._from_config(
                 ad.vcfg, dtype=ad.dtype).eval()
         run = lambda: visual(pix, grid_thw=grid)               # noqa: E731
-        note = "prepared; fresh transformers tower (the adapter's is not transformers')"
+        note += "; fresh transformers tower (the adapter's is not transformers')"
     embeds = None
     with attn_impl(visual.config, "sdpa"), ev("vision"):
         out = run()
@@ -755,22 +757,48 @@ def _qwen_vision(ad, prep, ev, need_embeds: bool):
     return embeds, note
 
 
+def _qwen_patches_like(ad, sparse: dict | None):
+    import torch
+    video = (sparse or {}).get("video") or {}
+    if not video.get("resized") or not video.get("model_frames"):
+        raise RuntimeError("the adapter's Prepared has no pixel_values_videos and the sparse "
+                           "request gave no resized frame size to rebuild their shape")
+    v = ad.vcfg
+    t = int(video["model_frames"]) // v.temporal_patch_size
+    h, w = (int(x) // v.patch_size for x in video["resized"])
+    pix = torch.randn(t * h * w, 3 * v.temporal_patch_size * v.patch_size ** 2,
+                      device=ad.device, dtype=ad.dtype)
+    return pix, torch.tensor([[t, h, w]], device=ad.device)
+
+
 def _longvila_vision(ad, prep, ev, need_embeds: bool):
     """transformers' SigLIP tower (sdpa, truncated at VILA's feature layer) + the projector,
     32 frames per call (the adapter's batching before issue 11), then the splice."""
     import torch
-    pixels = prep.tensors["pixels"]                     # [F, 3, S, S] uint8
-    tower = ad.tower
+    import numpy as np
+    pixels = prep.tensors.get("pixels")                 # [F, 3, S, S] uint8
     note = "prepared"
-    if not _is_transformers(tower):
+    if pixels is None:       # frames streamed elsewhere: the time does not depend on values
+        S = int(ad.layout.image_size)
+        rng = np.random.default_rng(0)
+        pixels = torch.from_numpy(rng.integers(0, 256, (prep.n_frames, 3, S, S), np.uint8))
+        note = "synthetic frames of the prepared count and size"
+    tower = getattr(ad, "tower", None)
+    if tower is None or not _is_transformers(tower):
         from transformers import SiglipVisionConfig, SiglipVisionModel
         vcfg = SiglipVisionConfig.from_pretrained(ad.layout.root / "vision_tower")
         with torch.device(ad.device):
-            tower = SiglipVisionModel._from_config(vcfg, dtype=ad.dtype).vision_model.eval()
+            tower = SiglipVisionModel._from_config(vcfg, dtype=ad.dtype).eval()
+        tower = getattr(tower, "vision_model", tower)   # older transformers nest it
         n = len(tower.encoder.layers)
         sel = ad.layout.select_layer
         tower.encoder.layers = tower.encoder.layers[:sel if sel >= 0 else n + 1 + sel]
-        note = "fresh transformers tower (the adapter's is not transformers')"
+        note += "; fresh transformers tower (the adapter's is not transformers')"
+    projector = getattr(ad, "projector", None)
+    if projector is None:
+        from mminfer.models.longvila import load_projector
+        projector = load_projector(ad.layout.root / "mm_projector", tower.config.hidden_size,
+                                   ad.text_model.config.hidden_size).to(ad.device, ad.dtype)
     mean = torch.tensor(ad.layout.image_mean, device=ad.device).view(1, 3, 1, 1)
     std = torch.tensor(ad.layout.image_std, device=ad.device).view(1, 3, 1, 1)
     embeds = None
@@ -781,7 +809,7 @@ def _longvila_vision(ad, prep, ev, need_embeds: bool):
             h = tower.embeddings(x)
             h = tower.encoder(inputs_embeds=h)
             h = h[0] if isinstance(h, tuple) else h.last_hidden_state
-            outs.append(ad.projector(h))
+            outs.append(projector(h))
         visual = torch.cat(outs)
         if need_embeds:
             ids = prep.input_ids.to(ad.device)

@@ -123,3 +123,45 @@ def test_long_context_variant_raises_context_and_budget(tmp_path):
     assert b.prepare(Video(frames), "what ?").visual_tokens == 8 * 4
     for p1, p2 in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize("model", ["qwen", "longvila"])
+def test_baseline_survives_an_adapter_that_streams_its_pixels(tmp_path, model):
+    """The vision rework may stop handing all patches over in Prepared, or replace the
+    towers: the baseline then rebuilds inputs of the same shape and transformers' own tower,
+    and still measures every stage."""
+    from mminfer.engine.pipeline import Pipeline
+
+    e2e = _e2e()
+    ckpt = tmp_path / model
+    if model == "qwen":
+        e2e.write_qwen(ckpt, "cpu", tiny=True)
+    else:
+        e2e.write_longvila(ckpt, "cpu", tiny=True, max_position=8192, num_frames=8)
+    video = e2e.write_video(tmp_path / "v.mp4", 8, 112, 112, 2.0)["path"]
+    pipe = Pipeline(str(ckpt), device="cpu", dtype="float32")
+    args = e2e.parse_args(["--tiny", "--max-new-tokens", "2"])
+    case = e2e.Case("t", model, 8, 112, 112)
+    ref = e2e.request(pipe, case, video, "dense", args)
+    assert "error" not in ref, ref.get("error")
+
+    ad = pipe.adapter
+    real_prepare = ad.prepare
+
+    def streamed(*a, **kw):
+        p = real_prepare(*a, **kw)
+        p.tensors.pop("pixel_values_videos" if model == "qwen" else "pixels")
+        return p
+
+    ad.prepare = streamed
+    if model == "longvila":
+        ad.tower, ad.projector = object(), None      # not transformers' tower, no projector
+    b = e2e.baseline(pipe, case, video, args, run_prefill=True, vision_frames=8, sparse=ref,
+                     probe=None)
+    assert "error" not in b, b.get("error")
+    assert b["measured"] is True and "synthetic" in b["vision_inputs"]
+    if model == "longvila":
+        assert "fresh transformers tower" in b["vision_inputs"]
+    _stages_complete(b, allow_none=("generate", "total"))
+    assert b["tokens"]["total"] == ref["tokens"]["total"]
+    assert b["timings_ms"]["vision"] > 0 and b["timings_ms"]["attention"] > 0
