@@ -78,6 +78,66 @@ def word_tokenizer(words=WORDS, chat_template: str = QWEN_CHAT_TEMPLATE):
     return tok
 
 
+def qwen2_5_vl_config(tok, text: dict, vision: dict):
+    """A ``Qwen2_5_VLConfig`` from ``text_config`` / ``vision_config`` fields whose special
+    token ids are ``tok``'s (the compact word ids), so any size uses the tokenizer above."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                   pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False)
+    return Qwen2_5_VLConfig(
+        text_config={**text, **special}, vision_config=dict(vision),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        **special)
+
+
+def write_video_preprocessor_config(path, *, min_pixels: int, max_pixels: int,
+                                    total_pixels: int | None = None):
+    """``video_preprocessor_config.json``: the checkpoint's per-frame pixel range (and, when
+    given, its whole-video budget), which the adapter takes as the request defaults."""
+    video = {**_image_preprocessor(), "video_processor_type": "Qwen2VLVideoProcessor",
+             "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+             "min_pixels": min_pixels, "max_pixels": max_pixels}
+    video.pop("image_processor_type")
+    if total_pixels is not None:
+        video["total_pixels"] = int(total_pixels)
+    (Path(path) / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+
+
+def _image_preprocessor() -> dict:
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    return {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True,
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": mean, "image_std": std, "patch_size": 14, "temporal_patch_size": 2,
+            "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056,
+            "processor_class": "Qwen2_5_VLProcessor"}
+
+
+def write_qwen2_5_vl(path, model, tok, *, min_pixels: int | None = None,
+                     max_pixels: int | None = None):
+    """Save ``model`` (a ``Qwen2_5_VLForConditionalGeneration`` built from
+    :func:`qwen2_5_vl_config`) with ``tok`` in the hub layout at ``path``: weights via
+    ``save_pretrained``, greedy generation config, tokenizer, image processor config, and a
+    video processor config only when a pixel range is given (the hub checkpoints have none,
+    so they get qwen-vl-utils' defaults). Returns the path."""
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
+        do_sample=False)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(_image_preprocessor(), indent=2))
+    if min_pixels is not None and max_pixels is not None:
+        write_video_preprocessor_config(path, min_pixels=min_pixels, max_pixels=max_pixels)
+    return path
+
+
 def save_tiny_qwen2_5_vl(path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                          kv_heads: int = 2, vision_hidden: int = 32, vision_depth: int = 2,
                          max_position_embeddings: int = 32768, min_pixels: int = 28 * 28 * 4,
@@ -89,34 +149,26 @@ def save_tiny_qwen2_5_vl(path, *, hidden: int = 64, layers: int = 2, heads: int 
     and get qwen-vl-utils' defaults.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tok = word_tokenizer(words)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     vocab_size = -(-len(tok) // 64) * 64
     head_dim = hidden // heads
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(
+    cfg = qwen2_5_vl_config(
+        tok,
+        text=dict(
             vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
             max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                              "mrope_section": mrope_section(head_dim)},
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
         ),
-        vision_config=dict(
+        vision=dict(
             depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
             num_heads=2, out_hidden_size=hidden, patch_size=14, spatial_merge_size=2,
             temporal_patch_size=2, window_size=112, fullatt_block_indexes=[vision_depth - 1],
             tokens_per_second=2, in_channels=3,
         ),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
@@ -124,21 +176,4 @@ def save_tiny_qwen2_5_vl(path, *, hidden: int = 64, layers: int = 2, heads: int 
     # answers depend on the input, so dense/sparse comparisons mean something.
     with torch.no_grad():
         model.model.language_model.embed_tokens.weight.normal_(0, 1.0)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
-        do_sample=False)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
-    pre = {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True,
-           "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-           "image_mean": mean, "image_std": std, "patch_size": 14, "temporal_patch_size": 2,
-           "merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056,
-           "processor_class": "Qwen2_5_VLProcessor"}
-    (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
-    video = {**pre, "video_processor_type": "Qwen2VLVideoProcessor",
-             "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-             "min_pixels": min_pixels, "max_pixels": max_pixels}
-    video.pop("image_processor_type")
-    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    return path
+    return write_qwen2_5_vl(path, model, tok, min_pixels=min_pixels, max_pixels=max_pixels)

@@ -64,18 +64,39 @@ def save_tiny_longvila(path, *, seed: int = 0, num_video_frames: int = 8,
                        image_size: int = TINY_VISION["image_size"]) -> Path:
     """Write a random tiny LongVILA checkpoint at ``path`` (created); returns the path."""
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
     from mminfer.models.longvila import Projector
 
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     tok = tiny_tokenizer()
+    vision = SiglipVisionModel(SiglipVisionConfig(**{**TINY_VISION,
+                                                     "image_size": image_size})).eval()
+    # vocab resized to len(tokenizer), as VILA does after adding its media tokens
+    lcfg = Qwen2Config(**TINY_LLM, vocab_size=len(tok), tie_word_embeddings=False,
+                       bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+                       eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                       architectures=["Qwen2ForCausalLM"])
+    llm = Qwen2ForCausalLM(lcfg).eval()
+    proj = Projector(vision.config.hidden_size, lcfg.hidden_size)
+    with torch.no_grad():   # LayerNorm starts at ones/zeros: make it a real test of the weights
+        proj.layers[1].weight.normal_(1.0, 0.1)
+        proj.layers[1].bias.normal_(0.0, 0.1)
+    return write_longvila(path, vision, llm, proj, tok, num_video_frames=num_video_frames)
 
-    vcfg = SiglipVisionConfig(**{**TINY_VISION, "image_size": image_size})
-    vision = SiglipVisionModel(vcfg).eval()
+
+def write_longvila(path, vision, llm, projector, tok, *, num_video_frames: int,
+                   model_dtype: str = "torch.float32") -> Path:
+    """Save a LongVILA checkpoint in the real layout at ``path`` (created) from its parts: a
+    ``SiglipVisionModel``, a ``Qwen2ForCausalLM``, the ``mlp_downsample`` Projector and the
+    tokenizer; the root ``config.json`` repeats the three sub-configs as VILA's does.
+    Returns the path."""
+    from safetensors.torch import save_file
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    vcfg, lcfg = vision.config, llm.config
+    image_size = vcfg.image_size
     vision.save_pretrained(root / "vision_tower")
     _write_json(root / "vision_tower" / "preprocessor_config.json", {
         "do_normalize": True, "do_rescale": True, "do_resize": True,
@@ -84,26 +105,16 @@ def save_tiny_longvila(path, *, seed: int = 0, num_video_frames: int = 8,
         "resample": 3, "rescale_factor": 1 / 255,
         "size": {"height": image_size, "width": image_size}})
 
-    # vocab resized to len(tokenizer), as VILA does after adding its media tokens
-    lcfg = Qwen2Config(**TINY_LLM, vocab_size=len(tok), tie_word_embeddings=False,
-                       bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-                       eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                       architectures=["Qwen2ForCausalLM"])
-    llm = Qwen2ForCausalLM(lcfg).eval()
     llm.save_pretrained(root / "llm")
     tok.save_pretrained(root / "llm")
     # The real checkpoints name the Qwen2 tokenizer; ours is a plain fast tokenizer.
     _patch_json(root / "llm" / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
 
-    proj = Projector(vcfg.hidden_size, lcfg.hidden_size)
-    with torch.no_grad():   # LayerNorm starts at ones/zeros: make it a real test of the weights
-        proj.layers[1].weight.normal_(1.0, 0.1)
-        proj.layers[1].bias.normal_(0.0, 0.1)
     (root / "mm_projector").mkdir(exist_ok=True)
-    save_file({k: v.contiguous() for k, v in proj.state_dict().items()},
+    save_file({k: v.contiguous() for k, v in projector.state_dict().items()},
               str(root / "mm_projector" / "model.safetensors"), metadata={"format": "pt"})
     pcfg = {"architectures": ["MultimodalProjector"], "mm_projector_type": "mlp_downsample",
-            "model_type": "v2l_projector", "torch_dtype": "float32"}
+            "model_type": "v2l_projector", "torch_dtype": model_dtype.removeprefix("torch.")}
     _write_json(root / "mm_projector" / "config.json", pcfg)
 
     _write_json(root / "config.json", {
@@ -125,7 +136,7 @@ def save_tiny_longvila(path, *, seed: int = 0, num_video_frames: int = 8,
         "num_video_frames": num_video_frames,
         "fps": 0.0,
         "s2": False,
-        "model_dtype": "torch.float32",
+        "model_dtype": model_dtype,
     })
     return root
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call: the end-to-end benchmark through Pipeline.answer (benchmarks/e2e.py) on one
+# H200. Writes the random-weight checkpoints and the videos under /tmp/mminfer_e2e (local
+# disk, never under $OUT); e2e.json, table.txt, e2e.log and device.txt come back in $OUT.
+# Carry .whl (decord and PyAV wheels, BENCHMARKS.md section 5 says how to fetch them): the GPU
+# machine has neither; without them the pipeline cannot decode a file.
+#   bash benchmarks/run_e2e_h200.sh                          # all three cases (~7-8 min)
+#   bash benchmarks/run_e2e_h200.sh --cases qwen115k qwen276k
+# Arguments go to e2e.py. DEADLINE (s, default 540) makes e2e.py skip steps that would not
+# end in time; TIMEOUT (default 585) stops it (it still writes the table) inside the
+# device tool's 600 s limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/e2e}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=$PWD:/tmp/site
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  echo "cores $(nproc)"; free -g | head -2; df -h /tmp | tail -1
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  python3 -c "import decord; print('decord', decord.__version__)" 2>&1 | tail -1
+  python3 -c "import av; print('av', av.__version__)" 2>&1 | tail -1
+  python3 -c "import cv2; print('cv2', cv2.__version__)" 2>&1 | tail -1
+} 2>&1 | tee "$OUT/device.txt"
+timeout -k 10 "${TIMEOUT:-585}" python3 benchmarks/e2e.py --out "$OUT" \
+  --deadline-s "${DEADLINE:-540}" "$@" 2>&1 | tee "$OUT/e2e.log"
