@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from mminfer.errors import Cancelled, ConfigError, InputError
+from mminfer.engine.timing import PIPELINE_STAGES
 from mminfer.models.base import resolve_checkpoint
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
@@ -24,8 +25,7 @@ ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
 MODES = ("auto", "sparse", "dense")
 MAX_FPS = 60.0
 MAX_NEW_TOKENS = 4096
-STAGES = ("decode", "preprocess", "vision", "index", "attention", "llm_other", "generate",
-          "ttft", "total")
+STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engine.timing)
 
 
 @dataclass
