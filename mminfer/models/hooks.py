@@ -34,7 +34,7 @@ class PrefillContext:
     keep_plans: bool = False
     densities: dict = field(default_factory=dict)  # layer -> plan (density read lazily)
     capture: dict | None = None     # calibration: layer -> (q, k, v) of the prefill, on CPU
-    cancel: object = None           # callable -> bool: checked before every layer's attention
+    cancel: object = None           # callable -> bool: the prefill checks it before every layer
     unavailable: str | None = None  # why the sparse kernels cannot run here (sparse_unavailable)
     sparse: bool | None = None      # the decision, made once by decide()
 
@@ -105,9 +105,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
-    if ctx is not None and ctx.cancel is not None and ctx.cancel():
-        from mminfer.errors import Cancelled
-        raise Cancelled(f"request cancelled during the prefill (layer {layer})")
     q_len, kv_len = query.shape[2], key.shape[2]
     if ctx is not None and ctx.capture is not None and layer is not None and q_len == kv_len:
         ctx.capture[layer] = tuple(t.detach().to("cpu", copy=True) for t in (query, key, value))
