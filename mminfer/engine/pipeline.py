@@ -134,8 +134,10 @@ class Pipeline:
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
 
+        # sampled once, here: at most the frames the model takes, by its own rule
         decoded = videolib.decode(str(video_path), sampling=ad.sampling, fps=fps,
-                                  max_frames=max_frames, start=start, end=end)
+                                  max_frames=min(max_frames, ad.frame_limit or max_frames),
+                                  start=start, end=end)
         timer.add_ms("decode", (time.perf_counter() - t0) * 1e3)
         _check(cancel, "after decoding")
         with timer("preprocess"):

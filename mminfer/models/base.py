@@ -62,6 +62,7 @@ class Adapter:
     identity = None            # mminfer.sparse.patterns.ModelIdentity
     patterns = None            # mminfer.sparse.patterns.HeadPatternConfig (None: dense only)
     max_context: int = 0       # tokens the LLM takes (prompt + answer)
+    frame_limit: int | None = None   # frames the model takes at most (LongVILA: its config's)
     tokenizer = None
     text_model = None
     lm_head = None
