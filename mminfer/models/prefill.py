@@ -124,9 +124,15 @@ def _position_ids(text_model, position_ids, n, device):
 
 
 def _rotary(text_model, h, position_ids, spans):
-    """(cos, sin) of every chunk from the model's rotary embedding (elementwise per position,
-    so chunked equals whole; no fp32 temporaries of length N)."""
-    return [text_model.rotary_emb(h[:, s:e], position_ids[..., s:e]) for s, e in spans]
+    """(cos, sin) of every chunk from the model's rotary embedding: elementwise per position,
+    so chunked equals whole and no fp32 temporaries of length N exist. Dynamic and long RoPE
+    rescale their frequencies from the largest position they are shown, so they see all."""
+    rotary = text_model.rotary_emb
+    kind = str(getattr(rotary, "rope_type", "default"))
+    if "dynamic" in kind or kind == "longrope":
+        cos, sin = rotary(h, position_ids)
+        return [(cos[:, s:e], sin[:, s:e]) for s, e in spans]
+    return [rotary(h[:, s:e], position_ids[..., s:e]) for s, e in spans]
 
 
 def _attention_function(attn):

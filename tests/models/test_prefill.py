@@ -131,6 +131,24 @@ def test_chunked_prefill_equals_one_shot(case, chunk):
     assert _decode(adapter, p, got_cache, first) == _decode(adapter, p, ref_cache, first)
 
 
+def test_dynamic_rope_sees_the_whole_prompt():
+    """Dynamic NTK RoPE rescales from the largest position: chunked, it must still see N."""
+    from transformers import Qwen2Config, Qwen2Model
+    from mminfer.models.base import _cache_kwarg
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                       "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    tm = Qwen2Model._from_config(cfg, attn_implementation=hooks.register()).eval()
+    x = torch.randn(1, 45, 64)
+    with torch.inference_mode():
+        ref = tm(inputs_embeds=x.clone(), use_cache=True,
+                 **{_cache_kwarg(tm): _new_cache(tm)}).last_hidden_state[:, -1:]
+    got = prefill(tm, x.clone(), _new_cache(tm), chunk=7)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_the_last_bit_is_the_gemm_not_the_engine():
     """Why the chunked cache is compared to float32 rounding: the same Linear on the same
     rows gives other last bits when it sees fewer rows (MKL picks its blocking by M)."""
