@@ -6,13 +6,15 @@ with the real ModalityIndex layout.
     python benchmarks/prefill.py                         # both models, default lengths
     python benchmarks/prefill.py --model longvila --lengths 1048576
 
-The prefill runs layer by layer through the real decoder modules and our attention hook,
-with the MLP chunked over tokens and only the last position's logits computed, so 1M tokens
-fit on one H200. No KV cache is kept (``use_cache=False``, as MInference's e2e benchmark).
-Stages: ``index`` (online estimation + plan), ``attention`` (kernels), ``llm_other``
-(projections, norms, RoPE, MLP, logits) from CUDA events with one synchronisation per run.
-Dense runs longer than ``--dense-full-max`` tokens are extrapolated from one measured layer
-of dense attention plus the measured non-attention time, and marked as such.
+The prefill is the product's own engine (mminfer.models.prefill, what Adapter.generate runs):
+layer by layer through the real decoder modules and our attention hook, token-wise work
+chunked (``--chunk``), the KV cache written as decode needs it, only the last position's
+logits computed. Peak memory therefore includes the KV cache (≈ 57 GB at 1M tokens for the
+7B shapes). Stages: ``index`` (online estimation + plan), ``attention`` (kernels),
+``llm_other`` (projections, norms, RoPE, MLP, cache writes, logits) from CUDA events with one
+synchronisation per run. Dense runs longer than ``--dense-full-max`` tokens are extrapolated
+from one measured layer of dense attention plus the measured non-attention time, and marked
+as such.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mminfer.sparse.modality import ModalityIndex  # noqa: E402
 from mminfer.models import hooks  # noqa: E402
+from mminfer.models.base import _new_cache  # noqa: E402
+from mminfer.models.prefill import DEFAULT_CHUNK, prefill  # noqa: E402
 from mminfer.sparse.patterns import HeadPatternConfig  # noqa: E402
 from mminfer.engine.timing import StageTimer  # noqa: E402
 from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
@@ -79,28 +83,23 @@ def positions(kind, index, device):
     return torch.arange(index.n, device=device)[None, :]
 
 
-@torch.no_grad()
-def prefill(model, head, index, pos, ctx, layer_ids=None, mlp_chunk=65536):
-    """Layer loop over the real modules; returns the last position's logits."""
-    layers = [model.layers[i] for i in layer_ids] if layer_ids else model.layers
-    g = torch.Generator(device=pos.device).manual_seed(0)
-    h = torch.randn(1, index.n, model.config.hidden_size, device=pos.device,
-                    dtype=torch.bfloat16, generator=g)
-    pe = model.rotary_emb(h, pos)
-    with hooks.prefill_context(ctx):
-        for layer in layers:
-            x = layer.input_layernorm(h)
-            x = layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=None)[0]
-            h += x
-            del x
-            for s in range(0, index.n, mlp_chunk):
-                part = h[:, s:s + mlp_chunk]
-                part += layer.mlp(layer.post_attention_layernorm(part))
-    return head(model.norm(h[:, -1:]))
+def _embeds(model, index, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(1, index.n, model.config.hidden_size, device=device,
+                       dtype=next(model.parameters()).dtype, generator=g)
 
 
-def run_one(model, head, kind, n, mode, patterns, dense_layer_ms=None):
-    dev = torch.device("cuda")
+def run_prefill(model, head, index, pos, ctx, layers=None, chunk=DEFAULT_CHUNK):
+    """The engine on random embeddings into a fresh KV cache; returns the last logits."""
+    return prefill(model, _embeds(model, index, pos.device), _new_cache(model), pos,
+                   chunk=chunk, ctx=ctx, lm_head=head, layers=layers)
+
+
+def run_one(model, head, kind, n, mode, patterns, chunk=DEFAULT_CHUNK):
+    """One timed prefill of ``n`` tokens on the model's device (CUDA events and peak memory
+    on a GPU; the wall clock on the CPU, where this only checks the script runs)."""
+    dev = next(model.parameters()).device
+    cuda = dev.type == "cuda"
     index = layout(kind, n)
     pos = positions(kind, index, dev)
     timer = StageTimer(dev)
@@ -108,21 +107,31 @@ def run_one(model, head, kind, n, mode, patterns, dense_layer_ms=None):
                                timer=timer, keep_plans=(mode == "sparse"))
     # warm-up on the first and the last layer (the configs' two kinds of layer): compiles
     # every kernel variant outside the timed run
-    prefill(model, head, index, pos, hooks.PrefillContext(index=index, patterns=patterns,
-                                                          mode=mode, min_sparse_len=0),
-            [0, len(model.layers) - 1])
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    prefill(model, head, index, pos, ctx)
-    end.record()
-    torch.cuda.synchronize()
-    total = start.elapsed_time(end)
+    warm = hooks.PrefillContext(index=index, patterns=patterns, mode=mode, min_sparse_len=0)
+    run_prefill(model, head, index, pos, warm, [0, len(model.layers) - 1], chunk)
+    h = _embeds(model, index, dev)
+    cache = _new_cache(model)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    prefill(model, h, cache, pos, chunk=chunk, ctx=ctx, lm_head=head)
+    if cuda:
+        end.record()
+        torch.cuda.synchronize()
+        total = start.elapsed_time(end)
+    else:
+        total = (time.perf_counter() - t0) * 1e3
     stages = timer.totals_ms()
-    row = {"model": kind, "n": index.n, "mode": mode, "ttft_ms": total,
+    row = {"model": kind, "n": index.n, "mode": mode, "ttft_ms": total, "chunk": chunk,
            "index_ms": stages.get("index", 0.0), "attention_ms": stages.get("attention", 0.0),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+           "kv_cache_gib": sum(lay.keys.numel() * lay.keys.element_size() * 2
+                               for lay in cache.layers) / 2**30}
+    del h, cache
     row["llm_other_ms"] = total - row["index_ms"] - row["attention_ms"]
     if mode == "sparse":
         dens = [p.density()["logical"] for _, p in sorted(ctx.densities.items()) if p is not None]
@@ -148,6 +157,8 @@ def main():
     ap.add_argument("--model", choices=["qwen", "longvila", "both"], default="both")
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     ap.add_argument("--dense-full-max", type=int, default=300000)
+    ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                    help="tokens per chunk of the prefill's token-wise work")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -167,13 +178,13 @@ def main():
         patterns = HeadPatternConfig.load(cfg_path)
         print(f"{kind}: built in {time.time() - t0:.0f} s", flush=True)
         for n in lengths:
-            sp = run_one(model, head, kind, n, "sparse", patterns)
+            sp = run_one(model, head, kind, n, "sparse", patterns, a.chunk)
             rows.append(sp)
             print(json.dumps({k: v for k, v in sp.items() if k != "density_per_layer"}),
                   flush=True)
             if n <= a.dense_full_max:
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-                    de = run_one(model, head, kind, n, "dense", patterns)
+                    de = run_one(model, head, kind, n, "dense", patterns, a.chunk)
                 de["extrapolated"] = False
             else:
                 layer_ms = dense_one_layer_ms(model, kind, sp["n"])

@@ -12,20 +12,19 @@ everything up to the first answer token.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 
 from mminfer.errors import Cancelled, ConfigError, InputError
+from mminfer.engine.timing import PIPELINE_STAGES
 from mminfer.models.base import resolve_checkpoint
+from mminfer.models.hooks import MODES, sparse_refusal, sparse_unavailable
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
 ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
-MODES = ("auto", "sparse", "dense")
 MAX_FPS = 60.0
 MAX_NEW_TOKENS = 4096
-STAGES = ("decode", "preprocess", "vision", "index", "attention", "llm_other", "generate",
-          "ttft", "total")
+STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engine.timing)
 
 
 @dataclass
@@ -88,16 +87,6 @@ def _dtype(dtype, device):
 AUTO_SPARSE_MIN_TOKENS = 65536
 
 
-def sparse_unavailable(device) -> str | None:
-    """Why the sparse kernels cannot run on ``device``, or None. Triton needs a GPU; on the
-    CPU only its interpreter runs them, and that must be chosen before triton is imported."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("sparse attention runs Triton kernels: it needs a CUDA GPU, or "
-                "TRITON_INTERPRET=1 in the environment on the CPU (slow: for tests); "
-                "use --attention dense or auto here")
-    return None
-
-
 class Pipeline:
     """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
     embedded default model (``mminfer/models/mminfer-embedded``). ``attention`` is the default mode of its
@@ -133,17 +122,16 @@ class Pipeline:
             shard_decoder(self.adapter.text_model, self.rank, self.tensor_parallel)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        if attention == "sparse" and self.adapter.patterns is None:
-            raise ConfigError(f"no head patterns for {model_id}: sparse attention unavailable")
         self.sparse_unavailable = sparse_unavailable(self.device)
-        if attention == "sparse" and self.sparse_unavailable:
-            raise ConfigError(self.sparse_unavailable)
+        why = sparse_refusal(self.adapter.patterns, self.sparse_unavailable)
+        if attention == "sparse" and why:
+            raise ConfigError(f"{model_id}: {why}")
 
     def answer(self, video_path, question: str, *, fps: float = 2.0, max_frames: int = 768,
                max_new_tokens: int = 32, start: float | None = None, end: float | None = None,
                attention: str | None = None, options=None, cancel=None) -> AnswerResult:
-        """``cancel``: a callable checked between stages and before every decoder layer's
-        attention; when it returns True the request stops with :class:`Cancelled`."""
+        """``cancel``: a callable checked between stages and before every decoder layer of the
+        prefill; when it returns True the request stops with :class:`Cancelled`."""
         from mminfer.engine import video as videolib
         from mminfer.models.base import PrepareOptions
         from mminfer.models.hooks import PrefillContext
@@ -151,16 +139,17 @@ class Pipeline:
 
         mode = attention or self.attention
         question = check_request(question, fps, max_frames, max_new_tokens, start, end, mode)
-        if mode == "sparse" and self.adapter.patterns is None:
-            raise InputError(f"sparse attention needs head patterns; {self.model_id} has none")
-        if mode == "sparse" and self.sparse_unavailable:
-            raise InputError(self.sparse_unavailable)
+        why = sparse_refusal(self.adapter.patterns, self.sparse_unavailable)
+        if mode == "sparse" and why:         # refused before the video is decoded
+            raise InputError(f"{self.model_id}: {why}")
         ad = self.adapter
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
 
+        # sampled once, here: at most the frames the model takes, by its own rule
         decoded = videolib.decode(str(video_path), sampling=ad.sampling, fps=fps,
-                                  max_frames=max_frames, start=start, end=end)
+                                  max_frames=min(max_frames, ad.frame_limit or max_frames),
+                                  start=start, end=end)
         timer.add_ms("decode", (time.perf_counter() - t0) * 1e3)
         _check(cancel, "after decoding")
         with timer("preprocess"):
@@ -171,12 +160,12 @@ class Pipeline:
                 f"the prompt is {n} tokens ({prep.visual_tokens} visual) and {max_new_tokens} "
                 f"new tokens are asked for, over the model's context of {ad.max_context} "
                 f"tokens; lower fps or max_frames", tokens=n, limit=ad.max_context)
-        # "auto" where the kernels cannot run stays dense whatever --min-sparse-len says
-        min_sparse = 1 << 62 if self.sparse_unavailable else self.min_sparse_len
         _check(cancel, "before the prefill")
+        # the prefill decides dense or sparse once (hooks.choose_attention) from these facts
         ctx = PrefillContext(index=prep.index, patterns=ad.patterns, mode=mode,
-                             min_sparse_len=min_sparse, timer=timer, keep_plans=True,
-                             cancel=cancel)
+                             min_sparse_len=self.min_sparse_len,
+                             unavailable=self.sparse_unavailable, timer=timer,
+                             keep_plans=True, cancel=cancel)
         gen = ad.generate(prep, max_new_tokens=max_new_tokens, ctx=ctx, timer=timer)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
 
@@ -189,7 +178,7 @@ class Pipeline:
         resized = prep.tensors.get("resized")
         return AnswerResult(
             answer=gen.text, model=self.model_id,
-            attention="sparse" if ctx.densities else "dense", attention_requested=mode,
+            attention="sparse" if ctx.sparse else "dense", attention_requested=mode,
             video={"path": str(video_path), "frames": int(len(decoded.frames)),
                    "model_frames": prep.n_frames, "sampled_fps": float(decoded.sampled_fps),
                    "fps": float(decoded.fps), "duration": float(decoded.duration),

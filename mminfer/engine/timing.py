@@ -1,4 +1,4 @@
-"""Stage timings without a synchronisation per layer.
+"""The stages of a request, and their timings without a synchronisation per layer.
 
 On CUDA each section records a pair of events; nothing waits until ``totals_ms()`` is read
 (once, at the end of a request). On the CPU, sections use ``time.perf_counter``.
@@ -9,6 +9,19 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+
+# Every stage of a served request, in the order it happens: the one list. ``upload`` and
+# ``queue`` exist only in the service; ``index`` + ``attention`` + ``llm_other`` are the LLM
+# prefill; everything before ``generate`` adds up to the time to first token.
+STAGES = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
+          "llm_other", "generate")
+TOTALS = ("ttft", "total")                      # sums reported after the stages
+SERVICE_STAGES = STAGES[:STAGES.index("decode")]
+PREFILL_STAGES = ("index", "attention", "llm_other")
+TTFT_STAGES = STAGES[:STAGES.index("generate")]
+# What Pipeline.answer reports, and what the service reports (its own stages first).
+PIPELINE_STAGES = STAGES[len(SERVICE_STAGES):] + TOTALS
+SERVED_STAGES = STAGES + TOTALS
 
 
 class StageTimer:

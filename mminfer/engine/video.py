@@ -8,7 +8,8 @@ per batch; the PyAV reader seeks when the next sample is far ahead).
 Two samplers:
   * ``qwen``: qwen-vl-utils 0.0.14 (``smart_nframes`` + ``torch.linspace(s, e, n).round()``),
     what Qwen2.5-VL was trained with.
-  * ``uniform``: LongVILA / VILA (``np.linspace(0, total - 1, n)`` truncated to int).
+  * ``uniform``: LongVILA / VILA (``round(linspace(0, total - 1, n))``, as VILA's inference
+    code: mminfer.models.sampling.vila_indices).
 
 Every failure a user can cause comes out as ``VideoError`` with a message that says what is
 wrong with the file or the arguments; backend exceptions never reach the caller.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mminfer.errors import VideoError
+from mminfer.models.sampling import vila_indices
 
 FRAME_FACTOR = 2  # Qwen2.5-VL merges frames in temporal pairs
 BACKENDS = ("decord", "pyav")
@@ -148,7 +150,7 @@ def sample_indices(total: int, video_fps: float, *, sampling: str = "qwen", fps:
     # (frames repeat), as VILA's loader does; otherwise fps·duration within the limits.
     if num_frames is None:
         num_frames = min(max(math.floor(window / video_fps * fps), min_frames), max_frames, window)
-    return np.linspace(first, last, max(num_frames, 1)).astype(np.int64)
+    return vila_indices(first, last, max(num_frames, 1))
 
 
 def _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end) -> None:

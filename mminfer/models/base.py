@@ -3,8 +3,9 @@
 An adapter owns one loaded checkpoint. ``prepare`` turns decoded frames and a question into
 model inputs plus the ModalityIndex (from the token layout it built, never from values);
 ``embed`` runs the vision tower and splices its output into the text embeddings; the shared
-``generate`` then runs the language model: one prefill under our attention hook (sparse or
-dense by the PrefillContext), then dense greedy decode over the full KV cache.
+``generate`` then runs the language model: the prefill engine (mminfer.models.prefill, our
+attention hook inside it, sparse or dense by the PrefillContext's decision), then dense greedy
+decode over the KV cache it wrote.
 
 An adapter implements: ``accepts`` and ``from_pretrained`` (classmethods), ``name``, ``identity``,
 ``patterns``, ``max_context``, ``sampling``, ``tokenizer``, ``text_model`` (the decoder stack:
@@ -61,6 +62,7 @@ class Adapter:
     identity = None            # mminfer.sparse.patterns.ModelIdentity
     patterns = None            # mminfer.sparse.patterns.HeadPatternConfig (None: dense only)
     max_context: int = 0       # tokens the LLM takes (prompt + answer)
+    frame_limit: int | None = None   # frames the model takes at most (LongVILA: its config's)
     tokenizer = None
     text_model = None
     lm_head = None
@@ -95,14 +97,18 @@ class Adapter:
         raise NotImplementedError
 
     # ------------------------------------------------------------ shared
+    prefill_chunk: int | None = None   # tokens per chunk of the prefill (None: its default)
+
     def generate(self, prepared: Prepared, *, max_new_tokens: int = 32, ctx=None,
                  timer=None) -> Generated:
-        """Greedy answer. ``ctx`` (hooks.PrefillContext) is active during the prefill only, so
-        decode-step attention is neither sparse nor counted as prefill attention. Sections
-        timed: vision, prefill, generate (the decode steps after the first token)."""
+        """Greedy answer: the prefill engine (mminfer.models.prefill: layer by layer, chunked,
+        into the KV cache) then dense decode steps through the text model on that cache.
+        ``ctx`` (hooks.PrefillContext) is active during the prefill only, so decode-step
+        attention is neither sparse nor counted as prefill attention. Sections timed: vision,
+        prefill, generate (the decode steps after the first token)."""
         import torch
         from contextlib import nullcontext
-        from mminfer.models.hooks import prefill_context
+        from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 
         section = timer if timer is not None else (lambda name: nullcontext())
         L = prepared.input_ids.shape[1]
@@ -110,9 +116,12 @@ class Adapter:
             with section("vision"):
                 embeds = self.embed(prepared)                     # [1, L, hidden]
             cache = _new_cache(self.text_model)
-            with section("prefill"), (prefill_context(ctx) if ctx is not None else nullcontext()):
-                hidden = self._step(embeds, self.positions(prepared, 0, L), cache)
-                token = self.lm_head(hidden[:, -1:]).argmax(-1)   # [1, 1]
+            with section("prefill"):
+                logits = prefill(self.text_model, embeds, cache, self.positions(prepared, 0, L),
+                                 chunk=self.prefill_chunk or DEFAULT_CHUNK, ctx=ctx,
+                                 lm_head=self.lm_head)
+                token = logits.argmax(-1)                         # [1, 1]
+            del embeds                                            # the prefill's residual
             out = [int(token)]
             with section("generate"):
                 embed_tokens = self.text_model.get_input_embeddings()
@@ -126,6 +135,7 @@ class Adapter:
         return Generated(text=text, token_ids=out, prefill_tokens=L)
 
     def _step(self, embeds, position_ids, cache):
+        """One decode step through the text model's own forward on ``cache``."""
         kw = {_cache_kwarg(self.text_model): cache}
         if position_ids is not None:
             kw["position_ids"] = position_ids

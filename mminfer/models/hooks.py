@@ -1,6 +1,11 @@
-"""Our attention inside transformers: registered through ``AttentionInterface`` for the
-language model only. Prefill (q_len == kv_len) above the length threshold goes sparse;
-decode and everything else stay dense (SDPA). Per-request state (the ModalityIndex, the
+"""Our attention inside transformers: registered through ``AttentionInterface`` (and its
+causal mask through ``AttentionMaskInterface``) for the language model only.
+
+Whether a request's prefill is sparse is decided once, by :func:`choose_attention` (mode,
+length threshold, head patterns, kernel availability), when the prefill starts
+(``PrefillContext.decide``); the hook follows that decision for the whole-prompt prefill call
+of every layer. Decode steps and any call on a non-empty cache stay dense (SDPA): the sparse
+kernels compute a causal prefill from position 0. Per-request state (the ModalityIndex, the
 head patterns, the timer, per-layer densities) lives in a context variable, so concurrent
 requests in one process never see each other's layout.
 """
@@ -8,11 +13,13 @@ requests in one process never see each other's layout.
 from __future__ import annotations
 
 import contextvars
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 # Never put "flash" in this name: transformers treats any such name as FlashAttention.
 ATTN_NAME = "mminfer_sparse"
+MODES = ("auto", "sparse", "dense")
 
 _current: contextvars.ContextVar = contextvars.ContextVar("mminfer_prefill", default=None)
 
@@ -27,7 +34,53 @@ class PrefillContext:
     keep_plans: bool = False
     densities: dict = field(default_factory=dict)  # layer -> plan (density read lazily)
     capture: dict | None = None     # calibration: layer -> (q, k, v) of the prefill, on CPU
-    cancel: object = None           # callable -> bool: checked before every layer's attention
+    cancel: object = None           # callable -> bool: the prefill checks it before every layer
+    unavailable: str | None = None  # why the sparse kernels cannot run here (sparse_unavailable)
+    sparse: bool | None = None      # the decision, made once by decide()
+
+    def decide(self, n_tokens: int) -> bool:
+        """This request's prefill of ``n_tokens`` is sparse or not: decided on the first call,
+        the same answer after it."""
+        if self.sparse is None:
+            self.sparse = choose_attention(
+                self.mode, n_tokens, patterns=self.patterns, index=self.index,
+                min_sparse_len=self.min_sparse_len, unavailable=self.unavailable) == "sparse"
+        return self.sparse
+
+
+def sparse_unavailable(device) -> str | None:
+    """Why the sparse kernels cannot run on ``device``, or None. Triton needs a GPU; on the
+    CPU only its interpreter runs them, and that must be chosen before triton is imported."""
+    if getattr(device, "type", str(device)) == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("sparse attention runs Triton kernels: it needs a CUDA GPU, or "
+                "TRITON_INTERPRET=1 in the environment on the CPU (slow: for tests); "
+                "use --attention dense or auto here")
+    return None
+
+
+def sparse_refusal(patterns, unavailable: str | None = None) -> str | None:
+    """Why an explicit "sparse" request cannot be served, or None."""
+    if patterns is None:
+        return "sparse attention needs head patterns, and this model has none"
+    return unavailable
+
+
+def choose_attention(mode: str, n_tokens: int, *, patterns, index, min_sparse_len: int,
+                     unavailable: str | None = None) -> str:
+    """The one rule: "sparse" or "dense" for a prefill of ``n_tokens``. "sparse" is what was
+    asked (an InputError when it cannot run); "auto" is sparse from ``min_sparse_len`` tokens
+    where it can run, dense otherwise; "dense" is dense."""
+    from mminfer.errors import InputError
+    if mode not in MODES:
+        raise InputError(f"attention must be one of {MODES}, not {mode!r}")
+    if mode == "dense" or index is None:
+        return "dense"
+    why = sparse_refusal(patterns, unavailable)
+    if mode == "sparse":
+        if why:
+            raise InputError(why)
+        return "sparse"
+    return "sparse" if why is None and n_tokens >= min_sparse_len else "dense"
 
 
 @contextmanager
@@ -52,15 +105,13 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
-    if ctx is not None and ctx.cancel is not None and ctx.cancel():
-        from mminfer.errors import Cancelled
-        raise Cancelled(f"request cancelled during the prefill (layer {layer})")
     q_len, kv_len = query.shape[2], key.shape[2]
     if ctx is not None and ctx.capture is not None and layer is not None and q_len == kv_len:
         ctx.capture[layer] = tuple(t.detach().to("cpu", copy=True) for t in (query, key, value))
-    sparse = (ctx is not None and layer is not None and ctx.mode != "dense"
-              and ctx.patterns is not None and ctx.index is not None and q_len == kv_len
-              and attention_mask is None and (ctx.mode == "sparse" or q_len >= ctx.min_sparse_len))
+    # the whole prompt from position 0 (a causal mask transformers could skip) is the one call
+    # the sparse kernels compute; the request's decision says whether they do
+    sparse = (ctx is not None and layer is not None and q_len == kv_len
+              and attention_mask is None and ctx.decide(q_len))
     timer = ctx.timer if ctx is not None else None
     if not sparse:
         if timer is not None and layer is not None:
@@ -85,7 +136,12 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 
 
 def register() -> str:
-    """Register our attention under ATTN_NAME (idempotent); returns the name."""
+    """Register our attention under ATTN_NAME (idempotent); returns the name. Its mask is
+    SDPA's: None where ``is_causal`` covers it (a prefill on an empty cache, decode), the
+    causal block otherwise (a chunk of prompt on a non-empty cache), since the dense path is
+    SDPA."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(ATTN_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     return ATTN_NAME

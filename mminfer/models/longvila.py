@@ -211,7 +211,7 @@ def load_projector(folder: Path, vision_hidden: int, llm_hidden: int) -> Project
 # --------------------------------------------------------------------------- adapter
 class LongVILA(Adapter):
     name = "longvila"
-    sampling = "uniform"          # VILA: linspace(0, T-1, num_video_frames) as int
+    sampling = "uniform"          # VILA: round(linspace(0, T-1, num_video_frames))
     vision_batch = 32             # frames per vision-tower call (bounds activation memory)
 
     @classmethod
@@ -252,6 +252,7 @@ class LongVILA(Adapter):
         self = cls()
         self.layout, self.device, self.dtype = layout, device, dtype
         self.num_frames = int(num_frames or layout.num_video_frames)
+        self.frame_limit = self.num_frames      # the decoder samples this many at most, once
         self.model_id, self.revision = model_id or str(root), revision
 
         tok = _load(AutoTokenizer.from_pretrained, root / "llm", "tokenizer")
@@ -302,9 +303,9 @@ class LongVILA(Adapter):
         on the device)."""
         frames = _frames_tensor(video)                                  # [T, H, W, 3] uint8
         want = int(getattr(options, "num_frames", None) or self.num_frames)
-        if frames.shape[0] > want:   # VILA's rule: linspace(0, T-1, F) truncated to int
-            idx = torch.linspace(0, frames.shape[0] - 1, want, dtype=torch.float64).long()
-            frames = frames[idx]
+        if frames.shape[0] > want:   # more than the model takes (a direct caller): VILA's picks
+            from mminfer.models.sampling import vila_indices
+            frames = frames[torch.from_numpy(vila_indices(0, frames.shape[0] - 1, want))]
         n_frames = frames.shape[0]
         pixels = self._squash(frames)                                   # [F, 3, S, S] uint8
 

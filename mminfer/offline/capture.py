@@ -35,7 +35,7 @@ def capture_qkv(model, videos, question: str, out_dir, *, fps: float = 2.0,
             decoded, q_text, name = synthetic_video(str(v))
         else:
             decoded = videolib.decode(str(v), sampling=ad.sampling, fps=fps,
-                                      max_frames=max_frames)
+                                      max_frames=min(max_frames, ad.frame_limit or max_frames))
             q_text, name = question, Path(v).stem
         prep = ad.prepare(decoded, q_text, PrepareOptions())
         ctx = PrefillContext(index=prep.index, patterns=None, mode="dense", capture={})

@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mminfer.engine.timing import SERVED_STAGES as STAGE_ORDER
 from mminfer.errors import ConfigError, InputError, MMInferError
 from mminfer.models.embedded import resolve_model
 
@@ -40,8 +41,6 @@ from .worker import Job, ModelWorker, WorkerDead
 
 log = logging.getLogger("mminfer.serve")
 
-STAGE_ORDER = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
-               "llm_other", "generate", "ttft", "total")
 
 
 @dataclass

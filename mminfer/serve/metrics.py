@@ -9,11 +9,12 @@ from __future__ import annotations
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
 
+from mminfer.engine.timing import PREFILL_STAGES
+
 # Seconds, from a short CPU request to a million-token prefill.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160,
                    320, 640)
 TOKEN_BUCKETS = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
-PREFILL_STAGES = ("index", "attention", "llm_other")
 
 
 class Metrics:

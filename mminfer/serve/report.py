@@ -11,11 +11,11 @@ import html
 import math
 import time
 
+from mminfer.engine.timing import TTFT_STAGES
+
 from .store import bucket_of
 
 # Stages that add up to the time to first token, then the answer tokens.
-TTFT_STAGES = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
-               "llm_other")
 BAR_STAGES = TTFT_STAGES + ("generate",)
 COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "decode": "#8d6e63", "preprocess": "#ffb74d",
           "vision": "#4db6ac", "index": "#ba68c8", "attention": "#e57373",

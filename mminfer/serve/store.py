@@ -16,12 +16,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from mminfer.engine.timing import SERVED_STAGES as REPORT_STAGES
+
 # Upper edges (tokens, exclusive) of the length buckets, and their labels.
 BUCKET_EDGES = (1024, 4096, 16384, 65536, 131072, 262144, 1048576)
 BUCKET_LABELS = ("<1K", "1K-4K", "4K-16K", "16K-64K", "64K-128K", "128K-256K", "256K-1M", ">=1M")
-# Stages in report order; rows may carry more (they are appended after these).
-REPORT_STAGES = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
-                 "llm_other", "generate", "ttft", "total")
+# Stages in report order (SERVED_STAGES); rows may carry more (they are appended after these).
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (

@@ -71,11 +71,12 @@ def test_qwen_rule_small_videos_keep_a_temporal_pair():
 
 
 def test_uniform_rule_is_longvila():
-    assert sample_indices(30, 10, sampling="uniform", num_frames=5).tolist() == [0, 7, 14, 21, 29]
-    assert np.array_equal(sample_indices(1000, 30, sampling="uniform", num_frames=8),
-                          np.linspace(0, 999, 8).astype(int))
+    # VILA's inference rule: round(linspace), halves to even (7.25 -> 7, 14.5 -> 14, 21.75 -> 22)
+    assert sample_indices(30, 10, sampling="uniform", num_frames=5).tolist() == [0, 7, 14, 22, 29]
+    assert sample_indices(1000, 30, sampling="uniform", num_frames=8).tolist() == [
+        0, 143, 285, 428, 571, 714, 856, 999]
     # an explicit count is honoured even on a shorter video (frames repeat), as VILA does
-    assert sample_indices(3, 10, sampling="uniform", num_frames=6).tolist() == [0, 0, 0, 1, 1, 2]
+    assert sample_indices(3, 10, sampling="uniform", num_frames=6).tolist() == [0, 0, 1, 1, 2, 2]
     # without num_frames: fps * duration within [min_frames, max_frames]
     assert len(sample_indices(600, 30, sampling="uniform", fps=1.0)) == 20
     assert len(sample_indices(600, 30, sampling="uniform", fps=1.0, max_frames=8)) == 8
@@ -107,7 +108,7 @@ def test_decode_window_and_uniform(make_video, frame_index, backend):
     assert 1.0 - 1e-6 <= v.timestamps.min() and v.timestamps.max() <= 2.0 + 1e-6
     assert v.sampled_fps == pytest.approx(4 / 11 * 10)
     u = decode(path, sampling="uniform", num_frames=5, backend=backend)
-    assert [frame_index(f, 30) for f in u.frames] == [0, 7, 14, 21, 29]
+    assert [frame_index(f, 30) for f in u.frames] == [0, 7, 14, 22, 29]
 
 
 def test_backends_agree_and_seek_lands_on_the_right_frames(make_video, frame_index):
@@ -115,7 +116,7 @@ def test_backends_agree_and_seek_lands_on_the_right_frames(make_video, frame_ind
     path = make_video(n_frames=120, fps=10, gop=10)
     a = decode(path, sampling="uniform", num_frames=4, backend="decord")
     b = decode(path, sampling="uniform", num_frames=4, backend="pyav")
-    assert a.indices.tolist() == b.indices.tolist() == [0, 39, 79, 119]
+    assert a.indices.tolist() == b.indices.tolist() == [0, 40, 79, 119]
     assert np.array_equal(a.frames, b.frames)
     np.testing.assert_allclose(a.timestamps, b.timestamps, atol=1e-3)
     assert all(abs(frame_index(f, 120) - i) <= 1 for f, i in zip(b.frames, b.indices))

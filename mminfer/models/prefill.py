@@ -1,0 +1,152 @@
+"""The prefill: the language model's own decoder layers run one at a time over the whole prompt,
+token-wise work chunked, writing the KV cache that decode then reads.
+
+One call of transformers' text model over N tokens materialises every intermediate at full
+length: the normed input, the rotary temporaries of q and k, the MLP's three
+``[N, intermediate]`` activations (at 1M tokens and Qwen2-7B's 18944 that is ≈ 38 GB each in
+bf16). Here only what attention itself needs exists at length N — the residual stream, q, the
+attention output, and k/v in the cache — and everything applied token by token (norms,
+q/k/v/o projections, rotary, MLP) runs over ``chunk`` tokens at a time, so the rest of the
+activation memory is set by the chunk, not by N.
+
+Nothing is re-implemented: the modules are the model's (``input_layernorm``, ``self_attn``'s
+projections, ``post_attention_layernorm``, ``mlp``, ``norm``, ``rotary_emb``) and so are
+``apply_rotary_pos_emb`` and the attention function registered under the model's
+``_attn_implementation`` (our hook in mminfer.models.hooks: sparse or dense by the request's
+decision). k/v go through ``cache.update`` once per layer, so the cache holds the only copy and
+decode steps use it as after a one-shot prefill. Logits are computed for the last position only.
+
+It lives in models/ (not engine/) because ``Adapter.generate`` runs it and a model layer may not
+import the engine; it needs nothing above the transformers modules and our hook.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from mminfer.models import hooks
+
+# Tokens per chunk of the token-wise work: ≥ 16K rows keeps every GEMM at full speed on an H200
+# while the MLP's temporaries stay ≈ 1.8 GB at 7B sizes (bf16), against ≈ 57 GB of KV cache at 1M.
+DEFAULT_CHUNK = 16384
+
+
+def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
+            chunk: int = DEFAULT_CHUNK, ctx=None, lm_head=None, layers=None) -> torch.Tensor:
+    """Prefill the prompt ``embeds`` ``[1, N, hidden]`` through ``text_model`` (a transformers
+    Qwen2 / Qwen2.5-VL text model) into ``cache`` (an empty ``DynamicCache``; None keeps no
+    K/V, for benchmarks of the prefill alone).
+
+    ``embeds`` becomes the residual stream and is overwritten. ``position_ids``: what the
+    model's forward takes (``[3, 1, N]`` M-RoPE, ``[1, N]``; None: 0..N-1). ``ctx``
+    (hooks.PrefillContext) is active during the prefill: its dense/sparse decision is made here,
+    once, and its ``cancel`` is checked before every layer. ``layers``: indices of the decoder
+    layers to run (default all; benchmarks warm up on a few). Returns the final-normed hidden
+    state of the last position ``[1, 1, hidden]``, or its logits with ``lm_head``.
+    """
+    if embeds.ndim != 3 or embeds.shape[0] != 1:
+        raise ValueError(f"prefill takes one prompt [1, N, hidden], got {tuple(embeds.shape)}")
+    if cache is not None and cache.get_seq_length() != 0:
+        raise ValueError("prefill writes a fresh cache; this one already holds "
+                         f"{cache.get_seq_length()} tokens")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 token, not {chunk}")
+    n = embeds.shape[1]
+    h = embeds
+    spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    todo = text_model.layers if layers is None else [text_model.layers[i] for i in layers]
+    with torch.inference_mode(), \
+            (hooks.prefill_context(ctx) if ctx is not None else nullcontext()):
+        rope = _rotary(text_model, h, _position_ids(text_model, position_ids, n, h.device), spans)
+        if ctx is not None:
+            ctx.decide(n)
+        for layer in todo:
+            _check_cancel(ctx, layer.self_attn.layer_idx)
+            _decoder_layer(layer, h, rope, spans, cache)
+        last = text_model.norm(h[:, -1:])
+        return lm_head(last) if lm_head is not None else last
+
+
+def _decoder_layer(layer, h, rope, spans, cache):
+    """``layer`` (a transformers decoder layer) on the residual stream ``h``, in place:
+    h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
+    attn = layer.self_attn
+    if getattr(attn, "sliding_window", None) is not None:   # would need its mask
+        raise NotImplementedError("sliding-window attention layers are not supported")
+    n = h.shape[1]
+    d = attn.head_dim
+    apply_rope = _module_of(attn).apply_rotary_pos_emb
+    q = k = v = None
+    for (s, e), (cos, sin) in zip(spans, rope):
+        x = layer.input_layernorm(h[:, s:e])
+        qc = attn.q_proj(x).view(1, e - s, -1, d).transpose(1, 2)        # [1, H, c, d]
+        kc = attn.k_proj(x).view(1, e - s, -1, d).transpose(1, 2)        # [1, Hkv, c, d]
+        vc = attn.v_proj(x).view(1, e - s, -1, d).transpose(1, 2)
+        del x
+        qc, kc = apply_rope(qc, kc, cos, sin)
+        if q is None:
+            q = qc.new_empty(1, qc.shape[1], n, d)
+            k = kc.new_empty(1, kc.shape[1], n, d)
+            v = vc.new_empty(1, vc.shape[1], n, d)
+        q[:, :, s:e], k[:, :, s:e], v[:, :, s:e] = qc, kc, vc
+        del qc, kc, vc
+    if cache is not None:   # the cache's copy becomes the only one: ours is dropped here
+        k, v = cache.update(k, v, attn.layer_idx)
+    out, _ = _attention_function(attn)(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling,
+                                       sliding_window=None)
+    del q, k, v
+    out = out.reshape(1, n, -1)                                            # [1, N, H*d]
+    for s, e in spans:
+        h[:, s:e] += attn.o_proj(out[:, s:e])
+    del out
+    for s, e in spans:
+        part = h[:, s:e]
+        part += layer.mlp(layer.post_attention_layernorm(part))
+
+
+def _position_ids(text_model, position_ids, n, device):
+    """The positions the model's forward would use, in the shape its rotary embedding takes:
+    ``[3, 1, N]`` for M-RoPE (a 2-D input broadcast to the three axes; transformers' packed
+    4-row form drops its text row), ``[1, N]`` otherwise."""
+    if position_ids is None:
+        position_ids = torch.arange(n, device=device)[None]
+    mrope = hasattr(text_model.rotary_emb, "mrope_section")
+    if mrope and position_ids.ndim == 2:
+        position_ids = position_ids[None].expand(3, *position_ids.shape)
+    elif mrope and position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        position_ids = position_ids[1:]
+    if position_ids.shape[-1] != n:
+        raise ValueError(f"{position_ids.shape[-1]} positions for {n} tokens")
+    return position_ids.to(device)
+
+
+def _rotary(text_model, h, position_ids, spans):
+    """(cos, sin) of every chunk from the model's rotary embedding: elementwise per position,
+    so chunked equals whole and no fp32 temporaries of length N exist. Dynamic and long RoPE
+    rescale their frequencies from the largest position they are shown, so they see all."""
+    rotary = text_model.rotary_emb
+    kind = str(getattr(rotary, "rope_type", "default"))
+    if "dynamic" in kind or kind == "longrope":
+        cos, sin = rotary(h, position_ids)
+        return [(cos[:, s:e], sin[:, s:e]) for s, e in spans]
+    return [rotary(h[:, s:e], position_ids[..., s:e]) for s, e in spans]
+
+
+def _attention_function(attn):
+    """The function the attention module itself would call for its config."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    impl = attn.config._attn_implementation
+    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, _module_of(attn).eager_attention_forward)
+
+
+def _module_of(module):
+    return sys.modules[type(module).__module__]
+
+
+def _check_cancel(ctx, layer):
+    if ctx is not None and ctx.cancel is not None and ctx.cancel():
+        from mminfer.errors import Cancelled
+        raise Cancelled(f"request cancelled during the prefill (layer {layer})")
