@@ -30,7 +30,7 @@ from torch import nn
 from mminfer.errors import ConfigError, InputError, VideoError
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.models.base import Adapter, Prepared, PrepareOptions
-from mminfer.models.vision import frame_chunks, to_device
+from mminfer.models.vision import device_constant, frame_chunks, to_device
 
 VIDEO_TOKEN = "<vila/video>"
 MEDIA_TOKENS = ("<vila/sentinel>", "<image>", VIDEO_TOKEN)
@@ -384,8 +384,9 @@ class LongVILA(Adapter):
 
     def _normalise(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 ``[f, 3, S, S]`` → the tower's input (model dtype, on the device)."""
-        mean = torch.tensor(self.layout.image_mean, device=self.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.layout.image_std, device=self.device).view(1, 3, 1, 1)
+        dev = str(self.device)
+        mean = device_constant(tuple(self.layout.image_mean), dev).view(1, 3, 1, 1)
+        std = device_constant(tuple(self.layout.image_std), dev).view(1, 3, 1, 1)
         x = to_device(pixels, self.device).float().div_(255)
         return ((x - mean) / std).to(self.dtype)
 

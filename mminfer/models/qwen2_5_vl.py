@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mminfer.errors import ConfigError, InputError, VideoError
 from mminfer.models.base import Adapter, PrepareOptions, Prepared, resolve_checkpoint
-from mminfer.models.vision import frame_chunks, to_device
+from mminfer.models.vision import device_constant, frame_chunks, to_device
 
 # qwen-vl-utils defaults (video): pixels per frame and for the whole video.
 VIDEO_MIN_PIXELS = 128 * 28 * 28
@@ -118,8 +118,9 @@ def frames_to_patches(frames, size, *, mean=CLIP_MEAN, std=CLIP_STD, patch: int 
     if out is None:
         out = torch.empty(n // temporal * rows, 3 * temporal * patch * patch, dtype=dtype,
                           device=device)
-    mean_t = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255.0
-    std_t = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255.0
+    dev = str(torch.device(device))
+    mean_t = device_constant(tuple(mean), dev).view(1, 3, 1, 1) * 255.0
+    std_t = device_constant(tuple(std), dev).view(1, 3, 1, 1) * 255.0
     step = RESIZE_CHUNK - RESIZE_CHUNK % temporal
     for s in range(0, n, step):
         part = to_device(x[s:s + step], device)

@@ -33,6 +33,7 @@ tower's working memory is set by the chunk, not by the video.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -228,3 +229,10 @@ def to_device(x, device):
     if device.type == "cuda" and x.device.type == "cpu":
         return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def device_constant(values: tuple, device: str) -> torch.Tensor:
+    """A small constant (normalisation mean/std) made once per device: building it per chunk
+    would copy from pageable memory and stall the host behind the device's queue."""
+    return torch.tensor(values, dtype=torch.float32, device=device)

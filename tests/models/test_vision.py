@@ -201,3 +201,30 @@ def test_space_to_depth_equals_the_view_permute_layout():
         h = s // 2
         want = x.reshape(2, h, 2, h, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(2, h * h, 4 * c)
         assert torch.equal(space_to_depth_2x2(x), want)
+
+
+# ---------------------------------------------------------------------- the benchmark
+@pytest.mark.slow
+def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
+    """benchmarks/vision.py --tiny: transformers and ours side by side on the same input,
+    their features equal (fp32), the JSON written."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "vision.py"),
+                          "--tiny", "--pairs", "3", "--reps", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "speedup" in out.stdout                            # the printed table
+    res = json.loads((tmp_path / "vision.json").read_text())
+    rows = {r["impl"]: r for r in res["rows"]}
+    assert set(rows) == {"transformers", "ours", "ours+preprocess"}
+    assert all(r["pairs"] == 3 and r["ms"] > 0 for r in rows.values())
+    assert rows["ours"]["rel_max_diff"] < 5e-6 and rows["ours"]["speedup"] > 0
+    check = res["fp32_check"]
+    assert check["ours_max_abs_err"] < 5e-6 * max(1.0, check["max_abs_feature"])
+    assert res["window_groups"] == [[0, 6, 16], [96, 2, 8], [112, 3, 8], [136, 1, 4]]
