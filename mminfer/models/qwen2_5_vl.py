@@ -102,7 +102,7 @@ def video_grid(n_frames: int, height: int, width: int, *, min_pixels=None, max_p
 
 
 def frames_to_patches(frames, size, *, mean=CLIP_MEAN, std=CLIP_STD, patch: int = 14,
-                      temporal: int = 2, merge: int = 2, device="cpu", dtype=None, out=None):
+                      temporal: int = 2, merge: int = 2, device="cpu", dtype=None):
     """uint8 frames ``[n, H, W, 3]`` (numpy or torch; n a multiple of ``temporal``) -> model
     patches ``[n/temporal * h*w, 3*temporal*patch^2]`` on ``device``: resized to ``size``
     (h, w) unless already there, normalised in fp32, patchified, then ``dtype``. Resizes
@@ -115,9 +115,8 @@ def frames_to_patches(frames, size, *, mean=CLIP_MEAN, std=CLIP_STD, patch: int 
     rh, rw = size
     rows = (rh // patch) * (rw // patch)
     dtype = dtype or torch.float32
-    if out is None:
-        out = torch.empty(n // temporal * rows, 3 * temporal * patch * patch, dtype=dtype,
-                          device=device)
+    out = torch.empty(n // temporal * rows, 3 * temporal * patch * patch, dtype=dtype,
+                      device=device)
     dev = str(torch.device(device))
     mean_t = device_constant(tuple(mean), dev).view(1, 3, 1, 1) * 255.0
     std_t = device_constant(tuple(std), dev).view(1, 3, 1, 1) * 255.0

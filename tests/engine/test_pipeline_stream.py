@@ -87,3 +87,25 @@ def test_oversized_upload_is_decoded_at_the_model_size(pipe, tmp_path):
     assert (res.video["width"], res.video["height"]) == (1280, 720)
     assert res.video["decoded"] == [h, w] and h * w * 4 < 1280 * 720
     assert res.tokens["generated"] >= 1
+
+
+def test_longvila_streamed_answer_equals_decoding_first(tmp_path):
+    """LongVILA through the streamed pipeline: the stream is narrowed to the model's frames
+    before decoding, and the answer and embeddings are the whole-video path's."""
+    from mminfer.toy.tiny_longvila import save_tiny_longvila
+    ckpt = save_tiny_longvila(tmp_path / "tiny-longvila")
+    pipe = Pipeline(str(ckpt), attention="dense", device="cpu")
+    ad = pipe.adapter
+    ad.vision_batch = 3                                   # several tower chunks
+    mp4 = write_mp4(tmp_path / "square.mp4", n=24)
+    q = "where does the red square move?"
+    decoded = videolib.decode(str(mp4), sampling=ad.sampling, fps=8.0)
+    whole = ad.prepare(decoded, q)
+    want = ad.generate(whole, max_new_tokens=4)
+    res = pipe.answer(mp4, q, fps=8.0, max_new_tokens=4)
+    assert res.answer == want.text and res.video["model_frames"] == whole.n_frames == 8
+    assert res.video["frames"] == 8 < len(decoded.frames)          # only those were decoded
+    with videolib.open_stream(str(mp4), sampling=ad.sampling, fps=8.0) as s:
+        streamed = ad.embed(ad.prepare(s, q))
+    with torch.inference_mode():
+        assert torch.allclose(streamed, ad.embed(whole), atol=1e-5, rtol=1e-5)

@@ -228,3 +228,42 @@ def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
     check = res["fp32_check"]
     assert check["ours_max_abs_err"] < 5e-6 * max(1.0, check["max_abs_feature"])
     assert res["window_groups"] == [[0, 6, 16], [96, 2, 8], [112, 3, 8], [136, 1, 4]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("h,w", [(40, 72), (46, 24)])     # windows divide; ragged edges
+def test_tower_bf16_on_gpu_is_as_close_to_fp32_as_transformers(h, w):
+    """The 7B vision block shapes (8 of its 32 blocks, two full) in bf16 on the GPU: ours
+    and transformers' sdpa tower against transformers in fp32 on the same input; ours is no
+    further from it than transformers' own bf16 run (plus bf16 rounding of the output)."""
+    import copy
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vision.py"
+    spec = importlib.util.spec_from_file_location("mminfer_benchmark_vision", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    QWEN_7B_VISION, build_visual = bench.QWEN_7B_VISION, bench.build_visual
+    transformers_features = bench.transformers_features
+    torch.manual_seed(0)
+    visual = build_visual({**QWEN_7B_VISION, "depth": 8, "fullatt_block_indexes": [3, 7]},
+                          "cuda", torch.bfloat16)
+    ref_visual = copy.deepcopy(visual).float()
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            pix = torch.randn(3 * h * w, 1176, device="cuda")
+            ref = transformers_features(ref_visual, pix, 3, h, w).float()
+            hf = transformers_features(visual, pix.bfloat16(), 3, h, w).float()
+            ours = QwenVisionTower(visual)(pix.bfloat16(), 3, h, w).float()
+            ours32 = QwenVisionTower(ref_visual)(pix, 3, h, w).float()
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    scale = float(ref.abs().max())
+    e_hf, e_ours, e32 = (float((x - ref).abs().max()) for x in (hf, ours, ours32))
+    print(f"{h}x{w}: max abs err vs fp32: transformers bf16 {e_hf:.3g}, ours bf16 {e_ours:.3g}, "
+          f"ours fp32 {e32:.3g} (max |feature| {scale:.3g})")
+    assert e32 < 1e-4 * max(1.0, scale)
+    assert e_ours <= 1.5 * e_hf + 2 ** -7 * scale
