@@ -12,8 +12,8 @@ source is much larger) in a background thread while earlier chunks of frames are
 preprocessed and run through the vision tower. Each of the three is its own busy time
 (decode: the decoder thread's wall time; preprocess: building the prompt plus each chunk's
 resize/normalise/patchify; vision: each chunk's tower), so for a long video decode +
-preprocess + vision exceeds the time they took together. ``overlap.decode_wait_ms`` is the
-part of decoding the tower waited for. ``ttft`` (wall clock to the end of the vision tower,
+preprocess + vision exceeds the time they took together. ``video.decode_wait_ms`` is the
+part of decoding the tower waited for, ``video.decode_hidden_ms`` the part hidden behind it. ``ttft`` (wall clock to the end of the vision tower,
 then the prefill's events) and ``total`` are true elapsed times.
 """
 
@@ -46,9 +46,6 @@ class AnswerResult:
     tokens: dict                   # total, visual, text, generated
     sparsity: dict | None          # mean_density, per_layer (only when sparse ran)
     timings_ms: dict = field(default_factory=dict)
-    # decode runs in a background thread alongside preprocess and vision: how long the
-    # vision loop waited for frames, and the decoding time that hid behind it
-    overlap: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -208,12 +205,14 @@ class Pipeline:
                    "fps": float(stream.fps), "duration": float(stream.duration),
                    "width": stream.width, "height": stream.height,
                    "resized": list(resized) if resized else None,
-                   "decoded": list(stream.frame_size), "backend": stream.backend},
+                   "decoded": list(stream.frame_size), "backend": stream.backend,
+                   # decoding runs in its own thread alongside preprocess and vision: how
+                   # long the vision loop waited for frames, and the decoding hidden behind it
+                   "decode_wait_ms": round(stream.wait_ms, 3),
+                   "decode_hidden_ms": round(max(stream.decode_ms - stream.wait_ms, 0.0), 3)},
             tokens={"total": n, "visual": prep.visual_tokens, "text": prep.text_tokens,
                     "generated": len(gen.token_ids)},
-            sparsity=_sparsity(ctx.densities, ad.patterns), timings_ms=timings,
-            overlap={"decode_wait_ms": round(stream.wait_ms, 3),
-                     "decode_hidden_ms": round(max(stream.decode_ms - stream.wait_ms, 0.0), 3)})
+            sparsity=_sparsity(ctx.densities, ad.patterns), timings_ms=timings)
 
 
 def _check(cancel, where: str):

@@ -282,6 +282,8 @@ def test_stream_scaled_by_the_decoder_is_close_to_the_reference_resize(tmp_path,
         assert s.request_size(252, 448) == (252, 448) and s.decode_size == (252, 448)
         got = np.concatenate(list(s.chunks(4))).astype(np.float32)
     assert got.shape == want.shape == (6, 252, 448, 3)
+    # decode(size=...) is the same decoder-side scaling, all frames at once
+    assert np.array_equal(decode(path, backend=backend, fps=10, size=(252, 448)).frames, got)
     d = np.abs(got - want)
     print(f"{backend}: mean {d.mean():.2f} levels, p99 {np.percentile(d, 99):.0f}, "
           f"{(d > 20).mean():.2%} over 20")
