@@ -13,8 +13,9 @@ preprocessed and run through the vision tower. Each of the three is its own busy
 (decode: the decoder thread's wall time; preprocess: building the prompt plus each chunk's
 resize/normalise/patchify; vision: each chunk's tower), so for a long video decode +
 preprocess + vision exceeds the time they took together. ``video.decode_wait_ms`` is the
-part of decoding the tower waited for, ``video.decode_hidden_ms`` the part hidden behind it. ``ttft`` (wall clock to the end of the vision tower,
-then the prefill's events) and ``total`` are true elapsed times.
+part of decoding the vision loop waited for, ``video.decode_hidden_ms`` the part hidden
+behind it. ``ttft`` (wall clock to the end of the vision tower, then the prefill's events)
+and ``total`` are true elapsed times.
 """
 
 from __future__ import annotations

@@ -569,12 +569,12 @@ class VideoStream:
     """The sampled frames of a video, decoded in a background thread while the consumer
     works on earlier ones (``open_stream``).
 
-    Before the first frame is asked for, a consumer may narrow the samples (``keep_samples``) and
-    ask for its frame size (``request_size``). ``chunks(n)`` then yields uint8 RGB arrays
-    ``[n, h, w, 3]`` (the last one shorter) in sample order while the thread decodes ahead,
-    holding at most ``STREAM_BUFFER_BYTES`` of decoded frames. The stream behaves as the
-    frames of a :class:`DecodedVideo` where the adapters look: ``len()``, ``shape`` (of the
-    source frames) and ``sampled_fps``.
+    Before the first frame is asked for, a consumer may narrow the samples
+    (``keep_samples``) and ask for its frame size (``request_size``). ``chunks(n)`` then
+    yields uint8 RGB arrays ``[n, h, w, 3]`` (the last one shorter) in sample order while
+    the thread decodes ahead, holding at most ``STREAM_BUFFER_BYTES`` of decoded frames. The
+    stream behaves as the frames of a :class:`DecodedVideo` where the adapters look:
+    ``len()``, ``shape`` (of the source frames) and ``sampled_fps``.
 
     ``decode_ms`` is the thread's own decoding time (it runs alongside the consumer);
     ``wait_ms`` is how long the consumer sat waiting for frames. A backend that fails while
