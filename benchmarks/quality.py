@@ -124,13 +124,6 @@ class Runner:
         from mminfer.engine.pipeline import Pipeline
         self.pipe = Pipeline(str(model_dir), attention="dense", device=device, dtype=dtype)
         self.ad = self.pipe.adapter
-        self.bv = None
-        try:
-            bv = E.BatchedVision(self.ad.model)
-            if bv.check() < 2e-2:
-                self.bv = bv
-        except Exception as e:   # any trouble: the adapter's own (slower) vision path
-            log(f"batched vision unavailable ({type(e).__name__}: {e}); using the adapter's")
         cuda = self.ad.device.type == "cuda"
         self.block_m, self.block_n = (128, 64) if cuda else (16, 16)
         self.answer_ids = E.answer_ids(self.ad.tokenizer)
@@ -145,15 +138,7 @@ class Runner:
 
     @torch.inference_mode()
     def embeds(self, prep):
-        ad = self.ad
-        t, h, w = (int(x) for x in prep.tensors["video_grid_thw"][0])
-        if self.bv is None or (h, w) != (self.bv.h, self.bv.w):
-            return ad.embed(prep)
-        ids = prep.input_ids
-        emb = ad.text_model.get_input_embeddings()(ids)
-        feats = self.bv(prep.tensors["pixel_values_videos"], t)
-        mask = (ids == ad.video_token_id).unsqueeze(-1)
-        return emb.masked_scatter(mask, feats.to(emb.dtype))
+        return self.ad.embed(prep)          # the batched tower (mminfer.models.vision)
 
     @torch.inference_mode()
     def first_token(self, prep, embeds, patterns, sparse: bool, density: bool):
@@ -308,8 +293,7 @@ def main(argv=None):
     for sp in specs:
         sp["renderer"] = args.renderer
     log(f"model {model_dir} on {ad.device} ({ad.dtype}); {len(specs)} videos, modes "
-        f"{', '.join(modes)}; vision {'batched' if runner.bv else 'adapter'}; "
-        f"{workers} rendering workers")
+        f"{', '.join(modes)}; {workers} rendering workers")
     if ad.patterns is None:
         raise SystemExit("the model has no head-pattern config: sparse modes impossible")
 

@@ -150,7 +150,7 @@ def test_baseline_survives_an_adapter_that_streams_its_pixels(tmp_path, model):
 
     def streamed(*a, **kw):
         p = real_prepare(*a, **kw)
-        p.tensors.pop("pixel_values_videos" if model == "qwen" else "pixels")
+        p.tensors.pop("pixel_values_videos" if model == "qwen" else "pixels", None)   # streamed already
         return p
 
     ad.prepare = streamed

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -276,15 +277,24 @@ def _probe_av(path: str, kind: str | None) -> dict | None:
 class _DecordReader:
     name = "decord"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, size: tuple[int, int] | None = None):
         import decord
 
         decord.logging.set_level(decord.logging.QUIET)
-        self.vr = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=0)
+        h, w = size or (-1, -1)   # decord scales in its own filter graph when given a size
+        self.path, self.size = path, size
+        self.vr = decord.VideoReader(path, ctx=decord.cpu(0), width=w, height=h, num_threads=0)
         self.total = len(self.vr)
         self.fps = float(self.vr.get_avg_fps())
         if not (self.fps > 0 and math.isfinite(self.fps)):
             raise RuntimeError("decord reports no frame rate")
+
+    def resized(self, size):
+        """This reader with frames at ``size`` (h, w), or full size for None."""
+        if size == self.size:
+            return self
+        self.close()
+        return _DecordReader(self.path, size)
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = [int(i) for i in indices]
@@ -293,6 +303,12 @@ class _DecordReader:
         t0 = self.vr.get_frame_timestamp([0])[0, 0]
         return frames, np.asarray(ts - t0, dtype=np.float64)
 
+    def batches(self, targets: np.ndarray, batch: int):
+        """``(frames, timestamps)`` of sorted distinct ``targets``, ``batch`` at a time; the
+        reader keeps its position between batches, so dense samples decode straight on."""
+        for s in range(0, len(targets), batch):
+            yield self.read(targets[s:s + batch])
+
     def close(self):
         self.vr = None
 
@@ -300,11 +316,11 @@ class _DecordReader:
 class _PyAVReader:
     name = "pyav"
 
-    def __init__(self, path: str, facts: dict):
+    def __init__(self, path: str, facts: dict, size: tuple[int, int] | None = None):
         import av
 
         self.av = av
-        self.path = path
+        self.path, self.facts, self.size = path, facts, size
         self.total, self.fps, self.start = facts["frames"], facts["fps"], facts["start"]
         if not self.fps > 0:
             raise VideoError(f"{path}: the video stream has no frame rate", path=path)
@@ -313,6 +329,10 @@ class _PyAVReader:
         self.container = av.open(path, metadata_errors="ignore")
         self.stream = self.container.streams.video[0]
         self.stream.thread_type = "AUTO"
+
+    def resized(self, size):
+        self.size = size   # swscale converts and scales in one pass from the decoded planes
+        return self
 
     def _count_packets(self) -> int:
         # Some containers (e.g. Matroska) carry no frame count; demuxing reads packet
@@ -325,6 +345,12 @@ class _PyAVReader:
 
     def _index(self, frame) -> int:
         return round((frame.time - self.start) * self.fps)
+
+    def _rgb(self, frame) -> np.ndarray:
+        if self.size is None:
+            return frame.to_ndarray(format="rgb24")
+        h, w = self.size
+        return frame.to_ndarray(format="rgb24", width=w, height=h, interpolation="BICUBIC")
 
     def _frames_from(self, target: int | None):
         """Decoded frames from the keyframe at or before ``target`` (from the start when
@@ -346,9 +372,10 @@ class _PyAVReader:
                 continue
             yield from frames
 
-    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        targets = sorted(set(int(i) for i in indices))
-        got: dict[int, tuple[np.ndarray, float]] = {}
+    def frames(self, targets):
+        """``(target, rgb, seconds)`` for each of the sorted distinct ``targets``, in order,
+        decoding forward and seeking only when the next target is far ahead."""
+        targets = [int(t) for t in targets]
         last_index, last = -1, None
         seek_gap = max(32, int(2 * self.fps))  # beyond this, seeking beats decoding through
         pos, sequential = 0, False
@@ -367,10 +394,9 @@ class _PyAVReader:
                 if i < targets[pos]:
                     continue
                 progressed = True
-                rgb = frame.to_ndarray(format="rgb24")
-                last_index, last = i, (rgb, frame.time - self.start)
+                last_index, last = i, (self._rgb(frame), frame.time - self.start)
                 while pos < len(targets) and targets[pos] <= i:
-                    got[targets[pos]] = last
+                    yield (targets[pos], *last)
                     pos += 1
                 if pos == len(targets) or (not sequential and targets[pos] - i > seek_gap):
                     break
@@ -378,25 +404,46 @@ class _PyAVReader:
                 break
             if not progressed:
                 sequential = True
-        if not got:
+        if last is None:
             raise VideoError(f"{self.path} contains no decodable video frames "
                              f"(the video data is truncated or corrupt)", path=self.path)
         if pos < len(targets):
             # A frame count taken from the container duration can overshoot by a frame or
             # two; further than that, the data ends early: the file is truncated.
-            missing = targets[pos:]
-            if missing[-1] - last_index > max(2, self.total // 100):
+            if targets[-1] - last_index > max(2, self.total // 100):
                 raise VideoError(
                     f"{self.path} is truncated or corrupt: decoding stopped at frame "
                     f"{last_index} of {self.total}", path=self.path)
-            for t in missing:
-                got[t] = last
+            for t in targets[pos:]:
+                yield (t, *last)
+
+    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        got = {t: (rgb, ts) for t, rgb, ts in self.frames(sorted(set(int(i) for i in indices)))}
         frames = np.stack([got[int(i)][0] for i in indices])
         ts = np.array([got[int(i)][1] for i in indices], dtype=np.float64)
         return frames, ts
 
+    def batches(self, targets: np.ndarray, batch: int):
+        rgb, ts = [], []
+        for _, frame, t in self.frames(targets):
+            rgb.append(frame)
+            ts.append(t)
+            if len(rgb) == batch:
+                yield np.stack(rgb), np.array(ts, dtype=np.float64)
+                rgb, ts = [], []
+        if rgb:
+            yield np.stack(rgb), np.array(ts, dtype=np.float64)
+
     def close(self):
         self.container.close()
+
+
+def _open_reader(name: str, path: str, facts: dict | None, size=None):
+    if name == "decord":
+        return _DecordReader(path, size)
+    if facts is None:
+        raise ImportError("PyAV (the av package) is not installed")
+    return _PyAVReader(path, facts, size)
 
 
 def _backend_order(backend: str | None) -> tuple[str, ...]:
@@ -407,7 +454,7 @@ def _backend_order(backend: str | None) -> tuple[str, ...]:
     return (backend,)
 
 
-def _with_reader(path, backend, fn):
+def _with_reader(path, backend, fn, size=None):
     """Run ``fn(reader, facts)`` with the first backend that opens and reads the file."""
     path = os.fspath(path)
     order = _backend_order(backend)
@@ -416,12 +463,7 @@ def _with_reader(path, backend, fn):
     failures: list[tuple[str, str, BaseException]] = []
     for name in order:
         try:
-            if name == "decord":
-                reader = _DecordReader(path)
-            elif facts is None:
-                raise ImportError("PyAV (the av package) is not installed")
-            else:
-                reader = _PyAVReader(path, facts)
+            reader = _open_reader(name, path, facts, size)
         except ImportError as e:
             failures.append((name, "missing", e))
             continue
@@ -474,11 +516,15 @@ def probe(path, *, backend: str | None = None) -> VideoInfo:
 
 def decode(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: int = 768,
            min_frames: int = 4, num_frames: int | None = None, start: float | None = None,
-           end: float | None = None, backend: str | None = None) -> DecodedVideo:
+           end: float | None = None, backend: str | None = None,
+           size: tuple[int, int] | None = None) -> DecodedVideo:
     """Decode the sampled frames of a video (RGB uint8) with their timestamps.
 
     ``start``/``end`` (seconds) restrict sampling to a window; ``num_frames`` overrides the
-    fps rule; ``backend`` forces "decord" or "pyav" (default: decord, then PyAV)."""
+    fps rule; ``backend`` forces "decord" or "pyav" (default: decord, then PyAV); ``size``
+    (h, w) has the decoder scale every frame to that size (its own bicubic scaler), else
+    frames come at the source size. All frames are held at once: a long video or a large
+    frame wants :func:`open_stream`."""
     _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end)
 
     def run(reader, facts):
@@ -493,7 +539,271 @@ def decode(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: int = 
             frames=np.ascontiguousarray(frames, dtype=np.uint8), timestamps=ts,
             indices=idx, fps=reader.fps,
             sampled_fps=len(idx) / (last - first + 1) * reader.fps,
-            duration=reader.total / reader.fps, width=int(frames.shape[2]),
-            height=int(frames.shape[1]), backend=reader.name)
+            duration=reader.total / reader.fps,
+            width=int(facts["width"] if size and facts else frames.shape[2]),
+            height=int(facts["height"] if size and facts else frames.shape[1]),
+            backend=reader.name)
 
-    return _with_reader(path, backend, run)
+    return _with_reader(path, backend, run, size)
+
+
+# --------------------------------------------------------------------------- streaming
+
+# The decoder scales frames itself only when the source has more than this many times the
+# model's pixels (4K and 8K uploads for a 1008x560 model frame): there, full-size RGB frames
+# would cost host memory and conversion time for nothing. Below it, frames come at full size
+# and the adapter's own resize (qwen-vl-utils' antialiased bicubic) runs on them, keeping its
+# numerics exactly.
+DECODER_SCALE_MIN_AREA = 4.0
+STREAM_BUFFER_BYTES = 256 << 20   # decoded frames waiting for the consumer, at most
+DECODE_BATCH = 8                  # frames per decoder call
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_END = object()
+
+
+class VideoStream:
+    """The sampled frames of a video, decoded in a background thread while the consumer
+    works on earlier ones (``open_stream``).
+
+    Before the first frame is asked for, a consumer may narrow the samples
+    (``keep_samples``) and ask for its frame size (``request_size``). ``chunks(n)`` then
+    yields uint8 RGB arrays ``[n, h, w, 3]`` (the last one shorter) in sample order while
+    the thread decodes ahead, holding at most ``STREAM_BUFFER_BYTES`` of decoded frames. The
+    stream behaves as the frames of a :class:`DecodedVideo` where the adapters look:
+    ``len()``, ``shape`` (of the source frames) and ``sampled_fps``.
+
+    ``decode_ms`` is the thread's own decoding time (it runs alongside the consumer);
+    ``wait_ms`` is how long the consumer sat waiting for frames. A backend that fails while
+    reading hands the remaining samples to the next backend (same frame numbers).
+    """
+
+    def __init__(self, path, facts, backends, reader, indices, *, fps, sampled_fps, duration,
+                 width, height, failures, open_ms):
+        self.path, self._facts, self._backends = path, facts, list(backends)
+        self._reader = reader
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.fps, self.sampled_fps, self.duration = fps, sampled_fps, duration
+        self.width, self.height = int(width), int(height)
+        self.backend = reader.name
+        self.decode_size: tuple[int, int] | None = None   # what the decoder scales to
+        self.decode_ms, self.wait_ms = open_ms, 0.0
+        self._failures = list(failures)
+        self._thread = None
+        self._queue = None
+        self._stop = None
+        self._consumed = False
+
+    # -------------------------------------------------------------- before starting
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.indices), self.height, self.width, 3)
+
+    @property
+    def frame_size(self) -> tuple[int, int]:
+        """(h, w) of the frames ``chunks`` yields."""
+        return self.decode_size or (self.height, self.width)
+
+    def keep_samples(self, positions) -> "VideoStream":
+        """Keep only the samples at ``positions`` (in order) of the current ones."""
+        self._not_started("keep_samples")
+        idx = self.indices[np.asarray(positions, dtype=np.int64)]
+        if np.any(np.diff(idx) < 0):
+            raise ValueError("a stream decodes forward: selected samples must be in order")
+        self.indices = idx
+        return self
+
+    def request_size(self, height: int, width: int) -> tuple[int, int]:
+        """The consumer's frame size: the decoder scales to it when the source is larger
+        than ``DECODER_SCALE_MIN_AREA`` times it, else frames stay at the source size (the
+        consumer resizes them). Returns the size ``chunks`` will yield."""
+        self._not_started("request_size")
+        big = self.width * self.height > DECODER_SCALE_MIN_AREA * height * width
+        self.decode_size = (int(height), int(width)) if big else None
+        return self.frame_size
+
+    def _not_started(self, what):
+        if self._thread is not None or self._consumed:
+            raise RuntimeError(f"{what}() after decoding started")
+
+    # -------------------------------------------------------------- decoding
+    def start(self) -> "VideoStream":
+        if self._thread is None and not self._consumed:
+            import queue
+            import threading
+            h, w = self.frame_size
+            frame = max(h * w * 3, 1)
+            self._batch = int(min(DECODE_BATCH, max(1, STREAM_BUFFER_BYTES // 4 // frame)))
+            depth = max(2, STREAM_BUFFER_BYTES // (self._batch * frame))
+            self._queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="mminfer-decode",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def chunks(self, n: int):
+        """uint8 ``[n, h, w, 3]`` arrays of consecutive samples (the last may be shorter)."""
+        if self._consumed:
+            raise RuntimeError("the stream's frames were already consumed")
+        self.start()
+        buf, have = [], 0
+        while True:
+            t0 = time.perf_counter()
+            item = self._queue.get()
+            self.wait_ms += (time.perf_counter() - t0) * 1e3
+            if item is _END:
+                break
+            if isinstance(item, _Failure):
+                self._consumed = True
+                raise item.error
+            buf.append(item)
+            have += len(item)
+            while have >= n:
+                joined = np.concatenate(buf) if len(buf) > 1 else buf[0]
+                yield joined[:n]
+                rest = joined[n:]
+                buf, have = ([rest], len(rest)) if len(rest) else ([], 0)
+        self._consumed = True
+        if have:
+            yield np.concatenate(buf) if len(buf) > 1 else buf[0]
+
+    def close(self):
+        """Stop the decoder thread (if running) and release the file."""
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():
+                try:                      # unblock a producer waiting on a full queue
+                    self._queue.get_nowait()
+                except Exception:  # noqa: BLE001 (queue.Empty)
+                    self._thread.join(0.05)
+            self._thread = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        self._consumed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _put(self, item) -> bool:
+        import queue
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self):
+        frames_of = self._produce()
+        try:
+            t0 = time.perf_counter()
+            for frames in frames_of:
+                self.decode_ms += (time.perf_counter() - t0) * 1e3
+                if not self._put(frames):
+                    return
+                t0 = time.perf_counter()
+            self.decode_ms += (time.perf_counter() - t0) * 1e3
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer, raised there)
+            self._put(_Failure(e))
+        finally:
+            frames_of.close()       # a stopped stream releases its reader here
+
+    def _produce(self):
+        targets, counts = np.unique(self.indices, return_counts=True)
+        pos = 0
+        reader, self._reader = self._reader, None
+        rest = self._backends[1:]
+        while True:
+            name = reader.name
+            try:
+                reader = reader.resized(self.decode_size)
+                self.backend = reader.name
+                for frames, _ in reader.batches(targets[pos:], self._batch):
+                    k = len(frames)
+                    want = (k, *self.frame_size, 3)
+                    if frames.shape != want:
+                        raise RuntimeError(f"backend returned frames of shape {frames.shape}, "
+                                           f"expected {want}")
+                    reps = counts[pos:pos + k]
+                    pos += k
+                    yield np.repeat(frames, reps, axis=0) if reps.max() > 1 else frames
+                    if self._stop.is_set():
+                        return
+                return
+            except VideoError:
+                raise
+            except Exception as e:  # noqa: BLE001 (the next backend gets the rest)
+                self._failures.append((name, "read", e))
+            finally:
+                reader.close()
+            reader = None
+            while rest and reader is None:
+                nxt = rest.pop(0)
+                try:
+                    reader = _open_reader(nxt, self.path, self._facts)
+                except ImportError as e:
+                    self._failures.append((nxt, "missing", e))
+                except Exception as e:  # noqa: BLE001
+                    self._failures.append((nxt, "open", e))
+            if reader is None:
+                raise _explain(self.path, self._failures)
+
+
+def open_stream(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: int = 768,
+                min_frames: int = 4, num_frames: int | None = None, start: float | None = None,
+                end: float | None = None, backend: str | None = None) -> VideoStream:
+    """Open a video and pick its samples (as :func:`decode`) without decoding them yet: the
+    returned :class:`VideoStream` decodes in a background thread once frames are asked for.
+    Close it (or use it as a context manager) when done."""
+    t0 = time.perf_counter()
+    _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end)
+    path = os.fspath(path)
+    order = _backend_order(backend)
+    kind = _check_file(path)
+    facts = _probe_av(path, kind)
+    failures: list[tuple[str, str, BaseException]] = []
+    reader = None
+    for i, name in enumerate(order):
+        try:
+            reader = _open_reader(name, path, facts)
+        except ImportError as e:
+            failures.append((name, "missing", e))
+            continue
+        except Exception as e:  # noqa: BLE001 (decord raises DECORDError/RuntimeError)
+            failures.append((name, "open", e))
+            continue
+        order = order[i:]
+        break
+    if reader is None:
+        raise _explain(path, failures)
+    try:
+        idx = sample_indices(reader.total, reader.fps, sampling=sampling, fps=fps,
+                             max_frames=max_frames, min_frames=min_frames,
+                             num_frames=num_frames, start=start, end=end)
+        first, last = frame_range(reader.total, reader.fps, start, end)
+        if facts is not None:
+            width, height = facts["width"], facts["height"]
+        else:   # no PyAV to read the headers: one decoded frame tells
+            height, width = reader.read(np.array([idx[0]]))[0].shape[1:3]
+    except BaseException:
+        reader.close()
+        raise
+    return VideoStream(path, facts, order, reader, idx, fps=reader.fps,
+                       sampled_fps=len(idx) / (last - first + 1) * reader.fps,
+                       duration=reader.total / reader.fps, width=width, height=height,
+                       failures=failures, open_ms=(time.perf_counter() - t0) * 1e3)

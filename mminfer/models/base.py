@@ -88,8 +88,10 @@ class Adapter:
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
         raise NotImplementedError
 
-    def embed(self, prepared: Prepared):
-        """Run the vision tower; return inputs_embeds ``[1, L, hidden]`` in the model dtype."""
+    def embed(self, prepared: Prepared, *, timer=None, cancel=None):
+        """Run the vision tower; return inputs_embeds ``[1, L, hidden]`` in the model dtype.
+        ``timer(name)`` times the "preprocess" and "vision" work it does; ``cancel()`` is
+        checked between its chunks of frames."""
         raise NotImplementedError
 
     def positions(self, prepared: Prepared, start: int, length: int):
@@ -100,12 +102,13 @@ class Adapter:
     prefill_chunk: int | None = None   # tokens per chunk of the prefill (None: its default)
 
     def generate(self, prepared: Prepared, *, max_new_tokens: int = 32, ctx=None,
-                 timer=None) -> Generated:
+                 timer=None, embeds=None) -> Generated:
         """Greedy answer: the prefill engine (mminfer.models.prefill: layer by layer, chunked,
         into the KV cache) then dense decode steps through the text model on that cache.
         ``ctx`` (hooks.PrefillContext) is active during the prefill only, so decode-step
-        attention is neither sparse nor counted as prefill attention. Sections timed: vision,
-        prefill, generate (the decode steps after the first token)."""
+        attention is neither sparse nor counted as prefill attention. Sections timed: vision
+        (unless ``embeds`` from ``embed`` are given), prefill, generate (the decode steps after
+        the first token)."""
         import torch
         from contextlib import nullcontext
         from mminfer.models.prefill import DEFAULT_CHUNK, prefill
@@ -113,8 +116,9 @@ class Adapter:
         section = timer if timer is not None else (lambda name: nullcontext())
         L = prepared.input_ids.shape[1]
         with torch.inference_mode():
-            with section("vision"):
-                embeds = self.embed(prepared)                     # [1, L, hidden]
+            if embeds is None:
+                with section("vision"):
+                    embeds = self.embed(prepared)                 # [1, L, hidden]
             cache = _new_cache(self.text_model)
             with section("prefill"):
                 logits = prefill(self.text_model, embeds, cache, self.positions(prepared, 0, L),

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from mminfer.errors import ConfigError, InputError, VideoError
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.models.base import Adapter, Prepared, PrepareOptions
+from mminfer.models.vision import device_constant, frame_chunks, to_device
 
 VIDEO_TOKEN = "<vila/video>"
 MEDIA_TOKENS = ("<vila/sentinel>", "<image>", VIDEO_TOKEN)
@@ -64,9 +66,7 @@ def space_to_depth_2x2(x: torch.Tensor) -> torch.Tensor:
     x = x.reshape(b, s, s, c)
     if s % 2:
         x = nn.functional.pad(x, (0, 0, 0, 1, 0, 1))       # [B, s+1, s+1, C]
-    h = x.shape[1] // 2
-    x = x.reshape(b, h, 2, h, 2, c).permute(0, 1, 3, 2, 4, 5)   # [B, i, j, di, dj, C]
-    return x.reshape(b, h * h, 4 * c)
+    return rearrange(x, "b (i di) (j dj) c -> b (i j) (di dj c)", di=2, dj=2)
 
 
 class SpaceToDepth2x2(nn.Module):
@@ -298,16 +298,20 @@ class LongVILA(Adapter):
 
     # ------------------------------------------------------------ per request
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
-        """Frames ``[T, H, W, 3]`` uint8 (or a decoded video with ``.frames``) + question →
-        token layout, ModalityIndex and the frames squashed to S×S (uint8, normalised later
-        on the device)."""
-        frames = _frames_tensor(video)                                  # [T, H, W, 3] uint8
+        """Frames ``[T, H, W, 3]`` uint8 (or a decoded video with ``.frames``, or a
+        ``VideoStream`` still to be decoded) + question → token layout and ModalityIndex.
+        The frames are kept as they are (a stream is told which samples and what size to
+        decode); ``embed`` squashes them to S×S chunk by chunk."""
+        frames = _frames_tensor(video)                   # [T, H, W, 3] uint8, or the stream
         want = int(getattr(options, "num_frames", None) or self.num_frames)
-        if frames.shape[0] > want:   # more than the model takes (a direct caller): VILA's picks
+        if len(frames) > want:   # more than the model takes (a direct caller): VILA's picks
             from mminfer.models.sampling import vila_indices
-            frames = frames[torch.from_numpy(vila_indices(0, frames.shape[0] - 1, want))]
-        n_frames = frames.shape[0]
-        pixels = self._squash(frames)                                   # [F, 3, S, S] uint8
+            idx = vila_indices(0, len(frames) - 1, want)
+            frames = frames.keep_samples(idx) if hasattr(frames, "chunks") \
+                else frames[torch.from_numpy(idx)]
+        if hasattr(frames, "request_size"):
+            frames.request_size(*self._frame_size(frames.shape[1], frames.shape[2]))
+        n_frames = len(frames)
 
         prefix, suffix = self._prompt_ids(question)
         P = self.tokens_per_frame
@@ -321,37 +325,89 @@ class LongVILA(Adapter):
         return Prepared(input_ids=torch.tensor([ids], dtype=torch.long), index=index,
                         n_frames=n_frames, visual_tokens=len(video_ids),
                         text_tokens=len(prefix) + len(suffix),
-                        tensors={"pixels": pixels, "resized": (self.image_size,) * 2})
+                        tensors={"frames": frames, "resized": (self.image_size,) * 2})
 
-    def embed(self, prepared: Prepared) -> torch.Tensor:
+    def embed(self, prepared: Prepared, *, timer=None, cancel=None) -> torch.Tensor:
+        """Text embeddings with each frame's P projected visual rows in place; frames go
+        through the squash, the tower and the projector ``vision_batch`` at a time, each
+        chunk written straight into the embeddings. ``timer``/``cancel`` as the base class."""
+        from contextlib import nullcontext
+
+        from mminfer.errors import Cancelled
+        section = timer if timer is not None else (lambda name: nullcontext())
         ids = prepared.input_ids.to(self.device)                       # [1, L]
-        visual = self.encode_frames(prepared.tensors["pixels"])        # [F, P, hidden]
+        F, P = prepared.n_frames, self.tokens_per_frame
         is_vis = ids == self.video_token_id
-        if int(is_vis.sum()) != visual.shape[0] * visual.shape[1]:
-            raise InputError(f"{int(is_vis.sum())} video positions for "
-                             f"{visual.shape[0]}×{visual.shape[1]} visual embeddings")
-        # the video id may lie past the LLM vocab (added at load); its rows are replaced anyway
-        embeds = self.text_model.get_input_embeddings()(ids.masked_fill(is_vis, 0))
-        embeds[is_vis] = visual.reshape(-1, visual.shape[-1]).to(embeds.dtype)
+        at = is_vis[0].nonzero().flatten()
+        start = int(at[0]) if len(at) else 0
+        span = is_vis[0, start:start + F * (P + 1)]
+        if len(at) != F * P or len(span) != F * (P + 1) or \
+                not bool(span.view(F, P + 1)[:, :P].all()):
+            raise InputError(f"{len(at)} video positions for {F}×{P} visual embeddings, or "
+                             f"not laid out as {F} frames of {P} + a newline")
+        with torch.inference_mode():
+            # the video id may lie past the LLM vocab (added at load); its rows are replaced
+            embeds = self.text_model.get_input_embeddings()(ids.masked_fill(is_vis, 0))
+            rows = embeds[0, start:start + F * (P + 1)].view(F, P + 1, -1)
+            done = 0
+            for chunk in frame_chunks(prepared.tensors["frames"], self.vision_batch):
+                if cancel is not None and cancel():
+                    raise Cancelled("request cancelled in the vision tower")
+                f = len(chunk)
+                if done + f > F:
+                    raise InputError(f"the video gave more than the {F} frames its prompt "
+                                     f"was laid out for")
+                with section("preprocess"):
+                    x = self._normalise(self._squash(torch.as_tensor(chunk)))
+                with section("vision"):
+                    rows[done:done + f, :P] = self._encode(x).to(rows.dtype)
+                done += f
+            if done != F:
+                raise InputError(f"the video gave {done} frames, its prompt was laid out for "
+                                 f"{F}")
         return embeds                                                   # [1, L, hidden]
+
+    def pixels(self, prepared: Prepared) -> torch.Tensor:
+        """All frames squashed, ``[F, 3, S, S]`` uint8 (what ``embed`` feeds the tower, at
+        once; for reference paths)."""
+        chunks = [self._squash(torch.as_tensor(c))
+                  for c in frame_chunks(prepared.tensors["frames"], self.vision_batch)]
+        return torch.cat(chunks)
 
     def positions(self, prepared: Prepared, start: int, length: int):
         return None                  # plain 1-D RoPE: the model counts from the cache length
 
     # ------------------------------------------------------------ pieces
     def encode_frames(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``[F, 3, S, S]`` uint8 → ``[F, P, hidden]`` projected visual embeddings."""
-        mean = torch.tensor(self.layout.image_mean, device=self.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.layout.image_std, device=self.device).view(1, 3, 1, 1)
-        out = []
+        """``[F, 3, S, S]`` uint8 → ``[F, P, hidden]`` projected visual embeddings, the tower
+        batched over ``vision_batch`` frames at a time."""
         with torch.inference_mode():
-            for chunk in pixels.split(self.vision_batch):
-                x = chunk.to(self.device, non_blocking=True).float().div_(255)
-                x = ((x - mean) / std).to(self.dtype)                    # [f, 3, S, S]
-                h = self.tower.embeddings(x)                             # [f, N, C]
-                h = _last_hidden(self.tower.encoder(inputs_embeds=h))    # layer select_layer
-                out.append(self.projector(h))                            # [f, P, hidden]
-        return torch.cat(out)
+            return torch.cat([self._encode(self._normalise(chunk))
+                              for chunk in pixels.split(self.vision_batch)])
+
+    def _normalise(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[f, 3, S, S]`` → the tower's input (model dtype, on the device)."""
+        dev = str(self.device)
+        mean = device_constant(tuple(self.layout.image_mean), dev).view(1, 3, 1, 1)
+        std = device_constant(tuple(self.layout.image_std), dev).view(1, 3, 1, 1)
+        x = to_device(pixels, self.device).float().div_(255)
+        return ((x - mean) / std).to(self.dtype)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised ``[f, 3, S, S]`` → ``[f, P, hidden]``: SigLIP up to ``select_layer``
+        (one batched call), then the projector."""
+        h = self.tower.embeddings(x)                                     # [f, N, C]
+        h = _last_hidden(self.tower.encoder(inputs_embeds=h))            # layer select_layer
+        return self.projector(h)
+
+    def _frame_size(self, height: int, width: int) -> tuple[int, int]:
+        """The size frames are wanted at before the squash: S×S, or, when they are padded
+        to a square first, the frame scaled so its long side is S."""
+        S = self.image_size
+        if not self.layout.pad_to_square:
+            return S, S
+        m = max(height, width)
+        return max(1, round(height * S / m)), max(1, round(width * S / m))
 
     def _squash(self, frames: torch.Tensor) -> torch.Tensor:
         """SigLIP preprocessing: bicubic (antialiased, like PIL) resize to S×S without keeping
@@ -361,7 +417,7 @@ class LongVILA(Adapter):
         S = self.image_size
         out = []
         for chunk in frames.split(64):
-            x = chunk.to(self.device).permute(0, 3, 1, 2).float()     # [f, 3, H, W]
+            x = to_device(chunk, self.device).permute(0, 3, 1, 2).float()   # [f, 3, H, W]
             if self.layout.pad_to_square and x.shape[-1] != x.shape[-2]:
                 x = _expand_to_square(x, self.layout.image_mean)
             if x.shape[-2:] != (S, S):
@@ -431,8 +487,12 @@ def _last_hidden(out):
     return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
 
-def _frames_tensor(video) -> torch.Tensor:
+def _frames_tensor(video):
+    """The uint8 frames of a video as a tensor, or the video itself when it is a stream
+    (``len``, ``shape``, ``chunks``, ``keep_samples``)."""
     frames = getattr(video, "frames", video)
+    if hasattr(frames, "chunks"):
+        return frames
     if not isinstance(frames, torch.Tensor):
         import numpy as np
         frames = torch.from_numpy(np.ascontiguousarray(frames))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mminfer.errors import ConfigError, InputError, VideoError
 from mminfer.models.base import Adapter, PrepareOptions, Prepared, resolve_checkpoint
+from mminfer.models.vision import device_constant, frame_chunks, to_device
 
 # qwen-vl-utils defaults (video): pixels per frame and for the whole video.
 VIDEO_MIN_PIXELS = 128 * 28 * 28
@@ -82,41 +83,70 @@ def resize_frames(frames, height: int, width: int):
 
 def patchify(x, patch: int = 14, temporal: int = 2, merge: int = 2):
     """Normalised frames ``[T, C, H, W]`` (T a multiple of ``temporal``) -> patches
-    ``[t*h*w, C*temporal*patch*patch]`` in (t, h/merge, w/merge, merge, merge) order."""
-    T, C, H, W = x.shape
-    t, h, w = T // temporal, H // patch, W // patch
-    x = x.reshape(t, temporal, C, h // merge, merge, patch, w // merge, merge, patch)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)       # t, h/m, w/m, m, m, C, T, p, p
-    return x.reshape(t * h * w, C * temporal * patch * patch)
+    ``[t*h*w, C*temporal*patch*patch]``: rows in (t, h/merge, w/merge, merge, merge) order
+    (each 2x2 unit the merger joins is four consecutive rows), features (C, T, p, p) as the
+    Conv3d patch embedding reads them."""
+    from einops import rearrange
+    return rearrange(x, "(t tp) c (hu i p) (wu j q) -> (t hu wu i j) (c tp p q)",
+                     tp=temporal, i=merge, j=merge, p=patch, q=patch)
+
+
+def video_grid(n_frames: int, height: int, width: int, *, min_pixels=None, max_pixels=None,
+               total_pixels=None, patch: int = 14, temporal: int = 2, merge: int = 2):
+    """Frame size and patch grid for ``n_frames`` source frames of ``height x width``:
+    ``((resized_h, resized_w), (t, h, w), n_frames after padding to whole pairs)``."""
+    lo, hi = frame_pixel_range(n_frames, min_pixels, max_pixels, total_pixels)
+    rh, rw = smart_resize(height, width, patch * merge, lo, hi)
+    T_pad = -(-n_frames // temporal) * temporal
+    return (rh, rw), (T_pad // temporal, rh // patch, rw // patch), T_pad
+
+
+def frames_to_patches(frames, size, *, mean=CLIP_MEAN, std=CLIP_STD, patch: int = 14,
+                      temporal: int = 2, merge: int = 2, device="cpu", dtype=None):
+    """uint8 frames ``[n, H, W, 3]`` (numpy or torch; n a multiple of ``temporal``) -> model
+    patches ``[n/temporal * h*w, 3*temporal*patch^2]`` on ``device``: resized to ``size``
+    (h, w) unless already there, normalised in fp32, patchified, then ``dtype``. Resizes
+    ``RESIZE_CHUNK`` frames at a time (bounds the float copy of large frames)."""
+    import torch
+    x = torch.as_tensor(frames)
+    n = x.shape[0]
+    if n % temporal:
+        raise VideoError(f"{n} frames do not make whole temporal patches of {temporal}")
+    rh, rw = size
+    rows = (rh // patch) * (rw // patch)
+    dtype = dtype or torch.float32
+    out = torch.empty(n // temporal * rows, 3 * temporal * patch * patch, dtype=dtype,
+                      device=device)
+    dev = str(torch.device(device))
+    mean_t = device_constant(tuple(mean), dev).view(1, 3, 1, 1) * 255.0
+    std_t = device_constant(tuple(std), dev).view(1, 3, 1, 1) * 255.0
+    step = RESIZE_CHUNK - RESIZE_CHUNK % temporal
+    for s in range(0, n, step):
+        part = to_device(x[s:s + step], device)
+        part = (resize_frames(part, rh, rw) - mean_t) / std_t             # [k, 3, rh, rw]
+        g0, g1 = s // temporal, (s + len(part)) // temporal
+        out[g0 * rows:g1 * rows] = patchify(part, patch, temporal, merge).to(dtype)
+    return out
 
 
 def preprocess_video(frames, *, min_pixels=None, max_pixels=None, total_pixels=None,
                      mean=CLIP_MEAN, std=CLIP_STD, patch: int = 14, temporal: int = 2,
                      merge: int = 2, device="cpu", dtype=None):
     """Decoded frames (uint8 ``[T, H, W, 3]``, numpy or torch) -> ``(pixel_values_videos
-    [t*h*w, 3*temporal*patch^2], grid_thw (t, h, w), n_frames_after_padding)``."""
+    [t*h*w, 3*temporal*patch^2], grid_thw (t, h, w), n_frames_after_padding)``, the whole
+    video at once (the adapter streams it in chunks instead; same numbers)."""
     import torch
     frames = torch.as_tensor(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
         raise VideoError(f"expected frames [T, H, W, 3], got {tuple(frames.shape)}")
     T, H, W, _ = frames.shape
-    lo, hi = frame_pixel_range(T, min_pixels, max_pixels, total_pixels)
-    rh, rw = smart_resize(H, W, patch * merge, lo, hi)
-    T_pad = -(-T // temporal) * temporal
-    t, h, w = T_pad // temporal, rh // patch, rw // patch
-    dtype = dtype or torch.float32
-    out = torch.empty(t * h * w, 3 * temporal * patch * patch, dtype=dtype, device=device)
-    mean_t = torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255.0
-    std_t = torch.tensor(std, device=device).view(1, 3, 1, 1) * 255.0
-    rows = h * w
-    step = RESIZE_CHUNK - RESIZE_CHUNK % temporal
-    for s in range(0, T_pad, step):
-        idx = torch.arange(s, min(s + step, T_pad)).clamp_(max=T - 1)   # pads with the last frame
-        x = resize_frames(frames[idx].to(device), rh, rw)               # [n, 3, rh, rw]
-        x = (x - mean_t) / std_t
-        g0, g1 = s // temporal, (s + len(idx)) // temporal
-        out[g0 * rows:g1 * rows] = patchify(x, patch, temporal, merge).to(dtype)
-    return out, (t, h, w), T_pad
+    size, grid, T_pad = video_grid(T, H, W, min_pixels=min_pixels, max_pixels=max_pixels,
+                                   total_pixels=total_pixels, patch=patch, temporal=temporal,
+                                   merge=merge)
+    idx = torch.arange(T_pad).clamp_(max=T - 1)                   # pads with the last frame
+    pixels = frames_to_patches(frames[idx], size, mean=mean, std=std, patch=patch,
+                               temporal=temporal, merge=merge, device=device, dtype=dtype)
+    return pixels, grid, T_pad
 
 
 # ---------------------------------------------------------------------- M-RoPE
@@ -175,6 +205,9 @@ class Qwen2_5_VLAdapter(Adapter):
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.identity = _identity(self.tcfg, model_id or self.path.resolve().name, revision)
         self.patterns = None
+        from mminfer.models.vision import CHUNK_PATCHES, QwenVisionTower
+        self.tower = QwenVisionTower(model.model.visual)
+        self.vision_chunk_patches = CHUNK_PATCHES   # patches per tower call (memory bound)
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -229,18 +262,24 @@ class Qwen2_5_VLAdapter(Adapter):
         return head + [self.video_token_id] * n_video_tokens + end + q + tail
 
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
+        """Token layout, ModalityIndex and M-RoPE positions of ``video`` (decoded frames, or
+        a ``VideoStream`` still to be decoded: it is told the frame size, and decodes while
+        ``embed`` runs). No pixels are made here: ``embed`` preprocesses chunk by chunk."""
         import torch
         from mminfer.sparse.modality import ModalityIndex
 
         opt = options or PrepareOptions()
         pick = lambda v, key: v if v is not None else self.video_defaults.get(key)  # noqa: E731
         v = self.vcfg
-        pixels, (t, h, w), n_frames = preprocess_video(
-            video.frames, min_pixels=pick(opt.min_pixels, "min_pixels"),
+        frames = _frames_of(video)
+        T, H, W, _ = frames.shape
+        (rh, rw), (t, h, w), n_frames = video_grid(
+            T, H, W, min_pixels=pick(opt.min_pixels, "min_pixels"),
             max_pixels=pick(opt.max_pixels, "max_pixels"),
-            total_pixels=pick(opt.total_pixels, "total_pixels"), mean=self.mean, std=self.std,
-            patch=v.patch_size, temporal=v.temporal_patch_size, merge=v.spatial_merge_size,
-            device=self.device, dtype=self.dtype)
+            total_pixels=pick(opt.total_pixels, "total_pixels"), patch=v.patch_size,
+            temporal=v.temporal_patch_size, merge=v.spatial_merge_size)
+        if hasattr(frames, "request_size"):
+            frames.request_size(rh, rw)
         merge = v.spatial_merge_size
         n_video = t * (h // merge) * (w // merge)
         ids = self.prompt_ids(question, n_video)
@@ -257,27 +296,76 @@ class Qwen2_5_VLAdapter(Adapter):
         return Prepared(
             input_ids=input_ids, index=index, n_frames=n_frames, visual_tokens=n_video,
             text_tokens=len(ids) - n_video,
-            tensors={"pixel_values_videos": pixels, "video_grid_thw": grid.to(self.device),
+            tensors={"frames": frames, "video_grid_thw": grid.to(self.device),
                      "second_per_grid_ts": sgt, "position_ids": pos[:, None].to(self.device),
                      "rope_delta": delta,
                      "mm_token_type_ids": (input_ids == self.video_token_id).long() * 2,
-                     "resized": (h * v.patch_size, w * v.patch_size)})
+                     "resized": (rh, rw)})
 
-    def embed(self, prepared: Prepared):
+    def pixel_values(self, prepared: Prepared):
+        """The whole video's ``pixel_values_videos`` at once, as transformers' processor
+        makes them (for reference paths; ``embed`` never holds them)."""
         import torch
+        frames = prepared.tensors["frames"]
+        chunks = list(frame_chunks(frames, max(len(frames), 1)))
+        x = torch.as_tensor(chunks[0] if len(chunks) == 1 else _cat(chunks))
+        x = x[torch.arange(prepared.n_frames).clamp_(max=len(x) - 1)]
+        return self._patches(x, prepared.tensors["resized"])
+
+    def _patches(self, frames, size):
+        v = self.vcfg
+        return frames_to_patches(frames, size, mean=self.mean, std=self.std,
+                                 patch=v.patch_size, temporal=v.temporal_patch_size,
+                                 merge=v.spatial_merge_size, device=self.device,
+                                 dtype=self.dtype)
+
+    def embed(self, prepared: Prepared, *, timer=None, cancel=None):
+        """Text embeddings with the video's features in its span: frames stream through
+        preprocessing and the vision tower ``vision_chunk_patches`` patches at a time, each
+        chunk's features written straight into the embeddings. ``timer(name)`` (a
+        StageTimer) times each chunk's "preprocess" and "vision"; ``cancel()`` is checked
+        between chunks."""
+        import torch
+        from contextlib import nullcontext
+        from mminfer.errors import Cancelled
+
+        section = timer if timer is not None else (lambda name: nullcontext())
         ids = prepared.input_ids
-        embeds = self.text_model.get_input_embeddings()(ids)              # [1, L, hidden]
         tens = prepared.tensors
-        out = self.model.model.get_video_features(tens["pixel_values_videos"],
-                                                  tens["video_grid_thw"])
-        feats = getattr(out, "pooler_output", out)   # 5.x output object; older: tuple/tensor
-        if isinstance(feats, (tuple, list)):
-            feats = torch.cat(list(feats), 0)
-        mask = (ids == self.video_token_id).unsqueeze(-1)                 # [1, L, 1]
-        if feats.shape[0] != prepared.visual_tokens:
-            raise ConfigError(f"vision tower gave {feats.shape[0]} embeddings for "
-                              f"{prepared.visual_tokens} video tokens")
-        return embeds.masked_scatter(mask, feats.to(embeds.dtype))
+        t, h, w = (int(x) for x in tens["video_grid_thw"][0])
+        T = self.vcfg.temporal_patch_size
+        units = h * w // self.vcfg.spatial_merge_size ** 2
+        with torch.inference_mode():
+            embeds = self.text_model.get_input_embeddings()(ids)          # [1, L, hidden]
+            at = (ids[0] == self.video_token_id).nonzero().flatten()
+            if len(at) != prepared.visual_tokens or t * units != len(at) or (
+                    len(at) and int(at[-1] - at[0]) + 1 != len(at)):
+                raise ConfigError(f"{len(at)} video positions in the prompt for "
+                                  f"{prepared.visual_tokens} video tokens of a {t}x{h}x{w} "
+                                  f"grid, or not one run")
+            out = embeds[0, int(at[0]):int(at[0]) + len(at)] if len(at) else embeds[0, :0]
+            per_chunk = self.tower.pairs_per_chunk(h, w, self.vision_chunk_patches) * T
+            done = 0
+            for frames in frame_chunks(tens["frames"], per_chunk):
+                if cancel is not None and cancel():
+                    raise Cancelled("request cancelled in the vision tower")
+                frames = torch.as_tensor(frames)
+                if len(frames) % T:                       # odd count: repeat the last frame
+                    frames = torch.cat([frames] + [frames[-1:]] * (T - len(frames) % T))
+                n = len(frames) // T
+                if done + n > t:
+                    raise ConfigError(f"the video gave more than the {t} temporal pairs its "
+                                      f"prompt was laid out for")
+                with section("preprocess"):
+                    pixels = self._patches(frames, tens["resized"])
+                with section("vision"):
+                    feats = self.tower(pixels, n, h, w)
+                    out[done * units:(done + n) * units] = feats.to(out.dtype)
+                done += n
+            if done != t:
+                raise ConfigError(f"the video gave {done} temporal pairs, its prompt was laid "
+                                  f"out for {t}")
+        return embeds
 
     def positions(self, prepared: Prepared, start: int, length: int):
         import torch
@@ -292,6 +380,24 @@ ADAPTER = Qwen2_5_VLAdapter
 
 
 # ---------------------------------------------------------------------- helpers
+def _frames_of(video):
+    """The frames of a decoded video (a uint8 ``[T, H, W, 3]`` tensor) or the video itself
+    when it is a stream (``len``, ``shape``, ``chunks``)."""
+    import torch
+    frames = getattr(video, "frames", video)
+    if hasattr(frames, "chunks"):
+        return frames
+    frames = torch.as_tensor(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
+        raise VideoError(f"expected frames [T, H, W, 3], got {tuple(frames.shape)}")
+    return frames
+
+
+def _cat(chunks):
+    import torch
+    return torch.cat([torch.as_tensor(c) for c in chunks])
+
+
 def _read_json(p: Path) -> dict:
     try:
         return json.loads(p.read_text()) if p.is_file() else {}

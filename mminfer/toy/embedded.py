@@ -250,105 +250,35 @@ def pixels_from_frames(frames, mean=CLIP_MEAN, std=CLIP_STD, dtype=None):
 
 
 class BatchedVision:
-    """The model's own vision tower, run on equal-sized frame pairs as one batch.
-
-    Qwen2.5-VL's vision attention (every block: ``window_size`` covers the whole 112 px frame
-    here) only mixes the patches of one temporal pair, but transformers' SDPA path loops over
-    pairs in Python. This runs the same modules (patch embed, RMSNorms, qkv, 2-D rotary,
-    proj, MLP, merger) with a batched SDPA over ``[pairs, heads, 64, d]``. The rotary table
-    is read from the model itself (a forward pre-hook on the first block) and ``check()``
-    compares against ``get_video_features``; use it only where that passes."""
+    """The model's own vision tower on equal-sized frame pairs, batched
+    (:class:`mminfer.models.vision.QwenVisionTower`, the adapter's tower), for training and
+    the quality benchmark. ``check()`` compares against ``get_video_features``;
+    ``use_reference`` switches to that (slow, always right) path where a check fails."""
 
     def __init__(self, model, grid_hw=(GRID, GRID)):
+        from mminfer.models.vision import QwenVisionTower
         self.model = model
         self.visual = model.model.visual
         self.h, self.w = grid_hw
+        self.tower = QwenVisionTower(self.visual)
         self.use_reference = False     # True: run get_video_features (slow, always right)
-        try:
-            self.rope = self._capture_rope()
-            self.rope_source = "captured"
-        except RuntimeError:
-            self.rope = self._computed_rope()
-            self.rope_source = "computed"
-
-    def _computed_rope(self):
-        """The Qwen2.5-VL 2-D rotary table (h and w positions of each patch in merge order,
-        theta 10000 over head_dim/2), for transformers versions whose blocks take no
-        ``position_embeddings`` keyword; ``check()`` decides whether it is right."""
-        import torch
-        blk = self.visual.blocks[0].attn
-        head_dim = blk.qkv.in_features // blk.num_heads
-        m = self.visual.spatial_merge_size
-        h, w = self.h, self.w
-        hp = torch.arange(h)[:, None].expand(h, w).reshape(h // m, m, w // m, m)
-        wp = torch.arange(w)[None].expand(h, w).reshape(h // m, m, w // m, m)
-        hp, wp = (t.permute(0, 2, 1, 3).reshape(-1) for t in (hp, wp))
-        dim = head_dim // 2
-        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        freqs = torch.cat([hp[:, None].float() * inv, wp[:, None].float() * inv], -1)
-        emb = torch.cat([freqs, freqs], -1)
-        return emb.cos(), emb.sin()
-
-    def _capture_rope(self):
-        import torch
-        cap = {}
-
-        def hook(mod, args, kwargs):
-            pe = kwargs.get("position_embeddings")
-            if pe is not None and "cs" not in cap:
-                cap["cs"] = tuple(t.detach().float().clone() for t in pe)
-
-        vis = self.visual
-        p = vis.patch_embed
-        dev = next(vis.parameters()).device
-        dt = next(vis.parameters()).dtype
-        handle = vis.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                pix = torch.zeros(self.h * self.w, p.in_channels * p.temporal_patch_size
-                                  * p.patch_size ** 2, device=dev, dtype=dt)
-                grid = torch.tensor([[1, self.h, self.w]], device=dev)
-                self.model.model.get_video_features(pix, grid)
-        finally:
-            handle.remove()
-        if "cs" not in cap:
-            raise RuntimeError("could not read the vision rotary table (position_embeddings "
-                               "is not a keyword of the vision blocks in this transformers)")
-        return cap["cs"]
 
     def __call__(self, pixels, n_pairs: int):
         """``pixels [n_pairs * h * w, 1176]`` -> merged features ``[n_pairs * h*w/4, out]``."""
-        import torch
-        import torch.nn.functional as F
-
-        vis = self.visual
-        n = self.h * self.w
         if self.use_reference:
-            grid = torch.tensor([[n_pairs, self.h, self.w]], device=pixels.device)
-            ref = self.model.model.get_video_features(pixels, grid)
-            ref = getattr(ref, "pooler_output", ref)
-            return torch.cat(list(ref), 0) if isinstance(ref, (tuple, list)) else ref
-        W = vis.patch_embed.proj.weight
-        if not torch.is_autocast_enabled(pixels.device.type):
-            pixels = pixels.to(W.dtype)
-        x = F.linear(pixels, W.reshape(W.shape[0], -1)).view(n_pairs, n, -1)
-        cos, sin = (t.to(x.device) for t in self.rope)
-        for blk in vis.blocks:
-            a = blk.attn
-            qkv = a.qkv(blk.norm1(x)).view(n_pairs, n, 3, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-            q, k, v = qkv.unbind(0)
-            dt = q.dtype
-            qf, kf = q.float(), k.float()
-            q = (qf * cos + _rotate_half(qf) * sin).to(dt)
-            k = (kf * cos + _rotate_half(kf) * sin).to(dt)
-            o = F.scaled_dot_product_attention(q, k, v.to(dt), scale=a.scaling)
-            x = x + a.proj(o.transpose(1, 2).reshape(n_pairs, n, -1))
-            x = x + blk.mlp(blk.norm2(x))
-        return vis.merger(x.reshape(n_pairs * n, -1))
+            return self._reference(pixels, n_pairs)
+        return self.tower(pixels, n_pairs, self.h, self.w)
+
+    def _reference(self, pixels, n_pairs):
+        import torch
+        grid = torch.tensor([[n_pairs, self.h, self.w]], device=pixels.device)
+        ref = self.model.model.get_video_features(pixels, grid)
+        ref = getattr(ref, "pooler_output", ref)
+        return torch.cat(list(ref), 0) if isinstance(ref, (tuple, list)) else ref
 
     def check(self, n_pairs: int = 3, seed: int = 0) -> float:
         """Largest difference to ``get_video_features`` on random pixels, relative to the
-        largest feature magnitude."""
+        largest feature magnitude (fp32 matmuls: TF32 off while checking)."""
         import torch
         p = self.visual.patch_embed
         dev = next(self.visual.parameters()).device
@@ -356,30 +286,15 @@ class BatchedVision:
         g = torch.Generator(device="cpu").manual_seed(seed)
         pix = torch.randn(n_pairs * self.h * self.w, p.in_channels * p.temporal_patch_size
                           * p.patch_size ** 2, generator=g).to(dev, dt)
-        grid = torch.tensor([[n_pairs, self.h, self.w]], device=dev)
         tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
-            return self._check(pix, grid, n_pairs)
+            with torch.no_grad():
+                ref = self._reference(pix, n_pairs).float()
+                got = self(pix, n_pairs).float()
+            return float((got - ref).abs().max() / ref.abs().max())
         finally:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-
-    def _check(self, pix, grid, n_pairs):
-        import torch
-        with torch.no_grad():
-            ref = self.model.model.get_video_features(pix, grid)
-            ref = getattr(ref, "pooler_output", ref)
-            if isinstance(ref, (tuple, list)):
-                ref = torch.cat(list(ref), 0)
-            got = BatchedVision.__call__(self, pix, n_pairs) if not self.use_reference \
-                else ref
-        return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-def _rotate_half(x):
-    import torch
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def layout(tok, config, question: str, n_pairs: int, fps: float = 2.0):

@@ -141,12 +141,14 @@ def write_qwen2_5_vl(path, model, tok, *, min_pixels: int | None = None,
 def save_tiny_qwen2_5_vl(path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                          kv_heads: int = 2, vision_hidden: int = 32, vision_depth: int = 2,
                          max_position_embeddings: int = 32768, min_pixels: int = 28 * 28 * 4,
-                         max_pixels: int = 28 * 28 * 16, seed: int = 0, words=WORDS):
+                         max_pixels: int = 28 * 28 * 16, seed: int = 0, words=WORDS,
+                         window_size: int = 112, fullatt_block_indexes=None):
     """Build a random tiny Qwen2.5-VL and save it in the hub layout at ``path``; returns path.
 
     ``min_pixels``/``max_pixels`` go to ``video_preprocessor_config.json`` as this checkpoint's
     per-frame pixel range (small, so tests stay fast); the real checkpoints have no such file
-    and get qwen-vl-utils' defaults.
+    and get qwen-vl-utils' defaults. ``window_size`` (pixels) and ``fullatt_block_indexes``
+    (default: the last vision block) shape the vision tower's attention.
     """
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -166,7 +168,9 @@ def save_tiny_qwen2_5_vl(path, *, hidden: int = 64, layers: int = 2, heads: int 
         vision=dict(
             depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
             num_heads=2, out_hidden_size=hidden, patch_size=14, spatial_merge_size=2,
-            temporal_patch_size=2, window_size=112, fullatt_block_indexes=[vision_depth - 1],
+            temporal_patch_size=2, window_size=window_size,
+            fullatt_block_indexes=list(fullatt_block_indexes if fullatt_block_indexes is not None
+                                       else [vision_depth - 1]),
             tokens_per_second=2, in_channels=3,
         ),
     )

@@ -148,17 +148,24 @@ def test_sparse_without_a_gpu_or_the_interpreter_says_why(pipe, ckpt, mp4, monke
 
 
 def test_cancel_stops_between_stages_and_layers():
-    """A request whose cancel() turns True stops with Cancelled: after decoding when it is
-    already set, and inside the prefill (before decoder layer 0) when it turns on there; the
-    pipeline answers normally afterwards."""
+    """A request whose cancel() turns True stops with Cancelled: once the video is open
+    when it is already set, between chunks of the vision tower, and inside the prefill
+    (before decoder layer 0) when it turns on there; the pipeline answers normally
+    afterwards."""
     from pathlib import Path
     from mminfer.errors import Cancelled
     video = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
     q = "What number appears in the video?"
     pipe = Pipeline(attention="dense", device="cpu")
-    with pytest.raises(Cancelled, match="after decoding"):
+    with pytest.raises(Cancelled, match="after opening the video"):
         pipe.answer(video, q, cancel=lambda: True)
-    calls = iter([False, False])        # both stage checks pass, the first layer check stops
+    # the sample is one chunk of the vision tower: the stage checks and that chunk's pass,
+    # the first layer check stops
+    calls = iter([False, False, False])
     with pytest.raises(Cancelled, match="layer 0"):
+        pipe.answer(video, q, cancel=lambda: next(calls, True))
+    pipe.adapter.vision_chunk_patches = 64          # one pair (8 x 8 patches) per chunk
+    calls = iter([False, False, False])             # opened, chunks 1 and 2 pass; 3 stops
+    with pytest.raises(Cancelled, match="vision tower"):
         pipe.answer(video, q, cancel=lambda: next(calls, True))
     assert pipe.answer(video, q).answer == "99"

@@ -213,3 +213,165 @@ def test_bad_arguments_raise_video_error(make_video, kw, words):
     with pytest.raises(VideoError) as e:
         decode(path, **kw)
     assert words in str(e.value)
+
+
+# ------------------------------------------------------------------------ streaming
+
+def _textured(path, n=6, width=1280, height=720, fps=10):
+    """Smooth colour waves with sharp-edged rectangles (where resize filters differ most),
+    written fast (x264 ultrafast)."""
+    import av
+
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=fps, options={"preset": "ultrafast", "crf": "18"})
+        s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        for i in range(n):
+            img = np.stack([128 + 100 * np.sin(xx / (width / 7) + i) * np.cos(yy / (height / 5)),
+                            128 + 90 * np.cos((xx + yy) / (width / 11) - i / 2),
+                            (xx / width * 200 + yy / height * 55 + 10 * i) % 256], -1)
+            for k in range(6):
+                x0, y0 = int((k * 0.15 + 0.05 * i) % 0.8 * width), int(k * 0.13 * height)
+                img[y0:y0 + height // 8, x0:x0 + width // 10] = (255 * (k % 2), 40 * k,
+                                                                  255 - 40 * k)
+            frame = av.VideoFrame.from_ndarray(np.clip(img, 0, 255).astype(np.uint8), "rgb24")
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_equals_decode(make_video, backend):
+    """Streamed frames (any chunk size, after narrowing the samples) are decode()'s frames,
+    bit for bit, when the source is not much larger than the size asked for."""
+    from mminfer.engine.video import open_stream
+    path = make_video(n_frames=120, fps=10, gop=10, noise=True)
+    ref = decode(path, backend=backend, fps=4)
+    for n in (1, 5, 100):
+        with open_stream(path, backend=backend, fps=4) as s:
+            assert len(s) == len(ref.frames) and s.shape == ref.frames.shape
+            assert s.request_size(24, 32) == (48, 64)           # 4x the pixels: not scaled
+            chunks = list(s.chunks(n))
+        assert [len(c) for c in chunks[:-1]] == [n] * (len(chunks) - 1)
+        assert np.array_equal(np.concatenate(chunks), ref.frames)
+        assert s.backend == backend and s.decode_ms > 0
+        assert (s.fps, s.sampled_fps, s.duration) == (ref.fps, ref.sampled_fps, ref.duration)
+    keep = [0, 3, 3, 7, len(ref.frames) - 1]                     # repeats allowed, in order
+    with open_stream(path, backend=backend, fps=4) as s:
+        s.keep_samples(keep)
+        got = np.concatenate(list(s.chunks(2)))
+    assert np.array_equal(got, ref.frames[keep])
+    with open_stream(path, backend=backend, fps=4) as s, pytest.raises(ValueError):
+        s.keep_samples([3, 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_scaled_by_the_decoder_is_close_to_the_reference_resize(tmp_path, backend):
+    """A source with over 4x the wanted pixels is scaled by the decoder (720p -> 252x448):
+    within about a level of decoding at full size and resizing with the adapter's
+    antialiased bicubic; only pixels on saturated colour edges differ by more (the decoder
+    scales the chroma planes before converting to RGB)."""
+    import torch
+    from mminfer.engine.video import open_stream
+    from mminfer.models.qwen2_5_vl import resize_frames
+    path = _textured(tmp_path / "tex.mp4")
+    ref = decode(path, backend=backend, fps=10)
+    want = resize_frames(torch.from_numpy(ref.frames), 252, 448).permute(0, 2, 3, 1).numpy()
+    with open_stream(path, backend=backend, fps=10) as s:
+        assert s.request_size(252, 448) == (252, 448) and s.decode_size == (252, 448)
+        got = np.concatenate(list(s.chunks(4))).astype(np.float32)
+    assert got.shape == want.shape == (6, 252, 448, 3)
+    # decode(size=...) is the same decoder-side scaling, all frames at once
+    assert np.array_equal(decode(path, backend=backend, fps=10, size=(252, 448)).frames, got)
+    d = np.abs(got - want)
+    print(f"{backend}: mean {d.mean():.2f} levels, p99 {np.percentile(d, 99):.0f}, "
+          f"{(d > 20).mean():.2%} over 20")
+    assert d.mean() < 2.0 and np.percentile(d, 99) <= 8 and (d > 20).mean() < 0.01
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_oversized_video_decodes_with_bounded_memory(tmp_path, backend):
+    """A 4K upload streamed at the model's size never holds a full-size frame: every array
+    the stream hands out is the target size, and numpy's peak traced memory stays under one
+    4K frame (decode() at full size holds all of them)."""
+    import av
+    import tracemalloc
+    from mminfer.engine.video import open_stream
+    path = tmp_path / "uhd.mp4"
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=4, options={"preset": "ultrafast"})
+        s.width, s.height, s.pix_fmt = 3840, 2160, "yuv420p"
+        for i in range(4):
+            img = np.full((2160, 3840, 3), 40 * i + 20, np.uint8)
+            img[:, :1920, 0] = 200
+            for p in s.encode(av.VideoFrame.from_ndarray(img, "rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    full_frame = 3840 * 2160 * 3
+    tracemalloc.start()
+    try:
+        with open_stream(path, backend=backend, fps=4) as s:
+            assert s.shape == (4, 2160, 3840, 3)
+            assert s.request_size(280, 504) == (280, 504)
+            chunks = list(s.chunks(2))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [c.shape for c in chunks] == [(2, 280, 504, 3)] * 2
+    print(f"{backend}: peak traced {peak / 2**20:.1f} MiB (one 4K frame "
+          f"{full_frame / 2**20:.1f} MiB)")
+    assert peak < full_frame
+    # and they are the right frames: left half red, the rest gray at 20, 60, 100, 140
+    frames = np.concatenate(chunks).astype(np.float32)
+    assert np.all(np.abs(frames[:, :, :200, 0] - 200) < 4)
+    assert np.all(np.abs(frames[:, :, -200:, 1].mean((1, 2)) - [20, 60, 100, 140]) < 4)
+
+
+def test_stream_falls_back_to_pyav_mid_read(make_video, frame_index):
+    """decord opens MPEG-TS but fails reading it: the stream hands the samples to PyAV."""
+    from mminfer.engine.video import open_stream
+    path = make_video("clip.ts", n_frames=40, fps=10, container="mpegts")
+    with open_stream(path, sampling="uniform", num_frames=4) as s:
+        got = np.concatenate(list(s.chunks(3)))
+    assert s.backend == "pyav"
+    assert [frame_index(f, 40) for f in got] == [0, 13, 26, 39]
+
+
+@pytest.mark.timeout(60)
+def test_stream_errors_are_video_errors(tmp_path, make_video):
+    """What decode() says about a bad file, the stream says too: when opened or, for data
+    that breaks while decoding, from chunks()."""
+    from mminfer.engine.video import open_stream
+    for kind, (path, words) in _bad_files(tmp_path, make_video).items():
+        with pytest.raises(VideoError) as e:
+            with open_stream(path, backend="pyav") as s:
+                list(s.chunks(4))
+        assert words in str(e.value), (kind, str(e.value))
+
+
+def test_stream_decodes_ahead_and_stops_on_close(make_video):
+    """The decoder thread works while the consumer is busy (after the first chunk the
+    consumer waits for nothing), and close() stops it mid-video."""
+    import time
+    from mminfer.engine.video import open_stream
+    path = make_video(n_frames=60, fps=10)
+    with open_stream(path, fps=10) as s:
+        chunks = s.chunks(15)
+        next(chunks)
+        first_wait = s.wait_ms
+        for _ in chunks:
+            time.sleep(0.3)                         # "the vision tower" on the last chunk
+    assert s.wait_ms - first_wait < 150 and s.decode_ms > 0
+    s = open_stream(path, fps=10, num_frames=60)
+    next(s.chunks(1))
+    thread = s._thread
+    s.close()
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError):
+        next(s.chunks(1))
+    with pytest.raises(RuntimeError):
+        s.request_size(10, 10)

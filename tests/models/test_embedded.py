@@ -77,12 +77,19 @@ def test_tokenizer_specials_and_task_vocabulary():
 
 
 def test_batched_vision_matches_the_model():
+    import torch
     model, _ = E.new_model(TINY)
     bv = E.BatchedVision(model)
-    assert bv.rope_source == "captured"
     assert bv.check(n_pairs=3) < 1e-5
-    computed = bv._computed_rope()
-    assert all(float((a - b).abs().max()) < 1e-6 for a, b in zip(computed, bv.rope))
+    # the training step runs it under autograd (the modules' own norms and rotary): same
+    # features, and gradients reach the tower's weights
+    pix = torch.randn(2 * E.PATCHES_PER_PAIR, 1176)
+    with torch.no_grad():
+        want = bv(pix, 2)
+    got = bv(pix, 2)
+    assert got.requires_grad and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    assert model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------- training

@@ -74,6 +74,31 @@ def test_vision_features_are_hidden_states_minus_2(model, ckpt):
     torch.testing.assert_close(got, want)
 
 
+def test_chunked_tower_equals_the_unbatched_tower(model, ckpt):
+    """embed runs SigLIP and the projector over chunks of frames; each frame's rows equal
+    transformers' full tower (hidden_states[-2]) run on that frame alone, whatever the
+    chunk size (one frame, a ragged 3, all at once)."""
+    from transformers import SiglipVisionModel
+    full = SiglipVisionModel.from_pretrained(ckpt / "vision_tower").eval()
+    prepared = model.prepare(_frames(7, seed=4), "What?")
+    F, P = prepared.n_frames, model.tokens_per_frame
+    x = (model.pixels(prepared).float() / 255 - 0.5) / 0.5
+    with torch.inference_mode():
+        want = torch.cat([model.projector(full(pixel_values=x[f:f + 1],
+                                               output_hidden_states=True).hidden_states[-2])
+                          for f in range(F)])                            # [F, P, hidden]
+    (video,) = prepared.index.spans_of("video")
+    batch = model.vision_batch
+    try:
+        for model.vision_batch in (1, 3, 32):
+            rows = model.embed(prepared)[0, video.start:video.end].view(F, P + 1, -1)[:, :P]
+            err = float((rows - want).abs().max())
+            print(f"vision_batch {model.vision_batch}: max abs diff {err:.2e}")
+            assert err < 1e-5 * max(1.0, float(want.abs().max()))
+    finally:
+        model.vision_batch = batch
+
+
 def test_token_layout_and_index(model):
     prepared = model.prepare(_frames(12), "What moves?")
     ids = prepared.input_ids[0]
@@ -88,7 +113,7 @@ def test_token_layout_and_index(model):
     # where the index puts frame f, the spliced embeddings hold frame f's P projected tokens
     # followed by the embedding of "\n"
     embeds = model.embed(prepared)[0]                                  # [L, hidden]
-    visual = model.encode_frames(prepared.tensors["pixels"])           # [F, P, hidden]
+    visual = model.encode_frames(model.pixels(prepared))               # [F, P, hidden]
     newline_row = model.text_model.get_input_embeddings().weight[model.newline_id]
     starts = video.frame_starts()
     assert len(starts) == F
@@ -104,7 +129,7 @@ def test_token_layout_and_index(model):
 def test_frame_selection(ckpt, model):
     # frame i is flat gray 20*i: the squashed pixels tell which frames were kept
     frames = (torch.arange(12, dtype=torch.uint8) * 20).view(12, 1, 1, 1).expand(12, 30, 50, 3)
-    pixels = model.prepare(frames.contiguous(), "Why?").tensors["pixels"]   # [8, 3, 56, 56]
+    pixels = model.pixels(model.prepare(frames.contiguous(), "Why?"))   # [8, 3, 56, 56]
     kept = (pixels.float().mean(dim=(1, 2, 3)) / 20).round().long().tolist()
     assert kept == [0, 2, 3, 5, 6, 8, 9, 11]          # VILA: round(linspace(0, 11, 8))
     assert model.prepare(_frames(3), "Why?").n_frames == 3          # fewer frames: all of them
@@ -118,7 +143,8 @@ def test_aspect_ratio_pad(ckpt, tmp_path):
     padded = _broken(ckpt, tmp_path, lambda p: _set_json(p / "config.json",
                                                          image_aspect_ratio="pad"))
     frame = torch.full((1, 20, 56, 3), 200, dtype=torch.uint8)
-    px = LongVILA.load(padded, device="cpu").prepare(frame, "Why?").tensors["pixels"][0]
+    ad = LongVILA.load(padded, device="cpu")
+    px = ad.pixels(ad.prepare(frame, "Why?"))[0]
     assert px[:, :18].eq(127).all() and px[:, 18:38].eq(200).all() and px[:, 38:].eq(127).all()
 
 
@@ -136,7 +162,7 @@ def test_reload_and_reference_logits(ckpt, model):
     llm = Qwen2ForCausalLM.from_pretrained(ckpt / "llm", attn_implementation="sdpa").eval()
     tower = SiglipVisionModel.from_pretrained(ckpt / "vision_tower").eval()
     w = load_file(str(ckpt / "mm_projector" / "model.safetensors"))
-    x = (prepared.tensors["pixels"].float() / 255 - 0.5) / 0.5
+    x = (model.pixels(prepared).float() / 255 - 0.5) / 0.5
     with torch.inference_mode():
         feats = tower(pixel_values=x, output_hidden_states=True).hidden_states[-2]  # [F, 16, C]
         n, _, c = feats.shape

@@ -209,7 +209,7 @@ def test_hook_is_registered_for_the_llm_only(model):
 def test_prefill_and_answer_match_transformers(model):
     # a short video, where transformers' own M-RoPE equals ours: same logits, same tokens
     p = model.prepare(_video(n=4), "what color is the ball?")
-    kw = dict(input_ids=p.input_ids, pixel_values_videos=p.tensors["pixel_values_videos"],
+    kw = dict(input_ids=p.input_ids, pixel_values_videos=model.pixel_values(p),
               video_grid_thw=p.tensors["video_grid_thw"],
               second_per_grid_ts=torch.tensor(p.tensors["second_per_grid_ts"]),
               mm_token_type_ids=p.tensors["mm_token_type_ids"])
