@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call after a merge: GPU tests (bf16/fp16 kernels, towers, prefill engine), the
+# vision-tower benchmark, then a short end-to-end case; logs and JSON under $OUT.
+#   E2E_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_checks_h200.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/checks}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+timeout -k 5 "${TESTS_S:-170}" python3 -m pytest -q -ra -m gpu ${TESTS:-tests} 2>&1 \
+  | tee "$OUT/gpu_tests.log" | tail -12
+timeout -k 5 "${VISION_S:-190}" python3 benchmarks/vision.py --pairs 256 1024 --reps 2 \
+  --out "$OUT" 2>&1 | tee "$OUT/vision.log" | tail -14
+if [ "${E2E_S:-0}" -gt 0 ]; then
+  DEADLINE=$((E2E_S - 30)) TIMEOUT=$E2E_S bash benchmarks/run_e2e_h200.sh ${E2E_ARGS:-} \
+    2>&1 | tail -25
+fi
