@@ -126,11 +126,14 @@ def run_one(model, head, kind, n, mode, patterns, chunk=DEFAULT_CHUNK):
     else:
         total = (time.perf_counter() - t0) * 1e3
     stages = timer.totals_ms()
+    step_ms = decode_steps_ms(model, cache, pos, steps=8) if cuda else []
     row = {"model": kind, "n": index.n, "mode": mode, "ttft_ms": total, "chunk": chunk,
            "index_ms": stages.get("index", 0.0), "attention_ms": stages.get("attention", 0.0),
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "kv_cache_gib": sum(lay.keys.numel() * lay.keys.element_size() * 2
-                               for lay in cache.layers) / 2**30}
+                               for lay in cache.layers) / 2**30,
+           # decode steps on the cache this prefill wrote: must not depend on the mode
+           "decode_step_ms": sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")}
     del h, cache
     row["llm_other_ms"] = total - row["index_ms"] - row["attention_ms"]
     if mode == "sparse":
@@ -138,6 +141,27 @@ def run_one(model, head, kind, n, mode, patterns, chunk=DEFAULT_CHUNK):
         row["density_mean"] = sum(dens) / max(len(dens), 1)
         row["density_per_layer"] = dens
     return row
+
+
+def decode_steps_ms(model, cache, pos, steps=8):
+    """Times of ``steps`` one-token decode steps (the text model's own forward, dense, as
+    Adapter.generate runs them) on the KV cache the prefill wrote."""
+    from mminfer.models.base import _cache_kwarg
+    dev = next(model.parameters()).device
+    x = torch.randn(1, 1, model.config.hidden_size, device=dev,
+                    dtype=next(model.parameters()).dtype)
+    last = pos[..., -1:]
+    out = []
+    with torch.inference_mode():
+        for i in range(steps):
+            p = last + 1 + i
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            model(inputs_embeds=x, position_ids=p, use_cache=True, **{_cache_kwarg(model): cache})
+            ev[1].record()
+            torch.cuda.synchronize()
+            out.append(ev[0].elapsed_time(ev[1]))
+    return out
 
 
 def dense_one_layer_ms(model, kind, n):
