@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mminfer.sparse.estimate import estimate_layer, full_budget
-from mminfer.kernels import masked_attention, sparse_attention
+from mminfer.kernels import Fallback, masked_attention, sparse_attention
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.sparse.patterns import HeadPattern, a_shape, block, dense, grid, vertical_slash
 
@@ -53,7 +53,9 @@ def test_planted_grids_recovered():
         found += int(ok.sum())
         total += 20
         # What the plan gets is what was chosen: [B, H] stride/phase tensors, no fallback.
-        spec = est.specs[0]
+        (fb,) = est.specs
+        spec = fb.primary
+        assert torch.equal(fb.use, choice.fallback)
         assert torch.equal(spec.stride, choice.stride) and torch.equal(spec.phase, choice.phase)
         assert (spec.start, spec.end) == (idx.visual_spans()[0].start, idx.visual_spans()[0].end)
     assert found >= 0.99 * total, f"{found}/{total} planted grids recovered"
@@ -68,7 +70,11 @@ def test_unstructured_heads_fall_back():
                          block_m=BM, block_n=BN)
     assert bool(est.grids[0].fallback.all())
     # Both the grid slot and its fallback are planned; the switch picks on the device.
-    assert len(est.fallback_specs) == 1 and est.switches[0].fire.all()
+    (fb,) = est.specs
+    assert isinstance(fb, Fallback) and len(fb.alternatives) == 1 and bool(fb.use.all())
+    plan = est.build_plan()
+    assert not bool(plan.launches["grid"].active.any())
+    assert bool(plan.launches["vertical_slash"].active.all())
 
 
 def test_fallback_switch_gives_the_fallback_masks():
@@ -404,10 +410,9 @@ def test_fused_proxy_matches_brute_force(B, H, Hkv, n, D, q0, nq, dtype):
 
 
 def test_fused_proxy_gives_the_torch_estimate(monkeypatch):
-    """estimate_layer with MMINFER_PROXY=triton takes the fused kernels for every contiguous
-    query run (here: 2D- and Q-boundary vertical-slash heads on video-text-video-text) and
-    chooses the same verticals and slashes as the PyTorch passes."""
-    import mminfer.sparse.estimate as E
+    """estimate_layer(proxy="triton") takes the fused kernels for every contiguous query run
+    (here: 2D- and Q-boundary vertical-slash heads on video-text-video-text) and chooses the
+    same verticals and slashes as the PyTorch passes (the CPU default, "auto")."""
     import mminfer.kernels.proxy as P
     idx, q, k, _ = _mixed()
     vs = vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)
@@ -419,8 +424,7 @@ def test_fused_proxy_gives_the_torch_estimate(monkeypatch):
     calls = []
     real = P.proxy_stats
     monkeypatch.setattr(P, "proxy_stats", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    monkeypatch.setattr(E, "PROXY", "triton")
-    got = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN)
+    got = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="triton")
     assert len(calls) >= 2                      # text rows and video rows: both fused
     assert len(got.specs) == len(ref.specs)
     for a, b in zip(ref.specs, got.specs):
