@@ -12,7 +12,6 @@ everything up to the first answer token.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -91,7 +90,8 @@ AUTO_SPARSE_MIN_TOKENS = 65536
 def sparse_unavailable(device) -> str | None:
     """Why the sparse kernels cannot run on ``device``, or None. Triton needs a GPU; on the
     CPU only its interpreter runs them, and that must be chosen before triton is imported."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    from mminfer.kernels.runtime import interpreted
+    if device.type == "cpu" and not interpreted():
         return ("sparse attention runs Triton kernels: it needs a CUDA GPU, or "
                 "TRITON_INTERPRET=1 in the environment on the CPU (slow: for tests); "
                 "use --attention dense or auto here")
