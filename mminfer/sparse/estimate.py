@@ -14,7 +14,10 @@ then normalised mass), so no ``[H, last_q, N]`` matrix exists at long N:
 
 Grid: for every candidate stride of the layout (``index.grid_strides()``) the phase sums of
 the column mass over the visual keys give, per phase, the *lift* = phase mass / the phase's
-uniform share. The best phase per stride, then the best stride: a multiple of a smaller
+uniform share, both without the phase's heaviest column (one column is not a grid). The best
+phase per stride, then the best stride among those that count: the keys in the histogram
+must hold ``MIN_PERIODS`` periods of it, its lift must be significant for the number of keys
+its phase holds (above the noise of the best of its phases), and a multiple of a smaller
 candidate counts only if the divisor's phase mass above uniform sits in one of its sub-phases
 (else every multiple of the true stride would tie or win by noise, at a fraction of the
 recall). A best lift below ``min_lift`` switches the head to its fallback pattern, decided
@@ -40,6 +43,8 @@ from .modality import ModalityIndex
 from .patterns import HeadPattern, Pattern
 
 RUNNER_UP = 0.2           # stride multiples: max runner-up sub-phase share (see grid())
+MIN_PERIODS = 4           # grid: periods of a stride the phase histogram must hold
+MIN_Z_MARGIN = 2.0        # grid: lift significance above the noise of the best of s phases
 _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
 # Which proxy computes the column and diagonal sums. "triton": the fused proxy kernels
@@ -361,25 +366,42 @@ class _Estimator:
         mass = mass * vis
         total = mass.sum(-1)                                              # [B, H']
         ntot = vis.sum(-1).to(torch.float32)                              # [H']
-        lifts, phases, excess = [], [], []
+        mean = total / ntot.clamp(min=1)[None]
+        sd = ((mass * mass).sum(-1) / ntot.clamp(min=1)[None] - mean * mean).clamp(min=0).sqrt()
+        lifts, phases, excess, signif = [], [], [], []
         for s in strides:
             pad = (-L) % s
-            fold = torch.nn.functional.pad(mass, (0, pad)).view(self.B, len(hs), -1, s).sum(2)
+            cols = torch.nn.functional.pad(mass, (0, pad)).view(self.B, len(hs), -1, s)
+            fold = cols.sum(2)                                            # [B, H', s]
             cnt = torch.nn.functional.pad(vis.to(torch.float32), (0, pad)) \
                 .view(len(hs), -1, s).sum(1)                              # [H', s]
-            share = total[..., None] * cnt[None] / ntot.clamp(min=1)[None, :, None]
-            lift = torch.where(cnt[None] > 0, fold / share.clamp(min=1e-30),
+            share = mean[..., None] * cnt[None]
+            # Lift and its significance without the phase's heaviest column: one column (a
+            # sink, a vertical, a noise spike) is not a grid, and with few keys per phase it
+            # would give a large lift by itself.
+            rest = fold - cols.amax(2)
+            c1 = (cnt - 1).clamp(min=0)[None]
+            lift = torch.where(c1 > 0, rest / (mean[..., None] * c1).clamp(min=1e-30),
                                torch.zeros_like(fold))                    # [B, H', s]
+            z = (rest - mean[..., None] * c1) / (sd[..., None] * c1.sqrt()).clamp(min=1e-30)
             best, phase = lift.max(-1)
             lifts.append(best)
             phases.append(phase)
+            signif.append(z.gather(-1, phase[..., None])[..., 0])
             excess.append((fold - share) / total.clamp(min=1e-30)[..., None])
         lift = torch.stack(lifts, -1)                                     # [B, H', C]
         phase = torch.stack(phases, -1)
+        # A stride counts only with MIN_PERIODS periods in the keys actually counted (else
+        # its phases hold a key or two each), and with a lift significant for the number of
+        # keys its phase holds: above the largest of its phases' noise (max of s normal
+        # deviates, about sqrt(2 ln s)) by a margin.
+        stride_t = torch.tensor(strides, device=self.dev)
+        z_min = torch.sqrt(2 * torch.log(stride_t.to(torch.float32))) + MIN_Z_MARGIN
+        valid = (ntot[None, :, None] >= MIN_PERIODS * stride_t) & \
+            (torch.stack(signif, -1) >= z_min)
         # A multiple s_i = m * s_j of a smaller candidate is a real structure only if one of
         # the m sub-phases of the s_j phase holds its excess mass: a true s_j structure
         # spreads it over all m (so the runner-up sub-phase is about as heavy).
-        valid = torch.ones_like(lift, dtype=torch.bool)
         for i, si in enumerate(strides):
             for j, sj in enumerate(strides[:i]):
                 if si % sj == 0:
@@ -388,11 +410,11 @@ class _Estimator:
                     top2 = excess[i].gather(-1, sub).topk(2, dim=-1).values
                     valid[..., i] &= (top2[..., 0] > 0) & \
                         (top2[..., 1] <= RUNNER_UP * top2[..., 0])
-        pick = torch.where(valid, lift, torch.full_like(lift, -1.0)).argmax(-1, keepdim=True)
-        stride_t = torch.tensor(strides, device=self.dev)
+        score = torch.where(valid, lift, torch.zeros_like(lift))
+        pick = score.argmax(-1, keepdim=True)
         g_stride = stride_t[pick[..., 0]]                                 # [B, H']
         g_phase = phase.gather(-1, pick)[..., 0]
-        g_lift = lift.gather(-1, pick)[..., 0]
+        g_lift = score.gather(-1, pick)[..., 0]       # 0 when no candidate is valid
         min_lift = torch.tensor([p.min_lift for p in pats], device=self.dev)
         fire = g_lift < min_lift[None, :]
 
