@@ -138,6 +138,10 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
             regions = [(m, None, hp.for_region(m)) for m in mods]
         else:
             regions = [(qm, km, hp.for_region(qm, km)) for qm in mods for km in mods]
+            if all(_dense_at(p, N) for *_, p in regions):
+                # Every region is every causal pair: one dense slot, not one sweep of the
+                # whole near range per key group (G times the work for the same pairs).
+                b, regions = "none", [(None, None, Pattern("dense"))]
         uses_boundary |= b in ("q", "2d")
         for qm, km, p in regions:
             groups.setdefault((qm, km, p.kind, b == "k"), []).append((h, p))
@@ -162,6 +166,12 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
         else:
             out.specs.append(est.spec(kind, hs, pats, qm, km, ksplit))
     return out
+
+
+def _dense_at(p: Pattern, n: int) -> bool:
+    """True when ``p`` computes every causal pair of its region at length ``n``: its near
+    range reaches key 0 from every row."""
+    return p.kind == "dense" or (p.window is not None and p.window >= n - 1)
 
 
 class _Estimator:
