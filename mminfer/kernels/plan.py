@@ -41,7 +41,7 @@ from . import density as _density
 from . import masks as _masks
 from .layout import (F_ACTIVE, F_DST, F_DSTHEAD, F_END, F_HEAD, F_KGROUP, F_LINES, F_PHASE,
                      F_QGROUP, F_SINK, F_START, F_STRIDE, F_WINDOW, FAMILIES, LINES,
-                     LINES_ROWS, NF, family_of, row_table)
+                     LINES_ROWS, NF, family_of, key_groups, row_table)
 from .specs import Block, Fallback, IntLike, VerticalSlash
 
 _PAD = 1 << 30
@@ -160,9 +160,7 @@ class SparsePlan:
                    specs=specs, row_groups=[tuple(x) for x in row_groups] if row_groups
                    else None)
         if heads_2d:
-            kgid = torch.empty(n, dtype=torch.int32)
-            for s, e, g in row_groups:
-                kgid[s:e] = g
+            kgid, _ = key_groups(n, row_groups or [(0, n, 0)])
             plan.key_groups = kgid[None, :].expand(batch, n).contiguous().to(device)
 
         by_family: dict[str, list] = {}

@@ -437,6 +437,9 @@ def test_bad_inputs():
         estimate_layer(q, k, idx, [HeadPattern.single(dense())] * 3)
     with pytest.raises(ValueError, match="modality index is for"):
         estimate_layer(q[:, :, :50], k[:, :, :50], idx, [HeadPattern.single(dense())] * 4)
+    from mminfer.errors import ConfigError
+    with pytest.raises(ConfigError, match="proxy must be one of auto, torch, triton"):
+        estimate_layer(q, k, idx, [HeadPattern.single(dense())] * 4, proxy="fast")
 
 
 def test_proxy_reductions_match_brute_force():
