@@ -69,6 +69,7 @@ def test_flex_block_mask_and_mask_mod_are_the_oracle(bench, kind, density):
     assert tiles == int((partial | full).sum()) and tiles < R * (R + 1) // 2
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_eager_with_the_oracle_mask_mod(bench):
     """The mask_mod through FlexAttention's own vmap (eager, CPU) equals masked attention
     over the oracle."""
