@@ -24,9 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import mminfer.sparse.estimate as E  # noqa: E402
 from mminfer.sparse.estimate import estimate_layer  # noqa: E402
-from mminfer.kernels import sparse_attention  # noqa: E402
+from mminfer.kernels import Fallback, sparse_attention  # noqa: E402
 from mminfer.sparse.modality import ModalityIndex  # noqa: E402
 from mminfer.sparse.patterns import HeadPatternConfig  # noqa: E402
 from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
@@ -51,19 +50,26 @@ def inputs(n, stride=257, phase=5, strength=4.0):
     return index, q, k, v
 
 
-def _same_plan(a, b) -> float:
+def _index_specs(est):
+    """Every spec of an estimate, a Fallback's sides included."""
+    out = []
+    for sp in est.specs:
+        out.extend([sp.primary, *sp.alternatives] if isinstance(sp, Fallback) else [sp])
+    return out
+
+
+def _same_plan(ea, eb) -> float:
     """Share of the estimated index entries (verticals, slashes, blocks, grid choices) the
-    two plans hold in common: 1.0 when the fused proxy chose exactly what PyTorch chose."""
+    two estimates hold in common: 1.0 when the fused proxy chose exactly what PyTorch chose."""
     same = total = 0
-    ea, eb = a.estimate, b.estimate
-    for sa, sb in zip(ea.specs + ea.fallback_specs, eb.specs + eb.fallback_specs):
+    for sa, sb in zip(_index_specs(ea), _index_specs(eb)):
         for name in ("verticals", "slashes", "key_blocks"):
             x, y = getattr(sa, name, None), getattr(sb, name, None)
             if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
                 xs, ys = x.sort(-1).values, y.sort(-1).values
                 same += int((xs == ys).sum())
                 total += xs.numel()
-    for ga, gb in zip(a.estimate.grids, b.estimate.grids):
+    for ga, gb in zip(ea.grids, eb.grids):
         for name in ("stride", "phase", "fallback"):
             same += int((getattr(ga, name) == getattr(gb, name)).sum())
             total += getattr(ga, name).numel()
@@ -86,23 +92,22 @@ def main():
         index, q, k, v = inputs(n)
         box = {}
 
-        def est():
-            box["plan"] = estimate_layer(q, k, index, heads).build_plan(q.device)
+        def est(proxy):
+            box["est"] = estimate_layer(q, k, index, heads, proxy=proxy)
+            box["plan"] = box["est"].build_plan(q.device)
 
         # A/B in one run: the proxy by PyTorch passes (before) and by the fused Triton
         # kernels (after, kernels/proxy.py); the two plans must agree.
-        E.PROXY = "torch"
-        est_ms_torch = events_ms(est)
-        plan_torch = box["plan"]
-        E.PROXY = "triton"
-        est_ms = events_ms(est)
-        plan = box["plan"]
-        agree = _same_plan(plan_torch, plan)
-        del plan_torch
+        est_ms_torch = events_ms(lambda: est("torch"))
+        est_torch = box["est"]
+        est_ms = events_ms(lambda: est("triton"))
+        plan, estimate = box["plan"], box["est"]
+        agree = _same_plan(est_torch, estimate)
+        del est_torch
         if a.profile and n == a.lengths[0]:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                est()
+                est("triton")
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
             with open(os.path.join(a.out, "estimate_profile.txt"), "w") as f:
@@ -111,7 +116,7 @@ def main():
         out = torch.empty_like(q)
         attn_ms = events_ms(lambda: sparse_attention(q, k, v, plan, out=out))
         dens = plan.density()
-        grids = plan.estimate.summary()
+        grids = estimate.summary()
         fell_back = sum(any(c["fallback"]) for cs in grids.values() for c in cs)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
             dense_ms = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -125,7 +130,7 @@ def main():
                "speedup_incl_estimation": dense_ms / (est_ms + attn_ms)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del q, k, v, plan, box, out
+        del q, k, v, plan, estimate, box, out
         torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "estimate.json"), "w") as f:

@@ -8,9 +8,9 @@ one block mask (broadcast over heads) that visits exactly the tiles our kernel v
     python benchmarks/kernels.py                       # table + JSON under $OUT (or ./out)
     python benchmarks/kernels.py --lengths 131072 --tune   # tile-shape sweep
 
-Effective TFLOP/s = 4·d·(visited tile area)·heads / time (attention-gym's density-scaled
-count); "logical" density is the exact pair set, "physical" the visited tiles, both as
-fractions of the causal triangle.
+Effective TFLOP/s = 4·d·(visited tile area, all heads) / time (attention-gym's density-scaled
+count); "logical" density is the exact pair set as a fraction of the causal triangle,
+"physical" the visited tiles as a fraction of the tiles a dense causal pass visits.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mminfer.kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table  # noqa: E402
 from mminfer.kernels import launch as L  # noqa: E402
+from mminfer.kernels import masks as M  # noqa: E402
 from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 HQ, HKV, D = 28, 4, 128
@@ -98,30 +99,36 @@ def _from_dense_blocks(partial, full, n, block):
     return kv_num, kv_idx, full_num, full_idx
 
 
-# mask_mods live at module level and read their parameters from these tensors, so the
-# compiled flex_attention is not recompiled for every density (a new closure or a new Python
-# int would each fail dynamo's guards).
+# The mask_mods are the test oracle's mask functions (mminfer/kernels/masks.py: the pattern
+# definitions, written from the specs), applied by FlexAttention on partial blocks. They
+# live at module level and read their parameters from _FX, so the compiled flex_attention is
+# not recompiled for every density (a new closure or a new Python int would each fail
+# dynamo's guards).
 _FX: dict = {}
 
 
 def _mm_a_shape(b, h, q, k):
-    return (k <= q) & ((k < _FX["S"]) | (k >= (q // BM) * BM - _FX["W"]))
+    return M.a_shape(_FX, b, h, q, k)
 
 
 def _mm_block(b, h, q, k):
-    return (k <= q) & (_FX["full"][q // 128, k // 128] | (q // 128 == k // 128))
+    return M.block(_FX, b, h, q, k)
 
 
 def _mm_grid(b, h, q, k):
-    oq, ok = _FX["qperm"][q], _FX["kperm"][k]
-    st, en, s, p = _FX["st"], _FX["en"], _FX["s"], _FX["p"]
-    line_q = (oq >= st) & (oq < en) & ((oq - st) % s == p)
-    col_k = (ok >= st) & (ok < en) & ((ok - st) % s == p)
-    return (ok <= oq) & (line_q | col_k | (ok < _FX["S"]) | (ok >= (oq // BM) * BM - _FX["W"]))
+    # FlexAttention sees permuted rows and keys: map them back to original positions
+    return M.grid(_FX, b, h, _FX["qperm"][q], _FX["kperm"][k])
 
 
-def flex_mask(kind, prm, n, device, kb=None):
-    """Block set (and exact mask_mod) identical to our kernel's visit, at 128×128 blocks."""
+def _oracle_params(spec, n, device):
+    """The oracle's parameters of one spec (all HQ heads) as device tensors."""
+    P = M.spec_params(spec, M.layout_tensors(n, BM, 128), HQ)
+    return {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in P.items()}
+
+
+def flex_mask(kind, prm, n, device, spec):
+    """Block set identical to our kernel's visit, at 128×128 blocks (BlockMask from our block
+    lists), with the oracle's mask function of ``spec`` as the exact mask_mod."""
     from torch.nn.attention.flex_attention import BlockMask
     B = 128
     R = (n + B - 1) // B
@@ -133,17 +140,15 @@ def flex_mask(kind, prm, n, device, kb=None):
         lo_b = (qb * B - W).clamp(min=0) // B
         full = ((kbk < S // B) | ((kbk >= lo_b) & (kbk < qb))) & ~diag
         partial = diag
-        _FX.update(S=torch.tensor(S, device=device), W=torch.tensor(W, device=device))
         mask_mod = _mm_a_shape
         perm = None
     elif kind == "block":
         sel = torch.zeros(R, R + 1, dtype=torch.bool, device=device)
-        ids = kb[0, 0].long().clamp(min=-1)
+        ids = spec.key_blocks[0, 0].long().clamp(min=-1)
         ids = torch.where(ids < 0, torch.full_like(ids, R), ids)
         sel.scatter_(1, ids, True)
         full = sel[:, :R] & (kbk < qb)
         partial = diag
-        _FX.update(full=full)
         mask_mod = _mm_block
         perm = None
     else:  # grid: keys permuted as [column keys] + [other keys], rows as [others] + [lines]
@@ -175,10 +180,12 @@ def flex_mask(kind, prm, n, device, kb=None):
         vis = (q_ord & vis_ord) | (q_line & any_ok)
         full = vis & (~q_ord | full_ord) & (~q_line | (kmax[None, :] <= qmin[:, None]))
         partial = vis & ~full
-        t = lambda x: torch.tensor(x, device=device)  # noqa: E731
-        _FX.update(qperm=qperm, kperm=kperm, st=t(st), en=t(en), s=t(s), p=t(p), S=t(S), W=t(W))
         mask_mod = _mm_grid
         perm = (qperm, kperm)
+    _FX.clear()
+    _FX.update(_oracle_params(spec, n, device))
+    if perm is not None:
+        _FX.update(qperm=perm[0], kperm=perm[1])
     kv_num, kv_idx, full_num, full_idx = _from_dense_blocks(partial, full, n, B)
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=B,
                                   mask_mod=mask_mod, seq_lengths=(n, n))
@@ -254,18 +261,16 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                     except Exception as e:
                         print(f"ours {pat} cfg={cfg} failed: {type(e).__name__}: {str(e)[:200]}")
                         continue
-                    phys_pairs = den["physical"]
                     rows.append({"n": n, "impl": "mminfer", "pattern": pat, "density": dens,
                                  "params": prm, "config": cfg or L.GPU_CONFIG, "ms": ms,
-                                 "logical": den["logical"], "physical": phys_pairs,
-                                 "tflops": dense_f * phys_pairs / ms / 1e9,
+                                 "logical": den["logical"], "physical": den["physical"],
+                                 "tflops": 4 * D * den["tile_pairs"] / ms / 1e9,
                                  "vs_cudnn": dense.get("cudnn", float("nan")) / ms})
                     _print(rows[-1])
                     _save(rows, out_dir, json_name)
                 if pat != "vertical_slash" and not tune:
                     try:
-                        kb = specs[0].key_blocks if pat == "block" else None
-                        bmask, perm, tiles = flex_mask(pat, prm, n, dev, kb)
+                        bmask, perm, tiles = flex_mask(pat, prm, n, dev, specs[0])
                         if perm is not None:
                             qperm, kperm = perm
                             qf, kf, vf = q[:, :, qperm], k[:, :, kperm], v[:, :, kperm]
@@ -281,11 +286,12 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                         del of
                         ms = bench(lambda: flex(qf, kf, vf, block_mask=bmask, enable_gqa=True),
                                    rep=rep)
-                        phys = tiles * 128 * 128 / (n * (n + 1) / 2)
+                        R = (n + 127) // 128
                         ours = rows[-1]["ms"] if rows[-1]["impl"] == "mminfer" else float("nan")
                         rows.append({"n": n, "impl": "flex", "pattern": pat, "density": dens,
-                                     "ms": ms, "logical": den["logical"], "physical": phys,
-                                     "tflops": dense_f * phys / ms / 1e9,
+                                     "ms": ms, "logical": den["logical"],
+                                     "physical": tiles / (R * (R + 1) / 2),
+                                     "tflops": 4 * D * HQ * tiles * 128 * 128 / ms / 1e9,
                                      "vs_cudnn": dense.get("cudnn", float("nan")) / ms,
                                      "ours_speedup_vs_flex": ms / ours,
                                      "max_abs_diff_vs_ours": diff})

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from . import density as _density
+from .layout import F_HEAD
 from .plan import SparsePlan
+from .runtime import CPU_CONFIG, GPU_CONFIG, tile_config  # noqa: F401  (re-exported)
 from .sparse_attn_kernel import _sparse_attn_fwd
 
-# Tile shapes per device kind. The block_m of the plan is semantic (it defines the near
-# range); BLOCK_N, warps and stages are free (except for the block family, whose key block
-# is the plan's block_n). Hopper values come from benchmarks/kernels.py --tune, see
-# BENCHMARKS.md.
-GPU_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-CPU_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _config(q, plan, family_name, config):
-    cfg = dict(GPU_CONFIG if q.is_cuda and not _interpret() else CPU_CONFIG)
-    cfg.update(config or {})
-    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], plan.block_m, plan.block_n)
-    cfg.setdefault("FAST", True)
-    return cfg
+def _config(q, plan, config):
+    return tile_config(q.is_cuda, plan.block_m, plan.block_n, config)
 
 
 def _check_inputs(q, k, v, plan):
@@ -52,7 +38,7 @@ def _check_inputs(q, k, v, plan):
 def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl, scale,
             write_lse, count, config):
     B, Hq, N, D = q.shape
-    cfg = _config(q, plan, name, config)
+    cfg = _config(q, plan, config)
     dev = q.device
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
     dummy_i8 = torch.zeros(1, dtype=torch.int8, device=dev)
@@ -132,8 +118,8 @@ def _merge_partials(out, lse, scratch, lse_s, heads_2d):
 
 
 def count_plan(plan: SparsePlan) -> dict:
-    """Run the kernels in count mode: logical pairs and visited tiles as fractions of the
-    causal triangle, in total and per query head (``[H]`` tensors, on the CPU)."""
+    """Run the kernels in count mode: the same report as ``plan.density()`` (which counts
+    from the plan's arrays without a launch), measured by the kernel's own traversal."""
     dev = plan.table.device
     B, H, N = plan.batch, plan.num_heads, plan.n
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
@@ -143,31 +129,28 @@ def count_plan(plan: SparsePlan) -> dict:
     G = max(plan.n_key_groups, 1)
     counts_s = torch.zeros(G, B, max(len(plan.heads_2d), 1), N, dtype=torch.float32,
                            device=dev)
-    logical = torch.zeros(H, dtype=torch.float64, device=dev)
-    physical = torch.zeros(H, dtype=torch.float64, device=dev)
+    pairs = torch.zeros(H, dtype=torch.float64, device=dev)
+    tiles = torch.zeros(H, dtype=torch.int64, device=dev)
     tiles_by_family = {}
     for name, fl in plan.launches.items():
-        cfg = _config(q, plan, name, None)
         n_prog = plan.n_row_blocks + fl.n_rowline_programs
-        tiles = torch.zeros(B * fl.n_slots, n_prog, dtype=torch.int32, device=dev)
+        slot_tiles = torch.zeros(B * fl.n_slots, n_prog, dtype=torch.int32, device=dev)
         counts.zero_()
         counts_s.zero_()
-        _launch(q, kv, kv, q, counts, None, counts_s if plan.heads_2d else None, tiles, plan,
-                name, fl, 1.0, True, True, None)
-        logical += counts.double().sum((0, 2))
+        _launch(q, kv, kv, q, counts, None, counts_s if plan.heads_2d else None, slot_tiles,
+                plan, name, fl, 1.0, True, True, None)
+        pairs += counts.double().sum((0, 2))
         if plan.heads_2d:
-            logical.index_add_(0, torch.tensor(plan.heads_2d, device=dev),
-                               counts_s.double().sum((0, 1, 3)))
-        slot_tiles = tiles.to(torch.int64).sum(1)
-        tiles_by_family[name] = int(slot_tiles.sum())
-        physical.index_add_(0, fl.params[:, :, 0].reshape(-1).long(),
-                            slot_tiles.double() * plan.block_m * cfg["BLOCK_N"])
-    tri = N * (N + 1) / 2
-    return {"logical": float(logical.sum()) / (B * H * tri),
-            "physical": float(physical.sum()) / (B * H * tri),
-            "tiles": tiles_by_family, "pairs": float(logical.sum()),
-            "logical_per_head": (logical / (B * tri)).cpu(),
-            "physical_per_head": (physical / (B * tri)).cpu()}
+            pairs.index_add_(0, torch.tensor(plan.heads_2d, device=dev),
+                             counts_s.double().sum((0, 1, 3)))
+        per_slot = slot_tiles.to(torch.int64).sum(1)
+        tiles_by_family[name] = int(per_slot.sum())
+        tiles.index_add_(0, fl.params[:, :, F_HEAD].reshape(-1).long(), per_slot)
+    bn = _config(q, plan, None)["BLOCK_N"]
+    return _density.summarise(plan, {
+        "pairs_per_head": pairs.round().to(torch.int64), "tiles_per_head": tiles,
+        "tiles": tiles_by_family, "block_n_tile": bn,
+        "dense_tiles": _density.dense_tiles(plan.table, bn)})
 
 
 def dense_flops(n: int, heads: int, d: int, batch: int = 1) -> float:

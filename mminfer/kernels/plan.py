@@ -1,19 +1,17 @@
-"""What one layer's sparse attention computes: pattern specs, the row-block table, the plan.
+"""What one layer's sparse attention computes, compiled for the kernel: the plan.
 
-A *pattern spec* gives one pattern family for a set of query heads (all heads at once;
-per-head values are sequences or tensors, never a Python loop per head in the hot path).
-``SparsePlan.build`` turns the specs into the compact device arrays the kernel reads:
+``SparsePlan.build`` turns pattern specs (``specs.py``) into the compact device arrays the
+kernel reads (the slot row and the row table are defined in ``layout.py``):
 
 * the row-block table ``[R, 3]`` (start, end, group): blocks of ``block_m`` rows that never
   straddle a modality span when rows are grouped (Q-boundary / 2D-boundary), so every
   block holds rows of exactly one modality while rows stay at their original positions;
-* per family one int32 parameter row per *slot* ``[B, S, 12]`` (head, query group, key
-  group, destination, sink, window, grid span/stride/phase/lines);
+* per family one int32 parameter row per *slot* ``[B, S, NF]``;
 * index arrays only for vertical-slash (sorted verticals, per-block counts, sorted slash
   offsets, per-block offset ranges) and block (per row block sorted key blocks).
 
 Pattern semantics, exactly (``r0(i)``, ``r1(i)`` are the bounds of row i's block, all pairs
-also causal ``j <= i`` on original positions):
+also causal ``j <= i`` on original positions); ``masks.py`` writes them as mask functions:
 
 * near range, every family: ``j >= max(r0(i) - window, 0)``
 * a_shape: ``j < sink``
@@ -25,91 +23,28 @@ also causal ``j <= i`` on original positions):
 
 A slot restricted to query group g covers only rows of that group; a slot restricted to key
 group g (2D-boundary) sees only keys of that group, and its partial results are merged with
-the head's other key groups through their log-sum-exp.
+the head's other key groups through their log-sum-exp. A ``Fallback`` plans both of its
+sides; the slot row's ``active`` field (set on the device) says which one runs.
+
+The plan is data: ``masks()`` (from the specs) and ``density()`` (from the compiled arrays)
+are functions of it, and neither launches a kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
 
-from .sparse_attn_kernel import A_SHAPE, BLOCK, GRID, NF, VERTICAL_SLASH
+from . import density as _density
+from . import masks as _masks
+from .layout import (F_ACTIVE, F_DST, F_DSTHEAD, F_END, F_HEAD, F_KGROUP, F_LINES, F_PHASE,
+                     F_QGROUP, F_SINK, F_START, F_STRIDE, F_WINDOW, FAMILIES, LINES,
+                     LINES_ROWS, NF, family_of, key_groups, row_table)
+from .specs import Block, Fallback, IntLike, VerticalSlash
 
-IntLike = Union[int, Sequence[int], torch.Tensor]
 _PAD = 1 << 30
-FAMILIES = {"a_shape": A_SHAPE, "grid": GRID, "vertical_slash": VERTICAL_SLASH, "block": BLOCK}
-_LINES = {"cols": 1, "rows": 2, "both": 3}
-
-
-@dataclass
-class AShape:
-    """Sink tokens + local window. ``dense`` is ``window >= N``."""
-    heads: Sequence[int]
-    sink: IntLike = 64
-    window: IntLike = 1024
-    qgroup: IntLike = -1
-    kgroup: IntLike = -1
-
-
-@dataclass
-class Grid:
-    """Grid lines inside span [start, end): stride/phase per head (ints or ``[B, H']``)."""
-    heads: Sequence[int]
-    start: IntLike
-    end: IntLike
-    stride: IntLike
-    phase: IntLike
-    lines: Union[str, Sequence[str]] = "both"
-    sink: IntLike = 64
-    window: IntLike = 256
-    qgroup: IntLike = -1
-    kgroup: IntLike = -1
-
-
-@dataclass
-class VerticalSlash:
-    """``verticals [B, H', nv]`` key columns and ``slashes [B, H', ns]`` diagonal offsets
-    (0 = main diagonal); entries < 0 are padding."""
-    heads: Sequence[int]
-    verticals: torch.Tensor
-    slashes: torch.Tensor
-    window: IntLike = 64
-    qgroup: IntLike = -1
-    kgroup: IntLike = -1
-
-
-@dataclass
-class Block:
-    """``key_blocks [B, H', R, k]``: key block ids (of ``block_n`` keys) per row block of the
-    plan's table (see ``row_table``); entries < 0 are padding."""
-    heads: Sequence[int]
-    key_blocks: torch.Tensor
-    window: IntLike = 0
-    qgroup: IntLike = -1
-    kgroup: IntLike = -1
-
-
-def dense(heads: Sequence[int], n: int, qgroup: IntLike = -1, kgroup: IntLike = -1) -> AShape:
-    return AShape(heads=heads, sink=0, window=n, qgroup=qgroup, kgroup=kgroup)
-
-
-def row_table(n: int, block_m: int, row_groups=None) -> torch.Tensor:
-    """Row blocks ``[R, 3]`` (start, end, group). ``row_groups``: ordered spans
-    ``(start, end, group)`` covering [0, n); no block straddles two spans."""
-    if row_groups is None:
-        row_groups = [(0, n, 0)]
-    rows, pos = [], 0
-    for start, end, g in row_groups:
-        if start != pos or end <= start:
-            raise ValueError(f"row groups must tile [0, {n}) in order; got span ({start}, {end})")
-        for a in range(start, end, block_m):
-            rows.append((a, min(a + block_m, end), g))
-        pos = end
-    if pos != n:
-        raise ValueError(f"row groups end at {pos}, expected {n}")
-    return torch.tensor(rows, dtype=torch.int32)
 
 
 def _per_slot(x: IntLike, batch: int, n_slots: int, name: str) -> torch.Tensor:
@@ -145,7 +80,7 @@ def _sorted_unique(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class FamilyLaunch:
     family: int
-    params: torch.Tensor                # [B, S, NF] int32
+    params: torch.Tensor                # [B, S, NF] int32 (layout.F_*)
     n_rowline_programs: int = 0
     vidx: torch.Tensor | None = None    # [B, S, nv] int32, sorted, padded with _PAD
     vcnt: torch.Tensor | None = None    # [B, S, R] int32: verticals below each block's lo
@@ -158,6 +93,11 @@ class FamilyLaunch:
     @property
     def n_slots(self) -> int:
         return self.params.shape[1]
+
+    @property
+    def active(self) -> torch.Tensor:
+        """``[B, S]`` bool: which slots run (a Fallback's unused side does not)."""
+        return self.params[:, :, F_ACTIVE] != 0
 
 
 @dataclass
@@ -172,41 +112,44 @@ class SparsePlan:
     key_groups: torch.Tensor | None = None  # [B, N] int32 group per key (2D-boundary)
     heads_2d: list = field(default_factory=list)
     n_key_groups: int = 0
-    specs: dict = field(default_factory=dict)
+    specs: list = field(default_factory=list)      # as given (Fallbacks kept), index lists padded
+    row_groups: list | None = None
 
     # ------------------------------------------------------------------ build
     @classmethod
     def build(cls, n: int, num_heads: int, specs: Sequence, *, block_m: int = 128,
               block_n: int = 64, row_groups=None, batch: int = 1, device="cpu",
-              max_row_lines: int | None = None, check_coverage: bool = True) -> "SparsePlan":
+              max_row_lines: int | None = None) -> "SparsePlan":
+        """``specs``: pattern specs and ``Fallback``s; together they compute every (head,
+        query group) exactly once (2D-boundary heads: once per key group), checked here.
+        ``max_row_lines``: row-line programs per grid slot, when the strides live on the
+        device (so that counting them would wait for it)."""
         device = torch.device(device)
         table_cpu = row_table(n, block_m, row_groups)
         R = table_cpu.shape[0]
-        by_family: dict[str, list] = {}
+        specs = _pad_index_lists(list(specs))
+        # (family, spec, active [B, H'] or None, counts for coverage)
+        slots = []
         for sp in specs:
-            name = {AShape: "a_shape", Grid: "grid", VerticalSlash: "vertical_slash",
-                    Block: "block"}.get(type(sp))
-            if name is None:
-                raise TypeError(f"unknown pattern spec {type(sp).__name__}")
-            by_family.setdefault(name, []).append(sp)
-
-        # Host metadata of every slot: (family, head, qgroup, kgroup) -> coverage and dst.
+            if isinstance(sp, Fallback):
+                slots.extend(_fallback_slots(sp, batch, num_heads))
+            else:
+                slots.append((family_of(sp), sp, None, True))
         slot_meta = []
-        for name, sps in by_family.items():
-            for sp in sps:
-                h = torch.tensor(list(sp.heads), dtype=torch.int64)
-                if h.numel() and (h.min() < 0 or h.max() >= num_heads):
-                    raise ValueError(f"{name}: head ids must be in [0, {num_heads})")
-                qg = _per_slot(sp.qgroup, 1, len(h), "qgroup")[0]
-                kg = _per_slot(sp.kgroup, 1, len(h), "kgroup")[0]
-                slot_meta.append((name, sp, h, qg, kg))
+        for name, sp, _, counted in slots:
+            h = torch.tensor(list(sp.heads), dtype=torch.int64)
+            if h.numel() and (h.min() < 0 or h.max() >= num_heads):
+                raise ValueError(f"{name}: head ids must be in [0, {num_heads})")
+            qg = _per_slot(sp.qgroup, 1, len(h), "qgroup")[0]
+            kg = _per_slot(sp.kgroup, 1, len(h), "kgroup")[0]
+            slot_meta.append((name, sp, h, qg, kg, counted))
 
         groups = sorted({g for _, _, g in (row_groups or [(0, n, 0)])})
-        kgroups_used = sorted({int(x) for *_, kg in slot_meta for x in kg.tolist() if x >= 0})
-        heads_2d = sorted({int(hh) for *_, h, _, kg in slot_meta
+        kgroups_used = sorted({int(x) for *_, kg, _ in slot_meta for x in kg.tolist() if x >= 0})
+        heads_2d = sorted({int(hh) for *_, h, _, kg, _ in slot_meta
                            for hh, k in zip(h.tolist(), kg.tolist()) if k >= 0})
-        if check_coverage:
-            _check_coverage(slot_meta, num_heads, groups, kgroups_used, heads_2d)
+        _check_coverage([m for m in slot_meta if m[-1]], num_heads, groups, kgroups_used,
+                        heads_2d)
         if kgroups_used and (min(kgroups_used) < 0 or max(kgroups_used) >= len(groups)):
             raise ValueError("key groups must be the row-group ids 0..G-1")
         n_kg = len(groups) if heads_2d else 0
@@ -214,59 +157,29 @@ class SparsePlan:
 
         plan = cls(n=n, batch=batch, num_heads=num_heads, block_m=block_m, block_n=block_n,
                    table=table_cpu.to(device), heads_2d=heads_2d, n_key_groups=n_kg,
-                   specs=by_family)
+                   specs=specs, row_groups=[tuple(x) for x in row_groups] if row_groups
+                   else None)
         if heads_2d:
-            kgid = torch.empty(n, dtype=torch.int32)
-            for s, e, g in row_groups:
-                kgid[s:e] = g
+            kgid, _ = key_groups(n, row_groups or [(0, n, 0)])
             plan.key_groups = kgid[None, :].expand(batch, n).contiguous().to(device)
 
+        by_family: dict[str, list] = {}
+        for name, sp, active, _ in slots:
+            by_family.setdefault(name, []).append((sp, active))
         r0 = table_cpu[:, 0].to(torch.int64).to(device)
         r1 = table_cpu[:, 1].to(torch.int64).to(device)
-        for name, sps in by_family.items():
-            parts = []
-            for sp in sps:
-                parts.append(_family_params(name, sp, batch, num_heads, n, pos_2d, device,
-                                            row_groups))
-            params = torch.cat(parts, dim=1)  # [B, S, NF] int64
+        for name, members in by_family.items():
+            sps = [sp for sp, _ in members]
+            params = torch.cat([_family_params(name, sp, active, batch, n, pos_2d, device,
+                                               row_groups) for sp, active in members], dim=1)
             fl = FamilyLaunch(family=FAMILIES[name], params=params.to(torch.int32).contiguous())
-            window = params[:, :, 6]
-            lo = torch.clamp(r0[None, None, :] - window[:, :, None], min=0)  # [B, S, R]
+            lo = torch.clamp(r0[None, None, :] - params[:, :, F_WINDOW, None], min=0)  # [B,S,R]
             if name == "grid":
                 fl.n_rowline_programs = _rowline_programs(params, block_m, max_row_lines)
-            if name == "vertical_slash":
-                vs = torch.cat([_sorted_unique(sp.verticals.to(device)) for sp in sps], dim=1)
-                ss = torch.cat([_sorted_unique(sp.slashes.to(device)) for sp in sps], dim=1) \
-                    if all(sp.slashes.shape[-1] for sp in sps) else None
-                if ss is None:
-                    ss = torch.full((batch, params.shape[1], 1), _PAD, dtype=torch.int64,
-                                    device=device)
-                if vs.shape[-1] == 0:
-                    vs = torch.full((batch, params.shape[1], 1), _PAD, dtype=torch.int64,
-                                    device=device)
-                if vs.shape[:2] != params.shape[:2] or ss.shape[:2] != params.shape[:2]:
-                    raise ValueError("vertical_slash: verticals/slashes must be [B, H', k]")
-                S = params.shape[1]
-                fl.vidx = vs.clamp(max=_PAD).to(torch.int32).contiguous()
-                fl.vcnt = torch.searchsorted(vs, lo.contiguous()).to(torch.int32).contiguous()
-                flag = torch.zeros(batch, S, n + 1, dtype=torch.int8, device=device)
-                flag.scatter_(2, vs.clamp(max=n), 1)
-                fl.vflag = flag[:, :, :n].contiguous()
-                fl.sidx = ss.to(torch.int32).contiguous()
-                k_lo = torch.searchsorted(ss, (r0[None, None, :] - lo).contiguous(), right=True)
-                k_hi = torch.searchsorted(
-                    ss, (r1[None, None, :] - 1).expand(batch, S, R).contiguous(), right=True)
-                fl.srange = torch.stack([k_lo, torch.maximum(k_lo, k_hi)], -1) \
-                    .to(torch.int32).contiguous()
-            if name == "block":
-                kb = torch.cat([_sorted_unique(sp.key_blocks.to(device)) for sp in sps], dim=1)
-                if kb.shape[:3] != (batch, params.shape[1], R):
-                    raise ValueError(f"block: key_blocks must be [B, H', R={R}, k], "
-                                     f"got {tuple(kb.shape)}")
-                lim = (lo + block_n - 1) // block_n
-                fl.bidx = kb.clamp(max=_PAD).to(torch.int32).contiguous()
-                fl.bcnt = torch.searchsorted(kb, lim.unsqueeze(-1).contiguous()) \
-                    .squeeze(-1).to(torch.int32).contiguous()
+            elif name == "vertical_slash":
+                _vertical_slash_arrays(fl, sps, lo, r0, r1, batch, n, device)
+            elif name == "block":
+                _block_arrays(fl, sps, lo, batch, R, block_n, device)
             plan.launches[name] = fl
         return plan
 
@@ -276,58 +189,181 @@ class SparsePlan:
         return self.table.shape[0]
 
     def masks(self) -> torch.Tensor:
-        """Exact boolean mask ``[B, H, N, N]`` of every head (small N only), computed in plain
-        torch from the pattern definitions: the oracle for the kernel tests."""
-        from .reference import plan_masks
-        return plan_masks(self)
+        """Exact boolean mask ``[B, H, N, N]`` of every head (small N only), evaluated from
+        the plan's specs by the mask functions of ``masks.py``, not from the compiled arrays."""
+        return _masks.spec_masks(self.specs, self.n, self.num_heads, block_m=self.block_m,
+                                 block_n=self.block_n, row_groups=self.row_groups,
+                                 batch=self.batch)
 
     def density(self) -> dict:
-        """Logical pairs and physical tiles as fractions of the causal triangle, counted by
-        the kernel's own traversal (count mode), so it holds at any N."""
-        from .launch import count_plan
-        return count_plan(self)
+        """Logical pairs and visited tiles, counted from the compiled arrays along the
+        kernel's own traversal (``density.py``): no launch, at any N."""
+        return _density.plan_density(self)
 
 
-def _family_params(name, sp, batch, num_heads, n, pos_2d, device, row_groups) -> torch.Tensor:
-    """``[B, H', NF]`` int64 on ``device``. Everything but grid stride/phase comes from the
-    host, and is checked there: the per-layer hot path never waits on the device."""
+def _fallback_slots(fb: Fallback, batch: int, num_heads: int):
+    """The slots of a Fallback: its primary, active where ``use`` is false, and its
+    alternatives, each head active where ``use`` is true; the alternatives must hold the
+    primary's heads exactly once with the same groups (so coverage counts the primary only)."""
+    prim = fb.primary
+    if isinstance(prim, Fallback) or any(isinstance(a, Fallback) for a in fb.alternatives):
+        raise TypeError("a Fallback's primary and alternatives are plain pattern specs")
+    heads = list(prim.heads)
+    where = {h: i for i, h in enumerate(heads)}
+    if len(where) != len(heads):
+        raise ValueError("Fallback: the primary lists a head twice")
+    use = fb.use
+    if not isinstance(use, torch.Tensor) or tuple(use.shape) != (batch, len(heads)):
+        raise ValueError(f"Fallback.use must be a [{batch}, {len(heads)}] bool tensor, got "
+                         f"{tuple(use.shape) if isinstance(use, torch.Tensor) else type(use)}")
+    use = use.to(torch.bool)
+    pq = _per_slot(prim.qgroup, 1, len(heads), "qgroup")[0].tolist()
+    pk = _per_slot(prim.kgroup, 1, len(heads), "kgroup")[0].tolist()
+    out = [(family_of(prim), prim, ~use, True)]
+    seen = []
+    for alt in fb.alternatives:
+        ah = list(alt.heads)
+        aq = _per_slot(alt.qgroup, 1, len(ah), "qgroup")[0].tolist()
+        ak = _per_slot(alt.kgroup, 1, len(ah), "kgroup")[0].tolist()
+        for h, q, k in zip(ah, aq, ak):
+            if h not in where or (q, k) != (pq[where[h]], pk[where[h]]):
+                raise ValueError(f"Fallback: alternative head {h} (query group {q}, key group "
+                                 f"{k}) is not one of the primary's slots")
+        idx = torch.tensor([where[h] for h in ah], dtype=torch.long)
+        out.append((family_of(alt), alt, use[:, idx.to(use.device, non_blocking=True)], False))
+        seen.extend(ah)
+    if sorted(seen) != sorted(heads):
+        raise ValueError(f"Fallback: the alternatives hold heads {sorted(seen)}, the primary "
+                         f"{sorted(heads)}: each must appear exactly once")
+    return out
+
+
+def _pad_index_lists(specs):
+    """Specs of one family are concatenated along the slot axis, so their index lists need
+    one width: pad with -1 (padding) to the widest; any other shape mismatch is an error
+    that names the spec."""
+    def widen(t, width):
+        if t.shape[-1] == width:
+            return t
+        pad = torch.full(t.shape[:-1] + (width - t.shape[-1],), -1, dtype=t.dtype,
+                         device=t.device)
+        return torch.cat([t, pad], dim=-1)
+
+    flat = []
+    for sp in specs:
+        flat.extend([sp.primary, *sp.alternatives] if isinstance(sp, Fallback) else [sp])
+    vs = [sp for sp in flat if isinstance(sp, VerticalSlash)]
+    bl = [sp for sp in flat if isinstance(sp, Block)]
+    for sp in vs:
+        for name in ("verticals", "slashes"):
+            t = getattr(sp, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[1] != len(sp.heads):
+                raise ValueError(f"vertical_slash heads {list(sp.heads)}: {name} must be "
+                                 f"[B, {len(sp.heads)}, k], got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    for sp in bl:
+        t = sp.key_blocks
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != len(sp.heads):
+            raise ValueError(f"block heads {list(sp.heads)}: key_blocks must be "
+                             f"[B, {len(sp.heads)}, R, k], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    if len(vs) < 2 and len(bl) < 2:
+        return specs
+    wv = max((sp.verticals.shape[-1] for sp in vs), default=0)
+    ws = max((sp.slashes.shape[-1] for sp in vs), default=0)
+    wb = max((sp.key_blocks.shape[-1] for sp in bl), default=0)
+
+    def pad(sp):
+        if isinstance(sp, VerticalSlash):
+            return replace(sp, verticals=widen(sp.verticals, wv), slashes=widen(sp.slashes, ws))
+        if isinstance(sp, Block):
+            return replace(sp, key_blocks=widen(sp.key_blocks, wb))
+        return sp
+
+    return [Fallback(pad(sp.primary), [pad(a) for a in sp.alternatives], sp.use)
+            if isinstance(sp, Fallback) else pad(sp) for sp in specs]
+
+
+def _family_params(name, sp, active, batch, n, pos_2d, device, row_groups) -> torch.Tensor:
+    """``[B, H', NF]`` int64 on ``device``. Everything but grid stride/phase and the active
+    mask comes from the host, and is checked there: the per-layer hot path never waits on
+    the device."""
     H = len(sp.heads)
     p = torch.zeros(batch, H, NF, dtype=torch.int64)
     heads = torch.tensor(list(sp.heads), dtype=torch.int64)
-    p[:, :, 0] = heads
-    p[:, :, 1] = _per_slot(sp.qgroup, batch, H, "qgroup")
+    p[:, :, F_HEAD] = heads
+    p[:, :, F_QGROUP] = _per_slot(sp.qgroup, batch, H, "qgroup")
     kg = _per_slot(sp.kgroup, batch, H, "kgroup")
-    p[:, :, 2] = kg
-    p[:, :, 3] = torch.where(kg >= 0, kg + 1, torch.zeros_like(kg))
-    p[:, :, 4] = torch.tensor([pos_2d.get(int(h), 0) for h in heads.tolist()],
-                              dtype=torch.int64)[None, :]
-    p[:, :, 6] = _per_slot(sp.window, batch, H, "window")
+    p[:, :, F_KGROUP] = kg
+    p[:, :, F_DST] = torch.where(kg >= 0, kg + 1, torch.zeros_like(kg))
+    p[:, :, F_DSTHEAD] = torch.tensor([pos_2d.get(int(h), 0) for h in heads.tolist()],
+                                      dtype=torch.int64)[None, :]
+    p[:, :, F_WINDOW] = _per_slot(sp.window, batch, H, "window")
+    p[:, :, F_ACTIVE] = 1
     if name in ("a_shape", "grid"):
-        p[:, :, 5] = _per_slot(sp.sink, batch, H, "sink")
-    if (p[:, :, 6] < 0).any() or (p[:, :, 5] < 0).any():
+        p[:, :, F_SINK] = _per_slot(sp.sink, batch, H, "sink")
+    if (p[:, :, F_WINDOW] < 0).any() or (p[:, :, F_SINK] < 0).any():
         raise ValueError(f"{name}: sink and window must be >= 0")
-    if name != "grid":
-        return p.to(device)
-    lines = [sp.lines] * H if isinstance(sp.lines, str) else list(sp.lines)
-    if len(lines) != H or any(x not in _LINES for x in lines):
-        raise ValueError(f"grid lines must be one of {sorted(_LINES)} per head")
-    p[:, :, 7] = _per_slot(_host(sp.start), batch, H, "start")
-    p[:, :, 8] = _per_slot(_host(sp.end), batch, H, "end")
-    p[:, :, 11] = torch.tensor([_LINES[x] for x in lines])[None, :]
-    if ((p[:, :, 7] < 0) | (p[:, :, 8] > n) | (p[:, :, 8] < p[:, :, 7])).any():
-        raise ValueError(f"grid span must lie in [0, {n}]")
-    if row_groups is not None:
-        _check_grid_spans(p, row_groups)
-    stride = _per_slot(sp.stride, batch, H, "stride")
-    phase = _per_slot(sp.phase, batch, H, "phase")
-    if stride.device.type == "cpu":   # estimated on the device: trusted, never synced
-        if (stride < 1).any():
-            raise ValueError("grid stride must be >= 1")
-        if ((phase < 0) | (phase >= stride)).any():
-            raise ValueError("grid phase must be in [0, stride)")
+    if name == "grid":
+        lines = [sp.lines] * H if isinstance(sp.lines, str) else list(sp.lines)
+        if len(lines) != H or any(x not in LINES for x in lines):
+            raise ValueError(f"grid lines must be one of {sorted(LINES)} per head")
+        p[:, :, F_START] = _per_slot(_host(sp.start), batch, H, "start")
+        p[:, :, F_END] = _per_slot(_host(sp.end), batch, H, "end")
+        p[:, :, F_LINES] = torch.tensor([LINES[x] for x in lines])[None, :]
+        if ((p[:, :, F_START] < 0) | (p[:, :, F_END] > n) |
+                (p[:, :, F_END] < p[:, :, F_START])).any():
+            raise ValueError(f"grid span must lie in [0, {n}]")
+        if row_groups is not None:
+            _check_grid_spans(p, row_groups)
+        stride = _per_slot(sp.stride, batch, H, "stride")
+        phase = _per_slot(sp.phase, batch, H, "phase")
+        if stride.device.type == "cpu":   # estimated on the device: trusted, never synced
+            if (stride < 1).any():
+                raise ValueError("grid stride must be >= 1")
+            if ((phase < 0) | (phase >= stride)).any():
+                raise ValueError("grid phase must be in [0, stride)")
     p = p.to(device)
-    p[:, :, 9], p[:, :, 10] = stride.to(device), phase.to(device)
+    if name == "grid":
+        p[:, :, F_STRIDE], p[:, :, F_PHASE] = stride.to(device), phase.to(device)
+    if active is not None:
+        p[:, :, F_ACTIVE] = active.to(device=device, dtype=torch.int64)
     return p
+
+
+def _vertical_slash_arrays(fl, sps, lo, r0, r1, batch, n, device):
+    S, R = fl.params.shape[1], lo.shape[-1]
+    vs = torch.cat([_sorted_unique(sp.verticals.to(device)) for sp in sps], dim=1)
+    ss = torch.cat([_sorted_unique(sp.slashes.to(device)) for sp in sps], dim=1)
+    if vs.shape[:2] != (batch, S) or ss.shape[:2] != (batch, S):
+        raise ValueError(f"vertical_slash: verticals/slashes must be [B={batch}, H', k], "
+                         f"got {tuple(vs.shape)} / {tuple(ss.shape)} for {S} slots")
+    if vs.shape[-1] == 0:
+        vs = torch.full((batch, S, 1), _PAD, dtype=torch.int64, device=device)
+    if ss.shape[-1] == 0:
+        ss = torch.full((batch, S, 1), _PAD, dtype=torch.int64, device=device)
+    fl.vidx = vs.clamp(max=_PAD).to(torch.int32).contiguous()
+    fl.vcnt = torch.searchsorted(vs, lo.contiguous()).to(torch.int32).contiguous()
+    flag = torch.zeros(batch, S, n + 1, dtype=torch.int8, device=device)
+    flag.scatter_(2, vs.clamp(max=n), 1)
+    fl.vflag = flag[:, :, :n].contiguous()
+    fl.sidx = ss.to(torch.int32).contiguous()
+    k_lo = torch.searchsorted(ss, (r0[None, None, :] - lo).contiguous(), right=True)
+    k_hi = torch.searchsorted(
+        ss, (r1[None, None, :] - 1).expand(batch, S, R).contiguous(), right=True)
+    fl.srange = torch.stack([k_lo, torch.maximum(k_lo, k_hi)], -1).to(torch.int32).contiguous()
+
+
+def _block_arrays(fl, sps, lo, batch, R, block_n, device):
+    S = fl.params.shape[1]
+    kb = torch.cat([_sorted_unique(sp.key_blocks.to(device)) for sp in sps], dim=1)
+    if kb.shape[:3] != (batch, S, R):
+        raise ValueError(f"block: key_blocks must be [B={batch}, H', R={R}, k], "
+                         f"got {tuple(kb.shape)} for {S} slots")
+    lim = (lo + block_n - 1) // block_n
+    fl.bidx = kb.clamp(max=_PAD).to(torch.int32).contiguous()
+    fl.bcnt = torch.searchsorted(kb, lim.unsqueeze(-1).contiguous()) \
+        .squeeze(-1).to(torch.int32).contiguous()
 
 
 def _host(x):
@@ -335,13 +371,13 @@ def _host(x):
 
 
 def _rowline_programs(params, block_m, hint) -> int:
-    rows = (params[:, :, 11] & 2) != 0
+    rows = (params[:, :, F_LINES] & LINES_ROWS) != 0
     if hint is not None:
         return int(hint)
     if not bool(rows.any()):
         return 0
-    span = (params[:, :, 8] - params[:, :, 7]).clamp(min=0)
-    n_lines = (span + params[:, :, 9] - 1) // params[:, :, 9]
+    span = (params[:, :, F_END] - params[:, :, F_START]).clamp(min=0)
+    n_lines = (span + params[:, :, F_STRIDE] - 1) // params[:, :, F_STRIDE]
     n_lines = torch.where(rows, n_lines, torch.zeros_like(n_lines))
     return int(((n_lines.max() + block_m - 1) // block_m).item())
 
@@ -350,9 +386,9 @@ def _check_grid_spans(params, row_groups):
     # Row-line programs store rows by position: the grid span must lie inside the slot's
     # query group, or those rows would be written by two slots.
     p = params[0]
-    for qg, start, end, lines in zip(p[:, 1].tolist(), p[:, 7].tolist(), p[:, 8].tolist(),
-                                     p[:, 11].tolist()):
-        if qg < 0 or end <= start or not lines & 2:
+    for qg, start, end, lines in zip(p[:, F_QGROUP].tolist(), p[:, F_START].tolist(),
+                                     p[:, F_END].tolist(), p[:, F_LINES].tolist()):
+        if qg < 0 or end <= start or not lines & LINES_ROWS:
             continue
         if not any(s <= start and end <= e and g == qg for s, e, g in row_groups):
             raise ValueError(f"grid span [{start}, {end}) with row lines is not inside one "
@@ -365,7 +401,7 @@ def _check_coverage(slot_meta, num_heads, groups, kgroups_used, heads_2d):
     G = max(groups) + 1
     K = G + 1
     cover = torch.zeros(num_heads, G, K, dtype=torch.int64)
-    for name, _, h, qg, kg in slot_meta:
+    for name, _, h, qg, kg, _ in slot_meta:
         q_idx = torch.where(qg[:, None] < 0, torch.ones(len(h), G, dtype=torch.bool),
                             torch.arange(G)[None, :] == qg[:, None])
         k_idx = (kg + 1).clamp(min=0)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from .proxy_kernel import _proxy_lse_kernel, _proxy_mass_kernel
+from .runtime import compiled_gpu
 
 BLOCK_Q = 64          # the estimator's last_q: one query run per launch
 GPU_BLOCK_N, CPU_BLOCK_N = 64, 16
@@ -35,8 +34,7 @@ def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float
     if targets and kgroup is None:
         raise ValueError("targets need kgroup")
     dev = q.device
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    gpu = q.is_cuda and not interp
+    gpu = compiled_gpu(q.is_cuda)
     BN = GPU_BLOCK_N if gpu else CPU_BLOCK_N
     BD = max(16, triton.next_power_of_2(D))
     kend = q0 + nq

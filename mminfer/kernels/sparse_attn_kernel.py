@@ -14,23 +14,37 @@ row lines (queries ``≡ phase (mod stride)``) are programs of their own whose r
 with strided addresses; ordinary blocks skip storing those rows. Q, K and V are never
 copied into permuted order: every permutation is address arithmetic here.
 
-The launcher and the plan that feeds this kernel live in ``launch.py`` and ``plan.py``.
+The launcher and the plan that feeds this kernel live in ``launch.py`` and ``plan.py``; the
+slot row it reads is defined in ``layout.py``.
 """
 
 import triton
 import triton.language as tl
 
-# Pattern families (one launch each).
-A_SHAPE = 0
-GRID = 1
-VERTICAL_SLASH = 2
-BLOCK = 3
+from . import layout
 
-# Fields of one slot's int32 parameter row ([B, n_slots, NF]).
-F_HEAD, F_QGROUP, F_KGROUP, F_DST, F_DSTHEAD, F_SINK, F_WINDOW = 0, 1, 2, 3, 4, 5, 6
-F_START, F_END, F_STRIDE, F_PHASE, F_LINES = 7, 8, 9, 10, 11
-NF = 12
-LINES_COLS, LINES_ROWS = 1, 2
+# The slot row and family ids of layout.py, as constexprs: the names are the contract, the
+# kernel never spells a field by its number.
+F_HEAD = tl.constexpr(layout.F_HEAD)
+F_QGROUP = tl.constexpr(layout.F_QGROUP)
+F_KGROUP = tl.constexpr(layout.F_KGROUP)
+F_DST = tl.constexpr(layout.F_DST)
+F_DSTHEAD = tl.constexpr(layout.F_DSTHEAD)
+F_SINK = tl.constexpr(layout.F_SINK)
+F_WINDOW = tl.constexpr(layout.F_WINDOW)
+F_START = tl.constexpr(layout.F_START)
+F_END = tl.constexpr(layout.F_END)
+F_STRIDE = tl.constexpr(layout.F_STRIDE)
+F_PHASE = tl.constexpr(layout.F_PHASE)
+F_LINES = tl.constexpr(layout.F_LINES)
+F_ACTIVE = tl.constexpr(layout.F_ACTIVE)
+NF = tl.constexpr(layout.NF)
+LINES_COLS = tl.constexpr(layout.LINES_COLS)
+LINES_ROWS = tl.constexpr(layout.LINES_ROWS)
+A_SHAPE = tl.constexpr(layout.A_SHAPE)
+GRID = tl.constexpr(layout.GRID)
+VERTICAL_SLASH = tl.constexpr(layout.VERTICAL_SLASH)
+BLOCK = tl.constexpr(layout.BLOCK)
 
 _LN2 = 0.6931471805599453
 
@@ -152,19 +166,20 @@ def _sparse_attn_fwd(
     pid_bs = tl.program_id(1)
     b = pid_bs // n_slots
     s = pid_bs % n_slots
-    prm = P + pid_bs * 12
-    head = tl.load(prm + 0)
-    qgroup = tl.load(prm + 1)
-    kgroup = tl.load(prm + 2)
-    dst = tl.load(prm + 3)
-    dsthead = tl.load(prm + 4)
-    sink = tl.load(prm + 5)
-    window = tl.load(prm + 6)
-    g_start = tl.load(prm + 7)
-    g_end = tl.load(prm + 8)
-    g_stride = tl.load(prm + 9)
-    g_phase = tl.load(prm + 10)
-    g_lines = tl.load(prm + 11)
+    prm = P + pid_bs * NF
+    head = tl.load(prm + F_HEAD)
+    qgroup = tl.load(prm + F_QGROUP)
+    kgroup = tl.load(prm + F_KGROUP)
+    dst = tl.load(prm + F_DST)
+    dsthead = tl.load(prm + F_DSTHEAD)
+    sink = tl.load(prm + F_SINK)
+    window = tl.load(prm + F_WINDOW)
+    g_start = tl.load(prm + F_START)
+    g_end = tl.load(prm + F_END)
+    g_stride = tl.load(prm + F_STRIDE)
+    g_phase = tl.load(prm + F_PHASE)
+    g_lines = tl.load(prm + F_LINES)
+    slot_on = tl.load(prm + F_ACTIVE) != 0
     kvh = head // kv_group
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -184,22 +199,22 @@ def _sparse_attn_fwd(
         t_line = pid_m - n_table
         first = g_start + g_phase
         qpos = first + (t_line * BLOCK_M + offs_m) * g_stride
-        qvalid = (qpos < g_end) & ((g_lines & 2) != 0)
+        qvalid = (qpos < g_end) & ((g_lines & LINES_ROWS) != 0)
         r0 = first + t_line * BLOCK_M * g_stride
-        active = (FAMILY == 1) & (r0 < g_end) & ((g_lines & 2) != 0)
+        active = slot_on & (FAMILY == GRID) & (r0 < g_end) & ((g_lines & LINES_ROWS) != 0)
         r1 = tl.minimum(tl.max(tl.where(qvalid, qpos, 0), 0) + 1, N)
         store_ok = qvalid
     else:
         r0 = tl.load(Table + r * 3 + 0)
         r1 = tl.load(Table + r * 3 + 1)
         rg = tl.load(Table + r * 3 + 2)
-        active = (qgroup < 0) | (rg == qgroup)
+        active = slot_on & ((qgroup < 0) | (rg == qgroup))
         qpos = r0 + offs_m
         qvalid = qpos < r1
         store_ok = qvalid
-        if FAMILY == 1:
+        if FAMILY == GRID:
             on_line = (qpos >= g_start) & (qpos < g_end) & \
-                ((qpos - g_start) % g_stride == g_phase) & ((g_lines & 2) != 0)
+                ((qpos - g_start) % g_stride == g_phase) & ((g_lines & LINES_ROWS) != 0)
             store_ok = qvalid & (~on_line)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -220,16 +235,16 @@ def _sparse_attn_fwd(
                                   KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
         else:
             lo = tl.maximum(r0 - window, 0)
-            if FAMILY == 0:
+            if FAMILY == A_SHAPE:
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
                                          qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
-            if FAMILY == 1:
+            if FAMILY == GRID:
                 s_end = tl.minimum(sink, lo)
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
                                          qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
-                if (g_lines & 1) != 0:
+                if (g_lines & LINES_COLS) != 0:
                     # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
                     c_lo = tl.maximum(sink, g_start)
                     c_hi = tl.minimum(g_end, lo)
@@ -252,7 +267,7 @@ def _sparse_attn_fwd(
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
                                                 skn, svn, offs_d, dmask, qk_scale, False,
                                                 COUNT, IEEE)
-            if FAMILY == 2:
+            if FAMILY == VERTICAL_SLASH:
                 # Vertical columns below lo (sorted; the count per row block is precomputed).
                 vbase = VIdx + slot_base * nv_max
                 n_v = tl.load(VCnt + slot_base * n_table + r)
@@ -286,7 +301,7 @@ def _sparse_attn_fwd(
                                                 skn, svn, offs_d, dmask, qk_scale, False,
                                                 COUNT, IEEE)
                     o_prev = o
-            if FAMILY == 3:
+            if FAMILY == BLOCK:
                 bbase = BIdx + (slot_base * n_table + r) * nb_max
                 n_b = tl.load(BCnt + slot_base * n_table + r)
                 # Key blocks of BLOCK_K keys, visited as BLOCK_K // BLOCK_N tiles; only the

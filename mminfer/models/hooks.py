@@ -13,7 +13,6 @@ requests in one process never see each other's layout.
 from __future__ import annotations
 
 import contextvars
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -51,7 +50,8 @@ class PrefillContext:
 def sparse_unavailable(device) -> str | None:
     """Why the sparse kernels cannot run on ``device``, or None. Triton needs a GPU; on the
     CPU only its interpreter runs them, and that must be chosen before triton is imported."""
-    if getattr(device, "type", str(device)) == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    from mminfer.kernels.runtime import interpreted
+    if getattr(device, "type", str(device)) == "cpu" and not interpreted():
         return ("sparse attention runs Triton kernels: it needs a CUDA GPU, or "
                 "TRITON_INTERPRET=1 in the environment on the CPU (slow: for tests); "
                 "use --attention dense or auto here")

@@ -14,12 +14,16 @@ then normalised mass), so no ``[H, last_q, N]`` matrix exists at long N:
 
 Grid: for every candidate stride of the layout (``index.grid_strides()``) the phase sums of
 the column mass over the visual keys give, per phase, the *lift* = phase mass / the phase's
-uniform share. The best phase per stride, then the best stride: a multiple of a smaller
+uniform share, both without the phase's heaviest column (one column is not a grid). The best
+phase per stride, then the best stride among those that count: the keys in the histogram
+must hold ``MIN_PERIODS`` periods of it, its lift must be significant for the number of keys
+its phase holds (above the noise of the best of its phases), and a multiple of a smaller
 candidate counts only if the divisor's phase mass above uniform sits in one of its sub-phases
 (else every multiple of the true stride would tie or win by noise, at a fraction of the
 recall). A best lift below ``min_lift`` switches the head to its fallback pattern, decided
-on the device: both the grid slot and the fallback slot are planned and the losing one is
-switched off in the plan (``LayerEstimate.build_plan``), so nothing waits for the GPU.
+on the device: the grid spec and its fallback specs go to the plan as one ``Fallback`` whose
+``use`` mask is that decision, the plan switches the losing side off, so nothing waits for
+the GPU.
 
 Nothing in the hot path reads a device tensor on the host (no ``.item()``/``.tolist()``).
 """
@@ -27,29 +31,28 @@ Nothing in the hot path reads a device tensor on the host (no ``.item()``/``.tol
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from mminfer.errors import ConfigError
-from mminfer.kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table
+from mminfer.kernels import AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash
+from mminfer.kernels.layout import key_groups, row_blocks, row_table
 from .modality import ModalityIndex
 from .patterns import HeadPattern, Pattern
 
 RUNNER_UP = 0.2           # stride multiples: max runner-up sub-phase share (see grid())
-INACTIVE = 1 << 20        # a query group no row has: switches a slot off (see build_plan)
+MIN_PERIODS = 4           # grid: periods of a stride the phase histogram must hold
+MIN_Z_MARGIN = 2.0        # grid: lift significance above the noise of the best of s phases
 _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
-# "triton": the fused proxy kernels (kernels/proxy.py) for a contiguous run of at most 64
-# queries; "torch": the chunked PyTorch passes below; "auto": triton on a GPU (1.4-1.7x less
-# estimation time at 128K-256K, BENCHMARKS.md section 3), torch on the CPU (where only the
-# slow interpreter runs Triton).
-PROXY = os.environ.get("MMINFER_PROXY", "auto")
-if PROXY not in ("auto", "torch", "triton"):
-    raise ConfigError(f"MMINFER_PROXY must be auto, torch or triton, not {PROXY!r}")
-_F_QGROUP, _F_LINES = 1, 11   # kernel parameter fields (kernels/sparse_attn_kernel.py)
+# Which proxy computes the column and diagonal sums. "triton": the fused proxy kernels
+# (kernels/proxy.py) for a contiguous run of at most 64 queries; "torch": the chunked
+# PyTorch passes below; "auto": triton on a GPU (1.4-1.7x less estimation time at
+# 128K-256K, BENCHMARKS.md section 3), torch on the CPU (where only the slow interpreter
+# runs Triton).
+PROXIES = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -67,50 +70,27 @@ class GridChoice:
 
 
 @dataclass
-class _Switch:
-    primary: int                  # index into specs (the grid spec)
-    fallback: int                 # index into fallback_specs
-    positions: list               # slots of the grid spec that this fallback spec covers
-    fire: torch.Tensor            # [B, len(positions)] bool: use the fallback
-
-
-@dataclass
 class LayerEstimate:
     n: int
     batch: int
     num_heads: int
     block_m: int
     block_n: int
-    specs: list                   # every head exactly once per query (and 2D key) group
+    specs: list                   # every head exactly once per query (and 2D key) group;
+    #                               a grid group with its fallbacks is one kernels.Fallback
     row_groups: Optional[list]    # None when no head uses a boundary
-    fallback_specs: list = field(default_factory=list)
-    switches: list = field(default_factory=list)
     row_line_programs: int = 0    # grid row-line programs per slot (plan hint, no sync)
     grids: list = field(default_factory=list)   # GridChoice per grid group
     device: torch.device = torch.device("cpu")
 
     def build_plan(self, device=None) -> SparsePlan:
-        """The kernel plan. With fallbacks, grid and fallback slots are both planned and the
-        loser of each pair is switched off on the device: its query group becomes one no row
-        has (and a grid's lines are cleared, so its row-line programs idle too)."""
+        """The kernel plan. A grid group and its fallback are both planned; the plan's
+        active mask (the estimate's device-side choice) says which one runs per head."""
         device = device if device is not None else self.device
-        specs = _pad_index_lists(self.specs + self.fallback_specs)
-        plan = SparsePlan.build(self.n, self.num_heads, specs, block_m=self.block_m,
+        return SparsePlan.build(self.n, self.num_heads, self.specs, block_m=self.block_m,
                                 block_n=self.block_n, row_groups=self.row_groups,
                                 batch=self.batch, device=device,
-                                max_row_lines=self.row_line_programs,
-                                check_coverage=not self.fallback_specs)
-        if self.switches:
-            first = _slot_offsets(specs)
-            for sw in self.switches:
-                g_fam, g0 = first[sw.primary]
-                f_fam, f0 = first[len(self.specs) + sw.fallback]
-                g_slots = [g0 + p for p in sw.positions]
-                f_slots = list(range(f0, f0 + len(sw.positions)))
-                _switch_off(plan.launches[g_fam].params, g_slots, sw.fire, grid=True)
-                _switch_off(plan.launches[f_fam].params, f_slots, ~sw.fire, grid=False)
-        plan.estimate = self
-        return plan
+                                max_row_lines=self.row_line_programs)
 
     def summary(self) -> dict:
         """Per-head grid choices as host values (synchronises: for reports and tests)."""
@@ -128,11 +108,14 @@ class LayerEstimate:
 def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
                    heads: Sequence[HeadPattern], *, block_m: int = 128, block_n: int = 64,
                    last_q: int = 64, chunk: int | None = None,
-                   scale: float | None = None) -> LayerEstimate:
+                   scale: float | None = None, proxy: str = "auto") -> LayerEstimate:
     """Kernel specs for all heads of one layer. q ``[B, Hq, N, D]``, k ``[B, Hkv, N, D]``;
     ``heads[h]`` is the HeadPattern of (local) head h. ``block_m``/``block_n`` must be the
     plan's (block heads list key blocks of ``block_n`` per row block of ``block_m``);
-    ``chunk`` is the key chunk of the proxy (default: about 256 MiB of fp32 scores)."""
+    ``chunk`` is the key chunk of the proxy (default: about 256 MiB of fp32 scores);
+    ``proxy`` one of ``PROXIES`` (see there)."""
+    if proxy not in PROXIES:
+        raise ConfigError(f"proxy must be one of {', '.join(PROXIES)}, not {proxy!r}")
     B, Hq, N, D = q.shape
     if len(heads) != Hq:
         raise ValueError(f"{len(heads)} head patterns for {Hq} query heads")
@@ -154,6 +137,10 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
             regions = [(m, None, hp.for_region(m)) for m in mods]
         else:
             regions = [(qm, km, hp.for_region(qm, km)) for qm in mods for km in mods]
+            if all(_dense_at(p, N) for *_, p in regions):
+                # Every region is every causal pair: one dense slot, not one sweep of the
+                # whole near range per key group (G times the work for the same pairs).
+                b, regions = "none", [(None, None, Pattern("dense"))]
         for qm, km, p in regions:
             groups.setdefault((qm, km, p.kind, b == "k"), []).append((h, p))
 
@@ -170,7 +157,7 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     # ranks hold different heads and must compute what one process does).
     row_groups = index.row_groups() if multi else None
     est = _Estimator(q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                     needs)
+                     needs, proxy)
     out = LayerEstimate(n=N, batch=B, num_heads=Hq, block_m=block_m, block_n=block_n,
                         specs=[], row_groups=row_groups, device=q.device)
     for (qm, km, kind, ksplit), members in groups.items():
@@ -183,13 +170,20 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     return out
 
 
+def _dense_at(p: Pattern, n: int) -> bool:
+    """True when ``p`` computes every causal pair of its region at length ``n``: its near
+    range reaches key 0 from every row."""
+    return p.kind == "dense" or (p.window is not None and p.window >= n - 1)
+
+
 class _Estimator:
     """Per-call state: the proxy statistics of each query set, computed once, shared by all
     groups that read them."""
 
     def __init__(self, q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                 needs):
+                 needs, proxy):
         self.q, self.k, self.index = q, k, index
+        self.proxy = proxy if proxy != "auto" else ("triton" if q.is_cuda else "torch")
         self.block_m, self.block_n, self.last_q = block_m, block_n, last_q
         self.chunk, self.scale, self.multi = chunk, scale, multi
         self.row_groups = row_groups
@@ -223,8 +217,8 @@ class _Estimator:
         if pos not in self._stats:
             want = self.needs.get(pos, set())
             kg, _ = _key_groups(self.index, self.dev)
-            use = PROXY if PROXY != "auto" else ("triton" if self.q.is_cuda else "torch")
-            fused = use == "triton" and len(pos) <= 64 and pos[-1] - pos[0] == len(pos) - 1
+            fused = self.proxy == "triton" and len(pos) <= 64 and \
+                pos[-1] - pos[0] == len(pos) - 1
             if fused:
                 from mminfer.kernels.proxy import proxy_stats
                 groups = {km: self.index.group_of(km) for km in want if km is not None}
@@ -384,25 +378,42 @@ class _Estimator:
         mass = mass * vis
         total = mass.sum(-1)                                              # [B, H']
         ntot = vis.sum(-1).to(torch.float32)                              # [H']
-        lifts, phases, excess = [], [], []
+        mean = total / ntot.clamp(min=1)[None]
+        sd = ((mass * mass).sum(-1) / ntot.clamp(min=1)[None] - mean * mean).clamp(min=0).sqrt()
+        lifts, phases, excess, signif = [], [], [], []
         for s in strides:
             pad = (-L) % s
-            fold = torch.nn.functional.pad(mass, (0, pad)).view(self.B, len(hs), -1, s).sum(2)
+            cols = torch.nn.functional.pad(mass, (0, pad)).view(self.B, len(hs), -1, s)
+            fold = cols.sum(2)                                            # [B, H', s]
             cnt = torch.nn.functional.pad(vis.to(torch.float32), (0, pad)) \
                 .view(len(hs), -1, s).sum(1)                              # [H', s]
-            share = total[..., None] * cnt[None] / ntot.clamp(min=1)[None, :, None]
-            lift = torch.where(cnt[None] > 0, fold / share.clamp(min=1e-30),
+            share = mean[..., None] * cnt[None]
+            # Lift and its significance without the phase's heaviest column: one column (a
+            # sink, a vertical, a noise spike) is not a grid, and with few keys per phase it
+            # would give a large lift by itself.
+            rest = fold - cols.amax(2)
+            c1 = (cnt - 1).clamp(min=0)[None]
+            lift = torch.where(c1 > 0, rest / (mean[..., None] * c1).clamp(min=1e-30),
                                torch.zeros_like(fold))                    # [B, H', s]
+            z = (rest - mean[..., None] * c1) / (sd[..., None] * c1.sqrt()).clamp(min=1e-30)
             best, phase = lift.max(-1)
             lifts.append(best)
             phases.append(phase)
+            signif.append(z.gather(-1, phase[..., None])[..., 0])
             excess.append((fold - share) / total.clamp(min=1e-30)[..., None])
         lift = torch.stack(lifts, -1)                                     # [B, H', C]
         phase = torch.stack(phases, -1)
+        # A stride counts only with MIN_PERIODS periods in the keys actually counted (else
+        # its phases hold a key or two each), and with a lift significant for the number of
+        # keys its phase holds: above the largest of its phases' noise (max of s normal
+        # deviates, about sqrt(2 ln s)) by a margin.
+        stride_t = torch.tensor(strides, device=self.dev)
+        z_min = torch.sqrt(2 * torch.log(stride_t.to(torch.float32))) + MIN_Z_MARGIN
+        valid = (ntot[None, :, None] >= MIN_PERIODS * stride_t) & \
+            (torch.stack(signif, -1) >= z_min)
         # A multiple s_i = m * s_j of a smaller candidate is a real structure only if one of
         # the m sub-phases of the s_j phase holds its excess mass: a true s_j structure
         # spreads it over all m (so the runner-up sub-phase is about as heavy).
-        valid = torch.ones_like(lift, dtype=torch.bool)
         for i, si in enumerate(strides):
             for j, sj in enumerate(strides[:i]):
                 if si % sj == 0:
@@ -411,20 +422,19 @@ class _Estimator:
                     top2 = excess[i].gather(-1, sub).topk(2, dim=-1).values
                     valid[..., i] &= (top2[..., 0] > 0) & \
                         (top2[..., 1] <= RUNNER_UP * top2[..., 0])
-        pick = torch.where(valid, lift, torch.full_like(lift, -1.0)).argmax(-1, keepdim=True)
-        stride_t = torch.tensor(strides, device=self.dev)
+        score = torch.where(valid, lift, torch.zeros_like(lift))
+        pick = score.argmax(-1, keepdim=True)
         g_stride = stride_t[pick[..., 0]]                                 # [B, H']
         g_phase = phase.gather(-1, pick)[..., 0]
-        g_lift = lift.gather(-1, pick)[..., 0]
+        g_lift = score.gather(-1, pick)[..., 0]       # 0 when no candidate is valid
         min_lift = torch.tensor([p.min_lift for p in pats], device=self.dev)
         fire = g_lift < min_lift[None, :]
 
         lines = [p.lines if lines_ok else "cols" for p in pats]
         qg, kg_ = self._group(qmod), self._group(kmod)
-        est.specs.append(Grid(heads=hs, start=start, end=end, stride=g_stride, phase=g_phase,
-                              lines=lines, sink=[p.sink for p in pats],
-                              window=[p.window for p in pats], qgroup=qg, kgroup=kg_))
-        gi = len(est.specs) - 1
+        primary = Grid(heads=hs, start=start, end=end, stride=g_stride, phase=g_phase,
+                       lines=lines, sink=[p.sink for p in pats],
+                       window=[p.window for p in pats], qgroup=qg, kgroup=kg_)
         if any(x != "cols" for x in lines):
             n_lines = -(-L // min(strides))
             est.row_line_programs = max(est.row_line_programs, -(-n_lines // self.block_m))
@@ -432,12 +442,10 @@ class _Estimator:
         by_kind: dict[str, list] = {}
         for i, p in enumerate(pats):
             by_kind.setdefault(p.fallback.kind, []).append(i)
-        for kind, pos_list in by_kind.items():
-            fb = self.spec(kind, [hs[i] for i in pos_list], [pats[i].fallback for i in pos_list],
-                           qmod, kmod, ksplit)
-            est.fallback_specs.append(fb)
-            est.switches.append(_Switch(gi, len(est.fallback_specs) - 1, pos_list,
-                                        fire[:, self._ints(pos_list)]))
+        alternatives = [self.spec(kind, [hs[i] for i in pos_list],
+                                  [pats[i].fallback for i in pos_list], qmod, kmod, ksplit)
+                        for kind, pos_list in by_kind.items()]
+        est.specs.append(Fallback(primary, alternatives, use=fire))
 
     def _grid_span(self, qmod, kmod):
         """(start, end) of the lines and whether row lines are allowed there. Slots of one
@@ -550,87 +558,27 @@ def _topk_ids(score, budgets, dev):
 # ---------------------------------------------------------------------- layout caches
 # The layout is the same for every layer of a request: build its device tensors once.
 @functools.lru_cache(maxsize=16)
-def _key_groups_cached(n, spans, mods, device):
-    gid = torch.empty(n, dtype=torch.int32)
-    ids = {m: g for g, m in enumerate(mods)}
-    counts = [0] * len(mods)
-    for s in spans:
-        gid[s.start:s.end] = ids[s.modality]
-        counts[ids[s.modality]] += s.length
+def _key_groups_cached(n, row_groups, device):
+    gid, counts = key_groups(n, [tuple(x) for x in row_groups])
     return gid.to(device), counts
 
 
 def _key_groups(index: ModalityIndex, device):
-    """Group id per key ``[N]`` (device) and key count per group (host)."""
-    return _key_groups_cached(index.n, tuple(index.spans), tuple(index.modalities()),
-                              torch.device(device))
+    """Group id per key ``[N]`` (device) and key count per group (host), the groups being
+    the row groups of ``index.row_groups()`` (the ids the plan's slots use)."""
+    return _key_groups_cached(index.n, tuple(index.row_groups()), torch.device(device))
 
 
 @functools.lru_cache(maxsize=16)
 def _row_blocks_cached(n, block_m, row_groups, device):
     table = row_table(n, block_m, [tuple(x) for x in row_groups] if row_groups else None)
-    lens = (table[:, 1] - table[:, 0]).to(torch.long)
-    rb = torch.repeat_interleave(torch.arange(table.shape[0]), lens)
-    return table.to(torch.long).to(device), rb.to(device)
+    return table.to(torch.long).to(device), row_blocks(table).to(device)
 
 
 def _row_blocks(n, block_m, row_groups, device):
     """The plan's row table ``[R, 3]`` and the row block of every position ``[N]``."""
     return _row_blocks_cached(n, block_m, tuple(map(tuple, row_groups)) if row_groups else None,
                               torch.device(device))
-
-
-# ---------------------------------------------------------------------- plan switches
-def _pad_index_lists(specs):
-    """SparsePlan.build concatenates the index lists of one family's specs along the head
-    axis, so they need one width: pad with -1 (padding) to the widest."""
-    def widen(t, width):
-        if t.shape[-1] == width:
-            return t
-        pad = torch.full(t.shape[:-1] + (width - t.shape[-1],), -1, dtype=t.dtype,
-                         device=t.device)
-        return torch.cat([t, pad], dim=-1)
-
-    vs = [sp for sp in specs if isinstance(sp, VerticalSlash)]
-    bl = [sp for sp in specs if isinstance(sp, Block)]
-    if len(vs) < 2 and len(bl) < 2:
-        return specs
-    wv = max((sp.verticals.shape[-1] for sp in vs), default=0)
-    ws = max((sp.slashes.shape[-1] for sp in vs), default=0)
-    wb = max((sp.key_blocks.shape[-1] for sp in bl), default=0)
-    out = []
-    for sp in specs:
-        if isinstance(sp, VerticalSlash):
-            sp = replace(sp, verticals=widen(sp.verticals, wv), slashes=widen(sp.slashes, ws))
-        elif isinstance(sp, Block):
-            sp = replace(sp, key_blocks=widen(sp.key_blocks, wb))
-        out.append(sp)
-    return out
-
-
-def _slot_offsets(specs):
-    """(family, first slot) of each spec, in the order SparsePlan.build concatenates them."""
-    names = {AShape: "a_shape", Grid: "grid", VerticalSlash: "vertical_slash", Block: "block"}
-    used: dict[str, int] = {}
-    out = []
-    for sp in specs:
-        fam = names[type(sp)]
-        out.append((fam, used.get(fam, 0)))
-        used[fam] = used.get(fam, 0) + len(sp.heads)
-    return out
-
-
-def _switch_off(params, slots, off, grid):
-    """Switch the ``slots`` of a family's ``[B, S, NF]`` parameters off where ``off [B, len]``."""
-    idx = torch.tensor(slots, dtype=torch.long).to(params.device, non_blocking=True)
-    sub = params[:, idx]
-    off = off.to(params.device)
-    sub[..., _F_QGROUP] = torch.where(off, torch.full_like(sub[..., _F_QGROUP], INACTIVE),
-                                      sub[..., _F_QGROUP])
-    if grid:
-        sub[..., _F_LINES] = torch.where(off, torch.zeros_like(sub[..., _F_LINES]),
-                                         sub[..., _F_LINES])
-    params[:, idx] = sub
 
 
 def full_budget(heads: Sequence[HeadPattern], n: int) -> list:

@@ -1,5 +1,6 @@
 """Kernel exactness: every pattern family and both groupings against fp32 masked attention
-built from the plan's exported masks (independent torch code).
+over the oracle masks, written from the *specs* (``kernels/masks.py``), never from the
+compiled plan: a bug in ``SparsePlan.build`` cannot reach kernel and oracle alike.
 
 CPU runs use the Triton interpreter (fp32/fp16, small N); the same cases run in bf16/fp16
 at larger N on a GPU (``-m gpu``; skipped without CUDA).
@@ -8,8 +9,8 @@ at larger N on a GPU (``-m gpu``; skipped without CUDA).
 import pytest
 import torch
 
-from mminfer.kernels import (AShape, Block, Grid, SparsePlan, VerticalSlash, dense, masked_attention,
-                             row_table, sparse_attention)
+from mminfer.kernels import (AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash, count_plan,
+                             dense, masked_attention, row_table, sparse_attention, spec_masks)
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -33,9 +34,17 @@ def _inputs(b, hq, hkv, n, d, dtype, device, seed=0):
     return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
 
 
-def check(q, k, v, plan, scale=None):
+def build(n, hq, specs, **kw):
+    """The plan, and the oracle mask ``[B, H, N, N]`` evaluated from the same specs."""
+    plan = SparsePlan.build(n, hq, specs, **kw)
+    oracle = spec_masks(specs, n, hq, block_m=kw["block_m"], block_n=kw.get("block_n", 64),
+                        row_groups=kw.get("row_groups"), batch=kw.get("batch", 1))
+    return plan, oracle
+
+
+def check(q, k, v, plan, oracle, scale=None):
     """Kernel error <= 2x PyTorch's own error in the same dtype (+ representability atol)."""
-    mask_cpu = plan.masks()
+    mask_cpu = oracle
     mask = mask_cpu.to(q.device)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     out, lse = sparse_attention(q, k, v, plan, out=out, return_lse=True, scale=scale)
@@ -93,8 +102,8 @@ def test_pattern_exact(device, dtype, n, block_m, family):
     else:
         spec = dense(heads, n)
     # key blocks of 32 keys: visited as two 16-key tiles on the CPU
-    plan = SparsePlan.build(n, hq, [spec], block_m=block_m, block_n=32, device=device)
-    mask, _ = check(q, k, v, plan)
+    plan, oracle = build(n, hq, [spec], block_m=block_m, block_n=32, device=device)
+    mask, _ = check(q, k, v, plan, oracle)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     assert not (mask & ~causal).any(), "mask must be causal"
     assert mask.diagonal(dim1=-2, dim2=-1).all(), "every row sees itself"
@@ -123,8 +132,8 @@ def test_gqa_and_head_dims(device, dtype, n, block_m, ratio, d):
         specs.append(VerticalSlash(by[2], vert, sl, window=4))
     if by[3]:
         specs.append(Block(by[3], _blocks(1, len(by[3]), r, n, 16, 2, device), window=0))
-    plan = SparsePlan.build(n, hq, specs, block_m=block_m, block_n=16, device=device)
-    check(q, k, v, plan)
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, device=device)
+    check(q, k, v, plan, oracle)
 
 
 # text - video - text - video - text, as in a multi-video prompt
@@ -151,12 +160,12 @@ def test_q_boundary(device, dtype, n, block_m):
         VerticalSlash([0, 2], vert, sl, window=2, qgroup=0),
         dense([1, 3], n, qgroup=0),
     ]
-    plan = SparsePlan.build(n, hq, specs, block_m=block_m, block_n=16, row_groups=spans,
-                            device=device)
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, row_groups=spans,
+                         device=device)
     # Row blocks never straddle modality spans.
     for a, b_, g in plan.table.cpu().tolist():
         assert any(s <= a and b_ <= e and gg == g for s, e, gg in spans)
-    mask, _ = check(q, k, v, plan)
+    mask, _ = check(q, k, v, plan, oracle)
     rows_text = torch.zeros(n, dtype=torch.bool)
     for s, e, g in spans:
         rows_text[s:e] = g == 0
@@ -185,10 +194,10 @@ def test_2d_boundary(device, dtype, n, block_m):
         Grid([1], start=spans[1][0], end=spans[1][1], stride=3, phase=2, lines="both",
              window=5),
     ]
-    plan = SparsePlan.build(n, hq, specs, block_m=block_m, block_n=16, row_groups=spans,
-                            device=device)
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, row_groups=spans,
+                         device=device)
     assert plan.heads_2d == [0, 2]
-    mask, _ = check(q, k, v, plan)
+    mask, _ = check(q, k, v, plan, oracle)
     key_text = torch.zeros(n, dtype=torch.bool)
     for s, e, g in spans:
         key_text[s:e] = g == 0
@@ -207,8 +216,8 @@ def test_full_budget_is_dense(device, dtype, n, block_m):
     specs = [AShape([0], sink=n, window=0), VerticalSlash([1], allv, allv[..., :1], window=0),
              Block([2], allb, window=0),
              Grid([3], start=0, end=n, stride=1, phase=0, lines="cols", sink=0, window=0)]
-    plan = SparsePlan.build(n, hq, specs, block_m=block_m, block_n=16, device=device)
-    mask, out = check(q, k, v, plan)
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, device=device)
+    mask, out = check(q, k, v, plan, oracle)
     assert mask.all(dim=(0, 1)).eq(torch.ones(n, n, dtype=torch.bool).tril()).all()
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(hq // hkv, 1), v.float().repeat_interleave(hq // hkv, 1),
@@ -225,8 +234,8 @@ def test_batch_with_per_request_grid(device, dtype, n, block_m):
     phase = torch.tensor([[4, 0], [2, 1]], device=device)
     spec = Grid([0, 1], start=3, end=n - 2, stride=stride, phase=phase, lines="both", sink=2,
                 window=6)
-    plan = SparsePlan.build(n, hq, [spec], block_m=block_m, block_n=16, batch=2, device=device)
-    mask, _ = check(q, k, v, plan)
+    plan, oracle = build(n, hq, [spec], block_m=block_m, block_n=16, batch=2, device=device)
+    mask, _ = check(q, k, v, plan, oracle)
     assert not torch.equal(mask[0], mask[1])
 
 
@@ -236,11 +245,188 @@ def test_density_counts_match_masks(device, dtype, n, block_m):
     vert, sl = _vs(1, 2, n, 5, 4, device)
     specs = [AShape([0], sink=4, window=8), VerticalSlash([1, 2], vert, sl, window=3),
              Grid([3], start=2, end=n, stride=6, phase=5, lines="both", sink=1, window=2)]
-    plan = SparsePlan.build(n, hq, specs, block_m=block_m, block_n=16, device=device)
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, device=device)
     dens = plan.density()
     tri = hq * n * (n + 1) / 2
-    assert dens["logical"] == pytest.approx(plan.masks().sum().item() / tri, abs=1e-9)
+    assert dens["logical"] == pytest.approx(oracle.sum().item() / tri, abs=1e-9)
     assert dens["physical"] >= dens["logical"]
+    _same_density(dens, count_plan(plan))
+
+
+def _same_density(a, b):
+    """plan.density() (from the plan's arrays) equals count_plan (the kernel counting)."""
+    assert a["tiles"] == b["tiles"]
+    assert torch.equal(a["logical_per_head"], b["logical_per_head"])
+    assert torch.equal(a["physical_per_head"], b["physical_per_head"])
+    assert (a["logical"], a["physical"], a["pairs"], a["tile_pairs"]) == \
+        (b["logical"], b["physical"], b["pairs"], b["tile_pairs"])
+
+
+def _mixed_specs(n, block_m, device, batch=1):
+    """Every family, Q- and 2D-boundary slots, grid row lines across groups and a Fallback
+    whose choice differs per request and head: the plan kinds density must count."""
+    spans = _layout(n)
+    r = row_table(n, block_m, spans).shape[0]
+    vert, sl = _vs(batch, 2, n, 6, 3, device)
+    v_lo, v_hi = spans[1][0], spans[1][1]
+    use = torch.tensor([[True, False, True], [False, True, True]][:batch], device=device)
+    return spans, [
+        Grid([0], start=spans[1][0], end=spans[3][1], stride=4, phase=1, lines="cols",
+             sink=3, window=2, qgroup=1, kgroup=1),
+        Block([0], _blocks(batch, 1, r, n, 16, 3, device), window=3, qgroup=1, kgroup=0),
+        VerticalSlash([0], vert[:, :1], sl[:, :1], window=1, qgroup=0, kgroup=1),
+        AShape([0], sink=2, window=5, qgroup=0, kgroup=0),
+        Fallback(Grid([1, 2, 3], start=v_lo, end=v_hi, stride=[3, 5, 2], phase=[2, 0, 1],
+                      lines=["both", "rows", "both"], sink=1, window=[5, 0, 9], qgroup=1),
+                 [VerticalSlash([1, 3], vert, sl, window=[4, 0], qgroup=1),
+                  AShape([2], sink=3, window=6, qgroup=1)], use=use),
+        Grid([1, 2, 3], start=spans[2][0], end=spans[2][1], stride=3, phase=1, lines="both",
+             sink=0, window=4, qgroup=0),
+    ]
+
+
+@pytest.mark.parametrize("device,dtype,n,block_m", CASES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_mixed_plan_exact_and_its_density_is_the_kernels_count(device, dtype, n, block_m,
+                                                                batch):
+    hq, hkv, d = 4, 2, 64
+    spans, specs = _mixed_specs(n, block_m, device, batch)
+    q, k, v = _inputs(batch, hq, hkv, n, d, dtype, device, seed=13)
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, row_groups=spans,
+                         batch=batch, device=device)
+    check(q, k, v, plan, oracle)
+    dens = plan.density()
+    assert dens["logical"] == pytest.approx(oracle.sum().item() / (batch * hq * n * (n + 1) / 2))
+    _same_density(dens, count_plan(plan))
+
+
+@pytest.mark.parametrize("device,dtype,n,block_m", CASES)
+def test_fallback_runs_exactly_one_side_per_request_and_head(device, dtype, n, block_m):
+    hq, hkv, d = 4, 2, 64
+    spans, specs = _mixed_specs(n, block_m, device, batch=2)
+    fb = specs[4]
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, row_groups=spans, batch=2,
+                         device=device)
+    q, k, v = _inputs(2, hq, hkv, n, d, dtype, device, seed=17)
+    check(q, k, v, plan, oracle)   # poisoned output: the chosen side wrote every row
+    assert torch.equal(plan.launches["grid"].active[:, 1:4].cpu(), ~fb.use.cpu())
+    # The oracle of the Fallback is, per (request, head), the mask of the side it uses.
+    use = fb.use.cpu()
+    kw = dict(block_m=block_m, block_n=16, row_groups=spans, batch=2)
+    grid_only = spec_masks([fb.primary], n, hq, **kw)
+    alt_only = spec_masks(list(fb.alternatives), n, hq, **kw)
+    for b in range(2):
+        for i, h in enumerate(fb.primary.heads):
+            rows = torch.tensor([g == 1 for s, e, g in spans for _ in range(s, e)])
+            want = (alt_only if use[b, i] else grid_only)[b, h][rows]
+            assert torch.equal(oracle[b, h][rows], want)
+
+
+def test_fallback_validation_messages():
+    n = 64
+    use = torch.tensor([[True, False]])
+    g = Grid([0, 1], 0, n, stride=4, phase=1)
+    with pytest.raises(ValueError, match="exactly once"):
+        SparsePlan.build(n, 2, [Fallback(g, [AShape([0])], use)], block_m=16)
+    with pytest.raises(ValueError, match="alternative head 1 .query group 1"):
+        SparsePlan.build(n, 2, [Fallback(g, [AShape([0]), AShape([1], qgroup=1)], use)],
+                         block_m=16, row_groups=[(0, 32, 0), (32, n, 1)])
+    with pytest.raises(ValueError, match=r"use must be a \[1, 2\] bool tensor"):
+        SparsePlan.build(n, 2, [Fallback(g, [AShape([0, 1])], use[:, :1])], block_m=16)
+    # The alternatives never count for coverage: the primary's heads are covered once.
+    plan = SparsePlan.build(n, 2, [Fallback(g, [AShape([0, 1])], use)], block_m=16)
+    assert plan.launches["a_shape"].active.tolist() == [[True, False]]
+
+
+@pytest.mark.parametrize("device,dtype,n,block_m", CASES)
+def test_specs_of_one_family_with_different_index_widths(device, dtype, n, block_m):
+    """Index lists of different widths (verticals, slashes, key blocks) are padded, not a
+    torch.cat size error; a malformed one is an error that names it."""
+    hq, hkv, d = 4, 2, 64
+    q, k, v = _inputs(1, hq, hkv, n, d, dtype, device, seed=19)
+    v0, s0 = _vs(1, 1, n, 3, 2, device)
+    v1, s1 = _vs(1, 1, n, 11, 7, device, seed=4)
+    r = row_table(n, block_m).shape[0]
+    specs = [VerticalSlash([0], v0, s0, window=2), VerticalSlash([1], v1, s1, window=5),
+             Block([2], _blocks(1, 1, r, n, 16, 1, device), window=1),
+             Block([3], _blocks(1, 1, r, n, 16, 4, device, seed=5), window=0)]
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, device=device)
+    check(q, k, v, plan, oracle)
+    with pytest.raises(ValueError, match=r"vertical_slash heads \[0\]: verticals must be"):
+        SparsePlan.build(n, 2, [VerticalSlash([0], v0[0], s0), specs[1]], block_m=block_m,
+                         block_n=16, device=device)
+
+
+def test_dense_plans_read_exactly_one():
+    """A plan computing every pair visits exactly a dense pass's tiles: physical 1.0 with
+    or without row groups (it read 1.186 at 183 tokens when tiles were counted over the pair
+    triangle). A 2D-boundary head sweeps its near range once per key group: 2.0, reported."""
+    n, spans = 183, [(0, 12, 0), (12, 172, 1), (172, 183, 0)]
+    for rg in (None, spans):
+        d = SparsePlan.build(n, 2, [dense([0, 1], n)], block_m=16, block_n=16,
+                             row_groups=rg).density()
+        assert d["logical"] == 1.0 and d["physical"] == 1.0
+    d = SparsePlan.build(n, 2, [dense([0], n, kgroup=0), dense([0], n, kgroup=1),
+                                dense([1], n)], block_m=16, block_n=16,
+                         row_groups=spans).density()
+    assert d["logical"] == 1.0 and d["physical_per_head"].tolist() == [2.0, 1.0]
+
+
+def _naive_mask(fam, n, bm, bn, spans, prm):
+    """The pattern definitions of plan.py's docstring, pair by pair in plain Python."""
+    starts = [s for s, _, _ in spans]
+    out = torch.zeros(n, n, dtype=torch.bool)
+    blocks = [(a, min(a + bm, e), g) for s, e, g in spans for a in range(s, e, bm)]
+    for r, (a, e, g) in enumerate(blocks):
+        for i in range(a, e):
+            if prm.get("qgroup", -1) >= 0 and g != prm["qgroup"]:
+                continue
+            for j in range(i + 1):
+                kgrp = [gg for s, ee, gg in spans if s <= j < ee][0]
+                if prm.get("kgroup", -1) >= 0 and kgrp != prm["kgroup"]:
+                    continue
+                ok = j >= max(a - prm["window"], 0)
+                if fam in ("a_shape", "grid"):
+                    ok |= j < prm["sink"]
+                if fam == "grid":
+                    def on(x):
+                        return prm["start"] <= x < prm["end"] and \
+                            (x - prm["start"]) % prm["stride"] == prm["phase"]
+                    ok |= prm["lines"] in ("cols", "both") and on(j)
+                    ok |= prm["lines"] in ("rows", "both") and on(i)
+                if fam == "vertical_slash":
+                    ok |= j in prm["verticals"]
+                    ok |= any(a - o <= j < e - o for o in prm["slashes"])
+                if fam == "block":
+                    ok |= j // bn in prm["key_blocks"][r]
+                out[i, j] = ok
+    assert starts == sorted(starts)
+    return out
+
+
+def test_oracle_equals_the_definitions_pair_by_pair():
+    n, bm, bn = 45, 8, 4
+    spans = [(0, 7, 0), (7, 31, 1), (31, n, 0)]
+    cases = [
+        ("a_shape", AShape([0], sink=3, window=5, qgroup=1), dict(sink=3, window=5, qgroup=1)),
+        ("grid", Grid([0], 9, 40, 5, 2, lines="both", sink=2, window=3),
+         dict(start=9, end=40, stride=5, phase=2, lines="both", sink=2, window=3)),
+        ("grid", Grid([0], 7, 31, 4, 3, lines="rows", sink=0, window=0, qgroup=1, kgroup=0),
+         dict(start=7, end=31, stride=4, phase=3, lines="rows", sink=0, window=0, qgroup=1,
+              kgroup=0)),
+        ("vertical_slash", VerticalSlash([0], torch.tensor([[[3, 17, -1, 40]]]),
+                                         torch.tensor([[[0, 11, 25, -1]]]), window=2, kgroup=1),
+         dict(verticals={3, 17, 40}, slashes=[0, 11, 25], window=2, kgroup=1)),
+    ]
+    R = len([a for s, e, _ in spans for a in range(s, e, bm)])
+    kb = torch.randint(0, (n + bn - 1) // bn, (1, 1, R, 3), generator=torch.Generator().manual_seed(0))
+    kb[0, 0, 1, 2] = -1
+    cases.append(("block", Block([0], kb, window=1),
+                  dict(key_blocks=[set(x for x in row if x >= 0) for row in kb[0, 0].tolist()],
+                       window=1)))
+    for fam, spec, prm in cases:
+        got = spec_masks([spec], n, 1, block_m=bm, block_n=bn, row_groups=spans)[0, 0]
+        assert torch.equal(got, _naive_mask(fam, n, bm, bn, spans, prm)), (fam, prm)
 
 
 def test_plan_validation_messages():

@@ -56,7 +56,7 @@ def test_sparse_path_matches_masked_attention_of_its_plan():
     out, plan = layer_attention(q, k, v, idx, HEADS, min_sparse_len=0, return_plan=True,
                                 scale=scale, out=buf.transpose(1, 2), timer=timer)
     assert out.data_ptr() == buf.data_ptr()
-    assert plan.block_m == 16 and plan.estimate.row_groups == idx.row_groups()
+    assert plan.block_m == 16 and plan.row_groups == idx.row_groups()
     mask = plan.masks()
     ref, _ = masked_attention(q, k, v, mask, scale=scale)
     torch.testing.assert_close(buf.transpose(1, 2), ref, atol=2e-5, rtol=2e-5)
@@ -100,5 +100,5 @@ def test_through_the_transformers_hook_full_budget_equals_sdpa():
             out = model(ids).logits
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert set(ctx.densities) == {0, 1}
-    assert ctx.densities[0].estimate.row_groups == idx.row_groups()   # Q-boundary head
+    assert ctx.densities[0].row_groups == idx.row_groups()   # Q-boundary head
     assert {"index", "attention"} <= set(timer.totals_ms())

@@ -121,8 +121,9 @@ def test_config_missing_file_and_bad_json(tmp_path):
 # ---------------------------------------------------------------------- density claim
 def replay_grid_density(n, start, end, stride, phase, sink, window, BM, BN):
     """The kernel's traversal for one grid head (lines both, no row groups), replayed in
-    numpy: (logical, physical) fractions of the causal triangle. Used for the 1M claim in
-    configs/README.md; checked against the kernel's count mode below."""
+    numpy: (logical, physical): pairs over the causal triangle, tiles over a dense pass's
+    tiles. Used for the 1M claim in configs/README.md; checked against the kernel's count
+    mode and against plan.density() below."""
     r0 = np.arange(0, n, BM, dtype=np.int64)
     r1 = np.minimum(r0 + BM, n)
     lo = np.maximum(r0 - window, 0)
@@ -142,12 +143,15 @@ def replay_grid_density(n, start, end, stride, phase, sink, window, BM, BN):
     for t in range(-(-n_lines // BM)):
         tiles += -(-(first + (min((t + 1) * BM, n_lines) - 1) * stride + 1) // BN)
     tri = n * (n + 1) / 2
-    return logical / tri, tiles * BM * BN / tri
+    nf = r0 // BN
+    dense = int((nf + -(-(r1 - nf * BN) // BN)).sum())
+    return logical / tri, tiles / dense
 
 
 def test_default_grid_density_at_1m():
-    from mminfer.kernels import Grid, SparsePlan
-    from mminfer.kernels.launch import CPU_CONFIG
+    from mminfer.kernels import Grid, SparsePlan, count_plan
+    from mminfer.kernels.density import counts, summarise
+    from mminfer.kernels.runtime import CPU_CONFIG
     from mminfer.sparse.modality import ModalityIndex
 
     # The replay equals the kernel's own count (interpreter, CPU tile width) at small N ...
@@ -156,15 +160,22 @@ def test_default_grid_density_at_1m():
     args = dict(start=vs.start, end=vs.end, stride=257, phase=7, sink=128, window=300)
     plan = SparsePlan.build(idx.n, 1, [Grid([0], lines="both", **args)], block_m=64,
                             block_n=16, device="cpu")
-    d = plan.density()
+    d = count_plan(plan)
     logical, physical = replay_grid_density(idx.n, BM=64, BN=CPU_CONFIG["BLOCK_N"], **args)
     assert d["logical"] == pytest.approx(logical, rel=1e-9)
     assert d["physical"] == pytest.approx(physical, rel=1e-9)
     # ... so at 1M tokens (LongVILA: 257 tokens per frame, 128 x 64 GPU tiles) the default
-    # grid pattern costs about 2 % of the causal triangle.
+    # grid pattern costs about 2 % of a dense pass; plan.density() (counted from the plan's
+    # arrays, no launch) says the same at that length.
     g = grid()
     idx = ModalityIndex.longvila(100, (1 << 20) // 257, 256, 100)
     vs = idx.visual_spans()[0]
     logical, physical = replay_grid_density(idx.n, vs.start, vs.end, 257, 5, g.sink, g.window,
                                             BM=128, BN=64)
     assert 0.017 < logical < 0.023 and 0.017 < physical < 0.023
+    plan = SparsePlan.build(idx.n, 1, [Grid([0], vs.start, vs.end, 257, 5, lines="both",
+                                            sink=g.sink, window=g.window)],
+                            block_m=128, block_n=64, device="cpu")
+    d = summarise(plan, counts(plan, block_n_tile=64))
+    assert d["logical"] == pytest.approx(logical, rel=1e-12)
+    assert d["physical"] == pytest.approx(physical, rel=1e-12)

@@ -1,0 +1,209 @@
+"""The pattern families as mask functions, written from the specs: the test oracle.
+
+One function per family, attention-gym style: ``mask(P, b, h, q_idx, kv_idx) -> bool``,
+elementwise over broadcastable index tensors, so the same code gives a dense ``[B, H, N, N]``
+mask here and is a FlexAttention ``mask_mod`` in ``benchmarks/kernels.py``
+(``lambda b, h, q, kv: grid(P, b, h, q, kv)``). ``P`` holds the token layout (row block and
+group of every query, group of every key) and one spec's parameters per ``[b, h]``, built by
+``spec_params``.
+
+Nothing here reads a compiled plan: the row blocks come from a closed form over the row
+groups, the parameters straight from the specs, so a bug in ``SparsePlan.build`` (or in
+``layout.row_table``) cannot reach the oracle. The semantics (``plan.py``'s docstring):
+
+* every family: causal ``kv <= q``; rows of the spec's query group, keys of its key group;
+  the near range ``kv >= max(r0(q) - window, 0)``;
+* a_shape: ``kv < sink``;
+* grid: ``kv < sink``; column lines ``on(kv)``; row lines ``on(q)`` see every key, where
+  ``on(x) = start <= x < end and (x - start) % stride == phase``;
+* vertical_slash: ``kv`` a vertical; or an offset ``o`` with ``r0(q) - o <= kv < r1(q) - o``;
+* block: key block ``kv // block_n`` listed for q's row block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import family_of
+from .specs import Fallback
+
+MAX_N = 8192
+
+
+# ---------------------------------------------------------------------- layout
+def layout_tensors(n: int, block_m: int, block_n: int = 64, row_groups=None,
+                   device="cpu") -> dict:
+    """Per position: its row block's bounds ``row_start``/``row_end``, ``row_block`` (the
+    index in row-table order), ``row_group``; per key: ``key_group``."""
+    spans = [tuple(s) for s in row_groups] if row_groups else [(0, n, 0)]
+    pos_ = 0
+    for s, e, _ in spans:
+        if s != pos_ or e <= s:
+            raise ValueError(f"row groups must tile [0, {n}) in order; got span ({s}, {e})")
+        pos_ = e
+    if pos_ != n:
+        raise ValueError(f"row groups end at {pos_}, expected {n}")
+    starts = torch.tensor([s for s, _, _ in spans])
+    ends = torch.tensor([e for _, e, _ in spans])
+    groups = torch.tensor([g for _, _, g in spans])
+    pos = torch.arange(n)
+    span = torch.searchsorted(starts, pos, right=True) - 1
+    s, e = starts[span], ends[span]
+    r0 = s + (pos - s) // block_m * block_m
+    per_span = (ends - starts + block_m - 1) // block_m
+    first = torch.cumsum(per_span, 0) - per_span
+    out = {"n": n, "block_n": block_n, "n_row_blocks": int(per_span.sum()),
+           "row_start": r0, "row_end": torch.minimum(r0 + block_m, e),
+           "row_block": first[span] + (pos - s) // block_m, "row_group": groups[span],
+           "key_group": groups[span]}
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def _per_head(x, spec_heads, num_heads, batch, fill, name):
+    """A spec's int / per-head sequence / ``[B, H']`` value as ``[B, H]`` over all heads."""
+    H = len(spec_heads)
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu", torch.int64)
+        t = t.expand(batch, H) if t.dim() < 2 else t
+    elif isinstance(x, int):
+        t = torch.full((batch, H), x, dtype=torch.int64)
+    else:
+        t = torch.tensor(list(x), dtype=torch.int64)[None, :].expand(batch, H)
+    if tuple(t.shape) != (batch, H):
+        raise ValueError(f"{name}: expected an int, {H} values or [{batch}, {H}]")
+    full = torch.full((batch, num_heads), fill, dtype=torch.int64)
+    full[:, torch.tensor(list(spec_heads), dtype=torch.long)] = t
+    return full
+
+
+def spec_params(spec, L: dict, num_heads: int, batch: int = 1, active=None) -> dict:
+    """``P`` for one spec: the layout ``L`` plus the spec's parameters as ``[B, H]`` (and
+    ``[B, H, ...]`` index lookups) over all heads; heads outside the spec (or switched off
+    by ``active [B, H']``) have ``mine`` false."""
+    n, heads = L["n"], list(spec.heads)
+    hidx = torch.tensor(heads, dtype=torch.long)
+    mine = torch.zeros(batch, num_heads, dtype=torch.bool)
+    mine[:, hidx] = True if active is None else active.detach().to("cpu", torch.bool)
+    P = dict(L)
+    P.update(mine=mine,
+             qgroup=_per_head(spec.qgroup, heads, num_heads, batch, -1, "qgroup"),
+             kgroup=_per_head(spec.kgroup, heads, num_heads, batch, -1, "kgroup"),
+             window=_per_head(spec.window, heads, num_heads, batch, 0, "window"))
+    fam = family_of(spec)
+    if fam in ("a_shape", "grid"):
+        P["sink"] = _per_head(spec.sink, heads, num_heads, batch, 0, "sink")
+    if fam == "grid":
+        for name, fill in (("start", 0), ("end", 0), ("stride", 1), ("phase", 0)):
+            P[name] = _per_head(getattr(spec, name), heads, num_heads, batch, fill, name)
+        lines = [spec.lines] * len(heads) if isinstance(spec.lines, str) else list(spec.lines)
+        for name, kinds in (("cols", ("cols", "both")), ("rows", ("rows", "both"))):
+            t = torch.zeros(batch, num_heads, dtype=torch.bool)
+            t[:, hidx] = torch.tensor([x in kinds for x in lines])
+            P[name] = t
+    elif fam == "vertical_slash":
+        vert = torch.zeros(batch, num_heads, n + 1, dtype=torch.bool)
+        v = spec.verticals.detach().to("cpu", torch.int64)
+        v = torch.where((v < 0) | (v >= n), torch.full_like(v, n), v)
+        vert[:, hidx] = torch.zeros(batch, len(heads), n + 1, dtype=torch.bool) \
+            .scatter_(2, v, True)
+        P["vert"] = vert[..., :n]
+        # scnt[b, h, x] = number of distinct offsets o < x (offsets beyond n can reach no key)
+        o = spec.slashes.detach().to("cpu", torch.int64)
+        o = torch.where((o < 0) | (o > n), torch.full_like(o, n + 1), o)
+        has = torch.zeros(batch, len(heads), n + 2, dtype=torch.bool).scatter_(2, o, True)
+        scnt = torch.zeros(batch, num_heads, n + 2, dtype=torch.int64)
+        scnt[:, hidx, 1:] = has[..., :n + 1].to(torch.int64).cumsum(-1)
+        P["scnt"] = scnt
+    elif fam == "block":
+        R, bn = L["n_row_blocks"], L["block_n"]
+        nkb = (n + bn - 1) // bn
+        kb = spec.key_blocks.detach().to("cpu", torch.int64)
+        if tuple(kb.shape[:3]) != (batch, len(heads), R):
+            raise ValueError(f"block: key_blocks must be [B={batch}, H'={len(heads)}, R={R}, "
+                             f"k], got {tuple(kb.shape)}")
+        kb = torch.where((kb < 0) | (kb >= nkb), torch.full_like(kb, nkb), kb)
+        chosen = torch.zeros(batch, num_heads, R, nkb + 1, dtype=torch.bool)
+        chosen[:, hidx] = torch.zeros(batch, len(heads), R, nkb + 1, dtype=torch.bool) \
+            .scatter_(3, kb, True)
+        P["chosen"] = chosen
+    return P
+
+
+# ---------------------------------------------------------------------- mask functions
+def _common(P, b, h, q, kv):
+    """(causal pair of this spec's rows and keys, in the near range)."""
+    qg, kg = P["qgroup"][b, h], P["kgroup"][b, h]
+    rows = P["mine"][b, h] & ((qg < 0) | (P["row_group"][q] == qg))
+    keys = (kg < 0) | (P["key_group"][kv] == kg)
+    near = kv >= torch.clamp(P["row_start"][q] - P["window"][b, h], min=0)
+    return (kv <= q) & rows & keys, near
+
+
+def a_shape(P, b, h, q, kv):
+    ok, near = _common(P, b, h, q, kv)
+    return ok & (near | (kv < P["sink"][b, h]))
+
+
+def grid(P, b, h, q, kv):
+    ok, near = _common(P, b, h, q, kv)
+    start, end = P["start"][b, h], P["end"][b, h]
+    stride, phase = P["stride"][b, h], P["phase"][b, h]
+
+    def on(x):
+        return (x >= start) & (x < end) & (torch.remainder(x - start, stride) == phase)
+
+    return ok & (near | (kv < P["sink"][b, h]) | (P["cols"][b, h] & on(kv))
+                 | (P["rows"][b, h] & on(q)))
+
+
+def vertical_slash(P, b, h, q, kv):
+    ok, near = _common(P, b, h, q, kv)
+    n = P["n"]
+    # offsets o with r0(q) - kv <= o < r1(q) - kv exist iff scnt differs at the two ends
+    lo_o = torch.clamp(P["row_start"][q] - kv, min=0, max=n + 1)
+    hi_o = torch.clamp(P["row_end"][q] - kv, min=0, max=n + 1)
+    slash = P["scnt"][b, h, hi_o] > P["scnt"][b, h, lo_o]
+    return ok & (near | P["vert"][b, h, kv] | slash)
+
+
+def block(P, b, h, q, kv):
+    ok, near = _common(P, b, h, q, kv)
+    return ok & (near | P["chosen"][b, h, P["row_block"][q], kv // P["block_n"]])
+
+
+MASKS = {"a_shape": a_shape, "grid": grid, "vertical_slash": vertical_slash, "block": block}
+
+
+# ---------------------------------------------------------------------- dense masks
+def flat_specs(specs, batch: int = 1):
+    """``(spec, active [B, H'] or None)`` for every spec, a Fallback's sides included."""
+    out = []
+    for sp in specs:
+        if isinstance(sp, Fallback):
+            use = sp.use.detach().to("cpu", torch.bool)
+            out.append((sp.primary, ~use))
+            where = {h: i for i, h in enumerate(sp.primary.heads)}
+            for alt in sp.alternatives:
+                out.append((alt, use[:, [where[h] for h in alt.heads]]))
+        else:
+            out.append((sp, None))
+    return out
+
+
+def spec_masks(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
+               row_groups=None, batch: int = 1) -> torch.Tensor:
+    """Exact boolean mask ``[B, H, N, N]`` of the pattern specs (small N only)."""
+    if n > MAX_N:
+        raise ValueError(f"masks are for small N (got {n}); use plan.density() at long N")
+    L = layout_tensors(n, block_m, block_n, row_groups)
+    out = torch.zeros(batch, num_heads, n, n, dtype=torch.bool)
+    b = torch.arange(batch)[:, None, None, None]
+    q = torch.arange(n)[None, None, :, None]
+    kv = torch.arange(n)[None, None, None, :]
+    for sp, active in flat_specs(specs, batch):
+        if not len(sp.heads):
+            continue
+        P = spec_params(sp, L, num_heads, batch, active)
+        hs = torch.tensor(list(sp.heads), dtype=torch.long)
+        out[:, hs] |= MASKS[family_of(sp)](P, b, hs[None, :, None, None], q, kv)
+    return out
