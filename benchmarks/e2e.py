@@ -1067,7 +1067,7 @@ def summarise(case: Case, R: dict) -> dict:
     def ratio(a, b, key):
         ra, rb = out["rows"].get(a), out["rows"].get(b)
         if ra and rb and ra[key] and rb[key]:
-            return round(ra[key] / rb[key], 3)
+            return float(f"{ra[key] / rb[key]:.4g}")      # 4 significant digits, any size
         return None
 
     for a, b in (("dense", "sparse"), ("transformers", "sparse"), ("transformers", "dense")):
