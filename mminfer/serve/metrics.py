@@ -48,6 +48,10 @@ class Metrics:
                              registry=r)
         self.running = Gauge("mminfer:num_requests_running", "Requests the worker is running",
                              registry=r)
+        self.stop_latency = Histogram(
+            "mminfer:request_stop_seconds",
+            "From asking a running request to stop (client gone, deadline, shutdown) to the "
+            "worker being free", registry=r, buckets=LATENCY_BUCKETS)
         self.worker_up = Gauge("mminfer:worker_up", "1 when the model worker is alive and loaded",
                                registry=r)
         info = Gauge("mminfer:model_info", "The served model", ["model_name"], registry=r)

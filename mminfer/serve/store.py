@@ -4,6 +4,11 @@ One row per finished request (successes and errors alike). Timings are kept as a
 per row: the stage list grows with the pipeline, and the report reads whatever stages the rows
 carry. The report groups successful requests by prompt length (tokens), because the cost of
 prefill attention depends on length far more than on anything else.
+
+The report is computed by SQLite (json_each, window functions), not by loading rows into
+Python: sqlite3 gives up the GIL while a query runs, so a report over many rows, run in a
+thread, never holds the event loop. Rows older than ``retention_days`` and beyond the newest
+``max_rows`` are deleted as new ones arrive.
 """
 
 from __future__ import annotations
@@ -78,9 +83,49 @@ def parse_time(value: str | None) -> float | None:
     return x
 
 
+def _bucket_sql(col: str) -> str:
+    whens = " ".join(f"WHEN {col} < {edge} THEN {i}" for i, edge in enumerate(BUCKET_EDGES))
+    return f"CASE {whens} ELSE {len(BUCKET_EDGES)} END"
+
+
+QUANTILES = (("p50_ms", 0.50), ("p95_ms", 0.95), ("p99_ms", 0.99))
+
+# Per (stage, bucket): count, mean, mean density and, for each quantile q, the two ranks
+# around (n - 1) q, interpolated in Python as numpy's default ("linear") does.
+_REPORT_SQL = """
+WITH t AS (
+    SELECT j.key AS stage, {bucket} AS b, CAST(j.value AS REAL) AS ms, r.density AS density,
+           r.ts AS ts
+    FROM requests r, json_each(r.timings) j
+    WHERE r.status = 200 AND r.tokens IS NOT NULL AND j.type IN ('integer', 'real') {window}
+), ranked AS (
+    SELECT stage, b, ms, density, ts,
+           ROW_NUMBER() OVER (PARTITION BY stage, b ORDER BY ms) - 1 AS i,
+           COUNT(*) OVER (PARTITION BY stage, b) AS n
+    FROM t
+)
+SELECT stage, b, n, AVG(ms), AVG(density), MIN(ts), {picks}
+FROM ranked GROUP BY stage, b
+"""
+
+
+def _picks() -> str:
+    out = []
+    for _, q in QUANTILES:
+        lo = f"CAST((n - 1) * {q!r} AS INTEGER)"
+        out.append(f"MAX(CASE WHEN i = {lo} THEN ms END)")
+        out.append(f"MAX(CASE WHEN i = MIN({lo} + 1, n - 1) THEN ms END)")
+    return ", ".join(out)
+
+
 class LatencyStore:
-    def __init__(self, path):
+    PRUNE_EVERY = 1000        # inserts between retention passes
+
+    def __init__(self, path, retention_days: float | None = 30.0, max_rows: int | None = None):
         self.path = Path(path)
+        self.retention_days = retention_days
+        self.max_rows = max_rows
+        self._adds = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One connection shared by the event loop and the worker thread, behind a lock:
         # writes are a few hundred bytes, far cheaper than a connection per call.
@@ -91,6 +136,22 @@ class LatencyStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
             self._db.commit()
+        self.prune()
+
+    def prune(self, now: float | None = None) -> int:
+        """Delete rows past the retention; returns how many went."""
+        now = time.time() if now is None else now
+        gone = 0
+        with self._lock:
+            if self.retention_days is not None:
+                gone += self._db.execute("DELETE FROM requests WHERE ts < ?",
+                                         (now - self.retention_days * 86400,)).rowcount
+            if self.max_rows is not None:
+                gone += self._db.execute(
+                    "DELETE FROM requests WHERE rowid <= (SELECT rowid FROM requests "
+                    "ORDER BY rowid DESC LIMIT 1 OFFSET ?)", (int(self.max_rows),)).rowcount
+            self._db.commit()
+        return gone
 
     def close(self):
         with self._lock:
@@ -107,6 +168,10 @@ class LatencyStore:
             self._db.execute("INSERT INTO requests VALUES "
                              "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             self._db.commit()
+            self._adds += 1
+            due = self._adds % self.PRUNE_EVERY == 0
+        if due:
+            self.prune()
 
     def rows(self, since: float | None = None, until: float | None = None,
              limit: int | None = None) -> list[dict]:
@@ -132,42 +197,41 @@ class LatencyStore:
         return out
 
     def report(self, since: float | None = None, until: float | None = None) -> dict:
-        rows = self.rows(since, until)
-        ok = [r for r in rows if r["status"] == 200 and r["tokens"] is not None]
-        groups: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
-        stages = list(REPORT_STAGES)
-        for r in ok:
-            b = bucket_of(r["tokens"])
-            for stage, ms in r["timings"].items():
-                if not isinstance(ms, (int, float)):
-                    continue
-                if stage not in stages:
-                    stages.append(stage)
-                groups.setdefault((stage, b), []).append((float(ms), r["density"]))
-        table = []
-        for stage in stages:
-            for b in BUCKET_LABELS:
-                vals = groups.get((stage, b))
-                if not vals:
-                    continue
-                ms = sorted(v for v, _ in vals)
-                dens = [d for _, d in vals if d is not None]
-                table.append({
-                    "stage": stage, "bucket": b, "count": len(ms),
-                    "p50_ms": round(percentile(ms, 0.50), 3),
-                    "p95_ms": round(percentile(ms, 0.95), 3),
-                    "p99_ms": round(percentile(ms, 0.99), 3),
-                    "mean_ms": round(sum(ms) / len(ms), 3),
-                    "mean_density": round(sum(dens) / len(dens), 6) if dens else None,
-                })
-        errors: dict[str, int] = {}
-        for r in rows:
-            if r["status"] != 200:
-                errors[r["code"] or str(r["status"])] = errors.get(r["code"] or
-                                                                   str(r["status"]), 0) + 1
-        present = {b for _, b in groups}
-        return {"since": since, "until": until, "requests": len(rows), "succeeded": len(ok),
-                "errors": errors, "stages": [s for s in stages if any(
-                    (s, b) in groups for b in BUCKET_LABELS)],
-                "buckets": [b for b in BUCKET_LABELS if b in present],
+        window, args = "", []
+        if since is not None:
+            window += " AND ts >= ?"
+            args.append(since)
+        if until is not None:
+            window += " AND ts < ?"
+            args.append(until)
+        sql = _REPORT_SQL.format(bucket=_bucket_sql("r.tokens"), window=window.replace(
+            "ts", "r.ts"), picks=_picks())
+        with self._lock:
+            cells = self._db.execute(sql, args).fetchall()
+            total, ok = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(status = 200 AND tokens IS NOT NULL), 0) FROM "
+                "requests WHERE 1=1" + window, args).fetchone()
+            errs = self._db.execute(
+                "SELECT COALESCE(code, CAST(status AS TEXT)), COUNT(*) FROM requests "
+                "WHERE status != 200" + window + " GROUP BY 1 ORDER BY 1", args).fetchall()
+        first_seen: dict[str, float] = {}
+        by_cell = {}
+        for stage, b, n, mean, density, ts, *picks in cells:
+            first_seen[stage] = min(ts, first_seen.get(stage, ts))
+            row = {"stage": stage, "bucket": BUCKET_LABELS[b], "count": n}
+            for k, (name, q) in enumerate(QUANTILES):
+                lo, hi = picks[2 * k], picks[2 * k + 1]
+                pos = (n - 1) * q
+                row[name] = round(lo + (hi - lo) * (pos - math.floor(pos)), 3)
+            row["mean_ms"] = round(mean, 3)
+            row["mean_density"] = round(density, 6) if density is not None else None
+            by_cell[(stage, b)] = row
+        extra = sorted((s for s in first_seen if s not in REPORT_STAGES), key=first_seen.get)
+        stages = [s for s in (*REPORT_STAGES, *extra) if s in first_seen]
+        present = sorted({b for _, b in by_cell})
+        table = [by_cell[(s, b)] for s in stages for b in range(len(BUCKET_LABELS))
+                 if (s, b) in by_cell]
+        return {"since": since, "until": until, "requests": total, "succeeded": ok,
+                "errors": dict(errs), "stages": stages,
+                "buckets": [BUCKET_LABELS[b] for b in present],
                 "bucket_edges_tokens": list(BUCKET_EDGES), "rows": table}

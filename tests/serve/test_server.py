@@ -464,20 +464,30 @@ def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_serv
     video = NEEDLE.read_bytes()
     ahead = 14
 
+    async def queued() -> int:
+        async with httpx.AsyncClient(timeout=10) as c:
+            h = (await c.get(f"{s.url}/health")).json()
+            return h["queue"]
+
     async def run():
         async with httpx.AsyncClient(timeout=90) as c:
             busy = [asyncio.create_task(c.post(
                 f"{s.url}/v1/answer", files={"video": ("v.mp4", video)},
                 data={"question": f"q {i}", "max_new_tokens": "32", "fps": "2"}))
                 for i in range(ahead)]
-            await asyncio.sleep(0.3)           # they are queued or running
-            try:
-                async with httpx.AsyncClient(timeout=0.15) as impatient:
-                    await impatient.post(f"{s.url}/v1/answer",
-                                         files={"video": ("v.mp4", video)},
-                                         data={"question": "never mind"})
-            except httpx.TimeoutException:
-                pass
+            # Wait until the impatient request is in the queue behind them (not still
+            # uploading: a fixed sleep raced with that), then leave.
+            while await queued() < ahead - 2:
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient(timeout=90) as impatient:
+                task = asyncio.create_task(impatient.post(
+                    f"{s.url}/v1/answer", files={"video": ("v.mp4", video)},
+                    data={"question": "never mind"}))
+                deadline = time.monotonic() + 30
+                while not any(j.question == "never mind" for j in app.state.worker._queue):
+                    assert time.monotonic() < deadline and not task.done()
+                    await asyncio.sleep(0.01)
+                task.cancel()                  # closes the connection
             return await asyncio.gather(*busy)
 
     rs = asyncio.run(run())
@@ -657,3 +667,26 @@ def test_serve_command_starts_and_prints_a_curl_line(ckpt, tmp_path):
                           str(tmp_path / "nope"), "--port", "0", "--data-dir", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def test_openapi_documents_both_post_bodies(srv):
+    spec = httpx.get(f"{srv.url}/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+
+    def body(path):
+        (ctype, media), = spec["paths"][path]["post"]["requestBody"]["content"].items()
+        name = media["schema"]["$ref"].rsplit("/", 1)[1]
+        return ctype, schemas[name]
+
+    ctype, form = body("/v1/answer")
+    assert ctype == "multipart/form-data"
+    assert set(form["required"]) == {"question", "video"}
+    assert form["properties"]["video"]["format"] == "binary"
+    assert {"fps", "max_frames", "max_new_tokens", "attention"} <= set(form["properties"])
+    ctype, chat = body("/v1/chat/completions")
+    assert ctype == "application/json" and chat["required"] == ["messages"]
+    parts = schemas["Message"]["properties"]["content"]["anyOf"][1]["items"]
+    assert set(parts["discriminator"]["mapping"]) >= {"text", "video_url", "image_url"}
+    assert "url" in schemas["VideoURL"]["properties"]
+    docs = httpx.get(f"{srv.url}/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
