@@ -22,8 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from mminfer.errors import (ClientGone, MMInferError, ServiceUnavailable, Timeout,
-                            Unauthorized, WorkerDead)
+from mminfer.errors import ClientGone, MMInferError, Timeout, Unauthorized, WorkerDead
 
 from . import media
 from .budget import Budget
@@ -116,12 +115,10 @@ class Service:
         info: dict = {}
         try:
             self.check_auth(http)
-            try:
-                req.slot = self.worker.reserve()
-                req.upload = self.intake.begin()
-            except ServiceUnavailable:
-                await media.drain(http.stream())     # so the client reads the 503
-                raise
+            # Refused here, the 503 goes out before a byte of the body is read (no 100
+            # Continue either); the server drops whatever the client still sends.
+            req.slot = self.worker.reserve()
+            req.upload = self.intake.begin()
             body, info = await impl(req)
             status = 200
         except MMInferError as e:
