@@ -455,12 +455,14 @@ def _with_reader(path, backend, fn):
         except ImportError as e:
             failures.append((name, "missing", e))
             continue
+        except MemoryError:     # not the file's fault: the caller says "out of memory"
+            raise
         except Exception as e:  # decord raises DECORDError/RuntimeError on bad files
             failures.append((name, "open", e))
             continue
         try:
             return fn(reader, facts)
-        except VideoError:
+        except (VideoError, MemoryError):
             raise
         except Exception as e:
             failures.append((name, "read", e))
