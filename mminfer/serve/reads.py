@@ -50,9 +50,11 @@ async def report_page(request: Request):
 async def health(request: Request):
     svc = request.app.state.service
     w = svc.worker
+    job = w.running_job()
     body = {"status": w.state, "model": svc.model_id(), "queue": w.waiting,
             "reserved": w.reserved, "running": w.running, "queue_size": w.queue_size,
-            "uploads": svc.intake.active}
+            "uploads": svc.intake.active,
+            "running_request_id": job.request_id if job is not None else None}
     if w.alive:
         return JSONResponse({**body, "status": "ok"})
     if w.state == "ready":       # the thread vanished without saying why

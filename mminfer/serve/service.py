@@ -178,7 +178,7 @@ class Service:
         """Queue the job in the request's slot (the temp file, if ours, goes with it) and wait
         for its result, stopping it when the client leaves or the timeout passes."""
         job = Job(video_path=req.path, question=question, params=params,
-                  cleanup=req.path if req.own else None)
+                  cleanup=req.path if req.own else None, request_id=req.id)
         self.worker.submit(job, req.slot)
         req.own = False                     # the job deletes it when done or dropped
         fut = asyncio.wrap_future(job.future)

@@ -58,6 +58,7 @@ class Job:
     video_path: str
     question: str
     params: dict                          # keyword arguments of Pipeline.answer
+    request_id: str | None = None
     cleanup: str | None = None            # a temp file to delete once nobody needs it
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = 0.0                 # time.monotonic()
@@ -210,6 +211,9 @@ class ModelWorker:
     @property
     def running(self) -> int:
         return 0 if self._running is None else 1
+
+    def running_job(self) -> Job | None:
+        return self._running
 
     def retry_after(self, cap: int = 120) -> int:
         """Seconds until a slot is likely free: the median of recent job times (a few old
