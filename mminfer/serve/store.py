@@ -5,9 +5,10 @@ per row: the stage list grows with the pipeline, and the report reads whatever s
 carry. The report groups successful requests by prompt length (tokens), because the cost of
 prefill attention depends on length far more than on anything else.
 
-The report is computed by SQLite (json_each, window functions), not by loading rows into
-Python: sqlite3 gives up the GIL while a query runs, so a report over many rows, run in a
-thread, never holds the event loop. Rows older than ``retention_days`` and beyond the newest
+The report is computed by SQLite, not by loading rows into Python: each successful request's
+stages are also rows of ``stage_times``, indexed by (stage, bucket, ms), so a group's count
+and mean are one index range and each percentile one seek to its rank. sqlite3 gives up the
+GIL while a query runs, so a report, run in a thread, never holds the event loop. Rows older than ``retention_days`` and beyond the newest
 ``max_rows`` are deleted as new ones arrive.
 """
 
@@ -44,14 +45,31 @@ CREATE TABLE IF NOT EXISTS requests (
     timings TEXT NOT NULL          -- JSON {stage: ms}
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
+-- One row per stage of each successful request: what the report reads. The covering index
+-- gives each (stage, bucket) its values in order, so a percentile is one index seek.
+CREATE TABLE IF NOT EXISTS stage_times (
+    req INTEGER NOT NULL,          -- requests.rowid
+    stage TEXT NOT NULL,
+    b INTEGER NOT NULL,            -- length bucket (index into BUCKET_LABELS)
+    ms REAL NOT NULL,
+    ts REAL NOT NULL,
+    density REAL
+);
+CREATE INDEX IF NOT EXISTS stage_times_order ON stage_times (stage, b, ms, ts, density);
+CREATE INDEX IF NOT EXISTS stage_times_req ON stage_times (req);
+CREATE INDEX IF NOT EXISTS stage_times_ts ON stage_times (ts);
 """
 
 
-def bucket_of(tokens: int) -> str:
-    for edge, label in zip(BUCKET_EDGES, BUCKET_LABELS):
+def bucket_index(tokens: int) -> int:
+    for i, edge in enumerate(BUCKET_EDGES):
         if tokens < edge:
-            return label
-    return BUCKET_LABELS[-1]
+            return i
+    return len(BUCKET_EDGES)
+
+
+def bucket_of(tokens: int) -> str:
+    return BUCKET_LABELS[bucket_index(tokens)]
 
 
 def percentile(sorted_xs: list[float], q: float) -> float:
@@ -83,39 +101,7 @@ def parse_time(value: str | None) -> float | None:
     return x
 
 
-def _bucket_sql(col: str) -> str:
-    whens = " ".join(f"WHEN {col} < {edge} THEN {i}" for i, edge in enumerate(BUCKET_EDGES))
-    return f"CASE {whens} ELSE {len(BUCKET_EDGES)} END"
-
-
 QUANTILES = (("p50_ms", 0.50), ("p95_ms", 0.95), ("p99_ms", 0.99))
-
-# Per (stage, bucket): count, mean, mean density and, for each quantile q, the two ranks
-# around (n - 1) q, interpolated in Python as numpy's default ("linear") does.
-_REPORT_SQL = """
-WITH t AS (
-    SELECT j.key AS stage, {bucket} AS b, CAST(j.value AS REAL) AS ms, r.density AS density,
-           r.ts AS ts
-    FROM requests r, json_each(r.timings) j
-    WHERE r.status = 200 AND r.tokens IS NOT NULL AND j.type IN ('integer', 'real') {window}
-), ranked AS (
-    SELECT stage, b, ms, density, ts,
-           ROW_NUMBER() OVER (PARTITION BY stage, b ORDER BY ms) - 1 AS i,
-           COUNT(*) OVER (PARTITION BY stage, b) AS n
-    FROM t
-)
-SELECT stage, b, n, AVG(ms), AVG(density), MIN(ts), {picks}
-FROM ranked GROUP BY stage, b
-"""
-
-
-def _picks() -> str:
-    out = []
-    for _, q in QUANTILES:
-        lo = f"CAST((n - 1) * {q!r} AS INTEGER)"
-        out.append(f"MAX(CASE WHEN i = {lo} THEN ms END)")
-        out.append(f"MAX(CASE WHEN i = MIN({lo} + 1, n - 1) THEN ms END)")
-    return ", ".join(out)
 
 
 class LatencyStore:
@@ -135,8 +121,19 @@ class LatencyStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            if self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM stage_times) AND EXISTS "
+                                "(SELECT 1 FROM requests)").fetchone()[0]:
+                self._fill_stage_times()       # a store written before stage_times existed
             self._db.commit()
         self.prune()
+
+    def _fill_stage_times(self):
+        whens = " ".join(f"WHEN r.tokens < {e} THEN {i}" for i, e in enumerate(BUCKET_EDGES))
+        self._db.execute(
+            f"INSERT INTO stage_times SELECT r.rowid, j.key, CASE {whens} ELSE "
+            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density FROM requests r, "
+            f"json_each(r.timings) j WHERE r.status = 200 AND r.tokens IS NOT NULL AND "
+            f"j.type IN ('integer', 'real')")
 
     def prune(self, now: float | None = None) -> int:
         """Delete rows past the retention; returns how many went."""
@@ -144,12 +141,16 @@ class LatencyStore:
         gone = 0
         with self._lock:
             if self.retention_days is not None:
-                gone += self._db.execute("DELETE FROM requests WHERE ts < ?",
-                                         (now - self.retention_days * 86400,)).rowcount
+                cut = now - self.retention_days * 86400
+                gone += self._db.execute("DELETE FROM requests WHERE ts < ?", (cut,)).rowcount
+                self._db.execute("DELETE FROM stage_times WHERE ts < ?", (cut,))
             if self.max_rows is not None:
-                gone += self._db.execute(
-                    "DELETE FROM requests WHERE rowid <= (SELECT rowid FROM requests "
-                    "ORDER BY rowid DESC LIMIT 1 OFFSET ?)", (int(self.max_rows),)).rowcount
+                edge = self._db.execute("SELECT rowid FROM requests ORDER BY rowid DESC "
+                                        "LIMIT 1 OFFSET ?", (int(self.max_rows),)).fetchone()
+                if edge is not None:
+                    gone += self._db.execute("DELETE FROM requests WHERE rowid <= ?",
+                                             edge).rowcount
+                    self._db.execute("DELETE FROM stage_times WHERE req <= ?", edge)
             self._db.commit()
         return gone
 
@@ -164,9 +165,16 @@ class LatencyStore:
         row = (id, time.time() if ts is None else ts, endpoint, int(status), code, model,
                attention, tokens, visual_tokens, generated, density,
                json.dumps(timings or {}))
+        stages = [(k, float(v)) for k, v in (timings or {}).items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
         with self._lock:
-            self._db.execute("INSERT INTO requests VALUES "
-                             "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            cur = self._db.execute("INSERT INTO requests VALUES "
+                                   "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            if int(status) == 200 and tokens is not None:
+                b = bucket_index(tokens)
+                self._db.executemany("INSERT INTO stage_times VALUES (?, ?, ?, ?, ?, ?)",
+                                     [(cur.lastrowid, k, b, ms, row[1], density)
+                                      for k, ms in stages])
             self._db.commit()
             self._adds += 1
             due = self._adds % self.PRUNE_EVERY == 0
@@ -204,10 +212,17 @@ class LatencyStore:
         if until is not None:
             window += " AND ts < ?"
             args.append(until)
-        sql = _REPORT_SQL.format(bucket=_bucket_sql("r.tokens"), window=window.replace(
-            "ts", "r.ts"), picks=_picks())
         with self._lock:
-            cells = self._db.execute(sql, args).fetchall()
+            groups = self._db.execute(
+                "SELECT stage, b, COUNT(*), AVG(ms), AVG(density), MIN(ts) FROM stage_times "
+                "WHERE 1=1" + window + " GROUP BY stage, b", args).fetchall()
+            picks = {}
+            for stage, b, n, *_ in groups:
+                for name, q in QUANTILES:
+                    lo = math.floor((n - 1) * q)
+                    picks[(stage, b, name)] = [v for v, in self._db.execute(
+                        "SELECT ms FROM stage_times WHERE stage = ? AND b = ?" + window +
+                        " ORDER BY ms LIMIT 2 OFFSET ?", [stage, b, *args, lo])]
             total, ok = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(status = 200 AND tokens IS NOT NULL), 0) FROM "
                 "requests WHERE 1=1" + window, args).fetchone()
@@ -216,12 +231,13 @@ class LatencyStore:
                 "WHERE status != 200" + window + " GROUP BY 1 ORDER BY 1", args).fetchall()
         first_seen: dict[str, float] = {}
         by_cell = {}
-        for stage, b, n, mean, density, ts, *picks in cells:
+        for stage, b, n, mean, density, ts in groups:
             first_seen[stage] = min(ts, first_seen.get(stage, ts))
             row = {"stage": stage, "bucket": BUCKET_LABELS[b], "count": n}
-            for k, (name, q) in enumerate(QUANTILES):
-                lo, hi = picks[2 * k], picks[2 * k + 1]
+            for name, q in QUANTILES:
+                vals = picks[(stage, b, name)]
                 pos = (n - 1) * q
+                lo, hi = vals[0], vals[-1]
                 row[name] = round(lo + (hi - lo) * (pos - math.floor(pos)), 3)
             row["mean_ms"] = round(mean, 3)
             row["mean_density"] = round(density, 6) if density is not None else None

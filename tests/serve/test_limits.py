@@ -698,3 +698,21 @@ def test_sql_report_matches_the_python_percentiles_and_retention(tmp_path):
     assert [r["id"] for r in capped.rows()][-1] == "bad"
     capped.close()
     st.close()
+
+
+def test_a_store_from_before_stage_times_is_migrated(tmp_path):
+    import sqlite3
+    db = sqlite3.connect(tmp_path / "old.sqlite3")
+    db.executescript("CREATE TABLE requests (id TEXT NOT NULL, ts REAL NOT NULL, endpoint TEXT "
+                     "NOT NULL, status INTEGER NOT NULL, code TEXT, model TEXT, attention TEXT, "
+                     "tokens INTEGER, visual_tokens INTEGER, generated INTEGER, density REAL, "
+                     "timings TEXT NOT NULL)")
+    for i in range(1, 11):
+        db.execute("INSERT INTO requests VALUES (?, ?, 'answer', 200, NULL, 'm', 'dense', 500, "
+                   "400, 2, 1.0, ?)", (f"r{i}", time.time(), json.dumps({"ttft": float(i)})))
+    db.commit()
+    db.close()
+    st = LatencyStore(tmp_path / "old.sqlite3")
+    (row,) = st.report()["rows"]
+    assert (row["stage"], row["count"], row["p50_ms"], row["mean_ms"]) == ("ttft", 10, 5.5, 5.5)
+    st.close()
