@@ -54,7 +54,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     upload_dir.mkdir(parents=True, exist_ok=True)
     store = LatencyStore(data_dir / "latency.sqlite3", retention_days=s.report_retention_days,
                          max_rows=s.report_max_rows)
-    metrics = Metrics(s.served_model_names[0] if s.served_model_names else Path(model_path).name)
+    metrics = Metrics(s.served_model_names[0] if s.served_model_names else
+                      model_name(model_path))
     if worker is None:
         def load():
             from mminfer.engine.pipeline import Pipeline
@@ -84,6 +85,19 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, (answer.AnswerForm, *openai.SCHEMAS))
     return app
+
+
+def model_name(model_path: str) -> str:
+    """The id the pipeline will give the model, known before it loads (a local folder: its
+    name, or the hub id of a cache snapshot; a hub id: itself)."""
+    from mminfer.errors import ConfigError
+    from mminfer.models.base import resolve_checkpoint
+    if not Path(model_path).expanduser().exists():
+        return model_path
+    try:
+        return resolve_checkpoint(model_path)[1]
+    except ConfigError:
+        return Path(model_path).name
 
 
 def _openapi(app, models) -> dict:

@@ -82,8 +82,7 @@ class Service:
     def model_id(self) -> str:
         if self.s.served_model_names:
             return self.s.served_model_names[0]
-        p = self.worker.pipeline
-        return getattr(p, "model_id", None) or Path(self.model_path).name
+        return getattr(self.worker.pipeline, "model_id", None) or self.metrics.model
 
     def model_names(self) -> set:
         """Every name a request may ask for this model by."""

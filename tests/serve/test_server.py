@@ -92,12 +92,15 @@ def chat_body(url, text="What number appears in the video?", **extra):
             **extra}
 
 
-def metric_values(text: str, name: str) -> dict:
+def metric_values(text: str, name: str, model="tiny-qwen") -> dict:
+    """{labels (model_name aside): value} of one metric; every series names the model."""
     out = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
             if sample.name == name:
-                out[tuple(sorted(sample.labels.items()))] = sample.value
+                labels = dict(sample.labels)
+                assert labels.pop("model_name") == model, sample
+                out[tuple(sorted(labels.items()))] = sample.value
     return out
 
 
@@ -510,7 +513,8 @@ def test_dead_worker_makes_health_503(tmp_path, live_server):
     assert "not a checkpoint" in h.json()["error"]
     r = post_answer(s.url, NEEDLE.read_bytes())
     assert r.status_code == 503 and r.json()["error"]["code"] == "worker_dead"
-    assert "worker_up 0.0" in httpx.get(f"{s.url}/metrics").text
+    up = metric_values(httpx.get(f"{s.url}/metrics").text, "mminfer:worker_up", "empty-model")
+    assert up == {(): 0.0}
     assert uploads_left(app) == []
 
 
@@ -553,6 +557,11 @@ def test_metrics_and_latency_report(srv):
     stages = metric_values(text, "mminfer:stage_seconds_count")
     for stage in ("decode", "preprocess", "vision", "attention", "generate", "queue"):
         assert stages[(("stage", stage),)] >= 2, stage
+    assert (("stage", "ttft"),) not in stages and (("stage", "total"),) not in stages
+    (decode_n,) = metric_values(text, "mminfer:request_decode_time_seconds_count").values()
+    assert decode_n == stages[(("stage", "generate"),)]
+    (gaps,) = metric_values(text, "mminfer:time_per_output_token_seconds_count").values()
+    assert 1 <= gaps <= decode_n        # requests that generated two tokens or more
     ok = metric_values(text, "mminfer:requests_total")[(("status", "200"),)]
     (ttft_count,) = metric_values(text, "mminfer:time_to_first_token_seconds_count").values()
     assert ttft_count == ok
@@ -690,3 +699,21 @@ def test_openapi_documents_both_post_bodies(srv):
     assert "url" in schemas["VideoURL"]["properties"]
     docs = httpx.get(f"{srv.url}/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
+    app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
+                              served_model_names=("video-qa", "vqa"), api_key=None))
+    s = live_server(app)
+    ids = [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]]
+    assert ids == ["video-qa", "vqa"]
+    for name in ("video-qa", "vqa", "tiny-qwen"):     # the checkpoint's own name still works
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json=chat_body(
+            data_url(NEEDLE.read_bytes()), model=name, max_tokens=2))
+        assert r.status_code == 200 and r.json()["model"] == "video-qa", r.text
+    r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
+                   json=chat_body(data_url(NEEDLE.read_bytes()), model="gpt-4o"))
+    assert r.status_code == 404 and "video-qa" in r.json()["error"]["message"]
+    assert post_answer(s.url, NEEDLE.read_bytes(), max_new_tokens=2).json()["model"] == "video-qa"
+    m = httpx.get(f"{s.url}/metrics").text
+    assert metric_values(m, "mminfer:requests_total", "video-qa")[(("status", "200"),)] == 4
