@@ -13,10 +13,9 @@ Stopping a job: one not yet started leaves the queue at once (``Future.cancel`` 
 ``set_running_or_notify_cancel`` settle the race with the worker picking it up). A running
 job is asked to stop through the engine's contract, ``Pipeline.answer(cancel=...)``, checked
 between stages and before every decoder layer; if it is still running ``interrupt_after_s``
-later (one long kernel launch: the Triton interpreter runs one as seconds of Python), an
-asynchronous exception is raised in the worker thread, which unwinds through the library's
-``finally`` blocks and context managers like any exception. Its answer is the reason it was
-stopped (client gone, deadline, shutdown).
+later (one long kernel launch: the Triton interpreter runs one as seconds of Python), it is
+interrupted (mminfer.engine.interrupt). Its answer is the reason it was stopped (client
+gone, deadline, shutdown).
 
 The worker dies only of what leaves the model unusable (load failure, a CUDA error that
 poisons the context, KeyboardInterrupt...). Then every queued job fails, new ones are
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import ctypes
 import logging
 import math
 import os
@@ -36,21 +34,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.errors import (Cancelled, MMInferError, OutOfMemory, QueueFull, ShuttingDown,
                             WorkerDead)
 
 log = logging.getLogger("mminfer.serve")
-
-
-class _Interrupt(BaseException):
-    """Raised asynchronously in the worker thread to stop a job that did not stop when asked.
-    A BaseException, so no library ``except Exception`` swallows or rewraps it."""
-
-
-def _raise_in_thread(ident: int, exc_type) -> int:
-    """Schedule ``exc_type`` in thread ``ident`` (None: clear a scheduled one)."""
-    return ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), exc_type and
-                                                      ctypes.py_object(exc_type))
 
 
 @dataclass
@@ -68,6 +56,7 @@ class Job:
     stop: MMInferError | None = None      # why it was asked to stop (its answer)
     stop_at: float | None = None
     worker: "ModelWorker | None" = None
+    guard: Guard = field(default_factory=Guard)
 
     def cancel(self, reason: MMInferError | None = None) -> bool:
         """Stop the job: dropped at once if it has not started (True), else asked to stop
@@ -151,9 +140,6 @@ class ModelWorker:
         self._reserved = 0
         self._running: Job | None = None
         self._cv = threading.Condition()
-        self._arm = threading.Lock()     # guards the asynchronous interrupt (see _run)
-        self._armed: Job | None = None
-        self._injected = False
         self._ready = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -294,32 +280,15 @@ class ModelWorker:
         t.start()
 
     def _interrupt(self, job: Job):
-        with self._arm:
-            if self._armed is job and not self._injected and self._thread is not None:
-                self._injected = True
-                log.info("job did not stop within %.1f s of being asked: interrupting it",
-                         self.interrupt_after_s)
-                _raise_in_thread(self._thread.ident, _Interrupt)
-
-    def _disarm(self):
-        with self._arm:
-            self._armed = None
-            if self._injected:
-                self._injected = False
-                _raise_in_thread(self._thread.ident, None)   # one not delivered yet
+        if job.guard.interrupt():
+            log.info("job did not stop within %.1f s of being asked: interrupting it",
+                     self.interrupt_after_s)
 
     def _run(self, job: Job):
-        with self._arm:
-            self._armed = job
-        try:
-            if job.stop is not None:       # asked to stop before it got here
-                raise Cancelled("the request was cancelled before it started")
-            return self.pipeline.answer(job.video_path, job.question, cancel=job.should_stop,
-                                        **job.params)
-        finally:
-            # The interrupt can land anywhere up to here, this line included: the caller
-            # catches _Interrupt and disarms again.
-            self._disarm()
+        if job.stop is not None:           # asked to stop before it got here
+            raise Cancelled("the request was cancelled before it started")
+        return job.guard.run(self.pipeline.answer, job.video_path, job.question,
+                             cancel=job.should_stop, **job.params)
 
     # ------------------------------------------------------------------ thread
     def _main(self):
@@ -363,8 +332,8 @@ class ModelWorker:
             try:
                 try:
                     result = self._run(job)
-                except _Interrupt:
-                    self._disarm()
+                except Interrupted:
+                    job.guard.disarm()
                     raise Cancelled("the request was interrupted") from None
             except MMInferError as e:
                 error = e
