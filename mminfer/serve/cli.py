@@ -11,21 +11,12 @@ import argparse
 import shlex
 from pathlib import Path
 
-from mminfer.engine.options import add_model_arguments
+from mminfer.engine.options import HelpWithDefaults, add_model_arguments
 from mminfer.errors import ConfigError
 
 from .settings import Settings as Defaults
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
-
-
-class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default where there is one to show (not None, not an off switch)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, [], ()) or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def add_arguments(p: argparse.ArgumentParser):
