@@ -716,3 +716,31 @@ def test_a_store_from_before_stage_times_is_migrated(tmp_path):
     (row,) = st.report()["rows"]
     assert (row["stage"], row["count"], row["p50_ms"], row["mean_ms"]) == ("ttft", 10, 5.5, 5.5)
     st.close()
+
+
+def test_report_charts_have_numeric_axes(tmp_path):
+    """Each chart's ticks are round numbers from 0 past the largest bar, and a bar's size
+    is its milliseconds on that axis (the TTFT bars had no axis at all)."""
+    import re
+
+    from mminfer.serve.report import nice_ticks, render
+    st = LatencyStore(tmp_path / "a.sqlite3")
+    for i, ttft in enumerate((120.0, 180.0, 260.0, 900.0)):
+        st.add(id=str(i), endpoint="answer", status=200, tokens=500, density=1.0,
+               timings={"decode": ttft / 4, "attention": ttft / 2, "ttft": ttft,
+                        "total": ttft + 5})
+    page = render(st.report(), st.rows(), "m")
+    st.close()
+    assert nice_ticks(837.0) == [0, 500, 1000] and nice_ticks(3.2) == [0, 1, 2, 3, 4]
+    assert nice_ticks(160.0) == [0, 50, 100, 150, 200]
+    pct = page[page.index('id="pct-ttft"'):]
+    pct = pct[:pct.index("</svg>")]
+    ticks = [(float(ms), float(y)) for ms, y in re.findall(
+        r'class="tick" data-ms="([0-9.e+]+)" x="[0-9.]+" y="([0-9.]+)"', pct)]
+    assert [t for t, _ in ticks] == [0, 500, 1000]      # the p99 is 874 ms
+    px_per_ms = (ticks[0][1] - ticks[-1][1]) / 1000
+    (p99,) = re.findall(r'data-pct="p99" data-ms="([0-9.]+)" x="[0-9.]+" y="[0-9.]+" '
+                        r'width="[0-9.]+" height="([0-9.]+)"', pct)
+    assert float(p99[1]) == pytest.approx(float(p99[0]) * px_per_ms, abs=0.02)
+    stage = page[page.index('id="stage-chart"'):]
+    assert 'data-axis="x"' in stage[:stage.index("</svg>")]
