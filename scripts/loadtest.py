@@ -8,7 +8,8 @@ a free loopback port and, at once:
   * 50 clients upload a sample video to /v1/answer (most find the queue full: 503 with
     Retry-After; the rest are answered);
   * 5 clients ask for attention=sparse and leave once the worker has run their request for
-    a second (they retry on 503, as Retry-After says, until they get the worker);
+    3 s, inside the sparse prefill (they retry on 503, as Retry-After says, until they get
+    the worker);
   * /health is probed every 50 ms throughout.
 
 It prints one JSON summary and exits 1 unless: every request was answered (200) or refused
@@ -181,8 +182,9 @@ async def run_load(args, port: int, video: bytes, data_dir: Path) -> dict:
     sparse_tries = []
 
     async def abandoned(i):
-        """Ask sparse (retrying on 503 as Retry-After says); leave after the worker has run
-        it for a second; measure until the worker is running something else or nothing."""
+        """Ask sparse (retrying on 503 as Retry-After says); leave once the worker has run it
+        for --abandon-after-s (by then in the sparse prefill); measure until the worker is
+        running something else or nothing."""
         rid = f"abandon-{i}"
         body, ctype = multipart({"question": QUESTION, "attention": "sparse",
                                  "max_new_tokens": 4}, video)
@@ -199,7 +201,7 @@ async def run_load(args, port: int, video: bytes, data_dir: Path) -> dict:
                     await asyncio.sleep(min(float(headers.get("retry-after", 1)), 5))
                     continue
                 return {"id": rid, "status": status}
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(args.abandon_after_s)
             t0 = time.monotonic()
             leave.set()
             await task
@@ -229,9 +231,12 @@ async def run_load(args, port: int, video: bytes, data_dir: Path) -> dict:
     await prober
     async with httpx.AsyncClient(timeout=10) as c:
         metrics = (await c.get(f"{base}/metrics")).text
-    counted = sum(float(m.group(1)) for m in re.finditer(
-        r'^mminfer:requests_total\{status="\d+"\} ([0-9.e+]+)$', metrics, re.M))
-    stop_hist = re.search(r"^mminfer:request_stop_seconds_sum ([0-9.e+-]+)$", metrics, re.M)
+    from prometheus_client.parser import text_string_to_metric_families
+    samples = [x for fam in text_string_to_metric_families(metrics) for x in fam.samples]
+    counted = sum(x.value for x in samples if x.name == "mminfer:requests_total")
+    by_status = {x.labels["status"]: int(x.value) for x in samples
+                 if x.name == "mminfer:requests_total"}
+    stop_sum = sum(x.value for x in samples if x.name == "mminfer:request_stop_seconds_sum")
     left = sorted(os.listdir(data_dir / "uploads"))
 
     def tally(results):
@@ -253,10 +258,11 @@ async def run_load(args, port: int, video: bytes, data_dir: Path) -> dict:
         "retry_after_s": {"min": min(retry_after), "max": max(retry_after),
                           "median": statistics.median(retry_after)} if retry_after else None,
         "requests_sent": sent, "requests_counted_by_server": int(counted),
+        "server_statuses": by_status,
         "health_ms": {"probes": len(health_ms), "max": round(max(health_ms), 1),
                       "p50": round(statistics.median(health_ms), 1)},
         "worker_freed_after_disconnect_s": [round(x, 3) for x in freed_s],
-        "server_stop_seconds_sum": float(stop_hist.group(1)) if stop_hist else None,
+        "server_stop_seconds_sum": round(stop_sum, 3),
         "temp_files_left": left,
     }
     ok_status = {"200", "503", "408"}
@@ -280,6 +286,8 @@ if __name__ == "__main__":
     ap.add_argument("--queue-size", type=int, default=16)
     ap.add_argument("--grace-s", type=float, default=5.0,
                     help="the server's upload grace period (slow clients get 408 after it)")
+    ap.add_argument("--abandon-after-s", type=float, default=3.0,
+                    help="how long the worker runs a sparse request before its client leaves")
     ap.add_argument("--budget-s", type=float, default=900.0, help="give up after this long")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1" and a.device == "cpu":
