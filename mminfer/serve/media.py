@@ -13,7 +13,6 @@ import asyncio
 import base64
 import binascii
 import ipaddress
-import math
 import os
 import tempfile
 import time
@@ -260,35 +259,6 @@ def text_field(up: Upload, name: str, required: bool = False) -> str | None:
     except UnicodeDecodeError as e:
         raise InputError(f"the form field `{name}` is not valid UTF-8 (byte {e.start})",
                          field=name) from None
-
-
-def number(value, name: str, kind=float):
-    """A request number from a form string or JSON value; InputError when it is not one."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise InputError(f"{name} must be a number, not {value!r}", field=name)
-    if kind is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise InputError(f"{name} must be an integer, not {value!r}", field=name)
-    if isinstance(value, (int, float)):
-        x = float(value)
-    else:
-        try:
-            x = float(str(value).strip())
-        except ValueError:
-            raise InputError(f"{name} must be a number, not {value!r}", field=name) from None
-    if not math.isfinite(x):
-        raise InputError(f"{name} must be a finite number, not {value!r}", field=name)
-    return x
 
 
 # ------------------------------------------------------------------- media URLs
