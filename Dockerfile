@@ -4,6 +4,7 @@
 #   docker run --gpus all -p 8000:8000 -v mminfer-data:/app/mminfer-data mminfer
 #   docker run --gpus all -p 8000:8000 -e MMINFER_API_KEY=... -v /models:/models mminfer \
 #       --model /models/Qwen2.5-VL-7B-Instruct
+#   make docker-check      # build, then answer the sample inside (sparse), skipped without Docker
 #
 # torch 2.11.0 because its Linux wheel pairs with the pinned triton==3.6.0 (torch 2.13's needs
 # triton 3.7.1) and is what the H200 machine was validated with. The wheel brings its own
@@ -18,9 +19,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     HF_HOME=/app/hf-cache
 
+# gcc (with libc6-dev): Triton compiles its small C launcher with it at the first sparse
+# kernel launch; without a compiler the sparse path fails inside the container.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get install -y --no-install-recommends ca-certificates gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && echo 'int main(void) { return 0; }' | gcc -x c - -o /tmp/cc-check && rm /tmp/cc-check
 
 # uv fetches a standalone CPython 3.11 (Ubuntu 22.04 ships 3.10).
 COPY --from=ghcr.io/astral-sh/uv:0.8.22 /uv /usr/local/bin/uv

@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup run test system-deps test-gpu bench-kernels clean
+.PHONY: setup run test system-deps test-gpu bench-kernels clean docker-check loadtest
 
 setup: $(STAMP)
 
@@ -23,11 +23,18 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # The main job: the service on loopback with the embedded default model (mminfer/models/mminfer-embedded), or
-# MODEL=<checkpoint dir or hub id>.
+# MODEL=<checkpoint dir or hub id>; ARGS passes any other server flag, e.g.
+#   make run ARGS="--allowed-local-media-path $$PWD/samples/videos --max-upload-mb 64"
+# (`.venv/bin/mminfer serve --help` lists them with their defaults).
 MODEL ?=
+ARGS  ?=
 run: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} TRITON_INTERPRET=$${TRITON_INTERPRET:-1} \
-	  $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL))
+	  $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+# Build the Docker image and answer the sample inside it (skips where no Docker engine runs).
+docker-check:
+	$(PY) -m pytest -q -ra tests/test_docker.py
 
 # Headless Chromium for the report-page test (Debian); skipped quietly where apt is not ours.
 system-deps:
@@ -41,6 +48,10 @@ test: $(STAMP) system-deps
 # On a CUDA machine: the same tests compiled for the GPU, bf16 included.
 test-gpu:
 	python3 -m pytest -q -ra -m gpu tests/kernels
+
+# 20 slow clients + 50 uploads + 5 abandoned sparse requests against `mminfer serve` (loopback).
+loadtest: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) scripts/loadtest.py
 
 bench-kernels:
 	python3 benchmarks/kernels.py

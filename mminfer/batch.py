@@ -12,6 +12,17 @@ max_frames, max_new_tokens) is in every record, and a file holding records of an
 fingerprint is refused: results of two configurations never mix in one file (write the new
 configuration to another ``--out``).
 
+Input is a folder scanned recursively (hidden entries, folder symlinks, non-regular and
+non-video files are skipped and counted in the summary's ``ignored``), or a manifest
+(``--manifest FILE``: one JSON object a line, ``{"video": PATH, "question": Q, "id": ID}``,
+paths relative to the manifest, ``id`` optional), as ``vllm run-batch`` takes a file.
+
+Items are isolated: ``--item-timeout-s`` stops one that runs too long (an error record,
+``timeout``), and an item during which the process died (out of memory, killed) is
+retried last on the next run and, after ``--quarantine-after`` such deaths, skipped with a
+``quarantined`` error record instead of killing every rerun. Attempts are tracked in
+``OUT.attempts`` next to the results.
+
 ``--ray ADDRESS|auto|local`` runs the same job on a Ray cluster: one actor per GPU (or one
 on the CPU when the cluster has no GPU) holds the model, one task per video answers all its
 questions, and the driver alone writes the JSONL, so records stay exactly-once. The nodes
@@ -32,7 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mminfer.errors import ConfigError, InputError, MMInferError
+from mminfer.errors import Cancelled, ConfigError, InputError, MMInferError
 
 VIDEO_EXTS = frozenset((".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg",
                         ".ts", ".mts", ".m2ts", ".flv", ".wmv", ".3gp", ".ogv"))
@@ -49,29 +60,89 @@ class Video:
     mtime_ns: int
 
 
-def scan(root) -> list[Video]:
+def scan(root, ignored: dict | None = None) -> list[Video]:
     """Video files under ``root``, recursively, sorted by relative path (byte order, so the
-    order does not depend on the locale or the file system)."""
+    order does not depend on the locale or the file system). What is passed over is counted
+    in ``ignored`` by reason."""
     root = Path(root)
     if not root.is_dir():
         raise InputError(f"{root} is not a directory")
+    skip = ignored if ignored is not None else {}
+
+    def count(reason):
+        skip[reason] = skip.get(reason, 0) + 1
+
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        keep = []
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                count("hidden")
+            elif os.path.islink(os.path.join(dirpath, d)):
+                count("symlinked folder")      # not followed: it could loop or leave root
+            else:
+                keep.append(d)
+        dirnames[:] = keep
         for name in filenames:
-            if name.startswith(".") or Path(name).suffix.lower() not in VIDEO_EXTS:
+            if name.startswith("."):
+                count("hidden")
+                continue
+            if Path(name).suffix.lower() not in VIDEO_EXTS:
+                count("not a video file")
                 continue
             p = Path(dirpath) / name
             try:
                 st = p.stat()
             except OSError:
-                continue                # vanished or a dangling link
+                count("unreadable or a dangling link")
+                continue
             if not p.is_file():
+                count("not a regular file")     # a FIFO, socket or device
                 continue
             out.append(Video(p.relative_to(root).as_posix(), str(p.resolve()), st.st_size,
                              st.st_mtime_ns))
     out.sort(key=lambda v: v.rel.encode("utf-8", "surrogateescape"))
     return out
+
+
+def read_manifest(path) -> list[tuple[Video, str, str]]:
+    """(video, question, custom_id) per line of a JSONL manifest."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read the manifest {path}: {e}") from None
+    items, seen = [], set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path.name} line {n}"
+        try:
+            entry = json.loads(line)
+        except ValueError as e:
+            raise InputError(f"{where} is not JSON: {e}") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("video"), str) or \
+                not isinstance(entry.get("question"), str) or not entry["question"].strip():
+            raise InputError(f'{where} must be {{"video": PATH, "question": Q}} (and an '
+                             f'optional "id")')
+        rel = entry["video"]
+        p = (path.parent / rel).expanduser()
+        try:
+            st = p.stat()
+        except OSError:
+            raise InputError(f"{where}: the video {rel} does not exist") from None
+        if not p.is_file():
+            raise InputError(f"{where}: {rel} is not a regular file")
+        video = Video(rel, str(p.resolve()), st.st_size, st.st_mtime_ns)
+        question = entry["question"].strip()
+        cid = str(entry.get("id") or entry.get("custom_id") or item_id(video, question))
+        if cid in seen:
+            raise InputError(f"{where}: the id {cid!r} is used twice")
+        seen.add(cid)
+        items.append((video, question, cid))
+    if not items:
+        raise InputError(f"the manifest {path} lists no item")
+    return items
 
 
 def read_questions(question: list[str] | None, questions_file: str | None) -> list[str]:
@@ -179,6 +250,32 @@ class Results:
         self.f.close()
 
 
+class Attempts:
+    """``OUT.attempts``: a line when an item starts and one when it ends, fsynced, so a rerun
+    can tell the items during which the process died (started, never ended)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.died: dict[str, int] = {}
+        if self.path.exists():
+            for line in self.path.read_bytes().splitlines():
+                try:
+                    e = json.loads(line)
+                    cid, event = e["id"], e["event"]
+                except (ValueError, KeyError, TypeError):
+                    continue                       # a line torn by the kill
+                self.died[cid] = self.died.get(cid, 0) + (1 if event == "start" else -1)
+        self.f = open(self.path, "ab")
+
+    def mark(self, cid: str, event: str):
+        self.f.write(json.dumps({"id": cid, "event": event}).encode() + b"\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self):
+        self.f.close()
+
+
 # ------------------------------------------------------------------- answering
 
 def _now() -> str:
@@ -186,22 +283,46 @@ def _now() -> str:
 
 
 def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
-               attempt: int) -> dict:
-    """One record; any error of this item becomes an error record, never an exception."""
+               attempt: int, timeout_s: float | None = None) -> dict:
+    """One record; any error of this item becomes an error record, never an exception.
+    ``timeout_s``: asked to stop after that long (between stages and layers), interrupted a
+    second later if it has not."""
+    import threading
+    from mminfer.engine.interrupt import Guard, Interrupted
+
     rec = {"custom_id": cid, "video": video["rel"], "question": question,
            "size": video["size"], "mtime_ns": video["mtime_ns"], "config_fingerprint": fp,
            "config": cfg, "attempt": attempt, "status": "ok", "response": None,
            "error": None, "timings_ms": {}, "host": socket.gethostname(), "schema": SCHEMA}
     t0 = time.perf_counter()
+    guard, timer, cancel = Guard(), None, None
+    if timeout_s:
+        end = time.monotonic() + timeout_s
+        cancel = lambda: time.monotonic() > end            # noqa: E731
+        timer = threading.Timer(timeout_s + 1.0, guard.interrupt)
+        timer.daemon = True
+        timer.start()
     try:
-        res = pipe.answer(video["path"], question, fps=cfg["fps"],
-                          max_frames=cfg["max_frames"], max_new_tokens=cfg["max_new_tokens"])
+        try:
+            res = guard.run(pipe.answer, video["path"], question, fps=cfg["fps"],
+                            max_frames=cfg["max_frames"],
+                            max_new_tokens=cfg["max_new_tokens"], cancel=cancel)
+        except Interrupted:
+            guard.disarm()
+            raise Cancelled("interrupted") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
         d = res.to_dict()
         d["video"].pop("path", None)
         rec["response"] = {"answer": d["answer"], "model": d["model"],
                            "attention": d["attention"], "tokens": d["tokens"],
                            "sparsity": d["sparsity"], "video": d["video"]}
         rec["timings_ms"] = d["timings_ms"]
+    except Cancelled:
+        rec["status"] = "error"
+        rec["error"] = {"code": "timeout", "message": f"the item did not finish within "
+                                                     f"--item-timeout-s {timeout_s:g}"}
     except MMInferError as e:
         rec["status"] = "error"
         rec["error"] = {"code": e.code, "message": e.message.replace(video["path"], video["rel"])}
@@ -232,8 +353,9 @@ class _Answerer:
     def __init__(self, load_args: dict):
         self.pipe = load_pipeline(load_args)
 
-    def answer_video(self, video: dict, items: list, cfg: dict, fp: str) -> list[dict]:
-        return [answer_one(self.pipe, video, q, cid, cfg, fp, attempt)
+    def answer_video(self, video: dict, items: list, cfg: dict, fp: str,
+                     timeout_s: float | None = None) -> list[dict]:
+        return [answer_one(self.pipe, video, q, cid, cfg, fp, attempt, timeout_s)
                 for cid, q, attempt in items]
 
 
@@ -245,13 +367,16 @@ class Summary:
     done: int = 0          # answered in this run
     skipped: int = 0       # already done (or errored, without --retry-errors)
     errors: int = 0        # failed in this run
+    quarantined: int = 0   # skipped: the process died on them --quarantine-after times
+    ignored: dict = field(default_factory=dict)   # scanned entries passed over, by reason
     latencies_ms: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         xs = sorted(self.latencies_ms)
         pct = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa
         return {"items": self.items, "done": self.done, "skipped": self.skipped,
-                "errors": self.errors,
+                "errors": self.errors, "quarantined": self.quarantined,
+                "ignored": dict(sorted(self.ignored.items())),
                 "latency_ms": {"mean": round(sum(xs) / len(xs), 1), "p50": round(pct(.5), 1),
                                "p95": round(pct(.95), 1)} if xs else None}
 
@@ -259,6 +384,10 @@ class Summary:
         d = self.to_dict()
         s = (f"batch: {d['items']} items: {d['done']} answered, {d['skipped']} skipped, "
              f"{d['errors']} errors")
+        if d["quarantined"]:
+            s += f", {d['quarantined']} quarantined"
+        if d["ignored"]:
+            s += " (ignored: " + ", ".join(f"{n} {why}" for why, n in d["ignored"].items()) + ")"
         if d["latency_ms"]:
             lat = d["latency_ms"]
             s += (f"; latency per answer mean {lat['mean']:.0f} ms, p50 {lat['p50']:.0f} ms, "
@@ -270,14 +399,22 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
               fps: float = 2.0, max_frames: int = 768, max_new_tokens: int = 32,
               device=None, dtype=None, min_sparse_len: int | None = None, retry_errors: bool = False,
               ray_address: str | None = None, ray_workers: int | None = None,
-              progress: bool = True) -> Summary:
+              progress: bool = True, manifest=None, item_timeout_s: float | None = None,
+              quarantine_after: int = 2) -> Summary:
+    """Answer every (video, question) of ``root`` x ``questions``, or every line of
+    ``manifest``, into the JSONL ``out``."""
     from mminfer.engine.pipeline import check_request
-    for q in questions:
+    summary = Summary()
+    if manifest is not None:
+        listed = read_manifest(manifest)
+    else:
+        listed = [(v, q, item_id(v, q)) for v in scan(root, summary.ignored) for q in questions]
+    for q in dict.fromkeys(q for _, q, _ in listed):
         check_request(q, fps, max_frames, max_new_tokens, None, None, attention)
     cfg = config_of(model, attention, fps, max_frames, max_new_tokens)
     fp = fingerprint(cfg)
-    videos = scan(root)
     results = Results(out)
+    tracker = None
     try:
         other = next((r for r in results.records if r.get("config_fingerprint") != fp), None)
         if other is not None:
@@ -285,23 +422,32 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
                 f"{out} holds results of another configuration (fingerprint "
                 f"{other.get('config_fingerprint')}: {json.dumps(other.get('config'))}; this "
                 f"run is {fp}: {json.dumps(cfg)}); write this run to another --out file")
+        tracker = Attempts(str(out) + ".attempts")
         ok = {r["custom_id"] for r in results.records if r.get("status") == "ok"}
         attempts: dict[str, int] = {}
+        quarantined = set()
         for r in results.records:
             attempts[r["custom_id"]] = attempts.get(r["custom_id"], 0) + 1
-        summary = Summary()
-        todo: list[tuple[Video, list]] = []        # per video: [(id, question, attempt)]
-        for v in videos:
-            items = []
-            for q in questions:
-                cid = item_id(v, q)
-                summary.items += 1
-                if cid in ok or (cid in attempts and not retry_errors):
-                    summary.skipped += 1
-                    continue
-                items.append((cid, q, attempts.get(cid, 0) + 1))
-            if items:
-                todo.append((v, items))
+            if (r.get("error") or {}).get("code") == "quarantined":
+                quarantined.add(r["custom_id"])
+        groups: list[tuple[Video, list]] = []   # runs of one video: [(id, question, attempt)]
+        for v, q, cid in listed:
+            summary.items += 1
+            died = tracker.died.get(cid, 0)
+            if cid in ok or (cid in attempts and not retry_errors and cid not in quarantined):
+                summary.skipped += 1
+                continue
+            if quarantine_after and died >= quarantine_after:
+                summary.quarantined += 1
+                if cid not in quarantined:
+                    results.append(_quarantine_record(v, q, cid, cfg, fp, died,
+                                                      attempts.get(cid, 0) + 1))
+                continue
+            if not groups or groups[-1][0] != v:       # a manifest keeps its order
+                groups.append((v, []))
+            groups[-1][1].append((cid, q, attempts.get(cid, 0) + 1))
+        # videos the process died on go last, so they cannot starve the others
+        todo = sorted(groups, key=lambda g: max(tracker.died.get(c, 0) for c, _, _ in g[1]) > 0)
         n = sum(len(items) for _, items in todo)
         if n == 0:
             return summary
@@ -323,21 +469,39 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
 
         try:
             if ray_address:
-                _run_ray(ray_address, ray_workers, load_args, todo, cfg, fp, record)
+                _run_ray(ray_address, ray_workers, load_args, todo, cfg, fp, record,
+                         item_timeout_s)
             else:
                 pipe = load_pipeline(load_args)
                 for v, items in todo:
                     vd = {"rel": v.rel, "path": v.path, "size": v.size, "mtime_ns": v.mtime_ns}
                     for cid, q, attempt in items:
-                        record(answer_one(pipe, vd, q, cid, cfg, fp, attempt))
+                        tracker.mark(cid, "start")
+                        rec = answer_one(pipe, vd, q, cid, cfg, fp, attempt, item_timeout_s)
+                        record(rec)
+                        tracker.mark(cid, "end")
         finally:
             bar.close()
         return summary
     finally:
+        if tracker is not None:
+            tracker.close()
         results.close()
 
 
-def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, record):
+def _quarantine_record(v: Video, q: str, cid: str, cfg: dict, fp: str, died: int,
+                       attempt: int) -> dict:
+    return {"custom_id": cid, "video": v.rel, "question": q, "size": v.size,
+            "mtime_ns": v.mtime_ns, "config_fingerprint": fp, "config": cfg,
+            "attempt": attempt, "status": "error", "response": None,
+            "error": {"code": "quarantined", "message": f"the process died {died} times while "
+                      f"answering this item (out of memory? killed?); it is skipped from now "
+                      f"on (rerun with --quarantine-after 0 to try it again)"},
+            "timings_ms": {}, "finished_at": _now(), "schema": SCHEMA}
+
+
+def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, record,
+             timeout_s: float | None = None):
     try:
         import ray
     except ImportError:
@@ -346,7 +510,13 @@ def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, 
         if address == "local":
             ray.init(include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(address=address, log_to_driver=False)
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except (ConnectionError, RuntimeError) as e:
+                raise ConfigError(
+                    f"no Ray cluster at --ray {address} ({str(e).splitlines()[0][:200]}); "
+                    f"start one (ray start --head) or pass --ray local to run one on this "
+                    f"machine for the job") from None
     gpus = ray.cluster_resources().get("GPU", 0)
     opts = {"num_gpus": 1} if gpus >= 1 else {"num_cpus": 1}
     n = workers or (int(gpus) if gpus >= 1 else 1)
@@ -361,7 +531,7 @@ def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, 
             v, items = pending.pop()
             actor = idle.pop()
             vd = {"rel": v.rel, "path": v.path, "size": v.size, "mtime_ns": v.mtime_ns}
-            ref = actor.answer_video.remote(vd, items, cfg, fp)
+            ref = actor.answer_video.remote(vd, items, cfg, fp, timeout_s)
             running[ref] = (actor, vd, items)
         ready, _ = ray.wait(list(running), num_returns=1)
         ref = ready[0]
@@ -391,18 +561,26 @@ def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, 
 # ------------------------------------------------------------------- CLI
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("dir", help="folder scanned recursively for video files")
-    g = p.add_argument_group("questions (at least one)")
+    from mminfer.engine.options import HelpWithDefaults, add_model_arguments
+    p.formatter_class = HelpWithDefaults
+    p.add_argument("dir", nargs="?", help="folder scanned recursively for video files")
+    g = p.add_argument_group("questions (with DIR: at least one)")
     g.add_argument("--question", action="append", help="a question (repeatable)")
     g.add_argument("--questions", metavar="FILE", help="questions, one a line ('#' comments)")
+    p.add_argument("--manifest", metavar="FILE",
+                   help='instead of DIR: JSONL, {"video": PATH, "question": Q, "id": ID} a line '
+                        "(paths relative to FILE, id optional)")
     p.add_argument("--out", required=True, help="JSONL results file (appended to, resumable)")
-    from mminfer.engine.options import add_model_arguments
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
     p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
     p.add_argument("--retry-errors", action="store_true",
                    help="run again the items whose earlier records are errors")
+    p.add_argument("--item-timeout-s", type=float,
+                   help="stop an item after this long (an error record 'timeout')")
+    p.add_argument("--quarantine-after", type=int, default=2,
+                   help="skip an item after the process died this many times on it (0: never)")
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run on a Ray cluster: its address, 'auto', or 'local' (start one)")
     p.add_argument("--ray-workers", type=int,
@@ -412,9 +590,13 @@ def add_arguments(p: argparse.ArgumentParser):
 
 def run(args) -> int:
     from mminfer.models.embedded import resolve_model
-    questions = read_questions(args.question, args.questions)
+    if (args.dir is None) == (args.manifest is None):
+        raise InputError("give a folder (DIR) or --manifest FILE, one of them")
+    questions = read_questions(args.question, args.questions) if args.dir is not None else []
     model = resolve_model(args.model)
     summary = run_batch(args.dir, questions, args.out, model=model, attention=args.attention,
+                        manifest=args.manifest, item_timeout_s=args.item_timeout_s,
+                        quarantine_after=args.quarantine_after,
                         fps=args.fps, max_frames=args.max_frames,
                         max_new_tokens=args.max_new_tokens, device=args.device,
                         dtype=args.dtype, min_sparse_len=args.min_sparse_len,

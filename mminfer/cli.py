@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from mminfer.engine.options import add_model_arguments
+from mminfer.engine.options import HelpWithDefaults, add_model_arguments
 from mminfer.errors import MMInferError
 
 # name -> (module, one-line help). `answer` is defined below; the others are added by their
@@ -28,6 +28,7 @@ SUBCOMMANDS = {
 
 # ---------------------------------------------------------------------- answer
 def add_arguments(p: argparse.ArgumentParser):
+    p.formatter_class = HelpWithDefaults
     p.add_argument("video", help="video file")
     p.add_argument("question", help="question about the video")
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")

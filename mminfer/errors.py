@@ -1,5 +1,10 @@
-"""Errors a user can act on. Each carries a short machine-readable ``code`` and a message
-that says what was wrong; the service maps them to HTTP statuses."""
+"""Errors a user can act on: every one mminfer raises on purpose, in one place.
+
+Each carries a short machine-readable ``code``, a message that says what was wrong, and the
+HTTP status of its kind (``http_status``), which the service answers with
+(``mminfer.serve.errors`` turns them into responses); the CLI and the batch job print the
+message. Anything else that escapes is a bug, answered as an internal error.
+"""
 
 
 class MMInferError(Exception):
@@ -15,6 +20,8 @@ class MMInferError(Exception):
         return {"code": self.code, "message": self.message, **self.details}
 
 
+# ------------------------------------------------------------------- the request (4xx)
+
 class VideoError(MMInferError):
     """The video cannot be used: unreadable, truncated, empty, no video stream, an image..."""
     code = "bad_video"
@@ -25,10 +32,55 @@ class InputError(MMInferError):
     code = "bad_input"
 
 
-class ConfigError(MMInferError):
-    """A head-pattern config or model file does not match what it is loaded for."""
-    code = "bad_config"
-    http_status = 500
+class RemoteRefused(InputError):
+    """A remote media URL this server will not fetch (disabled, host not allowed, private
+    address)."""
+    code = "remote_media_refused"
+
+
+class Unauthorized(MMInferError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class Forbidden(MMInferError):
+    """Allowed to others or elsewhere, not here (a local path outside the allowed folder,
+    sparse attention where the server does not offer it to clients)."""
+    code = "forbidden"
+    http_status = 403
+
+
+class ModelNotFound(MMInferError):
+    code = "model_not_found"
+    http_status = 404
+
+
+class UploadTooSlow(MMInferError):
+    """The body did not arrive in time (under the minimum rate, or past the deadline)."""
+    code = "upload_too_slow"
+    http_status = 408
+
+
+class TooLarge(MMInferError):
+    """A body, file or field over a size limit."""
+    code = "too_large"
+    http_status = 413
+
+
+class OverBudget(TooLarge):
+    """A request that fits the upload limit but would cost more than the server allows
+    (frames, pixels per frame, decoded bytes, visual tokens, question tokens, fps)."""
+    code = "over_limit"
+
+
+class UnsupportedMedia(MMInferError):
+    code = "unsupported_media_type"
+    http_status = 415
+
+
+class MissingField(MMInferError):
+    code = "missing_field"
+    http_status = 422
 
 
 class Cancelled(MMInferError):
@@ -37,3 +89,53 @@ class Cancelled(MMInferError):
     ``cancel()`` callable returns True."""
     code = "cancelled"
     http_status = 499
+
+
+class ClientGone(Cancelled):
+    code = "client_disconnected"
+    http_status = 499                  # nginx's "client closed request"
+
+
+# ------------------------------------------------------------------- the server (5xx)
+
+class ConfigError(MMInferError):
+    """A head-pattern config or model file does not match what it is loaded for."""
+    code = "bad_config"
+    http_status = 500
+
+
+class OutOfMemory(MMInferError):
+    code = "out_of_memory"
+    http_status = 500
+
+
+class ServiceUnavailable(MMInferError):
+    """Try again later: the answer carries Retry-After."""
+    code = "unavailable"
+    http_status = 503
+
+
+class QueueFull(ServiceUnavailable):
+    code = "queue_full"
+
+
+class TooManyUploads(ServiceUnavailable):
+    code = "too_many_uploads"
+
+
+class ShuttingDown(ServiceUnavailable):
+    code = "shutting_down"
+
+
+class WorkerDead(ServiceUnavailable):
+    code = "worker_dead"
+
+
+class Timeout(MMInferError):
+    code = "timeout"
+    http_status = 504
+
+
+class RemoteTimeout(Timeout):
+    """The remote media host did not deliver the video within the fetch deadline."""
+    code = "remote_media_timeout"

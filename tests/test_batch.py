@@ -4,11 +4,13 @@ configuration refused, and the same job on a local Ray instance."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from conftest import write_video
@@ -19,6 +21,7 @@ from mminfer.errors import ConfigError, InputError
 from mminfer.toy.tiny import save_tiny_qwen2_5_vl
 
 QUESTIONS = ["what color is it?", "how many frames?"]
+NEEDLE = Path(__file__).resolve().parents[1] / "samples" / "videos" / "needle_0.mp4"
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +160,119 @@ def test_ray_runs_the_same_job(ckpt, videos, tmp_path):
         assert b[cid]["status"] == r["status"]
         if r["status"] == "ok":
             assert b[cid]["response"]["answer"] == r["response"]["answer"]
+
+
+def test_scan_counts_everything_it_passes_over(tmp_path):
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    write_video(root / "sub" / "ok.mp4", n_frames=4)
+    (root / ".cache").mkdir()
+    write_video(root / ".cache" / "hidden.mp4", n_frames=4)
+    (root / ".hidden.mp4").write_bytes(b"x")
+    (root / "notes.txt").write_text("not a video")
+    (root / "linked").symlink_to(root / "sub", target_is_directory=True)
+    (root / "dangling.mp4").symlink_to(tmp_path / "gone.mp4")
+    os.mkfifo(root / "pipe.mp4")
+    ignored = {}
+    assert [v.rel for v in scan(root, ignored)] == ["sub/ok.mp4"]
+    assert ignored == {"hidden": 2, "not a video file": 1, "symlinked folder": 1,
+                       "unreadable or a dangling link": 1, "not a regular file": 1}
+
+
+def test_summary_percentiles():
+    from mminfer.batch import Summary
+    d = Summary(latencies_ms=[float(x) for x in range(100, 0, -1)]).to_dict()["latency_ms"]
+    assert (d["mean"], d["p50"], d["p95"]) == (50.5, 50.0, 95.0)
+
+
+def test_manifest_input(ckpt, videos, tmp_path):
+    man = tmp_path / "m" / "items.jsonl"
+    man.parent.mkdir()
+    rel = os.path.relpath(videos, man.parent)
+    man.write_text("\n".join([
+        json.dumps({"video": f"{rel}/b.mp4", "question": "what color is it?", "id": "first"}),
+        "# a comment",
+        json.dumps({"video": f"{rel}/a/z.mp4", "question": "how many frames?"}),
+        json.dumps({"video": f"{rel}/b.mp4", "question": "how many frames?"}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    s = run_batch(None, [], out, model=str(ckpt), max_new_tokens=4, progress=False,
+                  manifest=man)
+    assert (s.items, s.done, s.errors) == (3, 3, 0)
+    recs = records(out)
+    assert [r["custom_id"] for r in recs][0] == "first"
+    assert [(r["video"], r["question"]) for r in recs] == [
+        (f"{rel}/b.mp4", "what color is it?"), (f"{rel}/a/z.mp4", "how many frames?"),
+        (f"{rel}/b.mp4", "how many frames?")]
+    again = run_batch(None, [], out, model=str(ckpt), max_new_tokens=4, progress=False,
+                      manifest=man)
+    assert (again.done, again.skipped) == (0, 3)
+    man.write_text(json.dumps({"video": "nope.mp4", "question": "q"}) + "\n")
+    with pytest.raises(InputError, match="line 1.*does not exist"):
+        run_batch(None, [], out, model=str(ckpt), progress=False, manifest=man)
+    man.write_text('{"video": "x.mp4"}\n')
+    with pytest.raises(InputError, match="line 1 must be"):
+        run_batch(None, [], out, model=str(ckpt), progress=False, manifest=man)
+
+
+def test_item_timeout_stops_one_item_and_the_job_goes_on(tmp_path):
+    slow = save_tiny_qwen2_5_vl(tmp_path / "slow-qwen", max_pixels=28 * 28 * 64)
+    root = tmp_path / "v"
+    root.mkdir()
+    shutil.copy(NEEDLE, root / "long.mp4")                  # a sparse prefill of minutes here
+    write_video(root / "short.mp4", n_frames=4, fps=4.0)     # a few tokens: seconds
+    out = tmp_path / "out.jsonl"
+    t0 = time.monotonic()
+    s = run_batch(root, ["what?"], out, model=str(slow), attention="sparse", max_new_tokens=2,
+                  progress=False, item_timeout_s=3.0)
+    took = time.monotonic() - t0
+    by = {r["video"]: r for r in records(out)}
+    assert by["long.mp4"]["status"] == "error" and by["long.mp4"]["error"]["code"] == "timeout"
+    assert by["long.mp4"]["timings_ms"]["total"] < 3000 + 2000       # stopped, not finished
+    assert by["short.mp4"]["status"] == "ok", by["short.mp4"]
+    assert (s.done, s.errors) == (1, 1) and took < 120
+
+
+def test_an_item_that_kills_the_process_is_quarantined(ckpt, tmp_path):
+    """A video whose decoding runs the process out of memory (an address-space limit makes
+    the decoder abort, as the OOM killer would end it) is retried last, then quarantined; the
+    other items are answered."""
+    root = tmp_path / "v"
+    root.mkdir()
+    write_video(root / "a.mp4", n_frames=4)
+    write_video(root / "z.mp4", n_frames=4)
+    write_video(root / "big.mp4", n_frames=120, fps=30.0, width=1280, height=720)
+    out = tmp_path / "out.jsonl"
+    code = f"""
+import resource, sys
+from mminfer.batch import load_pipeline, run_batch
+load_pipeline({{"model": {str(ckpt)!r}, "attention": "dense"}})  # warm the imports
+size = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + 300 * 2**20,) * 2)
+s = run_batch({str(root)!r}, ["what?"], {str(out)!r}, model={str(ckpt)!r}, attention="dense",
+              fps=30.0, max_frames=120, max_new_tokens=2, progress=False)
+print("SUMMARY", s.to_dict())
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=600) for _ in range(3)]
+    assert runs[0].returncode != 0 and runs[1].returncode != 0, runs[0].stdout + runs[0].stderr
+    assert "SUMMARY" in runs[2].stdout, runs[2].stdout + runs[2].stderr[-2000:]
+    final = eval(runs[2].stdout.split("SUMMARY", 1)[1])       # noqa: S307 - our own dict
+    assert final["quarantined"] == 1
+    recs = records(out)
+    by = {}
+    for r in recs:
+        by.setdefault(r["video"], []).append(r)
+    assert [r["status"] for r in by["a.mp4"]] == ["ok"] and [r["status"] for r in
+                                                             by["z.mp4"]] == ["ok"]
+    (q,) = by["big.mp4"]
+    assert q["error"]["code"] == "quarantined" and "died 2 times" in q["error"]["message"]
+
+
+def test_ray_auto_without_a_cluster_says_local(ckpt, videos, tmp_path, monkeypatch):
+    pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="--ray local"):
+        run_batch(videos, QUESTIONS[:1], tmp_path / "o.jsonl", model=str(ckpt),
+                  progress=False, ray_address="auto")

@@ -103,3 +103,24 @@ def test_no_traceback_from_the_console(mp4, tmp_path):
     r = subprocess.run([sys.executable, "-m", "mminfer.cli", "answer", str(mp4), "what?"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--model" in r.stderr
+
+
+def test_make_run_passes_server_flags():
+    """`make run ARGS=...` reaches `mminfer serve` (as the README's path/file:// examples need)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(["make", "-n", "-C", root, "run", "ARGS=--allowed-local-media-path /v "
+                        "--max-upload-mb 64", "MODEL=/m"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    line = [ln for ln in r.stdout.splitlines() if "mminfer serve" in ln][-1]
+    assert line.rstrip().endswith("--model /m --allowed-local-media-path /v --max-upload-mb 64")
+
+
+def test_serve_help_shows_defaults():
+    out = subprocess.run([sys.executable, "-m", "mminfer.cli", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    flat = " ".join(out.split())
+    for flag, default in (("--queue-size", "8"), ("--max-upload-mb", "512.0"),
+                          ("--upload-grace-s", "10.0"), ("--max-fps", "8.0")):
+        described = flat.split(f" {flag} {flag.lstrip('-').replace('-', '_').upper()} ")[1]
+        text, _, value = described.partition("(default: ")
+        assert " --" not in text and value.startswith(f"{default})"), flag

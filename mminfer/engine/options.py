@@ -6,6 +6,16 @@ from __future__ import annotations
 import argparse
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows a default where there is one to show (not None, not an off switch,
+    not one the help already states)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, [], ()) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
     """Which model and how it runs: the same options for answer, serve and batch."""
     p.add_argument("--model", help=f"checkpoint directory or hub id (default: {model_default})")

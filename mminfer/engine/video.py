@@ -184,34 +184,66 @@ def _is_int(v) -> bool:
 
 # ----------------------------------------------------------------------- file checks
 
-# Magic numbers of still images ffmpeg would happily open as a one-frame "video".
-_IMAGE_MAGIC = (
-    (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"BM", "BMP"),
-    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+@dataclass(frozen=True)
+class FileKind:
+    """What a file's first bytes say it is."""
+    name: str       # "mp4", "matroska", "PNG", "PDF", "text", ...
+    what: str       # for messages: "a PNG image", "MP3 audio", ...
+    video: bool     # a video container; False: clearly not a video
+    image: bool = False
+
+
+def _kind(name, what, image=False):
+    return FileKind(name, what, False, image)
+
+
+# The one table of magic numbers (the service and the decoder both sniff with it). Still
+# images are listed because ffmpeg would happily open them as a one-frame "video".
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", _kind("PNG", "a PNG image", True)),
+    (b"\xff\xd8\xff", _kind("JPEG", "a JPEG image", True)),
+    (b"II*\x00", _kind("TIFF", "a TIFF image", True)),
+    (b"MM\x00*", _kind("TIFF", "a TIFF image", True)),
+    (b"%PDF", _kind("PDF", "a PDF document")),
+    (b"PK\x03\x04", _kind("ZIP", "a ZIP archive")),
+    (b"\x1f\x8b", _kind("gzip", "a gzip archive")),
+    (b"ID3", _kind("MP3", "MP3 audio")),
+    (b"fLaC", _kind("FLAC", "FLAC audio")),
+    (b"\x7fELF", _kind("ELF", "an executable")),
+    (b"\x1a\x45\xdf\xa3", FileKind("matroska", "a Matroska/WebM file", True)),
 )
+_TEXT = _kind("text", "a text file")
 
 
-def _sniff(head: bytes) -> str | None:
-    for magic, kind in _IMAGE_MAGIC:
+def sniff(head: bytes) -> FileKind | None:
+    """What the first bytes (64 are enough) of a file say it is, or None when they do not
+    say: an unknown container is left to the demuxer."""
+    for magic, kind in _MAGIC:
         if head.startswith(magic):
             return kind
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "WEBP"
+        return _kind("WEBP", "a WEBP image", True)
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return _kind("WAV", "WAV audio")
+    if head[:2] == b"BM" and len(head) >= 14 and head[6:10] == b"\x00\x00\x00\x00":
+        return _kind("BMP", "a BMP image", True)   # the reserved bytes: "BM" alone is too weak
     if head[4:8] == b"ftyp":
-        return "mp4"
-    if head[:4] == b"\x1a\x45\xdf\xa3":
-        return "matroska"
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    if all(c.isprintable() or c in "\r\n\t" for c in text):
-        return "text"
+        return FileKind("mp4", "an MP4 file", True)
+    if head.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
+        return _TEXT
+    for cut in range(4):        # the 64-byte window may split a multi-byte character
+        try:
+            text = head[:len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if text and all(c.isprintable() or c in "\r\n\t" for c in text):
+            return _TEXT
+        break
     return None
 
 
 def _check_file(path: str) -> str | None:
-    """Raise for what can be told without a demuxer; return the sniffed kind."""
+    """Raise for what can be told without a demuxer; return the sniffed kind's name."""
     if not os.path.exists(path):
         raise VideoError(f"video file not found: {path}", path=path)
     if not os.path.isfile(path):
@@ -223,13 +255,13 @@ def _check_file(path: str) -> str | None:
             head = f.read(64)
     except OSError as e:
         raise VideoError(f"cannot read {path}: {e.strerror or e}", path=path) from None
-    kind = _sniff(head)
-    if kind in ("PNG", "JPEG", "BMP", "TIFF", "WEBP"):
-        raise VideoError(f"{path} is a {kind} image, not a video; send it as an image",
-                         path=path, detected=kind)
-    if kind == "text":
+    kind = sniff(head)
+    if kind is not None and kind.image:
+        raise VideoError(f"{path} is {kind.what}, not a video; send it as an image",
+                         path=path, detected=kind.name)
+    if kind is not None and kind.name == "text":
         raise VideoError(f"{path} is a text file, not a video", path=path, detected="text")
-    return kind
+    return kind.name if kind is not None else None
 
 
 def _probe_av(path: str, kind: str | None) -> dict | None:
@@ -467,12 +499,14 @@ def _with_reader(path, backend, fn, size=None):
         except ImportError as e:
             failures.append((name, "missing", e))
             continue
+        except MemoryError:     # not the file's fault: the caller says "out of memory"
+            raise
         except Exception as e:  # decord raises DECORDError/RuntimeError on bad files
             failures.append((name, "open", e))
             continue
         try:
             return fn(reader, facts)
-        except VideoError:
+        except (VideoError, MemoryError):
             raise
         except Exception as e:
             failures.append((name, "read", e))

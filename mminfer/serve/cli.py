@@ -11,46 +11,126 @@ import argparse
 import shlex
 from pathlib import Path
 
-from mminfer.engine.options import add_model_arguments
+from mminfer.engine.options import HelpWithDefaults, add_model_arguments
 from mminfer.errors import ConfigError
+
+from .settings import Settings as Defaults
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
 
 
 def add_arguments(p: argparse.ArgumentParser):
+    d = Defaults
+    p.formatter_class = HelpWithDefaults
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
-    p.add_argument("--data-dir", default="./mminfer-data",
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=[],
+                   help="the model's id in answers and /v1/models (the first), and aliases a "
+                        "request may name it by (default: the checkpoint's name)")
+    p.add_argument("--data-dir", default=d.data_dir,
                    help="latency database and upload temp files")
-    p.add_argument("--max-upload-mb", type=float, default=512.0, help="largest video accepted")
-    p.add_argument("--queue-size", type=int, default=8,
-                   help="requests waiting for the model at most (more get 503)")
-    p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="a request not answered this long after queueing gets 504")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="default answer length cap")
-    p.add_argument("--allowed-local-media-path", metavar="DIR",
-                   help="chat requests may name local video files under DIR")
-    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
-                   help="chat requests may name http(s) video URLs on these hosts "
-                        "(remote URLs are refused without it)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
 
+    g = p.add_argument_group("request defaults")
+    g.add_argument("--fps", type=float, default=d.fps, help="frames sampled per second")
+    g.add_argument("--max-frames", type=int, default=d.max_frames, help="at most this many frames")
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="answer length cap")
+
+    g = p.add_argument_group("queue and time")
+    g.add_argument("--queue-size", type=int, default=d.queue_size,
+                   help="requests waiting for the model (or still uploading) at most; more "
+                        "get 503 before their body is read")
+    g.add_argument("--timeout-s", type=float, default=d.timeout_s,
+                   help="a request not answered this long after queueing gets 504 and is "
+                        "stopped")
+    g.add_argument("--graceful-shutdown-s", type=float, default=10.0,
+                   help="on SIGTERM/SIGINT: queued requests get 503 at once; in-flight answers "
+                        "are written for at most this long")
+
+    g = p.add_argument_group("intake limits")
+    g.add_argument("--max-upload-mb", type=float, default=d.max_upload_mb,
+                   help="largest video accepted")
+    g.add_argument("--max-data-url-mb", type=float, default=d.max_data_url_mb,
+                   help="largest video inside a chat request's data: URL")
+    g.add_argument("--max-concurrent-uploads", type=int, default=d.max_concurrent_uploads,
+                   help="request bodies received at once; more get 503 (default: the "
+                        "queue size)")
+    g.add_argument("--upload-deadline-s", type=float, default=d.upload_deadline_s,
+                   help="a body must arrive within this (else 408)")
+    g.add_argument("--min-upload-kbps", type=float, default=d.min_upload_kbps,
+                   help="a body must average at least this many KiB/s after the grace period")
+    g.add_argument("--upload-grace-s", type=float, default=d.upload_grace_s,
+                   help="seconds before the minimum upload rate applies")
+
+    g = p.add_argument_group("budgets (per request, checked before queueing; over: 413)")
+    g.add_argument("--max-fps", type=float, default=d.max_fps, help="highest fps a request may ask")
+    g.add_argument("--max-frames-limit", type=int, default=d.max_frames_limit,
+                   help="a request's max_frames is capped at this")
+    g.add_argument("--max-frame-pixels", type=int, default=d.max_frame_pixels,
+                   help="largest frame (width x height) accepted")
+    g.add_argument("--max-decode-mb", type=float, default=d.max_decode_mb,
+                   help="sampled frames as RGB (frames x width x height x 3) at most")
+    g.add_argument("--max-visual-tokens", type=int, default=d.max_visual_tokens,
+                   help="visual tokens per request at most (default: the model's context)")
+    g.add_argument("--max-question-chars", type=int, default=d.max_question_chars,
+                   help="longest question (characters)")
+    g.add_argument("--max-question-tokens", type=int, default=d.max_question_tokens,
+                   help="longest question (tokens)")
+    g.add_argument("--no-client-sparse", action="store_true",
+                   help="refuse requests that ask for attention=sparse (the server's "
+                        "--attention still applies)")
+
+    g = p.add_argument_group("media URLs in chat requests")
+    g.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="chat requests may name local video files under DIR")
+    g.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                   help="chat requests may name http(s) video URLs on these hosts "
+                        "(remote URLs are refused without it)")
+    g.add_argument("--allow-private-media-addresses", action="store_true",
+                   help="fetch from names that resolve to loopback/private addresses "
+                        "(refused by default; IP literals in the allow-list always pass)")
+    g.add_argument("--media-fetch-deadline-s", type=float, default=d.media_fetch_deadline_s,
+                   help="a remote video must download within this (else 504)")
+
+    g = p.add_argument_group("latency store")
+    g.add_argument("--report-retention-days", type=float, default=d.report_retention_days,
+                   help="latency records older than this are deleted")
+    g.add_argument("--report-max-rows", type=int, default=d.report_max_rows,
+                   help="latency records kept at most (the newest)")
+
 
 def settings_from(args):
-    from .app import Settings
-    if args.queue_size < 1:
-        raise ConfigError("--queue-size must be at least 1")
-    if not args.max_upload_mb > 0 or not args.timeout_s > 0:
-        raise ConfigError("--max-upload-mb and --timeout-s must be positive")
-    return Settings(model=args.model, attention=args.attention, device=args.device,
-                    dtype=args.dtype, min_sparse_len=args.min_sparse_len,
-                    data_dir=args.data_dir, max_upload_mb=args.max_upload_mb,
-                    queue_size=args.queue_size, timeout_s=args.timeout_s,
-                    max_new_tokens=args.max_new_tokens,
-                    allowed_local_media_path=args.allowed_local_media_path,
-                    allowed_media_domains=tuple(h.lower() for h in args.allowed_media_domains))
+    from .settings import Settings
+    if args.queue_size < 1 or (args.max_concurrent_uploads or 1) < 1:
+        raise ConfigError("--queue-size and --max-concurrent-uploads must be at least 1")
+    for name in ("max_upload_mb", "max_data_url_mb", "timeout_s", "upload_deadline_s",
+                 "max_fps", "max_decode_mb", "media_fetch_deadline_s"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    return Settings(
+        model=args.model, attention=args.attention, device=args.device, dtype=args.dtype,
+        min_sparse_len=args.min_sparse_len, data_dir=args.data_dir,
+        served_model_names=tuple(args.served_model_name), fps=args.fps,
+        max_frames=args.max_frames, max_new_tokens=args.max_new_tokens,
+        queue_size=args.queue_size, timeout_s=args.timeout_s,
+        max_upload_mb=args.max_upload_mb, max_data_url_mb=args.max_data_url_mb,
+        max_concurrent_uploads=args.max_concurrent_uploads,
+        upload_deadline_s=args.upload_deadline_s, min_upload_kbps=args.min_upload_kbps,
+        upload_grace_s=args.upload_grace_s, max_fps=args.max_fps,
+        max_frames_limit=args.max_frames_limit, max_frame_pixels=args.max_frame_pixels,
+        max_decode_mb=args.max_decode_mb, max_visual_tokens=args.max_visual_tokens,
+        max_question_chars=args.max_question_chars,
+        max_question_tokens=args.max_question_tokens,
+        allow_client_sparse=not args.no_client_sparse,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(h.lower() for h in args.allowed_media_domains),
+        allow_private_media_addresses=args.allow_private_media_addresses,
+        media_fetch_deadline_s=args.media_fetch_deadline_s,
+        report_retention_days=args.report_retention_days,
+        report_max_rows=args.report_max_rows)
 
 
 def banner(host: str, port: int, model: str, api_key: bool) -> str:
@@ -68,6 +148,19 @@ def banner(host: str, port: int, model: str, api_key: bool) -> str:
         f"  curl{auth} -F video=@{shlex.quote(str(video))} "
         f"-F question='What number appears in the video?' {url}/v1/answer",
     ])
+
+
+def graceful_server(uvicorn, config, worker):
+    """A uvicorn server that, when told to stop, first answers every queued request with a
+    JSON 503 and stops the running one, so that its graceful wait sees them all answered
+    (uvicorn alone would wait, then cut them off with a plain-text 500)."""
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            worker.begin_shutdown()
+            await super().shutdown(sockets)
+
+    return Server(config)
 
 
 def run(args) -> int:
@@ -98,8 +191,8 @@ def run(args) -> int:
               "reach this port can use the model", flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=args.graceful_shutdown_s)
+    server = graceful_server(uvicorn, config, worker)
 
     async def main():
         task = asyncio.create_task(server.serve())

@@ -9,48 +9,30 @@ file hands its path to exactly one owner that deletes it (see ``worker.Job.clean
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
-import math
+import ipaddress
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
 
-from mminfer.errors import InputError, MMInferError, VideoError
+from mminfer.engine.video import sniff
+from mminfer.errors import (Forbidden, InputError, MissingField, MMInferError, RemoteRefused,
+                            RemoteTimeout, TooLarge, UnsupportedMedia, VideoError)
 
 MAX_FIELD_BYTES = 64 * 1024      # a question, a number: never more than this
 MAX_PARTS = 32
 DRAIN_BYTES = 64 * 1024 * 1024   # read (and drop) at most this much after refusing an upload
+DRAIN_SECONDS = 5.0              # ... and for at most this long
+DATA_URL_CHUNK = 1 << 20         # base64 characters decoded at a time (a multiple of 4)
 TEMP_PREFIX = "upload-"
 
 # Part content types accepted for a video; anything else is refused with 415 before decoding.
 VIDEO_TYPES = ("application/octet-stream", "binary/octet-stream", "application/mp4",
                "application/x-matroska", "application/ogg", "application/vnd.rn-realmedia")
-
-
-class UnsupportedMedia(MMInferError):
-    code = "unsupported_media_type"
-    http_status = 415
-
-
-class TooLarge(MMInferError):
-    code = "too_large"
-    http_status = 413
-
-
-class MissingField(MMInferError):
-    code = "missing_field"
-    http_status = 422
-
-
-class Forbidden(MMInferError):
-    code = "forbidden"
-    http_status = 403
-
-
-class RemoteRefused(InputError):
-    code = "remote_media_refused"
 
 
 def new_temp(folder) -> str:
@@ -80,48 +62,16 @@ def check_video_type(ctype: str | None, what: str = "the video part"):
                            f"file (video/mp4, video/webm, ...)", content_type=base)
 
 
-_NOT_VIDEO_MAGIC = (
-    (b"\x89PNG\r\n\x1a\n", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"),
-    (b"II*\x00", "a TIFF image"), (b"MM\x00*", "a TIFF image"), (b"%PDF", "a PDF document"),
-    (b"PK\x03\x04", "a ZIP archive"), (b"\x1f\x8b", "a gzip archive"), (b"ID3", "MP3 audio"),
-    (b"fLaC", "FLAC audio"), (b"\x7fELF", "an executable"),
-)
-
-
-def sniff(head: bytes) -> str | None:
-    """What the first bytes say a file is when that is clearly not a video, else None."""
-    for magic, what in _NOT_VIDEO_MAGIC:
-        if head.startswith(magic):
-            return what
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "a WEBP image"
-    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
-        return "WAV audio"
-    if head[:2] == b"BM" and len(head) >= 14 and head[6:10] == b"\x00\x00\x00\x00":
-        return "a BMP image"
-    if head.startswith((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")):
-        return "a text file"
-    for cut in range(4):        # the 64-byte window may split a multi-byte character
-        try:
-            text = head[:len(head) - cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if text and all(c.isprintable() or c in "\r\n\t" for c in text):
-            return "a text file"
-        break
-    return None
-
-
 def check_file(path: str, label: str = "the uploaded video"):
     """Empty (400) or clearly not a video by its first bytes (415)."""
     with open(path, "rb") as f:
         head = f.read(64)
     if not head:
         raise VideoError(f"{label} is empty (0 bytes)")
-    what = sniff(head)
-    if what:
-        raise UnsupportedMedia(f"{label} is {what}, not a video (judged by its first bytes)",
-                               detected=what)
+    kind = sniff(head)
+    if kind is not None and not kind.video:
+        raise UnsupportedMedia(f"{label} is {kind.what}, not a video (judged by its first "
+                               f"bytes)", detected=kind.what)
 
 
 # ------------------------------------------------------------------- multipart
@@ -148,15 +98,20 @@ def _declared_length(request) -> int | None:
     return n
 
 
-async def drain(stream, cap: int = DRAIN_BYTES):
+async def drain(stream, cap: int = DRAIN_BYTES, seconds: float = DRAIN_SECONDS):
     """Read and drop what the client is still sending, so it reads our 4xx instead of a reset
-    connection; a client sending more than ``cap`` gets the connection closed."""
-    n = 0
+    connection; a client sending more than ``cap`` bytes or for longer than ``seconds`` gets
+    the connection closed."""
+    n, end = 0, time.monotonic() + seconds
+    it = stream.__aiter__()
     try:
-        async for chunk in stream:
-            n += len(chunk)
-            if n > cap:
+        while n <= cap:
+            left = end - time.monotonic()
+            if left <= 0:
                 break
+            n += len(await asyncio.wait_for(it.__anext__(), left))
+    except (StopAsyncIteration, asyncio.TimeoutError):
+        pass
     except Exception:               # noqa: BLE001 - client went away: nothing to drain
         pass
 
@@ -167,9 +122,10 @@ def _too_large(size_desc: str | None, max_bytes: int) -> TooLarge:
                     f"{max_bytes / 2**20:g} MiB", limit_bytes=max_bytes)
 
 
-async def read_multipart(request, folder, max_bytes: int) -> Upload:
-    """Parse a multipart/form-data body: the ``video`` part goes to a temp file, other parts
-    (at most 64 KiB each) to ``fields``. On any error the temp file is gone."""
+async def read_multipart(request, stream, folder, max_bytes: int) -> Upload:
+    """Parse a multipart/form-data body read from ``stream`` (the request's, timed by the
+    intake): the ``video`` part goes to a temp file, other parts (at most 64 KiB each) to
+    ``fields``. On any error the temp file is gone."""
     from python_multipart import MultipartParser
     from python_multipart.exceptions import FormParserError
     from python_multipart.multipart import parse_options_header
@@ -253,7 +209,6 @@ async def read_multipart(request, folder, max_bytes: int) -> Upload:
         "on_header_value": on_header_value, "on_header_end": on_header_end,
         "on_headers_finished": on_headers_finished, "on_part_data": on_part_data,
         "on_part_end": on_part_end, "on_end": on_end})
-    stream = request.stream()
     try:
         async for chunk in stream:
             parser.write(chunk)
@@ -274,14 +229,14 @@ async def read_multipart(request, folder, max_bytes: int) -> Upload:
     return up
 
 
-async def read_body(request, max_bytes: int) -> bytes:
-    """The whole body, refusing (413) as soon as it passes ``max_bytes``."""
+async def read_body(request, stream, max_bytes: int) -> bytes:
+    """The whole body (read from ``stream``), refusing (413) as soon as it passes
+    ``max_bytes``."""
     declared = _declared_length(request)
     if declared is not None and declared > max_bytes:
         raise TooLarge(f"the request body is {declared} bytes, over this server's limit of "
                        f"{max_bytes} bytes", limit_bytes=max_bytes)
     buf = bytearray()
-    stream = request.stream()
     async for chunk in stream:
         buf += chunk
         if len(buf) > max_bytes:
@@ -306,39 +261,12 @@ def text_field(up: Upload, name: str, required: bool = False) -> str | None:
                          field=name) from None
 
 
-def number(value, name: str, kind=float):
-    """A request number from a form string or JSON value; InputError when it is not one."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise InputError(f"{name} must be a number, not {value!r}", field=name)
-    if kind is int:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise InputError(f"{name} must be an integer, not {value!r}", field=name)
-    if isinstance(value, (int, float)):
-        x = float(value)
-    else:
-        try:
-            x = float(str(value).strip())
-        except ValueError:
-            raise InputError(f"{name} must be a number, not {value!r}", field=name) from None
-    if not math.isfinite(x):
-        raise InputError(f"{name} must be a finite number, not {value!r}", field=name)
-    return x
-
-
 # ------------------------------------------------------------------- media URLs
 
 def save_data_url(url: str, folder, max_bytes: int) -> str:
-    """``data:[type][;base64],...`` into a temp file; returns its path."""
+    """``data:[type][;base64],...`` into a temp file; returns its path. Run it off the event
+    loop: the payload is decoded and written a chunk at a time, so the thread gives up the
+    GIL between chunks and the loop keeps answering."""
     head, sep, payload = url.partition(",")
     if not sep:
         raise InputError("malformed data: URL (no comma before the data)")
@@ -346,16 +274,23 @@ def save_data_url(url: str, folder, max_bytes: int) -> str:
     check_video_type(meta[0] or None, "the data: URL")
     if "base64" not in meta[1:]:
         raise InputError("data: URLs must be base64-encoded (data:video/mp4;base64,...)")
-    if len(payload) * 3 // 4 > max_bytes + 3:
-        raise _too_large(f"about {len(payload) * 3 // 4} bytes", max_bytes)
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise InputError(f"the data: URL is not valid base64 ({e})") from None
+    size = len(payload) * 3 // 4
+    if size > max_bytes + 3:
+        raise TooLarge(f"the video in the data: URL (about {size} bytes) is larger than this "
+                       f"server's data: URL limit of {max_bytes / 2**20:g} MiB; upload it to "
+                       f"/v1/answer instead", limit_bytes=max_bytes)
     path = new_temp(folder)
     try:
         with open(path, "wb") as f:
-            f.write(data)
+            for i in range(0, len(payload), DATA_URL_CHUNK):
+                chunk = payload[i:i + DATA_URL_CHUNK]
+                if "=" in chunk and i + DATA_URL_CHUNK < len(payload):
+                    raise InputError("the data: URL is not valid base64 (padding before "
+                                     "the end)")
+                try:
+                    f.write(base64.b64decode(chunk, validate=True))
+                except (binascii.Error, ValueError) as e:
+                    raise InputError(f"the data: URL is not valid base64 ({e})") from None
     except BaseException:
         remove(path)
         raise
@@ -380,12 +315,54 @@ def local_media(url: str, allowed_dir: str | None) -> str:
     return real
 
 
-async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeout: float) -> str:
-    """Download an http(s) URL whose host is allow-listed; no redirects (they could lead
-    anywhere), size checked while downloading."""
+def _non_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """What an address is when it is not on the public internet, else None."""
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for what, flag in (("loopback", ip.is_loopback), ("private", ip.is_private),
+                       ("link-local", ip.is_link_local), ("multicast", ip.is_multicast),
+                       ("unspecified", ip.is_unspecified), ("reserved", ip.is_reserved),
+                       ("non-global", not ip.is_global)):
+        if flag:
+            return what
+    return None
+
+
+async def _resolve(host: str, port: int, allow_private: bool) -> str:
+    """The address to connect to: an IP literal as it is (the operator listed it), a name
+    resolved once here, refused when it points inside (loopback, private, link-local...),
+    so the allow-list cannot be turned against the server's own network."""
+    import socket
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise VideoError(f"the media host {host!r} cannot be resolved ({e.strerror or e})",
+                         host=host) from None
+    addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    if not allow_private:
+        for ip in addrs:
+            what = _non_public(ip)
+            if what:
+                raise RemoteRefused(f"the media host {host!r} resolves to a {what} address "
+                                    f"({ip}); this server fetches only from public addresses",
+                                    host=host)
+    return str(addrs[0])
+
+
+async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeout: float,
+                       deadline: float = 120.0, allow_private: bool = False) -> str:
+    """Download an http(s) URL whose host is allow-listed: no redirects (they could lead
+    anywhere), the resolved address pinned (no second lookup that could answer otherwise),
+    size checked while downloading, the whole download within ``deadline`` seconds."""
     import httpx
 
-    host = (urlparse(url).hostname or "").lower()
+    parts = urlparse(url)
+    host = (parts.hostname or "").lower()
     if not allowed_domains:
         raise RemoteRefused("remote media URLs are disabled on this server; send the video as "
                             "a data: URL or upload it to /v1/answer (or start the server with "
@@ -393,13 +370,26 @@ async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeou
     if host not in allowed_domains:
         raise RemoteRefused(f"the media host {host!r} is not in this server's allowed media "
                             f"domains", host=host)
-    path = new_temp(folder)
     try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        raise InputError("the video URL has a bad port") from None
+    path = new_temp(folder)
+
+    async def download():
+        ip = await _resolve(host, port, allow_private)
+        netloc = f"[{ip}]" if ":" in ip else ip
+        pinned = parts._replace(netloc=f"{netloc}:{port}").geturl()
+        headers = {"Host": parts.netloc.rpartition("@")[2]}
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
-            async with client.stream("GET", url) as r:
+            async with client.stream("GET", pinned, headers=headers,
+                                     extensions={"sni_hostname": host}) as r:
                 if r.status_code != 200:
                     raise VideoError(f"fetching the video URL answered HTTP {r.status_code}")
                 check_video_type(r.headers.get("content-type"), "the fetched video")
+                declared = r.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > max_bytes:
+                    raise _too_large(f"{declared} bytes declared by the media host", max_bytes)
                 n = 0
                 with open(path, "wb") as f:
                     async for chunk in r.aiter_bytes():
@@ -407,6 +397,14 @@ async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeou
                         if n > max_bytes:
                             raise _too_large(None, max_bytes)
                         f.write(chunk)
+
+    try:
+        await asyncio.wait_for(download(), deadline)
+    except asyncio.TimeoutError:
+        remove(path)
+        raise RemoteTimeout(f"the video URL did not deliver the whole video within this "
+                            f"server's fetch deadline of {deadline:g} s",
+                            deadline_s=deadline) from None
     except httpx.HTTPError as e:
         remove(path)
         raise VideoError(f"fetching the video URL failed: {type(e).__name__}") from None

@@ -36,6 +36,16 @@ def _fmt_ms(ms: float) -> str:
     return f"{ms:.1f} ms"
 
 
+def nice_ticks(peak: float, n: int = 4) -> list[float]:
+    """Round axis values from 0 to at least ``peak``: steps of 1, 2 or 5 x 10^k."""
+    if not peak > 0:
+        return [0.0]
+    raw = peak / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    return [i * step for i in range(int(math.ceil(peak / step - 1e-9)) + 1)]
+
+
 def _cell(report, stage, bucket):
     for r in report["rows"]:
         if r["stage"] == stage and r["bucket"] == bucket:
@@ -53,10 +63,19 @@ def stage_bars(report: dict) -> str:
     medians = {b: [(s, (_cell(report, s, b) or {}).get("p50_ms", 0.0) or 0.0)
                    for s in BAR_STAGES] for b in buckets}
     biggest = max(sum(ms for _, ms in v) for v in medians.values()) or 1.0
-    scale = (width - label_w - 130) / biggest
+    ticks = nice_ticks(biggest)
+    scale = (width - label_w - 130) / ticks[-1]
     out = [f'<svg class="chart" id="stage-chart" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" '
            f'aria-label="Median time per stage and prompt length">']
+    axis_y = top + row_h * len(buckets)
+    out.append('<g class="axis" data-axis="x">')
+    for t in ticks:                 # a numeric axis: where the bars' milliseconds are
+        x = label_w + t * scale
+        out.append(f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{axis_y}" stroke="#ddd"/>'
+                   f'<text class="tick" data-ms="{t:g}" x="{x:.2f}" y="{axis_y + 14}" '
+                   f'text-anchor="middle">{_fmt_ms(t)}</text>')
+    out.append("</g>")
     x = label_w
     for s in BAR_STAGES:          # legend
         out.append(f'<rect x="{x}" y="6" width="10" height="10" fill="{COLORS[s]}"/>'
@@ -94,14 +113,21 @@ def percentile_bars(report: dict, stage: str) -> str:
     group = (width - left - 20) / len(buckets)
     bar = min(36, group / 4)
     peak = max(_cell(report, stage, b)["p99_ms"] for b in buckets) or 1.0
-    scale = (height - top - bottom) / peak
+    ticks = nice_ticks(peak)
+    scale = (height - top - bottom) / ticks[-1]
     out = [f'<svg class="chart" id="pct-{e(stage)}" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" '
            f'aria-label="{e(stage)} percentiles per prompt length">',
            f'<line x1="{left}" y1="{height - bottom}" x2="{width - 10}" y2="{height - bottom}" '
            f'stroke="#888"/>',
            f'<text x="{left}" y="14" class="label">{e(stage)}: p50 / p95 / p99 '
-           f'(max {_fmt_ms(peak)})</text>']
+           f'(max {_fmt_ms(peak)})</text>', '<g class="axis" data-axis="y">']
+    for t in ticks:                 # a numeric axis: how tall a millisecond is
+        y = height - bottom - t * scale
+        out.append(f'<line x1="{left}" y1="{y:.2f}" x2="{width - 10}" y2="{y:.2f}" '
+                   f'stroke="#eee"/><text class="tick" data-ms="{t:g}" x="{left - 6}" '
+                   f'y="{y + 4:.2f}" text-anchor="end">{_fmt_ms(t)}</text>')
+    out.append("</g>")
     shades = (("p50_ms", 1.0), ("p95_ms", 0.65), ("p99_ms", 0.4))
     for i, b in enumerate(buckets):
         c = _cell(report, stage, b)

@@ -4,6 +4,12 @@ One row per finished request (successes and errors alike). Timings are kept as a
 per row: the stage list grows with the pipeline, and the report reads whatever stages the rows
 carry. The report groups successful requests by prompt length (tokens), because the cost of
 prefill attention depends on length far more than on anything else.
+
+The report is computed by SQLite, not by loading rows into Python: each successful request's
+stages are also rows of ``stage_times``, indexed by (stage, bucket, ms), so a group's count
+and mean are one index range and each percentile one seek to its rank. sqlite3 gives up the
+GIL while a query runs, so a report, run in a thread, never holds the event loop. Rows older than ``retention_days`` and beyond the newest
+``max_rows`` are deleted as new ones arrive.
 """
 
 from __future__ import annotations
@@ -39,14 +45,31 @@ CREATE TABLE IF NOT EXISTS requests (
     timings TEXT NOT NULL          -- JSON {stage: ms}
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
+-- One row per stage of each successful request: what the report reads. The covering index
+-- gives each (stage, bucket) its values in order, so a percentile is one index seek.
+CREATE TABLE IF NOT EXISTS stage_times (
+    req INTEGER NOT NULL,          -- requests.rowid
+    stage TEXT NOT NULL,
+    b INTEGER NOT NULL,            -- length bucket (index into BUCKET_LABELS)
+    ms REAL NOT NULL,
+    ts REAL NOT NULL,
+    density REAL
+);
+CREATE INDEX IF NOT EXISTS stage_times_order ON stage_times (stage, b, ms, ts, density);
+CREATE INDEX IF NOT EXISTS stage_times_req ON stage_times (req);
+CREATE INDEX IF NOT EXISTS stage_times_ts ON stage_times (ts);
 """
 
 
-def bucket_of(tokens: int) -> str:
-    for edge, label in zip(BUCKET_EDGES, BUCKET_LABELS):
+def bucket_index(tokens: int) -> int:
+    for i, edge in enumerate(BUCKET_EDGES):
         if tokens < edge:
-            return label
-    return BUCKET_LABELS[-1]
+            return i
+    return len(BUCKET_EDGES)
+
+
+def bucket_of(tokens: int) -> str:
+    return BUCKET_LABELS[bucket_index(tokens)]
 
 
 def percentile(sorted_xs: list[float], q: float) -> float:
@@ -78,9 +101,17 @@ def parse_time(value: str | None) -> float | None:
     return x
 
 
+QUANTILES = (("p50_ms", 0.50), ("p95_ms", 0.95), ("p99_ms", 0.99))
+
+
 class LatencyStore:
-    def __init__(self, path):
+    PRUNE_EVERY = 1000        # inserts between retention passes
+
+    def __init__(self, path, retention_days: float | None = 30.0, max_rows: int | None = None):
         self.path = Path(path)
+        self.retention_days = retention_days
+        self.max_rows = max_rows
+        self._adds = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One connection shared by the event loop and the worker thread, behind a lock:
         # writes are a few hundred bytes, far cheaper than a connection per call.
@@ -90,7 +121,38 @@ class LatencyStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            if self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM stage_times) AND EXISTS "
+                                "(SELECT 1 FROM requests)").fetchone()[0]:
+                self._fill_stage_times()       # a store written before stage_times existed
             self._db.commit()
+        self.prune()
+
+    def _fill_stage_times(self):
+        whens = " ".join(f"WHEN r.tokens < {e} THEN {i}" for i, e in enumerate(BUCKET_EDGES))
+        self._db.execute(
+            f"INSERT INTO stage_times SELECT r.rowid, j.key, CASE {whens} ELSE "
+            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density FROM requests r, "
+            f"json_each(r.timings) j WHERE r.status = 200 AND r.tokens IS NOT NULL AND "
+            f"j.type IN ('integer', 'real')")
+
+    def prune(self, now: float | None = None) -> int:
+        """Delete rows past the retention; returns how many went."""
+        now = time.time() if now is None else now
+        gone = 0
+        with self._lock:
+            if self.retention_days is not None:
+                cut = now - self.retention_days * 86400
+                gone += self._db.execute("DELETE FROM requests WHERE ts < ?", (cut,)).rowcount
+                self._db.execute("DELETE FROM stage_times WHERE ts < ?", (cut,))
+            if self.max_rows is not None:
+                edge = self._db.execute("SELECT rowid FROM requests ORDER BY rowid DESC "
+                                        "LIMIT 1 OFFSET ?", (int(self.max_rows),)).fetchone()
+                if edge is not None:
+                    gone += self._db.execute("DELETE FROM requests WHERE rowid <= ?",
+                                             edge).rowcount
+                    self._db.execute("DELETE FROM stage_times WHERE req <= ?", edge)
+            self._db.commit()
+        return gone
 
     def close(self):
         with self._lock:
@@ -103,10 +165,21 @@ class LatencyStore:
         row = (id, time.time() if ts is None else ts, endpoint, int(status), code, model,
                attention, tokens, visual_tokens, generated, density,
                json.dumps(timings or {}))
+        stages = [(k, float(v)) for k, v in (timings or {}).items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
         with self._lock:
-            self._db.execute("INSERT INTO requests VALUES "
-                             "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            cur = self._db.execute("INSERT INTO requests VALUES "
+                                   "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            if int(status) == 200 and tokens is not None:
+                b = bucket_index(tokens)
+                self._db.executemany("INSERT INTO stage_times VALUES (?, ?, ?, ?, ?, ?)",
+                                     [(cur.lastrowid, k, b, ms, row[1], density)
+                                      for k, ms in stages])
             self._db.commit()
+            self._adds += 1
+            due = self._adds % self.PRUNE_EVERY == 0
+        if due:
+            self.prune()
 
     def rows(self, since: float | None = None, until: float | None = None,
              limit: int | None = None) -> list[dict]:
@@ -132,42 +205,49 @@ class LatencyStore:
         return out
 
     def report(self, since: float | None = None, until: float | None = None) -> dict:
-        rows = self.rows(since, until)
-        ok = [r for r in rows if r["status"] == 200 and r["tokens"] is not None]
-        groups: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
-        stages = list(REPORT_STAGES)
-        for r in ok:
-            b = bucket_of(r["tokens"])
-            for stage, ms in r["timings"].items():
-                if not isinstance(ms, (int, float)):
-                    continue
-                if stage not in stages:
-                    stages.append(stage)
-                groups.setdefault((stage, b), []).append((float(ms), r["density"]))
-        table = []
-        for stage in stages:
-            for b in BUCKET_LABELS:
-                vals = groups.get((stage, b))
-                if not vals:
-                    continue
-                ms = sorted(v for v, _ in vals)
-                dens = [d for _, d in vals if d is not None]
-                table.append({
-                    "stage": stage, "bucket": b, "count": len(ms),
-                    "p50_ms": round(percentile(ms, 0.50), 3),
-                    "p95_ms": round(percentile(ms, 0.95), 3),
-                    "p99_ms": round(percentile(ms, 0.99), 3),
-                    "mean_ms": round(sum(ms) / len(ms), 3),
-                    "mean_density": round(sum(dens) / len(dens), 6) if dens else None,
-                })
-        errors: dict[str, int] = {}
-        for r in rows:
-            if r["status"] != 200:
-                errors[r["code"] or str(r["status"])] = errors.get(r["code"] or
-                                                                   str(r["status"]), 0) + 1
-        present = {b for _, b in groups}
-        return {"since": since, "until": until, "requests": len(rows), "succeeded": len(ok),
-                "errors": errors, "stages": [s for s in stages if any(
-                    (s, b) in groups for b in BUCKET_LABELS)],
-                "buckets": [b for b in BUCKET_LABELS if b in present],
+        window, args = "", []
+        if since is not None:
+            window += " AND ts >= ?"
+            args.append(since)
+        if until is not None:
+            window += " AND ts < ?"
+            args.append(until)
+        with self._lock:
+            groups = self._db.execute(
+                "SELECT stage, b, COUNT(*), AVG(ms), AVG(density), MIN(ts) FROM stage_times "
+                "WHERE 1=1" + window + " GROUP BY stage, b", args).fetchall()
+            picks = {}
+            for stage, b, n, *_ in groups:
+                for name, q in QUANTILES:
+                    lo = math.floor((n - 1) * q)
+                    picks[(stage, b, name)] = [v for v, in self._db.execute(
+                        "SELECT ms FROM stage_times WHERE stage = ? AND b = ?" + window +
+                        " ORDER BY ms LIMIT 2 OFFSET ?", [stage, b, *args, lo])]
+            total, ok = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(status = 200 AND tokens IS NOT NULL), 0) FROM "
+                "requests WHERE 1=1" + window, args).fetchone()
+            errs = self._db.execute(
+                "SELECT COALESCE(code, CAST(status AS TEXT)), COUNT(*) FROM requests "
+                "WHERE status != 200" + window + " GROUP BY 1 ORDER BY 1", args).fetchall()
+        first_seen: dict[str, float] = {}
+        by_cell = {}
+        for stage, b, n, mean, density, ts in groups:
+            first_seen[stage] = min(ts, first_seen.get(stage, ts))
+            row = {"stage": stage, "bucket": BUCKET_LABELS[b], "count": n}
+            for name, q in QUANTILES:
+                vals = picks[(stage, b, name)]
+                pos = (n - 1) * q
+                lo, hi = vals[0], vals[-1]
+                row[name] = round(lo + (hi - lo) * (pos - math.floor(pos)), 3)
+            row["mean_ms"] = round(mean, 3)
+            row["mean_density"] = round(density, 6) if density is not None else None
+            by_cell[(stage, b)] = row
+        extra = sorted((s for s in first_seen if s not in REPORT_STAGES), key=first_seen.get)
+        stages = [s for s in (*REPORT_STAGES, *extra) if s in first_seen]
+        present = sorted({b for _, b in by_cell})
+        table = [by_cell[(s, b)] for s in stages for b in range(len(BUCKET_LABELS))
+                 if (s, b) in by_cell]
+        return {"since": since, "until": until, "requests": total, "succeeded": ok,
+                "errors": dict(errs), "stages": stages,
+                "buckets": [BUCKET_LABELS[b] for b in present],
                 "bucket_edges_tokens": list(BUCKET_EDGES), "rows": table}

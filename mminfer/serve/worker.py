@@ -2,9 +2,20 @@
 
 A GPU runs one long prefill at a time well and two badly, so requests are serialized here and
 the HTTP layer only waits. Jobs carry a ``concurrent.futures.Future``: the event loop awaits it
-(``asyncio.wrap_future``), and cancelling a job that has not started removes it from the queue
-at once (``Future.cancel`` and ``set_running_or_notify_cancel`` settle the race with the
-worker picking it up). A job that has started cannot be interrupted; its result is dropped.
+(``asyncio.wrap_future``).
+
+Slots: a request reserves a queue slot when it arrives (``reserve``), before its body is
+read, so a full queue answers 503 at once instead of after a 500 MB upload; the slot becomes
+the job's place in the queue (``submit``) or is given back. ``queue_size`` bounds waiting plus
+reserved requests; the running job is not counted.
+
+Stopping a job: one not yet started leaves the queue at once (``Future.cancel`` and
+``set_running_or_notify_cancel`` settle the race with the worker picking it up). A running
+job is asked to stop through the engine's contract, ``Pipeline.answer(cancel=...)``, checked
+between stages and before every decoder layer; if it is still running ``interrupt_after_s``
+later (one long kernel launch: the Triton interpreter runs one as seconds of Python), it is
+interrupted (mminfer.engine.interrupt). Its answer is the reason it was stopped (client
+gone, deadline, shutdown).
 
 The worker dies only of what leaves the model unusable (load failure, a CUDA error that
 poisons the context, KeyboardInterrupt...). Then every queued job fails, new ones are
@@ -16,32 +27,18 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
 
-from mminfer.errors import MMInferError
+from mminfer.engine.interrupt import Guard, Interrupted
+from mminfer.errors import (Cancelled, MMInferError, OutOfMemory, QueueFull, ShuttingDown,
+                            WorkerDead)
 
 log = logging.getLogger("mminfer.serve")
-
-
-class ServiceUnavailable(MMInferError):
-    code = "unavailable"
-    http_status = 503
-
-
-class QueueFull(ServiceUnavailable):
-    code = "queue_full"
-
-
-class WorkerDead(ServiceUnavailable):
-    code = "worker_dead"
-
-
-class OutOfMemory(MMInferError):
-    code = "out_of_memory"
-    http_status = 500
 
 
 @dataclass
@@ -49,21 +46,35 @@ class Job:
     video_path: str
     question: str
     params: dict                          # keyword arguments of Pipeline.answer
+    request_id: str | None = None
     cleanup: str | None = None            # a temp file to delete once nobody needs it
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = 0.0                 # time.monotonic()
     started: float | None = None
+    finished: float | None = None
     queue_ms: float = 0.0
+    stop: MMInferError | None = None      # why it was asked to stop (its answer)
+    stop_at: float | None = None
     worker: "ModelWorker | None" = None
+    guard: Guard = field(default_factory=Guard)
 
-    def cancel(self) -> bool:
-        """Drop the job if it has not started; True when it was dropped."""
-        if not self.future.cancel():
-            return False
-        if self.worker is not None:
-            self.worker._remove(self)
-        self.remove_file()
-        return True
+    def cancel(self, reason: MMInferError | None = None) -> bool:
+        """Stop the job: dropped at once if it has not started (True), else asked to stop
+        (False; its answer becomes ``reason``)."""
+        if self.future.cancel():
+            if self.worker is not None:
+                self.worker._remove(self)
+            self.remove_file()
+            return True
+        if self.stop is None and not self.future.done():
+            self.stop = reason or Cancelled("the request was cancelled")
+            self.stop_at = time.monotonic()
+            if self.worker is not None:
+                self.worker._stop_running(self)
+        return False
+
+    def should_stop(self) -> bool:
+        return self.stop is not None
 
     def remove_file(self):
         if self.cleanup:
@@ -71,6 +82,25 @@ class Job:
                 os.unlink(self.cleanup)
             except FileNotFoundError:
                 pass
+
+
+class Slot:
+    """A reserved place in the queue; ``release`` it unless ``submit`` took it."""
+
+    def __init__(self, worker: "ModelWorker"):
+        self.worker = worker
+        self.held = True
+
+    def release(self):
+        if self.held:
+            self.held = False
+            self.worker._unreserve()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -93,18 +123,22 @@ class ModelWorker:
     Pipeline); it runs on the worker thread, so the model lives on that thread from the start.
     """
 
-    def __init__(self, load, queue_size: int = 8, metrics=None):
+    def __init__(self, load, queue_size: int = 8, metrics=None, interrupt_after_s: float = 0.5):
         if queue_size < 1:
             raise ValueError("queue_size must be >= 1")
         self._load = load
         self.queue_size = queue_size
         self.metrics = metrics
+        self.interrupt_after_s = interrupt_after_s
         self.pipeline = None
         self.state = "new"               # new -> loading -> ready -> dead | stopped
         self.error: str | None = None
         self.served = 0                  # jobs run to the end (answer or error)
-        self.mean_s = 1.0                # moving mean of a job's run time (for Retry-After)
+        self.stopped = 0                 # jobs stopped while running
+        self.recent_s: collections.deque[float] = collections.deque(maxlen=32)
         self._queue: collections.deque[Job] = collections.deque()
+        self._reserved = 0
+        self._running: Job | None = None
         self._cv = threading.Condition()
         self._ready = threading.Event()
         self._stopping = False
@@ -123,14 +157,25 @@ class ModelWorker:
         self._ready.wait(timeout)
         return self.state == "ready"
 
-    def stop(self, timeout: float = 10.0):
+    def begin_shutdown(self):
+        """Refuse new jobs, answer the queued ones 503 and stop the running one, at once:
+        the HTTP server's graceful wait then sees every request answered in JSON."""
         with self._cv:
             self._stopping = True
             pending = list(self._queue)
             self._queue.clear()
+            running = self._running
             self._cv.notify_all()
         for job in pending:
-            self._fail(job, WorkerDead("the server is shutting down"))
+            self._fail(job, ShuttingDown("the server is shutting down; retry on another "
+                                         "instance or after it restarts"))
+        if running is not None:
+            running.cancel(ShuttingDown("the server is shutting down; the request was "
+                                        "stopped"))
+        self._gauges()
+
+    def stop(self, timeout: float = 10.0):
+        self.begin_shutdown()
         if self._thread is not None:
             self._thread.join(timeout)
         if self.state not in ("dead",):
@@ -145,15 +190,60 @@ class ModelWorker:
     def waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def running(self) -> int:
+        return 0 if self._running is None else 1
+
+    def running_job(self) -> Job | None:
+        return self._running
+
+    def retry_after(self, cap: int = 120) -> int:
+        """Seconds until a slot is likely free: the median of recent job times (a few old
+        long jobs do not inflate it, as a mean would) times the jobs ahead, capped."""
+        per_job = statistics.median(self.recent_s) if self.recent_s else 1.0
+        ahead = self.waiting + self.reserved + self.running
+        return int(min(cap, max(1, math.ceil(per_job * max(ahead, 1)))))
+
     # ------------------------------------------------------------------ jobs
-    def submit(self, job: Job) -> Job:
-        """Queue a job; raises QueueFull or WorkerDead (the caller still owns the file)."""
+    def _refusal(self):
+        if self.state == "dead":
+            return WorkerDead(f"the model worker is dead: {self.error}")
+        if self._stopping or self.state == "stopped":
+            return ShuttingDown("the server is shutting down")
+        return None
+
+    def reserve(self) -> Slot:
+        """A place in the queue for a request whose body is still to come; raises QueueFull,
+        WorkerDead or ShuttingDown."""
         with self._cv:
-            if self.state == "dead":
-                raise WorkerDead(f"the model worker is dead: {self.error}")
-            if self._stopping or self.state == "stopped":
-                raise WorkerDead("the server is shutting down")
-            if len(self._queue) >= self.queue_size:
+            refused = self._refusal()
+            if refused is not None:
+                raise refused
+            if len(self._queue) + self._reserved >= self.queue_size:
+                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
+                                f"retry later", queue_size=self.queue_size)
+            self._reserved += 1
+        return Slot(self)
+
+    def _unreserve(self):
+        with self._cv:
+            self._reserved -= 1
+
+    def submit(self, job: Job, slot: Slot | None = None) -> Job:
+        """Queue a job (in ``slot`` if given, else in a free place); raises QueueFull,
+        WorkerDead or ShuttingDown (the caller still owns the file)."""
+        with self._cv:
+            refused = self._refusal()
+            if refused is not None:
+                raise refused
+            if slot is not None and slot.held:
+                slot.held = False
+                self._reserved -= 1
+            elif len(self._queue) + self._reserved >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
                                 f"retry later", queue_size=self.queue_size)
             job.enqueued = time.monotonic()
@@ -180,6 +270,25 @@ class ModelWorker:
         if job.future.set_running_or_notify_cancel():
             job.future.set_exception(exc)
         job.remove_file()
+
+    # ------------------------------------------------------------------ stopping a job
+    def _stop_running(self, job: Job):
+        if self.interrupt_after_s is None:
+            return
+        t = threading.Timer(self.interrupt_after_s, self._interrupt, args=(job,))
+        t.daemon = True
+        t.start()
+
+    def _interrupt(self, job: Job):
+        if job.guard.interrupt():
+            log.info("job did not stop within %.1f s of being asked: interrupting it",
+                     self.interrupt_after_s)
+
+    def _run(self, job: Job):
+        if job.stop is not None:           # asked to stop before it got here
+            raise Cancelled("the request was cancelled before it started")
+        return job.guard.run(self.pipeline.answer, job.video_path, job.question,
+                             cancel=job.should_stop, **job.params)
 
     # ------------------------------------------------------------------ thread
     def _main(self):
@@ -210,17 +319,22 @@ class ModelWorker:
                 if self._stopping:
                     return
                 job = self._queue.popleft()
+                if not job.future.set_running_or_notify_cancel():
+                    job.remove_file()          # cancelled while queued
+                    continue
+                self._running = job
             self._gauges()
-            if not job.future.set_running_or_notify_cancel():
-                job.remove_file()          # cancelled while queued
-                continue
             job.started = time.monotonic()
             job.queue_ms = (job.started - job.enqueued) * 1e3
             if self.metrics is not None:
                 self.metrics.running.set(1)
             result, error, fatal = None, None, None
             try:
-                result = self.pipeline.answer(job.video_path, job.question, **job.params)
+                try:
+                    result = self._run(job)
+                except Interrupted:
+                    job.guard.disarm()
+                    raise Cancelled("the request was interrupted") from None
             except MMInferError as e:
                 error = e
             except BaseException as e:     # noqa: BLE001
@@ -233,13 +347,21 @@ class ModelWorker:
                 else:
                     log.exception("request failed")
                     error = e
+            if job.stop is not None:       # asked to stop: that is its answer
+                result, error = None, job.stop
+                self.stopped += 1
             # Book-keeping first, so whoever the answer wakes sees the file gone and the
             # job counted.
+            job.finished = time.monotonic()
             self.served += 1
-            self.mean_s = 0.8 * self.mean_s + 0.2 * (time.monotonic() - job.started)
+            self.recent_s.append(job.finished - job.started)
             job.remove_file()
+            with self._cv:
+                self._running = None
             if self.metrics is not None:
                 self.metrics.running.set(0)
+                if job.stop_at is not None:
+                    self.metrics.stop_latency.observe(job.finished - job.stop_at)
             if error is None:
                 job.future.set_result(result)
             else:

@@ -92,12 +92,15 @@ def chat_body(url, text="What number appears in the video?", **extra):
             **extra}
 
 
-def metric_values(text: str, name: str) -> dict:
+def metric_values(text: str, name: str, model="tiny-qwen") -> dict:
+    """{labels (model_name aside): value} of one metric; every series names the model."""
     out = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
             if sample.name == name:
-                out[tuple(sorted(sample.labels.items()))] = sample.value
+                labels = dict(sample.labels)
+                assert labels.pop("model_name") == model, sample
+                out[tuple(sorted(labels.items()))] = sample.value
     return out
 
 
@@ -464,20 +467,30 @@ def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_serv
     video = NEEDLE.read_bytes()
     ahead = 14
 
+    async def queued() -> int:
+        async with httpx.AsyncClient(timeout=10) as c:
+            h = (await c.get(f"{s.url}/health")).json()
+            return h["queue"]
+
     async def run():
         async with httpx.AsyncClient(timeout=90) as c:
             busy = [asyncio.create_task(c.post(
                 f"{s.url}/v1/answer", files={"video": ("v.mp4", video)},
                 data={"question": f"q {i}", "max_new_tokens": "32", "fps": "2"}))
                 for i in range(ahead)]
-            await asyncio.sleep(0.3)           # they are queued or running
-            try:
-                async with httpx.AsyncClient(timeout=0.15) as impatient:
-                    await impatient.post(f"{s.url}/v1/answer",
-                                         files={"video": ("v.mp4", video)},
-                                         data={"question": "never mind"})
-            except httpx.TimeoutException:
-                pass
+            # Wait until the impatient request is in the queue behind them (not still
+            # uploading: a fixed sleep raced with that), then leave.
+            while await queued() < ahead - 2:
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient(timeout=90) as impatient:
+                task = asyncio.create_task(impatient.post(
+                    f"{s.url}/v1/answer", files={"video": ("v.mp4", video)},
+                    data={"question": "never mind"}))
+                deadline = time.monotonic() + 30
+                while not any(j.question == "never mind" for j in app.state.worker._queue):
+                    assert time.monotonic() < deadline and not task.done()
+                    await asyncio.sleep(0.01)
+                task.cancel()                  # closes the connection
             return await asyncio.gather(*busy)
 
     rs = asyncio.run(run())
@@ -500,7 +513,8 @@ def test_dead_worker_makes_health_503(tmp_path, live_server):
     assert "not a checkpoint" in h.json()["error"]
     r = post_answer(s.url, NEEDLE.read_bytes())
     assert r.status_code == 503 and r.json()["error"]["code"] == "worker_dead"
-    assert "worker_up 0.0" in httpx.get(f"{s.url}/metrics").text
+    up = metric_values(httpx.get(f"{s.url}/metrics").text, "mminfer:worker_up", "empty-model")
+    assert up == {(): 0.0}
     assert uploads_left(app) == []
 
 
@@ -543,6 +557,11 @@ def test_metrics_and_latency_report(srv):
     stages = metric_values(text, "mminfer:stage_seconds_count")
     for stage in ("decode", "preprocess", "vision", "attention", "generate", "queue"):
         assert stages[(("stage", stage),)] >= 2, stage
+    assert (("stage", "ttft"),) not in stages and (("stage", "total"),) not in stages
+    (decode_n,) = metric_values(text, "mminfer:request_decode_time_seconds_count").values()
+    assert decode_n == stages[(("stage", "generate"),)]
+    (gaps,) = metric_values(text, "mminfer:time_per_output_token_seconds_count").values()
+    assert 1 <= gaps <= decode_n        # requests that generated two tokens or more
     ok = metric_values(text, "mminfer:requests_total")[(("status", "200"),)]
     (ttft_count,) = metric_values(text, "mminfer:time_to_first_token_seconds_count").values()
     assert ttft_count == ok
@@ -657,3 +676,44 @@ def test_serve_command_starts_and_prints_a_curl_line(ckpt, tmp_path):
                           str(tmp_path / "nope"), "--port", "0", "--data-dir", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def test_openapi_documents_both_post_bodies(srv):
+    spec = httpx.get(f"{srv.url}/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+
+    def body(path):
+        (ctype, media), = spec["paths"][path]["post"]["requestBody"]["content"].items()
+        name = media["schema"]["$ref"].rsplit("/", 1)[1]
+        return ctype, schemas[name]
+
+    ctype, form = body("/v1/answer")
+    assert ctype == "multipart/form-data"
+    assert set(form["required"]) == {"question", "video"}
+    assert form["properties"]["video"]["format"] == "binary"
+    assert {"fps", "max_frames", "max_new_tokens", "attention"} <= set(form["properties"])
+    ctype, chat = body("/v1/chat/completions")
+    assert ctype == "application/json" and chat["required"] == ["messages"]
+    parts = schemas["Message"]["properties"]["content"]["anyOf"][1]["items"]
+    assert set(parts["discriminator"]["mapping"]) >= {"text", "video_url", "image_url"}
+    assert "url" in schemas["VideoURL"]["properties"]
+    docs = httpx.get(f"{srv.url}/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
+    app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
+                              served_model_names=("video-qa", "vqa"), api_key=None))
+    s = live_server(app)
+    ids = [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]]
+    assert ids == ["video-qa", "vqa"]
+    for name in ("video-qa", "vqa", "tiny-qwen"):     # the checkpoint's own name still works
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json=chat_body(
+            data_url(NEEDLE.read_bytes()), model=name, max_tokens=2))
+        assert r.status_code == 200 and r.json()["model"] == "video-qa", r.text
+    r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
+                   json=chat_body(data_url(NEEDLE.read_bytes()), model="gpt-4o"))
+    assert r.status_code == 404 and "video-qa" in r.json()["error"]["message"]
+    assert post_answer(s.url, NEEDLE.read_bytes(), max_new_tokens=2).json()["model"] == "video-qa"
+    m = httpx.get(f"{s.url}/metrics").text
+    assert metric_values(m, "mminfer:requests_total", "video-qa")[(("status", "200"),)] == 4

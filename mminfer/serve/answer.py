@@ -1,0 +1,90 @@
+"""``POST /v1/answer``: a multipart upload (a ``video`` file part and form fields), answered
+with the answer, the video and token facts, and where the time went.
+
+The body is parsed as it streams (``media.read_multipart``) rather than by FastAPI, so an
+upload over the limit is refused while it arrives; the form's schema (``AnswerForm``) still
+validates the fields and is what /openapi.json documents.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mminfer.errors import MissingField
+
+from . import media
+from .budget import request_params
+from .errors import validate
+from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention, Integer, Number
+from .service import video_facts
+
+router = APIRouter()
+
+
+class AnswerFields(BaseModel):
+    """The form fields of an answer request (all text, as forms are)."""
+    model_config = ConfigDict(extra="ignore")
+
+    question: str = Field(description="the question about the video")
+    fps: Number | None = Field(None, description=FPS_DOC)
+    max_frames: Integer | None = Field(None, description=MAX_FRAMES_DOC)
+    max_new_tokens: Integer | None = Field(
+        None, description="answer length cap in tokens (default: the server's)")
+    attention: Attention | None = Field(None, description=ATTENTION_DOC)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_unset(cls, data):
+        # an HTML form sends every field, the ones left blank as ""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v == "" and k != "question")}
+        return data
+
+
+class AnswerForm(AnswerFields):
+    """multipart/form-data: the video file and the fields."""
+    video: bytes = Field(description="the video file (mp4, webm, mkv, ...)")
+
+
+REQUEST_BODY = {"required": True, "content": {"multipart/form-data": {
+    "schema": {"$ref": "#/components/schemas/AnswerForm"}}}}
+
+
+@router.post("/v1/answer", openapi_extra={"requestBody": REQUEST_BODY},
+             summary="Answer a question about an uploaded video",
+             response_description="the answer, the video and token facts, timings in ms")
+async def answer(request: Request):
+    svc = request.app.state.service
+    return await svc.handle(request, "answer", lambda req: _answer(svc, req))
+
+
+async def _answer(svc, req):
+    s = svc.s
+    up = await media.read_multipart(req.http, req.body(svc.intake), svc.upload_dir,
+                                    s.max_upload_bytes)
+    req.path, req.own = up.video, up.video is not None
+    req.received()
+    if up.filename:
+        req.label = f"the uploaded video {up.filename!r}"
+    if req.path is None:
+        raise MissingField("the form has no `video` file part", field="video")
+    fields = {k: media.text_field(up, k) for k in AnswerFields.model_fields if k in up.fields}
+    form = validate(AnswerFields, fields,
+                    missing=lambda field: f"the form field `{field}` is missing")
+    question, params = request_params(s, fps=form.fps, max_frames=form.max_frames,
+                                      max_new_tokens=form.max_new_tokens,
+                                      attention=form.attention, question=form.question)
+    media.check_file(req.path, req.label)
+    await svc.check_budget(req, question, params)
+    upload_ms = (time.monotonic() - req.arrival) * 1e3
+    result, job = await svc.run_job(req, question, params)
+    timings = svc.timings(result, job, upload_ms, req.arrival)
+    body = {"request_id": req.id, "answer": result.answer, "model": svc.model_id(),
+            "attention": result.attention,
+            "attention_requested": result.attention_requested,
+            "video": video_facts(result, up.filename), "tokens": result.tokens,
+            "sparsity": result.sparsity, "timings_ms": timings}
+    return body, {"result": result, "timings": timings}

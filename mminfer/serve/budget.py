@@ -1,0 +1,130 @@
+"""What one request may cost the worker, checked before it is queued.
+
+A client chooses fps, max_frames, the question and the attention mode; the server decides
+what it will spend. Request numbers are checked first (``request_params``: 400 for a wrong
+value, 413 over a server limit, max_frames capped at the server's); once the video is on
+disk, its header is read off the event loop (``check_video``: frames the decoder would
+sample, pixels per frame, the decoded RGB bytes, the visual tokens the model would see, the
+question's tokens) and a request over any budget is answered 413 with the limit it passed,
+before it takes the worker's time or memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+from mminfer.errors import Forbidden, InputError, OverBudget
+
+
+def request_params(s, *, fps, max_frames, max_new_tokens, attention, question) -> tuple[str, dict]:
+    """(stripped question, keyword arguments of Pipeline.answer) of a request, with the
+    server's defaults and limits applied."""
+    from mminfer.engine.pipeline import check_request
+    fps = s.fps if fps is None else fps
+    max_frames = s.max_frames if max_frames is None else max_frames
+    max_new_tokens = s.max_new_tokens if max_new_tokens is None else max_new_tokens
+    attention = attention or None
+    q = check_request(question, fps, max_frames, max_new_tokens, None, None,
+                      attention or s.attention)
+    if len(q) > s.max_question_chars:
+        raise OverBudget(f"the question is {len(q)} characters, over this server's limit of "
+                         f"{s.max_question_chars}", limit=s.max_question_chars, field="question")
+    if fps > s.max_fps:
+        raise OverBudget(f"fps {fps:g} is over this server's limit of {s.max_fps:g}",
+                         limit=s.max_fps, field="fps")
+    if attention == "sparse" and not s.allow_client_sparse:
+        raise Forbidden("this server does not let requests choose attention=sparse (it decides "
+                        "dense or sparse itself: leave attention out or send auto)")
+    return q, {"fps": float(fps), "max_frames": min(max_frames, s.max_frames_limit),
+               "max_new_tokens": max_new_tokens, "attention": attention}
+
+
+class Budget:
+    """The per-video checks; ``adapter`` is the loaded model's (tokenizer, sampling rule,
+    visual token layout)."""
+
+    def __init__(self, settings):
+        self.s = settings
+        self._tok = None
+        self._tok_of = None
+        self._lock = threading.Lock()
+
+    def _tokenizer(self, adapter):
+        # A copy of its own: the worker thread encodes with the model's tokenizer at the
+        # same time, and a fast tokenizer is not meant to be shared across threads.
+        with self._lock:
+            if self._tok_of is not adapter:
+                self._tok, self._tok_of = copy.deepcopy(adapter.tokenizer), adapter
+            return self._tok
+
+    def question_tokens(self, adapter, question: str) -> int:
+        tok = self._tokenizer(adapter)
+        with self._lock:
+            return len(tok(question, add_special_tokens=False)["input_ids"])
+
+    def check_video(self, path: str, question: str, params: dict, adapter) -> dict:
+        """Raise OverBudget (413) or the context error (400) for a request the server will
+        not run; return what was found. Blocking (reads the file header): run in a thread.
+        ``adapter`` None (a stand-in model without one): the frame and pixel budgets only."""
+        from mminfer.engine import video as videolib
+        s = self.s
+        info = videolib.probe(path)
+        frames = len(videolib.sample_indices(info.frames, info.fps, sampling=getattr(adapter, "sampling", "qwen"),
+                                             fps=params["fps"],
+                                             max_frames=params["max_frames"]))
+        pixels = info.width * info.height
+        if pixels > s.max_frame_pixels:
+            raise OverBudget(f"the video is {info.width}x{info.height} ({pixels} pixels per "
+                             f"frame), over this server's limit of {s.max_frame_pixels} pixels "
+                             f"per frame", limit=s.max_frame_pixels, pixels=pixels)
+        decoded = frames * pixels * 3
+        limit = int(s.max_decode_mb * 2**20)
+        if decoded > limit:
+            raise OverBudget(f"{frames} frames of {info.width}x{info.height} decode to "
+                             f"{decoded / 2**20:.0f} MiB, over this server's limit of "
+                             f"{s.max_decode_mb:g} MiB; lower fps or max_frames",
+                             limit_bytes=limit, frames=frames)
+        facts = {"frames": frames, "width": info.width, "height": info.height}
+        if adapter is None:
+            return facts
+        q_tokens = self.question_tokens(adapter, question)
+        if q_tokens > s.max_question_tokens:
+            raise OverBudget(f"the question is {q_tokens} tokens, over this server's limit of "
+                             f"{s.max_question_tokens}", limit=s.max_question_tokens,
+                             field="question")
+        visual = visual_tokens(adapter, frames, info.height, info.width)
+        if visual is not None and s.max_visual_tokens is not None \
+                and visual > s.max_visual_tokens:
+            raise OverBudget(f"the video would be {visual} visual tokens ({frames} frames), "
+                             f"over this server's limit of {s.max_visual_tokens}; lower fps "
+                             f"or max_frames", limit=s.max_visual_tokens, tokens=visual)
+        context = getattr(adapter, "max_context", 0) or 0
+        if visual is not None and context and visual + q_tokens + params["max_new_tokens"] \
+                > context:
+            least = visual + q_tokens
+            raise InputError(
+                f"the prompt is at least {least} tokens ({visual} visual) and "
+                f"{params['max_new_tokens']} new tokens are asked for, over the model's "
+                f"context of {context} tokens; lower fps or max_frames", tokens=least,
+                limit=context)
+        return {**facts, "visual_tokens": visual, "question_tokens": q_tokens}
+
+
+def visual_tokens(adapter, n_frames: int, height: int, width: int) -> int | None:
+    """The visual tokens ``adapter.prepare`` makes of ``n_frames`` decoded frames of
+    height x width (tests/serve pins this against prepare); None for an adapter whose
+    layout is not known here (the pipeline's own context check still applies)."""
+    if adapter.name == "qwen2_5_vl":
+        from mminfer.models.qwen2_5_vl import frame_pixel_range, smart_resize
+        v, d = adapter.vcfg, adapter.video_defaults
+        patch, temporal, merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
+        lo, hi = frame_pixel_range(n_frames, d.get("min_pixels"), d.get("max_pixels"),
+                                   d.get("total_pixels"))
+        rh, rw = smart_resize(height, width, patch * merge, lo, hi)
+        t = math.ceil(n_frames / temporal)
+        return t * (rh // patch // merge) * (rw // patch // merge)
+    if adapter.name == "longvila":
+        return min(n_frames, adapter.num_frames) * (adapter.tokens_per_frame + 1)
+    return None

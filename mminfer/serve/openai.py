@@ -1,0 +1,226 @@
+"""The OpenAI-compatible routes: ``POST /v1/chat/completions`` (one ``video_url`` part in the
+last user message: a data: URL, an allow-listed local path, an allow-listed remote URL) and
+``GET /v1/models``.
+
+The body is read by the service (size-limited and timed as it arrives), parsed off the event
+loop (a 400 for anything the JSON parser rejects, deep nesting included), then validated by
+``ChatCompletionRequest``, the schema /openapi.json documents. Sampling fields OpenAI clients
+send (temperature, top_p, ...) are accepted and ignored: answers are greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Annotated, Literal, Union
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from mminfer.errors import InputError, ModelNotFound, UnsupportedMedia
+
+from . import media
+from .budget import request_params
+from .errors import validate
+from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention, Integer, Number
+from .service import video_facts
+
+router = APIRouter()
+
+
+# ------------------------------------------------------------------ the schema
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Open):
+    type: Literal["text"]
+    text: str
+
+
+class VideoURL(_Open):
+    url: str = Field(min_length=1, description="data:video/...;base64,..., file:///path or "
+                                               "/path (inside --allowed-local-media-path), "
+                                               "http(s)://host/... (--allowed-media-domains)")
+
+
+class VideoURLPart(_Open):
+    type: Literal["video_url"]
+    video_url: VideoURL | str
+
+
+class OtherMediaPart(_Open):
+    """Media OpenAI clients may send; refused here with 415 (send one video)."""
+    type: Literal["image_url", "input_audio", "audio_url", "image"]
+
+
+ContentPart = Annotated[Union[TextPart, VideoURLPart, OtherMediaPart],
+                        Field(discriminator="type")]
+
+
+class Message(_Open):
+    role: str = Field(description="system, user, assistant, ...; the last user message is "
+                                  "the one answered")
+    content: str | list[ContentPart] | None = None
+
+
+class MMProcessorKwargs(_Open):
+    fps: Number | None = Field(None, description=FPS_DOC)
+    max_frames: Integer | None = Field(None, description=MAX_FRAMES_DOC)
+
+
+class ChatCompletionRequest(_Open):
+    """OpenAI's chat completion request, as far as a video question needs it."""
+    model: str | None = Field(None, description="a name this server serves (GET /v1/models); "
+                                                "empty: the served model")
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Integer | None = Field(None, description="answer length cap in tokens")
+    max_completion_tokens: Integer | None = Field(None, description="same as max_tokens "
+                                                                    "(wins over it)")
+    stream: bool = Field(False, description="not supported: must be false")
+    n: Integer = Field(1, description="must be 1")
+    fps: Number | None = Field(None, description=FPS_DOC + " (mminfer extension)")
+    max_frames: Integer | None = Field(None, description=MAX_FRAMES_DOC +
+                                       " (mminfer extension)")
+    attention: Attention | None = Field(None, description=ATTENTION_DOC +
+                                        " (mminfer extension)")
+    mm_processor_kwargs: MMProcessorKwargs | None = Field(
+        None, description="vLLM's place for fps and max_frames")
+
+
+REQUEST_BODY = {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}}
+SCHEMAS = (ChatCompletionRequest,)
+
+
+# ------------------------------------------------------------------ routes
+
+@router.post("/v1/chat/completions", openapi_extra={"requestBody": REQUEST_BODY},
+             summary="OpenAI chat completion with one video_url part")
+async def chat(request: Request):
+    svc = request.app.state.service
+    return await svc.handle(request, "chat", lambda req: _chat(svc, req))
+
+
+@router.get("/v1/models", summary="The served model and its names")
+async def models(request: Request):
+    svc = request.app.state.service
+    svc.check_auth(request)
+    p = svc.worker.pipeline
+    ctx_len = getattr(getattr(p, "adapter", None), "max_context", None)
+    ids = [svc.model_id()] + [n for n in svc.s.served_model_names[1:]]
+    return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "mminfer",
+                                        "root": svc.model_path, "max_model_len": ctx_len}
+                                       for i in ids]}
+
+
+def parse_json(raw: bytes):
+    """The body as JSON; InputError (400) for anything the parser rejects."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise InputError("the request body is not valid UTF-8 JSON") from None
+    except RecursionError:
+        raise InputError("the request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:
+        raise InputError(f"the request body is not valid JSON: {e}") from None
+
+
+async def _chat(svc, req):
+    s = svc.s
+    ctype = req.http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise UnsupportedMedia(f"send the request as application/json, not "
+                               f"{ctype or 'a body without Content-Type'}")
+    raw = await media.read_body(req.http, req.body(svc.intake), s.max_json_bytes)
+    req.received()
+    data = await asyncio.to_thread(parse_json, raw)
+    del raw
+    if not isinstance(data, dict):
+        raise InputError("the request body must be a JSON object")
+    body = await asyncio.to_thread(validate, ChatCompletionRequest, data)
+    if body.model not in (None, "") and body.model not in svc.model_names():
+        raise ModelNotFound(f"the model {body.model!r} is not served here; this server serves "
+                            f"{svc.model_id()!r}", served=svc.model_id())
+    if body.stream:
+        raise InputError("stream=true is not supported; ask without streaming")
+    if body.n != 1:
+        raise InputError("n must be 1")
+    url, question = video_and_question(body.messages)
+    mm = body.mm_processor_kwargs or MMProcessorKwargs()
+    max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                  else body.max_tokens)
+    question, params = request_params(
+        s, fps=body.fps if body.fps is not None else mm.fps,
+        max_frames=body.max_frames if body.max_frames is not None else mm.max_frames,
+        max_new_tokens=max_tokens, attention=body.attention, question=question)
+    del data, body
+    req.label = "the video"
+    req.path, req.own = await _media(svc, url)
+    media.check_file(req.path, req.label)
+    await svc.check_budget(req, question, params)
+    upload_ms = (time.monotonic() - req.arrival) * 1e3
+    result, job = await svc.run_job(req, question, params)
+    timings = svc.timings(result, job, upload_ms, req.arrival)
+    gen = result.tokens["generated"]
+    answer = {
+        "id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": int(time.time()),
+        "model": svc.model_id(),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.answer},
+                     "logprobs": None,
+                     "finish_reason": "length" if gen >= params["max_new_tokens"] else "stop"}],
+        "usage": {"prompt_tokens": result.tokens["total"], "completion_tokens": gen,
+                  "total_tokens": result.tokens["total"] + gen,
+                  "prompt_tokens_details": {"visual_tokens": result.tokens["visual"]}},
+        "timings": timings,
+        "mminfer": {"attention": result.attention, "sparsity": result.sparsity,
+                    "video": video_facts(result, None)},
+    }
+    return answer, {"result": result, "timings": timings}
+
+
+async def _media(svc, url: str) -> tuple[str, bool]:
+    """(path, owned): a temp file we own, or an allow-listed local file we do not."""
+    s = svc.s
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return await asyncio.to_thread(media.save_data_url, url, svc.upload_dir,
+                                       s.max_data_url_bytes), True
+    if scheme in ("http", "https"):
+        return await media.fetch_remote(url, svc.upload_dir, s.max_upload_bytes,
+                                        s.allowed_media_domains, s.media_fetch_timeout_s,
+                                        s.media_fetch_deadline_s,
+                                        s.allow_private_media_addresses), True
+    if scheme == "file" or url.startswith("/"):
+        return media.local_media(url, s.allowed_local_media_path), False
+    raise InputError("video_url must be a data: URL, an http(s) URL or a local path "
+                     f"(file:// or absolute), not {url[:40]!r}")
+
+
+def video_and_question(messages: list[Message]) -> tuple[str, str]:
+    """The last user message's single ``video_url`` part and its text parts."""
+    users = [m for m in messages if m.role == "user"]
+    if not users:
+        raise InputError("`messages` has no user message")
+    content = users[-1].content
+    if not isinstance(content, list):
+        raise InputError("the user message has no video: give `content` as a list with a "
+                         "{\"type\": \"video_url\", \"video_url\": {\"url\": ...}} part")
+    urls, texts = [], []
+    for part in content:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif isinstance(part, VideoURLPart):
+            v = part.video_url
+            url = v.url if isinstance(v, VideoURL) else v
+            if not url:
+                raise InputError("a video_url part has no `url`")
+            urls.append(url)
+        else:
+            raise UnsupportedMedia(f"{part.type} parts are not supported; send one video_url")
+    if len(urls) != 1:
+        raise InputError(f"the user message must have exactly one video_url part "
+                         f"(it has {len(urls)})")
+    return urls[0], "\n".join(texts)

@@ -1,0 +1,80 @@
+"""The GET routes: ``/health`` (probes), ``/metrics`` (Prometheus), ``/v1/latency-report``
+(JSON) and ``/report`` (the page). With ``MMINFER_API_KEY`` set, the latency report and
+its page need the key as the /v1 routes do; /health and /metrics stay open for probes and
+scrapers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from mminfer.errors import InputError
+
+from .store import parse_time
+
+router = APIRouter()
+
+
+def _window(request):
+    q = request.query_params
+    try:
+        return parse_time(q.get("since")), parse_time(q.get("until"))
+    except ValueError as e:
+        raise InputError(f"bad time window: {e}") from None
+
+
+@router.get("/v1/latency-report", summary="Latency per stage and prompt length (JSON)")
+async def latency_report(request: Request):
+    svc = request.app.state.service
+    svc.check_auth(request)
+    since, until = _window(request)
+    rep = await asyncio.to_thread(svc.store.report, since, until)
+    rep["model"] = svc.model_id()
+    return rep
+
+
+@router.get("/report", response_class=HTMLResponse, summary="The latency report page")
+async def report_page(request: Request):
+    from .report import render
+    svc = request.app.state.service
+    svc.check_auth(request)
+    since, until = _window(request)
+    rep = await asyncio.to_thread(svc.store.report, since, until)
+    rows = await asyncio.to_thread(svc.store.rows, since, until, 1000)
+    return HTMLResponse(render(rep, rows, svc.model_id()))
+
+
+@router.get("/health", summary="Liveness and queue (503 while the model is not serving)")
+async def health(request: Request):
+    svc = request.app.state.service
+    w = svc.worker
+    job = w.running_job()
+    body = {"status": w.state, "model": svc.model_id(), "queue": w.waiting,
+            "reserved": w.reserved, "running": w.running, "queue_size": w.queue_size,
+            "uploads": svc.intake.active,
+            "running_request_id": job.request_id if job is not None else None}
+    if w.alive:
+        return JSONResponse({**body, "status": "ok"})
+    if w.state == "ready":       # the thread vanished without saying why
+        body["status"] = "dead"
+    if w.error:
+        body["error"] = w.error
+    return JSONResponse(body, status_code=503)
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def prometheus(request: Request):
+    from prometheus_client import CONTENT_TYPE_LATEST
+    svc = request.app.state.service
+    svc.metrics.waiting.set(svc.worker.waiting)
+    svc.metrics.worker_up.set(1 if svc.worker.alive else 0)
+    return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/", include_in_schema=False)
+async def root(request: Request):
+    return {"service": "mminfer", "model": request.app.state.service.model_id(),
+            "endpoints": ["/v1/answer", "/v1/chat/completions", "/v1/models",
+                          "/v1/latency-report", "/report", "/health", "/metrics", "/docs"]}

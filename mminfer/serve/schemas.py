@@ -1,0 +1,24 @@
+"""Field types shared by the request schemas (pydantic, so /openapi.json and /docs show
+them): numbers that refuse booleans and NaN, as a client mistake deserves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field
+
+
+def _no_bool(v):
+    if isinstance(v, bool):
+        raise ValueError("must be a number, not a boolean")
+    return v
+
+
+Number = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
+Integer = Annotated[int, BeforeValidator(_no_bool)]
+Attention = Literal["auto", "sparse", "dense"]
+
+FPS_DOC = "frames sampled per second (default: the server's --fps; at most its --max-fps)"
+MAX_FRAMES_DOC = "at most this many frames (capped at the server's --max-frames-limit)"
+ATTENTION_DOC = ("prefill attention: auto (the server decides by prompt length), sparse "
+                 "(if the server allows clients to ask for it) or dense")

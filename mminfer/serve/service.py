@@ -1,0 +1,225 @@
+"""One request's life, the same for both POST routes.
+
+    auth -> a queue slot and an upload place (503 at once when there is none, body unread)
+         -> the body, timed (408 when too slow) and size-checked (413)
+         -> the request's numbers (400/413) -> the video's budget (413), off the event loop
+         -> the job, in the slot reserved on arrival -> wait for it, stopping it when the
+            client leaves (499) or the deadline passes (504)
+         -> the answer, its metrics and its latency record
+
+A temp file belongs to the request until the job takes it (``Request.own``); whatever ends
+the request, a file still owned is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from mminfer.errors import ClientGone, MMInferError, Timeout, Unauthorized, WorkerDead
+
+from . import media
+from .budget import Budget
+from .errors import describe, error_body, json_response
+from .intake import Intake
+from .worker import Job
+
+log = logging.getLogger("mminfer.serve")
+
+_RID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+@dataclass
+class Request:
+    """What the route knows about the request it is serving."""
+    http: object                          # the starlette Request
+    id: str
+    arrival: float                        # time.monotonic()
+    path: str | None = None               # the video on disk
+    own: bool = False                     # the path is a temp file still ours to delete
+    label: str = "the uploaded video"     # what messages call the video instead of its path
+    slot: object = None                   # worker.Slot
+    upload: object = None                 # intake.Upload
+
+    def body(self, intake: Intake):
+        """The request body as timed chunks."""
+        return intake.timed(self.http.stream())
+
+    def received(self):
+        """The body is in: its upload place is free for another."""
+        if self.upload is not None:
+            self.upload.end()
+
+    def release(self):
+        self.received()
+        if self.slot is not None:
+            self.slot.release()
+        if self.own:
+            media.remove(self.path)
+            self.own = False
+
+
+class Service:
+    def __init__(self, settings, worker, store, metrics, model_path: str, upload_dir: Path):
+        self.s = settings
+        self.worker = worker
+        self.store = store
+        self.metrics = metrics
+        self.model_path = model_path
+        self.upload_dir = upload_dir
+        self.intake = Intake(settings.max_concurrent_uploads or settings.queue_size,
+                             settings.upload_deadline_s, settings.min_upload_kbps * 1024,
+                             settings.upload_grace_s)
+        self.budget = Budget(settings)
+
+    # ------------------------------------------------------------ names and keys
+    def model_id(self) -> str:
+        if self.s.served_model_names:
+            return self.s.served_model_names[0]
+        return getattr(self.worker.pipeline, "model_id", None) or self.metrics.model
+
+    def model_names(self) -> set:
+        """Every name a request may ask for this model by."""
+        names = {self.model_id(), "default", *self.s.served_model_names}
+        p = self.worker.pipeline
+        names |= {n for n in (getattr(p, "model_id", None), self.s.model,
+                              Path(self.model_path).name) if n}
+        return names
+
+    def check_auth(self, request):
+        if not self.s.api_key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.s.api_key.encode()):
+            raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>`")
+
+    # ------------------------------------------------------------ the request
+    async def handle(self, http, endpoint: str, impl):
+        """Serve one POST with ``impl(req) -> (body, info)``; every outcome is JSON."""
+        from starlette.requests import ClientDisconnect
+
+        arrival = time.monotonic()
+        rid = http.headers.get("x-request-id", "")
+        rid = rid if _RID.match(rid) else uuid.uuid4().hex
+        req = Request(http=http, id=rid, arrival=arrival)
+        headers = {"X-Request-ID": rid}
+        info: dict = {}
+        try:
+            self.check_auth(http)
+            # Refused here, the 503 goes out before a byte of the body is read (no 100
+            # Continue either); the server drops whatever the client still sends.
+            req.slot = self.worker.reserve()
+            req.upload = self.intake.begin()
+            body, info = await impl(req)
+            status = 200
+        except MMInferError as e:
+            status, code, body = describe(e, req.path, req.label)
+            body["error"]["request_id"] = rid
+            info = {"code": code}
+            if status == 503:
+                headers["Retry-After"] = str(self.worker.retry_after(self.s.retry_after_max_s))
+            if status == 401:
+                headers["WWW-Authenticate"] = "Bearer"
+        except ClientDisconnect:
+            status, info = 499, {"code": "client_disconnected"}
+            body = error_body("client_disconnected", "the client disconnected", 499)
+        except Exception as e:  # noqa: BLE001 - a bug, not bad input: the service lives on
+            log.exception("request %s failed", rid)
+            status, info = 500, {"code": "internal"}
+            body = error_body("internal", f"internal error: {type(e).__name__}: {e}", 500,
+                              request_id=rid)
+        finally:
+            req.release()
+        self.metrics.count(status, info.get("code"))
+        self.record(rid, endpoint, status, info, arrival)
+        return json_response(status, body, headers)
+
+    def record(self, rid, endpoint, status, info, arrival):
+        result = info.get("result")
+        try:
+            if result is not None:
+                density = (result.sparsity or {}).get("mean_density", 1.0)
+                self.metrics.observe_success(info["timings"], result.tokens["total"],
+                                             result.tokens["generated"], density)
+                self.store.add(id=rid, endpoint=endpoint, status=200, model=result.model,
+                               attention=result.attention, tokens=result.tokens["total"],
+                               visual_tokens=result.tokens["visual"],
+                               generated=result.tokens["generated"], density=density,
+                               timings=info["timings"])
+            else:
+                self.store.add(id=rid, endpoint=endpoint, status=status, code=info.get("code"),
+                               model=self.model_id(), timings={
+                                   "total": round((time.monotonic() - arrival) * 1e3, 3)})
+        except Exception:       # noqa: BLE001 - a full disk must not turn answers into errors
+            log.exception("could not record request %s", rid)
+
+    async def check_budget(self, req: Request, question: str, params: dict) -> dict:
+        """The video's budget, once the model is loaded (it knows the token layout)."""
+        while self.worker.state in ("new", "loading"):
+            if time.monotonic() - req.arrival > self.s.timeout_s:
+                raise Timeout(f"the model did not finish loading within {self.s.timeout_s:g} s")
+            await asyncio.sleep(0.1)
+        if self.worker.state != "ready":
+            raise WorkerDead(f"the model worker is dead: {self.worker.error}")
+        adapter = getattr(self.worker.pipeline, "adapter", None)
+        return await asyncio.to_thread(self.budget.check_video, req.path, question, params,
+                                       adapter)
+
+    async def run_job(self, req: Request, question: str, params: dict):
+        """Queue the job in the request's slot (the temp file, if ours, goes with it) and wait
+        for its result, stopping it when the client leaves or the timeout passes."""
+        job = Job(video_path=req.path, question=question, params=params,
+                  cleanup=req.path if req.own else None, request_id=req.id)
+        self.worker.submit(job, req.slot)
+        req.own = False                     # the job deletes it when done or dropped
+        fut = asyncio.wrap_future(job.future)
+        timeout_s = self.s.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                err = Timeout(f"the request did not finish within {timeout_s:g} s (it timed "
+                              f"out {'while running' if job.started else 'in the queue'})",
+                              timeout_s=timeout_s)
+                job.cancel(err)
+                fut.add_done_callback(_quiet)
+                raise err
+            done, _ = await asyncio.wait({fut}, timeout=min(0.1, left))
+            if done:
+                return fut.result(), job
+            if await req.http.is_disconnected():
+                err = ClientGone("the client disconnected before the answer was ready")
+                job.cancel(err)
+                fut.add_done_callback(_quiet)
+                raise err
+
+    def timings(self, result, job, upload_ms: float, arrival: float) -> dict:
+        """Request timings: upload and queue, the pipeline's stages in its order, then ttft
+        (arrival to first token) and total (arrival to answer)."""
+        t = dict(result.timings_ms)
+        pipeline_ttft = t.pop("ttft", 0.0)
+        t.pop("total", None)
+        out = {"upload": upload_ms, "queue": job.queue_ms, **t,
+               "ttft": upload_ms + job.queue_ms + pipeline_ttft,
+               "total": (time.monotonic() - arrival) * 1e3}
+        return {k: round(float(v), 3) for k, v in out.items()}
+
+
+def video_facts(result, label) -> dict:
+    v = {k: val for k, val in result.video.items() if k != "path"}
+    v["filename"] = label
+    return v
+
+
+def _quiet(fut):
+    """Collect an abandoned future's exception so asyncio does not log it as unretrieved."""
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,72 @@
+"""What an operator can set: the model, the request defaults, and every limit a client
+cannot exceed (``mminfer serve --help`` lists them with their defaults)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Settings:
+    model: str | None = None
+    attention: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    min_sparse_len: int | None = None   # None: the pipeline's default (GPU 65536, CPU dense)
+    data_dir: str = "./mminfer-data"
+    served_model_names: tuple[str, ...] = ()   # the first is the id shown; all are accepted
+    api_key: str | None = field(default_factory=lambda: os.environ.get("MMINFER_API_KEY") or None)
+
+    # request defaults
+    fps: float = 2.0
+    max_frames: int = 768
+    max_new_tokens: int = 32
+
+    # the queue and time
+    queue_size: int = 8                # waiting (or uploading) requests; more get 503
+    timeout_s: float = 600.0           # from arrival to answer; then 504 and the job stops
+    retry_after_max_s: int = 120       # Retry-After never says more than this
+
+    # intake: before a request holds a queue slot for long
+    max_upload_mb: float = 512.0
+    max_data_url_mb: float = 64.0      # a video inside a chat JSON body
+    max_concurrent_uploads: int | None = None   # bodies received at once (None: queue_size)
+    upload_deadline_s: float = 300.0   # the whole body within this
+    min_upload_kbps: float = 64.0      # ... and at least this fast (KiB/s) once past the grace
+    upload_grace_s: float = 10.0
+
+    # budgets: what one request may cost the worker, checked before it is queued
+    max_fps: float = 8.0
+    max_frames_limit: int = 1024       # a client's max_frames is capped at this
+    max_frame_pixels: int = 3840 * 2160
+    max_decode_mb: float = 4096.0      # sampled frames as RGB, before any resize
+    max_visual_tokens: int | None = None   # None: the model's context decides
+    max_question_chars: int = 8192
+    max_question_tokens: int = 2048
+    allow_client_sparse: bool = True   # may a request ask for attention=sparse?
+
+    # media URLs in chat requests
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    allow_private_media_addresses: bool = False   # names resolving to loopback/private IPs
+    media_fetch_timeout_s: float = 30.0           # per read
+    media_fetch_deadline_s: float = 120.0         # the whole download
+
+    # the latency store
+    report_retention_days: float = 30.0
+    report_max_rows: int = 200_000
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 2**20)
+
+    @property
+    def max_data_url_bytes(self) -> int:
+        """A decoded data: URL is an upload too: the smaller of both limits."""
+        return min(int(self.max_data_url_mb * 2**20), self.max_upload_bytes)
+
+    @property
+    def max_json_bytes(self) -> int:
+        """A chat body: a base64 data: URL of the largest accepted video and some text."""
+        return self.max_data_url_bytes * 4 // 3 + 2**20
