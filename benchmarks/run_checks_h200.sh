@@ -6,11 +6,25 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/checks}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH=$PWD
+if ls .whl/*.whl >/dev/null 2>&1; then     # decord/PyAV: the tests that decode need them
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 timeout -k 5 "${TESTS_S:-170}" python3 -m pytest -q -ra -m gpu ${TESTS:-tests} 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -12
-timeout -k 5 "${VISION_S:-190}" python3 benchmarks/vision.py --pairs 256 1024 --reps 2 \
-  --out "$OUT" 2>&1 | tee "$OUT/vision.log" | tail -14
+if [ "${VISION_S:-190}" -gt 0 ]; then
+  timeout -k 5 "${VISION_S:-190}" python3 benchmarks/vision.py --pairs 256 1024 --reps 2 \
+    --out "$OUT" 2>&1 | tee "$OUT/vision.log" | tail -14
+fi
+if [ "${PREFILL_S:-0}" -gt 0 ]; then      # TTFT and decode steps after each prefill
+  timeout -k 5 "$PREFILL_S" python3 benchmarks/prefill.py ${PREFILL_ARGS:---model qwen --lengths 131072} \
+    --out "$OUT" 2>&1 | tee "$OUT/prefill.log" | tail -8
+fi
+if [ "${KERNELS_S:-0}" -gt 0 ]; then
+  timeout -k 5 "$KERNELS_S" python3 benchmarks/kernels.py ${KERNELS_ARGS:---lengths 131072 --densities 0.1} \
+    2>&1 | tee "$OUT/kernels.log" | tail -16
+fi
 if [ "${E2E_S:-0}" -gt 0 ]; then
   DEADLINE=$((E2E_S - 30)) TIMEOUT=$E2E_S bash benchmarks/run_e2e_h200.sh ${E2E_ARGS:-} \
     2>&1 | tail -25
