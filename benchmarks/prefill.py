@@ -127,13 +127,15 @@ def run_one(model, head, kind, n, mode, patterns, chunk=DEFAULT_CHUNK):
         total = (time.perf_counter() - t0) * 1e3
     stages = timer.totals_ms()
     step_ms = decode_steps_ms(model, cache, pos, steps=8) if cuda else []
+    diag = decode_diagnosis(model, cache, pos) if cuda and DIAG else {}
     row = {"model": kind, "n": index.n, "mode": mode, "ttft_ms": total, "chunk": chunk,
            "index_ms": stages.get("index", 0.0), "attention_ms": stages.get("attention", 0.0),
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "kv_cache_gib": sum(lay.keys.numel() * lay.keys.element_size() * 2
                                for lay in cache.layers) / 2**30,
            # decode steps on the cache this prefill wrote: must not depend on the mode
-           "decode_step_ms": sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")}
+           "decode_step_ms": sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan"),
+           **diag}
     del h, cache
     row["llm_other_ms"] = total - row["index_ms"] - row["attention_ms"]
     if mode == "sparse":
@@ -141,6 +143,41 @@ def run_one(model, head, kind, n, mode, patterns, chunk=DEFAULT_CHUNK):
         row["density_mean"] = sum(dens) / max(len(dens), 1)
         row["density_per_layer"] = dens
     return row
+
+
+DIAG = os.environ.get("MMINFER_DECODE_DIAG") == "1"
+
+
+def decode_diagnosis(model, cache, pos, steps=6) -> dict:
+    """Why a decode step is slow after one prefill and not another: the same steps with the
+    host clock beside the events (a host-bound step shows wall >> events), with Python's
+    collector off, and after the allocator's cache is emptied."""
+    import gc
+    out = {}
+    t0 = time.perf_counter()
+    ev = decode_steps_ms(model, cache, pos, steps)
+    out["diag_wall_ms"] = (time.perf_counter() - t0) * 1e3 / steps
+    out["diag_events_ms"] = sorted(ev)[steps // 2]
+    gc.collect()
+    gc.disable()
+    try:
+        out["diag_no_gc_ms"] = sorted(decode_steps_ms(model, cache, pos, steps))[steps // 2]
+    finally:
+        gc.enable()
+    torch.cuda.empty_cache()
+    out["diag_after_empty_cache_ms"] = sorted(decode_steps_ms(model, cache, pos, steps))[steps // 2]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decode_steps_ms(model, cache, pos, 2)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total
+                  if hasattr(e, "self_device_time_total") else -e.self_cuda_time_total)[:8]
+    out["diag_top_kernels"] = [(e.key[:60], round(getattr(e, "self_device_time_total",
+                                                         e.self_cuda_time_total) / 2e3, 2),
+                                e.count // 2) for e in rows]
+    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
+    out["diag_top_cpu"] = [(e.key[:60], round(e.self_cpu_time_total / 2e3, 2), e.count // 2)
+                           for e in cpu]
+    return out
 
 
 def decode_steps_ms(model, cache, pos, steps=8):
