@@ -166,17 +166,21 @@ def decode_diagnosis(model, cache, pos, steps=6) -> dict:
         gc.enable()
     torch.cuda.empty_cache()
     out["diag_after_empty_cache_ms"] = sorted(decode_steps_ms(model, cache, pos, steps))[steps // 2]
+    # the cache itself: the same values in fresh contiguous tensors
+    for lay in cache.layers:
+        lay.keys, lay.values = lay.keys.clone(), lay.values.clone()
+    out["diag_cloned_cache_ms"] = sorted(decode_steps_ms(model, cache, pos, steps))[steps // 2]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         decode_steps_ms(model, cache, pos, 2)
-    rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total
-                  if hasattr(e, "self_device_time_total") else -e.self_cuda_time_total)[:8]
-    out["diag_top_kernels"] = [(e.key[:60], round(getattr(e, "self_device_time_total",
-                                                         e.self_cuda_time_total) / 2e3, 2),
-                                e.count // 2) for e in rows]
-    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
+    ev = prof.key_averages()
+
+    def dev_us(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+    out["diag_top_kernels"] = [(e.key[:60], round(dev_us(e) / 2e3, 2), e.count // 2)
+                               for e in sorted(ev, key=lambda e: -dev_us(e))[:8]]
     out["diag_top_cpu"] = [(e.key[:60], round(e.self_cpu_time_total / 2e3, 2), e.count // 2)
-                           for e in cpu]
+                           for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:6]]
     return out
 
 
