@@ -401,3 +401,41 @@ def test_benchmark_runs_the_engine(request, kind):
         ref = head(tm(inputs_embeds=bench._embeds(tm, index, "cpu"),
                       position_ids=pos).last_hidden_state[:, -1:])
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_steps_skip_cudnn_and_prefill_keeps_it(monkeypatch):
+    """Decode (few queries on a CUDA cache) runs SDPA without cuDNN, whose per-shape plans
+    cost ~1.3 ms of host time per layer and step; prefill and CPU calls are left alone."""
+    import torch
+    from mminfer.models import hooks
+
+    class FakeCuda:
+        is_cuda = True
+    calls = []
+    import torch.nn.attention as A
+    monkeypatch.setattr(A, "sdpa_kernel", lambda backends: calls.append(backends) or
+                        __import__("contextlib").nullcontext())
+    with hooks.decode_backends(FakeCuda(), 1):
+        pass
+    assert calls and A.SDPBackend.CUDNN_ATTENTION not in calls[0]
+    assert A.SDPBackend.FLASH_ATTENTION in calls[0] and A.SDPBackend.MATH in calls[0]
+    calls.clear()
+    with hooks.decode_backends(FakeCuda(), 4096), hooks.decode_backends(torch.zeros(1), 1):
+        pass
+    assert calls == []
+
+
+@pytest.mark.gpu
+def test_decode_step_on_cuda_does_not_use_cudnn():
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mminfer.models import hooks
+    q = torch.randn(1, 28, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 5000, 128, device="cuda", dtype=torch.bfloat16)
+    with hooks.decode_backends(q, 1):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), k.float(),
+                                                           enable_gqa=True)
+    assert (out.float() - ref).abs().max() < 2e-2
