@@ -922,6 +922,10 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
     pipe = Pipeline(str(path), attention="auto", device=args.device, dtype=args.dtype,
                     min_sparse_len=args.min_sparse_len)
     rec["load_s"] = round(time.perf_counter() - t0, 2)
+    if args.pipeline_warmup:      # what `mminfer serve` does before it reports ready
+        rec["pipeline_warmup"] = pipe.warmup()
+        print(f"[{clock.elapsed():6.0f} s] {case.name}: Pipeline.warmup {rec['pipeline_warmup']}",
+              flush=True)
     print(f"[{clock.elapsed():6.0f} s] {case.name}: checkpoint {info.get('write_s')} s, "
           f"video {rec['video'].get('write_s')} s, load {rec['load_s']} s", flush=True)
     sparse_ok = pipe.sparse_unavailable is None and pipe.adapter.patterns is not None
@@ -1201,6 +1205,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", choices=("full", "short", "none"), default=None,
                    help="warm-up request before each case (default: full; longvila1m short)")
     p.add_argument("--warmup-frames", type=int, default=512)
+    p.add_argument("--pipeline-warmup", action="store_true",
+                   help="call Pipeline.warmup() after loading, as the server does at start")
     p.add_argument("--repeats", type=int, default=1, help="measured requests per mode")
     p.add_argument("--dense-max-tokens", type=int, default=400_000,
                    help="longer dense requests are extrapolated, not run")

@@ -21,6 +21,7 @@ Bearer auth (``MMINFER_API_KEY``) guards the /v1 routes and the report page, as 
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from .store import LatencyStore
 from .worker import ModelWorker
 
 __all__ = ["STAGE_ORDER", "Settings", "create_app"]
+
+log = logging.getLogger("mminfer.serve")
 
 
 def create_app(settings: Settings | None = None, worker: ModelWorker | None = None):
@@ -56,8 +59,13 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     if worker is None:
         def load():
             from mminfer.engine.pipeline import Pipeline
-            return Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
+            pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
                             min_sparse_len=s.min_sparse_len)
+            # kernels compile here, before /health says ready, not in a user's first request
+            warm = pipe.warmup()
+            if warm.get("ran"):
+                log.info("warm-up: %s", warm)
+            return pipe
         worker = ModelWorker(load, queue_size=s.queue_size, metrics=metrics)
     else:
         worker.metrics = metrics

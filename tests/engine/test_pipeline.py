@@ -169,3 +169,25 @@ def test_cancel_stops_between_stages_and_layers():
     with pytest.raises(Cancelled, match="vision tower"):
         pipe.answer(video, q, cancel=lambda: next(calls, True))
     assert pipe.answer(video, q).answer == "99"
+
+
+def test_warmup_compiles_both_length_classes_before_the_first_request(tmp_path):
+    """warmup() runs the product path (prepare, tower, prefill, decode) on a synthetic video
+    at one prompt length divisible by 16 and one not, sparse where it can run; a no-op on the
+    CPU unless forced; the pipeline answers as before afterwards."""
+    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    ckpt = save_tiny_qwen2_5_vl(tmp_path / "tiny")
+    pipe = Pipeline(str(ckpt), attention="auto", device="cpu", min_sparse_len=16)
+    assert pipe.warmup() == {"ran": False, "why": "nothing to compile on the CPU"}
+    seen = []
+    real = pipe.adapter.generate
+
+    def generate(prep, **kw):
+        seen.append((prep.total_tokens, kw["ctx"].mode))
+        return real(prep, **kw)
+    pipe.adapter.generate = generate
+    warm = pipe.warmup(force=True, frames=4)
+    assert warm["ran"] and warm["lengths"] == [n for n, _ in seen] and len(seen) == 2
+    assert sorted(n % 16 == 0 for n, _ in seen) == [False, True]
+    want = "sparse" if os.environ.get("TRITON_INTERPRET") == "1" else "dense"
+    assert {m for _, m in seen} == {want}
