@@ -9,24 +9,7 @@ import torch
 from mminfer.engine import video as videolib
 from mminfer.engine.pipeline import Pipeline
 from mminfer.toy.tiny import save_tiny_qwen2_5_vl
-
-
-def write_mp4(path, n=16, w=96, h=64, fps=8):
-    """A red square moving right over a dark blue background."""
-    import av
-    with av.open(str(path), "w") as c:
-        s = c.add_stream("libx264", rate=fps)
-        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
-        for i in range(n):
-            img = np.zeros((h, w, 3), np.uint8)
-            img[..., 2] = 40
-            x = 4 * i % (w - 16)
-            img[24:40, x:x + 16, 0] = 255
-            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return path
+from test_pipeline import write_mp4      # one copy of the moving-square clip (tests/engine)
 
 
 @pytest.fixture(scope="module")
