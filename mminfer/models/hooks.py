@@ -128,7 +128,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     out = torch.empty(B, N, H, D, dtype=query.dtype, device=query.device)
     # tensor parallel: this rank holds global heads tp_rank * H + h (engine/parallel.py)
     heads = ctx.patterns.heads_for_rank(layer, getattr(module, "tp_rank", 0), H)
-    res = layer_attention(query, key, value, ctx.index, heads, min_sparse_len=0,
+    res = layer_attention(query, key, value, ctx.index, heads,
                           return_plan=ctx.keep_plans, scale=scaling, out=out.transpose(1, 2),
                           timer=timer)
     if ctx.keep_plans:

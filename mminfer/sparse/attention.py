@@ -1,4 +1,5 @@
-"""One layer's prefill attention: dense when short, else estimate -> plan -> sparse kernel."""
+"""One layer's sparse prefill attention: estimate -> plan -> sparse kernel. Whether a request
+is sparse at all is decided once, elsewhere (mminfer.models.hooks.choose_attention)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .patterns import HeadPattern
 
 def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     index: ModalityIndex | None, heads: Sequence[HeadPattern], *,
-                    min_sparse_len: int = 8192, return_plan: bool = False,
+                    return_plan: bool = False,
                     scale: float | None = None, out: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int | None = None, timer=None,
                     proxy: str = "auto"):
@@ -24,22 +25,14 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     view, e.g. a transposed ``[B, N, Hq, D]`` buffer) receives the result. ``timer`` (a
     ``StageTimer``) books estimation + plan under "index" and the kernels under "attention";
     ``proxy`` picks the estimator's proxy (``estimate.PROXIES``). Returns ``out``, or
-    ``(out, plan)`` with ``return_plan`` (plan None on the dense path; ``plan.density()``
+    ``(out, plan)`` with ``return_plan`` (``plan.density()``
     counts its work from the plan's arrays, no launch).
     """
-    B, Hq, N, D = q.shape
+    if index is None:
+        raise ValueError("sparse attention needs the request's ModalityIndex")
+    Hq, D = q.shape[1], q.shape[3]
     scale = D ** -0.5 if scale is None else scale
     stage = timer if timer is not None else (lambda name: nullcontext())
-    if index is None or N < min_sparse_len:
-        with stage("attention"):
-            res = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != k.shape[1])
-            if out is None:
-                out = res
-            else:
-                out.copy_(res)
-        return (out, None) if return_plan else out
-
     from .estimate import estimate_layer
     from mminfer.kernels import sparse_attention
 

@@ -31,20 +31,12 @@ def _sdpa(q, k, v, scale=None):
                                                             enable_gqa=True, scale=scale)
 
 
-def test_short_input_goes_dense_into_a_transposed_out():
+def test_sparse_attention_needs_the_modality_index():
+    """Dense or sparse is decided once per request (hooks.choose_attention, tested in
+    tests/models/test_prefill.py); layer_attention only computes the sparse path."""
     idx, q, k, v = _inputs()
-    B, H, N, D = q.shape
-    buf = torch.full((B, N, H, D), float("nan"))
-    timer = StageTimer()
-    out, plan = layer_attention(q, k, v, idx, HEADS, min_sparse_len=N + 1, return_plan=True,
-                                out=buf.transpose(1, 2), timer=timer)
-    assert plan is None
-    torch.testing.assert_close(buf.transpose(1, 2), _sdpa(q, k, v))
-    assert out.data_ptr() == buf.data_ptr()
-    assert set(timer.totals_ms()) == {"attention"}
-    # No index: dense whatever the length.
-    torch.testing.assert_close(layer_attention(q, k, v, None, HEADS, min_sparse_len=0),
-                               _sdpa(q, k, v))
+    with pytest.raises(ValueError, match="ModalityIndex"):
+        layer_attention(q, k, v, None, HEADS)
 
 
 def test_sparse_path_matches_masked_attention_of_its_plan():
@@ -53,7 +45,7 @@ def test_sparse_path_matches_masked_attention_of_its_plan():
     buf = torch.full((B, N, H, D), float("nan"))
     timer = StageTimer()
     scale = 0.3
-    out, plan = layer_attention(q, k, v, idx, HEADS, min_sparse_len=0, return_plan=True,
+    out, plan = layer_attention(q, k, v, idx, HEADS, return_plan=True,
                                 scale=scale, out=buf.transpose(1, 2), timer=timer)
     assert out.data_ptr() == buf.data_ptr()
     assert plan.block_m == 16 and plan.row_groups == idx.row_groups()
@@ -69,7 +61,7 @@ def test_sparse_path_matches_masked_attention_of_its_plan():
 def test_sparse_path_rejects_wrong_head_count():
     idx, q, k, v = _inputs()
     with pytest.raises(ValueError, match="3 head patterns for 4 query heads"):
-        layer_attention(q, k, v, idx, HEADS[:3], min_sparse_len=0)
+        layer_attention(q, k, v, idx, HEADS[:3])
 
 
 def test_through_the_transformers_hook_full_budget_equals_sdpa():
