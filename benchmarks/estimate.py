@@ -76,12 +76,40 @@ def _same_plan(ea, eb) -> float:
     return same / max(total, 1)
 
 
+def _profile(fn, out_dir, n):
+    """Where estimation time goes: the host's enqueue time (no sync) against the GPU's, the
+    ops by GPU time and by host time, and the number of kernel launches."""
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in ka)
+    launches = sum(e.count for e in ka if e.self_device_time_total > 0 and
+                   e.device_type == torch.autograd.DeviceType.CUDA)
+    head = (f"N={n}: host enqueue {host_ms:.2f} ms, wall {wall_ms:.2f} ms, GPU busy "
+            f"{gpu_us / 1e3:.2f} ms, {launches} GPU kernels\n")
+    by_gpu = ka.table(sort_by="self_device_time_total", row_limit=30)
+    by_cpu = ka.table(sort_by="self_cpu_time_total", row_limit=30)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"estimate_profile_{n}.txt"), "w") as f:
+        f.write(head + "\nby GPU time\n" + by_gpu + "\nby host time\n" + by_cpu)
+    print(head + by_gpu[:6000] + by_cpu[:6000], flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 1048576])
     ap.add_argument("--layer", type=int, default=14)
-    ap.add_argument("--profile", action="store_true", help="CUDA profile of one estimate")
+    ap.add_argument("--profile", action="store_true", help="profile one estimate per length (host vs GPU time, ops)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -104,15 +132,8 @@ def main():
         plan, estimate = box["plan"], box["est"]
         agree = _same_plan(est_torch, estimate)
         del est_torch
-        if a.profile and n == a.lengths[0]:
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                est("triton")
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-            with open(os.path.join(a.out, "estimate_profile.txt"), "w") as f:
-                f.write(table)
-            print(table[:4000])
+        if a.profile:
+            _profile(lambda: est("triton"), a.out, n)
         out = torch.empty_like(q)
         attn_ms = events_ms(lambda: sparse_attention(q, k, v, plan, out=out))
         dens = plan.density()

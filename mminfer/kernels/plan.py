@@ -42,6 +42,7 @@ from . import masks as _masks
 from .layout import (F_ACTIVE, F_DST, F_DSTHEAD, F_END, F_HEAD, F_KGROUP, F_LINES, F_PHASE,
                      F_QGROUP, F_SINK, F_START, F_STRIDE, F_WINDOW, FAMILIES, LINES,
                      LINES_ROWS, NF, family_of, key_groups, row_table)
+from .runtime import to_device
 from .specs import Block, Fallback, IntLike, VerticalSlash
 
 _PAD = 1 << 30
@@ -156,18 +157,18 @@ class SparsePlan:
         pos_2d = {h: i for i, h in enumerate(heads_2d)}
 
         plan = cls(n=n, batch=batch, num_heads=num_heads, block_m=block_m, block_n=block_n,
-                   table=table_cpu.to(device), heads_2d=heads_2d, n_key_groups=n_kg,
+                   table=to_device(table_cpu, device), heads_2d=heads_2d, n_key_groups=n_kg,
                    specs=specs, row_groups=[tuple(x) for x in row_groups] if row_groups
                    else None)
         if heads_2d:
             kgid, _ = key_groups(n, row_groups or [(0, n, 0)])
-            plan.key_groups = kgid[None, :].expand(batch, n).contiguous().to(device)
+            plan.key_groups = to_device(kgid[None, :].expand(batch, n).contiguous(), device)
 
         by_family: dict[str, list] = {}
         for name, sp, active, _ in slots:
             by_family.setdefault(name, []).append((sp, active))
-        r0 = table_cpu[:, 0].to(torch.int64).to(device)
-        r1 = table_cpu[:, 1].to(torch.int64).to(device)
+        r0 = to_device(table_cpu[:, 0].to(torch.int64), device)
+        r1 = to_device(table_cpu[:, 1].to(torch.int64), device)
         for name, members in by_family.items():
             sps = [sp for sp, _ in members]
             params = torch.cat([_family_params(name, sp, active, batch, n, pos_2d, device,
@@ -230,7 +231,7 @@ def _fallback_slots(fb: Fallback, batch: int, num_heads: int):
                 raise ValueError(f"Fallback: alternative head {h} (query group {q}, key group "
                                  f"{k}) is not one of the primary's slots")
         idx = torch.tensor([where[h] for h in ah], dtype=torch.long)
-        out.append((family_of(alt), alt, use[:, idx.to(use.device, non_blocking=True)], False))
+        out.append((family_of(alt), alt, use[:, to_device(idx, use.device)], False))
         seen.extend(ah)
     if sorted(seen) != sorted(heads):
         raise ValueError(f"Fallback: the alternatives hold heads {sorted(seen)}, the primary "
@@ -323,7 +324,7 @@ def _family_params(name, sp, active, batch, n, pos_2d, device, row_groups) -> to
                 raise ValueError("grid stride must be >= 1")
             if ((phase < 0) | (phase >= stride)).any():
                 raise ValueError("grid phase must be in [0, stride)")
-    p = p.to(device)
+    p = to_device(p, device)
     if name == "grid":
         p[:, :, F_STRIDE], p[:, :, F_PHASE] = stride.to(device), phase.to(device)
     if active is not None:

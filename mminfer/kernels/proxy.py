@@ -6,11 +6,12 @@ import torch
 import triton
 
 from .proxy_kernel import _proxy_lse_kernel, _proxy_mass_kernel
-from .runtime import compiled_gpu
+from .runtime import as_device, compiled_gpu
 
 BLOCK_Q = 64          # the estimator's last_q: one query run per launch
 GPU_BLOCK_N, CPU_BLOCK_N = 64, 16
-PROGRAMS_PER_SM = 4   # persistent mass kernel: its scratch is programs x BLOCK_Q x BLOCK_N
+PROGRAMS_PER_SM = 4   # persistent mass kernel
+KB_PER = 8            # key blocks per log-sum-exp program (x G query heads each)
 
 
 def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float, *,
@@ -41,13 +42,15 @@ def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float
     n_kb = triton.cdiv(kend, BN)
     BH = B * Hq
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-              Hq, Hq // Hkv, D)
+              Hq, Hkv, Hq // Hkv, D)
     warps = 4
 
-    m = torch.empty(BH, n_kb, BLOCK_Q, device=dev, dtype=torch.float32)
+    n_chunks = triton.cdiv(n_kb, KB_PER)
+    m = torch.empty(BH, n_chunks, BLOCK_Q, device=dev, dtype=torch.float32)
     l = torch.empty_like(m)
-    _proxy_lse_kernel[(BH, n_kb)](q, k, m, l, q0, nq, kend, n_kb, float(scale), *common,
-                                  BLOCK_Q=BLOCK_Q, BLOCK_N=BN, BLOCK_D=BD, num_warps=warps)
+    _proxy_lse_kernel[(B * Hkv, n_chunks)](
+        q, k, m, l, q0, nq, kend, n_chunks, float(scale), *common,
+        BLOCK_Q=BLOCK_Q, BLOCK_N=BN, BLOCK_D=BD, KB_PER=KB_PER, num_warps=warps)
     mx = m.amax(1, keepdim=True)
     mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
     lse = (mx.squeeze(1) + torch.log((l * torch.exp(m - mx)).sum(1)))
@@ -57,16 +60,15 @@ def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float
     n_diag = (1 if diag else 0) + len(targets)
     col = torch.zeros(BH, N, device=dev, dtype=torch.float32)
     dg = torch.zeros(max(n_diag, 1), BH, N, device=dev, dtype=torch.float32)
-    n_tiles = BH * n_kb
+    n_tiles = B * Hkv * n_kb
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 2
     n_prog = max(1, min(n_tiles, sms * PROGRAMS_PER_SM))
-    scratch = torch.empty(n_prog, BLOCK_Q * BN, device=dev, dtype=torch.float32)
     kg = kgroup.to(device=dev, dtype=torch.int32).contiguous() if kgroup is not None else \
         torch.zeros(1, device=dev, dtype=torch.int32)
     # diagonal slots: [the plain one if asked for, then one per target key group]
-    tg = torch.tensor(list(targets) or [0], device=dev, dtype=torch.int32)
+    tg = as_device(list(targets) or [0], dev, torch.int32)
     _proxy_mass_kernel[(n_prog,)](
-        q, k, lse, col, dg, kg, tg, scratch, q0, nq, kend, N, n_kb, n_tiles,
+        q, k, lse, col, dg, kg, tg, q0, nq, kend, N, n_kb, n_tiles, BH,
         float(scale), *common, BLOCK_Q=BLOCK_Q, BLOCK_N=BN, BLOCK_D=BD,
         SKEW_W=triton.next_power_of_2(BLOCK_Q + BN - 1), N_DIAG=n_diag, PLAIN=int(diag),
         num_warps=warps)

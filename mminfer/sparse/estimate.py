@@ -39,6 +39,7 @@ import torch
 from mminfer.errors import ConfigError
 from mminfer.kernels import AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash
 from mminfer.kernels.layout import key_groups, row_blocks, row_table
+from mminfer.kernels.runtime import as_device, to_device
 from .modality import ModalityIndex
 from .patterns import HeadPattern, Pattern
 
@@ -200,10 +201,10 @@ class _Estimator:
         return -1 if mod is None or not self.multi else self.index.group_of(mod)
 
     def _heads(self, hs):
-        return torch.tensor(hs, dtype=torch.long).to(self.dev, non_blocking=True)
+        return as_device(hs, self.dev, torch.long)
 
     def _ints(self, xs):
-        return torch.tensor(xs, dtype=torch.long).to(self.dev, non_blocking=True)
+        return as_device(xs, self.dev, torch.long)
 
     def _qpos(self, qmod):
         if qmod is None or not self.multi:
@@ -217,14 +218,26 @@ class _Estimator:
         if pos not in self._stats:
             want = self.needs.get(pos, set())
             kg, _ = _key_groups(self.index, self.dev)
-            fused = self.proxy == "triton" and len(pos) <= 64 and \
-                pos[-1] - pos[0] == len(pos) - 1
-            if fused:
+            if self.proxy == "triton" and len(pos) <= 64:
+                # One fused launch per contiguous run of the query set (a modality's last
+                # queries can sit in several spans: the prompt's text before and after the
+                # video): each row's softmax is its own, so the runs' sums add up.
                 from mminfer.kernels.proxy import proxy_stats
                 groups = {km: self.index.group_of(km) for km in want if km is not None}
-                col, diag, by_group = proxy_stats(
-                    self.q, self.k, pos[0], len(pos), self.scale, diag=None in want,
-                    kgroup=kg, targets=tuple(sorted(set(groups.values()))))
+                targets = tuple(sorted(set(groups.values())))
+                col = diag = None
+                by_group: dict = {}
+                for q0, nq in _runs(pos):
+                    c, d, bg = proxy_stats(self.q, self.k, q0, nq, self.scale,
+                                           diag=None in want, kgroup=kg, targets=targets)
+                    if col is None:
+                        col, diag, by_group = c, d, bg
+                        continue
+                    col += c
+                    if d is not None:
+                        diag += d
+                    for g in targets:
+                        by_group[g] += bg[g]
                 self._stats[pos] = (col, diag, {km: by_group[g] for km, g in groups.items()})
             else:
                 kmasks = [(km, kg == self.index.group_of(km)) for km in want if km is not None]
@@ -255,7 +268,7 @@ class _Estimator:
         sink = self._ints([p.sink for p in pats])
         window = self._ints([p.window for p in pats])
         j = torch.arange(N, device=dev)
-        neg = torch.tensor(float("-inf"), device=dev)
+        neg = float("-inf")
 
         # Verticals: sinks forced in, the rest by column mass (restricted to 2D key group).
         score = torch.where(j[None, None, :] < sink[None, :, None], neg, col)
@@ -333,14 +346,14 @@ class _Estimator:
             ok_k = hit[:nkb] > 0
         out = torch.full((B, len(hs), R, kmax), -1, dtype=torch.long, device=dev)
         rstep = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * nkb))
-        budget = torch.tensor(top_k, device=dev)[None, :, None, None]
+        budget = as_device(top_k, dev)[None, :, None, None]
         rank = torch.arange(kmax, device=dev)
         for a in range(0, R, rstep):
             b = min(a + rstep, R)
             s = torch.matmul(qbar[:, :, a:b], kbar.transpose(-1, -2))    # [B, H', r, NKB]
             lo = torch.clamp(table[a:b, 0][None, :] - window[:, None], min=0)  # [H', r]
             far = (cstart[None, None, :] < lo[:, :, None]) & ok_k
-            s = torch.where(far[None], s, torch.tensor(float("-inf"), device=dev))
+            s = torch.where(far[None], s, float("-inf"))
             vals, ids = torch.topk(s, kmax, dim=-1)
             keep = (rank < budget) & torch.isfinite(vals)
             out[:, :, a:b] = torch.where(keep, ids, torch.full_like(ids, -1))
@@ -369,24 +382,29 @@ class _Estimator:
         L = end - start
         # Phase sums over the span's keys outside the proxy queries' near window (the
         # window is covered anyway, and its local mass would swamp the phase histogram).
-        mass = col[:, hidx, start:end]                                   # [B, H', L]
+        # Zero-padded by the largest stride once, so that every stride's fold is a view
+        # (a pad per stride copied the [B, H', L] mass each time: 75 MB at 1M keys).
+        smax = max(strides)
         pos = start + torch.arange(L, device=self.dev)
         vis = pos[None, :] < (qmin - window)[:, None]                     # [H', L]
         if kmod is not None and self.multi:
             kg, _ = _key_groups(self.index, self.dev)
             vis = vis & (kg[start:end] == self.index.group_of(kmod))[None, :]
-        mass = mass * vis
+        mass_buf = torch.zeros(self.B, len(hs), L + smax, device=self.dev)
+        vis_buf = torch.zeros(len(hs), L + smax, device=self.dev)
+        vis_buf[:, :L] = vis
+        mass = mass_buf[..., :L]
+        torch.mul(col[:, hidx, start:end], vis_buf[:, :L], out=mass)     # [B, H', L]
         total = mass.sum(-1)                                              # [B, H']
         ntot = vis.sum(-1).to(torch.float32)                              # [H']
         mean = total / ntot.clamp(min=1)[None]
         sd = ((mass * mass).sum(-1) / ntot.clamp(min=1)[None] - mean * mean).clamp(min=0).sqrt()
         lifts, phases, excess, signif = [], [], [], []
         for s in strides:
-            pad = (-L) % s
-            cols = torch.nn.functional.pad(mass, (0, pad)).view(self.B, len(hs), -1, s)
+            Ls = -(-L // s) * s
+            cols = mass_buf[..., :Ls].view(self.B, len(hs), -1, s)
             fold = cols.sum(2)                                            # [B, H', s]
-            cnt = torch.nn.functional.pad(vis.to(torch.float32), (0, pad)) \
-                .view(len(hs), -1, s).sum(1)                              # [H', s]
+            cnt = vis_buf[:, :Ls].view(len(hs), -1, s).sum(1)             # [H', s]
             share = mean[..., None] * cnt[None]
             # Lift and its significance without the phase's heaviest column: one column (a
             # sink, a vertical, a noise spike) is not a grid, and with few keys per phase it
@@ -407,7 +425,7 @@ class _Estimator:
         # its phases hold a key or two each), and with a lift significant for the number of
         # keys its phase holds: above the largest of its phases' noise (max of s normal
         # deviates, about sqrt(2 ln s)) by a margin.
-        stride_t = torch.tensor(strides, device=self.dev)
+        stride_t = as_device(strides, self.dev)
         z_min = torch.sqrt(2 * torch.log(stride_t.to(torch.float32))) + MIN_Z_MARGIN
         valid = (ntot[None, :, None] >= MIN_PERIODS * stride_t) & \
             (torch.stack(signif, -1) >= z_min)
@@ -427,7 +445,7 @@ class _Estimator:
         g_stride = stride_t[pick[..., 0]]                                 # [B, H']
         g_phase = phase.gather(-1, pick)[..., 0]
         g_lift = score.gather(-1, pick)[..., 0]       # 0 when no candidate is valid
-        min_lift = torch.tensor([p.min_lift for p in pats], device=self.dev)
+        min_lift = as_device([p.min_lift for p in pats], self.dev, torch.float32)
         fire = g_lift < min_lift[None, :]
 
         lines = [p.lines if lines_ok else "cols" for p in pats]
@@ -522,6 +540,16 @@ def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
     return col, diag, diag_k
 
 
+def _runs(pos):
+    """``(first, length)`` of every contiguous run of the sorted positions ``pos``."""
+    out, r = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            out.append((pos[r], i - r))
+            r = i
+    return out
+
+
 def _diag_add(out, p, q0, a):
     """``out[..., o] += sum of p[..., r, c]`` over ``o = (q0 + r) - (a + c)``, for queries at
     the contiguous positions q0.. and keys from a: a skew (each row r shifted left by r
@@ -549,7 +577,7 @@ def _topk_ids(score, budgets, dev):
     if kmax <= 0:
         return torch.full(score.shape[:2] + (0,), -1, dtype=torch.long, device=dev)
     vals, ids = torch.topk(score, kmax, dim=-1)
-    budget = torch.tensor(budgets, dtype=torch.long).to(dev, non_blocking=True)
+    budget = as_device(budgets, dev, torch.long)
     keep = (torch.arange(kmax, device=dev)[None, None, :] < budget[None, :, None]) \
         & (vals > float("-inf"))
     return torch.where(keep, ids, torch.full_like(ids, -1))
@@ -560,7 +588,7 @@ def _topk_ids(score, budgets, dev):
 @functools.lru_cache(maxsize=16)
 def _key_groups_cached(n, row_groups, device):
     gid, counts = key_groups(n, [tuple(x) for x in row_groups])
-    return gid.to(device), counts
+    return to_device(gid, device), counts
 
 
 def _key_groups(index: ModalityIndex, device):
@@ -572,7 +600,7 @@ def _key_groups(index: ModalityIndex, device):
 @functools.lru_cache(maxsize=16)
 def _row_blocks_cached(n, block_m, row_groups, device):
     table = row_table(n, block_m, [tuple(x) for x in row_groups] if row_groups else None)
-    return table.to(torch.long).to(device), row_blocks(table).to(device)
+    return to_device(table.to(torch.long), device), to_device(row_blocks(table), device)
 
 
 def _row_blocks(n, block_m, row_groups, device):

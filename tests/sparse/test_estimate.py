@@ -491,6 +491,7 @@ def test_diagonal_sums_by_runs_match_brute_force():
 @pytest.mark.parametrize("B,H,Hkv,n,D,q0,nq,dtype", [
     (1, 4, 2, 150, 8, 86, 64, torch.float32),       # last 64 queries, GQA 2, d padded to 16
     (2, 2, 1, 97, 80, 30, 23, torch.float16),       # batch 2, a short run inside, d 80
+    (2, 6, 2, 300, 16, 236, 64, torch.float32),     # batch x KV heads x GQA 3, 3 lse chunks
 ])
 def test_fused_proxy_matches_brute_force(B, H, Hkv, n, D, q0, nq, dtype):
     """kernels/proxy.py: column sums, diagonal sums and diagonal sums over one key group,
@@ -538,6 +539,9 @@ def test_fused_proxy_gives_the_torch_estimate(monkeypatch):
     monkeypatch.setattr(P, "proxy_stats", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
     got = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="triton")
     assert len(calls) >= 2                      # text rows and video rows: both fused
+    # the last 64 text queries are two runs (116..143 and 216..251): one launch each, summed
+    assert idx.last_positions("text", 64) == list(range(116, 144)) + list(range(216, 252))
+    assert 116 in calls and 216 in calls
     assert len(got.specs) == len(ref.specs)
     for a, b in zip(ref.specs, got.specs):
         assert type(a) is type(b) and a.heads == b.heads

@@ -1,0 +1,49 @@
+"""Estimation, plan and kernels queue a layer without waiting for the GPU: one
+synchronisation stalls the host behind every kernel queued before it, so the next layer's
+launches no longer overlap this layer's work (15 waits per layer made estimation
+host-bound, BENCHMARKS.md section 7)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mminfer.kernels import sparse_attention
+from mminfer.kernels.runtime import as_device, to_device
+from mminfer.sparse.estimate import estimate_layer
+from mminfer.sparse.modality import ModalityIndex
+from mminfer.sparse.patterns import HeadPatternConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_uploads_keep_values_and_dtypes():
+    t = torch.arange(5, dtype=torch.int32)
+    assert torch.equal(to_device(t, "cpu"), t)
+    x = as_device([1, 2, 3], "cpu", torch.long)
+    assert x.dtype == torch.long and x.tolist() == [1, 2, 3]
+    assert as_device([0.5], "cpu", torch.float32).dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_layer_queues_without_a_synchronisation():
+    cfg = HeadPatternConfig.load(ROOT / "mminfer" / "models" / "configs" / "qwen2_5_vl_7b.json")
+    index = ModalityIndex.from_segments([("text", 20), ("video", 64, 16, 16, 1),
+                                         ("text", 30)])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 28, index.n, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, 4, index.n, 128, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, 4, index.n, 128, device="cuda", generator=g).bfloat16()
+    for layer in (0, 5):                 # first call: compile and fill the layout caches
+        heads = cfg.layer(layer)
+        plan = estimate_layer(q, k, index, heads).build_plan(q.device)
+        ref = sparse_attention(q, k, v, plan)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            plan = estimate_layer(q, k, index, heads).build_plan(q.device)
+            out = sparse_attention(q, k, v, plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.equal(out, ref)
