@@ -104,14 +104,53 @@ def _profile(fn, out_dir, n):
     print(head + by_gpu[:6000] + by_cpu[:6000], flush=True)
 
 
+def _tune_proxy(lengths, out_dir):
+    """The fused proxy's launch parameters (kernels/proxy.TUNING), one axis per kernel: the
+    log-sum-exp kernel's key blocks per program and warps, then the mass kernel's warps and
+    programs per SM; every variant checked against the default's output. Also the cost of
+    the diagonal sums (the same call without them)."""
+    from mminfer.kernels.proxy import TUNING, proxy_stats
+    lse_axis = [{"kb_per": kb, "lse_warps": w} for kb in (4, 8, 16, 32) for w in (2, 4, 8)]
+    mass_axis = [{"mass_warps": w, "programs_per_sm": p} for w in (1, 2, 4, 8)
+                 for p in (2, 4, 8, 16)]
+    rows = []
+    for n in lengths:
+        index, q, k, _ = inputs(n)
+        n = index.n
+        args = (q, k, n - 64, 64, 128 ** -0.5)
+        ref = proxy_stats(*args)
+        base = events_ms(lambda: proxy_stats(*args), reps=5)
+        col_only = events_ms(lambda: proxy_stats(*args, diag=False), reps=5)
+        rows.append({"n": n, "config": dict(TUNING), "ms": base, "col_only_ms": col_only})
+        print(f"N={n}: default {TUNING} {base:.3f} ms, without diagonals {col_only:.3f} ms",
+              flush=True)
+        for c in lse_axis + mass_axis:
+            got = proxy_stats(*args, config=c)
+            ok = all(torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in
+                     ((got[0], ref[0]), (got[1], ref[1])))
+            ms = events_ms(lambda: proxy_stats(*args, config=c), reps=5)
+            rows.append({"n": n, "config": {**TUNING, **c}, "ms": ms, "same": ok})
+            print(f"  {c}: {ms:.3f} ms ({base / ms:.2f}x){'' if ok else '  OUTPUT DIFFERS'}",
+                  flush=True)
+        del q, k, ref
+        torch.cuda.empty_cache()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "proxy_tune.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144, 1048576])
     ap.add_argument("--layer", type=int, default=14)
     ap.add_argument("--profile", action="store_true", help="profile one estimate per length (host vs GPU time, ops)")
+    ap.add_argument("--tune-proxy", action="store_true",
+                    help="time the fused proxy's launch parameters instead (kernels/proxy.TUNING)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
+    if a.tune_proxy:
+        return _tune_proxy(a.lengths, a.out)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     cfg = HeadPatternConfig.load(os.path.join(ROOT, "mminfer", "models", "configs", "longvila_7b_1m.json"))
     heads = cfg.layer(a.layer)

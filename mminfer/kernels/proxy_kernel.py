@@ -122,3 +122,4 @@ def _proxy_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, tar
                 dsum = tl.sum(sk, 0)
                 tl.atomic_add(diag_ptr + t * BH * N + row + o, dsum,
                               mask=o_ok & (dsum != 0.0))
+
