@@ -20,7 +20,6 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from mminfer.errors import Cancelled
 from mminfer.models.embedded import DEFAULT_MODEL_DIR
 from mminfer.serve.app import Settings, create_app
 from mminfer.serve.shadow import ShadowMonitor, ShadowStore, compare, html_section
@@ -212,46 +211,6 @@ def test_monitor_keeps_one_job_and_drops_it_for_a_request():
     assert mon.ready(busy=False)
     mon.run_pending(SimpleNamespace(shadow_dense=shadow_dense))
     assert seen == [(False, 4), True] and mon.compared == 1 and not mon.running
-
-
-# ---------------------------------------------------------------------- the engine's re-run
-def test_dense_rerun_is_the_dense_answer_and_stops_between_layers():
-    """engine.rerun on inputs kept from the embedded model's prepare/embed: the re-run answers
-    what a dense request answers; a cancel that turns true after two layers stops it there."""
-    from mminfer.engine import video as videolib
-    from mminfer.engine.pipeline import Pipeline
-    from mminfer.engine.rerun import dense_rerun, inputs_nbytes, keep_inputs
-
-    pipe = Pipeline(None, device="cpu")
-    ad = pipe.adapter
-    dense = pipe.answer(NEEDLE, QUESTION, attention="dense", max_new_tokens=8)
-    assert dense.shadow is None and "shadow" not in dense.to_dict()
-    prep = ad.prepare(videolib.decode(str(NEEDLE), fps=2.0, max_frames=768,
-                                      sampling=ad.sampling), QUESTION)
-    embeds = ad.embed(prep)
-    positions = ad.positions(prep, 0, prep.input_ids.shape[1])
-    assert keep_inputs(ad, prep, embeds, inputs_nbytes(embeds, positions) - 1) is None
-    kept = keep_inputs(ad, prep, embeds, None)
-    assert kept.embeds is not embeds and torch.equal(kept.embeds, embeds)
-    with torch.inference_mode():
-        embeds.zero_()                               # what the prefill does to its input
-    assert kept.embeds.abs().sum() > 0
-    kept.sparse_tokens = [0] * 8                     # the comparison's length: 8 tokens
-    kept.decode_positions = ad.positions(prep, kept.tokens, 8)
-    run = dense_rerun(ad, kept, max_new_tokens=8)
-    assert run.text == dense.answer and len(run.token_ids) == dense.tokens["generated"]
-    assert run.logits.shape == (ad.lm_head.out_features,)
-
-    layers = []
-    hooks = [layer.input_layernorm.register_forward_pre_hook(
-        lambda *_, i=i: layers.append(i)) for i, layer in enumerate(ad.text_model.layers)]
-    try:
-        with pytest.raises(Cancelled, match="layer 2"):
-            dense_rerun(ad, kept, max_new_tokens=8, cancel=lambda: len(layers) >= 2)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert layers == [0, 1]
 
 
 # ---------------------------------------------------------------------- through the service
