@@ -204,7 +204,8 @@ class ShadowMonitor:
                 log.exception("could not record a shadow comparison")
 
     def _skip(self, reason: str):
-        self.skipped[reason] += 1
+        with self._lock:        # the worker thread and the event loop (preempt) both count
+            self.skipped[reason] += 1
         if self.metrics is not None:
             self.metrics.shadow_skip(reason)
 
