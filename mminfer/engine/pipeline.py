@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.engine.timing import PIPELINE_STAGES
@@ -46,9 +46,14 @@ class AnswerResult:
     tokens: dict                   # total, visual, text, generated
     sparsity: dict | None          # mean_density, per_layer (only when sparse ran)
     timings_ms: dict = field(default_factory=dict)
+    # answer(keep_for_shadow=True) of a sparse prefill: engine.rerun.ShadowInputs (CPU
+    # tensors) for Pipeline.shadow_dense; never part of to_dict
+    shadow: object = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(replace(self, shadow=None))
+        del d["shadow"]
+        return d
 
 
 def pick_adapter(path):
@@ -179,9 +184,15 @@ class Pipeline:
 
     def answer(self, video_path, question: str, *, fps: float = 2.0, max_frames: int = 768,
                max_new_tokens: int = 32, start: float | None = None, end: float | None = None,
-               attention: str | None = None, options=None, cancel=None) -> AnswerResult:
+               attention: str | None = None, options=None, cancel=None,
+               keep_for_shadow: bool = False,
+               shadow_max_bytes: int | None = None) -> AnswerResult:
         """``cancel``: a callable checked between stages and before every decoder layer of the
-        prefill; when it returns True the request stops with :class:`Cancelled`."""
+        prefill; when it returns True the request stops with :class:`Cancelled`.
+        ``keep_for_shadow``: when the prefill runs sparse, keep on the CPU what a dense re-run
+        of it needs (mminfer.engine.rerun: the prompt embeddings and positions, at most
+        ``shadow_max_bytes``, and the sparse last-token logits and answer) as
+        ``result.shadow``, for :meth:`shadow_dense`."""
         from mminfer.engine import video as videolib
         from mminfer.models.base import PrepareOptions
         from mminfer.models.hooks import PrefillContext
@@ -226,6 +237,10 @@ class Pipeline:
                              min_sparse_len=self.min_sparse_len,
                              unavailable=self.sparse_unavailable, timer=timer,
                              keep_plans=True, cancel=cancel)
+        kept = None
+        if keep_for_shadow and ctx.decide(n):     # before the prefill overwrites embeds
+            from mminfer.engine.rerun import keep_inputs
+            kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
         gen = ad.generate(prep, max_new_tokens=max_new_tokens, ctx=ctx, timer=timer,
                           embeds=embeds)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
@@ -240,6 +255,10 @@ class Pipeline:
         ms["total"] = total_ms
         timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
         resized = prep.tensors.get("resized")
+        sparsity = _sparsity(ctx.densities, ad.patterns)
+        if kept is not None:
+            from mminfer.engine.rerun import finish
+            finish(kept, ad, prep, gen, (sparsity or {}).get("mean_density"))
         return AnswerResult(
             answer=gen.text, model=self.model_id,
             attention="sparse" if ctx.sparse else "dense", attention_requested=mode,
@@ -255,7 +274,15 @@ class Pipeline:
                    "decode_hidden_ms": round(max(stream.decode_ms - stream.wait_ms, 0.0), 3)},
             tokens={"total": n, "visual": prep.visual_tokens, "text": prep.text_tokens,
                     "generated": len(gen.token_ids)},
-            sparsity=_sparsity(ctx.densities, ad.patterns), timings_ms=timings)
+            sparsity=sparsity, timings_ms=timings, shadow=kept)
+
+    def shadow_dense(self, kept, *, max_new_tokens: int = 8, cancel=None):
+        """The dense prefill of a sparse answer's kept inputs (``answer(keep_for_shadow=True)``
+        gave ``result.shadow``) and up to ``max_new_tokens`` greedy tokens after it:
+        an engine.rerun.DenseRerun (dense last-token logits, tokens, text). ``cancel`` is
+        checked before every decoder layer and decode step (:class:`Cancelled`)."""
+        from mminfer.engine.rerun import dense_rerun
+        return dense_rerun(self.adapter, kept, max_new_tokens=max_new_tokens, cancel=cancel)
 
 
 def _check(cancel, where: str):

@@ -54,6 +54,7 @@ class Generated:
     text: str
     token_ids: list
     prefill_tokens: int
+    prefill_logits: object = None       # [vocab] logits of the prompt's last position
 
 
 class Adapter:
@@ -136,7 +137,8 @@ class Adapter:
                     out.append(int(token))
         answer = [t for t in out if t not in self.eos_token_ids]
         text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
-        return Generated(text=text, token_ids=out, prefill_tokens=L)
+        return Generated(text=text, token_ids=out, prefill_tokens=L,
+                         prefill_logits=logits[0, -1])
 
     def _step(self, embeds, position_ids, cache):
         """One decode step through the text model's own forward on ``cache``."""

@@ -31,6 +31,7 @@ from mminfer.models.embedded import resolve_model
 from . import errors, media
 from .metrics import Metrics
 from .settings import Settings
+from .shadow import ShadowMonitor, ShadowStore
 from .store import LatencyStore
 from .worker import ModelWorker
 
@@ -69,6 +70,11 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         worker = ModelWorker(load, queue_size=s.queue_size, metrics=metrics)
     else:
         worker.metrics = metrics
+    # the shadow-dense monitor: its rows live in the latency store's file, same retention
+    shadow_store = ShadowStore(store.path, retention_days=s.report_retention_days,
+                               max_rows=s.report_max_rows)
+    worker.shadow = ShadowMonitor(s.shadow_rate, int(s.shadow_max_mb * 2**20),
+                                  s.shadow_max_new_tokens, metrics=metrics, store=shadow_store)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -78,6 +84,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         yield
         await asyncio.to_thread(worker.stop)
         store.close()
+        shadow_store.close()
 
     app = FastAPI(title="mminfer", version=_version(), lifespan=lifespan, docs_url="/docs",
                   redoc_url=None, description="Answers about long videos, with where the "
@@ -85,6 +92,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     service = Service(s, worker, store, metrics, model_path, upload_dir)
     app.state.settings, app.state.worker, app.state.store = s, worker, store
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
+    app.state.shadow = worker.shadow
     errors.install(app)
     for module in (answer, openai, reads):
         app.include_router(module.router)

@@ -101,6 +101,17 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--report-max-rows", type=int, default=d.report_max_rows,
                    help="latency records kept at most (the newest)")
 
+    g = p.add_argument_group("shadow-dense monitor (sparse quality on live traffic)")
+    g.add_argument("--shadow-rate", type=float, default=d.shadow_rate,
+                   help="fraction of requests sampled: one whose prefill ran sparse is re-run "
+                        "dense while the worker is idle and compared (0: off)")
+    g.add_argument("--shadow-max-mb", type=float, default=d.shadow_max_mb,
+                   help="a sampled request's kept inputs (prompt embeddings and positions, CPU "
+                        "memory) at most; larger ones are not compared")
+    g.add_argument("--shadow-max-new-tokens", type=int, default=d.shadow_max_new_tokens,
+                   help="answer tokens the dense re-run decodes to compare answers (1: the "
+                        "first token only)")
+
 
 def settings_from(args):
     from .settings import Settings
@@ -110,6 +121,10 @@ def settings_from(args):
                  "max_fps", "max_decode_mb", "media_fetch_deadline_s"):
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if not (0 <= args.shadow_rate <= 1 and args.shadow_max_mb >= 0
+            and args.shadow_max_new_tokens >= 1):
+        raise ConfigError("--shadow-rate must be in [0, 1], --shadow-max-mb >= 0 and "
+                          "--shadow-max-new-tokens >= 1")
     return Settings(
         model=args.model, attention=args.attention, device=args.device, dtype=args.dtype,
         min_sparse_len=args.min_sparse_len, data_dir=args.data_dir,
@@ -130,7 +145,8 @@ def settings_from(args):
         allow_private_media_addresses=args.allow_private_media_addresses,
         media_fetch_deadline_s=args.media_fetch_deadline_s,
         report_retention_days=args.report_retention_days,
-        report_max_rows=args.report_max_rows)
+        report_max_rows=args.report_max_rows, shadow_rate=args.shadow_rate,
+        shadow_max_mb=args.shadow_max_mb, shadow_max_new_tokens=args.shadow_max_new_tokens)
 
 
 def banner(host: str, port: int, model: str, api_key: bool) -> str:

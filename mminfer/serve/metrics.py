@@ -21,6 +21,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                      0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
+# KL(dense || sparse) in nats, from rounding noise to a different answer (issue 14's target
+# is 0.02 on average).
+KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class Metrics:
@@ -71,6 +74,27 @@ class Metrics:
         self.worker_up = gauge("mminfer:worker_up", "1 when the model worker is alive and loaded")
         gauge("mminfer:model_info", "The served model").set(1)
 
+        # ---- the shadow-dense monitor (serve/shadow.py), per prompt-length bucket
+        b = m + ["length_bucket"]
+        self.shadow_comparisons = Counter(
+            "mminfer:shadow_comparisons", "Sampled sparse requests re-run dense and compared",
+            b, registry=r)
+        self.shadow_argmax_agreements = Counter(
+            "mminfer:shadow_argmax_agreements", "Shadow comparisons whose first answer token "
+            "(the last-token argmax) is the same dense and sparse", b, registry=r)
+        self.shadow_answer_agreements = Counter(
+            "mminfer:shadow_answer_agreements", "Shadow comparisons whose greedy answers agree "
+            "(over the compared tokens)", b, registry=r)
+        self.shadow_kl = Histogram(
+            "mminfer:shadow_kl_divergence", "KL(dense || sparse) of the last-token "
+            "distributions, nats", b, registry=r, buckets=KL_BUCKETS)
+        self.shadow_rerun = hist("mminfer:shadow_rerun_seconds",
+                                 "Wall time of a dense shadow re-run (on an idle worker)")
+        self.shadow_skipped = Counter(
+            "mminfer:shadow_skipped", "Sampled sparse requests not compared: too_large (inputs "
+            "over --shadow-max-mb), busy (a request came first), interrupted (one came during "
+            "the re-run), error", m + ["reason"], registry=r)
+
     def observe_success(self, timings_ms: dict, tokens: int, generated: int, density: float):
         s = lambda k: timings_ms.get(k, 0.0) / 1e3     # noqa: E731
         self.ttft.observe(s("ttft"))
@@ -86,6 +110,19 @@ class Metrics:
         self.prompt_tokens.observe(tokens)
         self.generation_tokens.inc(generated)
         self.density.observe(density)
+
+    def observe_shadow(self, bucket: str, kl: float, argmax_agree: bool, answer_agree: bool,
+                       seconds: float):
+        # inc(0) too: an agreement series exists (at 0) wherever comparisons do, so
+        # agreements / comparisons is defined from the first comparison
+        self.shadow_comparisons.labels(self.model, bucket).inc()
+        self.shadow_argmax_agreements.labels(self.model, bucket).inc(int(bool(argmax_agree)))
+        self.shadow_answer_agreements.labels(self.model, bucket).inc(int(bool(answer_agree)))
+        self.shadow_kl.labels(self.model, bucket).observe(kl)
+        self.shadow_rerun.observe(seconds)
+
+    def shadow_skip(self, reason: str):
+        self.shadow_skipped.labels(self.model, reason).inc()
 
     def count(self, status: int, code: str | None = None):
         self.requests.labels(self.model, str(status)).inc()

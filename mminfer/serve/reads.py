@@ -32,6 +32,7 @@ async def latency_report(request: Request):
     since, until = _window(request)
     rep = await asyncio.to_thread(svc.store.report, since, until)
     rep["model"] = svc.model_id()
+    rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
     return rep
 
 
@@ -42,8 +43,17 @@ async def report_page(request: Request):
     svc.check_auth(request)
     since, until = _window(request)
     rep = await asyncio.to_thread(svc.store.report, since, until)
+    rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
     rows = await asyncio.to_thread(svc.store.rows, since, until, 1000)
     return HTMLResponse(render(rep, rows, svc.model_id()))
+
+
+def _shadow_report(request, since, until) -> dict | None:
+    """The shadow-dense monitor's figures (serve/shadow.py) for the window."""
+    monitor = getattr(request.app.state, "shadow", None)
+    if monitor is None or monitor.store is None:
+        return None
+    return {"settings": monitor.settings(), **monitor.store.report(since, until)}
 
 
 @router.get("/health", summary="Liveness and queue (503 while the model is not serving)")

@@ -13,6 +13,7 @@ import time
 
 from mminfer.engine.timing import TTFT_STAGES
 
+from .shadow import html_section as shadow_section
 from .store import bucket_of
 
 # Stages that add up to the time to first token, then the answer tokens.
@@ -236,5 +237,6 @@ td:first-child, th:first-child, td:nth-child(2) {{ text-align: left; }}
 {scatter(rows)}
 <h2>All stages</h2>
 {table(report)}
+{shadow_section(report.get("shadow"))}
 </body></html>
 """

@@ -57,6 +57,11 @@ class Settings:
     report_retention_days: float = 30.0
     report_max_rows: int = 200_000
 
+    # the shadow-dense monitor (serve/shadow.py): sparse requests re-run dense while idle
+    shadow_rate: float = 0.01          # the fraction of requests sampled (0: off)
+    shadow_max_mb: float = 1024.0      # a sampled request's kept inputs at most (CPU memory)
+    shadow_max_new_tokens: int = 8     # answer tokens the dense re-run decodes at most
+
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 2**20)

@@ -17,6 +17,10 @@ later (one long kernel launch: the Triton interpreter runs one as seconds of Pyt
 interrupted (mminfer.engine.interrupt). Its answer is the reason it was stopped (client
 gone, deadline, shutdown).
 
+Idle time: with a shadow monitor (serve/shadow.py), a sampled sparse request's inputs are
+kept when it ends and re-run dense while nothing is queued, reserved or running; a request
+that arrives drops or stops that re-run (``preempt``) before it waits on it.
+
 The worker dies only of what leaves the model unusable (load failure, a CUDA error that
 poisons the context, KeyboardInterrupt...). Then every queued job fails, new ones are
 refused, and ``state`` says "dead" with the reason, which ``/health`` reports as 503.
@@ -57,6 +61,7 @@ class Job:
     stop_at: float | None = None
     worker: "ModelWorker | None" = None
     guard: Guard = field(default_factory=Guard)
+    shadow_sampled: bool = False          # the shadow monitor asked it to keep its inputs
 
     def cancel(self, reason: MMInferError | None = None) -> bool:
         """Stop the job: dropped at once if it has not started (True), else asked to stop
@@ -123,13 +128,15 @@ class ModelWorker:
     Pipeline); it runs on the worker thread, so the model lives on that thread from the start.
     """
 
-    def __init__(self, load, queue_size: int = 8, metrics=None, interrupt_after_s: float = 0.5):
+    def __init__(self, load, queue_size: int = 8, metrics=None, interrupt_after_s: float = 0.5,
+                 shadow=None):
         if queue_size < 1:
             raise ValueError("queue_size must be >= 1")
         self._load = load
         self.queue_size = queue_size
         self.metrics = metrics
         self.interrupt_after_s = interrupt_after_s
+        self.shadow = shadow             # serve/shadow.ShadowMonitor, or None
         self.pipeline = None
         self.state = "new"               # new -> loading -> ready -> dead | stopped
         self.error: str | None = None
@@ -166,6 +173,7 @@ class ModelWorker:
             self._queue.clear()
             running = self._running
             self._cv.notify_all()
+        self._preempt_shadow()
         for job in pending:
             self._fail(job, ShuttingDown("the server is shutting down; retry on another "
                                          "instance or after it restarts"))
@@ -227,6 +235,7 @@ class ModelWorker:
                 raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
                                 f"retry later", queue_size=self.queue_size)
             self._reserved += 1
+        self._preempt_shadow()
         return Slot(self)
 
     def _unreserve(self):
@@ -250,6 +259,7 @@ class ModelWorker:
             job.worker = self
             self._queue.append(job)
             self._cv.notify()
+        self._preempt_shadow()
         self._gauges()
         return job
 
@@ -260,6 +270,18 @@ class ModelWorker:
             except ValueError:
                 pass
         self._gauges()
+
+    # ------------------------------------------------------------------ the shadow monitor
+    def _preempt_shadow(self):
+        """A request arrived: no shadow re-run may stand in its way."""
+        if self.shadow is not None:
+            self.shadow.preempt()
+
+    def _shadow_due(self) -> bool:
+        """(Under the lock.) A shadow job waits and nothing else does; one that would be in a
+        request's way is dropped here."""
+        return self.shadow is not None and self.shadow.ready(
+            busy=bool(self._queue or self._reserved or self._stopping))
 
     def _gauges(self):
         if self.metrics is not None:
@@ -287,8 +309,9 @@ class ModelWorker:
     def _run(self, job: Job):
         if job.stop is not None:           # asked to stop before it got here
             raise Cancelled("the request was cancelled before it started")
+        params = job.params if self.shadow is None else self.shadow.params(job, self.pipeline)
         return job.guard.run(self.pipeline.answer, job.video_path, job.question,
-                             cancel=job.should_stop, **job.params)
+                             cancel=job.should_stop, **params)
 
     # ------------------------------------------------------------------ thread
     def _main(self):
@@ -314,15 +337,18 @@ class ModelWorker:
     def _loop(self):
         while True:
             with self._cv:
-                while not self._queue and not self._stopping:
+                while not self._queue and not self._stopping and not self._shadow_due():
                     self._cv.wait()
                 if self._stopping:
                     return
-                job = self._queue.popleft()
-                if not job.future.set_running_or_notify_cancel():
+                job = None if self._shadow_due() else self._queue.popleft()
+                if job is not None and not job.future.set_running_or_notify_cancel():
                     job.remove_file()          # cancelled while queued
                     continue
                 self._running = job
+            if job is None:                    # idle: the shadow re-run (serve/shadow.py)
+                self.shadow.run_pending(self.pipeline)
+                continue
             self._gauges()
             job.started = time.monotonic()
             job.queue_ms = (job.started - job.enqueued) * 1e3
@@ -350,6 +376,8 @@ class ModelWorker:
             if job.stop is not None:       # asked to stop: that is its answer
                 result, error = None, job.stop
                 self.stopped += 1
+            if self.shadow is not None and result is not None:
+                self.shadow.offer(job, result)     # takes the kept inputs off the answer
             # Book-keeping first, so whoever the answer wakes sees the file gone and the
             # job counted.
             job.finished = time.monotonic()
