@@ -143,9 +143,9 @@ def test_pairs_per_chunk_bounds_the_tower_call(adapter):
     tower = adapter.tower
     orig = QwenVisionTower.__call__
 
-    def spy(self, pixels, n, h, w):
-        calls.append(n)
-        return orig(self, pixels, n, h, w)
+    def spy(self, pixels, n, h, w, **kw):
+        calls.append((n, kw.get("pad_to")))
+        return orig(self, pixels, n, h, w, **kw)
 
     frames = np.zeros((14, 56, 56, 3), np.uint8)                       # 7 pairs of 4x4
     p = adapter.prepare(type("V", (), {"frames": frames, "sampled_fps": 2.0})(), "what?")
@@ -157,7 +157,8 @@ def test_pairs_per_chunk_bounds_the_tower_call(adapter):
         QwenVisionTower.__call__ = orig
         from mminfer.models.vision import CHUNK_PATCHES
         adapter.vision_chunk_patches = CHUNK_PATCHES
-    assert calls == [3, 3, 1] and tower.pairs_per_chunk(4, 4, 3 * 16) == 3
+    # every call is told the chunk's size: what a compiled tower pads the last one to
+    assert calls == [(3, 3), (3, 3), (1, 3)] and tower.pairs_per_chunk(4, 4, 3 * 16) == 3
 
 
 # ---------------------------------------------------------------------- layouts
