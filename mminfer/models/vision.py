@@ -214,7 +214,7 @@ class QwenVisionTower:
     def _fused_applies(self, pixels) -> bool:
         """The fused path computes what the modules compute where no gradient is wanted, no
         autocast changes dtypes mid-block, and the block is the SiLU-gated one it fuses."""
-        if not self.fused or torch.is_autocast_enabled(pixels.device.type):
+        if not self.fused or _autocast(pixels):
             return False
         vis = self.visual
         weight = vis.patch_embed.proj.weight
@@ -225,15 +225,17 @@ class QwenVisionTower:
         return act == "silu" and same and hasattr(vis.merger, "ln_q") and \
             hasattr(vis.merger, "mlp")
 
-    def _forward_modules(self, pixels, n_pairs, S, lay):
+    def _forward_modules(self, pixels, n_pairs, S, lay, trace=None):
         vis = self.visual
         weight = vis.patch_embed.proj.weight               # Conv3d with stride = kernel
-        if not torch.is_autocast_enabled(pixels.device.type):
+        if not _autocast(pixels):
             pixels = pixels.to(weight.dtype)
         x = F.linear(pixels, weight.reshape(weight.shape[0], -1))         # [P*S, C]
         x = x.view(n_pairs, S, -1)[:, lay.perm]                            # tower order
         for i, blk in enumerate(vis.blocks):
             x = self._block(blk, x, lay, full=i in self.full)
+            if trace is not None:
+                trace(i, x)
         merged = vis.merger(x.reshape(n_pairs * S, -1)).view(n_pairs, S // self.unit, -1)
         return merged[:, lay.unit_inverse].reshape(n_pairs * S // self.unit, -1)
 
@@ -328,6 +330,13 @@ def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, d
     h = silu_mul(F.linear(y, gu_w, gu_b), inter, triton_kernels=tk)
     return add_rms_norm(x, F.linear(h, down_w, down_b), next_norm, next_eps,
                         triton_kernels=tk)
+
+
+def _autocast(x) -> bool:
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:                 # a device kind without autocast (meta)
+        return False
 
 
 def _sources(blk):
