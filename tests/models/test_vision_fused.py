@@ -238,3 +238,24 @@ def test_bf16_kernels_round_where_torch_rounds():
     gu = torch.randn(N, 2 * 3456, generator=g, device="cuda").to(bf)
     assert one_step(vf.silu_mul(gu, 3456, triton_kernels=True),
                     vf.silu_mul(gu, 3456, triton_kernels=False))
+
+
+def test_pipeline_passes_vision_compile(tmp_path, monkeypatch):
+    """Pipeline(vision_compile=...) reaches the adapter's tower; on the CPU the tower stays
+    eager, on CUDA it is the compiled one with chunks padded to one shape."""
+    from mminfer.engine.pipeline import Pipeline
+    from mminfer.models.vision import COMPILE_DEFAULT
+    path = save_tiny_qwen2_5_vl(tmp_path / "tiny-qwen", **TOWER)
+    seen = []
+    orig = Qwen2_5_VLAdapter.set_vision_compile
+    monkeypatch.setattr(Qwen2_5_VLAdapter, "set_vision_compile",
+                        lambda self, on: (seen.append(on), orig(self, on))[1])
+    pipe = Pipeline(str(path), device="cpu", vision_compile=True)
+    assert seen == [COMPILE_DEFAULT, True]
+    assert not pipe.adapter.tower.compile                 # the CPU stays eager
+    assert Pipeline(str(path), device="cpu").adapter.tower.compile is False
+    ad = pipe.adapter
+    ad.device = torch.device("cuda")                      # what a CUDA adapter gets (lazy:
+    ad.set_vision_compile(True)                           # nothing compiles before a call)
+    assert ad.tower.compile and ad.tower.pad_chunks
+    assert ad.tower.visual is ad.model.model.visual
