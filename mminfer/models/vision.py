@@ -19,22 +19,26 @@ So a chunk of P pairs runs here as a batch:
 * the merger runs in that order too (it merges 2x2 units, which stay together) and its
   output goes back to the processor's order with one gather.
 
-The weights are transformers' own modules (patch embedding, qkv, proj, MLP, merger, the
-norms' weights, the rotary frequencies). Two elementwise steps are written out instead of
-calling the modules: the RMSNorm (its fp32 variance read straight from the bf16 input, the
-normalisation written once in the input dtype) and the rotary embedding (fp32, two fused
-multiply-adds instead of ``rotate_half``'s copies); with autograd on they fall back to the
-modules' own arithmetic. Both compute what transformers computes up to fp32 rounding: the
-fp32 CPU tests compare against ``get_video_features``.
+The fused path (the default where no gradient is wanted) runs each block as four GEMMs,
+SDPA and four one-pass elementwise kernels (:mod:`mminfer.models.vision_fused`; Triton on
+CUDA): the residual add and the next RMSNorm in one (the last block's with the merger's
+norm), q and k rotated in place in the qkv GEMM's output (q, k, v stay views of it for SDPA),
+the SiLU gate reading the output of one gate/up GEMM. ``benchmarks/vision.py --ops`` lists
+the ops: per block of a 22-pair chunk, 4 kernels and 3.3 GB of non-GEMM traffic against 26
+and 8.3 GB before. The MLP width (3420 on the 7B) is padded with zeros to a multiple of
+``INTER_ALIGN``: rows of 3420 bf16 values are 6840 bytes, not a multiple of 16, which cuBLAS
+needs for its fastest (TMA, 16-byte vector) kernels on the three MLP GEMMs, two thirds of the
+tower's FLOPs; zero weight rows and columns add exact zeros. The weights are transformers'
+own tensors except the stacked, padded gate/up and down copies (0.85 GB on the 7B tower),
+rebuilt when a source parameter changes.
 
-The fused path (the default without autograd) runs each block as four GEMMs and five
-one-pass elementwise kernels (:mod:`mminfer.models.vision_fused`): the residual add and the
-next RMSNorm in one, q and k rotated in place in the qkv GEMM's output (q, k, v stay views of
-it for SDPA), the SiLU gate reading the fused gate/up GEMM's output. The MLP width (3420 on
-the 7B) is padded with zeros to a multiple of ``INTER_ALIGN``: 3420 bf16 values are 6840
-bytes, not a multiple of 16, so the three MLP GEMMs (two thirds of the tower's FLOPs) had
-rows cuBLAS cannot feed to Hopper's tensor cores at full width; the zero rows and columns add
-exact zeros. The last block's add is fused with the merger's RMSNorm.
+With autograd on (training), ``fused=False``, or autocast, the blocks are transformers'
+modules in the batched layout, two elementwise steps written out: the RMSNorm (its fp32
+variance read straight from the bf16 input, the normalisation written once in the input
+dtype) and the rotary embedding (fp32, two fused multiply-adds instead of ``rotate_half``'s
+copies); with autograd on they fall back to the modules' own arithmetic. Every path computes
+what transformers computes up to fp32 rounding: the fp32 CPU tests compare against
+``get_video_features``.
 
 A caller streams a long video through in chunks of pairs (``pairs_per_chunk``), so the
 tower's working memory is set by the chunk, not by the video.
