@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from mminfer.models.vision_fused import KERNELS, add_rms_norm, rotary_, silu_mul, use_triton
+from mminfer.models.vision_fused import KERNELS, add_rms_norm, rotary, silu_mul, use_triton
 
 # Patch tokens per tower call: enough rows to keep the matmuls at full rate, few enough that
 # activations stay at a few GB on the 7B tower (its MLP is 3420 wide).
@@ -327,8 +327,8 @@ def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, d
     ln_q after the last block). Tensors as arguments, shapes as ints: ``torch.compile`` makes
     one graph for all window blocks and one for all full ones."""
     tk = triton_kernels
-    qkv = rotary_(F.linear(y, qkv_w, qkv_b), cos, sin, S, heads, head_dim, triton_kernels=tk)
-    q, k, v = qkv.view(P, S, 3, heads, head_dim).unbind(2)                # views of qkv
+    q, k, v = rotary(F.linear(y, qkv_w, qkv_b), cos, sin, S, heads, head_dim,
+                     triton_kernels=tk)                                    # [P, S, H, d]
     o = _attend(q, k, v, groups, scale).reshape(P * S, heads * head_dim)
     x, y = add_rms_norm(x, F.linear(o, proj_w, proj_b), norm2, eps2, triton_kernels=tk)
     h = silu_mul(F.linear(y, gu_w, gu_b), inter, triton_kernels=tk)

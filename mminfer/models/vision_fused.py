@@ -10,7 +10,7 @@ here (``benchmarks/vision.py --ops`` lists both). Three kernels instead:
   then transformers' Qwen2 RMSNorm of the sum (fp32 variance and normalisation, one rounding
   to x's dtype, times the weight in that dtype); the next norm of the residual stream is
   fused into the add that ends a block's half;
-* ``rotary_(qkv, cos, sin, S, heads, head_dim)``: q and k rotated in place inside the qkv
+* ``rotary(qkv, cos, sin, S, heads, head_dim)``: q and k rotated in place inside the qkv
   GEMM's output (fp32 arithmetic, ``t * cos + rotate_half(t) * sin``); v is not touched, and
   q, k, v stay views of that one buffer for SDPA;
 * ``silu_mul(gu, inter)``: ``silu(gate) * up`` from the fused gate/up GEMM's output
@@ -172,20 +172,27 @@ def add_rms_norm(x, d, w, eps: float, *, triton_kernels: bool):
     return x, w * h.to(x.dtype)
 
 
-def rotary_(qkv, cos, sin, S: int, heads: int, head_dim: int, *, triton_kernels: bool):
-    """Rotate q and k of ``qkv [P*S, 3*heads*head_dim]`` in place; ``cos``/``sin`` ``[S,
-    head_dim/2]`` fp32 (the table's two halves are equal), token i at position i % S."""
+def rotary(qkv, cos, sin, S: int, heads: int, head_dim: int, *, triton_kernels: bool):
+    """q and k of ``qkv [P*S, 3*heads*head_dim]`` rotated, token i at position i % S;
+    ``cos``/``sin`` ``[S, head_dim/2]`` fp32 (the table's two halves are equal). Returns
+    ``(q, k, v)``, each ``[P, S, heads, head_dim]``. The Triton kernel rotates in place (all
+    three are views of qkv); the torch version makes new q and k (functional: what
+    ``torch.compile`` fuses best)."""
+    t = qkv.view(-1, S, 3, heads, head_dim)
     if triton_kernels:
         _check_rows(qkv)
         _rotary_op(qkv, cos, sin, S, heads, head_dim)
-        return qkv
+        return t.unbind(2)
     half = head_dim // 2
-    qk = qkv.view(-1, S, 3, heads, head_dim)[:, :, :2]
-    t = qk.float()
-    lo, hi = t[..., :half], t[..., half:]
-    c, s = cos.view(1, S, 1, 1, half), sin.view(1, S, 1, 1, half)
-    qk.copy_(torch.cat((lo * c - hi * s, hi * c + lo * s), -1))
-    return qkv
+    c, s = cos.view(1, S, 1, half), sin.view(1, S, 1, half)
+
+    def rot(u):
+        f = u.float()
+        lo, hi = f[..., :half], f[..., half:]
+        return torch.cat((lo * c - hi * s, hi * c + lo * s), -1).to(u.dtype)
+
+    q, k, v = t.unbind(2)
+    return rot(q), rot(k), v
 
 
 def silu_mul(gu, inter: int, *, triton_kernels: bool):

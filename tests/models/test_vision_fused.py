@@ -162,15 +162,18 @@ def test_kernels_equal_their_torch_versions_fp32():
     S, H, D = 6, 3, 16                                  # 4 pairs of 6 tokens, 3 heads of 16
     qkv = torch.randn(4 * S, 3 * H * D, generator=g)
     cos, sin = torch.randn(S, D // 2, generator=g), torch.randn(S, D // 2, generator=g)
-    got = vf.rotary_(qkv.clone(), cos, sin, S, H, D, triton_kernels=True)
-    want = vf.rotary_(qkv.clone(), cos, sin, S, H, D, triton_kernels=False)
-    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
-    assert torch.equal(got[:, 2 * H * D:], qkv[:, 2 * H * D:])            # v
+    buf = qkv.clone()
+    got = vf.rotary(buf, cos, sin, S, H, D, triton_kernels=True)
+    want = vf.rotary(qkv.clone(), cos, sin, S, H, D, triton_kernels=False)
+    for a, b in zip(got, want):
+        assert a.shape == (4, S, H, D) and torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+    assert all(t._base is buf for t in got)                               # in place
+    assert torch.equal(buf[:, 2 * H * D:], qkv[:, 2 * H * D:])            # v untouched
     q = qkv.view(4, S, 3, H, D)[:, :, 0]                                   # by hand: q
     lo, hi = q[..., :D // 2], q[..., D // 2:]
     c, s = cos[None, :, None], sin[None, :, None]
     by_hand = torch.cat([lo * c - hi * s, hi * c + lo * s], -1)
-    assert torch.allclose(got.view(4, S, 3, H, D)[:, :, 0], by_hand, atol=1e-6)
+    assert torch.allclose(got[0], by_hand, atol=1e-6)
     gu = torch.randn(7, 2 * 48, generator=g)
     assert torch.allclose(vf.silu_mul(gu, 48, triton_kernels=True),
                           torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:], atol=1e-6)
@@ -232,9 +235,11 @@ def test_bf16_kernels_round_where_torch_rounds():
     qkv = torch.randn(2 * S, 3 * H * D, generator=g, device="cuda").to(bf)
     cos = torch.rand(S, D // 2, generator=g, device="cuda") * 2 - 1
     sin = torch.rand(S, D // 2, generator=g, device="cuda") * 2 - 1
-    got = vf.rotary_(qkv.clone(), cos, sin, S, H, D, triton_kernels=True)
-    want = vf.rotary_(qkv.clone(), cos, sin, S, H, D, triton_kernels=False)
-    assert close(got, want) and torch.equal(got[:, 2 * H * D:], qkv[:, 2 * H * D:])
+    buf = qkv.clone()
+    got = vf.rotary(buf, cos, sin, S, H, D, triton_kernels=True)
+    want = vf.rotary(qkv.clone(), cos, sin, S, H, D, triton_kernels=False)
+    assert close(got[0], want[0]) and close(got[1], want[1])
+    assert torch.equal(buf[:, 2 * H * D:], qkv[:, 2 * H * D:])
     gu = torch.randn(N, 2 * 3456, generator=g, device="cuda").to(bf)
     assert close(vf.silu_mul(gu, 3456, triton_kernels=True),
                  vf.silu_mul(gu, 3456, triton_kernels=False))
