@@ -19,7 +19,9 @@ Variants of our tower (``--variants``; ``--compile 1`` makes the default ``compi
   kernels of ``mminfer/models/vision_fused.py``): the product's default;
 * ``compiled``: the fused block's torch ops through ``torch.compile(dynamic=False)``, the last
   chunk padded to the chunk's shape. ``first_chunk_ms`` in the JSON: each variant's first
-  chunk ever (Triton JIT; for ``compiled`` the compilation), timed before anything else.
+  chunk ever (Triton JIT; for ``compiled`` the compilation), timed before anything else;
+* ``name@backend`` (e.g. ``fused@cudnn``): that variant with SDPA held to one backend
+  (flash, cudnn, efficient, math); without it SDPA picks.
 
 Rows per size N (pairs):
 
@@ -90,13 +92,49 @@ def transformers_features(visual, pixels, n_pairs, h, w):
 
 
 VARIANTS = {"plain": dict(fused=False), "fused": dict(), "compiled": dict(compile=True)}
+SDPA = ("flash", "cudnn", "efficient", "math")
+
+
+def variant_name(v: str) -> str:
+    """``name`` or ``name@backend`` (SDPA restricted to that backend in our tower)."""
+    name, _, backend = v.partition("@")
+    if name not in VARIANTS or (backend and backend not in SDPA):
+        raise argparse.ArgumentTypeError(
+            f"{v!r}: a variant is one of {sorted(VARIANTS)}, optionally @ one of {SDPA}")
+    return v
+
+
+def _sdpa_context(backend):
+    import contextlib
+    if not backend:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "math": SDPBackend.MATH}[backend])
+
+
+class Tower:
+    """A tower variant's call with its SDPA backend, if one was named."""
+
+    def __init__(self, tower, backend):
+        self.tower, self.backend = tower, backend
+
+    def __call__(self, *args, **kw):
+        with _sdpa_context(self.backend):
+            return self.tower(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tower, name)
 
 
 class Ours:
     """Our tower over chunks of pairs; ``pixels_of(p0, p1)`` gives a chunk's patches."""
 
     def __init__(self, visual, h, w, chunk_patches, variant="fused"):
-        self.tower = QwenVisionTower(visual, **VARIANTS[variant])
+        name, _, backend = variant.partition("@")
+        self.tower = Tower(QwenVisionTower(visual, **VARIANTS[name]), backend)
         self.variant = variant
         self.h, self.w = h, w
         self.per_chunk = self.tower.pairs_per_chunk(h, w, chunk_patches)
@@ -191,9 +229,10 @@ def main():
                     help="skip the uint8-frames (preprocess + tower) row")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny config on the CPU in fp32 (smoke test)")
-    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
-                    help="our tower's variants, in this order (default: fused, or compiled "
-                         "with --compile 1)")
+    ap.add_argument("--variants", nargs="+", type=variant_name, default=None,
+                    help=f"our tower's variants, in this order: {sorted(VARIANTS)}, each "
+                         f"optionally @{'/'.join(SDPA)} (SDPA held to that backend); default "
+                         f"fused, or compiled with --compile 1")
     ap.add_argument("--compile", type=int, choices=(0, 1), default=0,
                     help="1: the default variant is the torch.compile'd block")
     ap.add_argument("--compare-compile", action="store_true",
@@ -217,7 +256,9 @@ def main():
         # compiled: inductor's kernels are not known before it runs (its fusions are at
         # least those of the fused variant's kernels)
         res = op_listing(vision, pairs, h, w,
-                         [v for v in a.variants or ["plain", "fused"] if v != "compiled"])
+                         [v for v in dict.fromkeys(x.partition("@")[0] for x in
+                                                   a.variants or ["plain", "fused"])
+                          if v != "compiled"])
         with open(os.path.join(a.out, "vision_ops.json"), "w") as f:
             json.dump(res, f, indent=1)
         return
