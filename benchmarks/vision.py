@@ -225,6 +225,12 @@ def main():
     ap.add_argument("--hf-reps", type=int, default=1)
     ap.add_argument("--check-pairs", type=int, default=2,
                     help="pairs for the fp32 reference comparison (0: skip)")
+    ap.add_argument("--gemms", action="store_true",
+                    help="also time the block's GEMM shapes alone (MLP width as the model "
+                         "has it and padded) and print their TFLOP/s")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one chunk of each variant: top kernels by device "
+                         "time (torch.profiler), tables in --out/vision_profile.txt")
     ap.add_argument("--no-preprocess", action="store_true",
                     help="skip the uint8-frames (preprocess + tower) row")
     ap.add_argument("--tiny", action="store_true",
@@ -362,7 +368,64 @@ def main():
             del hf, full
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if a.gemms:
+            info["gemms"] = gemm_rates(visual, ours.per_chunk * S, device, dtype, a.reps)
+            dump()
+        if a.profile:
+            with open(os.path.join(a.out, "vision_profile.txt"), "w") as f:
+                for tw in towers:
+                    f.write(profile_chunk(tw, S, width, device, dtype) + "\n")
+            print(f"profiles in {os.path.join(a.out, 'vision_profile.txt')}", flush=True)
     print_table(rows)
+
+
+def gemm_rates(visual, tokens, device, dtype, reps):
+    """Each GEMM of a block alone on ``tokens`` rows (one chunk), the MLP at the model's
+    width and padded to ``INTER_ALIGN``: what the GEMM floor of the tower is on this device,
+    and whether the width's alignment matters."""
+    from mminfer.models.vision import INTER_ALIGN
+    C = visual.blocks[0].attn.qkv.in_features
+    inter = visual.blocks[0].mlp.gate_proj.out_features
+    pad = -(-inter // INTER_ALIGN) * INTER_ALIGN
+    shapes = {"qkv": (C, 3 * C), "proj": (C, C), "gate (model width)": (C, inter),
+              "gate+up (padded)": (C, 2 * pad), "down (model width)": (inter, C),
+              "down (padded)": (pad, C)}
+    out = {}
+    print(f"GEMMs alone, {tokens} rows:", flush=True)
+    with torch.inference_mode():
+        for name, (k, n) in shapes.items():
+            x = torch.randn(tokens, k, device=device, dtype=dtype)
+            wt = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
+            b = torch.randn(n, device=device, dtype=dtype)
+            ms = timed(lambda: torch.nn.functional.linear(x, wt, b), device, max(reps, 5))[0]
+            out[name] = {"k": k, "n": n, "ms": ms, "tflops": 2 * tokens * k * n / ms / 1e9}
+            print(f"  {name:<20} K={k:<5} N={n:<5} {ms:8.3f} ms {out[name]['tflops']:7.1f} "
+                  f"TFLOP/s", flush=True)
+            del x, wt, b
+    return out
+
+
+def profile_chunk(ours, S, width, device, dtype):
+    """One chunk of a (warm) variant under torch.profiler: its kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    pix = random_patches(0, ours.per_chunk, S, width, device, dtype)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        ours.tower(pix, ours.per_chunk, ours.h, ours.w, pad_to=ours.per_chunk)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            ours.tower(pix, ours.per_chunk, ours.h, ours.w, pad_to=ours.per_chunk)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=key, row_limit=25)
+    except (AttributeError, KeyError):          # newer profilers: "self_device_time_total"
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
+    text = f"== {ours.variant}: one chunk of {ours.per_chunk} pairs ==\n{table}"
+    print(text, flush=True)
+    return text
 
 
 def with_preprocess(ours, vision, n, h, w, device, dtype, reps):

@@ -219,7 +219,8 @@ def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     bench = os.path.join(root, "benchmarks", "vision.py")
     out = subprocess.run([sys.executable, bench, "--tiny", "--pairs", "3", "--reps", "1",
-                          "--variants", "plain", "fused", "--out", str(tmp_path)],
+                          "--variants", "plain", "fused", "--gemms", "--profile",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speedup" in out.stdout                            # the printed table
@@ -234,6 +235,12 @@ def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
     for key in ("ours_max_abs_err", "ours_plain_max_abs_err", "ours_fused_max_abs_err"):
         assert check[key] < 5e-6 * max(1.0, check["max_abs_feature"])
     assert res["window_groups"] == [[0, 6, 16], [96, 2, 8], [112, 3, 8], [136, 1, 4]]
+    assert set(res["first_chunk_ms"]) == {"plain", "fused"} and not res["failed"]
+    g = res["gemms"]
+    assert g["gate+up (padded)"]["n"] % 128 == 0 and g["down (padded)"]["k"] % 128 == 0
+    assert all(r["ms"] > 0 for r in g.values())
+    prof = (tmp_path / "vision_profile.txt").read_text()
+    assert "== plain:" in prof and "== fused:" in prof and "aten::addmm" in prof
 
     # the 7B config at its real chunk (22 pairs of 40x72), on meta tensors
     out = subprocess.run([sys.executable, bench, "--ops", "--out", str(tmp_path)],
