@@ -104,10 +104,13 @@ AUTO_SPARSE_MIN_TOKENS = 65536
 class Pipeline:
     """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
     embedded default model (``mminfer/models/mminfer-embedded``). ``attention`` is the default mode of its
-    requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens."""
+    requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens.
+    ``vision_compile``: the vision tower's block through torch.compile (CUDA; None: the
+    adapter's default, ``mminfer.models.vision.COMPILE_DEFAULT`` for Qwen2.5-VL)."""
 
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
-                 dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1):
+                 dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1,
+                 vision_compile: bool | None = None):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
@@ -131,6 +134,8 @@ class Pipeline:
         self.model_id = model_id
         self.adapter = pick_adapter(path).from_pretrained(
             path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision)
+        if vision_compile is not None and hasattr(self.adapter, "set_vision_compile"):
+            self.adapter.set_vision_compile(vision_compile)
         if self.tensor_parallel > 1:
             from mminfer.engine.parallel import shard_decoder
             shard_decoder(self.adapter.text_model, self.rank, self.tensor_parallel)

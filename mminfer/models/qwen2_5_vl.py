@@ -205,9 +205,16 @@ class Qwen2_5_VLAdapter(Adapter):
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.identity = _identity(self.tcfg, model_id or self.path.resolve().name, revision)
         self.patterns = None
-        from mminfer.models.vision import CHUNK_PATCHES, QwenVisionTower
-        self.tower = QwenVisionTower(model.model.visual)
+        from mminfer.models.vision import CHUNK_PATCHES, COMPILE_DEFAULT
         self.vision_chunk_patches = CHUNK_PATCHES   # patches per tower call (memory bound)
+        self.set_vision_compile(COMPILE_DEFAULT)
+
+    def set_vision_compile(self, compile: bool):
+        """The vision tower's fused block through ``torch.compile`` (CUDA only: on the CPU
+        the tower stays eager), chunks padded to one shape per frame size."""
+        from mminfer.models.vision import QwenVisionTower
+        on = bool(compile) and self.device.type == "cuda"
+        self.tower = QwenVisionTower(self.model.model.visual, compile=on)
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -344,7 +351,8 @@ class Qwen2_5_VLAdapter(Adapter):
                                   f"{prepared.visual_tokens} video tokens of a {t}x{h}x{w} "
                                   f"grid, or not one run")
             out = embeds[0, int(at[0]):int(at[0]) + len(at)] if len(at) else embeds[0, :0]
-            per_chunk = self.tower.pairs_per_chunk(h, w, self.vision_chunk_patches) * T
+            pairs = self.tower.pairs_per_chunk(h, w, self.vision_chunk_patches)
+            per_chunk = pairs * T
             done = 0
             for frames in frame_chunks(tens["frames"], per_chunk):
                 if cancel is not None and cancel():
@@ -359,7 +367,7 @@ class Qwen2_5_VLAdapter(Adapter):
                 with section("preprocess"):
                     pixels = self._patches(frames, tens["resized"])
                 with section("vision"):
-                    feats = self.tower(pixels, n, h, w)
+                    feats = self.tower(pixels, n, h, w, pad_to=pairs)
                     out[done * units:(done + n) * units] = feats.to(out.dtype)
                 done += n
             if done != t:

@@ -19,13 +19,26 @@ So a chunk of P pairs runs here as a batch:
 * the merger runs in that order too (it merges 2x2 units, which stay together) and its
   output goes back to the processor's order with one gather.
 
-The weights are transformers' own modules (patch embedding, qkv, proj, MLP, merger, the
-norms' weights, the rotary frequencies). Two elementwise steps are written out instead of
-calling the modules: the RMSNorm (its fp32 variance read straight from the bf16 input, the
-normalisation written once in the input dtype) and the rotary embedding (fp32, two fused
-multiply-adds instead of ``rotate_half``'s copies); with autograd on they fall back to the
-modules' own arithmetic. Both compute what transformers computes up to fp32 rounding: the
-fp32 CPU tests compare against ``get_video_features``.
+The fused path (the default where no gradient is wanted) runs each block as four GEMMs,
+SDPA and four one-pass elementwise kernels (:mod:`mminfer.models.vision_fused`; Triton on
+CUDA): the residual add and the next RMSNorm in one (the last block's with the merger's
+norm), q and k rotated in place in the qkv GEMM's output (q, k, v stay views of it for SDPA),
+the SiLU gate reading the output of one gate/up GEMM. ``benchmarks/vision.py --ops`` lists
+the ops: per block of a 22-pair chunk, 4 kernels and 3.3 GB of non-GEMM traffic against 26
+and 8.3 GB before. The MLP width (3420 on the 7B) is padded with zeros to a multiple of
+``INTER_ALIGN``: rows of 3420 bf16 values are 6840 bytes, not a multiple of 16, which cuBLAS
+needs for its fastest (TMA, 16-byte vector) kernels on the three MLP GEMMs, two thirds of the
+tower's FLOPs; zero weight rows and columns add exact zeros. The weights are transformers'
+own tensors except the stacked, padded gate/up and down copies (0.85 GB on the 7B tower),
+rebuilt when a source parameter changes.
+
+With autograd on (training), ``fused=False``, or autocast, the blocks are transformers'
+modules in the batched layout, two elementwise steps written out: the RMSNorm (its fp32
+variance read straight from the bf16 input, the normalisation written once in the input
+dtype) and the rotary embedding (fp32, two fused multiply-adds instead of ``rotate_half``'s
+copies); with autograd on they fall back to the modules' own arithmetic. Every path computes
+what transformers computes up to fp32 rounding: the fp32 CPU tests compare against
+``get_video_features``.
 
 A caller streams a long video through in chunks of pairs (``pairs_per_chunk``), so the
 tower's working memory is set by the chunk, not by the video.
@@ -40,9 +53,16 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from mminfer.models.vision_fused import KERNELS, add_rms_norm, rotary, silu_mul, use_triton
+
 # Patch tokens per tower call: enough rows to keep the matmuls at full rate, few enough that
 # activations stay at a few GB on the 7B tower (its MLP is 3420 wide).
 CHUNK_PATCHES = 1 << 16
+# The fused MLP's width is padded to a multiple of this (rows of 16-byte multiples for
+# cuBLAS, whole 128-wide tiles): 3420 -> 3456 on the 7B, 1 % more MLP FLOPs.
+INTER_ALIGN = 128
+# torch.compile of the fused block by default (Pipeline(vision_compile=None) reads it).
+COMPILE_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,28 @@ class WindowLayout:
     sin_lo: torch.Tensor        # [h*w, 1, head_dim/2] fp32: -sin of the first half
     sin_hi: torch.Tensor        # [h*w, 1, head_dim/2] fp32:  sin of the second half
     sin: torch.Tensor           # [h*w, 1, head_dim] fp32 (the autograd path)
+    cos_half: torch.Tensor      # [h*w, head_dim/2] fp32 (the fused path; the halves are equal)
+    sin_half: torch.Tensor      # [h*w, head_dim/2] fp32
+
+
+@dataclass(frozen=True)
+class _BlockWeights:
+    """One block's tensors for the fused path: the modules' own, except gate/up (stacked,
+    zero-padded to ``inter`` rows each) and down (zero-padded to ``inter`` columns)."""
+    norm1: torch.Tensor
+    eps1: float
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    proj_w: torch.Tensor
+    proj_b: torch.Tensor | None
+    norm2: torch.Tensor
+    eps2: float
+    gu_w: torch.Tensor          # [2 * inter, C]: gate rows, then up rows
+    gu_b: torch.Tensor          # [2 * inter]
+    down_w: torch.Tensor        # [C, inter]
+    down_b: torch.Tensor | None
+    inter: int
+    scale: float
 
 
 def window_units(hm: int, wm: int, ws: int):
@@ -81,9 +123,20 @@ def window_units(hm: int, wm: int, ws: int):
 
 class QwenVisionTower:
     """Batched forward of a transformers ``Qwen2_5_VisionTransformerPretrainedModel``
-    (``model.model.visual``) over equal-sized temporal pairs."""
+    (``model.model.visual``) over equal-sized temporal pairs.
 
-    def __init__(self, visual):
+    ``fused`` (default): the block as three GEMMs of its own weights plus the fused gate/up
+    GEMM (gate and up rows stacked, the intermediate width padded with zero rows/columns to a
+    multiple of ``INTER_ALIGN``), the elementwise steps as the kernels of
+    :mod:`mminfer.models.vision_fused` (``kernels``: "auto" is Triton on CUDA, torch ops
+    elsewhere). ``fused=False``: transformers' modules block by block (what this tower did
+    before; kept to measure against). ``compile``: the fused block (torch ops) through
+    ``torch.compile(dynamic=False)``; a chunk shorter than ``pad_to`` pairs is then padded
+    with zero pairs up to it so every chunk of a video has one shape (pairs never attend to
+    each other: the padding changes nothing in the real pairs, and is sliced off)."""
+
+    def __init__(self, visual, *, fused: bool = True, kernels: str = "auto",
+                 compile: bool = False):
         self.visual = visual
         self.merge = int(visual.spatial_merge_size)
         self.unit = self.merge * self.merge
@@ -94,7 +147,14 @@ class QwenVisionTower:
         attn = visual.blocks[0].attn
         self.heads = int(attn.num_heads)
         self.head_dim = attn.qkv.in_features // self.heads
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
+        self.fused, self.kernels, self.compile = bool(fused), kernels, bool(compile)
+        # pad a short chunk up to ``pad_to`` pairs: what keeps a compiled tower at one shape
+        self.pad_chunks = self.compile
         self._layouts = {}
+        self._weights = None        # (key of the source parameters, [_BlockWeights])
+        self._compiled = None
 
     def pairs_per_chunk(self, h: int, w: int, chunk_patches: int = CHUNK_PATCHES) -> int:
         return max(1, chunk_patches // (h * w))
@@ -132,27 +192,119 @@ class QwenVisionTower:
             perm=perm.to(**to), unit_inverse=torch.argsort(order).to(**to), groups=groups,
             cos=cos[:, None].to(**to), sin=sin[:, None].to(**to),
             sin_lo=(-sin[:, None, :half]).contiguous().to(**to),
-            sin_hi=sin[:, None, half:].contiguous().to(**to))
+            sin_hi=sin[:, None, half:].contiguous().to(**to),
+            cos_half=cos[:, :half].contiguous().to(**to),
+            sin_half=sin[:, :half].contiguous().to(**to))
 
     # ------------------------------------------------------------------ forward
-    def __call__(self, pixels: torch.Tensor, n_pairs: int, h: int, w: int) -> torch.Tensor:
+    def __call__(self, pixels: torch.Tensor, n_pairs: int, h: int, w: int, *,
+                 pad_to: int | None = None) -> torch.Tensor:
         """``pixels [n_pairs*h*w, C*T*p*p]`` in the processor's order (one chunk of pairs of
         an h x w patch grid) -> merged features ``[n_pairs*h*w/4, out_hidden]`` in the order
-        ``get_video_features`` returns them."""
-        vis = self.visual
+        ``get_video_features`` returns them. ``pad_to``: the caller's pairs per chunk, which
+        a tower with ``pad_chunks`` (a compiled one) pads a shorter chunk to."""
         S = h * w
         if pixels.shape[0] != n_pairs * S:
             raise ValueError(f"{pixels.shape[0]} patch rows for {n_pairs} pairs of {h}x{w}")
         lay = self.layout(h, w, pixels.device)
+        if not self._fused_applies(pixels):
+            return self._forward_modules(pixels, n_pairs, S, lay)
+        P = n_pairs
+        if self.pad_chunks and pad_to is not None and pad_to > n_pairs:
+            P = int(pad_to)
+            pixels = torch.cat([pixels, pixels.new_zeros((P - n_pairs) * S, pixels.shape[1])])
+        return self._forward_fused(pixels, P, S, lay)[:n_pairs * S // self.unit]
+
+    def _fused_applies(self, pixels) -> bool:
+        """The fused path computes what the modules compute where no gradient is wanted, no
+        autocast changes dtypes mid-block, and the block is the SiLU-gated one it fuses."""
+        if not self.fused or _autocast(pixels):
+            return False
+        vis = self.visual
+        weight = vis.patch_embed.proj.weight
+        if torch.is_grad_enabled() and (pixels.requires_grad or weight.requires_grad):
+            return False
+        act = getattr(getattr(vis, "config", None), "hidden_act", "silu")
+        same = vis.blocks[0].norm1.weight.dtype == weight.dtype  # norms round to x's dtype
+        return act == "silu" and same and hasattr(vis.merger, "ln_q") and \
+            hasattr(vis.merger, "mlp")
+
+    def _forward_modules(self, pixels, n_pairs, S, lay, trace=None):
+        vis = self.visual
         weight = vis.patch_embed.proj.weight               # Conv3d with stride = kernel
-        if not torch.is_autocast_enabled(pixels.device.type):
+        if not _autocast(pixels):
             pixels = pixels.to(weight.dtype)
         x = F.linear(pixels, weight.reshape(weight.shape[0], -1))         # [P*S, C]
         x = x.view(n_pairs, S, -1)[:, lay.perm]                            # tower order
         for i, blk in enumerate(vis.blocks):
             x = self._block(blk, x, lay, full=i in self.full)
+            if trace is not None:
+                trace(i, x)
         merged = vis.merger(x.reshape(n_pairs * S, -1)).view(n_pairs, S // self.unit, -1)
         return merged[:, lay.unit_inverse].reshape(n_pairs * S // self.unit, -1)
+
+    def _forward_fused(self, pixels, P, S, lay, trace=None):
+        """``trace(i, x)``, if given, sees the residual stream after block i (tower order)."""
+        vis = self.visual
+        blocks = self.block_weights()
+        weight = vis.patch_embed.proj.weight
+        x = F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        # the one permutation to tower order: every block, window or full, works in it
+        x = x.view(P, S, -1)[:, lay.perm].reshape(P * S, -1)
+        tk = not self.compile and use_triton(x, self.kernels)
+        step = self._compiled_block() if self.compile else fused_block
+        _, y = add_rms_norm(x, None, blocks[0].norm1, blocks[0].eps1, triton_kernels=tk)
+        ln = vis.merger.ln_q
+        for i, b in enumerate(blocks):
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+            x, y = step(x, y, b.qkv_w, b.qkv_b, b.proj_w, b.proj_b, b.norm2, b.gu_w, b.gu_b,
+                        b.down_w, b.down_b, nxt.norm1 if nxt else ln.weight,
+                        lay.cos_half, lay.sin_half, P=P, S=S, heads=self.heads,
+                        head_dim=self.head_dim,
+                        groups=((0, 1, S),) if i in self.full else lay.groups,
+                        scale=b.scale, eps2=b.eps2, next_eps=nxt.eps1 if nxt else _eps(ln),
+                        inter=b.inter, triton_kernels=tk)
+            if trace is not None:
+                trace(i, x)
+        merged = vis.merger.mlp(y.view(P * S // self.unit, -1)).view(P, S // self.unit, -1)
+        return merged[:, lay.unit_inverse].reshape(P * S // self.unit, -1)
+
+    def _compiled_block(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(fused_block, dynamic=False, fullgraph=True)
+        return self._compiled
+
+    def block_weights(self) -> list:
+        """The fused path's per-block tensors, rebuilt when a source parameter was replaced
+        or changed in place (its storage or version counter moved)."""
+        key = tuple(_identity(t) for blk in self.visual.blocks for t in _sources(blk))
+        if self._weights is None or self._weights[0] != key:
+            self._weights = None                 # free the old copies before making new ones
+            with torch.no_grad():
+                self._weights = (key, [self._block_weights(blk) for blk in self.visual.blocks])
+        return self._weights[1]
+
+    def _block_weights(self, blk) -> _BlockWeights:
+        a, m = blk.attn, blk.mlp
+        inter = m.gate_proj.out_features
+        pad = -(-inter // INTER_ALIGN) * INTER_ALIGN
+        W = m.gate_proj.weight
+        gu_w = W.new_zeros(2 * pad, W.shape[1])
+        gu_w[:inter] = W
+        gu_w[pad:pad + inter] = m.up_proj.weight
+        gu_b = W.new_zeros(2 * pad)
+        if m.gate_proj.bias is not None:
+            gu_b[:inter] = m.gate_proj.bias
+        if m.up_proj.bias is not None:
+            gu_b[pad:pad + inter] = m.up_proj.bias
+        D = m.down_proj.weight
+        down_w = D.new_zeros(D.shape[0], pad)
+        down_w[:, :inter] = D
+        return _BlockWeights(
+            norm1=blk.norm1.weight, eps1=_eps(blk.norm1), qkv_w=a.qkv.weight, qkv_b=a.qkv.bias,
+            proj_w=a.proj.weight, proj_b=a.proj.bias, norm2=blk.norm2.weight,
+            eps2=_eps(blk.norm2), gu_w=gu_w, gu_b=gu_b, down_w=down_w,
+            down_b=m.down_proj.bias, inter=pad, scale=float(a.scaling))
 
     def _block(self, blk, x, lay: WindowLayout, *, full: bool):
         a = blk.attn
@@ -164,6 +316,53 @@ class QwenVisionTower:
         o = _attend(q, k, v, groups, a.scaling)
         x = x + a.proj(o.reshape(P, S, C))
         return x + blk.mlp(_rms_norm(blk.norm2, x))
+
+
+def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, down_b,
+                next_norm, cos, sin, *, P: int, S: int, heads: int, head_dim: int, groups,
+                scale: float, eps2: float, next_eps: float, inter: int,
+                triton_kernels: bool):
+    """One vision block on ``x [P*S, C]`` (the residual stream, tower order) given ``y``, its
+    norm1; returns the new stream and its next norm (the next block's norm1, or the merger's
+    ln_q after the last block). Tensors as arguments, shapes as ints: ``torch.compile`` makes
+    one graph for all window blocks and one for all full ones."""
+    tk = triton_kernels
+    q, k, v = rotary(F.linear(y, qkv_w, qkv_b), cos, sin, S, heads, head_dim,
+                     triton_kernels=tk)                                    # [P, S, H, d]
+    o = _attend(q, k, v, groups, scale).reshape(P * S, heads * head_dim)
+    x, y = add_rms_norm(x, F.linear(o, proj_w, proj_b), norm2, eps2, triton_kernels=tk)
+    h = silu_mul(F.linear(y, gu_w, gu_b), inter, triton_kernels=tk)
+    return add_rms_norm(x, F.linear(h, down_w, down_b), next_norm, next_eps,
+                        triton_kernels=tk)
+
+
+def _autocast(x) -> bool:
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:                 # a device kind without autocast (meta)
+        return False
+
+
+def _sources(blk):
+    a, m = blk.attn, blk.mlp
+    return (blk.norm1.weight, a.qkv.weight, a.qkv.bias, a.proj.weight, a.proj.bias,
+            blk.norm2.weight, m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight,
+            m.up_proj.bias, m.down_proj.weight, m.down_proj.bias)
+
+
+def _eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _identity(t):
+    """What changes when a tensor is replaced, moved or written in place."""
+    if t is None:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:                 # an inference tensor: no version counter
+        version = -1
+    return t.data_ptr(), version, t.dtype, t.device
 
 
 def _attend(q, k, v, groups, scale):
@@ -187,7 +386,7 @@ def _rms_norm(norm, x):
     dtype, times the weight) without its fp32 copies of x, when no gradient is needed."""
     if torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad):
         return norm(x)
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    eps = _eps(norm)
     ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
     scale = torch.rsqrt(ss.square_().div_(x.shape[-1]).add_(eps))
     y = torch.empty_like(x)

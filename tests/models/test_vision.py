@@ -143,9 +143,9 @@ def test_pairs_per_chunk_bounds_the_tower_call(adapter):
     tower = adapter.tower
     orig = QwenVisionTower.__call__
 
-    def spy(self, pixels, n, h, w):
-        calls.append(n)
-        return orig(self, pixels, n, h, w)
+    def spy(self, pixels, n, h, w, **kw):
+        calls.append((n, kw.get("pad_to")))
+        return orig(self, pixels, n, h, w, **kw)
 
     frames = np.zeros((14, 56, 56, 3), np.uint8)                       # 7 pairs of 4x4
     p = adapter.prepare(type("V", (), {"frames": frames, "sampled_fps": 2.0})(), "what?")
@@ -157,7 +157,8 @@ def test_pairs_per_chunk_bounds_the_tower_call(adapter):
         QwenVisionTower.__call__ = orig
         from mminfer.models.vision import CHUNK_PATCHES
         adapter.vision_chunk_patches = CHUNK_PATCHES
-    assert calls == [3, 3, 1] and tower.pairs_per_chunk(4, 4, 3 * 16) == 3
+    # every call is told the chunk's size: what a compiled tower pads the last one to
+    assert calls == [(3, 3), (3, 3), (1, 3)] and tower.pairs_per_chunk(4, 4, 3 * 16) == 3
 
 
 # ---------------------------------------------------------------------- layouts
@@ -206,8 +207,9 @@ def test_space_to_depth_equals_the_view_permute_layout():
 # ---------------------------------------------------------------------- the benchmark
 @pytest.mark.slow
 def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
-    """benchmarks/vision.py --tiny: transformers and ours side by side on the same input,
-    their features equal (fp32), the JSON written."""
+    """benchmarks/vision.py --tiny: transformers and two variants of ours side by side on the
+    same input, their features equal (fp32), the JSON written; --ops lists every op of a
+    block with its traffic (meta tensors), the fused block in far fewer kernels and bytes."""
     import json
     import os
     import subprocess
@@ -215,19 +217,47 @@ def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "vision.py"),
-                          "--tiny", "--pairs", "3", "--reps", "1", "--out", str(tmp_path)],
+    bench = os.path.join(root, "benchmarks", "vision.py")
+    out = subprocess.run([sys.executable, bench, "--tiny", "--pairs", "3", "--reps", "1",
+                          "--variants", "plain", "fused", "--gemms", "--profile",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speedup" in out.stdout                            # the printed table
     res = json.loads((tmp_path / "vision.json").read_text())
     rows = {r["impl"]: r for r in res["rows"]}
-    assert set(rows) == {"transformers", "ours", "ours+preprocess"}
+    assert set(rows) == {"transformers", "ours[plain]", "ours[plain]+preprocess",
+                         "ours[fused]"}
     assert all(r["pairs"] == 3 and r["ms"] > 0 for r in rows.values())
-    assert rows["ours"]["rel_max_diff"] < 5e-6 and rows["ours"]["speedup"] > 0
+    for v in ("plain", "fused"):
+        assert rows[f"ours[{v}]"]["rel_max_diff"] < 5e-6 and rows[f"ours[{v}]"]["speedup"] > 0
     check = res["fp32_check"]
-    assert check["ours_max_abs_err"] < 5e-6 * max(1.0, check["max_abs_feature"])
+    for key in ("ours_max_abs_err", "ours_plain_max_abs_err", "ours_fused_max_abs_err"):
+        assert check[key] < 5e-6 * max(1.0, check["max_abs_feature"])
     assert res["window_groups"] == [[0, 6, 16], [96, 2, 8], [112, 3, 8], [136, 1, 4]]
+    assert set(res["first_chunk_ms"]) == {"plain", "fused"} and not res["failed"]
+    g = res["gemms"]
+    assert g["gate+up (padded)"]["n"] % 128 == 0 and g["down (padded)"]["k"] % 128 == 0
+    assert all(r["ms"] > 0 for r in g.values())
+    prof = (tmp_path / "vision_profile.txt").read_text()
+    assert "== plain:" in prof and "== fused:" in prof and "aten::addmm" in prof
+
+    # the 7B config at its real chunk (22 pairs of 40x72), on meta tensors
+    out = subprocess.run([sys.executable, bench, "--ops", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ops = json.loads((tmp_path / "vision_ops.json").read_text())
+    assert ops["pairs"] == 22 and ops["tokens"] == 22 * 2880
+    plain, fused = ops["variants"]["plain"], ops["variants"]["fused"]
+    names = [o["op"] for o in fused["window_block"]]
+    assert names.count("addmm") == 4 and names.count("sdpa(flash)") == 1
+    assert sorted(n for n in names if n.startswith("vision_")) == [
+        "vision_add_rms_norm", "vision_add_rms_norm", "vision_rotary_", "vision_silu_mul"]
+    pw, fw = plain["per_block"]["window"], fused["per_block"]["window"]
+    assert fw["elementwise_ops"] == 4 and pw["elementwise_ops"] > 20
+    assert fw["elementwise_gb"] < 0.45 * pw["elementwise_gb"]
+    # the same GEMM work up to the 1 % of the padded MLP width (3420 -> 3456)
+    assert 1.0 < fused["whole_tower"]["gemm_tflop"] / plain["whole_tower"]["gemm_tflop"] < 1.011
 
 
 @pytest.mark.gpu
