@@ -309,7 +309,7 @@ def _follow_one(channel, seq, why, call):
         raise LockstepBroken(f"{type(e).__name__} on rank {channel.rank} while the other "
                              f"ranks may be inside a collective: {e}") from e
     if isinstance(error, Cancelled):
-        log.info("job %d cancelled on every rank", seq)
+        log.info("rank %d: job %d stopped on every rank (%s)", channel.rank, seq, error)
     _agree_outcome(channel, seq, _outcome(result, error))
 
 

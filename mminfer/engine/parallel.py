@@ -22,17 +22,24 @@ import os
 from mminfer.errors import ConfigError
 
 
-def init_from_env(world_size: int, device_type: str):
-    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ...): NCCL on
-    GPUs, gloo on the CPU. Returns ``(rank, local_rank)``."""
-    import torch.distributed as dist
-
+def check_launch(world_size: int) -> int:
+    """This process's rank among the ``world_size`` torchrun started (ConfigError, saying
+    how to start them, when it did not)."""
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world != world_size:
         raise ConfigError(
             f"--tensor-parallel {world_size} needs {world_size} processes, started by "
             f"`torchrun --nproc-per-node {world_size} -m mminfer ...`; this process sees "
             f"WORLD_SIZE={env_world}")
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_from_env(world_size: int, device_type: str):
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ...): NCCL on
+    GPUs, gloo on the CPU. Returns ``(rank, local_rank)``."""
+    import torch.distributed as dist
+
+    check_launch(world_size)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
