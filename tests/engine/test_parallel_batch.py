@@ -5,6 +5,7 @@ to do loads, finds nothing, and ends both ranks instead of leaving rank 1 waitin
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,14 +51,25 @@ def folder(tmp_path_factory):
 
 
 def _torchrun(ckpt, folder, out):
+    """Run the job; a rank still running after 300 s fails the test (and is ended: the
+    ranks get a process group of their own)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port()), "-m", "mminfer", "batch", str(folder),
          "--question", QUESTION, "--out", str(out), "--model", ckpt, "--device", "cpu",
          "--attention", "dense", "--max-new-tokens", "4", "--no-progress",
          "--tensor-parallel", "2"],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.wait(30), stdout, stderr)
 
 
 def test_two_rank_batch_writes_what_one_process_writes(ckpt, folder, tmp_path):

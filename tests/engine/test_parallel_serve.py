@@ -101,7 +101,8 @@ def test_two_rank_server_answers_as_one_process_and_stops_both(ckpt, video, long
          "--master-port", str(_free_port()), "-m", "mminfer", "serve", "--model", str(ckpt),
          "--device", "cpu", "--port", "0", "--data-dir", str(tmp_path / "tp"),
          "--log-level", "info", "--tensor-parallel", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)         # its own process group: a failed test ends the ranks too
     lines, url = [], []
 
     def read():
@@ -151,6 +152,8 @@ def test_two_rank_server_answers_as_one_process_and_stops_both(ckpt, video, long
         assert not any(_alive(p) for p in ranks.values()), "".join(lines)[-3000:]
         assert proc.wait(60) == 0, "".join(lines)[-3000:]   # both ranks exited 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
