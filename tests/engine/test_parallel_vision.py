@@ -49,7 +49,7 @@ def _small_chunks(pipe):
     return calls
 
 
-def _answer(pipe, video):
+def _answer(pipe, video, mode="dense"):
     """Answer once; the embeddings the prefill got, the first-token logits, the answer."""
     ad, seen = pipe.adapter, {}
     generate = ad.generate
@@ -63,7 +63,7 @@ def _answer(pipe, video):
     handle = ad.lm_head.register_forward_hook(
         lambda mod, args, out: logits.append(out[0, -1].detach().float().clone()))
     try:
-        res = pipe.answer(video, QUESTION, attention="dense", max_new_tokens=4)
+        res = pipe.answer(video, QUESTION, attention=mode, max_new_tokens=4)
     finally:
         handle.remove()
         ad.generate = generate
