@@ -299,9 +299,11 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
     if timeout_s:
         end = time.monotonic() + timeout_s
         cancel = lambda: time.monotonic() > end            # noqa: E731
-        timer = threading.Timer(timeout_s + 1.0, guard.interrupt)
-        timer.daemon = True
-        timer.start()
+        # tensor parallel: no hard interrupt (it would leave the other ranks mid-collective)
+        if getattr(pipe, "interruptible", True):
+            timer = threading.Timer(timeout_s + 1.0, guard.interrupt)
+            timer.daemon = True
+            timer.start()
     try:
         try:
             res = guard.run(pipe.answer, video["path"], question, fps=cfg["fps"],
@@ -344,7 +346,8 @@ def load_pipeline(load_args: dict):
         pass
     return Pipeline(load_args["model"], attention=load_args["attention"],
                     device=load_args.get("device"), dtype=load_args.get("dtype"),
-                    min_sparse_len=load_args.get("min_sparse_len"))
+                    min_sparse_len=load_args.get("min_sparse_len"),
+                    tensor_parallel=load_args.get("tensor_parallel", 1))
 
 
 class _Answerer:
@@ -400,9 +403,10 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
               device=None, dtype=None, min_sparse_len: int | None = None, retry_errors: bool = False,
               ray_address: str | None = None, ray_workers: int | None = None,
               progress: bool = True, manifest=None, item_timeout_s: float | None = None,
-              quarantine_after: int = 2) -> Summary:
+              quarantine_after: int = 2, pipe=None) -> Summary:
     """Answer every (video, question) of ``root`` x ``questions``, or every line of
-    ``manifest``, into the JSONL ``out``."""
+    ``manifest``, into the JSONL ``out``. ``pipe``: a model already loaded (tensor parallel:
+    rank 0's ``engine.lockstep.Leader``) instead of one loaded when there is work."""
     from mminfer.engine.pipeline import check_request
     summary = Summary()
     if manifest is not None:
@@ -472,7 +476,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
                 _run_ray(ray_address, ray_workers, load_args, todo, cfg, fp, record,
                          item_timeout_s)
             else:
-                pipe = load_pipeline(load_args)
+                pipe = pipe or load_pipeline(load_args)
                 for v, items in todo:
                     vd = {"rel": v.rel, "path": v.path, "size": v.size, "mtime_ns": v.mtime_ns}
                     for cid, q, attempt in items:
@@ -585,6 +589,10 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="run on a Ray cluster: its address, 'auto', or 'local' (start one)")
     p.add_argument("--ray-workers", type=int,
                    help="model replicas on Ray (default: one per GPU, or 1 without GPUs)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N processes started by `torchrun "
+                        "--nproc-per-node N -m mminfer batch ...`: rank 0 reads the input and "
+                        "writes the results, every rank runs each item (default: 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -594,14 +602,40 @@ def run(args) -> int:
         raise InputError("give a folder (DIR) or --manifest FILE, one of them")
     questions = read_questions(args.question, args.questions) if args.dir is not None else []
     model = resolve_model(args.model)
-    summary = run_batch(args.dir, questions, args.out, model=model, attention=args.attention,
-                        manifest=args.manifest, item_timeout_s=args.item_timeout_s,
-                        quarantine_after=args.quarantine_after,
-                        fps=args.fps, max_frames=args.max_frames,
-                        max_new_tokens=args.max_new_tokens, device=args.device,
-                        dtype=args.dtype, min_sparse_len=args.min_sparse_len,
-                        retry_errors=args.retry_errors, ray_address=args.ray,
-                        ray_workers=args.ray_workers, progress=not args.no_progress)
+    pipe = None
+    if args.tensor_parallel > 1:         # rank 0 runs the job, the others follow its items
+        if args.ray:
+            raise ConfigError("--tensor-parallel and --ray do not go together: Ray spreads "
+                              "whole videos over GPUs, tensor parallel one video over several")
+        from mminfer.engine import lockstep
+        try:
+            pipe = lockstep.lead_or_follow(lambda: load_pipeline(
+                {"model": model, "attention": args.attention, "device": args.device,
+                 "dtype": args.dtype, "min_sparse_len": args.min_sparse_len,
+                 "tensor_parallel": args.tensor_parallel}))
+        except (lockstep.LockstepBroken, RuntimeError) as e:   # RuntimeError: gloo lost rank 0
+            print(f"error: tensor-parallel rank: {e}", file=sys.stderr)
+            return 1
+        if pipe is None:
+            return 0
+    try:
+        summary = run_batch(args.dir, questions, args.out, model=model, attention=args.attention,
+                            manifest=args.manifest, item_timeout_s=args.item_timeout_s,
+                            quarantine_after=args.quarantine_after,
+                            fps=args.fps, max_frames=args.max_frames,
+                            max_new_tokens=args.max_new_tokens, device=args.device,
+                            dtype=args.dtype, min_sparse_len=args.min_sparse_len,
+                            retry_errors=args.retry_errors, ray_address=args.ray,
+                            ray_workers=args.ray_workers, progress=not args.no_progress,
+                            pipe=pipe)
+    except BaseException as e:
+        if pipe is None or pipe.broken is None:
+            raise
+        print(f"error: the tensor-parallel group broke: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if pipe is not None:
+            pipe.close()
     print(summary.line())
     print(json.dumps({"summary": summary.to_dict(), "out": str(args.out)}))
     return 1 if summary.errors else 0

@@ -109,6 +109,12 @@ class OutOfMemory(MMInferError):
     http_status = 500
 
 
+class RankFailed(MMInferError):
+    """Tensor parallel: another rank could not take part in this request (engine.lockstep)."""
+    code = "tensor_parallel_rank_failed"
+    http_status = 500
+
+
 class ServiceUnavailable(MMInferError):
     """Try again later: the answer carries Retry-After."""
     code = "unavailable"

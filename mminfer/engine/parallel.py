@@ -6,7 +6,8 @@ layer (Megatron's split): q/k/v and MLP gate/up are split by output rows (whole 
 KV heads), o_proj and MLP down by input columns, and their outputs are summed over ranks with
 one all-reduce each — the only communication. The KV cache each rank writes therefore holds
 only its own KV heads. Embeddings, norms, lm_head and the vision tower stay whole on every
-rank (they are a small share of the work at long inputs).
+rank; the vision tower's *work* is split instead (:class:`FrameShards`): each rank runs it on
+its share of the chunks of frames and the features are all-gathered.
 
 Sparse attention needs nothing gathered: rank ``r`` holds global heads ``r * local + h``, and
 the attention hook reads their patterns with ``HeadPatternConfig.heads_for_rank`` (the
@@ -21,17 +22,24 @@ import os
 from mminfer.errors import ConfigError
 
 
-def init_from_env(world_size: int, device_type: str):
-    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ...): NCCL on
-    GPUs, gloo on the CPU. Returns ``(rank, local_rank)``."""
-    import torch.distributed as dist
-
+def check_launch(world_size: int) -> int:
+    """This process's rank among the ``world_size`` torchrun started (ConfigError, saying
+    how to start them, when it did not)."""
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if env_world != world_size:
         raise ConfigError(
             f"--tensor-parallel {world_size} needs {world_size} processes, started by "
             f"`torchrun --nproc-per-node {world_size} -m mminfer ...`; this process sees "
             f"WORLD_SIZE={env_world}")
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_from_env(world_size: int, device_type: str):
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ...): NCCL on
+    GPUs, gloo on the CPU. Returns ``(rank, local_rank)``."""
+    import torch.distributed as dist
+
+    check_launch(world_size)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
@@ -107,3 +115,68 @@ def shard_decoder(text_model, rank: int, world: int, group=None) -> int:
             if hasattr(attn, name):
                 setattr(attn, name, hkv)
     return hq
+
+
+class FrameShards:
+    """The vision tower data-parallel over the adapter's chunks of frames.
+
+    Every rank walks the same chunks in the same order (``Adapter.embed`` with ``shard=``);
+    before running a chunk it asks :meth:`take` with the rows of its feature tensor that chunk
+    fills, and runs it only when the chunk is this rank's (chunk ``k`` goes to rank
+    ``k % world``: every chunk but the last is the same size, so the shares stay even however
+    many chunks a video makes). :meth:`gather` then all-gathers the rows each rank filled, so
+    every rank holds the whole video's features, equal to one process's: a chunk's features
+    depend on its own frames only (Qwen2.5-VL's tower attends within a temporal pair, SigLIP
+    within a frame) and each chunk is computed exactly as one process computes it.
+    """
+
+    def __init__(self, rank: int, world: int, group=None):
+        self.rank, self.world, self.group = rank, world, group
+        self.spans: list[tuple[int, int]] = []      # rows of ``out`` per chunk, in order
+        self.out = None
+
+    def take(self, out, lo: int, hi: int) -> bool:
+        """Chunk ``len(spans)`` fills ``out[lo:hi]``: True when this rank is to run it."""
+        if self.out is None:
+            self.out = out
+        elif out.data_ptr() != self.out.data_ptr() or out.shape != self.out.shape:
+            raise ValueError("FrameShards.take: every chunk must write into the same tensor")
+        self.spans.append((int(lo), int(hi)))
+        return (len(self.spans) - 1) % self.world == self.rank
+
+    def mine(self, rank: int | None = None) -> list[tuple[int, int]]:
+        r = self.rank if rank is None else rank
+        return [s for k, s in enumerate(self.spans) if k % self.world == r]
+
+    def gather(self):
+        """Fill every other rank's rows of ``out`` with what that rank computed (a
+        collective: every rank calls it after the same chunks)."""
+        import torch
+        if not self.spans:
+            return
+        out = self.out
+        shares = [self.mine(r) for r in range(self.world)]
+        size = max(sum(hi - lo for lo, hi in s) for s in shares)    # equal-sized blocks
+        with torch.inference_mode():
+            send = out.new_zeros((size, *out.shape[1:]))
+            at = 0
+            for lo, hi in shares[self.rank]:
+                send[at:at + hi - lo] = out[lo:hi]
+                at += hi - lo
+            recv = out.new_empty((self.world * size, *out.shape[1:]))
+            all_gather_single(recv, send, self.group)
+            for r, share in enumerate(shares):
+                if r == self.rank:
+                    continue
+                at = r * size
+                for lo, hi in share:
+                    out[lo:hi] = recv[at:at + hi - lo]
+                    at += hi - lo
+
+
+def all_gather_single(out, inp, group=None):
+    """``out`` = every rank's ``inp`` concatenated in rank order: ``all_gather_single``
+    (torch >= 2.13, which deprecates the older name), else ``all_gather_into_tensor``."""
+    import torch.distributed as dist
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)

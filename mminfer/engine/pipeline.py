@@ -146,6 +146,12 @@ class Pipeline:
         if attention == "sparse" and why:
             raise ConfigError(f"{model_id}: {why}")
 
+    def _frame_shards(self):
+        if self.tensor_parallel == 1:
+            return None
+        from mminfer.engine.parallel import FrameShards
+        return FrameShards(self.rank, self.tensor_parallel)
+
     def warmup(self, *, force: bool = False, frames: int = 16) -> dict:
         """Compile, before the first user waits, what the first long request would compile:
         the vision tower's and the prefill's kernels and, where sparse attention can run, the
@@ -229,7 +235,14 @@ class Pipeline:
                     f"{max_new_tokens} new tokens are asked for, over the model's context of "
                     f"{ad.max_context} tokens; lower fps or max_frames", tokens=n,
                     limit=ad.max_context)
-            embeds = ad.embed(prep, timer=timer, cancel=cancel)
+            # tensor parallel: each rank runs the tower on its share of the chunks of frames,
+            # then every rank gathers the others' features (mminfer.engine.parallel)
+            shard = self._frame_shards()
+            embeds = ad.embed(prep, timer=timer, cancel=cancel,
+                              **({"shard": shard} if shard is not None else {}))
+            if shard is not None:
+                with timer("vision"):
+                    shard.gather()
             if self.device.type == "cuda":
                 import torch
                 torch.cuda.synchronize(self.device)      # the features exist from here on

@@ -89,10 +89,13 @@ class Adapter:
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
         raise NotImplementedError
 
-    def embed(self, prepared: Prepared, *, timer=None, cancel=None):
+    def embed(self, prepared: Prepared, *, timer=None, cancel=None, shard=None):
         """Run the vision tower; return inputs_embeds ``[1, L, hidden]`` in the model dtype.
         ``timer(name)`` times the "preprocess" and "vision" work it does; ``cancel()`` is
-        checked between its chunks of frames."""
+        checked between its chunks of frames. ``shard`` (tensor parallel: an
+        ``engine.parallel.FrameShards``): before each chunk, ``shard.take(features, lo,
+        hi)`` with the rows of one tensor that chunk fills; a chunk it answers False for is
+        skipped (another rank runs it; the caller then gathers)."""
         raise NotImplementedError
 
     def positions(self, prepared: Prepared, start: int, length: int):

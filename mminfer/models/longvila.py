@@ -327,10 +327,12 @@ class LongVILA(Adapter):
                         text_tokens=len(prefix) + len(suffix),
                         tensors={"frames": frames, "resized": (self.image_size,) * 2})
 
-    def embed(self, prepared: Prepared, *, timer=None, cancel=None) -> torch.Tensor:
+    def embed(self, prepared: Prepared, *, timer=None, cancel=None,
+              shard=None) -> torch.Tensor:
         """Text embeddings with each frame's P projected visual rows in place; frames go
         through the squash, the tower and the projector ``vision_batch`` at a time, each
-        chunk written straight into the embeddings. ``timer``/``cancel`` as the base class."""
+        chunk written straight into the embeddings. ``timer``/``cancel``/``shard`` as the
+        base class."""
         from contextlib import nullcontext
 
         from mminfer.errors import Cancelled
@@ -357,6 +359,9 @@ class LongVILA(Adapter):
                 if done + f > F:
                     raise InputError(f"the video gave more than the {F} frames its prompt "
                                      f"was laid out for")
+                if shard is not None and not shard.take(rows[:, :P], done, done + f):
+                    done += f            # another rank's chunk (mminfer.engine.parallel)
+                    continue
                 with section("preprocess"):
                     x = self._normalise(self._squash(torch.as_tensor(chunk)))
                 with section("vision"):

@@ -326,12 +326,12 @@ class Qwen2_5_VLAdapter(Adapter):
                                  merge=v.spatial_merge_size, device=self.device,
                                  dtype=self.dtype)
 
-    def embed(self, prepared: Prepared, *, timer=None, cancel=None):
+    def embed(self, prepared: Prepared, *, timer=None, cancel=None, shard=None):
         """Text embeddings with the video's features in its span: frames stream through
         preprocessing and the vision tower ``vision_chunk_patches`` patches at a time, each
         chunk's features written straight into the embeddings. ``timer(name)`` (a
         StageTimer) times each chunk's "preprocess" and "vision"; ``cancel()`` is checked
-        between chunks."""
+        between chunks; ``shard`` as the base class."""
         import torch
         from contextlib import nullcontext
         from mminfer.errors import Cancelled
@@ -364,6 +364,9 @@ class Qwen2_5_VLAdapter(Adapter):
                 if done + n > t:
                     raise ConfigError(f"the video gave more than the {t} temporal pairs its "
                                       f"prompt was laid out for")
+                if shard is not None and not shard.take(out, done * units, (done + n) * units):
+                    done += n            # another rank's chunk (mminfer.engine.parallel)
+                    continue
                 with section("preprocess"):
                     pixels = self._patches(frames, tens["resized"])
                 with section("vision"):

@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="latency database and upload temp files")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N processes started by `torchrun "
+                        "--nproc-per-node N -m mminfer serve ...`: rank 0 serves HTTP, the "
+                        "others follow its requests (default: 1)")
 
     g = p.add_argument_group("request defaults")
     g.add_argument("--fps", type=float, default=d.fps, help="frames sampled per second")
@@ -196,7 +200,13 @@ def run(args) -> int:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    app = create_app(settings)
+    tp = None
+    if args.tensor_parallel > 1:         # rank 0 serves, the others follow its requests
+        from . import tensor_parallel as tp
+        if not tp.is_leader(args.tensor_parallel):
+            return tp.follow(settings, args.tensor_parallel)
+    app = create_app(settings, worker=tp.leader_worker(settings, args.tensor_parallel)
+                     if tp else None)
     worker = app.state.worker
     print(f"loading {settings.model} ...", flush=True)
     worker.start()
@@ -209,6 +219,8 @@ def run(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_s)
     server = graceful_server(uvicorn, config, worker)
+    if tp is not None:
+        tp.exit_quietly(server)
 
     async def main():
         task = asyncio.create_task(server.serve())
@@ -220,5 +232,10 @@ def run(args) -> int:
             print(banner(args.host, port, model, bool(settings.api_key)), flush=True)
         await task
 
-    asyncio.run(main())
-    return 0 if server.started else 1
+    try:
+        asyncio.run(main())
+    finally:
+        code = 0 if server.started else 1
+        if tp is not None:
+            code = tp.finish(worker, code)
+    return code
