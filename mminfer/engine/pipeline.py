@@ -179,9 +179,13 @@ class Pipeline:
 
     def answer(self, video_path, question: str, *, fps: float = 2.0, max_frames: int = 768,
                max_new_tokens: int = 32, start: float | None = None, end: float | None = None,
-               attention: str | None = None, options=None, cancel=None) -> AnswerResult:
-        """``cancel``: a callable checked between stages and before every decoder layer of the
-        prefill; when it returns True the request stops with :class:`Cancelled`."""
+               attention: str | None = None, options=None, cancel=None,
+               on_token=None) -> AnswerResult:
+        """``cancel``: a callable checked between stages, before every decoder layer of the
+        prefill and before every decode step; when it returns True the request stops with
+        :class:`Cancelled`. ``on_token(text, token_id)``: called on this thread as each answer
+        token exists, the first once the prefill is done (``Adapter.generate`` says how the
+        texts add up to the answer); it must not block."""
         from mminfer.engine import video as videolib
         from mminfer.models.base import PrepareOptions
         from mminfer.models.hooks import PrefillContext
@@ -227,7 +231,7 @@ class Pipeline:
                              unavailable=self.sparse_unavailable, timer=timer,
                              keep_plans=True, cancel=cancel)
         gen = ad.generate(prep, max_new_tokens=max_new_tokens, ctx=ctx, timer=timer,
-                          embeds=embeds)
+                          embeds=embeds, on_token=on_token)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
 
         ms = timer.totals_ms()

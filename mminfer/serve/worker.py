@@ -57,6 +57,7 @@ class Job:
     stop_at: float | None = None
     worker: "ModelWorker | None" = None
     guard: Guard = field(default_factory=Guard)
+    on_token: object = None               # Pipeline.answer's on_token (a streamed answer)
 
     def cancel(self, reason: MMInferError | None = None) -> bool:
         """Stop the job: dropped at once if it has not started (True), else asked to stop
@@ -287,8 +288,9 @@ class ModelWorker:
     def _run(self, job: Job):
         if job.stop is not None:           # asked to stop before it got here
             raise Cancelled("the request was cancelled before it started")
+        extra = {} if job.on_token is None else {"on_token": job.on_token}
         return job.guard.run(self.pipeline.answer, job.video_path, job.question,
-                             cancel=job.should_stop, **job.params)
+                             cancel=job.should_stop, **job.params, **extra)
 
     # ------------------------------------------------------------------ thread
     def _main(self):
