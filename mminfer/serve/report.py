@@ -15,12 +15,13 @@ from mminfer.engine.timing import TTFT_STAGES
 
 from .store import bucket_of
 
-# Stages that add up to the time to first token, then the answer tokens.
-BAR_STAGES = TTFT_STAGES + ("generate",)
+# Stages that add up to the time to first token, then the answer tokens and the density
+# count: together the whole request.
+BAR_STAGES = TTFT_STAGES + ("generate", "density")
 COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "decode": "#8d6e63", "preprocess": "#ffb74d",
           "vision": "#4db6ac", "index": "#ba68c8", "attention": "#e57373",
-          "llm_other": "#64b5f6", "generate": "#81c784", "ttft": "#1565c0",
-          "total": "#37474f"}
+          "llm_other": "#64b5f6", "generate": "#81c784", "density": "#f06292",
+          "ttft": "#1565c0", "total": "#37474f"}
 WINDOWS = (("last 15 min", 900), ("last hour", 3600), ("last day", 86400), ("all", None))
 
 e = html.escape
