@@ -564,7 +564,7 @@ def request(pipe, case: Case, video: str, mode: str, args, *, frames: int | None
     entry.update(
         timings_ms=t, ttft_excl_decode_ms=_sub(t["ttft"], t["decode"]),
         attention_ran=res.attention, tokens=dict(res.tokens), video=dict(res.video),
-        sparsity={k: sp[k] for k in ("mean_density", "mean_tile_density", "uncalibrated")
+        sparsity={k: sp[k] for k in ("mean_density", "mean_tile_work", "uncalibrated")
                   if k in sp} or None,
         peak_gpu_gib=_r(gpu.allocated), peak_gpu_reserved_gib=_r(gpu.reserved),
         peak_rss_gib=_r(rss.peak / GIB), wall_s=round(time.perf_counter() - t0, 2),

@@ -28,3 +28,23 @@ fi
 } 2>&1 | tee "$OUT/device.txt"
 timeout -k 10 "${TIMEOUT:-585}" python3 benchmarks/e2e.py --out "$OUT" \
   --deadline-s "${DEADLINE:-540}" "$@" 2>&1 | tee "$OUT/e2e.log"
+# CLI=1: the same videos and checkpoints answered by the command users run, `mminfer answer`
+# (a fresh process per case: load, compile from the warm Triton cache, one sparse request).
+if [ "${CLI:-0}" = 1 ] && [ -f "$OUT/e2e.json" ]; then
+  python3 - "$OUT/e2e.json" <<'PY' > "$OUT/cli_cases.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for name, c in d["cases"].items():
+    if c.get("checkpoint") and c.get("video"):
+        print(name, c["checkpoint"]["path"], c["video"]["path"], c["video"]["frames"])
+PY
+  while read -r name ckpt video frames; do
+    echo "== mminfer answer ($name)"
+    ( time timeout -k 5 "${CLI_S:-150}" python3 -m mminfer answer "$video" "$(python3 -c \
+        "import json;print(json.load(open('$OUT/e2e.json'))['question'])")" --model "$ckpt" \
+        --attention sparse --max-frames "$frames" --json ) > "$OUT/cli_$name.json" \
+        2> "$OUT/cli_$name.log"
+    tail -4 "$OUT/cli_$name.log"
+    python3 -c "import json,sys; r=json.load(open('$OUT/cli_$name.json')); print({k: r.get(k) for k in ('answer','num_tokens','tokens','timings_ms')})" 2>&1 | cut -c1-600
+  done < "$OUT/cli_cases.txt"
+fi

@@ -59,7 +59,7 @@ def test_answer_json(ckpt, mp4, capsys):
     assert d["video"]["frames"] == 6 and d["video"]["width"] == 64
     assert d["tokens"]["total"] == d["tokens"]["visual"] + d["tokens"]["text"]
     assert set(d["timings_ms"]) == {"decode", "preprocess", "vision", "index", "attention",
-                                    "llm_other", "generate", "ttft", "total"}
+                                    "llm_other", "generate", "density", "ttft", "total"}
 
 
 def test_answer_json_sparse(ckpt, mp4, capsys):

@@ -1,7 +1,8 @@
 """One answer about one video, with the time each stage took.
 
     decode (video file -> frames) -> preprocess (resize, patchify, prompt, ModalityIndex)
-    -> vision -> prefill (index + attention + llm_other) -> generate (decode steps) -> answer
+    -> vision -> prefill (index + attention + llm_other) -> generate (decode steps)
+    -> density (a sparse prefill's, counted from its plans) -> answer
 
 Stages on the GPU are timed with CUDA events (StageTimer) and read once at the end; video
 decoding runs on the CPU and is timed with the wall clock. ``llm_other`` is the prefill minus
@@ -197,9 +198,12 @@ class Pipeline:
                max_new_tokens: int = 32, start: float | None = None, end: float | None = None,
                attention: str | None = None, options=None, cancel=None,
                keep_for_shadow: bool = False,
-               shadow_max_bytes: int | None = None) -> AnswerResult:
-        """``cancel``: a callable checked between stages and before every decoder layer of the
-        prefill; when it returns True the request stops with :class:`Cancelled`.
+               shadow_max_bytes: int | None = None, on_token=None) -> AnswerResult:
+        """``cancel``: a callable checked between stages, before every decoder layer of the
+        prefill and before every decode step; when it returns True the request stops with
+        :class:`Cancelled`. ``on_token(text, token_id)``: called on this thread as each answer
+        token exists, the first once the prefill is done (``Adapter.generate`` says how the
+        texts add up to the answer); it must not block.
         ``keep_for_shadow``: when the prefill runs sparse, keep on the CPU what a dense re-run
         of it needs (mminfer.engine.rerun: the prompt embeddings and positions, at most
         ``shadow_max_bytes``, and the sparse last-token logits and answer) as
@@ -260,7 +264,13 @@ class Pipeline:
             from mminfer.engine.rerun import keep_inputs
             kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
         gen = ad.generate(prep, max_new_tokens=max_new_tokens, ctx=ctx, timer=timer,
-                          embeds=embeds)
+                          embeds=embeds, on_token=on_token)
+        # after the last token (never in the time to first token) and inside the total: the
+        # stages add up to it; wall clock, as the count ends on host reads
+        t_density = time.perf_counter()
+        sparsity = _sparsity(ctx.densities, ad.patterns)
+        ctx.densities.clear()                          # the plans are not needed any more
+        timer.add_ms("density", (time.perf_counter() - t_density) * 1e3)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
 
         ms = timer.totals_ms()
@@ -333,8 +343,17 @@ def check_request(question, fps, max_frames, max_new_tokens, start, end, mode) -
 
 
 def _sparsity(plans: dict, patterns) -> dict | None:
-    """Densities of the sparse layers (fractions of the causal triangle), read from the plans
-    after the request so reading them never sits inside the timed prefill."""
+    """What the sparse layers computed, counted from their plans' arrays (no launch).
+
+    ``mean_density`` / ``per_layer``: the pairs computed over the causal triangle, each pair
+    once, so never above 1 (1 = all of it). ``mean_tile_work`` / ``per_layer_tile_work``: the
+    kernels' tile work over a dense pass's (kernels/density.py "physical"): what the time
+    follows. It is work, not a share, and goes above 1 where a plan costs more than dense:
+    on short prompts a 2D-boundary head sweeps its near range once per key group, and slash
+    ranges re-visit (masked) keys that verticals already gather; that is reported as it is,
+    not as a density (it was, as ``mean_tile_density``: 1.334 at 183 tokens, when its
+    denominator was the causal triangle; 1.50 on the embedded model at 535 tokens since).
+    """
     if not plans:
         return None
     per_layer, tiles = {}, {}
@@ -351,5 +370,6 @@ def _sparsity(plans: dict, patterns) -> dict | None:
            "layers": list(per_layer),
            "uncalibrated": bool(getattr(patterns, "uncalibrated", True))}
     if tiles:
-        out["mean_tile_density"] = sum(tiles.values()) / len(tiles)
+        out["mean_tile_work"] = sum(tiles.values()) / len(tiles)
+        out["per_layer_tile_work"] = [round(v, 6) for v in tiles.values()]
     return out

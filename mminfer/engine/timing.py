@@ -12,9 +12,10 @@ from contextlib import contextmanager
 
 # Every stage of a served request, in the order it happens: the one list. ``upload`` and
 # ``queue`` exist only in the service; ``index`` + ``attention`` + ``llm_other`` are the LLM
-# prefill; everything before ``generate`` adds up to the time to first token.
+# prefill; everything before ``generate`` adds up to the time to first token; ``density`` is
+# counting a sparse prefill's density from its plans (no launch), after the last token.
 STAGES = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
-          "llm_other", "generate")
+          "llm_other", "generate", "density")
 TOTALS = ("ttft", "total")                      # sums reported after the stages
 SERVICE_STAGES = STAGES[:STAGES.index("decode")]
 PREFILL_STAGES = ("index", "attention", "llm_other")

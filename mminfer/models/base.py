@@ -106,15 +106,22 @@ class Adapter:
     prefill_chunk: int | None = None   # tokens per chunk of the prefill (None: its default)
 
     def generate(self, prepared: Prepared, *, max_new_tokens: int = 32, ctx=None,
-                 timer=None, embeds=None) -> Generated:
+                 timer=None, embeds=None, on_token=None) -> Generated:
         """Greedy answer: the prefill engine (mminfer.models.prefill: layer by layer, chunked,
         into the KV cache) then dense decode steps through the text model on that cache.
         ``ctx`` (hooks.PrefillContext) is active during the prefill only, so decode-step
-        attention is neither sparse nor counted as prefill attention. Sections timed: vision
-        (unless ``embeds`` from ``embed`` are given), prefill, generate (the decode steps after
-        the first token)."""
+        attention is neither sparse nor counted as prefill attention; its ``cancel`` is also
+        checked before every decode step. Sections timed: vision (unless ``embeds`` from
+        ``embed`` are given), prefill, generate (the decode steps after the first token).
+
+        ``on_token(text, token_id)``, if given, is called on this thread as each token
+        exists (the first right after the prefill): ``text`` is what the token adds to the
+        answer ("" while a character is incomplete, and for end tokens); a last call with
+        ``token_id`` None sends what is still owed. The texts add up to ``Generated.text``."""
         import torch
         from contextlib import nullcontext
+        from mminfer.errors import Cancelled
+        from mminfer.models.detokenize import IncrementalText
         from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 
         section = timer if timer is not None else (lambda name: nullcontext())
@@ -131,15 +138,27 @@ class Adapter:
                 token = logits.argmax(-1)                         # [1, 1]
             del embeds                                            # the prefill's residual
             out = [int(token)]
+            stream = IncrementalText(self.tokenizer, self.eos_token_ids) if on_token else None
+            cancel = getattr(ctx, "cancel", None)
             with section("generate"):
+                if stream is not None:
+                    on_token(stream.push(out[0]), out[0])
                 embed_tokens = self.text_model.get_input_embeddings()
                 while len(out) < max_new_tokens and out[-1] not in self.eos_token_ids:
+                    if cancel is not None and cancel():
+                        raise Cancelled(f"request cancelled after {len(out)} answer tokens")
                     pos = self.positions(prepared, L + len(out) - 1, 1)
                     hidden = self._step(embed_tokens(token), pos, cache)
                     token = self.lm_head(hidden[:, -1:]).argmax(-1)
                     out.append(int(token))
+                    if stream is not None:
+                        on_token(stream.push(out[-1]), out[-1])
         answer = [t for t in out if t not in self.eos_token_ids]
         text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+        if stream is not None:
+            rest = stream.finish(text)
+            if rest:
+                on_token(rest, None)
         return Generated(text=text, token_ids=out, prefill_tokens=L,
                          prefill_logits=logits[0, -1])
 

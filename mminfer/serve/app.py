@@ -3,7 +3,8 @@
     POST /v1/answer             multipart: video file + question (+ fps, max_frames,
                                 max_new_tokens, attention)                      answer.py
     POST /v1/chat/completions   OpenAI shape; ``video_url`` parts (data: URLs, allow-listed
-                                local paths, allow-listed remote hosts)          openai.py
+                                local paths, allow-listed remote hosts); stream=true
+                                as server-sent events                 openai.py, stream.py
     GET  /v1/models                                                             openai.py
     GET  /v1/latency-report (JSON), /report (page), /health, /metrics            reads.py
     GET  /docs, /openapi.json   both POST bodies documented from their schemas

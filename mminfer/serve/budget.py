@@ -71,9 +71,12 @@ class Budget:
         from mminfer.engine import video as videolib
         s = self.s
         info = videolib.probe(path)
-        frames = len(videolib.sample_indices(info.frames, info.fps, sampling=getattr(adapter, "sampling", "qwen"),
-                                             fps=params["fps"],
-                                             max_frames=params["max_frames"]))
+        # the frames the pipeline decodes: at most the model's own limit (LongVILA's)
+        max_frames = min(params["max_frames"],
+                         getattr(adapter, "frame_limit", None) or params["max_frames"])
+        frames = len(videolib.sample_indices(info.frames, info.fps,
+                                             sampling=getattr(adapter, "sampling", "qwen"),
+                                             fps=params["fps"], max_frames=max_frames))
         pixels = info.width * info.height
         if pixels > s.max_frame_pixels:
             raise OverBudget(f"the video is {info.width}x{info.height} ({pixels} pixels per "

@@ -6,6 +6,12 @@ The body is read by the service (size-limited and timed as it arrives), parsed o
 loop (a 400 for anything the JSON parser rejects, deep nesting included), then validated by
 ``ChatCompletionRequest``, the schema /openapi.json documents. Sampling fields OpenAI clients
 send (temperature, top_p, ...) are accepted and ignored: answers are greedy.
+
+``stream: true`` answers with server-sent events (stream.py) once the first token exists:
+a ``chat.completion.chunk`` with the role, one per piece of answer text, one with the
+finish reason (and mminfer's timings), with ``stream_options.include_usage`` a last one with
+the usage and no choices, then ``data: [DONE]``; the request's budgets, queue, deadline and
+records are those of any other.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .budget import request_params
 from .errors import validate
 from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention, Integer, Number
 from .service import video_facts
+from .stream import StreamReply, TokenFeed
 
 router = APIRouter()
 
@@ -71,6 +78,11 @@ class MMProcessorKwargs(_Open):
     max_frames: Integer | None = Field(None, description=MAX_FRAMES_DOC)
 
 
+class StreamOptions(_Open):
+    include_usage: bool = Field(False, description="send a last chunk with the usage "
+                                                   "(prompt and completion tokens)")
+
+
 class ChatCompletionRequest(_Open):
     """OpenAI's chat completion request, as far as a video question needs it."""
     model: str | None = Field(None, description="a name this server serves (GET /v1/models); "
@@ -79,7 +91,9 @@ class ChatCompletionRequest(_Open):
     max_tokens: Integer | None = Field(None, description="answer length cap in tokens")
     max_completion_tokens: Integer | None = Field(None, description="same as max_tokens "
                                                                     "(wins over it)")
-    stream: bool = Field(False, description="not supported: must be false")
+    stream: bool = Field(False, description="answer as server-sent events "
+                                            "(chat.completion.chunk), from the first token")
+    stream_options: StreamOptions | None = Field(None, description="with stream=true only")
     n: Integer = Field(1, description="must be 1")
     fps: Number | None = Field(None, description=FPS_DOC + " (mminfer extension)")
     max_frames: Integer | None = Field(None, description=MAX_FRAMES_DOC +
@@ -144,8 +158,8 @@ async def _chat(svc, req):
     if body.model not in (None, "") and body.model not in svc.model_names():
         raise ModelNotFound(f"the model {body.model!r} is not served here; this server serves "
                             f"{svc.model_id()!r}", served=svc.model_id())
-    if body.stream:
-        raise InputError("stream=true is not supported; ask without streaming")
+    if body.stream_options is not None and not body.stream:
+        raise InputError("stream_options is only allowed with stream=true")
     if body.n != 1:
         raise InputError("n must be 1")
     url, question = video_and_question(body.messages)
@@ -156,29 +170,81 @@ async def _chat(svc, req):
         s, fps=body.fps if body.fps is not None else mm.fps,
         max_frames=body.max_frames if body.max_frames is not None else mm.max_frames,
         max_new_tokens=max_tokens, attention=body.attention, question=question)
+    stream = body.stream
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     del data, body
     req.label = "the video"
     req.path, req.own = await _media(svc, url)
     media.check_file(req.path, req.label)
     await svc.check_budget(req, question, params)
     upload_ms = (time.monotonic() - req.arrival) * 1e3
+    if stream:
+        feed = TokenFeed(asyncio.get_running_loop())
+        job, fut = svc.submit(req, question, params, on_token=feed)
+        if await svc.wait(req, job, fut, until=feed.first):
+            fut.result()                # failed before its first token: a JSON error
+        chunks = ChatChunks(svc, req.id, params["max_new_tokens"], include_usage)
+        return StreamReply(svc, req, "chat", job, fut, feed, chunks, upload_ms), {}
     result, job = await svc.run_job(req, question, params)
     timings = svc.timings(result, job, upload_ms, req.arrival)
-    gen = result.tokens["generated"]
     answer = {
         "id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": int(time.time()),
         "model": svc.model_id(),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result.answer},
                      "logprobs": None,
-                     "finish_reason": "length" if gen >= params["max_new_tokens"] else "stop"}],
-        "usage": {"prompt_tokens": result.tokens["total"], "completion_tokens": gen,
-                  "total_tokens": result.tokens["total"] + gen,
-                  "prompt_tokens_details": {"visual_tokens": result.tokens["visual"]}},
+                     "finish_reason": finish_reason(result, params["max_new_tokens"])}],
+        "usage": usage(result),
         "timings": timings,
-        "mminfer": {"attention": result.attention, "sparsity": result.sparsity,
-                    "video": video_facts(result, None)},
+        "mminfer": extension(result),
     }
     return answer, {"result": result, "timings": timings}
+
+
+def finish_reason(result, max_new_tokens: int) -> str:
+    return "length" if result.tokens["generated"] >= max_new_tokens else "stop"
+
+
+def usage(result) -> dict:
+    gen = result.tokens["generated"]
+    return {"prompt_tokens": result.tokens["total"], "completion_tokens": gen,
+            "total_tokens": result.tokens["total"] + gen,
+            "prompt_tokens_details": {"visual_tokens": result.tokens["visual"]}}
+
+
+def extension(result) -> dict:
+    return {"attention": result.attention, "sparsity": result.sparsity,
+            "video": video_facts(result, None)}
+
+
+class ChatChunks:
+    """The ``chat.completion.chunk`` events of one streamed answer, as OpenAI sends them
+    (with ``include_usage``, every chunk carries ``usage: null`` but the last)."""
+
+    def __init__(self, svc, rid: str, max_new_tokens: int, include_usage: bool):
+        self.head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": svc.model_id()}
+        self.max_new_tokens = max_new_tokens
+        self.include_usage = include_usage
+
+    def _chunk(self, delta: dict, finish=None, **extra) -> dict:
+        out = {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}], **extra}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def start(self) -> dict:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def delta(self, text: str) -> dict:
+        return self._chunk({"content": text})
+
+    def end(self, result, timings: dict) -> list[dict]:
+        out = [self._chunk({}, finish_reason(result, self.max_new_tokens), timings=timings,
+                           mminfer=extension(result))]
+        if self.include_usage:
+            out.append({**self.head, "choices": [], "usage": usage(result)})
+        return out
 
 
 async def _media(svc, url: str) -> tuple[str, bool]:

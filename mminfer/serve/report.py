@@ -2,7 +2,9 @@
 
 No script and no external asset, so the page works offline, behind strict proxies and in a
 headless browser alike. Every chart element carries ``data-*`` attributes with the numbers it
-draws (bucket, count, milliseconds), which is also what the page test reads.
+draws (bucket, attention, count, milliseconds), which is also what the page test reads.
+Dense and sparse requests of one length bucket are separate groups (rows, bars), as in the
+report's JSON.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from mminfer.engine.timing import TTFT_STAGES
 from .shadow import html_section as shadow_section
 from .store import bucket_of
 
-# Stages that add up to the time to first token, then the answer tokens.
-BAR_STAGES = TTFT_STAGES + ("generate",)
+# Stages that add up to the time to first token, then the answer tokens and the density
+# count: together the whole request.
+BAR_STAGES = TTFT_STAGES + ("generate", "density")
 COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "decode": "#8d6e63", "preprocess": "#ffb74d",
           "vision": "#4db6ac", "index": "#ba68c8", "attention": "#e57373",
-          "llm_other": "#64b5f6", "generate": "#81c784", "ttft": "#1565c0",
-          "total": "#37474f"}
+          "llm_other": "#64b5f6", "generate": "#81c784", "density": "#f06292",
+          "ttft": "#1565c0", "total": "#37474f"}
 WINDOWS = (("last 15 min", 900), ("last hour", 3600), ("last day", 86400), ("all", None))
 
 e = html.escape
@@ -47,29 +50,41 @@ def nice_ticks(peak: float, n: int = 4) -> list[float]:
     return [i * step for i in range(int(math.ceil(peak / step - 1e-9)) + 1)]
 
 
-def _cell(report, stage, bucket):
+def _cell(report, stage, group):
     for r in report["rows"]:
-        if r["stage"] == stage and r["bucket"] == bucket:
+        if r["stage"] == stage and r["bucket"] == group["bucket"] \
+                and r.get("attention") == group["attention"]:
             return r
     return None
 
 
+def _label(group) -> str:
+    a = group["attention"]
+    return f'{group["bucket"]} tok' + (f" {a}" if a else "")
+
+
+def _attrs(group) -> str:
+    return (f'data-bucket="{e(group["bucket"])}" '
+            f'data-attention="{e(group["attention"] or "")}"')
+
+
 def stage_bars(report: dict) -> str:
-    """One horizontal bar per length bucket: median time of each stage, stacked."""
-    buckets = report["buckets"]
-    if not buckets:
+    """One horizontal bar per length bucket and attention: median time of each stage,
+    stacked."""
+    groups = report.get("groups") or []
+    if not groups:
         return '<p class="empty">No successful requests in this window yet.</p>'
-    width, label_w, row_h, top = 860, 110, 34, 28
-    height = top + row_h * len(buckets) + 30
-    medians = {b: [(s, (_cell(report, s, b) or {}).get("p50_ms", 0.0) or 0.0)
-                   for s in BAR_STAGES] for b in buckets}
-    biggest = max(sum(ms for _, ms in v) for v in medians.values()) or 1.0
+    width, label_w, row_h, top = 860, 140, 34, 28
+    height = top + row_h * len(groups) + 30
+    medians = [[(s, (_cell(report, s, g) or {}).get("p50_ms", 0.0) or 0.0)
+                for s in BAR_STAGES] for g in groups]
+    biggest = max(sum(ms for _, ms in v) for v in medians) or 1.0
     ticks = nice_ticks(biggest)
     scale = (width - label_w - 130) / ticks[-1]
     out = [f'<svg class="chart" id="stage-chart" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" '
-           f'aria-label="Median time per stage and prompt length">']
-    axis_y = top + row_h * len(buckets)
+           f'aria-label="Median time per stage, prompt length and attention">']
+    axis_y = top + row_h * len(groups)
     out.append('<g class="axis" data-axis="x">')
     for t in ticks:                 # a numeric axis: where the bars' milliseconds are
         x = label_w + t * scale
@@ -82,23 +97,23 @@ def stage_bars(report: dict) -> str:
         out.append(f'<rect x="{x}" y="6" width="10" height="10" fill="{COLORS[s]}"/>'
                    f'<text x="{x + 13}" y="15" class="legend">{e(s)}</text>')
         x += 13 + 7 * len(s) + 12
-    for i, b in enumerate(buckets):
+    for i, g in enumerate(groups):
         y = top + i * row_h
-        count = (_cell(report, "total", b) or {}).get("count", 0)
-        out.append(f'<g class="bucket" data-bucket="{e(b)}" data-count="{count}">')
+        count = (_cell(report, "total", g) or {}).get("count", 0)
+        out.append(f'<g class="bucket" {_attrs(g)} data-count="{count}">')
         out.append(f'<text x="{label_w - 8}" y="{y + 19}" text-anchor="end" class="label">'
-                   f'{e(b)} tok</text>')
+                   f'{e(_label(g))}</text>')
         x = label_w
-        for s, ms in medians[b]:
+        for s, ms in medians[i]:
             w = ms * scale
             if w <= 0:
                 continue
             out.append(f'<rect class="stage" data-stage="{e(s)}" data-p50-ms="{ms:.3f}" '
                        f'x="{x:.2f}" y="{y + 4}" width="{max(w, 0.5):.2f}" height="{row_h - 10}"'
-                       f' fill="{COLORS[s]}"><title>{e(b)} tokens, {e(s)}: median '
+                       f' fill="{COLORS[s]}"><title>{e(_label(g))}, {e(s)}: median '
                        f'{_fmt_ms(ms)}</title></rect>')
             x += w
-        total = sum(ms for _, ms in medians[b])
+        total = sum(ms for _, ms in medians[i])
         out.append(f'<text x="{x + 6:.2f}" y="{y + 19}" class="value">{_fmt_ms(total)} '
                    f'(n={count})</text></g>')
     out.append("</svg>")
@@ -106,14 +121,15 @@ def stage_bars(report: dict) -> str:
 
 
 def percentile_bars(report: dict, stage: str) -> str:
-    """p50 / p95 / p99 of one stage per length bucket, as grouped vertical bars."""
-    buckets = [b for b in report["buckets"] if _cell(report, stage, b)]
-    if not buckets:
+    """p50 / p95 / p99 of one stage per length bucket and attention, as grouped vertical
+    bars."""
+    groups = [g for g in report.get("groups") or [] if _cell(report, stage, g)]
+    if not groups:
         return ""
     width, height, left, bottom, top = 860, 240, 60, 40, 20
-    group = (width - left - 20) / len(buckets)
+    group = (width - left - 20) / len(groups)
     bar = min(36, group / 4)
-    peak = max(_cell(report, stage, b)["p99_ms"] for b in buckets) or 1.0
+    peak = max(_cell(report, stage, g)["p99_ms"] for g in groups) or 1.0
     ticks = nice_ticks(peak)
     scale = (height - top - bottom) / ticks[-1]
     out = [f'<svg class="chart" id="pct-{e(stage)}" width="{width}" height="{height}" '
@@ -130,20 +146,21 @@ def percentile_bars(report: dict, stage: str) -> str:
                    f'y="{y + 4:.2f}" text-anchor="end">{_fmt_ms(t)}</text>')
     out.append("</g>")
     shades = (("p50_ms", 1.0), ("p95_ms", 0.65), ("p99_ms", 0.4))
-    for i, b in enumerate(buckets):
-        c = _cell(report, stage, b)
+    for i, g in enumerate(groups):
+        c = _cell(report, stage, g)
         gx = left + i * group + (group - 3 * bar) / 2
-        out.append(f'<g class="bucket" data-bucket="{e(b)}" data-count="{c["count"]}">')
+        out.append(f'<g class="bucket" {_attrs(g)} data-count="{c["count"]}">')
         for j, (key, opacity) in enumerate(shades):
             h = c[key] * scale
             out.append(f'<rect class="pct" data-pct="{key[:-3]}" data-ms="{c[key]:.3f}" '
                        f'x="{gx + j * bar:.2f}" y="{height - bottom - h:.2f}" '
                        f'width="{bar - 2:.2f}" height="{max(h, 0.5):.2f}" '
                        f'fill="{COLORS.get(stage, "#1565c0")}" fill-opacity="{opacity}">'
-                       f'<title>{e(b)} tokens, {key[:-3]}: {_fmt_ms(c[key])} '
+                       f'<title>{e(_label(g))}, {key[:-3]}: {_fmt_ms(c[key])} '
                        f'(n={c["count"]})</title></rect>')
         out.append(f'<text x="{gx + 1.5 * bar:.2f}" y="{height - bottom + 16}" '
-                   f'text-anchor="middle" class="label">{e(b)} (n={c["count"]})</text></g>')
+                   f'text-anchor="middle" class="label">{e(_label(g))} (n={c["count"]})'
+                   f'</text></g>')
     out.append("</svg>")
     return "\n".join(out)
 
@@ -193,13 +210,16 @@ def scatter(rows: list[dict]) -> str:
 def table(report: dict) -> str:
     if not report["rows"]:
         return ""
-    head = ("<tr><th>stage</th><th>length</th><th>count</th><th>p50</th><th>p95</th>"
-            "<th>p99</th><th>mean density</th></tr>")
+    head = ("<tr><th>stage</th><th>length</th><th>attention</th><th>count</th><th>p50</th>"
+            "<th>p95</th><th>p99</th><th>mean density</th></tr>")
     body = []
     for r in report["rows"]:
         dens = "-" if r["mean_density"] is None else f'{r["mean_density"]:.3f}'
-        body.append(f'<tr data-stage="{e(r["stage"])}" data-bucket="{e(r["bucket"])}">'
-                    f'<td>{e(r["stage"])}</td><td>{e(r["bucket"])}</td><td>{r["count"]}</td>'
+        attn = r.get("attention") or ""
+        body.append(f'<tr data-stage="{e(r["stage"])}" data-bucket="{e(r["bucket"])}" '
+                    f'data-attention="{e(attn)}">'
+                    f'<td>{e(r["stage"])}</td><td>{e(r["bucket"])}</td><td>{e(attn or "-")}'
+                    f'</td><td>{r["count"]}</td>'
                     f'<td>{_fmt_ms(r["p50_ms"])}</td><td>{_fmt_ms(r["p95_ms"])}</td>'
                     f'<td>{_fmt_ms(r["p99_ms"])}</td><td>{dens}</td></tr>')
     return f'<table id="latency-table">{head}{"".join(body)}</table>'
@@ -222,14 +242,14 @@ h1 {{ font-size: 20px; }} h2 {{ font-size: 16px; margin-top: 28px; }}
 .label, .legend, .value {{ font-size: 12px; fill: #333; }}
 table {{ border-collapse: collapse; font-size: 13px; }}
 td, th {{ border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: right; }}
-td:first-child, th:first-child, td:nth-child(2) {{ text-align: left; }}
+td:first-child, th:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: left; }}
 .empty {{ color: #777; }}
 </style></head><body>
 <h1>mminfer latency report</h1>
 <p>Model <code>{e(model)}</code>; {window}; {report["requests"]} requests,
 {report["succeeded"]} answered; errors: {errors}.<br>{links} ·
 <a href="/v1/latency-report">JSON</a> · <a href="/metrics">metrics</a></p>
-<h2>Where the time goes (median per stage, by prompt length)</h2>
+<h2>Where the time goes (median per stage, by prompt length and attention)</h2>
 {stage_bars(report)}
 <h2>Time to first token</h2>
 {percentile_bars(report, "ttft")}

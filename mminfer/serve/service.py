@@ -7,6 +7,10 @@
             client leaves (499) or the deadline passes (504)
          -> the answer, its metrics and its latency record
 
+A streamed answer (stream.StreamReply) leaves this path once its first token exists: until
+then every error is the JSON answer above; after it, the stream itself answers, releases the
+request and records it when it ends (stream.py).
+
 A temp file belongs to the request until the job takes it (``Request.own``); whatever ends
 the request, a file still owned is removed.
 """
@@ -28,6 +32,7 @@ from . import media
 from .budget import Budget
 from .errors import describe, error_body, json_response
 from .intake import Intake
+from .stream import StreamReply, stop_job
 from .worker import Job
 
 log = logging.getLogger("mminfer.serve")
@@ -46,6 +51,7 @@ class Request:
     label: str = "the uploaded video"     # what messages call the video instead of its path
     slot: object = None                   # worker.Slot
     upload: object = None                 # intake.Upload
+    deadline: float | None = None         # time.monotonic() by which the job must be done
 
     def body(self, intake: Intake):
         """The request body as timed chunks."""
@@ -112,6 +118,7 @@ class Service:
         req = Request(http=http, id=rid, arrival=arrival)
         headers = {"X-Request-ID": rid}
         info: dict = {}
+        stream = None
         try:
             self.check_auth(http)
             # Refused here, the 503 goes out before a byte of the body is read (no 100
@@ -120,6 +127,8 @@ class Service:
             req.upload = self.intake.begin()
             body, info = await impl(req)
             status = 200
+            if isinstance(body, StreamReply):
+                stream = body
         except MMInferError as e:
             status, code, body = describe(e, req.path, req.label)
             body["error"]["request_id"] = rid
@@ -137,10 +146,17 @@ class Service:
             body = error_body("internal", f"internal error: {type(e).__name__}: {e}", 500,
                               request_id=rid)
         finally:
-            req.release()
+            if stream is None:
+                req.release()
+        if stream is not None:          # it releases, counts and records when it ends
+            return stream.response(headers)
+        self.finish(rid, endpoint, status, info, arrival)
+        return json_response(status, body, headers)
+
+    def finish(self, rid, endpoint, status, info, arrival):
+        """A request's outcome in the metrics and the latency store."""
         self.metrics.count(status, info.get("code"))
         self.record(rid, endpoint, status, info, arrival)
-        return json_response(status, body, headers)
 
     def record(self, rid, endpoint, status, info, arrival):
         result = info.get("result")
@@ -176,30 +192,46 @@ class Service:
     async def run_job(self, req: Request, question: str, params: dict):
         """Queue the job in the request's slot (the temp file, if ours, goes with it) and wait
         for its result, stopping it when the client leaves or the timeout passes."""
+        job, fut = self.submit(req, question, params)
+        await self.wait(req, job, fut)
+        return fut.result(), job
+
+    def submit(self, req: Request, question: str, params: dict, on_token=None):
+        """The job, queued in the request's slot, and its future on this loop; the request's
+        deadline starts now."""
         job = Job(video_path=req.path, question=question, params=params,
-                  cleanup=req.path if req.own else None, request_id=req.id)
+                  cleanup=req.path if req.own else None, request_id=req.id, on_token=on_token)
         self.worker.submit(job, req.slot)
         req.own = False                     # the job deletes it when done or dropped
-        fut = asyncio.wrap_future(job.future)
-        timeout_s = self.s.timeout_s
-        deadline = time.monotonic() + timeout_s
+        req.deadline = time.monotonic() + self.s.timeout_s
+        return job, asyncio.wrap_future(job.future)
+
+    async def wait(self, req: Request, job: Job, fut, until=None) -> bool:
+        """Wait until the job is done (True) or the future ``until`` is (False, the job still
+        running); stop it and raise when the client leaves (499) or the deadline passes
+        (504)."""
+        aws = {fut} if until is None else {fut, until}
         while True:
-            left = deadline - time.monotonic()
+            left = req.deadline - time.monotonic()
             if left <= 0:
-                err = Timeout(f"the request did not finish within {timeout_s:g} s (it timed "
-                              f"out {'while running' if job.started else 'in the queue'})",
-                              timeout_s=timeout_s)
-                job.cancel(err)
-                fut.add_done_callback(_quiet)
+                err = self.timeout_error(job)
+                stop_job(job, fut, err)
                 raise err
-            done, _ = await asyncio.wait({fut}, timeout=min(0.1, left))
-            if done:
-                return fut.result(), job
+            await asyncio.wait(aws, timeout=min(0.1, left),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if fut.done():
+                return True
+            if until is not None and until.done():
+                return False
             if await req.http.is_disconnected():
                 err = ClientGone("the client disconnected before the answer was ready")
-                job.cancel(err)
-                fut.add_done_callback(_quiet)
+                stop_job(job, fut, err)
                 raise err
+
+    def timeout_error(self, job: Job) -> Timeout:
+        t = self.s.timeout_s
+        return Timeout(f"the request did not finish within {t:g} s (it timed out "
+                       f"{'while running' if job.started else 'in the queue'})", timeout_s=t)
 
     def timings(self, result, job, upload_ms: float, arrival: float) -> dict:
         """Request timings: upload and queue, the pipeline's stages in its order, then ttft
@@ -217,9 +249,3 @@ def video_facts(result, label) -> dict:
     v = {k: val for k, val in result.video.items() if k != "path"}
     v["filename"] = label
     return v
-
-
-def _quiet(fut):
-    """Collect an abandoned future's exception so asyncio does not log it as unretrieved."""
-    if not fut.cancelled():
-        fut.exception()

@@ -3,7 +3,8 @@
 One row per finished request (successes and errors alike). Timings are kept as a JSON object
 per row: the stage list grows with the pipeline, and the report reads whatever stages the rows
 carry. The report groups successful requests by prompt length (tokens), because the cost of
-prefill attention depends on length far more than on anything else.
+prefill attention depends on length far more than on anything else, and by the attention the
+prefill ran (dense or sparse): the two cost differently at the same length.
 
 The report is computed by SQLite, not by loading rows into Python: each successful request's
 stages are also rows of ``stage_times``, indexed by (stage, bucket, ms), so a group's count
@@ -53,12 +54,20 @@ CREATE TABLE IF NOT EXISTS stage_times (
     b INTEGER NOT NULL,            -- length bucket (index into BUCKET_LABELS)
     ms REAL NOT NULL,
     ts REAL NOT NULL,
-    density REAL
+    density REAL,
+    attention TEXT                 -- the request's: a report group, as the bucket is
 );
-CREATE INDEX IF NOT EXISTS stage_times_order ON stage_times (stage, b, ms, ts, density);
+"""
+# Created after any migration (a store from before the attention column has the table
+# without it). The covering index gives each (stage, bucket, attention) its values in order.
+INDEXES = """
+DROP INDEX IF EXISTS stage_times_order;
+CREATE INDEX IF NOT EXISTS stage_times_group ON stage_times
+    (stage, b, attention, ms, ts, density);
 CREATE INDEX IF NOT EXISTS stage_times_req ON stage_times (req);
 CREATE INDEX IF NOT EXISTS stage_times_ts ON stage_times (ts);
 """
+ATTENTION_ORDER = ("dense", "sparse")     # report order; any other value (or none) after
 
 
 def bucket_index(tokens: int) -> int:
@@ -121,9 +130,15 @@ class LatencyStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(stage_times)")}
+            if "attention" not in cols:        # a store written before the attention group
+                self._db.execute("ALTER TABLE stage_times ADD COLUMN attention TEXT")
+                self._db.execute("UPDATE stage_times SET attention = (SELECT r.attention FROM "
+                                 "requests r WHERE r.rowid = stage_times.req)")
             if self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM stage_times) AND EXISTS "
                                 "(SELECT 1 FROM requests)").fetchone()[0]:
                 self._fill_stage_times()       # a store written before stage_times existed
+            self._db.executescript(INDEXES)
             self._db.commit()
         self.prune()
 
@@ -131,7 +146,7 @@ class LatencyStore:
         whens = " ".join(f"WHEN r.tokens < {e} THEN {i}" for i, e in enumerate(BUCKET_EDGES))
         self._db.execute(
             f"INSERT INTO stage_times SELECT r.rowid, j.key, CASE {whens} ELSE "
-            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density FROM requests r, "
+            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density, r.attention FROM requests r, "
             f"json_each(r.timings) j WHERE r.status = 200 AND r.tokens IS NOT NULL AND "
             f"j.type IN ('integer', 'real')")
 
@@ -172,8 +187,8 @@ class LatencyStore:
                                    "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             if int(status) == 200 and tokens is not None:
                 b = bucket_index(tokens)
-                self._db.executemany("INSERT INTO stage_times VALUES (?, ?, ?, ?, ?, ?)",
-                                     [(cur.lastrowid, k, b, ms, row[1], density)
+                self._db.executemany("INSERT INTO stage_times VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                     [(cur.lastrowid, k, b, ms, row[1], density, attention)
                                       for k, ms in stages])
             self._db.commit()
             self._adds += 1
@@ -214,15 +229,17 @@ class LatencyStore:
             args.append(until)
         with self._lock:
             groups = self._db.execute(
-                "SELECT stage, b, COUNT(*), AVG(ms), AVG(density), MIN(ts) FROM stage_times "
-                "WHERE 1=1" + window + " GROUP BY stage, b", args).fetchall()
+                "SELECT stage, b, attention, COUNT(*), AVG(ms), AVG(density), MIN(ts) FROM "
+                "stage_times WHERE 1=1" + window + " GROUP BY stage, b, attention",
+                args).fetchall()
             picks = {}
-            for stage, b, n, *_ in groups:
+            for stage, b, attn, n, *_ in groups:
                 for name, q in QUANTILES:
                     lo = math.floor((n - 1) * q)
-                    picks[(stage, b, name)] = [v for v, in self._db.execute(
-                        "SELECT ms FROM stage_times WHERE stage = ? AND b = ?" + window +
-                        " ORDER BY ms LIMIT 2 OFFSET ?", [stage, b, *args, lo])]
+                    picks[(stage, b, attn, name)] = [v for v, in self._db.execute(
+                        "SELECT ms FROM stage_times WHERE stage = ? AND b = ? AND "
+                        "attention IS ?" + window + " ORDER BY ms LIMIT 2 OFFSET ?",
+                        [stage, b, attn, *args, lo])]
             total, ok = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(status = 200 AND tokens IS NOT NULL), 0) FROM "
                 "requests WHERE 1=1" + window, args).fetchone()
@@ -231,23 +248,35 @@ class LatencyStore:
                 "WHERE status != 200" + window + " GROUP BY 1 ORDER BY 1", args).fetchall()
         first_seen: dict[str, float] = {}
         by_cell = {}
-        for stage, b, n, mean, density, ts in groups:
+        for stage, b, attn, n, mean, density, ts in groups:
             first_seen[stage] = min(ts, first_seen.get(stage, ts))
-            row = {"stage": stage, "bucket": BUCKET_LABELS[b], "count": n}
+            row = {"stage": stage, "bucket": BUCKET_LABELS[b], "attention": attn, "count": n}
             for name, q in QUANTILES:
-                vals = picks[(stage, b, name)]
+                vals = picks[(stage, b, attn, name)]
                 pos = (n - 1) * q
                 lo, hi = vals[0], vals[-1]
                 row[name] = round(lo + (hi - lo) * (pos - math.floor(pos)), 3)
             row["mean_ms"] = round(mean, 3)
             row["mean_density"] = round(density, 6) if density is not None else None
-            by_cell[(stage, b)] = row
+            by_cell[(stage, b, attn)] = row
         extra = sorted((s for s in first_seen if s not in REPORT_STAGES), key=first_seen.get)
         stages = [s for s in (*REPORT_STAGES, *extra) if s in first_seen]
-        present = sorted({b for _, b in by_cell})
-        table = [by_cell[(s, b)] for s in stages for b in range(len(BUCKET_LABELS))
-                 if (s, b) in by_cell]
+        attentions = sorted({a for _, _, a in by_cell}, key=attention_rank)
+        groups_present = sorted({(b, a) for _, b, a in by_cell},
+                                key=lambda g: (g[0], attention_rank(g[1])))
+        table = [by_cell[(s, b, a)] for s in stages for b, a in groups_present
+                 if (s, b, a) in by_cell]
         return {"since": since, "until": until, "requests": total, "succeeded": ok,
                 "errors": dict(errs), "stages": stages,
-                "buckets": [BUCKET_LABELS[b] for b in present],
+                "buckets": [BUCKET_LABELS[b] for b in sorted({b for b, _ in groups_present})],
+                "attentions": attentions,
+                "groups": [{"bucket": BUCKET_LABELS[b], "attention": a}
+                           for b, a in groups_present],
                 "bucket_edges_tokens": list(BUCKET_EDGES), "rows": table}
+
+
+def attention_rank(attention):
+    """dense, sparse, then any other value, then none: the report's order."""
+    if attention in ATTENTION_ORDER:
+        return (ATTENTION_ORDER.index(attention), "")
+    return (len(ATTENTION_ORDER) + (attention is None), attention or "")

@@ -62,6 +62,7 @@ class Job:
     worker: "ModelWorker | None" = None
     guard: Guard = field(default_factory=Guard)
     shadow_sampled: bool = False          # the shadow monitor asked it to keep its inputs
+    on_token: object = None               # Pipeline.answer's on_token (a streamed answer)
 
     def cancel(self, reason: MMInferError | None = None) -> bool:
         """Stop the job: dropped at once if it has not started (True), else asked to stop
@@ -310,8 +311,9 @@ class ModelWorker:
         if job.stop is not None:           # asked to stop before it got here
             raise Cancelled("the request was cancelled before it started")
         params = job.params if self.shadow is None else self.shadow.params(job, self.pipeline)
+        extra = {} if job.on_token is None else {"on_token": job.on_token}
         return job.guard.run(self.pipeline.answer, job.video_path, job.question,
-                             cancel=job.should_stop, **params)
+                             cancel=job.should_stop, **params, **extra)
 
     # ------------------------------------------------------------------ thread
     def _main(self):

@@ -37,9 +37,9 @@ def _small_chunks(pipe):
             def __getattr__(self, name):
                 return getattr(self.tower, name)
 
-            def __call__(self, pixels, n, h, w):
+            def __call__(self, pixels, n, h, w, **kw):
                 calls.append(n)
-                return self.tower(pixels, n, h, w)
+                return self.tower(pixels, n, h, w, **kw)
 
         ad.tower = Counting(ad.tower)
     else:

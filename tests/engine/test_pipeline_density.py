@@ -1,0 +1,101 @@
+"""A sparse answer's density is counted from its plans inside a stage of its own, so the
+stages add up to the total and the count is never in the time to first token; what the
+answer reports as a density never exceeds 1 (tile work, which can, is reported as work)."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mminfer.engine.pipeline import Pipeline, _sparsity
+from mminfer.engine.timing import PIPELINE_STAGES, TOTALS
+from mminfer.kernels.plan import SparsePlan
+
+NEEDLE = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
+SLOW_S = 0.25          # per layer: a count slow enough that no gap can hide it
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return Pipeline(None, device="cpu")          # the embedded model, calibrated patterns
+
+
+def stages_sum(t: dict) -> float:
+    return sum(v for k, v in t.items() if k not in TOTALS)
+
+
+def test_density_is_a_stage_inside_the_total(pipe, monkeypatch):
+    real = SparsePlan.density
+    counted = []
+
+    def slow_density(plan):
+        counted.append(plan.n)
+        time.sleep(SLOW_S)
+        return real(plan)
+
+    monkeypatch.setattr(SparsePlan, "density", slow_density)
+    r = pipe.answer(NEEDLE, "What number appears in the video?", fps=2, max_frames=4,
+                    max_new_tokens=3, attention="sparse")
+    t = r.timings_ms
+    assert list(t) == list(PIPELINE_STAGES)
+    layers = len(r.sparsity["layers"])
+    assert counted == [r.tokens["total"]] * layers          # once per sparse layer
+    assert t["density"] >= SLOW_S * layers * 1e3
+    # every stage is inside the total and together they are all of it, up to the few
+    # untimed statements between them
+    gap = t["total"] - stages_sum(t)
+    assert -1.0 <= gap <= 50.0 + 0.005 * t["total"], (gap, t)
+    # the count comes after the last token: not in the time to first token
+    assert t["ttft"] + t["generate"] + t["density"] <= t["total"] + 1.0
+    assert t["ttft"] < t["total"] - SLOW_S * layers * 1e3
+
+
+def test_a_dense_answer_has_nothing_to_count(pipe):
+    r = pipe.answer(NEEDLE, "What number appears in the video?", fps=2, max_frames=4,
+                    max_new_tokens=2, attention="dense")
+    assert r.sparsity is None and r.timings_ms["density"] < 1.0
+    assert -1.0 <= r.timings_ms["total"] - stages_sum(r.timings_ms) <= 50.0
+
+
+def _plans(pipe, frames: int) -> dict:
+    """The embedded model's plans for a request of ``frames`` 4x4-token frames, from its own
+    estimator on random q/k (the plan's counts need no kernel launch)."""
+    from mminfer.sparse.estimate import estimate_layer
+    from mminfer.sparse.modality import ModalityIndex
+    pats = pipe.adapter.patterns
+    idx = ModalityIndex.from_segments([("text", 15), ("video", frames, 4, 4, 0), ("text", 8)])
+    g = torch.Generator().manual_seed(frames)
+    out = {}
+    for layer in range(pipe.adapter.identity.layers):
+        q = torch.randn(1, 4, idx.n, 64, generator=g)
+        k = torch.randn(1, 2, idx.n, 64, generator=g)
+        est = estimate_layer(q, k, idx, pats.layer(layer), block_m=16, block_n=16,
+                             scale=64 ** -0.5)
+        out[layer] = est.build_plan(q.device)
+    return out
+
+
+@pytest.mark.parametrize("frames", [4, 11, 32, 64])
+def test_reported_density_never_exceeds_one(pipe, frames):
+    plans = _plans(pipe, frames)
+    raw = {layer: p.density() for layer, p in plans.items()}
+    s = _sparsity(plans, pipe.adapter.patterns)
+    assert "mean_tile_density" not in s
+    assert 0 < s["mean_density"] <= 1 and all(0 < d <= 1 for d in s["per_layer"])
+    assert s["per_layer"] == [round(raw[i]["logical"], 6) for i in sorted(raw)]
+    assert s["per_layer_tile_work"] == [round(raw[i]["physical"], 6) for i in sorted(raw)]
+    assert s["mean_tile_work"] == pytest.approx(
+        sum(d["physical"] for d in raw.values()) / len(raw))
+
+
+def test_tile_work_above_one_is_work_not_density(pipe):
+    """535 tokens: the 2D-boundary heads of layer 0 have windows longer than the prompt, so
+    each of their two key groups sweeps every tile: twice a dense pass's work for those heads
+    while every pair is computed once."""
+    plans = _plans(pipe, 32)
+    d = plans[0].density()
+    assert d["logical"] == pytest.approx(1.0) and d["physical"] > 1.2
+    s = _sparsity({0: plans[0]}, pipe.adapter.patterns)
+    assert s["mean_density"] == pytest.approx(1.0)
+    assert s["mean_tile_work"] == pytest.approx(d["physical"])
