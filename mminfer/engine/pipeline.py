@@ -283,7 +283,6 @@ class Pipeline:
         ms["total"] = total_ms
         timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
         resized = prep.tensors.get("resized")
-        sparsity = _sparsity(ctx.densities, ad.patterns)
         if kept is not None:
             from mminfer.engine.rerun import finish
             finish(kept, ad, prep, gen, (sparsity or {}).get("mean_density"))
