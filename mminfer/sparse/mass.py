@@ -1,0 +1,155 @@
+"""Budgets by retained mass: how many verticals and slashes (vertical_slash) or key blocks
+(block, per row block) a head keeps, chosen per head and per request from the proxy's mass.
+
+The rule (FlexPrefill's cumulative-mass rule, on our proxy sums): what the pattern covers
+anyway, the near window and the sinks, counts as covered first; the other candidates are
+taken in descending estimated mass until the covered mass reaches ``gamma`` of the total
+(the candidate that crosses it is kept); the number taken is then clamped to a floor and a
+ceiling. A head whose mass sits on one sharp line stops after a line or two; a head whose
+mass is spread over the whole video keeps adding until the ceiling.
+
+Everything stays on the device: the width of the id lists is the ceiling, a host int from
+the config and the length; ids past a head's count are -1, which is how the plan takes
+variable budgets (``kernels/plan.py`` sorts them away). Nothing here reads a tensor on the
+host.
+
+Estimated mass, exactly:
+
+* vertical_slash: ``col[j]`` (the proxy queries' softmax mass on key j) and ``diag[o]``
+  (their mass on offset o = i - j). Near = ``sum diag[o <= window]``; sinks = the mass of
+  columns ``j < sink`` outside every proxy query's window (``j < qmin - window``: the rest
+  is near mass already); vertical candidates are the other columns outside the window,
+  slash candidates the offsets beyond it. Total = the proxy mass on the region's keys. A
+  vertical and a slash meet in one pair per proxy query, counted in both: the covered
+  estimate is high by at most those pairs.
+* block: the row block's mean-pooled query against each key block's mean-pooled key,
+  ``scale * qbar . kbar + log(keys in the block)``, softmax over the causal key blocks (of
+  the region's keys): near = the blocks in the near range, candidates the blocks beyond it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+NEG = float("-inf")
+
+
+@dataclass
+class MassChoice:
+    """What the mass rule chose for a group of heads (device tensors ``[B, H']``)."""
+    heads: list
+    kind: str                     # "vertical_slash" | "block"
+    qmod: Optional[str]
+    kmod: Optional[str]
+    count: torch.Tensor           # lines kept (block: mean key blocks per row block)
+    density: torch.Tensor         # count / keys (block: / key blocks) - the clamped quantity
+    covered: torch.Tensor         # estimated mass covered / total (block: least row block)
+    gamma: list                   # per head, host floats
+
+
+def line_bounds(pats, n_keys: int) -> tuple[list, list]:
+    """Floor and ceiling (numbers of lines or key blocks) of each mass pattern for a region
+    of ``n_keys`` candidates: ``ceil(min_density * n)`` and ``floor(max_density * n)``, the
+    floor never above the ceiling."""
+    hi = [int(math.floor(p.max_density * n_keys + 1e-9)) for p in pats]
+    lo = [min(int(math.ceil(p.min_density * n_keys - 1e-9)), h) for p, h in zip(pats, hi)]
+    return lo, hi
+
+
+def keep_by_mass(vals: torch.Tensor, need: torch.Tensor, floor: torch.Tensor,
+                 ceil: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vals [..., w]``: candidate masses in descending order (-inf: no candidate);
+    ``need [...]``: mass still to cover; ``floor``/``ceil``: counts broadcastable to
+    ``[..., 1]``. Returns (keep ``[..., w]`` bool, a prefix; the mass kept ``[...]``).
+    Candidates are kept while the mass before them is short of ``need`` and they add mass,
+    and always up to the floor; never past the ceiling."""
+    w = vals.shape[-1]
+    finite = vals > NEG
+    v = torch.where(finite, vals, torch.zeros_like(vals))
+    before = torch.cumsum(v, dim=-1) - v
+    rank = torch.arange(w, device=vals.device)
+    keep = finite & (((before < need[..., None]) & (v > 0)) | (rank < floor)) & (rank < ceil)
+    return keep, (v * keep).sum(-1)
+
+
+def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
+                  window: torch.Tensor, qmin: int, gamma: torch.Tensor,
+                  floor: Sequence[int], ceil: Sequence[int],
+                  keys: torch.Tensor | None = None):
+    """Verticals and slashes of a vertical_slash head by mass.
+
+    ``col``/``diag [B, H, N]`` the proxy's column and diagonal sums (``diag`` over the
+    region's keys), ``sink``/``window [H]`` int64 and ``gamma [H]`` float (device), ``qmin``
+    the first proxy query, ``floor``/``ceil`` host ints per head (lines, verticals and
+    slashes together), ``keys [N]`` bool: the region's keys (2D-boundary) or None.
+
+    Returns ``(verticals [B, H, w], slashes [B, H, w], count [B, H], covered [B, H])``:
+    -1 padded ids (sink columns not included: the caller forces them in), the lines kept
+    and the estimated covered fraction of the mass (near window and sinks included)."""
+    B, H, N = col.shape
+    dev = col.device
+    j = torch.arange(N, device=dev)
+    far = j[None, :] < (qmin - window)[:, None]                     # [H, N]
+    if keys is not None:
+        far = far & keys[None, :]
+        total = (col * keys).sum(-1)
+    else:
+        total = col.sum(-1)
+    is_sink = j[None, :] < sink[:, None]
+    near = (diag * (j[None, :] <= window[:, None])).sum(-1)
+    base = near + (col * (far & is_sink)).sum(-1)                   # [B, H]
+    vcand = torch.where((far & ~is_sink)[None], col, torch.tensor(NEG, device=dev))
+    scand = torch.where((j[None, :] > window[:, None])[None], diag,
+                        torch.tensor(NEG, device=dev))
+    width = min(max(ceil, default=0), 2 * N)
+    if width <= 0:
+        empty = torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
+        return empty, empty, torch.zeros(B, H, device=dev), \
+            base / total.clamp(min=1e-30)
+    vals, ids = torch.topk(torch.cat([vcand, scand], dim=-1), width, dim=-1)
+    fl = torch.tensor(list(floor), dtype=torch.long).to(dev, non_blocking=True)
+    cl = torch.tensor(list(ceil), dtype=torch.long).to(dev, non_blocking=True)
+    need = gamma[None, :].to(total.dtype) * total - base
+    keep, kept = keep_by_mass(vals, need, fl[None, :, None], cl[None, :, None])
+    minus = torch.full_like(ids, -1)
+    verticals = torch.where(keep & (ids < N), ids, minus)
+    slashes = torch.where(keep & (ids >= N), ids - N, minus)
+    covered = (base + kept) / total.clamp(min=1e-30)
+    return verticals, slashes, keep.sum(-1).to(torch.float32), covered
+
+
+def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, *,
+                   gamma: torch.Tensor, floor: Sequence[int], ceil: Sequence[int],
+                   width: int):
+    """Key blocks of block heads by mass, for a chunk of row blocks.
+
+    ``logits [B, H, r, K]``: log estimated mass per key block (-inf where a block is not
+    causal for the row block or holds none of the region's keys); ``far``/``near``
+    (broadcastable to it) bool: the candidate blocks and the blocks the near range covers;
+    ``gamma [H]`` float (device); ``floor``/``ceil`` host ints per head; ``width`` the id
+    list width (at least ``max(ceil)``, at most K).
+
+    Returns ``(ids [B, H, r, width] -1 padded, count [B, H, r], covered [B, H, r])``."""
+    B, H, r, K = logits.shape
+    dev = logits.device
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(logits - m)                                       # 0 where -inf
+    p = e / e.sum(-1, keepdim=True).clamp(min=1e-30)
+    total = (p.sum(-1) > 0).to(p.dtype)                             # 1, or 0: no causal key
+    base = (p * near).sum(-1)
+    if width <= 0:
+        return torch.full((B, H, r, 0), -1, dtype=torch.long, device=dev), \
+            torch.zeros(B, H, r, device=dev), base / total.clamp(min=1e-30)
+    cand = torch.where(far & (e > 0), p, torch.tensor(NEG, device=dev))
+    vals, ids = torch.topk(cand, width, dim=-1)
+    fl = torch.tensor(list(floor), dtype=torch.long).to(dev, non_blocking=True)
+    cl = torch.tensor(list(ceil), dtype=torch.long).to(dev, non_blocking=True)
+    need = gamma[None, :, None].to(p.dtype) * total - base
+    keep, kept = keep_by_mass(vals, need, fl[None, :, None, None], cl[None, :, None, None])
+    out = torch.where(keep, ids, torch.full_like(ids, -1))
+    return out, keep.sum(-1).to(torch.float32), (base + kept) / total.clamp(min=1e-30)
