@@ -312,7 +312,8 @@ class _Estimator:
             dev, non_blocking=True)
         top, slashes, count, covered = lines_by_mass(
             col, diag, sink=sink, window=self._ints([p.window for p in pats]),
-            qmin=min(self._qpos(qmod)), gamma=gamma, floor=floor, ceil=ceil, keys=keys)
+            qpos=self._ints(sorted(self._qpos(qmod))), gamma=gamma, floor=floor, ceil=ceil,
+            keys=keys)
         max_sink = min(max(p.sink for p in pats), N)
         sinks = torch.arange(max_sink, device=dev)[None, None, :].expand(self.B, len(hs), -1)
         sinks = torch.where(sinks < sink[None, :, None], sinks, torch.full_like(sinks, -1))
@@ -445,13 +446,17 @@ class _Estimator:
                 else:
                     out[:, cpos, a:b, :kmax] = ids
             if by_mass:
+                only = not by_count
+                sm, fm = (s, far) if only else (s[:, mpos], far[mpos])
                 causal = cstart[None, :] < table[a:b, 1][:, None]               # [r, NKB]
-                logits = torch.where(causal, s[:, mpos] * self.scale + logn,
+                logits = torch.where(causal, sm * self.scale + logn,
                                      torch.tensor(float("-inf"), device=dev))
-                ids, cnt, cov = blocks_by_mass(logits, far[mpos][None], ~far[mpos][None],
-                                               gamma=gamma, floor=floor, ceil=ceil,
-                                               width=mwidth)
-                out[:, mpos, a:b, :mwidth] = ids
+                ids, cnt, cov = blocks_by_mass(logits, fm[None], ~fm[None], gamma=gamma,
+                                               floor=floor, ceil=ceil, width=mwidth)
+                if only:
+                    out[:, :, a:b] = ids
+                else:
+                    out[:, mpos, a:b, :mwidth] = ids
                 m_count[:, :, a:b], m_cover[:, :, a:b] = cnt, cov
         if by_mass:
             # Reported over the row blocks this slot computes (its query group's).

@@ -16,11 +16,14 @@ host.
 Estimated mass, exactly:
 
 * vertical_slash: ``col[j]`` (the proxy queries' softmax mass on key j) and ``diag[o]``
-  (their mass on offset o = i - j). Near = ``sum diag[o <= window]``; sinks = the mass of
-  columns ``j < sink`` outside every proxy query's window (``j < qmin - window``: the rest
-  is near mass already); vertical candidates are the other columns outside the window,
-  slash candidates the offsets beyond it. Total = the proxy mass on the region's keys. A
-  vertical and a slash meet in one pair per proxy query, counted in both: the covered
+  (their mass on offset o = i - j). Near = ``sum diag[o <= window]``. A column's mass beyond
+  the window is estimated as ``col[j] * f[j]``, f the share of proxy queries i with
+  ``i - j > window`` (1 for a column before every query's window, 0 inside all of them;
+  between, or when the proxy queries are not contiguous, as a q-boundary text region's
+  question and system prompt are not, the column's mass is taken as even over its rows):
+  sinks = that for ``j < sink``, vertical candidates = that for the other columns, slash
+  candidates = the offsets beyond the window. Total = the proxy mass on the region's keys.
+  A vertical and a slash meet in one pair per proxy query, counted in both: the covered
   estimate is high by at most those pairs.
 * block: the row block's mean-pooled query against each key block's mean-pooled key,
   ``scale * qbar . kbar + log(keys in the block)``, softmax over the causal key blocks (of
@@ -77,15 +80,16 @@ def keep_by_mass(vals: torch.Tensor, need: torch.Tensor, floor: torch.Tensor,
 
 
 def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
-                  window: torch.Tensor, qmin: int, gamma: torch.Tensor,
+                  window: torch.Tensor, qpos: torch.Tensor, gamma: torch.Tensor,
                   floor: Sequence[int], ceil: Sequence[int],
                   keys: torch.Tensor | None = None):
     """Verticals and slashes of a vertical_slash head by mass.
 
     ``col``/``diag [B, H, N]`` the proxy's column and diagonal sums (``diag`` over the
-    region's keys), ``sink``/``window [H]`` int64 and ``gamma [H]`` float (device), ``qmin``
-    the first proxy query, ``floor``/``ceil`` host ints per head (lines, verticals and
-    slashes together), ``keys [N]`` bool: the region's keys (2D-boundary) or None.
+    region's keys), ``sink``/``window [H]`` int64 and ``gamma [H]`` float, ``qpos`` the proxy
+    queries' positions (ascending int64), all on the device; ``floor``/``ceil`` host ints per
+    head (lines, verticals and slashes together), ``keys [N]`` bool: the region's keys
+    (2D-boundary) or None.
 
     Returns ``(verticals [B, H, w], slashes [B, H, w], count [B, H], covered [B, H])``:
     -1 padded ids (sink columns not included: the caller forces them in), the lines kept
@@ -93,16 +97,20 @@ def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
     B, H, N = col.shape
     dev = col.device
     j = torch.arange(N, device=dev)
-    far = j[None, :] < (qmin - window)[:, None]                     # [H, N]
+    # share of the proxy queries for which column j lies beyond the window  [H, N]
+    inside = torch.searchsorted(qpos, (j[None, :] + window[:, None]).contiguous(), right=True)
+    frac = (qpos.numel() - inside).to(col.dtype) / max(qpos.numel(), 1)
     if keys is not None:
-        far = far & keys[None, :]
+        frac = frac * keys[None, :]
         total = (col * keys).sum(-1)
     else:
         total = col.sum(-1)
     is_sink = j[None, :] < sink[:, None]
     near = (diag * (j[None, :] <= window[:, None])).sum(-1)
-    base = near + (col * (far & is_sink)).sum(-1)                   # [B, H]
-    vcand = torch.where((far & ~is_sink)[None], col, torch.tensor(NEG, device=dev))
+    far_mass = col * frac                                            # [B, H, N]
+    base = near + (far_mass * is_sink).sum(-1)                       # [B, H]
+    vcand = torch.where(((frac > 0) & ~is_sink)[None], far_mass,
+                        torch.tensor(NEG, device=dev))
     scand = torch.where((j[None, :] > window[:, None])[None], diag,
                         torch.tensor(NEG, device=dev))
     width = min(max(ceil, default=0), 2 * N)

@@ -97,13 +97,13 @@ def test_mass_ids_valid_and_unique():
     pat = vertical_slash(window=window, sink=sink, gamma=0.99, max_density=0.6)
     est = estimate_layer(q, k, idx, [HeadPattern.single(pat)] * 2, block_m=BM, block_n=BN)
     (spec,) = est.specs
-    qmin = n - 64
+    qmax = n - 1
     for h in range(2):
         v = [x for x in spec.verticals[0, h].tolist() if x >= 0]
         s = [x for x in spec.slashes[0, h].tolist() if x >= 0]
         assert len(v) == len(set(v)) and len(s) == len(set(s))
         assert set(range(sink)) <= set(v)                          # sinks forced in
-        assert all(x < qmin - window for x in v if x >= sink)      # verticals outside the window
+        assert all(x < qmax - window for x in v if x >= sink)      # beyond some query's window
         assert all(window < x < n for x in s)                      # slashes beyond it
         assert all(x < n for x in v)
 
@@ -256,3 +256,26 @@ def test_mass_estimate_reads_nothing_on_the_host():
     est = estimate_layer(q.to("meta"), k.to("meta"), idx, MASS_HEADS, block_m=BM, block_n=BN)
     assert len(est.masses) >= 6
     assert all(m.count.device.type == "meta" for m in est.masses)
+
+
+def test_text_rows_of_a_q_boundary_head_find_their_verticals():
+    """The text region's proxy queries are the question *and* the system prompt before the
+    video (not contiguous): a video key the question attends to is still a vertical (its
+    mass counts for the queries it is beyond the window of)."""
+    idx = ModalityIndex.from_segments([("text", 20), ("video", 8, 4, 6, 0), ("text", 30)])
+    n, D = idx.n, 32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, n, D, generator=g) * 0.3
+    k = torch.randn(1, 1, n, D, generator=g) * 0.3
+    u = torch.nn.functional.normalize(torch.randn(D, generator=g), dim=0)
+    col = 20 + 5 * 24 + 7                       # a key in the video's sixth frame
+    q[0, 0, n - 30:] += u * 10
+    k[0, 0, col] += u * 10
+    pat = vertical_slash(window=8, sink=2, gamma=0.9, max_density=0.5)
+    est = estimate_layer(q, k, idx, [HeadPattern("q", {"text": pat, "video": pat})],
+                         block_m=BM, block_n=BN)
+    text = [sp for sp in est.specs if sp.qgroup == idx.group_of("text")]
+    (spec,) = text
+    assert col in spec.verticals[0, 0].tolist()
+    (m,) = [m for m in est.masses if m.qmod == "text"]
+    assert float(m.covered[0, 0]) >= 0.9
