@@ -223,6 +223,9 @@ class _Estimator:
     def _ints(self, xs):
         return torch.tensor(xs, dtype=torch.long).to(self.dev, non_blocking=True)
 
+    def _floats(self, xs):
+        return torch.tensor(xs, dtype=torch.float32).to(self.dev, non_blocking=True)
+
     def _qpos(self, qmod):
         if qmod is None or not self.multi:
             return list(range(max(0, self.N - self.last_q), self.N))
@@ -308,12 +311,11 @@ class _Estimator:
             g = self.index.group_of(kmod)
             keys, n_keys = kgroups == g, counts[g]
         floor, ceil = line_bounds(pats, n_keys)
-        gamma = torch.tensor([p.gamma for p in pats], dtype=torch.float32).to(
-            dev, non_blocking=True)
         top, slashes, count, covered = lines_by_mass(
             col, diag, sink=sink, window=self._ints([p.window for p in pats]),
-            qpos=self._ints(sorted(self._qpos(qmod))), gamma=gamma, floor=floor, ceil=ceil,
-            keys=keys)
+            qpos=self._ints(sorted(self._qpos(qmod))),
+            gamma=self._floats([p.gamma for p in pats]), floor=self._ints(floor),
+            ceil=self._ints(ceil), width=max(ceil), keys=keys)
         max_sink = min(max(p.sink for p in pats), N)
         sinks = torch.arange(max_sink, device=dev)[None, None, :].expand(self.B, len(hs), -1)
         sinks = torch.where(sinks < sink[None, :, None], sinks, torch.full_like(sinks, -1))
@@ -415,10 +417,10 @@ class _Estimator:
             mpats = [pats[i] for i in by_mass]
             floor, ceil = line_bounds(mpats, nkb)
             mwidth = min(max(ceil), nkb)
-            gamma = torch.tensor([p.gamma for p in mpats], dtype=torch.float32).to(
-                dev, non_blocking=True)
+            gamma = self._floats([p.gamma for p in mpats])
+            floor, ceil = self._ints(floor), self._ints(ceil)
             nkeys = (torch.clamp(N - cstart, max=bn)).to(torch.float32)
-            logn = torch.where(ok_k, nkeys.log(), torch.tensor(float("-inf"), device=dev))
+            logn = torch.where(ok_k, nkeys.log(), float("-inf"))
             m_count = torch.zeros(B, len(by_mass), R, device=dev)
             m_cover = torch.zeros(B, len(by_mass), R, device=dev)
         else:
@@ -437,7 +439,7 @@ class _Estimator:
             if by_count:
                 sc = s if whole else s[:, cpos]
                 fc = far if whole else far[cpos]
-                sc = torch.where(fc[None], sc, torch.tensor(float("-inf"), device=dev))
+                sc = torch.where(fc[None], sc, float("-inf"))
                 vals, ids = torch.topk(sc, kmax, dim=-1)
                 keep = (rank < budget) & torch.isfinite(vals)
                 ids = torch.where(keep, ids, torch.full_like(ids, -1))
@@ -449,8 +451,7 @@ class _Estimator:
                 only = not by_count
                 sm, fm = (s, far) if only else (s[:, mpos], far[mpos])
                 causal = cstart[None, :] < table[a:b, 1][:, None]               # [r, NKB]
-                logits = torch.where(causal, sm * self.scale + logn,
-                                     torch.tensor(float("-inf"), device=dev))
+                logits = torch.where(causal, sm * self.scale + logn, float("-inf"))
                 ids, cnt, cov = blocks_by_mass(logits, fm[None], ~fm[None], gamma=gamma,
                                                floor=floor, ceil=ceil, width=mwidth)
                 if only:

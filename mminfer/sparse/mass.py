@@ -11,7 +11,8 @@ mass is spread over the whole video keeps adding until the ceiling.
 Everything stays on the device: the width of the id lists is the ceiling, a host int from
 the config and the length; ids past a head's count are -1, which is how the plan takes
 variable budgets (``kernels/plan.py`` sorts them away). Nothing here reads a tensor on the
-host.
+host or copies one to the device: per-head numbers come in as device tensors, made by the
+estimator (which owns how a host list reaches the device without a stream sync).
 
 Estimated mass, exactly:
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -81,15 +82,16 @@ def keep_by_mass(vals: torch.Tensor, need: torch.Tensor, floor: torch.Tensor,
 
 def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
                   window: torch.Tensor, qpos: torch.Tensor, gamma: torch.Tensor,
-                  floor: Sequence[int], ceil: Sequence[int],
+                  floor: torch.Tensor, ceil: torch.Tensor, width: int,
                   keys: torch.Tensor | None = None):
     """Verticals and slashes of a vertical_slash head by mass.
 
     ``col``/``diag [B, H, N]`` the proxy's column and diagonal sums (``diag`` over the
     region's keys), ``sink``/``window [H]`` int64 and ``gamma [H]`` float, ``qpos`` the proxy
-    queries' positions (ascending int64), all on the device; ``floor``/``ceil`` host ints per
-    head (lines, verticals and slashes together), ``keys [N]`` bool: the region's keys
-    (2D-boundary) or None.
+    queries' positions (ascending int64), ``floor``/``ceil [H]`` int64 lines per head
+    (verticals and slashes together), all on the device; ``width`` the id list width (host:
+    at least the largest ceiling); ``keys [N]`` bool: the region's keys (2D-boundary) or
+    None.
 
     Returns ``(verticals [B, H, w], slashes [B, H, w], count [B, H], covered [B, H])``:
     -1 padded ids (sink columns not included: the caller forces them in), the lines kept
@@ -109,20 +111,16 @@ def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
     near = (diag * (j[None, :] <= window[:, None])).sum(-1)
     far_mass = col * frac                                            # [B, H, N]
     base = near + (far_mass * is_sink).sum(-1)                       # [B, H]
-    vcand = torch.where(((frac > 0) & ~is_sink)[None], far_mass,
-                        torch.tensor(NEG, device=dev))
-    scand = torch.where((j[None, :] > window[:, None])[None], diag,
-                        torch.tensor(NEG, device=dev))
-    width = min(max(ceil, default=0), 2 * N)
+    vcand = torch.where(((frac > 0) & ~is_sink)[None], far_mass, NEG)
+    scand = torch.where((j[None, :] > window[:, None])[None], diag, NEG)
+    width = min(width, 2 * N)
     if width <= 0:
         empty = torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
         return empty, empty, torch.zeros(B, H, device=dev), \
             base / total.clamp(min=1e-30)
     vals, ids = torch.topk(torch.cat([vcand, scand], dim=-1), width, dim=-1)
-    fl = torch.tensor(list(floor), dtype=torch.long).to(dev, non_blocking=True)
-    cl = torch.tensor(list(ceil), dtype=torch.long).to(dev, non_blocking=True)
     need = gamma[None, :].to(total.dtype) * total - base
-    keep, kept = keep_by_mass(vals, need, fl[None, :, None], cl[None, :, None])
+    keep, kept = keep_by_mass(vals, need, floor[None, :, None], ceil[None, :, None])
     minus = torch.full_like(ids, -1)
     verticals = torch.where(keep & (ids < N), ids, minus)
     slashes = torch.where(keep & (ids >= N), ids - N, minus)
@@ -131,15 +129,15 @@ def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
 
 
 def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, *,
-                   gamma: torch.Tensor, floor: Sequence[int], ceil: Sequence[int],
+                   gamma: torch.Tensor, floor: torch.Tensor, ceil: torch.Tensor,
                    width: int):
     """Key blocks of block heads by mass, for a chunk of row blocks.
 
     ``logits [B, H, r, K]``: log estimated mass per key block (-inf where a block is not
     causal for the row block or holds none of the region's keys); ``far``/``near``
     (broadcastable to it) bool: the candidate blocks and the blocks the near range covers;
-    ``gamma [H]`` float (device); ``floor``/``ceil`` host ints per head; ``width`` the id
-    list width (at least ``max(ceil)``, at most K).
+    ``gamma [H]`` float and ``floor``/``ceil [H]`` int64 key blocks per head (device);
+    ``width`` the id list width (host: at least the largest ceiling, at most K).
 
     Returns ``(ids [B, H, r, width] -1 padded, count [B, H, r], covered [B, H, r])``."""
     B, H, r, K = logits.shape
@@ -153,11 +151,9 @@ def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, 
     if width <= 0:
         return torch.full((B, H, r, 0), -1, dtype=torch.long, device=dev), \
             torch.zeros(B, H, r, device=dev), base / total.clamp(min=1e-30)
-    cand = torch.where(far & (e > 0), p, torch.tensor(NEG, device=dev))
+    cand = torch.where(far & (e > 0), p, NEG)
     vals, ids = torch.topk(cand, width, dim=-1)
-    fl = torch.tensor(list(floor), dtype=torch.long).to(dev, non_blocking=True)
-    cl = torch.tensor(list(ceil), dtype=torch.long).to(dev, non_blocking=True)
     need = gamma[None, :, None].to(p.dtype) * total - base
-    keep, kept = keep_by_mass(vals, need, fl[None, :, None, None], cl[None, :, None, None])
+    keep, kept = keep_by_mass(vals, need, floor[None, :, None, None], ceil[None, :, None, None])
     out = torch.where(keep, ids, torch.full_like(ids, -1))
     return out, keep.sum(-1).to(torch.float32), (base + kept) / total.clamp(min=1e-30)
