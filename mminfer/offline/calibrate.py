@@ -17,7 +17,8 @@ all heads at once, on every input. Per head and input it gets:
 Choice per head: a candidate's objective (error, or 1 - mass) over the inputs is its
 ``quantile`` across them (default 1.0: the worst input), its cost its mean density over the
 inputs; the head takes the cheapest candidate whose objective is at most ``max_error``. A head
-no candidate holds is hard: dense (default), or its lowest-objective candidate. So easy heads
+no candidate holds (or only at a dense pass's cost or more) is hard: dense (default), or its
+lowest-objective candidate. So easy heads
 end up cheap, spread heads get a high gamma, and the report names the hard ones. The dense
 reference is computed in query chunks (never N x N), so calibration works at any length the
 device holds q/k/v for.
@@ -283,8 +284,9 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
     ``quantile`` across them (1.0: the worst input; ``torch.quantile`` 'higher', so always
     an observed value); its cost is its mean density over the inputs. The head takes the
     cheapest candidate whose score is at most ``max_error``. A head no candidate holds is
-    *hard*: with ``hard="dense"`` it goes dense (which holds any bound), with ``"best"`` it
-    takes the lowest score. The report lists every head, hard ones first, then by score.
+    *hard*: with ``hard="dense"`` it goes dense (which holds any bound; so does a head whose
+    holding candidates all cost a dense pass or more), with ``"best"`` it takes the lowest
+    score. The report lists every head, hard ones first, then by score.
 
     Layers without captures keep ``default_config``'s patterns (the file then stays marked
     uncalibrated)."""
@@ -353,15 +355,19 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
         agg = {key: _aggregate(per, names, objective, quantile) for key, per in metrics[i].items()}
         for h in range(H):
             fits = [key for key, a in agg.items() if float(a["score"][h]) <= max_error]
-            is_hard = not fits
             if fits:
                 chosen = min(fits, key=lambda key: (float(agg[key]["density"][h]),
                                                     float(agg[key]["score"][h])))
+                # Dense costs 1 (its own tiles); at short lengths a sparse plan can visit
+                # more tiles than that, and then dense is the cheaper way to hold the bound.
+                if hard == "dense" and float(agg[chosen]["density"][h]) >= 1.0:
+                    chosen = DENSE
             elif hard == "best":
                 chosen = min(agg, key=lambda key: (float(agg[key]["score"][h]),
                                                    float(agg[key]["density"][h])))
             else:
                 chosen = DENSE
+            is_hard = chosen == DENSE or not fits
             if chosen == DENSE:
                 layers[i][h] = HeadPattern.single(dense())
                 got = {"error": 0.0, "mass": 1.0, "density": 1.0,
@@ -513,8 +519,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "until the estimated attention mass covered reaches gamma (configs/"
                         "README.md); give no value for fixed budgets only")
     parser.add_argument("--min-density", type=float, default=0.0,
-                        help="floor of the mass-budget candidates: lines (vertical_slash) or "
-                        "key blocks per row block (block) as a fraction of the keys "
+                        help="floor of the mass-budget candidates, as a fraction of the "
+                        "keys: what their lines cost per row (vertical_slash: a vertical 1 "
+                        "key, a slash block_n) or their key blocks per row block (block) "
                         "(default: 0.0)")
     parser.add_argument("--max-density", type=float, default=0.3,
                         help="ceiling of the mass-budget candidates, the same fraction")

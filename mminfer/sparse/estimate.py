@@ -311,16 +311,16 @@ class _Estimator:
             g = self.index.group_of(kmod)
             keys, n_keys = kgroups == g, counts[g]
         floor, ceil = line_bounds(pats, n_keys)
-        top, slashes, count, covered = lines_by_mass(
+        top, slashes, count, cost, covered = lines_by_mass(
             col, diag, sink=sink, window=self._ints([p.window for p in pats]),
             qpos=self._ints(sorted(self._qpos(qmod))),
             gamma=self._floats([p.gamma for p in pats]), floor=self._ints(floor),
-            ceil=self._ints(ceil), width=max(ceil), keys=keys)
+            ceil=self._ints(ceil), width=max(ceil), slash_cost=float(self.block_n), keys=keys)
         max_sink = min(max(p.sink for p in pats), N)
         sinks = torch.arange(max_sink, device=dev)[None, None, :].expand(self.B, len(hs), -1)
         sinks = torch.where(sinks < sink[None, :, None], sinks, torch.full_like(sinks, -1))
         self.masses.append(MassChoice(hs, "vertical_slash", qmod, kmod, count,
-                                      count / max(n_keys, 1), covered,
+                                      cost / max(n_keys, 1), covered,
                                       [p.gamma for p in pats]))
         return VerticalSlash(heads=hs, verticals=torch.cat([sinks, top], dim=-1),
                              slashes=slashes, window=[p.window for p in pats],

@@ -3,10 +3,11 @@
 
 The rule (FlexPrefill's cumulative-mass rule, on our proxy sums): what the pattern covers
 anyway, the near window and the sinks, counts as covered first; the other candidates are
-taken in descending estimated mass until the covered mass reaches ``gamma`` of the total
-(the candidate that crosses it is kept); the number taken is then clamped to a floor and a
-ceiling. A head whose mass sits on one sharp line stops after a line or two; a head whose
-mass is spread over the whole video keeps adding until the ceiling.
+taken in descending estimated mass (vertical_slash: mass per cost, below) until the covered
+mass reaches ``gamma`` of the total (the candidate that crosses it is kept); what is taken
+is then clamped to a floor and a ceiling. A head whose mass sits on one sharp line stops
+after a line or two; a head whose mass is spread over the whole video keeps adding until the
+ceiling.
 
 Everything stays on the device: the width of the id lists is the ceiling, a host int from
 the config and the length; ids past a head's count are -1, which is how the plan takes
@@ -16,7 +17,11 @@ estimator (which owns how a host list reaches the device without a stream sync).
 
 Estimated mass, exactly:
 
-* vertical_slash: ``col[j]`` (the proxy queries' softmax mass on key j) and ``diag[o]``
+* vertical_slash: lines are taken by mass per cost, a vertical costing 1 key per row and a
+  slash ``block_n`` (the kernel spends at least one key tile per row block on each slash,
+  ``kernels/density.py``): taken by mass alone, a spread head's slashes cost more than a
+  dense pass. Floor and ceiling bound that cost. The masses: ``col[j]`` (the proxy queries'
+  softmax mass on key j) and ``diag[o]``
   (their mass on offset o = i - j). Near = ``sum diag[o <= window]``. A column's mass beyond
   the window is estimated as ``col[j] * f[j]``, f the share of proxy queries i with
   ``i - j > window`` (1 for a column before every query's window, 0 inside all of them;
@@ -50,52 +55,66 @@ class MassChoice:
     qmod: Optional[str]
     kmod: Optional[str]
     count: torch.Tensor           # lines kept (block: mean key blocks per row block)
-    density: torch.Tensor         # count / keys (block: / key blocks) - the clamped quantity
+    density: torch.Tensor         # what the floor/ceiling clamp: the lines' cost / keys
+    #                               (block: key blocks / key blocks of the layer)
     covered: torch.Tensor         # estimated mass covered / total (block: least row block)
     gamma: list                   # per head, host floats
 
 
 def line_bounds(pats, n_keys: int) -> tuple[list, list]:
-    """Floor and ceiling (numbers of lines or key blocks) of each mass pattern for a region
-    of ``n_keys`` candidates: ``ceil(min_density * n)`` and ``floor(max_density * n)``, the
-    floor never above the ceiling."""
+    """Floor and ceiling of each mass pattern for a region of ``n_keys`` keys (or key
+    blocks): ``ceil(min_density * n)`` and ``floor(max_density * n)``, the floor never above
+    the ceiling."""
     hi = [int(math.floor(p.max_density * n_keys + 1e-9)) for p in pats]
     lo = [min(int(math.ceil(p.min_density * n_keys - 1e-9)), h) for p, h in zip(pats, hi)]
     return lo, hi
 
 
 def keep_by_mass(vals: torch.Tensor, need: torch.Tensor, floor: torch.Tensor,
-                 ceil: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``vals [..., w]``: candidate masses in descending order (-inf: no candidate);
-    ``need [...]``: mass still to cover; ``floor``/``ceil``: counts broadcastable to
-    ``[..., 1]``. Returns (keep ``[..., w]`` bool, a prefix; the mass kept ``[...]``).
+                 ceil: torch.Tensor, cost: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vals [..., w]``: candidate masses in the order they are taken (-inf: no
+    candidate); ``need [...]``: mass still to cover; ``floor``/``ceil``: costs broadcastable
+    to ``[..., 1]``; ``cost [..., w]`` each candidate's (default 1: then floor and ceiling
+    are counts). Returns (keep ``[..., w]`` bool, a prefix; the mass kept ``[...]``).
     Candidates are kept while the mass before them is short of ``need`` and they add mass,
-    and always up to the floor; never past the ceiling."""
+    and always while the cost before them is under the floor; never past the ceiling."""
     w = vals.shape[-1]
     finite = vals > NEG
     v = torch.where(finite, vals, torch.zeros_like(vals))
     before = torch.cumsum(v, dim=-1) - v
-    rank = torch.arange(w, device=vals.device)
-    keep = finite & (((before < need[..., None]) & (v > 0)) | (rank < floor)) & (rank < ceil)
+    if cost is None:
+        spent = torch.arange(w, device=vals.device)            # cost before each candidate
+        after = spent + 1
+    else:
+        after = torch.cumsum(cost, dim=-1)
+        spent = after - cost
+    keep = finite & (((before < need[..., None]) & (v > 0)) | (spent < floor)) & \
+        (after <= ceil)
     return keep, (v * keep).sum(-1)
 
 
 def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
                   window: torch.Tensor, qpos: torch.Tensor, gamma: torch.Tensor,
                   floor: torch.Tensor, ceil: torch.Tensor, width: int,
-                  keys: torch.Tensor | None = None):
+                  slash_cost: float = 1.0, keys: torch.Tensor | None = None):
     """Verticals and slashes of a vertical_slash head by mass.
 
     ``col``/``diag [B, H, N]`` the proxy's column and diagonal sums (``diag`` over the
     region's keys), ``sink``/``window [H]`` int64 and ``gamma [H]`` float, ``qpos`` the proxy
-    queries' positions (ascending int64), ``floor``/``ceil [H]`` int64 lines per head
-    (verticals and slashes together), all on the device; ``width`` the id list width (host:
-    at least the largest ceiling); ``keys [N]`` bool: the region's keys (2D-boundary) or
-    None.
+    queries' positions (ascending int64), ``floor``/``ceil [H]`` int64 costs per head, all on
+    the device; ``width`` the id list width (host: at least the largest ceiling); a vertical
+    costs 1, a slash ``slash_cost`` (the kernel gives each slash at least one key tile per
+    row block, so ``block_n`` keys of work for one key of the line); ``keys [N]`` bool: the
+    region's keys (2D-boundary) or None.
 
-    Returns ``(verticals [B, H, w], slashes [B, H, w], count [B, H], covered [B, H])``:
-    -1 padded ids (sink columns not included: the caller forces them in), the lines kept
-    and the estimated covered fraction of the mass (near window and sinks included)."""
+    Lines are taken by mass per cost (verticals and slashes in one order), so the floor and
+    ceiling bound the work the lines add, in keys per row.
+
+    Returns ``(verticals [B, H, w], slashes [B, H, w], lines [B, H], cost [B, H],
+    covered [B, H])``: -1 padded ids (sink columns not included: the caller forces them
+    in), the lines kept and their cost, and the estimated covered fraction of the mass (near
+    window and sinks included)."""
     B, H, N = col.shape
     dev = col.device
     j = torch.arange(N, device=dev)
@@ -116,16 +135,21 @@ def lines_by_mass(col: torch.Tensor, diag: torch.Tensor, *, sink: torch.Tensor,
     width = min(width, 2 * N)
     if width <= 0:
         empty = torch.full((B, H, 0), -1, dtype=torch.long, device=dev)
-        return empty, empty, torch.zeros(B, H, device=dev), \
-            base / total.clamp(min=1e-30)
-    vals, ids = torch.topk(torch.cat([vcand, scand], dim=-1), width, dim=-1)
+        zero = torch.zeros(B, H, device=dev)
+        return empty, empty, zero, zero, base / total.clamp(min=1e-30)
+    cand = torch.cat([vcand, scand], dim=-1)                        # [B, H, 2N] masses
+    ratio = cand if slash_cost == 1 else \
+        torch.cat([vcand, scand / slash_cost], dim=-1)
+    _, ids = torch.topk(ratio, width, dim=-1)
+    vals = cand.gather(-1, ids)
+    cost = torch.where(ids < N, 1.0, float(slash_cost)).to(col.dtype)
     need = gamma[None, :].to(total.dtype) * total - base
-    keep, kept = keep_by_mass(vals, need, floor[None, :, None], ceil[None, :, None])
+    keep, kept = keep_by_mass(vals, need, floor[None, :, None], ceil[None, :, None], cost)
     minus = torch.full_like(ids, -1)
     verticals = torch.where(keep & (ids < N), ids, minus)
     slashes = torch.where(keep & (ids >= N), ids - N, minus)
     covered = (base + kept) / total.clamp(min=1e-30)
-    return verticals, slashes, keep.sum(-1).to(torch.float32), covered
+    return verticals, slashes, keep.sum(-1).to(col.dtype), (cost * keep).sum(-1), covered
 
 
 def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, *,

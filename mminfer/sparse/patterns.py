@@ -71,10 +71,12 @@ class Pattern:
     * ``dense``: every causal pair.
 
     Mass budgets (vertical_slash and block): with ``gamma`` set instead of the counts, the
-    estimate keeps verticals and slashes (block: key blocks, per row block) in descending
-    proxy mass until the mass covered, counting the near window and the sinks first, reaches
-    ``gamma`` of the total, then clamps the number kept to ``[min_density, max_density]`` of
-    the layer's keys (block: of its key blocks). Per head and per request, on the device.
+    estimate keeps verticals and slashes (by mass per cost: a slash costs ``block_n`` keys
+    per row; block: key blocks, per row block, by mass) until the mass covered, counting the
+    near window and the sinks first, reaches ``gamma`` of the total, then clamps what it
+    kept to ``[min_density, max_density]`` of the layer's keys (vertical_slash: the lines'
+    cost; block: key blocks of its key blocks). Per head and per request, on the device
+    (``mass.py``, ``configs/README.md``).
     """
     kind: str
     sink: Optional[int] = None

@@ -108,9 +108,33 @@ def test_fixed_and_mass_candidates_compete():
     assert {"vertical_slash@0.3", "a_shape@0.3", "block@0.3", "vertical_slash@g0.9",
             "block@g0.9"} <= labels
     for r in report:
+        holds = [m["density"] for m in r["candidates"].values() if m["error"] <= 0.05]
         if not r["hard"]:
-            holds = [m["density"] for m in r["candidates"].values() if m["error"] <= 0.05]
-            assert r["density"] == min(holds)
+            assert r["density"] == min(holds) < 1
+        else:       # dense (cost 1): nothing sparse holds the bound, or only at more cost
+            assert r["pattern"] == "dense" and min(holds, default=1) >= 1
+
+
+def test_dense_when_it_is_the_cheaper_way_to_hold_the_bound():
+    """Physical tiles: a plan can visit more tiles than a dense pass (every diagonal a
+    slash: a key tile per slash and row block). A head whose only holding candidate costs
+    that much goes dense (hard), unless --hard best forbids dense heads."""
+    from mminfer.sparse.patterns import a_shape
+    caps = [_capture(48, 0), _capture(64, 1)]
+    cands = {"local": HeadPattern.single(a_shape(sink=0, window=4)),
+             "every_line": HeadPattern.single(vertical_slash(n_vertical=64, n_slash=64,
+                                                             window=4, sink=0))}
+    kw = dict(budgets=[0.5], candidates=cands, max_error=0.05, engine="kernel",
+              progress=False)
+    cfg, report = calibrate(caps, IDENT, **kw)
+    for r in report:
+        big = r["candidates"]["every_line@0.5"]
+        assert big["error"] <= 0.05 and big["density"] > 1
+        assert r["candidates"]["local@0.5"]["error"] > 0.05
+        assert r["hard"] and r["pattern"] == "dense" and r["density"] == 1.0
+        assert r["best_sparse"]["candidate"] == "every_line@0.5"
+    _, best = calibrate(caps, IDENT, hard="best", **kw)
+    assert all(r["pattern"] == "every_line" and not r["hard"] for r in best)
 
 
 def test_help_gives_every_flag_a_default():

@@ -69,6 +69,8 @@ def test_vertical_slash_budget_follows_the_mass(gamma):
 
 
 def test_mass_budget_floor_and_ceiling():
+    """Floor and ceiling bound the lines' cost in keys per row: a vertical costs 1, a slash
+    block_n (one key tile per row block in the kernel)."""
     q, k, cols = _sharp_and_spread()
     n = q.shape[2]
     idx = ModalityIndex.from_segments([("text", n)])
@@ -78,15 +80,38 @@ def test_mass_budget_floor_and_ceiling():
                                                max_density=0.05))]
     est = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN)
     (m,) = est.masses
-    # The sharp head needs one line but the floor says 5 % of 1024 keys = 52 lines; the
-    # spread head needs about 220 but the ceiling stops it at 51, short of gamma.
-    assert m.count[0].tolist() == [52.0, 51.0]
-    assert float(m.covered[0, 0]) >= 0.9 and float(m.covered[0, 1]) < 0.9
-    assert m.density[0].tolist() == pytest.approx([52 / 1024, 51 / 1024])
     (spec,) = est.specs
-    for h, want in enumerate((52, 51)):
-        lines = (spec.verticals[0, h] >= 4).sum() + (spec.slashes[0, h] >= 0).sum()
-        assert int(lines) == want
+    cost = []
+    for h in range(2):
+        nv = int((spec.verticals[0, h] >= 4).sum())
+        ns = int((spec.slashes[0, h] >= 0).sum())
+        cost.append(nv + BN * ns)
+        assert nv + ns == int(m.count[0, h])
+    assert m.density[0].tolist() == pytest.approx([c / 1024 for c in cost])
+    # The sharp head needs one line, but the floor (5 % of 1024 keys = 52) keeps adding
+    # until the cost reaches it, within the ceiling (102).
+    assert 52 <= cost[0] <= 102 and float(m.covered[0, 0]) >= 0.9
+    # The spread head needs about 220 verticals; the ceiling (51) stops it short of gamma.
+    assert 51 - BN < cost[1] <= 51 and float(m.covered[0, 1]) < 0.9
+
+
+def test_slashes_cost_more_than_verticals():
+    """Taken by mass per cost: where a slash and a vertical hold about the same mass, the
+    vertical (1 key per row) comes before the slash (a key tile per row block), so a flat
+    head at its ceiling stays within it in the kernel's tiles too."""
+    g = torch.Generator().manual_seed(2)
+    n, D = 1024, 32
+    q = torch.randn(1, 1, n, D, generator=g) * 0.05          # near-uniform attention
+    k = torch.randn(1, 1, n, D, generator=g) * 0.05
+    idx = ModalityIndex.from_segments([("text", n)])
+    pat = vertical_slash(window=16, sink=4, gamma=0.99, max_density=0.2)
+    est = estimate_layer(q, k, idx, [HeadPattern.single(pat)], block_m=BM, block_n=BN)
+    (spec,) = est.specs
+    nv = int((spec.verticals[0, 0] >= 4).sum())
+    ns = int((spec.slashes[0, 0] >= 0).sum())
+    assert nv + BN * ns <= 0.2 * n and nv > 10 * ns
+    d = est.build_plan().density()
+    assert d["physical"] < 0.6, d
 
 
 def test_mass_ids_valid_and_unique():
@@ -158,6 +183,12 @@ def test_keep_by_mass_counts_up_to_gamma():
     assert keep[0].tolist() == [True] * 6 + [False]         # never a missing candidate
     keep, _ = keep_by_mass(vals, torch.tensor([5.0]), torch.tensor(0), torch.tensor(7))
     assert keep[0].tolist() == [True] * 5 + [False] * 2     # zero mass adds nothing
+    # With costs, floor and ceiling bound the cost: 1 + 4 + 1 = 6 <= 6, the next (4) not.
+    cost = torch.tensor([[1.0, 4.0, 1.0, 4.0, 1.0, 1.0, 1.0]])
+    keep, _ = keep_by_mass(vals, torch.tensor([5.0]), torch.tensor(0), torch.tensor(6), cost)
+    assert keep[0].tolist() == [True] * 3 + [False] * 4
+    keep, _ = keep_by_mass(vals, torch.tensor([0.1]), torch.tensor(5), torch.tensor(99), cost)
+    assert keep[0].tolist() == [True] * 2 + [False] * 5     # the floor: cost 5 after two
     pats = [vertical_slash(gamma=0.9, min_density=0.1, max_density=0.2),
             vertical_slash(gamma=0.9, min_density=0.3, max_density=0.3)]
     assert line_bounds(pats, 100) == ([10, 30], [20, 30])
