@@ -1,9 +1,12 @@
-"""Offline per-head search: which pattern each (layer, head) gets, from captured q/k/v.
+"""Offline per-head search: which pattern, and which budget, each (layer, head) gets, from
+captured q/k/v of several inputs (videos of several lengths and tasks).
 
-For every captured layer and every budget (a target density: the kernel's physical tiles as
-a fraction of the causal triangle, at the calibration length), each candidate head pattern
-is sized to that budget, planned online exactly as at serving time (``estimate_layer`` ->
-plan) and run for all heads at once. Per head it gets:
+Candidates: for every budget (a target density: the kernel's physical tiles as a fraction of
+the causal triangle, at the median calibration length) the fixed-count patterns sized to it,
+and for every gamma the mass-budget patterns (``sparse/mass.py``: lines or key blocks until
+the estimated attention mass covered reaches gamma, within a density floor and ceiling).
+Each is planned online exactly as at serving time (``estimate_layer`` -> plan) and run for
+all heads at once, on every input. Per head and input it gets:
 
 * error: relative L2 of the attention output against dense (``||o - o_dense|| / ||o_dense||``);
 * mass: the share of the dense softmax mass its pairs capture, averaged over rows, read
@@ -11,11 +14,14 @@ plan) and run for all heads at once. Per head it gets:
 * density: physical tiles / causal triangle, counted per head by the kernel's count mode
   (the reference engine, used on the CPU for small N, reports logical pairs instead).
 
-Choice: per budget, the candidate with the lowest objective (error, or 1 - mass) among
-those whose density is within ``1.5 x`` the budget; per head, the smallest budget whose
-winner's objective is at most ``max_error`` (else the largest budget's winner). So easy
-heads end up cheap and hard heads get the larger budgets. The dense reference is computed
-in query chunks (never N x N), so calibration works at any length the device holds q/k/v for.
+Choice per head: a candidate's objective (error, or 1 - mass) over the inputs is its
+``quantile`` across them (default 1.0: the worst input), its cost its mean density over the
+inputs; the head takes the cheapest candidate whose objective is at most ``max_error``. A head
+no candidate holds (or only at a dense pass's cost or more) is hard: dense (default), or its
+lowest-objective candidate. So easy heads
+end up cheap, spread heads get a high gamma, and the report names the hard ones. The dense
+reference is computed in query chunks (never N x N), so calibration works at any length the
+device holds q/k/v for.
 
 Input: ``.pt`` files (or directories of them), one per calibration input::
 
@@ -35,10 +41,10 @@ import torch
 
 from mminfer.errors import ConfigError, InputError
 from mminfer.sparse.modality import ModalityIndex
-from mminfer.sparse.patterns import (KNOWN_MODELS, HeadPattern, HeadPatternConfig, ModelIdentity, a_shape,
-                       block, default_config, dense, grid, provenance, vertical_slash)
+from mminfer.sparse.patterns import (KNOWN_MODELS, HeadPattern, HeadPatternConfig,
+                                     ModelIdentity, a_shape, block, default_config, dense,
+                                     grid, provenance, vertical_slash)
 
-DENSITY_SLACK = 1.5     # a candidate may exceed its budget by this factor and still compete
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
 
 
@@ -234,20 +240,70 @@ def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density
 
 
 # ---------------------------------------------------------------------- search
+def mass_candidate_patterns(index: ModalityIndex, n: int, gamma: float, *,
+                            min_density: float = 0.0, max_density: float = 0.3,
+                            block_m: int = 128, block_n: int = 64) -> dict:
+    """Candidate head patterns with a mass budget ``gamma`` (``sparse/mass.py``): their
+    density follows each input's attention, so one candidate serves every length. Fixed
+    parts are small: a window of ``min(256, max(block_m, n / 32))`` tokens and up to 64 sink
+    columns; the mass rule adds the rest up to ``max_density``."""
+    window = int(min(256, max(block_m, n // 32)))
+    sink = int(min(64, max(1, n // 64)))
+    bounds = dict(gamma=gamma, min_density=min_density, max_density=max_density)
+    vs = vertical_slash(window=window, sink=sink, **bounds)
+    cands = {"vertical_slash": HeadPattern.single(vs),
+             "block": HeadPattern.single(block(window=block_m, **bounds))}
+    if index.visual_spans() and len(index.modalities()) > 1:
+        # Each query modality's verticals and slashes from its own last queries; video rows
+        # also with grid lines when the lift says there is a grid (else the same mass rule).
+        cands["q:vs"] = HeadPattern("q", {"video": vs, "image": vs, "text": vs})
+        g = grid(lines="both", sink=sink, window=window, fallback=vs)
+        cands["q:grid|vs"] = HeadPattern("q", {"video": g, "image": g, "text": vs})
+    return cands
+
+
+HARD = ("dense", "best")
+DENSE = ("dense", None, None)        # the key of the dense fallback among the candidates
+
+
 def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = (0.1, 0.2),
+              gammas: Sequence[float] = (), min_density: float = 0.0, max_density: float = 0.3,
               candidates: Mapping | Callable | None = None, objective: str = "output_error",
-              max_error: float = 0.05, engine: str = "auto", block_m: int | None = None,
-              block_n: int | None = None, progress: bool = True):
-    """Search every captured layer; returns ``(HeadPatternConfig, report)``. ``candidates``:
-    a mapping name -> HeadPattern (used at every budget) or a callable
-    ``(index, n, budget, block_m=, block_n=) -> mapping`` (default ``candidate_patterns``).
+              max_error: float = 0.05, quantile: float = 1.0, hard: str = "dense",
+              engine: str = "auto", block_m: int | None = None, block_n: int | None = None,
+              progress: bool = True):
+    """Search every captured layer; returns ``(HeadPatternConfig, report)``.
+
+    Candidates: for each of ``budgets`` (target densities) the fixed-budget patterns of
+    ``candidates`` (a mapping name -> HeadPattern used at every budget, or a callable
+    ``(index, n, budget, block_m=, block_n=) -> mapping``; default ``candidate_patterns``),
+    and for each of ``gammas`` the mass-budget patterns of ``mass_candidate_patterns``
+    (floor ``min_density``, ceiling ``max_density``). Every candidate runs on every input.
+
+    Choice per head: a candidate's score (output error, or 1 - mass) over the inputs is its
+    ``quantile`` across them (1.0: the worst input; ``torch.quantile`` 'higher', so always
+    an observed value); its cost is its mean density over the inputs. The head takes the
+    cheapest candidate whose score is at most ``max_error``. A head no candidate holds is
+    *hard*: with ``hard="dense"`` it goes dense (which holds any bound; so does a head whose
+    holding candidates all cost a dense pass or more), with ``"best"`` it takes the lowest
+    score. The report lists every head, hard ones first, then by score.
+
     Layers without captures keep ``default_config``'s patterns (the file then stays marked
     uncalibrated)."""
     if objective not in ("output_error", "mass"):
         raise ConfigError(f"objective {objective!r} is not one of output_error, mass")
+    if hard not in HARD:
+        raise ConfigError(f"hard {hard!r} is not one of {', '.join(HARD)}")
+    if not 0 < quantile <= 1:
+        raise ConfigError(f"quantile must be in (0, 1], got {quantile}")
     budgets = sorted(float(b) for b in budgets)
-    if not budgets or budgets[0] <= 0:
+    gammas = sorted(float(g) for g in gammas)
+    if not budgets and not gammas:
+        raise ConfigError("give budgets (target densities) or gammas (mass targets), or both")
+    if budgets and budgets[0] <= 0:
         raise ConfigError("budgets must be densities > 0")
+    if gammas and not (0 < gammas[0] and gammas[-1] <= 1):
+        raise ConfigError("gammas must be in (0, 1]")
     caps = load_captures(qk_source)
     layer_ids = sorted({i for c in caps for i in c.layers})
     for c in caps:
@@ -265,64 +321,87 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
     n_ref = sorted(c.n for c in caps)[len(caps) // 2]
     make = candidates if callable(candidates) else (
         (lambda *a, **kw: dict(candidates)) if candidates is not None else candidate_patterns)
-    cands = {b: make(caps[0].index, n_ref, b, block_m=block_m, block_n=block_n)
-             for b in budgets}
+    # (family, budget, gamma) -> HeadPattern
+    cands: dict = {}
+    for b in budgets:
+        for name, hp in make(caps[0].index, n_ref, b, block_m=block_m, block_n=block_n).items():
+            cands[(name, b, None)] = hp
+    for g in gammas:
+        for name, hp in mass_candidate_patterns(caps[0].index, n_ref, g, min_density=min_density,
+                                                max_density=max_density, block_m=block_m,
+                                                block_n=block_n).items():
+            cands[(name, None, g)] = hp
 
-    total = sum(len(c.layers) for c in caps) * sum(len(v) for v in cands.values())
+    total = sum(len(c.layers) for c in caps) * len(cands)
     bar = _progress(total, progress)
     H = identity.heads
-    # metrics[layer][(budget, name)] -> {"error", "mass", "density"} summed over inputs
-    metrics: dict = {i: {} for i in layer_ids}
-    counts: dict = {i: 0 for i in layer_ids}
+    # metrics[layer][candidate][input name] -> {"error", "mass", "density", "logical"} [H]
+    metrics: dict = {i: {key: {} for key in cands} for i in layer_ids}
     for cap in caps:
         for i, (q, k, v) in sorted(cap.layers.items()):
             ref = dense_reference(q, k, v, cap.scale)
-            counts[i] += 1
-            for b in budgets:
-                for name, hp in cands[b].items():
-                    r = evaluate(q, k, v, cap.index, [hp] * H, ref, engine=engine,
-                                 block_m=block_m, block_n=block_n, scale=cap.scale)
-                    acc = metrics[i].setdefault((b, name), {key: torch.zeros(H) for key in r})
-                    for key, val in r.items():
-                        acc[key] += val.float()
-                    bar.update(1)
+            for key, hp in cands.items():
+                r = evaluate(q, k, v, cap.index, [hp] * H, ref, engine=engine,
+                             block_m=block_m, block_n=block_n, scale=cap.scale)
+                metrics[i][key][cap.name] = {m: val.float() for m, val in r.items()}
+                bar.update(1)
     bar.close()
 
     base = default_config(identity)
     layers = [list(row) for row in base.layers]
     report = []
     for i in layer_ids:
-        m = {key: {s: v / counts[i] for s, v in val.items()} for key, val in metrics[i].items()}
-        score = {key: (val["error"] if objective == "output_error" else 1 - val["mass"])
-                 for key, val in m.items()}
+        names = sorted({name for per in metrics[i].values() for name in per})
+        agg = {key: _aggregate(per, names, objective, quantile) for key, per in metrics[i].items()}
         for h in range(H):
-            chosen = None
-            for b in budgets:
-                fits = [key for key in m if key[0] == b and
-                        m[key]["density"][h] <= DENSITY_SLACK * b]
-                if not fits:
-                    continue
-                best = min(fits, key=lambda key: float(score[key][h]))
-                chosen = best
-                if float(score[best][h]) <= max_error:
-                    break
-            if chosen is None:   # nothing within budget: the cheapest candidate measured
-                chosen = min(m, key=lambda key: float(m[key]["density"][h]))
-            layers[i][h] = cands[chosen[0]][chosen[1]]
+            fits = [key for key, a in agg.items() if float(a["score"][h]) <= max_error]
+            if fits:
+                chosen = min(fits, key=lambda key: (float(agg[key]["density"][h]),
+                                                    float(agg[key]["score"][h])))
+                # Dense costs 1 (its own tiles); at short lengths a sparse plan can visit
+                # more tiles than that, and then dense is the cheaper way to hold the bound.
+                if hard == "dense" and float(agg[chosen]["density"][h]) >= 1.0:
+                    chosen = DENSE
+            elif hard == "best":
+                chosen = min(agg, key=lambda key: (float(agg[key]["score"][h]),
+                                                   float(agg[key]["density"][h])))
+            else:
+                chosen = DENSE
+            is_hard = chosen == DENSE or not fits
+            if chosen == DENSE:
+                layers[i][h] = HeadPattern.single(dense())
+                got = {"error": 0.0, "mass": 1.0, "density": 1.0,
+                       "per_input": {n_: {"error": 0.0, "mass": 1.0, "density": 1.0}
+                                     for n_ in names}}
+            else:
+                layers[i][h] = cands[chosen]
+                a = agg[chosen]
+                got = {"error": _r(a["error"][h]), "mass": _r(a["mass"][h]),
+                       "density": _r(a["density"][h]),
+                       "per_input": {n_: {m: _r(metrics[i][chosen][n_][m][h])
+                                          for m in ("error", "mass", "density")}
+                                     for n_ in names if n_ in metrics[i][chosen]}}
+            best = min(agg, key=lambda key: float(agg[key]["score"][h]))
             report.append({
-                "layer": i, "head": h, "pattern": chosen[1], "budget": chosen[0],
-                "density": _r(m[chosen]["density"][h]), "mass": _r(m[chosen]["mass"][h]),
-                "error": _r(m[chosen]["error"][h]),
-                "candidates": {f"{name}@{b:g}": {"error": _r(val["error"][h]),
-                                                 "mass": _r(val["mass"][h]),
-                                                 "density": _r(val["density"][h])}
-                               for (b, name), val in m.items()},
+                "layer": i, "head": h, "pattern": chosen[0], "budget": chosen[1],
+                "gamma": chosen[2], "hard": is_hard, **got,
+                # how close the sparse candidates came (for a hard head: how far off)
+                "best_sparse": {"candidate": _label(best), "error": _r(agg[best]["error"][h]),
+                                "mass": _r(agg[best]["mass"][h]),
+                                "density": _r(agg[best]["density"][h])},
+                "candidates": {_label(key): {"error": _r(a["error"][h]), "mass": _r(a["mass"][h]),
+                                             "density": _r(a["density"][h])}
+                               for key, a in agg.items()},
             })
-    if objective == "output_error":
-        report.sort(key=lambda r: -r["error"])
-    else:
-        report.sort(key=lambda r: r["mass"])
+    score_of = (lambda r: r["error"]) if objective == "output_error" else \
+        (lambda r: 1 - r["mass"])
+    report.sort(key=lambda r: (not r["hard"], -score_of(r), -r["density"]))
 
+    names = [c.name for c in caps]
+    per_input = {n_: _r(sum(r["per_input"][n_]["density"] for r in report
+                            if n_ in r["per_input"]) /
+                        max(1, sum(n_ in r["per_input"] for r in report)))
+                 for n_ in names}
     cfg = HeadPatternConfig(identity, layers, uncalibrated=len(layer_ids) < identity.layers,
                             provenance=provenance(
                                 made_by="mminfer calibrate",
@@ -330,13 +409,42 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
                                                      "modalities": {m_: c.index.count(m_) for m_
                                                                     in c.index.modalities()}}
                                                     for c in caps],
-                                objective=objective, budgets=budgets, max_error=max_error,
+                                objective=objective, budgets=budgets, gammas=gammas,
+                                min_density=min_density, max_density=max_density,
+                                max_error=max_error,
+                                error_over_inputs="worst input" if quantile >= 1 else
+                                f"quantile {quantile:g} across inputs ('higher')",
+                                cost="mean density over inputs", hard=hard,
+                                hard_heads=sorted([r["layer"], r["head"]] for r in report
+                                                  if r["hard"]),
+                                density_per_input=per_input,
                                 density="physical tiles / causal triangle" if
                                 engine == "kernel" else "logical pairs / causal triangle",
                                 engine=engine, block_m=block_m, block_n=block_n,
-                                candidates=sorted({n for v in cands.values() for n in v}),
+                                candidates=sorted({key[0] for key in cands}),
                                 layers_calibrated=layer_ids, device=_device_name(dev)))
     return cfg, report
+
+
+def _aggregate(per: dict, names: list, objective: str, quantile: float) -> dict:
+    """One candidate's numbers over the inputs (``per``: input name -> metrics [H]): the
+    score and error at ``quantile`` across the inputs, mass at the same (low) side, density
+    as the mean (the expected cost)."""
+    got = [per[n] for n in names if n in per]
+    stack = {m: torch.stack([g[m] for g in got]) for m in ("error", "mass", "density")}
+
+    def q(x):
+        return torch.quantile(x, quantile, dim=0, interpolation="higher")
+
+    error = q(stack["error"])
+    mass = 1 - q(1 - stack["mass"])
+    score = error if objective == "output_error" else 1 - mass
+    return {"error": error, "mass": mass, "density": stack["density"].mean(0), "score": score}
+
+
+def _label(key) -> str:
+    name, b, g = key
+    return f"{name}@{b:g}" if b is not None else f"{name}@g{g:g}"
 
 
 def _check_identity(identity, q, k, layer, name):
@@ -370,38 +478,76 @@ def _progress(total, enabled):
 
 # ---------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mminfer.engine.options import HelpWithDefaults
+    parser.formatter_class = HelpWithDefaults
     parser.add_argument("inputs", nargs="*",
-                        help="captured q/k/v: .pt files or directories of them")
+                        help="captured q/k/v: .pt files or directories of them (default: none; "
+                        "give these, or --model with --videos)")
     parser.add_argument("--model", help="capture q/k/v from this checkpoint first "
-                        "(with --videos): a prefill per video, dense")
+                        "(with --videos): a dense prefill per video (default: none)")
     parser.add_argument("--videos", nargs="+", default=[],
-                        help="calibration videos: files, or synthetic sources "
-                        "synth:TASK:FRAMES:SEED rendered in-process (no decoder needed)")
+                        help="calibration videos, several lengths and tasks: files, or "
+                        "synthetic sources synth:TASK:FRAMES:SEED rendered in-process at "
+                        "224x224 and 2 fps, asked their own task's question (TASK: needle, "
+                        "colour, count, order; no decoder needed) (default: none)")
     parser.add_argument("--question", default="What happens in the video?",
-                        help="question placed after each calibration video")
-    parser.add_argument("--fps", type=float, default=2.0)
-    parser.add_argument("--max-frames", type=int, default=768)
+                        help="question placed after each calibration video file (synthetic "
+                        "sources ask their own)")
+    parser.add_argument("--fps", type=float, default=2.0,
+                        help="frames per second sampled from each video file")
+    parser.add_argument("--max-frames", type=int, default=768,
+                        help="at most this many frames per video file")
     parser.add_argument("--capture-dir", help="where captured .pt files go "
-                        "(default: a folder next to --out)")
-    parser.add_argument("--out", required=True, help="head-pattern config to write (JSON)")
-    parser.add_argument("--report", help="per-head report (JSON; default: OUT.report.json)")
+                        "(default: OUT without its suffix + '.captures')")
+    parser.add_argument("--out", required=True, help="head-pattern config to write (JSON; "
+                        "required, no default)")
+    parser.add_argument("--report", help="per-head report (JSON; default: OUT without its "
+                        "suffix + '.report.json')")
     parser.add_argument("--model-id", help="model id (known ids fill in the shape; others "
-                        "take it from the captures)")
+                        "take it from the captures) (default: the checkpoint's with --model, "
+                        "else 'unknown')")
     parser.add_argument("--revision", help="model revision (default: the checkpoint's own, "
                         "'local' for a plain directory, else 'main')")
     parser.add_argument("--layers", type=int, help="number of layers of the model "
                         "(default: known model, else highest captured layer + 1)")
-    parser.add_argument("--budget", type=float, nargs="+", default=[0.1, 0.2],
-                        help="target densities (physical tiles / causal triangle at the "
-                        "calibration length), smallest tried first")
-    parser.add_argument("--objective", choices=["output_error", "mass"], default="output_error")
+    parser.add_argument("--budget", type=float, nargs="*", default=[0.1, 0.2],
+                        help="target densities of the fixed-budget candidates (physical "
+                        "tiles / causal triangle at the median calibration length); give no "
+                        "value for mass-budget candidates only")
+    parser.add_argument("--gamma", type=float, nargs="*", default=[0.9, 0.95, 0.99],
+                        help="mass targets of the mass-budget candidates: keep lines/blocks "
+                        "until the estimated attention mass covered reaches gamma (configs/"
+                        "README.md); give no value for fixed budgets only")
+    parser.add_argument("--min-density", type=float, default=0.0,
+                        help="floor of the mass-budget candidates, as a fraction of the "
+                        "keys: what their lines cost per row (vertical_slash: a vertical 1 "
+                        "key, a slash block_n) or their key blocks per row block (block) "
+                        "(default: 0.0)")
+    parser.add_argument("--max-density", type=float, default=0.3,
+                        help="ceiling of the mass-budget candidates, the same fraction")
+    parser.add_argument("--objective", choices=["output_error", "mass"], default="output_error",
+                        help="what --max-error bounds: the relative L2 error of the attention "
+                        "output against dense, or 1 - the dense softmax mass captured")
     parser.add_argument("--max-error", type=float, default=0.05,
-                        help="a head takes the smallest budget whose best objective (error, "
-                        "or 1 - mass) is at most this")
-    parser.add_argument("--engine", choices=["auto", "kernel", "reference"], default="auto")
-    parser.add_argument("--block-m", type=int)
-    parser.add_argument("--block-n", type=int)
-    parser.add_argument("--device", default=None, help="move the captures here (e.g. cuda)")
+                        help="bound on the objective: each head takes the cheapest candidate "
+                        "(mean density over the inputs) that holds it")
+    parser.add_argument("--error-quantile", type=float, default=1.0,
+                        help="which input's objective must hold the bound: this quantile "
+                        "across the inputs, per head (1.0: the worst input; 0.9: all but the "
+                        "worst tenth)")
+    parser.add_argument("--hard", choices=HARD, default="dense",
+                        help="a head that no candidate holds the bound for: dense (holds it) "
+                        "or best (the candidate with the lowest objective)")
+    parser.add_argument("--engine", choices=["auto", "kernel", "reference"], default="auto",
+                        help="kernel: the sparse kernels with physical-tile density; "
+                        "reference: masked attention with logical-pair density (small N); "
+                        "auto: kernel on a GPU or above 4096 tokens")
+    parser.add_argument("--block-m", type=int, help="tile rows of the plans measured "
+                        "(default: 128 on a GPU, 16 on the CPU)")
+    parser.add_argument("--block-n", type=int, help="tile keys of the plans measured "
+                        "(default: 64 on a GPU, 16 on the CPU)")
+    parser.add_argument("--device", default=None, help="move the captures here, and capture "
+                        "there (e.g. cuda) (default: the model's device, cuda if available)")
 
 
 def run(args) -> int:
@@ -436,17 +582,42 @@ def run(args) -> int:
         n_layers = args.layers or max(i for c in caps for i in c.layers) + 1
         identity = ModelIdentity(args.model_id or "unknown", args.revision, n_layers,
                                  q.shape[1], k.shape[1], q.shape[3])
-    cfg, report = calibrate(caps, identity, budgets=args.budget, objective=args.objective,
-                            max_error=args.max_error, engine=args.engine,
+    cfg, report = calibrate(caps, identity, budgets=args.budget, gammas=args.gamma,
+                            min_density=args.min_density, max_density=args.max_density,
+                            objective=args.objective, max_error=args.max_error,
+                            quantile=args.error_quantile, hard=args.hard, engine=args.engine,
                             block_m=args.block_m, block_n=args.block_n)
     cfg.save(args.out)
     report_path = args.report or str(Path(args.out).with_suffix("")) + ".report.json"
     Path(report_path).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out} and {report_path}")
-    print(f"{'layer':>5} {'head':>4}  {'pattern':<16} {'budget':>6} {'density':>8} "
-          f"{'mass':>6} {'error':>7}")
-    for r in report[:10]:
-        print(f"{r['layer']:>5} {r['head']:>4}  {r['pattern']:<16} {r['budget']:>6g} "
-              f"{r['density']:>8.4f} {r['mass']:>6.3f} {r['error']:>7.4f}")
+    print(format_report(report, cfg.provenance))
     return 0
 
+
+def format_report(report: list, prov: dict) -> str:
+    """The printed table: the inputs' density under the chosen config, the hard heads, and
+    every head (hard first, then worst objective first)."""
+    lines = [f"objective {prov['objective']} <= {prov['max_error']:g} on the "
+             f"{prov['error_over_inputs']}, at the least {prov['cost']} ({prov['density']})",
+             "density per input under the chosen config (mean over calibrated heads):"]
+    tokens = {c["name"]: c["tokens"] for c in prov.get("calibration_inputs", [])}
+    for name, d in prov["density_per_input"].items():
+        lines.append(f"  {name:<32} {tokens.get(name, 0):>8} tokens  {d:.4f}")
+    hard = [f"L{r['layer']}H{r['head']}" for r in report if r["hard"]]
+    lines.append(f"hard heads (no candidate holds the bound -> {prov['hard']}): "
+                 f"{len(hard)}" + (f": {' '.join(hard)}" if hard else ""))
+    top = max(prov.get("gammas") or [0]) if prov.get("gammas") else None
+    if top:
+        high = [f"L{r['layer']}H{r['head']}" for r in report if r["gamma"] == top]
+        lines.append(f"heads at the highest gamma {top:g}: {len(high)}" +
+                     (f": {' '.join(high)}" if high else ""))
+    lines.append(f"{'layer':>5} {'head':>4}  {'pattern':<16} {'budget':>7} {'density':>8} "
+                 f"{'mass':>6} {'error':>7}  hard")
+    for r in report:
+        size = f"g{r['gamma']:g}" if r["gamma"] is not None else \
+            (f"{r['budget']:g}" if r["budget"] is not None else "-")
+        lines.append(f"{r['layer']:>5} {r['head']:>4}  {r['pattern']:<16} {size:>7} "
+                     f"{r['density']:>8.4f} {r['mass']:>6.3f} {r['error']:>7.4f}  "
+                     f"{'HARD' if r['hard'] else ''}")
+    return "\n".join(lines)

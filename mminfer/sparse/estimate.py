@@ -40,6 +40,7 @@ from mminfer.errors import ConfigError
 from mminfer.kernels import AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash
 from mminfer.kernels.layout import key_groups, row_blocks, row_table
 from mminfer.kernels.runtime import as_device, to_device
+from .mass import MassChoice, blocks_by_mass, line_bounds, lines_by_mass
 from .modality import ModalityIndex
 from .patterns import HeadPattern, Pattern
 
@@ -83,6 +84,7 @@ class LayerEstimate:
     row_line_programs: int = 0    # grid row-line programs per slot (plan hint, no sync)
     grids: list = field(default_factory=list)   # GridChoice per grid group
     device: torch.device = torch.device("cpu")
+    masses: list = field(default_factory=list)  # MassChoice per group with a mass budget
 
     def build_plan(self, device=None) -> SparsePlan:
         """The kernel plan. A grid group and its fallback are both planned; the plan's
@@ -103,6 +105,20 @@ class LayerEstimate:
                     "stride": g.stride[:, i].tolist(), "phase": g.phase[:, i].tolist(),
                     "lift": [round(x, 3) for x in g.lift[:, i].tolist()],
                     "fallback": g.fallback[:, i].tolist()})
+        return out
+
+    def mass_summary(self) -> dict:
+        """Per-head mass-budget choices as host values (synchronises: for reports and
+        tests): head -> [{region, keys, kind, gamma, count, density, covered} per group],
+        each value a list over the batch."""
+        out = {}
+        for m in self.masses:
+            for i, h in enumerate(m.heads):
+                out.setdefault(h, []).append({
+                    "region": m.qmod or "all", "keys": m.kmod or "all", "kind": m.kind,
+                    "gamma": m.gamma[i], "count": [round(x, 3) for x in m.count[:, i].tolist()],
+                    "density": [round(x, 6) for x in m.density[:, i].tolist()],
+                    "covered": [round(x, 4) for x in m.covered[:, i].tolist()]})
         return out
 
 
@@ -168,6 +184,7 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
             est.grid(out, hs, pats, qm, km, ksplit)
         else:
             out.specs.append(est.spec(kind, hs, pats, qm, km, ksplit))
+    out.masses = est.masses
     return out
 
 
@@ -191,6 +208,7 @@ class _Estimator:
         self.dev = q.device
         self.B, self.Hq, self.N, _ = q.shape
         self._stats: dict = {}
+        self.masses: list = []     # MassChoice of every group with a mass budget
         # Query sets by position: "text" and "all" are often the same last 64 tokens.
         self.needs: dict = {}
         for qm, kms in needs.items():
@@ -205,6 +223,9 @@ class _Estimator:
 
     def _ints(self, xs):
         return as_device(xs, self.dev, torch.long)
+
+    def _floats(self, xs):
+        return as_device(xs, self.dev, torch.float32)
 
     def _qpos(self, qmod):
         if qmod is None or not self.multi:
@@ -260,7 +281,65 @@ class _Estimator:
             return self._block(hs, pats, qmod, kmod)
         raise ValueError(f"unknown pattern kind {kind!r}")
 
+    # ------------------------------------------------------------------ selection
     def _vertical_slash(self, hs, pats, qmod, kmod, ksplit):
+        """Heads with count budgets keep their counts; heads with a mass budget (gamma)
+        get theirs from the mass rule (``mass.py``); a group holding both is one spec."""
+        by_mass = [i for i, p in enumerate(pats) if p.mass]
+        if not by_mass:
+            return self._vertical_slash_counts(hs, pats, qmod, kmod, ksplit)
+        if len(by_mass) == len(pats):
+            return self._vertical_slash_mass(hs, pats, qmod, kmod)
+        by_count = [i for i, p in enumerate(pats) if not p.mass]
+        a = self._vertical_slash_counts([hs[i] for i in by_count], [pats[i] for i in by_count],
+                                        qmod, kmod, ksplit)
+        b = self._vertical_slash_mass([hs[i] for i in by_mass], [pats[i] for i in by_mass],
+                                      qmod, kmod)
+        parts = [(by_count, a), (by_mass, b)]
+        return VerticalSlash(heads=hs, verticals=self._merge(parts, "verticals", len(hs)),
+                             slashes=self._merge(parts, "slashes", len(hs)),
+                             window=[p.window for p in pats], qgroup=self._group(qmod),
+                             kgroup=self._group(kmod))
+
+    def _merge(self, parts, name, n_heads):
+        """One id tensor ``[B, H', ...]`` (-1 padded to the widest) from specs of subsets of
+        the heads: ``parts`` = [(positions in the group, spec)]."""
+        ts = [getattr(sp, name) for _, sp in parts]
+        width = max(t.shape[-1] for t in ts)
+        out = torch.full((self.B, n_heads) + ts[0].shape[2:-1] + (width,), -1,
+                         dtype=torch.long, device=self.dev)
+        for (pos, _), t in zip(parts, ts):
+            out[:, self._ints(pos), ..., :t.shape[-1]] = t
+        return out
+
+    def _vertical_slash_mass(self, hs, pats, qmod, kmod):
+        N, dev = self.N, self.dev
+        col, diag = self.stats(qmod, kmod)
+        hidx = self._heads(hs)
+        col, diag = col[:, hidx], diag[:, hidx]                     # [B, H', N]
+        sink = self._ints([p.sink for p in pats])
+        keys, n_keys = None, N
+        if kmod is not None and self.multi:
+            kgroups, counts = _key_groups(self.index, dev)
+            g = self.index.group_of(kmod)
+            keys, n_keys = kgroups == g, counts[g]
+        floor, ceil = line_bounds(pats, n_keys)
+        top, slashes, count, cost, covered = lines_by_mass(
+            col, diag, sink=sink, window=self._ints([p.window for p in pats]),
+            qpos=self._ints(sorted(self._qpos(qmod))),
+            gamma=self._floats([p.gamma for p in pats]), floor=self._ints(floor),
+            ceil=self._ints(ceil), width=max(ceil), slash_cost=float(self.block_n), keys=keys)
+        max_sink = min(max(p.sink for p in pats), N)
+        sinks = torch.arange(max_sink, device=dev)[None, None, :].expand(self.B, len(hs), -1)
+        sinks = torch.where(sinks < sink[None, :, None], sinks, torch.full_like(sinks, -1))
+        self.masses.append(MassChoice(hs, "vertical_slash", qmod, kmod, count,
+                                      cost / max(n_keys, 1), covered,
+                                      [p.gamma for p in pats]))
+        return VerticalSlash(heads=hs, verticals=torch.cat([sinks, top], dim=-1),
+                             slashes=slashes, window=[p.window for p in pats],
+                             qgroup=self._group(qmod), kgroup=self._group(kmod))
+
+    def _vertical_slash_counts(self, hs, pats, qmod, kmod, ksplit):
         N, dev = self.N, self.dev
         col, diag = self.stats(qmod, kmod)
         hidx = self._heads(hs)
@@ -334,8 +413,6 @@ class _Estimator:
         kbar = kbar[:, kvidx]                                  # [B, H', NKB, D] (pooled)
 
         window = self._ints([p.window for p in pats])
-        top_k = [p.top_k for p in pats]
-        kmax = min(max(top_k), nkb)
         cstart = torch.arange(nkb, device=dev) * bn
         ok_k = torch.ones(nkb, dtype=torch.bool, device=dev)
         if kmod is not None and self.multi:
@@ -344,19 +421,65 @@ class _Estimator:
             hit.index_add_(0, torch.arange(N, device=dev) // bn,
                            (kg == self.index.group_of(kmod)).to(torch.int32))
             ok_k = hit[:nkb] > 0
-        out = torch.full((B, len(hs), R, kmax), -1, dtype=torch.long, device=dev)
+        # Heads with count budgets (top_k) and with mass budgets (gamma) select apart.
+        by_count = [i for i, p in enumerate(pats) if not p.mass]
+        by_mass = [i for i, p in enumerate(pats) if p.mass]
+        top_k = [pats[i].top_k for i in by_count]
+        kmax = min(max(top_k), nkb) if by_count else 0
+        if by_mass:
+            mpats = [pats[i] for i in by_mass]
+            floor, ceil = line_bounds(mpats, nkb)
+            mwidth = min(max(ceil), nkb)
+            gamma = self._floats([p.gamma for p in mpats])
+            floor, ceil = self._ints(floor), self._ints(ceil)
+            nkeys = (torch.clamp(N - cstart, max=bn)).to(torch.float32)
+            logn = torch.where(ok_k, nkeys.log(), float("-inf"))
+            m_count = torch.zeros(B, len(by_mass), R, device=dev)
+            m_cover = torch.zeros(B, len(by_mass), R, device=dev)
+        else:
+            mwidth = 0
+        out = torch.full((B, len(hs), R, max(kmax, mwidth)), -1, dtype=torch.long, device=dev)
         rstep = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * nkb))
         budget = as_device(top_k, dev)[None, :, None, None]
         rank = torch.arange(kmax, device=dev)
+        cpos, mpos = self._ints(by_count), self._ints(by_mass)
+        whole = not by_mass
         for a in range(0, R, rstep):
             b = min(a + rstep, R)
             s = torch.matmul(qbar[:, :, a:b], kbar.transpose(-1, -2))    # [B, H', r, NKB]
             lo = torch.clamp(table[a:b, 0][None, :] - window[:, None], min=0)  # [H', r]
             far = (cstart[None, None, :] < lo[:, :, None]) & ok_k
-            s = torch.where(far[None], s, float("-inf"))
-            vals, ids = torch.topk(s, kmax, dim=-1)
-            keep = (rank < budget) & torch.isfinite(vals)
-            out[:, :, a:b] = torch.where(keep, ids, torch.full_like(ids, -1))
+            if by_count:
+                sc = s if whole else s[:, cpos]
+                fc = far if whole else far[cpos]
+                sc = torch.where(fc[None], sc, float("-inf"))
+                vals, ids = torch.topk(sc, kmax, dim=-1)
+                keep = (rank < budget) & torch.isfinite(vals)
+                ids = torch.where(keep, ids, torch.full_like(ids, -1))
+                if whole:
+                    out[:, :, a:b] = ids
+                else:
+                    out[:, cpos, a:b, :kmax] = ids
+            if by_mass:
+                only = not by_count
+                sm, fm = (s, far) if only else (s[:, mpos], far[mpos])
+                causal = cstart[None, :] < table[a:b, 1][:, None]               # [r, NKB]
+                logits = torch.where(causal, sm * self.scale + logn, float("-inf"))
+                ids, cnt, cov = blocks_by_mass(logits, fm[None], ~fm[None], gamma=gamma,
+                                               floor=floor, ceil=ceil, width=mwidth)
+                if only:
+                    out[:, :, a:b] = ids
+                else:
+                    out[:, mpos, a:b, :mwidth] = ids
+                m_count[:, :, a:b], m_cover[:, :, a:b] = cnt, cov
+        if by_mass:
+            # Reported over the row blocks this slot computes (its query group's).
+            rows = table[:, 2] == self._group(qmod) if qmod is not None and self.multi \
+                else torch.ones(R, dtype=torch.bool, device=dev)
+            mean = (m_count * rows).sum(-1) / rows.sum().clamp(min=1)
+            least = torch.where(rows, m_cover, torch.ones_like(m_cover)).amin(-1)
+            self.masses.append(MassChoice([hs[i] for i in by_mass], "block", qmod, kmod, mean,
+                                          mean / nkb, least, [p.gamma for p in mpats]))
         return Block(heads=hs, key_blocks=out, window=[p.window for p in pats],
                      qgroup=self._group(qmod), kgroup=self._group(kmod))
 

@@ -35,15 +35,24 @@ LINES = ("rows", "cols", "both")
 # Budget fields of each kind, with their defaults. At 1M tokens with 128 x 64 tiles these
 # cost about (physical tiles / causal triangle): a_shape 0.8 %, vertical_slash 2-3 %,
 # grid at LongVILA's frame stride 257 2.0 %, block 1.6 % (configs/README.md: how checked).
+# ``gamma`` (with ``min_density``/``max_density``) is the other way to size vertical_slash and
+# block: by the proxy mass the selection covers instead of by counts (_MASS_KINDS below).
 _FIELDS: dict[str, dict[str, Any]] = {
     "a_shape": {"sink": 128, "window": 4096},
-    "vertical_slash": {"n_vertical": 1024, "n_slash": 64, "window": 256, "sink": 64},
+    "vertical_slash": {"n_vertical": 1024, "n_slash": 64, "window": 256, "sink": 64,
+                       "gamma": None, "min_density": None, "max_density": None},
     "grid": {"lines": "both", "sink": 128, "window": 6144, "min_lift": 3.0, "fallback": None},
-    "block": {"top_k": 128, "window": 256},
+    "block": {"top_k": 128, "window": 256, "gamma": None, "min_density": None,
+              "max_density": None},
     "dense": {},
 }
 _ALL_FIELDS = ("kind", "sink", "window", "n_vertical", "n_slash", "lines", "min_lift",
-               "fallback", "top_k")
+               "fallback", "top_k", "gamma", "min_density", "max_density")
+# Kinds that take a mass budget, and the count fields the mass budget replaces: a pattern has
+# one or the other, never both (a file saying both would leave unclear which one rules).
+_MASS_KINDS = {"vertical_slash": ("n_vertical", "n_slash"), "block": ("top_k",)}
+_MASS_FIELDS = ("gamma", "min_density", "max_density")
+MASS_DEFAULTS = {"min_density": 0.0, "max_density": 0.3}
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,14 @@ class Pattern:
       uses ``fallback`` (default: vertical_slash with its defaults);
     * ``block(top_k, window)``: ``top_k`` key blocks per query block;
     * ``dense``: every causal pair.
+
+    Mass budgets (vertical_slash and block): with ``gamma`` set instead of the counts, the
+    estimate keeps verticals and slashes (by mass per cost: a slash costs ``block_n`` keys
+    per row; block: key blocks, per row block, by mass) until the mass covered, counting the
+    near window and the sinks first, reaches ``gamma`` of the total, then clamps what it
+    kept to ``[min_density, max_density]`` of the layer's keys (vertical_slash: the lines'
+    cost; block: key blocks of its key blocks). Per head and per request, on the device
+    (``mass.py``, ``configs/README.md``).
     """
     kind: str
     sink: Optional[int] = None
@@ -70,17 +87,31 @@ class Pattern:
     min_lift: Optional[float] = None
     fallback: Optional["Pattern"] = None
     top_k: Optional[int] = None
+    gamma: Optional[float] = None
+    min_density: Optional[float] = None
+    max_density: Optional[float] = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ConfigError(f"pattern kind {self.kind!r} is not one of {', '.join(KINDS)}")
         own = _FIELDS[self.kind]
+        mass = self.gamma is not None
         for name in _ALL_FIELDS[1:]:
             value = getattr(self, name)
             if name not in own:
                 if value is not None:
                     raise ConfigError(f"{self.kind} pattern has no field {name!r} "
                                       f"(its fields: {', '.join(own) or 'none'})")
+            elif name in _MASS_KINDS.get(self.kind, ()) and mass:
+                if value is not None:
+                    raise ConfigError(f"{self.kind} pattern: gamma (a mass budget) and "
+                                      f"{name} (a count) are exclusive; give one of them")
+            elif name in _MASS_FIELDS:
+                if not mass and value is not None:
+                    raise ConfigError(f"{self.kind} pattern: {name} bounds a mass budget and "
+                                      f"needs gamma")
+                if mass and value is None and name in MASS_DEFAULTS:
+                    object.__setattr__(self, name, MASS_DEFAULTS[name])
             elif value is None:
                 default = own[name]
                 if name == "fallback" and default is None:
@@ -99,10 +130,30 @@ class Pattern:
             object.__setattr__(self, "min_lift", float(self.min_lift))
             if not isinstance(self.fallback, Pattern) or self.fallback.kind == "grid":
                 raise ConfigError("grid fallback must be a non-grid pattern")
+        if mass:
+            for name in _MASS_FIELDS:
+                value = getattr(self, name)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                        not 0 <= value <= 1:
+                    raise ConfigError(f"{self.kind} {name} must be a number in [0, 1], "
+                                      f"got {value!r}")
+                object.__setattr__(self, name, float(value))
+            if self.gamma <= 0:
+                raise ConfigError(f"{self.kind} gamma must be > 0, got {self.gamma!r}")
+            if self.min_density > self.max_density:
+                raise ConfigError(f"{self.kind} min_density {self.min_density} is above "
+                                  f"max_density {self.max_density}")
+
+    @property
+    def mass(self) -> bool:
+        """True when the budget is a mass target (``gamma``), not counts."""
+        return self.gamma is not None
 
     def params(self) -> dict:
-        """The kind's own fields (what goes into the JSON besides ``kind``)."""
-        return {name: getattr(self, name) for name in _FIELDS[self.kind]}
+        """The kind's own fields that are set (what goes into the JSON besides ``kind``): a
+        count budget writes its counts, a mass budget gamma and its bounds."""
+        return {name: getattr(self, name) for name in _FIELDS[self.kind]
+                if getattr(self, name) is not None}
 
     def to_dict(self) -> dict:
         d = {"kind": self.kind}
@@ -137,9 +188,10 @@ def a_shape(sink: int | None = None, window: int | None = None) -> Pattern:
     return Pattern("a_shape", sink=sink, window=window)
 
 
-def vertical_slash(n_vertical=None, n_slash=None, window=None, sink=None) -> Pattern:
+def vertical_slash(n_vertical=None, n_slash=None, window=None, sink=None, *, gamma=None,
+                   min_density=None, max_density=None) -> Pattern:
     return Pattern("vertical_slash", n_vertical=n_vertical, n_slash=n_slash, window=window,
-                   sink=sink)
+                   sink=sink, gamma=gamma, min_density=min_density, max_density=max_density)
 
 
 def grid(lines=None, sink=None, window=None, min_lift=None, fallback=None) -> Pattern:
@@ -147,8 +199,10 @@ def grid(lines=None, sink=None, window=None, min_lift=None, fallback=None) -> Pa
                    fallback=fallback)
 
 
-def block(top_k=None, window=None) -> Pattern:
-    return Pattern("block", top_k=top_k, window=window)
+def block(top_k=None, window=None, *, gamma=None, min_density=None,
+          max_density=None) -> Pattern:
+    return Pattern("block", top_k=top_k, window=window, gamma=gamma, min_density=min_density,
+                   max_density=max_density)
 
 
 def dense() -> Pattern:

@@ -77,10 +77,10 @@ def test_calibrate_chooses_per_head_at_the_smallest_sufficient_budget(tmp_path):
 
     cfg, report = calibrate([_capture(seed=0), _capture(seed=1)], IDENTITY,
                             budgets=[0.9, 0.3], candidates=candidates, max_error=0.05,
-                            engine="reference", progress=False)
+                            engine="reference", hard="best", progress=False)
     head0, head1 = cfg.layer(0)
     # The local head is fine with the small budget; the vertical head is not at any budget
-    # and takes the larger budget's best pattern.
+    # and (hard="best") takes the larger budget's best pattern.
     assert head0 == candidates(None, 160, 0.3)["local"]
     assert head1 == candidates(None, 160, 0.9)["verticals"]
     by_head = {r["head"]: r for r in report}
@@ -111,7 +111,7 @@ def test_cli_run_writes_config_and_report(tmp_path, capsys):
     out = tmp_path / "toy.json"
     args = parser.parse_args([str(tmp_path / "caps"), "--out", str(out), "--model-id",
                               "toy/model", "--layers", "1", "--budget", "0.5",
-                              "--engine", "reference"])
+                              "--engine", "reference", "--hard", "best"])
     assert run(args) == 0
     ident = ModelIdentity("toy/model", "main", 1, 2, 2, 32)
     cfg = HeadPatternConfig.load(out, expect=ident)
@@ -141,7 +141,7 @@ def test_capture_from_a_real_layout_checkpoint_then_calibrate(tmp_path):
     out = ckpt / "mminfer_patterns.json"
     args = p.parse_args(["--model", str(ckpt), "--videos", str(video), "--out", str(out),
                          "--capture-dir", str(tmp_path / "caps"), "--budget", "0.5",
-                         "--fps", "2"])
+                         "--fps", "2", "--hard", "best"])
     assert C.run(args) == 0
     assert len(list((tmp_path / "caps").glob("*.pt"))) == 1
     cfg = Pipeline(str(ckpt), attention="dense", device="cpu").adapter.patterns
