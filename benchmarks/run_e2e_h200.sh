@@ -32,14 +32,16 @@ timeout -k 10 "${TIMEOUT:-585}" python3 benchmarks/e2e.py --out "$OUT" \
 # (a fresh process per case: load, compile from the warm Triton cache, one sparse request);
 # CLI_CASES="qwen276k longvila1m" picks cases (default: every case e2e.json holds).
 if [ "${CLI:-0}" = 1 ] && [ -f "$OUT/e2e.json" ]; then
-  python3 - "$OUT/e2e.json" <<'PY' > "$OUT/cli_cases.txt"
+  python3 - "$OUT/e2e.json" <<'PY' > "$OUT/cli_cases.txt" || echo "no CLI cases: see above"
 import json, sys
 d = json.load(open(sys.argv[1]))
 import os
 pick = os.environ.get("CLI_CASES", "").split()
 for name, c in d["cases"].items():
     if c.get("checkpoint") and c.get("video") and (not pick or name in pick):
-        print(name, c["checkpoint"]["path"], c["video"]["path"], c["video"]["frames"])
+        # a reused video's record has no frame count: the case's own is the same
+        frames = c["video"].get("frames") or c["case"]["frames"]
+        print(name, c["checkpoint"]["path"], c["video"]["path"], frames)
 PY
   while read -r name ckpt video frames; do
     echo "== mminfer answer ($name)"
