@@ -17,6 +17,7 @@ heads only.
 
 from __future__ import annotations
 
+import atexit
 import os
 
 from mminfer.errors import ConfigError
@@ -42,7 +43,20 @@ def init_from_env(world_size: int, device_type: str):
     check_launch(world_size)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # Left to the interpreter's teardown, a group's worker threads can still be joinable
+        # when their C++ objects are destroyed: std::terminate, exit code -6, after the
+        # answer was printed (seen with gloo under load). Tear the groups down first.
+        atexit.register(_leave)
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+
+def _leave():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:       # a peer already gone: nothing left to tear down cleanly
+            pass
 
 
 def _row_parallel(linear, group):
