@@ -8,7 +8,7 @@ import triton
 from . import density as _density
 from .layout import F_HEAD
 from .plan import SparsePlan
-from .runtime import CPU_CONFIG, GPU_CONFIG, tile_config  # noqa: F401  (re-exported)
+from .runtime import CPU_CONFIG, GPU_CONFIG, as_device, batch_stride, tile_config  # noqa: F401
 from .sparse_attn_kernel import _sparse_attn_fwd
 
 
@@ -51,9 +51,10 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
     grid = (n_programs, B * S)
     _sparse_attn_fwd[grid](
         q, k, v, out, os_, lse, ls_, tiles if tiles is not None else dummy_i32,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        os_.stride(0), os_.stride(1), os_.stride(2), os_.stride(3),
+        batch_stride(q), q.stride(1), q.stride(2), batch_stride(k), k.stride(1), k.stride(2),
+        batch_stride(v), v.stride(1), v.stride(2), batch_stride(out), out.stride(1),
+        out.stride(2), os_.stride(0) if scratch is not None else 0, batch_stride(os_, 1),
+        os_.stride(2), os_.stride(3),
         lse.stride(0), lse.stride(1), ls_.stride(0), ls_.stride(1), ls_.stride(2),
         plan.table, R, n_programs, fl.params, S,
         fl.vidx if fl.vidx is not None else dummy_i32,
@@ -112,7 +113,7 @@ def _merge_partials(out, lse, scratch, lse_s, heads_2d):
     w = torch.exp(lse_s - m_safe[None])                  # [G, B, H2, N]
     denom = w.sum(0)
     o = (w[..., None] * scratch.float()).sum(0) / denom.clamp(min=1e-30)[..., None]
-    idx = torch.tensor(heads_2d, device=out.device)
+    idx = as_device(heads_2d, out.device, torch.long)
     out.index_copy_(1, idx, o.to(out.dtype))
     lse.index_copy_(1, idx, m_safe + torch.log(denom))
 

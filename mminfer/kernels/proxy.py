@@ -6,7 +6,7 @@ import torch
 import triton
 
 from .proxy_kernel import _proxy_lse_kernel, _proxy_mass_kernel
-from .runtime import as_device, compiled_gpu
+from .runtime import as_device, batch_stride, compiled_gpu
 
 BLOCK_Q = 64          # the estimator's last_q: one query run per launch
 GPU_BLOCK_N, CPU_BLOCK_N = 64, 16
@@ -46,7 +46,7 @@ def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float
     kend = q0 + nq
     n_kb = triton.cdiv(kend, BN)
     BH = B * Hq
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+    common = (batch_stride(q), q.stride(1), q.stride(2), batch_stride(k), k.stride(1), k.stride(2),
               Hq, Hkv, Hq // Hkv, D)
     cfg = {**TUNING, **(config or {})}
     kb_per = cfg["kb_per"]

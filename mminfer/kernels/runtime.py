@@ -51,3 +51,12 @@ def as_device(values, device, dtype=None):
     """A short list of host numbers as a device tensor (``to_device``; never in place)."""
     import torch
     return to_device(torch.tensor(list(values), dtype=dtype), device)
+
+
+def batch_stride(t, dim: int = 0) -> int:
+    """``t.stride(dim)`` for a batch dimension, 0 when it has one entry (the kernels never
+    step along it then). Triton compiles a separate kernel for an int argument past 2**31,
+    and a batch stride gets there first (28 heads x 128 x N at N > 600K): at 1M tokens the
+    first request compiled new variants of every kernel inside its index and attention
+    stages. A stride that is always 0 keeps one variant for every length."""
+    return 0 if t.shape[dim] == 1 else t.stride(dim)

@@ -47,3 +47,47 @@ def test_a_layer_queues_without_a_synchronisation():
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert torch.equal(out, ref)
+
+
+def test_a_batch_of_one_has_no_batch_stride():
+    from mminfer.kernels.runtime import batch_stride
+    x = torch.zeros(1, 28, 64, 128)
+    assert batch_stride(x) == 0 and batch_stride(torch.zeros(2, 3, 4)) == 12
+    assert batch_stride(x.unsqueeze(0), 1) == 0
+
+
+def _compiled_variants(fn):
+    caches = getattr(fn, "device_caches", None)
+    if not caches:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(c[0]) for c in caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_long_prompt_compiles_no_new_kernel_variant():
+    """At 1M tokens a [1, 28, N, 128] tensor's batch stride passes 2**31; as a kernel
+    argument that compiled a second variant of every kernel inside the first long request.
+    Here the same small inputs viewed with such a stride reuse the compiled kernels."""
+    from mminfer.kernels.proxy import proxy_stats
+    from mminfer.kernels.proxy_kernel import _proxy_mass_kernel
+    from mminfer.kernels.sparse_attn_kernel import _sparse_attn_fwd
+    cfg = HeadPatternConfig.load(ROOT / "mminfer" / "models" / "configs" / "qwen2_5_vl_7b.json")
+    index = ModalityIndex.from_segments([("text", 20), ("video", 16, 16, 16, 1), ("text", 30)])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, index.n, 128, device="cuda", generator=g).bfloat16()
+               for h in (28, 4, 4))
+
+    def huge(t):
+        return t.as_strided(t.shape, (2 ** 32,) + t.stride()[1:])
+
+    plan = estimate_layer(q, k, index, cfg.layer(3)).build_plan(q.device)
+    ref = sparse_attention(q, k, v, plan)
+    proxy_stats(q, k, index.n - 64, 64, 128 ** -0.5)
+    torch.cuda.synchronize()
+    before = (_compiled_variants(_sparse_attn_fwd), _compiled_variants(_proxy_mass_kernel))
+    out = sparse_attention(huge(q), huge(k), huge(v), plan)
+    proxy_stats(huge(q), huge(k), index.n - 64, 64, 128 ** -0.5)
+    torch.cuda.synchronize()
+    assert (_compiled_variants(_sparse_attn_fwd), _compiled_variants(_proxy_mass_kernel)) == before
+    assert torch.equal(out, ref)
