@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import html
 import logging
-import math
 import random
 import sqlite3
 import threading
@@ -43,7 +42,7 @@ from pathlib import Path
 from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.errors import Cancelled
 
-from .store import BUCKET_LABELS, bucket_index
+from .store import BUCKET_LABELS, bucket_index, sql_quantile, time_window
 
 log = logging.getLogger("mminfer.serve")
 
@@ -301,13 +300,7 @@ class ShadowStore:
 
     def report(self, since: float | None = None, until: float | None = None) -> dict:
         """Per model and length bucket: count, agreement rates, KL mean / quantiles / max."""
-        window, args = "", []
-        if since is not None:
-            window += " AND ts >= ?"
-            args.append(since)
-        if until is not None:
-            window += " AND ts < ?"
-            args.append(until)
+        window, args = time_window(since, until)
         with self._lock:
             groups = self._db.execute(
                 "SELECT model, b, COUNT(*), AVG(argmax_agree), AVG(answer_agree), AVG(kl), "
@@ -316,19 +309,16 @@ class ShadowStore:
             picks = {}
             for model, b, n, *_ in groups:        # each quantile: one seek in (model, b, kl)
                 for name, q in KL_QUANTILES:
-                    picks[(model, b, name)] = [v for v, in self._db.execute(
-                        "SELECT kl FROM shadow_comparisons WHERE model IS ? AND b = ?" + window +
-                        " ORDER BY kl LIMIT 2 OFFSET ?",
-                        [model, b, *args, math.floor((n - 1) * q)])]
+                    picks[(model, b, name)] = sql_quantile(
+                        self._db, "SELECT kl FROM shadow_comparisons WHERE model IS ? AND b = ?"
+                        + window + " ORDER BY kl", [model, b, *args], n, q)
         rows = []
         for model, b, n, arg, ans, mean, top, density, rerun in groups:
             row = {"model": model, "bucket": BUCKET_LABELS[b], "count": n,
                    "argmax_agreement": round(arg, 6), "answer_agreement": round(ans, 6),
                    "kl_mean": _r(mean)}
             for name, q in KL_QUANTILES:
-                vals = picks[(model, b, name)]
-                pos = (n - 1) * q
-                row[name] = _r(vals[0] + (vals[-1] - vals[0]) * (pos - math.floor(pos)))
+                row[name] = _r(picks[(model, b, name)])
             row.update(kl_max=_r(top), mean_density=None if density is None else round(density, 6),
                        mean_rerun_ms=None if rerun is None else round(rerun, 3))
             rows.append(row)

@@ -110,6 +110,29 @@ def parse_time(value: str | None) -> float | None:
     return x
 
 
+def time_window(since: float | None, until: float | None) -> tuple[str, list]:
+    """``AND ts >= ? AND ts < ?`` for the bounds given (either may be None), and its
+    arguments: the report queries' one time filter."""
+    sql, args = "", []
+    if since is not None:
+        sql += " AND ts >= ?"
+        args.append(since)
+    if until is not None:
+        sql += " AND ts < ?"
+        args.append(until)
+    return sql, args
+
+
+def sql_quantile(db, sql: str, args: list, n: int, q: float) -> float:
+    """The q-quantile (linear between neighbours) of the ``n`` values ``sql`` selects in
+    ascending order (it ends in ``ORDER BY``): two rows read at the quantile's position
+    through the index, not ``n`` rows into Python."""
+    pos = (n - 1) * q
+    vals = [v for v, in db.execute(sql + " LIMIT 2 OFFSET ?", [*args, math.floor(pos)])]
+    lo, hi = vals[0], vals[-1]
+    return lo + (hi - lo) * (pos - math.floor(pos))
+
+
 QUANTILES = (("p50_ms", 0.50), ("p95_ms", 0.95), ("p99_ms", 0.99))
 
 
@@ -199,14 +222,8 @@ class LatencyStore:
     def rows(self, since: float | None = None, until: float | None = None,
              limit: int | None = None) -> list[dict]:
         """Records in the window [since, until), oldest first (the newest ``limit``)."""
-        sql, args = "SELECT * FROM requests WHERE 1=1", []
-        if since is not None:
-            sql += " AND ts >= ?"
-            args.append(since)
-        if until is not None:
-            sql += " AND ts < ?"
-            args.append(until)
-        sql += " ORDER BY ts DESC"
+        window, args = time_window(since, until)
+        sql = "SELECT * FROM requests WHERE 1=1" + window + " ORDER BY ts DESC"
         if limit is not None:
             sql += " LIMIT ?"
             args.append(int(limit))
@@ -220,13 +237,7 @@ class LatencyStore:
         return out
 
     def report(self, since: float | None = None, until: float | None = None) -> dict:
-        window, args = "", []
-        if since is not None:
-            window += " AND ts >= ?"
-            args.append(since)
-        if until is not None:
-            window += " AND ts < ?"
-            args.append(until)
+        window, args = time_window(since, until)
         with self._lock:
             groups = self._db.execute(
                 "SELECT stage, b, attention, COUNT(*), AVG(ms), AVG(density), MIN(ts) FROM "
@@ -235,11 +246,9 @@ class LatencyStore:
             picks = {}
             for stage, b, attn, n, *_ in groups:
                 for name, q in QUANTILES:
-                    lo = math.floor((n - 1) * q)
-                    picks[(stage, b, attn, name)] = [v for v, in self._db.execute(
-                        "SELECT ms FROM stage_times WHERE stage = ? AND b = ? AND "
-                        "attention IS ?" + window + " ORDER BY ms LIMIT 2 OFFSET ?",
-                        [stage, b, attn, *args, lo])]
+                    picks[(stage, b, attn, name)] = sql_quantile(
+                        self._db, "SELECT ms FROM stage_times WHERE stage = ? AND b = ? AND "
+                        "attention IS ?" + window + " ORDER BY ms", [stage, b, attn, *args], n, q)
             total, ok = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(status = 200 AND tokens IS NOT NULL), 0) FROM "
                 "requests WHERE 1=1" + window, args).fetchone()
@@ -252,10 +261,7 @@ class LatencyStore:
             first_seen[stage] = min(ts, first_seen.get(stage, ts))
             row = {"stage": stage, "bucket": BUCKET_LABELS[b], "attention": attn, "count": n}
             for name, q in QUANTILES:
-                vals = picks[(stage, b, attn, name)]
-                pos = (n - 1) * q
-                lo, hi = vals[0], vals[-1]
-                row[name] = round(lo + (hi - lo) * (pos - math.floor(pos)), 3)
+                row[name] = round(picks[(stage, b, attn, name)], 3)
             row["mean_ms"] = round(mean, 3)
             row["mean_density"] = round(density, 6) if density is not None else None
             by_cell[(stage, b, attn)] = row
