@@ -111,6 +111,30 @@ def _exists(module: str) -> bool:
 
 
 def main(argv=None) -> int:
+    rc = _main(argv)
+    _end_rank(rc)
+    return rc
+
+
+def _end_rank(rc: int):
+    """A torchrun rank (``--tensor-parallel``) ends here once its work is done, not in the
+    interpreter's teardown: there C++ objects holding threads that are still joinable
+    (seen after a decoded video and a served or answered request) abort the process with
+    "terminate called without an active exception", exit -6, and torchrun reports a
+    failed job although every answer was given."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    import logging
+    from mminfer.engine.parallel import leave
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    leave()
+    os._exit(rc)
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)

@@ -46,11 +46,12 @@ def init_from_env(world_size: int, device_type: str):
         # Left to the interpreter's teardown, a group's worker threads can still be joinable
         # when their C++ objects are destroyed: std::terminate, exit code -6, after the
         # answer was printed (seen with gloo under load). Tear the groups down first.
-        atexit.register(_leave)
+        atexit.register(leave)
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
 
 
-def _leave():
+def leave():
+    """Tear this process's groups down (idempotent)."""
     import torch.distributed as dist
     if dist.is_initialized():
         try:
