@@ -11,6 +11,7 @@ from mminfer.sparse.estimate import estimate_layer
 from mminfer.sparse.mass import keep_by_mass, line_bounds
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.sparse.patterns import HeadPattern, a_shape, block, dense, grid, vertical_slash
+from test_estimate import _mixed as _layout     # one copy of the mixed layout (tests/sparse)
 
 BM = BN = 16
 
@@ -196,12 +197,9 @@ def test_keep_by_mass_counts_up_to_gamma():
 
 # ---------------------------------------------------------------------- plans and kernels
 def _mixed(seed=0, H=8, Hkv=2, D=32):
-    idx = ModalityIndex.from_segments([("text", 20), ("video", 4, 4, 6, 0), ("text", 28),
-                                       ("video", 3, 4, 6, 0), ("text", 36)])
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, H, idx.n, D, generator=g)
-    k = torch.randn(1, Hkv, idx.n, D, generator=g)
-    v = torch.randn(1, Hkv, idx.n, D, generator=g)
+    """test_estimate's video-text-video-text layout, with every 11th key made heavier (so
+    the mass rule has columns to find)."""
+    idx, q, k, v = _layout(seed, H=H, Hkv=Hkv, D=D)
     k[:, :, ::11] *= 3
     return idx, q, k, v
 
