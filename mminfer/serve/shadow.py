@@ -33,7 +33,6 @@ from __future__ import annotations
 import html
 import logging
 import random
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from pathlib import Path
 from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.errors import Cancelled
 
-from .store import BUCKET_LABELS, bucket_index, sql_quantile, time_window
+from .store import BUCKET_LABELS, bucket_index, connect, sql_quantile, time_window
 
 log = logging.getLogger("mminfer.serve")
 
@@ -254,11 +253,9 @@ class ShadowStore:
         self.retention_days = retention_days
         self.max_rows = max_rows
         self._adds = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
+        self._db = connect(self.path)
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
             self._db.commit()
         self.prune()

@@ -133,6 +133,16 @@ def sql_quantile(db, sql: str, args: list, n: int, q: float) -> float:
     return lo + (hi - lo) * (pos - math.floor(pos))
 
 
+def connect(path: Path) -> sqlite3.Connection:
+    """The report file, shared by threads (callers hold a lock) and by more than one
+    connection (WAL: the latency store and the shadow monitor's table write side by side)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    return db
+
+
 QUANTILES = (("p50_ms", 0.50), ("p95_ms", 0.95), ("p99_ms", 0.99))
 
 
@@ -144,14 +154,11 @@ class LatencyStore:
         self.retention_days = retention_days
         self.max_rows = max_rows
         self._adds = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # One connection shared by the event loop and the worker thread, behind a lock:
         # writes are a few hundred bytes, far cheaper than a connection per call.
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30)
+        self._db = connect(self.path)
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(stage_times)")}
             if "attention" not in cols:        # a store written before the attention group
