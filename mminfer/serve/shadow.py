@@ -41,7 +41,7 @@ from pathlib import Path
 from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.errors import Cancelled
 
-from .store import BUCKET_LABELS, bucket_index, connect, sql_quantile, time_window
+from .store import BUCKET_LABELS, RetainedTable, bucket_index, sql_quantile, time_window
 
 log = logging.getLogger("mminfer.serve")
 
@@ -242,27 +242,15 @@ CREATE INDEX IF NOT EXISTS shadow_order ON shadow_comparisons (model, b, kl);
 KL_QUANTILES = (("kl_p50", 0.50), ("kl_p95", 0.95), ("kl_p99", 0.99))
 
 
-class ShadowStore:
+class ShadowStore(RetainedTable):
     """The comparisons, in their own table of the latency store's SQLite file (its own
     connection; WAL lets both write), pruned with the same retention as the requests."""
 
+    TABLE = "shadow_comparisons"
     PRUNE_EVERY = 100
 
-    def __init__(self, path, retention_days: float | None = 30.0, max_rows: int | None = None):
-        self.path = Path(path)
-        self.retention_days = retention_days
-        self.max_rows = max_rows
-        self._adds = 0
-        self._lock = threading.Lock()
-        self._db = connect(self.path)
-        with self._lock:
-            self._db.executescript(SCHEMA)
-            self._db.commit()
-        self.prune()
-
-    def close(self):
-        with self._lock:
-            self._db.close()
+    def _create(self):
+        self._db.executescript(SCHEMA)
 
     def add(self, *, request_id, model, tokens: int, density, kl: float, argmax_agree: bool,
             answer_agree: bool, compared_tokens: int, rerun_ms: float | None = None,
@@ -270,30 +258,8 @@ class ShadowStore:
         row = (time.time() if ts is None else ts, request_id, model, int(tokens),
                bucket_index(int(tokens)), density, float(kl), int(bool(argmax_agree)),
                int(bool(answer_agree)), int(compared_tokens), rerun_ms)
-        with self._lock:
-            self._db.execute("INSERT INTO shadow_comparisons VALUES "
-                             "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
-            self._db.commit()
-            self._adds += 1
-            due = self._adds % self.PRUNE_EVERY == 0
-        if due:
-            self.prune()
-
-    def prune(self, now: float | None = None) -> int:
-        now = time.time() if now is None else now
-        gone = 0
-        with self._lock:
-            if self.retention_days is not None:
-                gone += self._db.execute("DELETE FROM shadow_comparisons WHERE ts < ?",
-                                         (now - self.retention_days * 86400,)).rowcount
-            if self.max_rows is not None:
-                edge = self._db.execute("SELECT rowid FROM shadow_comparisons ORDER BY rowid "
-                                        "DESC LIMIT 1 OFFSET ?", (int(self.max_rows),)).fetchone()
-                if edge is not None:
-                    gone += self._db.execute("DELETE FROM shadow_comparisons WHERE rowid <= ?",
-                                             edge).rowcount
-            self._db.commit()
-        return gone
+        self._write(lambda db: db.execute("INSERT INTO shadow_comparisons VALUES "
+                                          "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row))
 
     def report(self, since: float | None = None, until: float | None = None) -> dict:
         """Per model and length bucket: count, agreement rates, KL mean / quantiles / max."""

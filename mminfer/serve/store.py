@@ -146,31 +146,82 @@ def connect(path: Path) -> sqlite3.Connection:
 QUANTILES = (("p50_ms", 0.50), ("p95_ms", 0.95), ("p99_ms", 0.99))
 
 
-class LatencyStore:
-    PRUNE_EVERY = 1000        # inserts between retention passes
+class RetainedTable:
+    """Rows of one table (plus tables keyed to it) in the latency store's SQLite file, behind one
+    connection and a lock, deleted past ``retention_days`` and beyond the newest ``max_rows``.
+    One connection is shared by the event loop and the worker thread: writes are a few hundred
+    bytes, far cheaper than a connection per call. Subclasses name the table and create it."""
+
+    TABLE = ""
+    CHILDREN: tuple[str, ...] = ()   # tables whose rows carry ``ts`` and ``req`` (the parent rowid)
+    PRUNE_EVERY = 1000               # inserts between retention passes
 
     def __init__(self, path, retention_days: float | None = 30.0, max_rows: int | None = None):
         self.path = Path(path)
         self.retention_days = retention_days
         self.max_rows = max_rows
         self._adds = 0
-        # One connection shared by the event loop and the worker thread, behind a lock:
-        # writes are a few hundred bytes, far cheaper than a connection per call.
         self._lock = threading.Lock()
         self._db = connect(self.path)
         with self._lock:
-            self._db.executescript(SCHEMA)
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(stage_times)")}
-            if "attention" not in cols:        # a store written before the attention group
-                self._db.execute("ALTER TABLE stage_times ADD COLUMN attention TEXT")
-                self._db.execute("UPDATE stage_times SET attention = (SELECT r.attention FROM "
-                                 "requests r WHERE r.rowid = stage_times.req)")
-            if self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM stage_times) AND EXISTS "
-                                "(SELECT 1 FROM requests)").fetchone()[0]:
-                self._fill_stage_times()       # a store written before stage_times existed
-            self._db.executescript(INDEXES)
+            self._create()
             self._db.commit()
         self.prune()
+
+    def _create(self):
+        raise NotImplementedError
+
+    def _write(self, statements):
+        """``statements(db)`` under the lock, committed as one; prunes every PRUNE_EVERY."""
+        with self._lock:
+            statements(self._db)
+            self._db.commit()
+            self._adds += 1
+            due = self._adds % self.PRUNE_EVERY == 0
+        if due:
+            self.prune()
+
+    def prune(self, now: float | None = None) -> int:
+        """Delete rows past the retention; returns how many of the table's went."""
+        now = time.time() if now is None else now
+        gone = 0
+        with self._lock:
+            if self.retention_days is not None:
+                cut = now - self.retention_days * 86400
+                gone += self._db.execute(f"DELETE FROM {self.TABLE} WHERE ts < ?",
+                                         (cut,)).rowcount
+                for child in self.CHILDREN:
+                    self._db.execute(f"DELETE FROM {child} WHERE ts < ?", (cut,))
+            if self.max_rows is not None:
+                edge = self._db.execute(f"SELECT rowid FROM {self.TABLE} ORDER BY rowid DESC "
+                                        "LIMIT 1 OFFSET ?", (int(self.max_rows),)).fetchone()
+                if edge is not None:
+                    gone += self._db.execute(f"DELETE FROM {self.TABLE} WHERE rowid <= ?",
+                                             edge).rowcount
+                    for child in self.CHILDREN:
+                        self._db.execute(f"DELETE FROM {child} WHERE req <= ?", edge)
+            self._db.commit()
+        return gone
+
+    def close(self):
+        with self._lock:
+            self._db.close()
+
+
+class LatencyStore(RetainedTable):
+    TABLE, CHILDREN = "requests", ("stage_times",)
+
+    def _create(self):
+        self._db.executescript(SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(stage_times)")}
+        if "attention" not in cols:        # a store written before the attention group
+            self._db.execute("ALTER TABLE stage_times ADD COLUMN attention TEXT")
+            self._db.execute("UPDATE stage_times SET attention = (SELECT r.attention FROM "
+                             "requests r WHERE r.rowid = stage_times.req)")
+        if self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM stage_times) AND EXISTS "
+                            "(SELECT 1 FROM requests)").fetchone()[0]:
+            self._fill_stage_times()       # a store written before stage_times existed
+        self._db.executescript(INDEXES)
 
     def _fill_stage_times(self):
         whens = " ".join(f"WHEN r.tokens < {e} THEN {i}" for i, e in enumerate(BUCKET_EDGES))
@@ -179,29 +230,6 @@ class LatencyStore:
             f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density, r.attention FROM requests r, "
             f"json_each(r.timings) j WHERE r.status = 200 AND r.tokens IS NOT NULL AND "
             f"j.type IN ('integer', 'real')")
-
-    def prune(self, now: float | None = None) -> int:
-        """Delete rows past the retention; returns how many went."""
-        now = time.time() if now is None else now
-        gone = 0
-        with self._lock:
-            if self.retention_days is not None:
-                cut = now - self.retention_days * 86400
-                gone += self._db.execute("DELETE FROM requests WHERE ts < ?", (cut,)).rowcount
-                self._db.execute("DELETE FROM stage_times WHERE ts < ?", (cut,))
-            if self.max_rows is not None:
-                edge = self._db.execute("SELECT rowid FROM requests ORDER BY rowid DESC "
-                                        "LIMIT 1 OFFSET ?", (int(self.max_rows),)).fetchone()
-                if edge is not None:
-                    gone += self._db.execute("DELETE FROM requests WHERE rowid <= ?",
-                                             edge).rowcount
-                    self._db.execute("DELETE FROM stage_times WHERE req <= ?", edge)
-            self._db.commit()
-        return gone
-
-    def close(self):
-        with self._lock:
-            self._db.close()
 
     def add(self, *, id: str, endpoint: str, status: int, code: str | None = None,
             model: str | None = None, attention: str | None = None, tokens: int | None = None,
@@ -212,19 +240,15 @@ class LatencyStore:
                json.dumps(timings or {}))
         stages = [(k, float(v)) for k, v in (timings or {}).items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        with self._lock:
-            cur = self._db.execute("INSERT INTO requests VALUES "
-                                   "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+        def statements(db):
+            cur = db.execute("INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             row)
             if int(status) == 200 and tokens is not None:
                 b = bucket_index(tokens)
-                self._db.executemany("INSERT INTO stage_times VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                     [(cur.lastrowid, k, b, ms, row[1], density, attention)
-                                      for k, ms in stages])
-            self._db.commit()
-            self._adds += 1
-            due = self._adds % self.PRUNE_EVERY == 0
-        if due:
-            self.prune()
+                db.executemany("INSERT INTO stage_times VALUES (?, ?, ?, ?, ?, ?, ?)",
+                               [(cur.lastrowid, k, b, ms, row[1], density, attention)
+                                for k, ms in stages])
+        self._write(statements)
 
     def rows(self, since: float | None = None, until: float | None = None,
              limit: int | None = None) -> list[dict]:
