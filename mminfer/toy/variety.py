@@ -693,8 +693,11 @@ class Camera:
         self.cast = (1 + rng.uniform(-cast, cast, 3)).astype(np.float32) \
             if rng.random() < 0.4 else np.ones(3, np.float32)
         self.bright = rng.uniform(0.75, 1.2) if rng.random() < 0.6 else 1.0
-        self.contrast = rng.uniform(0.7, 1.3) if rng.random() < 0.5 else 1.0
-        self.gamma = rng.uniform(0.75, 1.35) if rng.random() < 0.3 else 1.0
+        # colour-critical frames (the ball, the flashes): milder tone curves, so a colour
+        # stays its own name
+        tone = 0.15 if mild_colour else 0.3
+        self.contrast = rng.uniform(1 - tone, 1 + tone) if rng.random() < 0.5 else 1.0
+        self.gamma = rng.uniform(1 - tone, 1 + tone) if rng.random() < 0.3 else 1.0
         self.flicker = rng.uniform(0, 0.05) if rng.random() < 0.2 else 0.0
         self.blur = rng.uniform(0.4, 1.2) if rng.random() < 0.2 else 0.0
         self.sigma = rng.uniform(0, 8) if rng.random() < 0.6 else 0.0
@@ -807,7 +810,7 @@ def red_flash(rng, h: int, w: int, under: np.ndarray | None = None):
         t = _fbm(rng, h, w, 2, int(rng.integers(2, 5)))
         img = a * (1 - t[..., None]) + b * t[..., None]
     else:                       # the scene faintly through a red wash
-        al = rng.uniform(0.82, 0.93)
+        al = rng.uniform(0.88, 0.95)
         img = a * al + under.astype(np.float32) * (1 - al)
     return np.clip(img, 0, 255).astype(np.float32), kind
 
