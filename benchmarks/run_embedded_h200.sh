@@ -21,12 +21,15 @@
 #   calibrated model comes back as $OUT/model_calibrated.tar.gz.
 #
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
+# Knobs (env): MINUTES, LR, START_PAIRS, VARIETY (train); CAL_FRAMES (calibration video
+# lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
+# the eval stage plans for, 585) (eval).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-}
 OUT=${OUT:-out/embedded}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/mminfer_embedded}; mkdir -p "$WORK"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
 TINY=${TINY:-0}
 PY=${PYTHON:-python3}
 T0=$(date +%s)
@@ -80,7 +83,7 @@ eval)
   else
     # four tasks x 8K / 16K / 32K tokens (1024 / 2048 / 4096 frames at 224 x 224)
     VIDS=(); s=900000
-    for n in 1024 2048 4096; do
+    for n in ${CAL_FRAMES:-1024 2048 4096}; do
       for t in needle colour order count; do VIDS+=("synth:$t:$n:$s"); s=$((s + 1)); done
     done
     CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
@@ -100,7 +103,7 @@ eval)
   echo "quality: $Q_S s left"
   timeout -k 10 $(( Q_S + 25 )) $PY benchmarks/quality.py --model "$MODEL" --renderer eval \
       --out "$OUT/quality_eval" --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" \
-      --kl --markdown "$OUT/quality_eval/tables.md" "${QARGS[@]}" 2>&1 | tee "$OUT/quality.log"
+      --markdown "$OUT/quality_eval/tables.md" "${QARGS[@]}" 2>&1 | tee "$OUT/quality.log"
   ;;
 *)
   echo "usage: $0 train | eval MODEL_DIR_OR_TAR" >&2

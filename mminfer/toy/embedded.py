@@ -5,7 +5,7 @@ nonsense. So mminfer ships its own model in ``mminfer/models/mminfer-embedded``:
 architecture (``Qwen2_5_VLForConditionalGeneration``, real config and weight layout) at a small
 size, with a word-level tokenizer over the task vocabulary, trained by
 ``scripts/train_embedded.py`` on the tasks of :mod:`mminfer.toy.synth` (needle, colour, count,
-order). It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
+order), drawn by synth and by the randomised renderings of :mod:`mminfer.toy.variety`. It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
 VIDEO QUESTION`` works with no ``--model`` and no download, and sparse-vs-dense quality
 (``benchmarks/quality.py``) is measured on a model whose attention was learned.
 
