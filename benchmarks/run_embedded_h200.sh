@@ -51,7 +51,7 @@ train)
     ARGS=(--minutes "${MINUTES:-8.8}" --reserve 45)
   fi
   rm -rf "$WORK/mminfer-embedded"
-  timeout -k 10 "${TIMEOUT:-585}" $PY scripts/train_embedded.py \
+  timeout -s INT -k 15 "${TIMEOUT:-585}" $PY scripts/train_embedded.py \
       --init mminfer/models/mminfer-embedded --start-pairs "${START_PAIRS:-8}" \
       --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
       --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \
@@ -78,7 +78,7 @@ eval)
     VIDS=(synth:needle:64:900000 synth:count:64:900001 synth:order:96:900002)
     CAL=(--device cpu --budget 0.25 --gamma 0.9 --max-density 0.3 --max-error 0.05)
     QARGS=(--device cpu --lengths 256 512 --depths 0 1 --needle-reps 1 --per-task 1
-           --densities 0.2 --max-minutes 2)
+           --densities 0.2 --max-minutes 2 --long-from 512)
     BUDGET=${BUDGET:-400}
   else
     # four tasks x 8K / 16K / 32K tokens (1024 / 2048 / 4096 frames at 224 x 224)
@@ -92,16 +92,18 @@ eval)
            --densities 0.2)
     BUDGET=${BUDGET:-585}
   fi
+  rm -f "$MODEL/mminfer_patterns.json" "$MODEL/mminfer_patterns.report.json"
   timeout -k 10 "${CAL_TIMEOUT:-230}" $PY -m mminfer calibrate --model "$MODEL" \
       --videos "${VIDS[@]}" "${CAL[@]}" --capture-dir "$WORK/captures" \
       --out "$MODEL/mminfer_patterns.json" 2>&1 | tee "$OUT/calibrate.log"
   [ -f "$MODEL/mminfer_patterns.json" ] || { echo "calibration failed"; exit 1; }
   cp "$MODEL/mminfer_patterns.json" "$MODEL"/mminfer_patterns.report.json "$OUT/" 2>/dev/null
   tar -czf "$OUT/model_calibrated.tar.gz" -C "$(dirname "$MODEL")" "$(basename "$MODEL")"
-  # the rest of the call for the quality benchmark (30 s kept for its tables and the exit)
+  # the rest of the call for the quality benchmark (30 s kept for its tables and the exit;
+  # SIGINT at the limit: it stops the video in flight and still writes them)
   Q_S=$(( $(left "$BUDGET") - 30 ))
   echo "quality: $Q_S s left"
-  timeout -k 10 $(( Q_S + 25 )) $PY benchmarks/quality.py --model "$MODEL" --renderer eval \
+  timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$MODEL" --renderer eval \
       --out "$OUT/quality_eval" --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" \
       --markdown "$OUT/quality_eval/tables.md" "${QARGS[@]}" 2>&1 | tee "$OUT/quality.log"
   ;;

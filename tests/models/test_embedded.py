@@ -297,3 +297,32 @@ def test_cli_answers_without_model(capsys):
                  "--attention", "dense", "--device", "cpu"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["answer"] == _answers()["count_1.mp4"]["answer"]
+
+
+@pytest.mark.slow
+def test_device_script_train_stage_smoke(tmp_path):
+    """benchmarks/run_embedded_h200.sh train in its CPU smoke mode (TINY=1): fine-tunes the
+    shipped model on the randomised bank and packs a checkpoint the pipeline loads."""
+    import subprocess
+    import sys
+    import tarfile
+
+    if not BUILT:
+        pytest.skip(NOT_BUILT)
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "WORK": str(work), "TINY": "1",
+           "PYTHON": sys.executable, "MINUTES": "0.6"}
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "run_embedded_h200.sh"), "train"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "weights initialised from mminfer/models/mminfer-embedded" in r.stdout
+    with tarfile.open(out / "model.tar.gz") as tar:
+        names = tar.getnames()
+        assert "mminfer-embedded/model.safetensors" in names
+        tar.extractall(tmp_path / "x")
+    info = json.loads((out / "embedded.json").read_text())
+    assert info["final"] and "--variety" in info["command"]
+    from mminfer.engine.pipeline import Pipeline
+    pipe = Pipeline(str(tmp_path / "x" / "mminfer-embedded"), attention="dense", device="cpu")
+    res = pipe.answer(SAMPLES / "needle_0.mp4", synth.QUESTIONS["needle"], max_new_tokens=2)
+    assert isinstance(res.answer, str) and res.tokens["visual"] == 160
