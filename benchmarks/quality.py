@@ -21,10 +21,18 @@ pairs; then one prefill per attention mode, through mminfer's attention hook:
   triangle at the example's length. The measured density (logical pairs, kernel count mode)
   is reported next to it.
 
-The answer is the greedy first token (every answer of these tasks is one token). Writes
-``quality.json`` (every example, per-mode accuracy by task and length, agreement with dense,
-densities) and ``quality_needle.png`` (V-NIAH-style heatmaps, length x depth, one panel per
-mode), and prints the table. ``--max-minutes`` stops taking new examples (the grid is
+The answer is the greedy first token (every answer of these tasks is one token); each
+sparse mode's last-token distribution is compared with dense's, KL(dense || mode) in nats.
+Writes ``quality.json`` (every example; per mode: accuracy by task and length, agreement
+with dense, density per length, per task and per task x length, KL per task and per task x
+length, and the same per task over the lengths >= ``--long-from``), ``quality_needle.png``
+(V-NIAH-style heatmaps, length x depth, one panel per mode) and ``tables.md`` (those tables
+in markdown, for BENCHMARKS.md), and prints them.
+
+``--renderer eval`` draws the videos with ``mminfer.toy.render_eval`` (320 x 240 frames,
+which the adapter makes 84 x 112: 12 visual tokens a pair, so a "32768" video of 2048 pairs
+holds 24,576 visual tokens; the tables give the real count) instead of synth: a renderer
+neither training nor calibration uses (calibration videos are synth, seeds 900,000+). ``--max-minutes`` stops taking new examples (the grid is
 ordered so that a cut run still covers every length).
 """
 
@@ -151,7 +159,8 @@ class Runner:
         with prefill_context(ctx):
             h = ad.text_model(inputs_embeds=embeds, position_ids=ad.positions(prep, 0, L),
                               use_cache=False).last_hidden_state
-        tok = int(ad.lm_head(h[:, -1]).argmax(-1))
+        logits = ad.lm_head(h[:, -1]).float()[0]
+        tok = int(logits.argmax(-1))
         dens = None
         if sparse and density and ctx.densities:
             vals = []
@@ -159,38 +168,74 @@ class Runner:
                 d = plan.density()
                 vals.append(float(d["logical"]) if isinstance(d, dict) else float(d))
             dens = sum(vals) / len(vals)
-        return tok, dens, bool(ctx.densities)
+        return tok, dens, bool(ctx.densities), torch.log_softmax(logits, -1).cpu()
 
 
 # ------------------------------------------------------------------------- report
-def summarise(records, modes, lengths, depths):
+def kl_divergence(p_log, q_log):
+    """KL(p || q) in nats of two log-probability rows (None without both)."""
+    if p_log is None or q_log is None:
+        return None
+    return float((p_log.exp() * (p_log - q_log)).sum().clamp(min=0))
+
+
+def summarise(records, modes, lengths, depths, long_from: int = 16384):
+    """Accuracy per task x length x mode, the needle grid, agreement with dense, and per
+    mode: density per length, per task and per task x length; last-token KL(dense || mode)
+    per task and per task x length; each also over the lengths >= ``long_from``."""
     out = {"accuracy": {}, "agreement_with_dense": {}, "density": {}, "needle_grid": {},
-           "counts": {}}
+           "counts": {}, "density_task": {}, "density_task_length": {}, "kl_task": {},
+           "kl_task_length": {}, "long": {}, "long_from": long_from}
     for m in modes:
-        acc, grid, dens = {}, {}, {}
+        acc, grid, dens, dtl, kl = {}, {}, {}, {}, {}
         agree = n_agree = 0
         for r in records:
             if m not in r["modes"]:
                 continue
-            ok = r["modes"][m]["correct"]
+            mr = r["modes"][m]
+            ok = mr["correct"]
             key = (r["task"], r["tokens"])
             acc.setdefault(key, []).append(ok)
             if r["task"] == "needle":
                 grid.setdefault((r["tokens"], r["depth"]), []).append(ok)
-            if r["modes"][m].get("density") is not None:
-                dens.setdefault(r["tokens"], []).append(r["modes"][m]["density"])
+            if mr.get("density") is not None:
+                dens.setdefault(r["tokens"], []).append(mr["density"])
+                dtl.setdefault(key, []).append(mr["density"])
+            if mr.get("kl") is not None:
+                kl.setdefault(key, []).append(mr["kl"])
             if "dense" in r["modes"]:
-                agree += r["modes"][m]["answer"] == r["modes"]["dense"]["answer"]
+                agree += mr["answer"] == r["modes"]["dense"]["answer"]
                 n_agree += 1
+
+        def per_task(d, pick=lambda n: True):
+            return {t: _mean([v for (tt, n), vs in d.items() if tt == t and pick(n)
+                              for v in vs]) for t in TASKS}
+
+        long = lambda n: n >= long_from    # noqa: E731
         out["accuracy"][m] = {t: {str(n): _mean(acc.get((t, n))) for n in lengths}
                               for t in TASKS}
         out["accuracy"][m]["all"] = _mean([v for vs in acc.values() for v in vs])
         out["needle_grid"][m] = {str(n): {f"{d:g}": _mean(grid.get((n, d))) for d in depths}
                                  for n in lengths}
         out["density"][m] = {str(n): _mean(dens.get(n)) for n in lengths}
+        out["density_task"][m] = per_task(dtl)
+        out["density_task_length"][m] = {t: {str(n): _mean(dtl.get((t, n))) for n in lengths}
+                                         for t in TASKS}
+        out["kl_task"][m] = per_task(kl)
+        out["kl_task_length"][m] = {t: {str(n): _mean(kl.get((t, n))) for n in lengths}
+                                    for t in TASKS}
+        out["long"][m] = {"accuracy": per_task(acc, long), "density": per_task(dtl, long),
+                          "kl": per_task(kl, long),
+                          "kl_all": _mean([v for (t, n), vs in kl.items() if long(n)
+                                           for v in vs]),
+                          "n": {t: len([v for (tt, n), vs in acc.items() if tt == t and long(n)
+                                        for v in vs]) for t in TASKS}}
         out["agreement_with_dense"][m] = agree / n_agree if n_agree else None
     out["counts"] = {t: {str(n): sum(1 for r in records if r["task"] == t and r["tokens"] == n)
                          for n in lengths} for t in TASKS}
+    out["visual_tokens"] = {str(n): _mean([r["visual_tokens"] for r in records
+                                           if r["tokens"] == n and "visual_tokens" in r])
+                            for n in lengths}
     return out
 
 
@@ -217,7 +262,88 @@ def table(summary, modes, lengths) -> str:
     for n in lengths:
         lines.append(f"{'density':<8}{n:>7} " + " ".join(
             f"{f(summary['density'][m][str(n)]):>8}" for m in modes))
+    for t in TASKS:
+        if "kl_task" in summary:
+            lines.append(f"{'KL ' + t:<15} " + " ".join(
+                f"{('  -  ' if summary['kl_task'][m][t] is None else format(summary['kl_task'][m][t], '5.3f')):>8}"
+                for m in modes))
     return "\n".join(lines)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def markdown(summary, modes, lengths, *, renderer: str = "synth", heatmap: str | None = None) -> str:
+    """The tables for BENCHMARKS.md: accuracy per task x length x mode, the lengths >= the
+    summary's ``long_from`` per task (accuracy, points from dense, density, KL), density per
+    task x length, last-token KL(dense || mode) per task x length."""
+    def f(x, fmt="{:.2f}"):
+        return "–" if x is None else fmt.format(x)
+    sparse = [m for m in modes if m != "dense"]
+    vt = summary.get("visual_tokens", {})
+    L = []
+    L.append(f"Accuracy (greedy first token; renderer `{renderer}`; visual tokens = what the "
+             f"adapter made of the video):")
+    L.append("")
+    L.append("| task | length | visual tokens | " + " | ".join(modes) + " | n |")
+    L.append("|---|---:|---:|" + "---:|" * len(modes) + "---:|")
+    for t in TASKS:
+        for n in lengths:
+            c = summary["counts"][t][str(n)]
+            if not c:
+                continue
+            L.append(f"| {t} | {_k(n)} | {f(vt.get(str(n)), '{:.0f}')} | " + " | ".join(
+                f(summary["accuracy"][m][t][str(n)]) for m in modes) + f" | {c} |")
+    L.append("| **all** | | | " + " | ".join(f(summary["accuracy"][m]["all"]) for m in modes)
+             + f" | {sum(sum(v.values()) for v in summary['counts'].values())} |")
+    L.append("| agreement with dense | | | " + " | ".join(
+        f(summary["agreement_with_dense"][m]) for m in modes) + " | |")
+    lf = summary.get("long_from", 16384)
+    if "long" in summary:
+        L += ["", f"At >= {_k(lf)} tokens, per task: accuracy (points from dense), mean "
+              f"density, mean last-token KL(dense ‖ mode) in nats:", ""]
+        L.append("| task | n | dense | " + " | ".join(
+            f"{m} acc | {m} density | {m} KL" for m in sparse) + " |")
+        L.append("|---|---:|---:|" + "---:|---:|---:|" * len(sparse))
+        lo = summary["long"]
+        for t in TASKS:
+            d = lo["dense"]["accuracy"][t] if "dense" in lo else None
+            cells = []
+            for m in sparse:
+                a = lo[m]["accuracy"][t]
+                gap = "" if a is None or d is None else f" ({100 * (a - d):+.0f})"
+                cells += [f(a) + gap, f(lo[m]["density"][t]), f(lo[m]["kl"][t], "{:.3f}")]
+            L.append(f"| {t} | {lo[modes[0]]['n'][t]} | {f(d)} | " + " | ".join(cells) + " |")
+        cells = []
+        for m in sparse:
+            cells += ["", "", f(lo[m]["kl_all"], "{:.3f}")]
+        L.append("| **all tasks** | | | " + " | ".join(cells) + " |")
+    if sparse:
+        L += ["", "Measured density (logical pairs / causal pairs, mean over layers and heads) "
+              "per task and length:", ""]
+        L.append("| task | mode | " + " | ".join(_k(n) for n in lengths) + " | mean |")
+        L.append("|---|---|" + "---:|" * (len(lengths) + 1))
+        for t in TASKS:
+            for m in sparse:
+                row = summary["density_task_length"][m][t]
+                if all(row[str(n)] is None for n in lengths):
+                    continue
+                L.append(f"| {t} | {m} | " + " | ".join(f(row[str(n)]) for n in lengths)
+                         + f" | {f(summary['density_task'][m][t])} |")
+        L += ["", "Last-token KL(dense ‖ mode), nats, mean per task and length:", ""]
+        L.append("| task | mode | " + " | ".join(_k(n) for n in lengths) + " | mean |")
+        L.append("|---|---|" + "---:|" * (len(lengths) + 1))
+        for t in TASKS:
+            for m in sparse:
+                row = summary["kl_task_length"][m][t]
+                if all(row[str(n)] is None for n in lengths):
+                    continue
+                L.append(f"| {t} | {m} | " + " | ".join(f(row[str(n)], "{:.3f}") for n in lengths)
+                         + f" | {f(summary['kl_task'][m][t], '{:.3f}')} |")
+    if heatmap:
+        L += ["", f"![needle heatmaps, dense and sparse]({heatmap})"]
+    return "\n".join(L) + "\n"
 
 
 def heatmap_png(summary, modes, lengths, depths, path):
@@ -269,6 +395,10 @@ def main(argv=None):
                     help="synth: the training renderer (held-out seeds); eval: "
                     "mminfer.toy.render_eval, a renderer training never sees")
     ap.add_argument("--seed0", type=int, default=E.HELDOUT_SEED_MIN)
+    ap.add_argument("--long-from", type=int, default=16384,
+                    help="the per-task summary of long videos takes lengths >= this")
+    ap.add_argument("--markdown", help="write the markdown tables here (default: "
+                    "<out>/tables.md)")
     ap.add_argument("--workers", type=int, default=None,
                     help="rendering processes (default: cores - 2 on GPU, 0 on CPU)")
     ap.add_argument("--device")
@@ -310,7 +440,9 @@ def main(argv=None):
             emb = runner.embeds(prep)
             want = runner.answer_ids[spec["task"]][answer]
             n = prep.total_tokens
-            rec = {**spec, "answer": answer, "total_tokens": n, "modes": {}}
+            rec = {**spec, "answer": answer, "total_tokens": n,
+                   "visual_tokens": int(prep.visual_tokens), "modes": {}}
+            dense_logp = None
             for m in modes:
                 if m == "dense":
                     pats, sparse = ad.patterns, False
@@ -320,11 +452,13 @@ def main(argv=None):
                     pats = resize_config(ad.patterns, prep.index, n, float(m[2:]),
                                          block_m=runner.block_m, block_n=runner.block_n)
                     sparse = True
-                tok, dens, ran_sparse = runner.first_token(prep, emb, pats, sparse,
-                                                           not args.no_density)
+                tok, dens, ran_sparse, logp = runner.first_token(prep, emb, pats, sparse,
+                                                                 not args.no_density)
+                if m == "dense":
+                    dense_logp = logp
                 rec["modes"][m] = {"answer": ad.tokenizer.decode([tok]).strip(),
                                    "correct": tok == want, "density": dens,
-                                   "sparse": ran_sparse}
+                                   "sparse": ran_sparse, "kl": kl_divergence(dense_logp, logp)}
             rec["seconds"] = round(time.time() - t0, 3)
             records.append(rec)
             marks = " ".join(f"{m}:{'ok' if r['correct'] else r['answer'] or '?'}"
@@ -335,7 +469,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         stopped = "interrupted"
     finally:
-        summary = summarise(records, modes, lengths, depths)
+        summary = summarise(records, modes, lengths, depths, args.long_from)
         result = {"model": str(model_dir), "device": torch.cuda.get_device_name(ad.device)
                   if cuda else "cpu", "dtype": str(ad.dtype), "modes": modes,
                   "lengths": lengths, "depths": depths, "renderer": args.renderer,
@@ -346,7 +480,13 @@ def main(argv=None):
         (out / "quality.json").write_text(json.dumps(result, indent=1, default=str))
         if records:
             heatmap_png(summary, modes, lengths, depths, out / "quality_needle.png")
+        md = markdown(summary, modes, lengths, renderer=args.renderer,
+                      heatmap="quality_needle.png" if records else None)
+        md_path = Path(args.markdown) if args.markdown else out / "tables.md"
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(md)
         print(table(summary, modes, lengths), flush=True)
+        print(md, flush=True)
         log(f"{len(records)} videos; wrote {out / 'quality.json'}"
             + (f" ({stopped})" if stopped else ""))
     return result

@@ -72,6 +72,7 @@ import torch  # noqa: E402
 
 from mminfer.toy import synth  # noqa: E402
 from mminfer.toy import embedded as E  # noqa: E402
+from mminfer.toy import variety as V  # noqa: E402
 
 TASKS = ("needle", "colour", "count", "order")
 TASK_WEIGHT = {"needle": 1.0, "colour": 0.6, "count": 0.8, "order": 1.0}
@@ -81,9 +82,17 @@ AUX_CLASSES = 100
 AUX_RED = 99
 # auxiliary per-token classes (needle pairs): 0 none, 1..10 tens digit 0-9, 11..20 units digit
 TOK_CLASSES = 21
-TOK_SIDE = E.GRID // 2                    # 4 x 4 merged tokens per pair
-TOK_CELL = E.FRAME_SIDE / TOK_SIDE        # 28 px
-PAIR_TOKENS = E.TOKENS_PER_PAIR
+TOK_SIDE = E.GRID // 2                    # 4 x 4 merged tokens per pair (112 x 112 frames)
+TOK_CELL = 28                             # px of the model's frame per merged token
+PAIR_TOKENS = E.TOKENS_PER_PAIR           # the curriculum counts 112 x 112 pairs
+SIZES = V.SIZES                           # model-side frame sizes a bank clip can have
+SLOT = V.SLOT                             # the bank's frame slot (every size fits)
+MAX_TOK = max((h // TOK_CELL) * (w // TOK_CELL) for h, w in SIZES)
+
+
+def size_tokens(cls: int) -> int:
+    h, w = SIZES[cls]
+    return (h // TOK_CELL) * (w // TOK_CELL)
 EVAL_LENGTHS = (64, 512, 2048)      # pairs: 1K, 8K, 32K visual tokens
 
 _T0 = time.time()
@@ -99,6 +108,7 @@ def log(msg: str):
 def _worker_init():
     torch.set_num_threads(1)
     E.use_bundled_fonts()
+    V.ttf_fonts()
 
 
 def _codec_like(frames, rng, sigma):
@@ -123,69 +133,140 @@ def _codec_like(frames, rng, sigma):
     return np.clip(np.round(out), 0, 255).astype(np.uint8)
 
 
-def job_scenes(job: int, run_seed: int, n: int, F: int, K: int, aug_p: float) -> dict:
-    """``n`` scene clips of F frames with K needle runs each (synth's renderer)."""
+def _pad(frames) -> np.ndarray:
+    return V.to_slot(frames)
+
+
+def _synth_scene_clip(rng, F, K, h, w):
+    """synth's look at h x w: scene frames and K needle runs painted by synth's stamp."""
+    bg, shapes, _ = synth._scene(rng, F, h, w)          # noqa: SLF001 (same renderer)
+    fr = synth._draw_scene(bg, shapes, F)               # noqa: SLF001
+    runs = []
+    for _ in range(K):
+        v = int(rng.integers(10, 100))
+        paint, box, _ = synth._text_stamp(rng, str(v), h, w, bg)   # noqa: SLF001
+        runs.append((v, (lambda p: (lambda f, k: p(f)))(paint), box))
+    return fr, runs
+
+
+def _variety_scene_clip(rng, F, K, h, w):
+    fr, bg, _ = V.scene(rng, F, h, w)
+    runs = []
+    for _ in range(K):
+        v = int(rng.integers(10, 100))
+        if rng.random() < 0.15:     # synth's stamp on a new scene
+            paint, box, _ = synth._text_stamp(rng, str(v), h, w, bg)   # noqa: SLF001
+            runs.append((v, (lambda p: (lambda f, k: p(f)))(paint), box))
+        else:
+            paint, box, _ = V.number_stamp(rng, str(v), h, w, bg)
+            runs.append((v, paint, box))
+    return fr, runs
+
+
+def job_scenes(job: int, run_seed: int, n: int, F: int, K: int, aug_p: float,
+               variety: float = 0.0) -> dict:
+    """``n`` scene clips of F frames with K needle runs each. A share ``1 - variety`` is
+    synth's look at 224 x 224 (the shipped samples' distribution, codec-like with
+    probability ``aug_p``); the rest is ``mminfer.toy.variety``'s randomised looks at
+    random source sizes and aspects, resized to the size the adapter would give them."""
     rng = np.random.default_rng([0x5EED, run_seed, 1, job])
-    S, side = E.RENDER_SIDE, E.FRAME_SIDE
-    clips = np.empty((n, F, side, side, 3), np.uint8)
-    needles = np.empty((n, K, 2, side, side, 3), np.uint8)
+    clips = np.zeros((n, F, SLOT, SLOT, 3), np.uint8)
+    needles = np.zeros((n, K, 2, SLOT, SLOT, 3), np.uint8)
     num = np.zeros((n, K), np.int16)
     start = np.zeros((n, K), np.int16)
     length = np.zeros((n, K), np.int16)
-    boxes = np.zeros((n, K, 4), np.float32)     # (x0, y0, x1, y1) of the number, 224 px
+    boxes = np.zeros((n, K, 4), np.float32)     # (x0, y0, x1, y1) of the number, model px
+    cls = np.zeros(n, np.int16)
     for i in range(n):
-        bg, shapes, _ = synth._scene(rng, F, S, S)          # noqa: SLF001 (same renderer)
-        fr = synth._draw_scene(bg, shapes, F)               # noqa: SLF001
-        nd = np.empty((K, 2, S, S, 3), np.uint8)
-        for r in range(K):
+        if rng.random() >= variety:
+            h = w = E.RENDER_SIDE
+            c = 0
+            fr, runs = _synth_scene_clip(rng, F, K, h, w)
+            cam = None
+        else:
+            h, w, c = V.pick_size(rng)
+            fr, runs = (_synth_scene_clip if rng.random() < 0.15 else _variety_scene_clip)(
+                rng, F, K, h, w)
+            cam = V.Camera(rng, h, w)
+        th, tw = SIZES[c]
+        nd = np.empty((K, 2, h, w, 3), np.uint8)
+        for r, (v, paint, box) in enumerate(runs):
             ln = int(rng.integers(1, 3))
             j = int(rng.integers(0, F - ln + 1))
-            v = int(rng.integers(10, 100))
-            paint, box, _ = synth._text_stamp(rng, str(v), S, S, bg)   # noqa: SLF001
-            boxes[i, r] = box
-            nd[r, 0] = paint(fr[j])
-            nd[r, 1] = paint(fr[j + 1]) if ln == 2 else nd[r, 0]
+            nd[r, 0] = paint(fr[j], 0)
+            nd[r, 1] = paint(fr[j + 1], 1) if ln == 2 else nd[r, 0]
             num[i, r], start[i, r], length[i, r] = v, j, ln
-        clips[i] = E.resize_frames_np(fr)
-        needles[i] = E.resize_frames_np(nd.reshape(-1, S, S, 3)).reshape(K, 2, side, side, 3)
-        if rng.random() < aug_p:
+            boxes[i, r] = np.array(box, np.float32) * np.array([tw / w, th / h] * 2, np.float32)
+        nd = nd.reshape(-1, h, w, 3)
+        if cam is not None:
+            fr, nd = cam(fr), cam(nd)
+        fr, nd = V.resize_to(fr, th, tw), V.resize_to(nd, th, tw)
+        if cam is None and rng.random() < aug_p:
             sigma = float(rng.uniform(0, 1.5))
-            clips[i] = _codec_like(clips[i], rng, sigma)
-            needles[i] = _codec_like(needles[i].reshape(-1, side, side, 3), rng,
-                                     sigma).reshape(needles[i].shape)
+            fr, nd = _codec_like(fr, rng, sigma), _codec_like(nd, rng, sigma)
+        clips[i, :, :th, :tw] = fr
+        needles[i, :, :, :th, :tw] = nd.reshape(K, 2, th, tw, 3)
+        cls[i] = c
     return {"kind": "scenes", "frames": clips, "needles": needles, "num": num,
-            "start": start, "len": length, "box": boxes * (side / S)}
+            "start": start, "len": length, "box": boxes, "cls": cls}
 
 
-def job_colour(job: int, run_seed: int, n: int, F: int, aug_p: float) -> dict:
+def job_colour(job: int, run_seed: int, n: int, F: int, aug_p: float,
+               variety: float = 0.0) -> dict:
+    """Colour clips: ``synth.colour`` at 224 x 224 (training seeds >= 1,000,000), or a
+    randomised neutral scene with the ball drawn by ``variety.ball_clip``."""
     rng = np.random.default_rng([0x5EED, run_seed, 2, job])
-    side = E.FRAME_SIDE
-    clips = np.empty((n, F, side, side, 3), np.uint8)
+    clips = np.zeros((n, F, SLOT, SLOT, 3), np.uint8)
     label = np.zeros(n, np.int16)
+    cls = np.zeros(n, np.int16)
     for i in range(n):
-        seed = E.TRAIN_SEED_MIN + (run_seed % 1000) * 10_000_000 + job * n + i
-        ex = synth.colour(seed, n_frames=F, height=E.RENDER_SIDE, width=E.RENDER_SIDE)
-        clips[i] = E.resize_frames_np(ex.frames)
-        if rng.random() < aug_p:
-            clips[i] = _codec_like(clips[i], rng, float(rng.uniform(0, 1.5)))
-        label[i] = COLOURS.index(ex.answer)
-    return {"kind": "colour", "frames": clips, "label": label}
+        if rng.random() >= variety:
+            seed = E.TRAIN_SEED_MIN + (run_seed % 1000) * 10_000_000 + job * n + i
+            ex = synth.colour(seed, n_frames=F, height=E.RENDER_SIDE, width=E.RENDER_SIDE)
+            f = E.resize_frames_np(ex.frames)
+            if rng.random() < aug_p:
+                f = _codec_like(f, rng, float(rng.uniform(0, 1.5)))
+            c, name = 0, ex.answer
+        else:
+            h, w, c = V.pick_size(rng)
+            name = COLOURS[rng.integers(len(COLOURS))]
+            fr, _, _ = V.scene(rng, F, h, w, neutral=True, allow_ellipse=False)
+            rgb = np.clip(np.array(synth.COLOURS[name]) + rng.integers(-12, 13, 3), 0, 255)
+            V.ball_clip(rng, fr, rgb)
+            f = V.resize_to(V.Camera(rng, h, w, mild_colour=True)(fr), *SIZES[c])
+        th, tw = SIZES[c]
+        clips[i, :, :th, :tw] = f
+        label[i] = COLOURS.index(name)
+        cls[i] = c
+    return {"kind": "colour", "frames": clips, "label": label, "cls": cls}
 
 
-def job_red(job: int, run_seed: int, n: int, aug_p: float) -> dict:
-    """Full-frame red flashes drawn as ``synth.count`` draws them."""
+def job_red(job: int, run_seed: int, n: int, aug_p: float, variety: float = 0.0) -> dict:
+    """Full-frame red flashes: as ``synth.count`` draws them (224 x 224), or of varied depth
+    and texture (``variety.red_flash``) at a random size, through a random camera."""
     rng = np.random.default_rng([0x5EED, run_seed, 3, job])
     S = E.RENDER_SIDE
-    out = np.empty((n, S, S, 3), np.uint8)
+    out = np.zeros((n, SLOT, SLOT, 3), np.uint8)
+    cls = np.zeros(n, np.int16)
     for i in range(n):
-        red = np.array([rng.uniform(200, 255), rng.uniform(0, 35), rng.uniform(0, 35)])
-        shade = rng.uniform(0.92, 1.0, (S, 1, 1)) if rng.random() < 0.5 else 1.0
-        out[i] = np.clip(np.broadcast_to(red, (S, S, 3)) * shade, 0, 255).astype(np.uint8)
-    out = E.resize_frames_np(out)
-    for i in range(n):
-        if rng.random() < aug_p:
-            out[i] = _codec_like(out[i:i + 1], rng, float(rng.uniform(0, 1.5)))[0]
-    return {"kind": "red", "frames": out}
+        if rng.random() >= variety:
+            red = np.array([rng.uniform(200, 255), rng.uniform(0, 35), rng.uniform(0, 35)])
+            shade = rng.uniform(0.92, 1.0, (S, 1, 1)) if rng.random() < 0.5 else 1.0
+            f = np.clip(np.broadcast_to(red, (S, S, 3)) * shade, 0, 255).astype(np.uint8)
+            f = E.resize_frames_np(f[None])
+            if rng.random() < aug_p:
+                f = _codec_like(f, rng, float(rng.uniform(0, 1.5)))
+            c = 0
+        else:
+            h, w, c = V.pick_size(rng)
+            under, _ = V.background(rng, h, w)
+            f, _ = V.red_flash(rng, h, w, under)
+            f = V.Camera(rng, h, w, mild_colour=True)(f[None].astype(np.uint8))
+            f = V.resize_to(f, *SIZES[c])
+        th, tw = SIZES[c]
+        out[i, :th, :tw] = f[0]
+        cls[i] = c
+    return {"kind": "red", "frames": out, "cls": cls}
 
 
 def job_eval(task: str, seeds: list, n_frames: int) -> dict:
@@ -198,16 +279,18 @@ def job_eval(task: str, seeds: list, n_frames: int) -> dict:
     return {"kind": "eval", "task": task, "frames": np.stack(frames), "answers": answers}
 
 
-def token_labels(box, num):
+def token_labels(box, num, size=(E.FRAME_SIDE, E.FRAME_SIDE)):
     """Per merged token of a needle pair: which digit covers most of its 28 x 28 cell, split
     at the middle of the number's box (tens | units); 0 where the number covers < 1/4.
-    ``box [..., 4]`` (x0, y0, x1, y1 at 112 px), ``num [...]`` -> ``[..., 16]``."""
+    ``box [..., 4]`` (x0, y0, x1, y1 in px of the model's ``size`` (h, w) frame), ``num
+    [...]`` -> ``[..., (h / 28) * (w / 28)]`` in the merger's row-major token order."""
     box = np.asarray(box, np.float64)
     num = np.asarray(num, np.int64)[..., None]
     x0, y0, x1, y1 = (box[..., i:i + 1] for i in range(4))
     xm = (x0 + x1) / 2
-    cell = np.arange(TOK_SIDE * TOK_SIDE)
-    cx0, cy0 = (cell % TOK_SIDE) * TOK_CELL, (cell // TOK_SIDE) * TOK_CELL
+    th, tw = size[0] // TOK_CELL, size[1] // TOK_CELL
+    cell = np.arange(th * tw)
+    cx0, cy0 = (cell % tw) * TOK_CELL, (cell // tw) * TOK_CELL
     oy = np.clip(np.minimum(cy0 + TOK_CELL, y1) - np.maximum(cy0, y0), 0, None)
     ol = oy * np.clip(np.minimum(cx0 + TOK_CELL, xm) - np.maximum(cx0, x0), 0, None)
     orr = oy * np.clip(np.minimum(cx0 + TOK_CELL, x1) - np.maximum(cx0, xm), 0, None)
@@ -219,14 +302,16 @@ def token_labels(box, num):
 class Bank:
     """All training frames in one uint8 tensor on the device: scene clips, needle runs (two
     frame slots each, tied to their scene's slot), colour clips, red flashes. Ring buffers:
-    new renderings overwrite the oldest."""
+    new renderings overwrite the oldest. Every clip and flash has a model-side frame size
+    (``SIZES[cls]``), stored top-left in a SLOT x SLOT slot; a video is composed from one
+    size only, as a real video has one."""
 
     def __init__(self, device, scenes: int, needles_per_scene: int, clip_frames: int,
                  colour_clips: int, red: int):
         self.device = device
         self.S, self.K, self.F, self.C, self.R = scenes, needles_per_scene, clip_frames, \
             colour_clips, red
-        side = E.FRAME_SIDE
+        side = SLOT
         self.scene_base = 0
         self.needle_base = self.S * self.F
         self.colour_base = self.needle_base + self.S * self.K * 2
@@ -237,9 +322,13 @@ class Bank:
         self.num = np.zeros((self.S, self.K), np.int64)
         self.start = np.zeros((self.S, self.K), np.int64)
         self.len = np.ones((self.S, self.K), np.int64)
-        self.tok = np.zeros((self.S, self.K, TOK_SIDE * TOK_SIDE), np.int64)
+        self.tok = np.zeros((self.S, self.K, MAX_TOK), np.int64)
+        self.scene_cls = np.zeros(self.S, np.int64)
         self.colour_ok = np.zeros(self.C, bool)
         self.colour_label = np.full(self.C, -1, np.int64)
+        self.colour_cls = np.zeros(self.C, np.int64)
+        self.red_ok = np.zeros(self.R, bool)
+        self.red_cls = np.zeros(self.R, np.int64)
         self.red_n = 0
         self._s = self._c = self._r = 0
         self.inserted = {"scenes": 0, "colour": 0, "red": 0}
@@ -247,10 +336,51 @@ class Bank:
 
     def _refresh(self):
         self.valid_scenes = np.flatnonzero(self.scene_ok)
+        n = len(SIZES)
+        self.scenes_by_cls = [np.flatnonzero(self.scene_ok & (self.scene_cls == k))
+                              for k in range(n)]
+        self.red_by_cls = [np.flatnonzero(self.red_ok & (self.red_cls == k)) for k in range(n)]
+        self.colour_by = [[np.flatnonzero(self.colour_ok & (self.colour_label == c)
+                                          & (self.colour_cls == k))
+                           for c in range(len(COLOURS))] for k in range(n)]
+        self.colours_in = [np.array([c for c in range(len(COLOURS)) if len(self.colour_by[k][c])],
+                                    np.int64) for k in range(n)]
+        # the size-0 (112 x 112) views the rest of the code and the tests read
         self.colour_by_label = [np.flatnonzero(self.colour_ok & (self.colour_label == c))
                                 for c in range(len(COLOURS))]
         self.colours_present = np.array([c for c in range(len(COLOURS))
                                          if len(self.colour_by_label[c])], np.int64)
+
+    def view(self, cls: int):
+        """The bank's frames cut to size ``cls`` (a strided view: gathering from it copies
+        only those pixels)."""
+        h, w = SIZES[cls]
+        return self.frames[:, :h, :w]
+
+    def pick_size(self, task: str, rng, weights=None) -> int:
+        """A frame size for the next micro-batch of ``task``: as often as the bank holds it
+        (or by ``weights``), among the sizes it can compose now."""
+        ok = self.sizes_for(task)
+        if weights is not None:
+            w = np.array([weights[k] for k in ok], np.float64)
+        elif task == "colour":
+            w = np.array([(self.colour_ok & (self.colour_cls == k)).sum() for k in ok], float)
+        else:
+            w = np.array([len(self.scenes_by_cls[k]) for k in ok], np.float64)
+        if w.sum() <= 0:
+            w = np.ones(len(ok))
+        return int(ok[rng.choice(len(ok), p=w / w.sum())])
+
+    def sizes_for(self, task: str) -> list:
+        """The frame sizes a video of this task can be composed at now."""
+        if task == "colour":
+            return [k for k in range(len(SIZES)) if len(self.colours_in[k])]
+        ok = [k for k in range(len(SIZES)) if len(self.scenes_by_cls[k])]
+        if task == "count":
+            ok = [k for k in ok if len(self.red_by_cls[k])]
+        elif task == "order":
+            ok = [k for k in ok if len(self.scenes_by_cls[k]) >= 2 or self.K >= 2]
+        return ok
 
     def _put(self, rows: np.ndarray, data: np.ndarray):
         t = torch.from_numpy(np.ascontiguousarray(data.reshape(-1, *data.shape[-3:])))
@@ -269,7 +399,13 @@ class Bank:
                        + np.arange(2)).reshape(-1), d["needles"][:n, :K])
             self.num[slots], self.start[slots], self.len[slots] = \
                 d["num"][:n, :K], d["start"][:n, :K], d["len"][:n, :K]
-            self.tok[slots] = token_labels(d["box"][:n, :K], d["num"][:n, :K])
+            cls = np.asarray(d.get("cls", np.zeros(n)), np.int64)[:n]
+            self.tok[slots] = 0
+            for k in np.unique(cls):
+                sel = np.flatnonzero(cls == k)
+                self.tok[slots[sel], :, :size_tokens(k)] = token_labels(
+                    d["box"][sel, :K], d["num"][sel, :K], SIZES[k])
+            self.scene_cls[slots] = cls
             self.scene_ok[slots] = True
         elif kind == "colour":
             n = min(len(d["frames"]), self.C)
@@ -278,21 +414,24 @@ class Bank:
             self._put((self.colour_base + slots[:, None] * self.F + np.arange(self.F)).reshape(-1),
                       d["frames"][:n, :self.F])
             self.colour_label[slots] = d["label"][:n]
+            self.colour_cls[slots] = np.asarray(d.get("cls", np.zeros(n)), np.int64)[:n]
             self.colour_ok[slots] = True
         elif kind == "red":
             n = min(len(d["frames"]), self.R)
             slots = (self._r + np.arange(n)) % self.R
             self._r = (self._r + n) % self.R
             self._put(self.red_base + slots, d["frames"][:n])
-            self.red_n = min(self.R, self.red_n + n)
+            self.red_cls[slots] = np.asarray(d.get("cls", np.zeros(n)), np.int64)[:n]
+            self.red_ok[slots] = True
+            self.red_n = int(self.red_ok.sum())
         else:
             return
         self.inserted[kind] += n
         self._refresh()
 
     def ready(self, min_scenes: int) -> bool:
-        return (len(self.valid_scenes) >= min_scenes and len(self.colours_present) > 0
-                and self.red_n > 0)
+        return (len(self.valid_scenes) >= min_scenes
+                and all(self.sizes_for(t) for t in TASKS))
 
     def fill(self) -> str:
         return (f"scenes {len(self.valid_scenes)}/{self.S} colour {int(self.colour_ok.sum())}/"
@@ -342,29 +481,32 @@ class Composer:
         idx[rows[ok], cols[ok]] = vals[ok]
         lab = np.broadcast_to((1 + self.b.num[s, r] - 10)[:, None], cols.shape)
         aux[rows[ok], cols[ok] // 2] = lab[ok]
-        tl = np.broadcast_to(self.b.tok[s, r][:, None], (*cols.shape, self.b.tok.shape[-1]))
+        nt = aux_tok.shape[-1]
+        tl = np.broadcast_to(self.b.tok[s, r][:, None, :nt], (*cols.shape, nt))
         aux_tok[rows[ok], cols[ok] // 2] = tl[ok]
 
-    def make(self, task: str, rng, B: int, Tp: int):
+    def make(self, task: str, rng, B: int, Tp: int, cls: int = 0):
         """``(idx [B, 2 Tp] int64 bank rows, answer token ids [B], aux labels [B, Tp],
-        per-token digit labels [B, Tp, 16])``."""
+        per-token digit labels [B, Tp, tokens per pair])`` for videos of frame size
+        ``SIZES[cls]`` (every frame of a video has the same size)."""
         b = self.b
         Tf = 2 * Tp
         aux = np.zeros((B, Tp), np.int64)
-        aux_tok = np.zeros((B, Tp, b.tok.shape[-1]), np.int64)
+        aux_tok = np.zeros((B, Tp, size_tokens(cls)), np.int64)
         ids = self.answer_ids[task]
         if task == "colour":
             idx = np.empty((B, Tf), np.int64)
-            cols = b.colours_present[rng.integers(0, len(b.colours_present), size=B)]
+            present = b.colours_in[cls]
+            cols = present[rng.integers(0, len(present), size=B)]
             for c in np.unique(cols):
                 sel = np.flatnonzero(cols == c)
-                idx[sel] = self._background(rng, len(sel), Tf, b.colour_by_label[c],
+                idx[sel] = self._background(rng, len(sel), Tf, b.colour_by[cls][c],
                                             b.colour_base, max_pool=3)
             aux[:] = (91 + cols)[:, None]
             ans = np.array([ids[COLOURS[c]] for c in cols])
             return idx, ans, aux, aux_tok
-        idx = self._background(rng, B, Tf, b.valid_scenes, b.scene_base)
-        vs = b.valid_scenes
+        vs = b.scenes_by_cls[cls]
+        idx = self._background(rng, B, Tf, vs, b.scene_base)
         if task == "needle":
             s = vs[rng.integers(0, len(vs), size=B)]
             r = rng.integers(0, b.K, size=B)
@@ -410,7 +552,9 @@ class Composer:
             slots = np.sort(np.where(ok, first, 10 * Tf), axis=1)
             fl = slots + np.arange(most)[None]
             rows = np.broadcast_to(np.arange(B)[:, None], fl.shape)
-            idx[rows[ok], fl[ok]] = b.red_base + rng.integers(0, b.red_n, size=int(ok.sum()))
+            reds = b.red_by_cls[cls]
+            idx[rows[ok], fl[ok]] = b.red_base + reds[rng.integers(0, len(reds),
+                                                                   size=int(ok.sum()))]
             aux[rows[ok], fl[ok] // 2] = AUX_RED
             ans = np.array([ids[str(v)] for v in k])
         else:
@@ -439,10 +583,11 @@ class Trainer:
         self._layouts = {}
         self.pix_dtype = torch.bfloat16 if use_autocast else torch.float32
 
-    def layout(self, task: str, Tp: int, fps: float):
-        key = (task, Tp, fps)
+    def layout(self, task: str, Tp: int, fps: float, grid_hw=(E.GRID, E.GRID)):
+        key = (task, Tp, fps, tuple(grid_hw))
         if key not in self._layouts:
-            head, tail, pos = E.layout(self.tok, self.cfg, synth.QUESTIONS[task], Tp, fps)
+            head, tail, pos = E.layout(self.tok, self.cfg, synth.QUESTIONS[task], Tp, fps,
+                                       grid_hw=tuple(grid_hw))
             dev = self.device
             self._layouts[key] = (torch.tensor(head, device=dev), torch.tensor(tail, device=dev),
                                   pos.to(dev))
@@ -450,21 +595,27 @@ class Trainer:
                 self._layouts.pop(next(iter(self._layouts)))
         return self._layouts[key]
 
-    def forward(self, frames, task: str, answers, aux=None, aux_tok=None, fps: float = 2.0):
-        """frames uint8 ``[B, 2 Tp, 112, 112, 3]`` on the device; answers LongTensor [B].
+    def forward(self, frames, task: str, answers, aux=None, aux_tok=None, fps: float = 2.0,
+                size=(E.FRAME_SIDE, E.FRAME_SIDE)):
+        """frames uint8 ``[B, 2 Tp, >= h, >= w, 3]`` on the device (the top-left ``size`` =
+        (h, w) of each slot is the frame); answers LongTensor [B].
         Returns (loss, predicted answer ids [B])."""
         import torch.nn.functional as F
         B, Tf = frames.shape[:2]
         Tp = Tf // 2
-        head, tail, pos = self.layout(task, Tp, fps)
+        h, w = size
+        frames = frames[:, :, :h, :w]
+        grid = (h // 14, w // 14)
+        ntok = (h // TOK_CELL) * (w // TOK_CELL)
+        head, tail, pos = self.layout(task, Tp, fps, grid)
         pix = E.pixels_from_frames(frames, dtype=self.pix_dtype)
         ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast
                else torch.autocast("cpu", enabled=False))
         with ctx:
-            vis = self.bv(pix, B * Tp)
+            vis = self.bv(pix, B * Tp, grid)
             del pix
             D = vis.shape[-1]
-            vis = vis.view(B, Tp * PAIR_TOKENS, D)
+            vis = vis.view(B, Tp * ntok, D)
             tail_ids = torch.cat([tail.expand(B, -1), answers[:, None]], 1)
             e_head = self.embed(head)[None].expand(B, -1, -1)
             e_tail = self.embed(tail_ids)
@@ -476,7 +627,7 @@ class Trainer:
             loss = F.cross_entropy(logits[:, 0], answers) \
                 + 0.5 * F.cross_entropy(logits[:, 1], torch.full_like(answers, self.end_id))
             if aux is not None and self.aux_weight > 0:
-                pooled = vis.view(B, Tp, PAIR_TOKENS, D).float().mean(2)
+                pooled = vis.view(B, Tp, ntok, D).float().mean(2)
                 out = self.aux_head(pooled).float().view(B * Tp, -1)
                 al, tens, units = out[:, :AUX_CLASSES], out[:, AUX_CLASSES:AUX_CLASSES + 10], \
                     out[:, AUX_CLASSES + 10:]
@@ -494,9 +645,9 @@ class Trainer:
                     + F.cross_entropy(units, num % 10, reduction="none")
                 aux_loss = aux_loss + (digit_ce * is_num).sum() / is_num.sum().clamp(min=1)
                 if aux_tok is not None:
-                    tl = self.tok_head(vis.view(B * Tp, PAIR_TOKENS, D)).float()
+                    tl = self.tok_head(vis.view(B * Tp, ntok, D)).float()
                     tce = F.cross_entropy(tl.reshape(-1, TOK_CLASSES), aux_tok.reshape(-1),
-                                          reduction="none").view(B * Tp, PAIR_TOKENS).mean(1)
+                                          reduction="none").view(B * Tp, ntok).mean(1)
                     aux_loss = aux_loss + (tce * is_num).sum() / is_num.sum().clamp(min=1)
                 loss = loss + self.aux_weight * aux_loss
         return loss, logits[:, 0].argmax(-1)
@@ -522,24 +673,29 @@ def evaluate(trainer: Trainer, bank: Bank, composer: Composer, eval_sets: dict, 
                 correct += int((pred == answers[s:s + 32]).sum())
             out.setdefault("synth20", {})[task] = correct / max(len(frames), 1)
         rng = np.random.default_rng([0xE7A1, seed])
+        # bank-composed videos at 112 x 112 and at 84 x 112 (what a 4:3 video becomes)
         for Tp in lengths:
-            name = f"{Tp * PAIR_TOKENS // 1024}K" if Tp * PAIR_TOKENS >= 1024 else \
+            name0 = f"{Tp * PAIR_TOKENS // 1024}K" if Tp * PAIR_TOKENS >= 1024 else \
                 str(Tp * PAIR_TOKENS)
             n_len = n_per_task if Tp * PAIR_TOKENS < 8192 else max(1, n_per_task // 2)
-            for task in TASKS:
-                B = max(1, min(n_len, batch_tokens // (Tp * PAIR_TOKENS + 40)))
-                correct = total = 0
-                while total < n_len:
-                    nb = min(B, n_len - total)
-                    idx, ans, _, _ = composer.make(task, rng, nb, Tp)
-                    frames = bank.frames[torch.from_numpy(idx).to(bank.device).view(-1)]
-                    frames = frames.view(nb, 2 * Tp, *frames.shape[1:])
-                    a = torch.from_numpy(ans).to(bank.device)
-                    _, pred = trainer.forward(frames, task, a)
-                    correct += int((pred == a).sum())
-                    total += nb
-                    del frames
-                out.setdefault(name, {})[task] = correct / total
+            for cls in (0, 1):
+                name = name0 if cls == 0 else f"{name0}@{SIZES[cls][0]}x{SIZES[cls][1]}"
+                for task in TASKS:
+                    if cls not in bank.sizes_for(task):
+                        continue
+                    B = max(1, min(n_len, batch_tokens // (Tp * size_tokens(cls) + 40)))
+                    correct = total = 0
+                    while total < n_len:
+                        nb = min(B, n_len - total)
+                        idx, ans, _, _ = composer.make(task, rng, nb, Tp, cls)
+                        frames = bank.view(cls)[torch.from_numpy(idx).to(bank.device).view(-1)]
+                        frames = frames.view(nb, 2 * Tp, *SIZES[cls], 3)
+                        a = torch.from_numpy(ans).to(bank.device)
+                        _, pred = trainer.forward(frames, task, a, size=SIZES[cls])
+                        correct += int((pred == a).sum())
+                        total += nb
+                        del frames
+                    out.setdefault(name, {})[task] = correct / total
     finally:
         model.train(was)
     return out
@@ -585,11 +741,12 @@ class Feeder:
         self.job += 1
         if kind == "scenes":
             self._submit(job_scenes, self.job, self.run_seed, a.chunk, a.clip_frames,
-                         a.needles_per_scene, a.aug)
+                         a.needles_per_scene, a.aug, a.variety)
         elif kind == "colour":
-            self._submit(job_colour, self.job, self.run_seed, a.chunk, a.clip_frames, a.aug)
+            self._submit(job_colour, self.job, self.run_seed, a.chunk, a.clip_frames, a.aug,
+                         a.variety)
         elif kind == "red":
-            self._submit(job_red, self.job, self.run_seed, kw.get("n", 256), a.aug)
+            self._submit(job_red, self.job, self.run_seed, kw.get("n", 256), a.aug, a.variety)
         elif kind == "eval":
             self._submit(job_eval, kw["task"], kw["seeds"], kw["n_frames"])
 
@@ -671,7 +828,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=32768,
                    help="visual tokens of the longest training video (curriculum end)")
-    p.add_argument("--start-pairs", type=int, default=4, help="curriculum start (pairs)")
+    p.add_argument("--start-pairs", type=int, default=None,
+                   help="curriculum start (pairs; default 4, or with --init the curriculum "
+                   "the checkpoint ended at)")
     p.add_argument("--batch-tokens", type=int, default=None,
                    help="visual tokens per micro-batch (default 65536 on GPU, 2048 on CPU)")
     p.add_argument("--max-batch", type=int, default=None,
@@ -694,7 +853,14 @@ def parse_args(argv=None):
     p.add_argument("--clip-frames", type=int, default=8)
     p.add_argument("--needles-per-scene", type=int, default=4)
     p.add_argument("--chunk", type=int, default=16, help="clips per rendering job")
-    p.add_argument("--aug", type=float, default=0.5, help="share of clips made codec-like")
+    p.add_argument("--aug", type=float, default=0.5,
+                   help="share of synth-look clips made codec-like")
+    p.add_argument("--variety", type=float, default=0.8,
+                   help="share of clips drawn with mminfer.toy.variety's randomised looks, "
+                   "sizes and cameras (the rest: synth's look at 224 x 224)")
+    p.add_argument("--size-weight", type=float, nargs=len(V.SIZES), default=None,
+                   metavar="W", help=f"how often a training video has each frame size "
+                   f"{list(V.SIZES)} (default: as often as the bank holds it)")
     p.add_argument("--refresh", type=float, default=300.0,
                    help="scene clips re-rendered per second while training (GPU)")
     p.add_argument("--min-fill", type=float, default=0.15,
@@ -756,7 +922,7 @@ def main(argv=None) -> dict:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
 
-    meta = {"step": 0, "train_seconds": 0.0, "M": args.start_pairs, "history": [],
+    meta = {"step": 0, "train_seconds": 0.0, "M": args.start_pairs or 4, "history": [],
             "samples": 0, "tokens": 0}
     if args.resume and state_path.is_file():
         st = torch.load(state_path, map_location=dev, weights_only=False)
@@ -769,12 +935,13 @@ def main(argv=None) -> dict:
             f"{meta['train_seconds']:.0f}s trained, curriculum {meta['M']} pairs")
     elif args.resume:
         log(f"--resume: no state at {state_path}; starting fresh")
-    elif args.init:
+    elif args.init and args.start_pairs is None:
         try:
             prev = json.loads((Path(args.init) / "embedded.json").read_text())
             meta["M"] = int(prev.get("curriculum_pairs", meta["M"]))
         except (OSError, ValueError):
             pass
+    m_start = meta["M"]
 
     answer_ids = E.answer_ids(tok)
     M_final = max(args.max_tokens // PAIR_TOKENS, 1)
@@ -890,7 +1057,7 @@ def main(argv=None) -> dict:
             absorb(feeder.poll())
             top_up(True)
             # curriculum: accuracy-gated growth, with a schedule as the floor
-            m0 = min(args.start_pairs, M_final)
+            m0 = min(m_start, M_final)
             k_final = math.log2(max(M_final / m0, 1))
             forced = m0 * 2 ** (k_final * min(max((f - 0.4) / 0.45, 0), 1))
             M = meta["M"]
@@ -908,18 +1075,21 @@ def main(argv=None) -> dict:
                 opt.zero_grad(set_to_none=True)
                 for task in args.tasks:
                     Tp = sample_tp(rng, M, task)
-                    toks = Tp * PAIR_TOKENS
+                    cls = bank.pick_size(task, rng, args.size_weight)
+                    size = SIZES[cls]
+                    toks = Tp * size_tokens(cls)
                     B = int(max(1, min(args.max_batch * TASK_WEIGHT[task],
                                        budget_scale * args.batch_tokens * TASK_WEIGHT[task]
                                        // (toks + 40))))
-                    idx, ans, aux, aux_tok = composer.make(task, rng, B, Tp)
+                    idx, ans, aux, aux_tok = composer.make(task, rng, B, Tp, cls)
                     idx_t = torch.from_numpy(idx).to(dev, non_blocking=True)
-                    frames = bank.frames[idx_t.view(-1)].view(B, 2 * Tp, *bank.frames.shape[1:])
+                    frames = bank.view(cls)[idx_t.view(-1)].view(B, 2 * Tp, *size, 3)
                     ans_t = torch.from_numpy(ans).to(dev)
                     aux_t = torch.from_numpy(aux).to(dev)
                     tok_t = torch.from_numpy(aux_tok).to(dev) if task in ("needle", "order") \
                         else None
-                    loss, pred = trainer.forward(frames, task, ans_t, aux_t, tok_t, fps=fps)
+                    loss, pred = trainer.forward(frames, task, ans_t, aux_t, tok_t, fps=fps,
+                                                 size=size)
                     del frames
                     (loss * TASK_WEIGHT[task]).backward()
                     correct = int((pred == ans_t).sum())

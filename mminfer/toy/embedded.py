@@ -5,7 +5,7 @@ nonsense. So mminfer ships its own model in ``mminfer/models/mminfer-embedded``:
 architecture (``Qwen2_5_VLForConditionalGeneration``, real config and weight layout) at a small
 size, with a word-level tokenizer over the task vocabulary, trained by
 ``scripts/train_embedded.py`` on the tasks of :mod:`mminfer.toy.synth` (needle, colour, count,
-order). It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
+order), drawn by synth and by the randomised renderings of :mod:`mminfer.toy.variety`. It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
 VIDEO QUESTION`` works with no ``--model`` and no download, and sparse-vs-dense quality
 (``benchmarks/quality.py``) is measured on a model whose attention was learned.
 
@@ -263,15 +263,18 @@ class BatchedVision:
         self.tower = QwenVisionTower(self.visual)
         self.use_reference = False     # True: run get_video_features (slow, always right)
 
-    def __call__(self, pixels, n_pairs: int):
-        """``pixels [n_pairs * h * w, 1176]`` -> merged features ``[n_pairs * h*w/4, out]``."""
+    def __call__(self, pixels, n_pairs: int, grid_hw=None):
+        """``pixels [n_pairs * h * w, 1176]`` -> merged features ``[n_pairs * h*w/4, out]``;
+        ``grid_hw`` (patches) for frames of another size than the default."""
+        h, w = grid_hw or (self.h, self.w)
         if self.use_reference:
-            return self._reference(pixels, n_pairs)
-        return self.tower(pixels, n_pairs, self.h, self.w)
+            return self._reference(pixels, n_pairs, (h, w))
+        return self.tower(pixels, n_pairs, h, w)
 
-    def _reference(self, pixels, n_pairs):
+    def _reference(self, pixels, n_pairs, grid_hw=None):
         import torch
-        grid = torch.tensor([[n_pairs, self.h, self.w]], device=pixels.device)
+        h, w = grid_hw or (self.h, self.w)
+        grid = torch.tensor([[n_pairs, h, w]], device=pixels.device)
         ref = self.model.model.get_video_features(pixels, grid)
         ref = getattr(ref, "pooler_output", ref)
         return torch.cat(list(ref), 0) if isinstance(ref, (tuple, list)) else ref
@@ -297,23 +300,24 @@ class BatchedVision:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
-def layout(tok, config, question: str, n_pairs: int, fps: float = 2.0):
+def layout(tok, config, question: str, n_pairs: int, fps: float = 2.0, grid_hw=(GRID, GRID)):
     """The exact token layout the Qwen2.5-VL adapter builds for a video of ``n_pairs``
-    temporal pairs at 112 x 112 and ``question``: ``(head_ids, tail_ids, positions)`` where
-    the video tokens sit between head and tail, and ``positions [3, L + 1]`` are the M-RoPE
-    positions of the L prompt tokens plus the first answer token (decode position
-    ``L + rope_delta``)."""
+    temporal pairs of ``grid_hw`` patches (default 8 x 8: 112 x 112 frames) and ``question``:
+    ``(head_ids, tail_ids, positions)`` where the video tokens sit between head and tail, and
+    ``positions [3, L + 1]`` are the M-RoPE positions of the L prompt tokens plus the first
+    answer token (decode position ``L + rope_delta``)."""
     from types import SimpleNamespace
     import torch
     from mminfer.sparse.modality import ModalityIndex
     from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter, mrope_positions
 
     v = config.vision_config
-    n_video = n_pairs * TOKENS_PER_PAIR
+    gh, gw = grid_hw
+    n_video = n_pairs * (gh // 2) * (gw // 2)
     vid = int(config.video_token_id)
     ids = Qwen2_5_VLAdapter.prompt_ids(SimpleNamespace(tokenizer=tok, video_token_id=vid),
                                        question, n_video)
-    grid = torch.tensor([[n_pairs, GRID, GRID]])
+    grid = torch.tensor([[n_pairs, gh, gw]])
     index = ModalityIndex.qwen2_5_vl(ids, grid, video_token_id=vid,
                                      image_token_id=int(config.image_token_id),
                                      spatial_merge_size=v.spatial_merge_size)

@@ -141,6 +141,47 @@ def test_composed_videos_match_their_labels():
                     bank.colour_label[clips]} == {inv[ans[b]]}
 
 
+def test_varied_sizes_compose_videos_of_one_size_with_their_token_labels():
+    """With randomised renderings the bank holds clips of several model-side frame sizes: a
+    composed video takes every frame (scene, needle, flash, colour clip) from one size, its
+    per-token labels have that size's token count, and they mark the number's cells."""
+    import numpy as np
+    import torch
+
+    train = _train_module()
+    bank = train.Bank(torch.device("cpu"), scenes=24, needles_per_scene=2, clip_frames=4,
+                      colour_clips=24, red=24)
+    bank.add(train.job_scenes(1, 0, 24, 4, 2, 0.5, 1.0))
+    bank.add(train.job_colour(1, 0, 24, 4, 0.5, 1.0))
+    bank.add(train.job_red(1, 0, 24, 0.5, 1.0))
+    assert len(set(bank.scene_cls)) >= 3            # several sizes in one job
+    tok = E.build_tokenizer()
+    comp = train.Composer(bank, E.answer_ids(tok))
+    rng = np.random.default_rng(1)
+    seen = set()
+    for task in ("needle", "order", "count", "colour"):
+        for cls in bank.sizes_for(task):
+            seen.add(cls)
+            idx, ans, aux, atok = comp.make(task, rng, 6, 5, cls)
+            assert atok.shape == (6, 5, train.size_tokens(cls))
+            sc = idx < bank.needle_base
+            assert (bank.scene_cls[idx[sc] // bank.F] == cls).all()
+            nd = (idx >= bank.needle_base) & (idx < bank.colour_base)
+            assert (bank.scene_cls[(idx[nd] - bank.needle_base) // (2 * bank.K)] == cls).all()
+            co = (idx >= bank.colour_base) & (idx < bank.red_base)
+            assert (bank.colour_cls[(idx[co] - bank.colour_base) // bank.F] == cls).all()
+            assert (bank.red_cls[idx[idx >= bank.red_base] - bank.red_base] == cls).all()
+            if task == "needle":
+                assert atok[aux > 0].any(axis=-1).all()      # some cell reads a digit
+            v = bank.view(cls)[torch.from_numpy(idx).view(-1)]
+            assert tuple(v.shape[1:3]) == train.SIZES[cls]
+    assert len(seen) >= 2
+    # token labels on a 84 x 112 frame: 3 x 4 cells, tens left of units
+    lab = train.token_labels(np.array([[30.0, 2.0, 86.0, 54.0]]), np.array([47]), (84, 112))
+    assert lab.shape == (1, 12)
+    assert list(lab[0, :4]) == [0, 1 + 4, 11 + 7, 0] and not lab[0, 8:].any()
+
+
 def test_micro_training_lowers_the_loss_and_saves_a_loadable_checkpoint(tmp_path):
     from mminfer.engine.pipeline import Pipeline
 
@@ -256,3 +297,32 @@ def test_cli_answers_without_model(capsys):
                  "--attention", "dense", "--device", "cpu"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["answer"] == _answers()["count_1.mp4"]["answer"]
+
+
+@pytest.mark.slow
+def test_device_script_train_stage_smoke(tmp_path):
+    """benchmarks/run_embedded_h200.sh train in its CPU smoke mode (TINY=1): fine-tunes the
+    shipped model on the randomised bank and packs a checkpoint the pipeline loads."""
+    import subprocess
+    import sys
+    import tarfile
+
+    if not BUILT:
+        pytest.skip(NOT_BUILT)
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "WORK": str(work), "TINY": "1",
+           "PYTHON": sys.executable, "MINUTES": "0.6"}
+    r = subprocess.run(["bash", str(REPO / "benchmarks" / "run_embedded_h200.sh"), "train"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "weights initialised from mminfer/models/mminfer-embedded" in r.stdout
+    with tarfile.open(out / "model.tar.gz") as tar:
+        names = tar.getnames()
+        assert "mminfer-embedded/model.safetensors" in names
+        tar.extractall(tmp_path / "x")
+    info = json.loads((out / "embedded.json").read_text())
+    assert info["final"] and "--variety" in info["command"]
+    from mminfer.engine.pipeline import Pipeline
+    pipe = Pipeline(str(tmp_path / "x" / "mminfer-embedded"), attention="dense", device="cpu")
+    res = pipe.answer(SAMPLES / "needle_0.mp4", synth.QUESTIONS["needle"], max_new_tokens=2)
+    assert isinstance(res.answer, str) and res.tokens["visual"] == 160

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The embedded model on one H200, in two device calls of < 600 s each (issue 14 part 3):
+#
+#   bash benchmarks/run_embedded_h200.sh train                 # -> $OUT/model.tar.gz, train.log
+#   bash benchmarks/run_embedded_h200.sh eval MODEL_DIR_OR_TAR # -> $OUT/quality*/, calibrate.log
+#
+# train: fine-tunes the shipped model (mminfer/models/mminfer-embedded: it already reads synth's
+#   digits) on the randomised renderings of mminfer.toy.variety (80 % of the bank; synth's look
+#   the rest), at every frame size the adapter gives real videos, curriculum from 8 pairs to
+#   2048 pairs (32K visual tokens at 112 x 112), for MINUTES (default 8.8: the whole run, bank,
+#   final eval and save included; python's start is ~10 s more). The checkpoint (hub layout)
+#   comes back packed as $OUT/model.tar.gz (folder mminfer-embedded/ inside); the training
+#   state (optimizer, 65 MB) stays on the device under /tmp.
+# eval: unpacks the model if it is a .tar.gz, calibrates its head patterns with mass budgets
+#   (gamma) on synth videos of three lengths and four tasks (seeds 900,000+: disjoint from
+#   training's, its evaluation's [800,000, 801,000) and the quality benchmark's [500,000,
+#   800,000); calibration uses synth, evaluation the held-out renderer render_eval, which
+#   nothing here trains or calibrates on), then benchmarks/quality.py --renderer eval: dense vs
+#   the calibrated config vs one generic density, with accuracy per task x length, density
+#   per task, last-token KL to dense, markdown tables and the needle heatmap in $OUT. The
+#   calibrated model comes back as $OUT/model_calibrated.tar.gz.
+#
+# TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
+# Knobs (env): MINUTES, LR, START_PAIRS, VARIETY (train); CAL_FRAMES (calibration video
+# lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
+# the eval stage plans for, 585) (eval).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STAGE=${1:-}
+OUT=${OUT:-out/embedded}; mkdir -p "$OUT"
+WORK=${WORK:-/tmp/mminfer_embedded}; mkdir -p "$WORK"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 PYTHONPATH=$PWD
+TINY=${TINY:-0}
+PY=${PYTHON:-python3}
+T0=$(date +%s)
+left() { echo $(( ${1} - ($(date +%s) - T0) )); }
+
+device_info() {
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no GPU"
+    echo "cores $(nproc)"; git rev-parse HEAD 2>/dev/null || true
+    $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  } 2>&1 | tee "$OUT/device.txt"
+}
+
+case "$STAGE" in
+train)
+  device_info
+  if [ "$TINY" = 1 ]; then
+    ARGS=(--minutes "${MINUTES:-0.6}" --max-tokens 128 --workers 0 --device cpu)
+  else
+    ARGS=(--minutes "${MINUTES:-8.8}" --reserve 45)
+  fi
+  rm -rf "$WORK/mminfer-embedded"
+  timeout -s INT -k 15 "${TIMEOUT:-585}" $PY scripts/train_embedded.py \
+      --init mminfer/models/mminfer-embedded --start-pairs "${START_PAIRS:-8}" \
+      --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
+      --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \
+      2>&1 | tee "$OUT/train.log"
+  rc=${PIPESTATUS[0]}
+  cp "$WORK/mminfer-embedded/embedded.json" "$OUT/" 2>/dev/null || true
+  ls -la "$OUT"
+  exit "$rc"
+  ;;
+eval)
+  SRC=${2:?usage: run_embedded_h200.sh eval MODEL_DIR_OR_TAR}
+  device_info
+  if [ -f "$SRC" ]; then          # a model.tar.gz from the train stage
+    rm -rf "$WORK/eval"; mkdir -p "$WORK/eval"
+    tar -xzf "$SRC" -C "$WORK/eval" || exit 1
+    MODEL=$(dirname "$(ls "$WORK"/eval/*/config.json | head -1)")
+  else
+    rm -rf "$WORK/eval"; mkdir -p "$WORK/eval"
+    cp -r "$SRC" "$WORK/eval/mminfer-embedded"    # never write into the source folder
+    MODEL=$WORK/eval/mminfer-embedded
+  fi
+  echo "model: $MODEL"
+  if [ "$TINY" = 1 ]; then
+    VIDS=(synth:needle:64:900000 synth:count:64:900001 synth:order:96:900002)
+    CAL=(--device cpu --budget 0.25 --gamma 0.9 --max-density 0.3 --max-error 0.05)
+    QARGS=(--device cpu --lengths 256 512 --depths 0 1 --needle-reps 1 --per-task 1
+           --densities 0.2 --max-minutes 2 --long-from 512)
+    BUDGET=${BUDGET:-400}
+  else
+    # four tasks x 8K / 16K / 32K tokens (1024 / 2048 / 4096 frames at 224 x 224)
+    VIDS=(); s=900000
+    for n in ${CAL_FRAMES:-1024 2048 4096}; do
+      for t in needle colour order count; do VIDS+=("synth:$t:$n:$s"); s=$((s + 1)); done
+    done
+    CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
+         --max-error 0.05)
+    QARGS=(--lengths 1024 4096 8192 16384 32768 --needle-reps 2 --per-task 6
+           --densities 0.2)
+    BUDGET=${BUDGET:-585}
+  fi
+  rm -f "$MODEL/mminfer_patterns.json" "$MODEL/mminfer_patterns.report.json"
+  timeout -k 10 "${CAL_TIMEOUT:-230}" $PY -m mminfer calibrate --model "$MODEL" \
+      --videos "${VIDS[@]}" "${CAL[@]}" --capture-dir "$WORK/captures" \
+      --out "$MODEL/mminfer_patterns.json" 2>&1 | tee "$OUT/calibrate.log"
+  [ -f "$MODEL/mminfer_patterns.json" ] || { echo "calibration failed"; exit 1; }
+  cp "$MODEL/mminfer_patterns.json" "$MODEL"/mminfer_patterns.report.json "$OUT/" 2>/dev/null
+  tar -czf "$OUT/model_calibrated.tar.gz" -C "$(dirname "$MODEL")" "$(basename "$MODEL")"
+  # the rest of the call for the quality benchmark (30 s kept for its tables and the exit;
+  # SIGINT at the limit: it stops the video in flight and still writes them)
+  Q_S=$(( $(left "$BUDGET") - 30 ))
+  echo "quality: $Q_S s left"
+  timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$MODEL" --renderer eval \
+      --out "$OUT/quality_eval" --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" \
+      --markdown "$OUT/quality_eval/tables.md" "${QARGS[@]}" 2>&1 | tee "$OUT/quality.log"
+  ;;
+*)
+  echo "usage: $0 train | eval MODEL_DIR_OR_TAR" >&2
+  exit 2
+  ;;
+esac

@@ -1,0 +1,88 @@
+"""benchmarks/quality.py's tables: accuracy per task x length x mode, density per task, the
+last-token KL to dense, the long-video summary and their markdown."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def Q():
+    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kl_divergence_is_kl_of_dense_to_sparse(Q):
+    p = torch.log_softmax(torch.tensor([2.0, 0.0, -1.0]), -1)
+    q = torch.log_softmax(torch.tensor([1.0, 0.5, -1.0]), -1)
+    want = sum(math.exp(a) * (a - b) for a, b in zip(p.tolist(), q.tolist()))
+    assert Q.kl_divergence(p, q) == pytest.approx(want, rel=1e-5) and want > 0
+    assert Q.kl_divergence(p, p) == pytest.approx(0.0, abs=1e-7)
+    assert Q.kl_divergence(None, q) is None
+
+
+def _rec(task, tokens, modes, depth=None, vt=None):
+    return {"task": task, "tokens": tokens, "depth": depth, "visual_tokens": vt or tokens,
+            "modes": {m: {"answer": a, "correct": ok, "density": d, "kl": kl}
+                      for m, (a, ok, d, kl) in modes.items()}}
+
+
+def _records():
+    R = []
+    # needle: dense right everywhere; config wrong once at 16K
+    for n, dep, ok_c in ((1024, 0.0, True), (16384, 0.0, True), (16384, 1.0, False)):
+        R.append(_rec("needle", n, {"dense": ("42", True, None, 0.0),
+                                    "config": ("42" if ok_c else "24", ok_c, 0.1, 0.05),
+                                    "d=0.20": ("42", True, 0.2, 0.01)}, depth=dep, vt=n * 3 // 4))
+    # count at 16K: dense right, both sparse wrong, densities differ from needle's
+    R.append(_rec("count", 16384, {"dense": ("3", True, None, 0.0),
+                                   "config": ("4", False, 0.3, 0.5),
+                                   "d=0.20": ("4", False, 0.2, 0.7)}))
+    return R
+
+
+def test_summary_has_density_and_kl_per_task_and_the_long_videos(Q):
+    modes = ["dense", "config", "d=0.20"]
+    s = Q.summarise(_records(), modes, [1024, 16384], [0.0, 1.0], long_from=16384)
+    assert s["accuracy"]["config"]["needle"] == {"1024": 1.0, "16384": 0.5}
+    assert s["accuracy"]["dense"]["all"] == 1.0
+    assert s["accuracy"]["config"]["all"] == pytest.approx(2 / 4)
+    assert s["density_task"]["config"]["needle"] == pytest.approx(0.1)
+    assert s["density_task"]["config"]["count"] == pytest.approx(0.3)
+    assert s["density_task_length"]["d=0.20"]["count"] == {"1024": None, "16384": 0.2}
+    assert s["kl_task"]["config"]["needle"] == pytest.approx(0.05)
+    assert s["kl_task"]["d=0.20"]["count"] == pytest.approx(0.7)
+    lo = s["long"]["config"]
+    assert lo["accuracy"]["needle"] == 0.5 and lo["accuracy"]["count"] == 0.0
+    assert lo["n"]["needle"] == 2 and lo["n"]["colour"] == 0
+    assert lo["kl_all"] == pytest.approx((0.05 + 0.05 + 0.5) / 3)
+    assert s["visual_tokens"]["16384"] == pytest.approx((12288 * 2 + 16384) / 3)
+    assert s["needle_grid"]["config"]["16384"] == {"0": 1.0, "1": 0.0}
+    assert s["agreement_with_dense"]["config"] == pytest.approx(2 / 4)
+
+
+def test_markdown_tables(Q):
+    modes = ["dense", "config", "d=0.20"]
+    s = Q.summarise(_records(), modes, [1024, 16384], [0.0, 1.0], long_from=16384)
+    md = Q.markdown(s, modes, [1024, 16384], renderer="eval", heatmap="h.png")
+    lines = md.splitlines()
+    assert "| task | length | visual tokens | dense | config | d=0.20 | n |" in lines
+    assert "| needle | 16K | 13653 | 1.00 | 0.50 | 1.00 | 2 |" in lines
+    # the long-video row: accuracy with the points from dense, density, KL
+    row = next(ln for ln in lines if ln.startswith("| count | 1 | 1.00 |"))
+    assert "0.00 (-100) | 0.30 | 0.500" in row
+    assert "| needle | config | 0.10 | 0.10 | 0.10 |" in lines
+    assert "| count | d=0.20 | – | 0.700 | 0.700 |" in lines
+    assert "![needle heatmaps, dense and sparse](h.png)" in lines
+    # every table row has the header's number of columns
+    for block in md.split("\n\n"):
+        rows = [ln for ln in block.splitlines() if ln.startswith("|")]
+        if rows:
+            assert len({ln.count("|") for ln in rows}) == 1, block
