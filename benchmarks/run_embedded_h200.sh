@@ -96,7 +96,12 @@ eval)
   timeout -k 10 "${CAL_TIMEOUT:-230}" $PY -m mminfer calibrate --model "$MODEL" \
       --videos "${VIDS[@]}" "${CAL[@]}" --capture-dir "$WORK/captures" \
       --out "$MODEL/mminfer_patterns.json" 2>&1 | tee "$OUT/calibrate.log"
-  [ -f "$MODEL/mminfer_patterns.json" ] || { echo "calibration failed"; exit 1; }
+  if [ ! -f "$MODEL/mminfer_patterns.json" ]; then
+    # keep the call useful: dense on render_eval is the first target; the sparse columns
+    # then use the shipped model's config (say so in the tables' log)
+    echo "CALIBRATION FAILED OR TIMED OUT: quality runs with the shipped config instead"
+    cp mminfer/models/mminfer-embedded/mminfer_patterns.json "$MODEL/" || exit 1
+  fi
   cp "$MODEL/mminfer_patterns.json" "$MODEL"/mminfer_patterns.report.json "$OUT/" 2>/dev/null
   tar -czf "$OUT/model_calibrated.tar.gz" -C "$(dirname "$MODEL")" "$(basename "$MODEL")"
   # the rest of the call for the quality benchmark (30 s kept for its tables and the exit;
