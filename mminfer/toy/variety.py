@@ -552,8 +552,11 @@ def glyph_fx(rng, mask: np.ndarray) -> tuple[np.ndarray, list]:
     from PIL import Image, ImageFilter
     applied = []
     h = mask.shape[0]
+    plain, ink = mask, float((mask > 0.05).sum())
     k = int(rng.choice([0, 1, 1, 2, 2, 3]))
     for name in rng.permutation(GLYPH_FX)[:k]:
+        if (mask > 0.05).sum() < 4:
+            break        # earlier transforms (thin + broken + dropout) ate the glyph: stop here
         if name == "bold":
             mask = _maxf(mask, 3 if h < 40 else 5)
         elif name == "thin" and h >= 30:
@@ -591,6 +594,9 @@ def glyph_fx(rng, mask: np.ndarray) -> tuple[np.ndarray, list]:
         else:
             continue
         applied.append(str(name))
+    if (mask > 0.05).sum() < 0.2 * ink:
+        # an unreadable number would teach a wrong answer: keep the plain glyph instead
+        return plain.astype(np.float32), []
     return mask.astype(np.float32), applied
 
 
