@@ -20,6 +20,8 @@
 #   per task, last-token KL to dense, markdown tables and the needle heatmap in $OUT. The
 #   calibrated model comes back as $OUT/model_calibrated.tar.gz.
 #
+# eval knobs: CAL_FRAMES (calibration video lengths in frames, default "1024 2048 4096"),
+#   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
 # Knobs (env): MINUTES, LR, START_PAIRS, VARIETY (train); CAL_FRAMES (calibration video
 # lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
@@ -74,6 +76,7 @@ eval)
     MODEL=$WORK/eval/mminfer-embedded
   fi
   echo "model: $MODEL"
+  RENDERER=${RENDERER:-eval}      # synth: the renderer the shipped model was trained on
   if [ "$TINY" = 1 ]; then
     VIDS=(synth:needle:64:900000 synth:count:64:900001 synth:order:96:900002)
     CAL=(--device cpu --budget 0.25 --gamma 0.9 --max-density 0.3 --max-error 0.05)
@@ -88,7 +91,7 @@ eval)
     done
     CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
          --max-error 0.05)
-    QARGS=(--lengths 1024 4096 8192 16384 32768 --needle-reps 2 --per-task 6
+    QARGS=(--lengths ${QLENGTHS:-1024 4096 8192 16384 32768} --needle-reps 2 --per-task 6
            --densities 0.2)
     BUDGET=${BUDGET:-585}
   fi
@@ -108,7 +111,7 @@ eval)
   # SIGINT at the limit: it stops the video in flight and still writes them)
   Q_S=$(( $(left "$BUDGET") - 30 ))
   echo "quality: $Q_S s left"
-  timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$MODEL" --renderer eval \
+  timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$MODEL" --renderer "$RENDERER" \
       --out "$OUT/quality_eval" --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" \
       --markdown "$OUT/quality_eval/tables.md" "${QARGS[@]}" 2>&1 | tee "$OUT/quality.log"
   ;;
