@@ -30,6 +30,22 @@ def _config(q, plan, config, family=None):
     return cfg
 
 
+def _descriptors(k, v, cfg, D):
+    """Tensor descriptors over K and V ``[B, Hkv, N, D]`` for full key tiles, or ``(None,
+    None)`` where the copy engine cannot address them (a base or a row stride off 16 bytes):
+    the launch then reads those tiles with plain loads."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    block = [1, 1, cfg["BLOCK_N"], max(16, triton.next_power_of_2(D))]
+    descs = []
+    for t in (k, v):
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return None, None
+        descs.append(TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()),
+                                      block_shape=block))
+    return tuple(descs)
+
+
 def _gathered_verticals(k, v, fl, kv_group):
     """K and V rows of every slot's verticals, in its sorted order ``[B, S, nv_max, D]``:
     gathered once per launch, read by every row block of the slot as contiguous tiles."""
@@ -73,6 +89,12 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
     os_ = scratch if scratch is not None else out.unsqueeze(0)
     ls_ = lse_s if lse_s is not None else lse.unsqueeze(0)
     grid = (n_programs * B * S,) if cfg["SCHEDULE"] == 1 else (n_programs, B * S)
+    kdesc = vdesc = None
+    if cfg["TMA"] and not count:
+        kdesc, vdesc = _descriptors(k, v, cfg, D)
+    cfg["TMA"] = kdesc is not None
+    if kdesc is None:
+        kdesc = vdesc = q
     kvert = vvert = q
     if cfg["VGATHER"] and not count:
         kvert, vvert = _gathered_verticals(k, v, fl, Hq // k.shape[1])
@@ -93,7 +115,7 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
         fl.srange if fl.srange is not None else dummy_i32,
         fl.bidx if fl.bidx is not None else dummy_i32,
         fl.bcnt if fl.bcnt is not None else dummy_i32,
-        kg, kvert, vvert,
+        kg, kvert, vvert, kdesc, vdesc,
         fl.vidx.shape[-1] if fl.vidx is not None else 0,
         fl.sidx.shape[-1] if fl.sidx is not None else 0,
         fl.bidx.shape[-1] if fl.bidx is not None else 0,
@@ -103,7 +125,7 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
         WRITE_LSE=write_lse, COUNT=count, IEEE=q.dtype == torch.float32,
         BLOCK_K=plan.block_n, FAST=cfg["FAST"], DMASK=D != max(16, triton.next_power_of_2(D)),
         SCHEDULE=cfg["SCHEDULE"], EVEN_FAR=cfg["EVEN_FAR"], SLASH_FLAT=cfg["SLASH_FLAT"],
-        VGATHER=cfg["VGATHER"], TAIL_STAGES=cfg["TAIL_STAGES"],
+        VGATHER=cfg["VGATHER"], TAIL_STAGES=cfg["TAIL_STAGES"], TMA=cfg["TMA"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

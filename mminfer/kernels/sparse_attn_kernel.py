@@ -107,18 +107,47 @@ def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmas
 
 
 @triton.jit
+def _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh, start, qk_scale, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """A full key tile (every key valid, no causal mask) read through tensor descriptors:
+    keys [start, start + BLOCK_N) of (b, kvh) by the copy engine (TMA on sm_90; columns past
+    the head dim and rows past N come back zero)."""
+    k = KD.load([b, kvh, start, 0]).reshape(BLOCK_N, BLOCK_D)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = VD.load([b, kvh, start, 0]).reshape(BLOCK_N, BLOCK_D)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
           dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
           COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr,
-          TAIL_STAGES: tl.constexpr):
+          TAIL_STAGES: tl.constexpr, KD, VD, b, kvh, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
     """Keys [lo, r1): tiles entirely below r0 (<= every row) unmasked, the rest causal."""
     n_full = (r0 - lo) // BLOCK_N
     for t in range(0, n_full):
-        kpos = lo + t * BLOCK_N + offs_n
-        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, False, COUNT, IEEE,
-                                FAST and not KEY_GROUPED, DMASK)
+        if TMA and FAST and not KEY_GROUPED:
+            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh,
+                                         lo + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D, IEEE)
+        else:
+            kpos = lo + t * BLOCK_N + offs_n
+            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                    offs_d, dmask, qk_scale, False, COUNT, IEEE,
+                                    FAST and not KEY_GROUPED, DMASK)
     for start in tl.range(lo + n_full * BLOCK_N, r1, BLOCK_N, num_stages=TAIL_STAGES):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < r1, kpos, KGb, kgroup, KEY_GROUPED)
@@ -131,17 +160,22 @@ def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, off
 def _segment(acc, m_i, l_i, q, qpos, a, b, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
              dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
              COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr,
-             TAIL_STAGES: tl.constexpr):
+             TAIL_STAGES: tl.constexpr, KD, VD, bb, kvh, TMA: tl.constexpr,
+             BLOCK_D: tl.constexpr):
     """Far keys [a, b), all below every row of the block: no causal mask."""
     n_full = tl.maximum(b - a, 0) // BLOCK_N
     if not FAST:
         n_full = 0
     for t in range(0, n_full):
-        kpos = a + t * BLOCK_N + offs_n
-        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, False, COUNT, IEEE,
-                                not KEY_GROUPED, DMASK)
+        if TMA and not KEY_GROUPED:
+            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, bb, kvh,
+                                         a + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D, IEEE)
+        else:
+            kpos = a + t * BLOCK_N + offs_n
+            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                    offs_d, dmask, qk_scale, False, COUNT, IEEE,
+                                    not KEY_GROUPED, DMASK)
     for start in tl.range(a + n_full * BLOCK_N, b, BLOCK_N, num_stages=TAIL_STAGES):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < b, kpos, KGb, kgroup, KEY_GROUPED)
@@ -156,7 +190,7 @@ def _sparse_attn_fwd(
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     sos, sosb, sosh, sosn, slb, slh, sls, slsb, slsh,
     Table, n_table, n_programs, P, n_slots,
-    VIdx, VCnt, VFlag, SIdx, SRange, BIdx, BCnt, KGid, KVert, VVert,
+    VIdx, VCnt, VFlag, SIdx, SRange, BIdx, BCnt, KGid, KVert, VVert, KDesc, VDesc,
     nv_max, ns_max, nb_max,
     N, kv_group, qk_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -165,7 +199,7 @@ def _sparse_attn_fwd(
     BLOCK_K: tl.constexpr = 64, FAST: tl.constexpr = True, DMASK: tl.constexpr = True,
     SCHEDULE: tl.constexpr = 0, EVEN_FAR: tl.constexpr = False,
     SLASH_FLAT: tl.constexpr = False, VGATHER: tl.constexpr = False,
-    TAIL_STAGES: tl.constexpr = 3,
+    TAIL_STAGES: tl.constexpr = 3, TMA: tl.constexpr = False,
 ):
     # Launch variants (runtime.VARIANTS names them; the defaults are the measured kernel):
     # SCHEDULE 0: grid (programs, slots), each slot's row blocks longest first, slot after
@@ -175,6 +209,8 @@ def _sparse_attn_fwd(
     # EVEN_FAR: full tiles of key blocks and of gathered verticals go unmasked.
     # SLASH_FLAT: slash ranges in one flat tile loop (a range has <= BLOCK_M keys) instead
     #   of a loop per offset, whose few iterations the software pipeline cannot fill.
+    # TMA: full contiguous tiles (near range, sinks, key blocks) read through the tensor
+    #   descriptors KDesc/VDesc over K/V [B, Hkv, N, D] (block [1, 1, BLOCK_N, BLOCK_D]).
     # VGATHER: vertical keys read from K/V rows gathered per slot by the launcher
     #   (``KVert``/``VVert`` [B*S, nv_max, HEAD_D]): contiguous tiles, no index load.
     if SCHEDULE == 1:
@@ -254,20 +290,20 @@ def _sparse_attn_fwd(
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, 0, r0 + 1, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
                                   KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES)
+                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
         else:
             lo = tl.maximum(r0 - window, 0)
             if FAMILY == A_SHAPE:
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
                                          qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES)
+                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
             if FAMILY == GRID:
                 s_end = tl.minimum(sink, lo)
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
                                          qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES)
+                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
                 if (g_lines & LINES_COLS) != 0:
                     # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
                     c_lo = tl.maximum(sink, g_start)
@@ -390,11 +426,18 @@ def _sparse_attn_fwd(
                     n_bfull = tl.where((n_b > 0) & ((c_last + 1) * BLOCK_K > lo), n_b - 1, n_b)
                     for u in range(0, n_bfull * (BLOCK_K // BLOCK_N)):
                         c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
-                        kpos = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N + offs_n
-                        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                                skn, svn, offs_d, dmask, qk_scale, False,
-                                                COUNT, IEEE, not KEY_GROUPED, DMASK)
+                        kstart = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N
+                        if TMA and not KEY_GROUPED:
+                            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KDesc, VDesc, b,
+                                                         kvh, kstart, qk_scale, BLOCK_N,
+                                                         BLOCK_D, IEEE)
+                        else:
+                            kpos = kstart + offs_n
+                            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+                            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb,
+                                                    Vb, skn, svn, offs_d, dmask, qk_scale,
+                                                    False, COUNT, IEEE, not KEY_GROUPED,
+                                                    DMASK)
                 for u in range(n_bfull * (BLOCK_K // BLOCK_N), n_b * (BLOCK_K // BLOCK_N)):
                     c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
                     kpos = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N + offs_n
@@ -405,7 +448,7 @@ def _sparse_attn_fwd(
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
                                   KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES)
+                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
 
         if COUNT:
             res = l_i

@@ -12,7 +12,8 @@ and ``plan.density()`` always follow the current kernel's traversal.
 from __future__ import annotations
 
 # Kernel switches a variant may set, with the current kernel's values.
-SWITCHES = {"SCHEDULE": 0, "EVEN_FAR": False, "SLASH_FLAT": False, "VGATHER": False}
+SWITCHES = {"SCHEDULE": 0, "EVEN_FAR": False, "SLASH_FLAT": False, "VGATHER": False,
+            "TMA": False}
 
 _ALL = ("a_shape", "grid", "vertical_slash", "block")
 
@@ -44,9 +45,13 @@ VARIANTS = {
     "slash_flat": ({"SLASH_FLAT": True}, ("vertical_slash",)),
     # Verticals from a per-slot gathered copy of their K/V rows: contiguous tiles.
     "vgather": ({"VGATHER": True, "EVEN_FAR": True}, ("vertical_slash",)),
+    # Full contiguous tiles through tensor descriptors (the copy engine, TMA).
+    "tma": ({"TMA": True, **_TAIL1}, _ALL),
+    "tma_bn128": ({"TMA": True, **_BN128}, _ALL),
     "combined": ({"SCHEDULE": 1, **_FAR, **_TAIL1}, _ALL),
     "combined_bn128": ({"SCHEDULE": 1, **_FAR, **_BN128}, _ALL),
     "combined_bn128_s3": ({"SCHEDULE": 1, **_FAR, **_BN128_S3}, _ALL),
+    "combined_tma_bn128": ({"SCHEDULE": 1, "TMA": True, **_FAR, **_BN128}, _ALL),
 }
 
 

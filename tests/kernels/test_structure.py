@@ -117,7 +117,7 @@ def _shared_bytes_sm90(variant_names):
     """Shared memory (bytes) of every family's kernel under each named variant, compiled
     to a cubin for sm_90 the way a launch specialises it (pointers and strides divisible
     by 16: without that hint the loads are never pipelined and the figure means nothing).
-    Returns [(variant, family, shared, async copies in the ttgir)]."""
+    Returns [(variant, family, shared, async copies, TMA copies in the ttgir)]."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
@@ -159,12 +159,15 @@ def _shared_bytes_sm90(variant_names):
                          IEEE=False, BLOCK_K=_Plan.block_n, FAST=True, DMASK=False,
                          SCHEDULE=cfg["SCHEDULE"], EVEN_FAR=cfg["EVEN_FAR"],
                          SLASH_FLAT=cfg["SLASH_FLAT"], VGATHER=cfg["VGATHER"],
-                         TAIL_STAGES=cfg["TAIL_STAGES"])
+                         TAIL_STAGES=cfg["TAIL_STAGES"], TMA=cfg["TMA"])
+            desc = f"tensordesc<bf16[1,1,{cfg['BLOCK_N']},128]>"
             sig = {n: "constexpr" if n in const else pointers.get(
                 n, "fp32" if n == "qk_scale" else "i32") for n in names}
+            if cfg["TMA"]:
+                sig.update(KDesc=desc, VDesc=desc)
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                      if n not in const and (sig[n].startswith("*") or n.startswith("s")
-                                            or n == "N")}
+                                            or n == "N") and not sig[n].startswith("t")}
             src = ASTSource(fn=_sparse_attn_fwd, signature=sig, attrs=attrs,
                             constexprs={(names.index(k),): v for k, v in const.items()})
             options_ = backend.parse_options({"num_warps": cfg["num_warps"],
@@ -177,12 +180,13 @@ def _shared_bytes_sm90(variant_names):
             passes: dict = {}
             md: dict = {}
             backend.add_stages(passes, options_, src.language)
-            n_async = 0
+            n_async = n_tma = 0
             for stage in ("ttir", "ttgir", "llir", "ptx", "cubin"):
                 mod = passes[stage](mod, md)
                 if stage == "ttgir":
                     n_async = str(mod).count("async_copy_global_to_local")
-            out.append((variant, fname, int(md["shared"]), n_async))
+                    n_tma = str(mod).count("async_tma_copy_global_to_local")
+            out.append((variant, fname, int(md["shared"]), n_async, n_tma))
     return out
 
 
@@ -191,7 +195,8 @@ SM90_SHARED = 232448
 
 
 @pytest.mark.parametrize("variants", [("current", "tail1", "bn128", "bn128_s3"),
-                                      ("s4", "combined", "combined_bn128_s3")])
+                                      ("s4", "combined", "combined_bn128_s3"),
+                                      ("tma", "tma_bn128", "combined_tma_bn128")])
 def test_variants_fit_hopper_shared_memory(variants):
     """Every variant's kernel compiles for sm_90 (through ptxas) with pipelined K/V loads
     and fits the shared memory of one block; the unpipelined tails are what make room."""
@@ -204,13 +209,16 @@ def test_variants_fit_hopper_shared_memory(variants):
                          text=True, timeout=1200)
     if "SKIP:" in res.stdout:
         pytest.skip(res.stdout.strip())
+    from mminfer.kernels.variants import options
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line.split() for line in res.stdout.strip().splitlines()]
-    got = {(v, f): (int(sh), int(na)) for v, f, sh, na in rows}
+    got = {(v, f): (int(sh), int(na), int(nt)) for v, f, sh, na, nt in rows}
     assert {v for v, _ in got} == set(variants)
-    for (v, f), (shared, n_async) in got.items():
-        assert n_async > 0, f"{v}/{f}: K/V loads not pipelined"
+    for (v, f), (shared, n_async, n_tma) in got.items():
+        assert n_async + n_tma > 0, f"{v}/{f}: K/V loads not pipelined"
         assert shared <= SM90_SHARED, f"{v}/{f}: {shared} B of shared memory"
+        # Descriptor loads lower to the copy engine only in the TMA variants.
+        assert (n_tma > 0) == options(v).get("TMA", False), f"{v}/{f}: {n_tma} TMA copies"
     if "tail1" in variants:
         # The tails' buffers are what the current kernel spends its shared memory on.
         assert got[("tail1", "a_shape")][0] < got[("current", "a_shape")][0]
