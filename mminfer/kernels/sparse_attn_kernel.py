@@ -201,7 +201,7 @@ def _sparse_attn_fwd(
     SLASH_FLAT: tl.constexpr = False, VGATHER: tl.constexpr = False,
     TAIL_STAGES: tl.constexpr = 3, TMA: tl.constexpr = False,
 ):
-    # Launch variants (runtime.VARIANTS names them; the defaults are the measured kernel):
+    # Launch variants (variants.VARIANTS names them; the defaults are the measured kernel):
     # SCHEDULE 0: grid (programs, slots), each slot's row blocks longest first, slot after
     #   slot. SCHEDULE 1: one axis, slots innermost, so the heads of one row block (the
     #   query heads of a KV group read the same keys) run side by side, row lines (the
@@ -297,13 +297,13 @@ def _sparse_attn_fwd(
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
                                          qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                         TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
             if FAMILY == GRID:
                 s_end = tl.minimum(sink, lo)
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
                                          qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                         TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
                 if (g_lines & LINES_COLS) != 0:
                     # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
                     c_lo = tl.maximum(sink, g_start)

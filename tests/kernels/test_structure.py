@@ -77,7 +77,7 @@ def _lower(stages=("ttir",)):
             const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, FAMILY=family,
                          KEY_GROUPED=key_grouped, WRITE_LSE=True, COUNT=False, IEEE=False,
                          BLOCK_K=64, FAST=True, DMASK=False, SCHEDULE=0, EVEN_FAR=False,
-                         SLASH_FLAT=False, VGATHER=False, TAIL_STAGES=3)
+                         SLASH_FLAT=False, VGATHER=False, TAIL_STAGES=3, TMA=False)
             sig = {n: "constexpr" if n in const else pointers.get(
                 n, "fp32" if n == "qk_scale" else "i32") for n in names}
             src = ASTSource(fn=_sparse_attn_fwd, signature=sig,
