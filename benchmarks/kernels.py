@@ -7,10 +7,14 @@ one block mask (broadcast over heads) that visits exactly the tiles our kernel v
 
     python benchmarks/kernels.py                       # table + JSON under $OUT (or ./out)
     python benchmarks/kernels.py --lengths 131072 --tune   # tile-shape sweep
+    python benchmarks/kernels.py --lengths 131072 --densities 0.1 --variants   # every
+        # launch variant of kernels/variants.py beside the current kernel, same run
 
 Effective TFLOP/s = 4·d·(visited tile area, all heads) / time (attention-gym's density-scaled
 count); "logical" density is the exact pair set as a fraction of the causal triangle,
 "physical" the visited tiles as a fraction of the tiles a dense causal pass visits.
+With ``--variants`` every variant's TFLOP/s is counted over the current kernel's visited
+tiles (the same work for all), so the TFLOP/s ratios are the inverse time ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mminfer.kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table  # noqa: E402
 from mminfer.kernels import launch as L  # noqa: E402
 from mminfer.kernels import masks as M  # noqa: E402
+from mminfer.kernels import variants as V  # noqa: E402
 from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 HQ, HKV, D = 28, 4, 128
@@ -194,7 +199,8 @@ def flex_mask(kind, prm, n, device, spec):
 
 
 # ----------------------------------------------------------------------------- main
-def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.json"):
+def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.json",
+        variants=None, flex_on=True, flash_on=True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
     dev = torch.device("cuda")
@@ -211,7 +217,7 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
         dense_f = L.dense_flops(n, HQ, D)
         dense = {}
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-            if n > 262144 and name == "flash":
+            if (n > 262144 or not flash_on) and name == "flash":
                 continue
             try:
                 kk = k.repeat_interleave(HQ // HKV, 1)
@@ -247,28 +253,46 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                 plan = SparsePlan.build(n, HQ, specs, block_m=BM, block_n=block_n, device=dev)
                 den = plan.density()
                 configs = [None]
+                labels = ["current"]
+                if variants:
+                    labels += [v for v in variants if v != "current" and V.affects(v, pat)]
+                    configs = [V.options(v) or None for v in labels]
                 if tune:
                     # run 1 (2026-11-29) found BLOCK_N 128 / stages 4 out of shared memory
                     # and 64/8 warps/3 stages best; now: full-tile fast path on and off
                     configs = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "FAST": f}
                                for bn, w, st, f in ((64, 8, 3, False), (64, 8, 3, True),
                                                     (64, 8, 2, True), (64, 4, 2, True))]
+                    labels = [str(c) for c in configs]
                 out = torch.empty_like(q)
-                for cfg in configs:
+                ref_out = None
+                first = len(rows)
+                for label, cfg in zip(labels, configs):
                     try:
                         ms = bench(lambda: L.sparse_attention(q, k, v, plan, out=out, config=cfg),
                                    rep=rep)
                     except Exception as e:
-                        print(f"ours {pat} cfg={cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                        print(f"ours {pat} {label} failed: {type(e).__name__}: {str(e)[:200]}")
                         continue
+                    # out holds this config's result: the same pairs as the current kernel,
+                    # so it differs only by the order of the online softmax's tiles
+                    if ref_out is None and label == "current":
+                        ref_out = out.clone()
+                    diff = float("nan") if ref_out is None else \
+                        (out.float() - ref_out.float()).abs().max().item()
                     rows.append({"n": n, "impl": "mminfer", "pattern": pat, "density": dens,
+                                 "variant": label if variants else None,
                                  "params": prm, "config": cfg or L.GPU_CONFIG, "ms": ms,
                                  "logical": den["logical"], "physical": den["physical"],
                                  "tflops": 4 * D * den["tile_pairs"] / ms / 1e9,
-                                 "vs_cudnn": dense.get("cudnn", float("nan")) / ms})
+                                 "vs_cudnn": dense.get("cudnn", float("nan")) / ms,
+                                 "max_abs_diff_vs_current": diff})
                     _print(rows[-1])
                     _save(rows, out_dir, json_name)
-                if pat != "vertical_slash" and not tune:
+                ours_rows = [r for r in rows[first:] if r["impl"] == "mminfer"]
+                del ref_out
+                flex_ms = float("nan")
+                if pat != "vertical_slash" and not tune and flex_on:
                     try:
                         bmask, perm, tiles = flex_mask(pat, prm, n, dev, specs[0])
                         if perm is not None:
@@ -287,7 +311,8 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                         ms = bench(lambda: flex(qf, kf, vf, block_mask=bmask, enable_gqa=True),
                                    rep=rep)
                         R = (n + 127) // 128
-                        ours = rows[-1]["ms"] if rows[-1]["impl"] == "mminfer" else float("nan")
+                        ours = ours_rows[0]["ms"] if ours_rows else float("nan")
+                        flex_ms = ms
                         rows.append({"n": n, "impl": "flex", "pattern": pat, "density": dens,
                                      "ms": ms, "logical": den["logical"],
                                      "physical": tiles / (R * (R + 1) / 2),
@@ -299,12 +324,31 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                         del qf, kf, vf, bmask
                     except Exception as e:
                         print(f"flex {pat} n={n} failed: {type(e).__name__}: {str(e)[:300]}")
+                if variants and ours_rows:
+                    _variant_table(ours_rows, flex_ms, dense.get("cudnn", float("nan")))
+                    _save(rows, out_dir, json_name)
                 del plan
                 torch.cuda.empty_cache()
         del q, k, v
         torch.cuda.empty_cache()
     _save(rows, out_dir, json_name)
     return rows
+
+
+def _variant_table(ours_rows, flex_ms, cudnn_ms):
+    """One pattern's variants against the current kernel, FlexAttention and cuDNN dense."""
+    cur = ours_rows[0]
+    print(f"\n  n={cur['n']} {cur['pattern']} d={cur['density']:.2f} (TFLOP/s over the current "
+          f"kernel's visited tiles; Flex {flex_ms:.3f} ms, cuDNN dense {cudnn_ms:.3f} ms)")
+    print(f"  {'variant':>18} {'ms':>9} {'TFLOP/s':>8} {'vs current':>10} {'vs Flex':>8} "
+          f"{'vs cuDNN':>8} {'|diff|':>8}")
+    for r in ours_rows:
+        r["vs_current"] = cur["ms"] / r["ms"]
+        r["vs_flex"] = flex_ms / r["ms"]
+        print(f"  {r['variant']:>18} {r['ms']:9.3f} {r['tflops']:8.1f} {r['vs_current']:9.3f}x "
+              f"{r['vs_flex']:7.3f}x {cudnn_ms / r['ms']:7.2f}x "
+              f"{r['max_abs_diff_vs_current']:8.2g}", flush=True)
+    print()
 
 
 def _save(rows, out_dir, name):
@@ -319,7 +363,8 @@ def _print(r):
     if "ours_speedup_vs_flex" in r:
         extra += (f"  ours/flex {r['ours_speedup_vs_flex']:5.2f}x"
                   f" |flex-ours| {r['max_abs_diff_vs_ours']:.3g}")
-    print(f"n={r['n']:>8} {r['impl']:>8} {r['pattern']:>15} d={r.get('density', 1):.2f} "
+    impl = r['impl'] + (f"[{r['variant']}]" if r.get('variant') else '')
+    print(f"n={r['n']:>8} {impl:>8} {r['pattern']:>15} d={r.get('density', 1):.2f} "
           f"logical={r['logical']:.4f} physical={r['physical']:.4f} {r['ms']:9.3f} ms "
           f"{r['tflops']:6.1f} TFLOP/s{extra} {r.get('config', '')}", flush=True)
 
@@ -330,12 +375,25 @@ def main():
     ap.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.10, 0.25])
     ap.add_argument("--patterns", nargs="+", default=["block", "a_shape", "grid", "vertical_slash"])
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=None, metavar="NAME",
+                    help="measure the current kernel and these launch variants side by side "
+                         f"(no names: all of {', '.join(V.VARIANTS)})")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    ap.add_argument("--no-flash", action="store_true", help="skip flash SDPA dense")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     t0 = time.time()
+    variants = None
+    if a.variants is not None:
+        variants = a.variants or list(V.VARIANTS)
+        for name in variants:
+            V.options(name)   # unknown names fail before any device work
+    tag = "_".join(map(str, a.lengths)) + ("_" + "_".join(a.patterns) if variants else "")
     run(a.lengths, a.densities, a.patterns, a.out, a.tune, a.rep,
-        "kernels_tune.json" if a.tune else f"kernels_{'_'.join(map(str, a.lengths))}.json")
+        "kernels_tune.json" if a.tune else
+        f"kernels_{'variants_' if variants else ''}{tag}.json",
+        variants=variants, flex_on=not a.no_flex, flash_on=not (a.no_flash or variants))
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -6,14 +6,54 @@ import torch
 import triton
 
 from . import density as _density
-from .layout import F_HEAD
+from . import variants as _variants
+from .layout import BLOCK, F_HEAD, VERTICAL_SLASH
 from .plan import SparsePlan
 from .runtime import CPU_CONFIG, GPU_CONFIG, as_device, batch_stride, tile_config  # noqa: F401
 from .sparse_attn_kernel import _sparse_attn_fwd
 
 
-def _config(q, plan, config):
-    return tile_config(q.is_cuda, plan.block_m, plan.block_n, config)
+def _config(q, plan, config, family=None):
+    """Tile config of a launch. The current kernel's tiles never exceed the plan's key block
+    (density counts them so); a variant that asks for wider tiles gets them up to the row
+    block, except for the block family, whose tiles must divide its key block."""
+    cfg = tile_config(q.is_cuda, plan.block_m, plan.block_n, config)
+    if config and "BLOCK_N" in config and family is not None and family != BLOCK:
+        cfg["BLOCK_N"] = min(config["BLOCK_N"], plan.block_m)
+    for key, default in _variants.SWITCHES.items():
+        cfg.setdefault(key, default)
+    cfg.setdefault("TAIL_STAGES", cfg["num_stages"])
+    if family != VERTICAL_SLASH:
+        cfg["SLASH_FLAT"] = cfg["VGATHER"] = False
+    if family not in (VERTICAL_SLASH, BLOCK):
+        cfg["EVEN_FAR"] = False
+    return cfg
+
+
+def _descriptors(k, v, cfg, D):
+    """Tensor descriptors over K and V ``[B, Hkv, N, D]`` for full key tiles, or ``(None,
+    None)`` where the copy engine cannot address them (a base or a row stride off 16 bytes):
+    the launch then reads those tiles with plain loads."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    block = [1, 1, cfg["BLOCK_N"], max(16, triton.next_power_of_2(D))]
+    descs = []
+    for t in (k, v):
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return None, None
+        descs.append(TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()),
+                                      block_shape=block))
+    return tuple(descs)
+
+
+def _gathered_verticals(k, v, fl, kv_group):
+    """K and V rows of every slot's verticals, in its sorted order ``[B, S, nv_max, D]``:
+    gathered once per launch, read by every row block of the slot as contiguous tiles."""
+    B, _, N, _ = k.shape
+    idx = fl.vidx.to(torch.long).clamp(max=N - 1)                      # [B, S, nv]
+    kvh = (fl.params[:, :, F_HEAD].to(torch.long) // kv_group)[:, :, None]
+    bi = torch.arange(B, device=k.device)[:, None, None]
+    return k[bi, kvh, idx].contiguous(), v[bi, kvh, idx].contiguous()
 
 
 def _check_inputs(q, k, v, plan):
@@ -38,7 +78,7 @@ def _check_inputs(q, k, v, plan):
 def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl, scale,
             write_lse, count, config):
     B, Hq, N, D = q.shape
-    cfg = _config(q, plan, config)
+    cfg = _config(q, plan, config, fl.family)
     dev = q.device
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
     dummy_i8 = torch.zeros(1, dtype=torch.int8, device=dev)
@@ -48,7 +88,18 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
     kg = plan.key_groups if plan.key_groups is not None else dummy_i32
     os_ = scratch if scratch is not None else out.unsqueeze(0)
     ls_ = lse_s if lse_s is not None else lse.unsqueeze(0)
-    grid = (n_programs, B * S)
+    grid = (n_programs * B * S,) if cfg["SCHEDULE"] == 1 else (n_programs, B * S)
+    kdesc = vdesc = None
+    if cfg["TMA"] and not count:
+        kdesc, vdesc = _descriptors(k, v, cfg, D)
+    cfg["TMA"] = kdesc is not None
+    if kdesc is None:
+        kdesc = vdesc = q
+    kvert = vvert = q
+    if cfg["VGATHER"] and not count:
+        kvert, vvert = _gathered_verticals(k, v, fl, Hq // k.shape[1])
+    elif cfg["VGATHER"]:
+        cfg["VGATHER"] = False
     _sparse_attn_fwd[grid](
         q, k, v, out, os_, lse, ls_, tiles if tiles is not None else dummy_i32,
         batch_stride(q), q.stride(1), q.stride(2), batch_stride(k), k.stride(1), k.stride(2),
@@ -64,7 +115,7 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
         fl.srange if fl.srange is not None else dummy_i32,
         fl.bidx if fl.bidx is not None else dummy_i32,
         fl.bcnt if fl.bcnt is not None else dummy_i32,
-        kg,
+        kg, kvert, vvert, kdesc, vdesc,
         fl.vidx.shape[-1] if fl.vidx is not None else 0,
         fl.sidx.shape[-1] if fl.sidx is not None else 0,
         fl.bidx.shape[-1] if fl.bidx is not None else 0,
@@ -73,19 +124,26 @@ def _launch(q, k, v, out, lse, scratch, lse_s, tiles, plan: SparsePlan, name, fl
         BLOCK_N=cfg["BLOCK_N"], FAMILY=fl.family, KEY_GROUPED=plan.key_groups is not None,
         WRITE_LSE=write_lse, COUNT=count, IEEE=q.dtype == torch.float32,
         BLOCK_K=plan.block_n, FAST=cfg["FAST"], DMASK=D != max(16, triton.next_power_of_2(D)),
+        SCHEDULE=cfg["SCHEDULE"], EVEN_FAR=cfg["EVEN_FAR"], SLASH_FLAT=cfg["SLASH_FLAT"],
+        VGATHER=cfg["VGATHER"], TAIL_STAGES=cfg["TAIL_STAGES"], TMA=cfg["TMA"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
 def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
-                     return_lse: bool = False, out: torch.Tensor | None = None, config=None):
+                     return_lse: bool = False, out: torch.Tensor | None = None, config=None,
+                     variant: str | None = None):
     """Exact causal attention over the plan's pair set.
 
     q ``[B, Hq, N, D]``; k, v ``[B, Hkv, N, D]`` (GQA by head index, never repeated).
     ``out`` may be any ``[B, Hq, N, D]`` view (e.g. a transposed ``[B, N, Hq, D]`` buffer).
     Returns ``out`` (and the natural-log LSE ``[B, Hq, N]`` fp32 when ``return_lse``).
+    ``variant``: a name of ``variants.VARIANTS`` (launch options under measurement);
+    ``config`` entries override it.
     """
     _check_inputs(q, k, v, plan)
+    if variant is not None:
+        config = {**_variants.options(variant), **(config or {})}
     B, Hq, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     if out is None:

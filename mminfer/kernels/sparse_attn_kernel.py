@@ -107,18 +107,48 @@ def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmas
 
 
 @triton.jit
+def _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh, start, qk_scale, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """A full key tile (every key valid, no causal mask) read through tensor descriptors:
+    keys [start, start + BLOCK_N) of (b, kvh) by the copy engine (TMA on sm_90; columns past
+    the head dim and rows past N come back zero)."""
+    k = KD.load([b, kvh, start, 0]).reshape(BLOCK_N, BLOCK_D)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = VD.load([b, kvh, start, 0]).reshape(BLOCK_N, BLOCK_D)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
           dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-          COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr):
+          COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr,
+          TAIL_STAGES: tl.constexpr, KD, VD, b, kvh, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
     """Keys [lo, r1): tiles entirely below r0 (<= every row) unmasked, the rest causal."""
     n_full = (r0 - lo) // BLOCK_N
     for t in range(0, n_full):
-        kpos = lo + t * BLOCK_N + offs_n
-        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, False, COUNT, IEEE,
-                                FAST and not KEY_GROUPED, DMASK)
-    for start in range(lo + n_full * BLOCK_N, r1, BLOCK_N):
+        if TMA and FAST and not KEY_GROUPED:
+            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh,
+                                         lo + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D, IEEE)
+        else:
+            kpos = lo + t * BLOCK_N + offs_n
+            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                    offs_d, dmask, qk_scale, False, COUNT, IEEE,
+                                    FAST and not KEY_GROUPED, DMASK)
+    for start in tl.range(lo + n_full * BLOCK_N, r1, BLOCK_N, num_stages=TAIL_STAGES):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < r1, kpos, KGb, kgroup, KEY_GROUPED)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
@@ -129,18 +159,24 @@ def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, off
 @triton.jit
 def _segment(acc, m_i, l_i, q, qpos, a, b, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
              dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-             COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr):
+             COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr,
+             TAIL_STAGES: tl.constexpr, KD, VD, bb, kvh, TMA: tl.constexpr,
+             BLOCK_D: tl.constexpr):
     """Far keys [a, b), all below every row of the block: no causal mask."""
     n_full = tl.maximum(b - a, 0) // BLOCK_N
     if not FAST:
         n_full = 0
     for t in range(0, n_full):
-        kpos = a + t * BLOCK_N + offs_n
-        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, False, COUNT, IEEE,
-                                not KEY_GROUPED, DMASK)
-    for start in range(a + n_full * BLOCK_N, b, BLOCK_N):
+        if TMA and not KEY_GROUPED:
+            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, bb, kvh,
+                                         a + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D, IEEE)
+        else:
+            kpos = a + t * BLOCK_N + offs_n
+            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
+                                    offs_d, dmask, qk_scale, False, COUNT, IEEE,
+                                    not KEY_GROUPED, DMASK)
+    for start in tl.range(a + n_full * BLOCK_N, b, BLOCK_N, num_stages=TAIL_STAGES):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < b, kpos, KGb, kgroup, KEY_GROUPED)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
@@ -154,16 +190,37 @@ def _sparse_attn_fwd(
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     sos, sosb, sosh, sosn, slb, slh, sls, slsb, slsh,
     Table, n_table, n_programs, P, n_slots,
-    VIdx, VCnt, VFlag, SIdx, SRange, BIdx, BCnt, KGid,
+    VIdx, VCnt, VFlag, SIdx, SRange, BIdx, BCnt, KGid, KVert, VVert, KDesc, VDesc,
     nv_max, ns_max, nb_max,
     N, kv_group, qk_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, FAMILY: tl.constexpr, KEY_GROUPED: tl.constexpr,
     WRITE_LSE: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_K: tl.constexpr = 64, FAST: tl.constexpr = True, DMASK: tl.constexpr = True,
+    SCHEDULE: tl.constexpr = 0, EVEN_FAR: tl.constexpr = False,
+    SLASH_FLAT: tl.constexpr = False, VGATHER: tl.constexpr = False,
+    TAIL_STAGES: tl.constexpr = 3, TMA: tl.constexpr = False,
 ):
-    pid_m = tl.program_id(0)
-    pid_bs = tl.program_id(1)
+    # Launch variants (variants.VARIANTS names them; the defaults are the measured kernel):
+    # SCHEDULE 0: grid (programs, slots), each slot's row blocks longest first, slot after
+    #   slot. SCHEDULE 1: one axis, slots innermost, so the heads of one row block (the
+    #   query heads of a KV group read the same keys) run side by side, row lines (the
+    #   longest rows) first, then row blocks longest first over all slots.
+    # EVEN_FAR: full tiles of key blocks and of gathered verticals go unmasked.
+    # SLASH_FLAT: slash ranges in one flat tile loop (a range has <= BLOCK_M keys) instead
+    #   of a loop per offset, whose few iterations the software pipeline cannot fill.
+    # TMA: full contiguous tiles (near range, sinks, key blocks) read through the tensor
+    #   descriptors KDesc/VDesc over K/V [B, Hkv, N, D] (block [1, 1, BLOCK_N, BLOCK_D]).
+    # VGATHER: vertical keys read from K/V rows gathered per slot by the launcher
+    #   (``KVert``/``VVert`` [B*S, nv_max, HEAD_D]): contiguous tiles, no index load.
+    if SCHEDULE == 1:
+        n_bs = tl.num_programs(0) // n_programs
+        u_sched = tl.program_id(0) // n_bs
+        pid_bs = tl.program_id(0) % n_bs
+        pid_m = (u_sched + n_table) % n_programs
+    else:
+        pid_m = tl.program_id(0)
+        pid_bs = tl.program_id(1)
     b = pid_bs // n_slots
     s = pid_bs % n_slots
     prm = P + pid_bs * NF
@@ -232,18 +289,21 @@ def _sparse_attn_fwd(
         if is_rowline:
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, 0, r0 + 1, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
+                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
+                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
         else:
             lo = tl.maximum(r0 - window, 0)
             if FAMILY == A_SHAPE:
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
+                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
+                                         TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
             if FAMILY == GRID:
                 s_end = tl.minimum(sink, lo)
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
+                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
+                                         TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
                 if (g_lines & LINES_COLS) != 0:
                     # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
                     c_lo = tl.maximum(sink, g_start)
@@ -260,7 +320,8 @@ def _sparse_attn_fwd(
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
                                                 skn, svn, offs_d, dmask, qk_scale, False,
                                                 COUNT, IEEE, not KEY_GROUPED, DMASK)
-                    for t in range(n_cfull, tl.cdiv(n_cols, BLOCK_N)):
+                    for t in tl.range(n_cfull, tl.cdiv(n_cols, BLOCK_N),
+                                      num_stages=TAIL_STAGES):
                         idx = t * BLOCK_N + offs_n
                         kpos = j0 + idx * g_stride
                         kvalid = _key_ok(idx < n_cols, kpos, KGb, kgroup, KEY_GROUPED)
@@ -271,13 +332,44 @@ def _sparse_attn_fwd(
                 # Vertical columns below lo (sorted; the count per row block is precomputed).
                 vbase = VIdx + slot_base * nv_max
                 n_v = tl.load(VCnt + slot_base * n_table + r)
-                for t in range(0, tl.cdiv(n_v, BLOCK_N)):
+                if VGATHER:
+                    # Gathered rows: tile t is rows [t*BLOCK_N, ...) of this slot's copy.
+                    Kv = KVert + slot_base * nv_max * HEAD_D
+                    Vv = VVert + slot_base * nv_max * HEAD_D
+                    sk_v = HEAD_D
+                    sv_v = HEAD_D
+                else:
+                    Kv = Kb
+                    Vv = Vb
+                    sk_v = skn
+                    sv_v = svn
+                n_vfull = 0
+                if EVEN_FAR:
+                    n_vfull = n_v // BLOCK_N
+                    for t in range(0, n_vfull):
+                        idx = t * BLOCK_N + offs_n
+                        if VGATHER:
+                            krow = idx
+                            kpos = idx
+                            if KEY_GROUPED:
+                                kpos = tl.load(vbase + idx)
+                        else:
+                            kpos = tl.load(vbase + idx)
+                            krow = kpos
+                        kvalid = _key_ok(idx >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, krow, kvalid, Kv, Vv,
+                                                sk_v, sv_v, offs_d, dmask, qk_scale, False,
+                                                COUNT, IEEE, not KEY_GROUPED, DMASK)
+                for t in range(n_vfull, tl.cdiv(n_v, BLOCK_N)):
                     idx = t * BLOCK_N + offs_n
                     vmask = idx < n_v
                     kpos = tl.load(vbase + idx, mask=vmask, other=0)
                     kvalid = _key_ok(vmask, kpos, KGb, kgroup, KEY_GROUPED)
-                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                            skn, svn, offs_d, dmask, qk_scale, False,
+                    krow = kpos
+                    if VGATHER:
+                        krow = idx
+                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, krow, kvalid, Kv, Vv,
+                                            sk_v, sv_v, offs_d, dmask, qk_scale, False,
                                             COUNT, IEEE)
                 # Slash ranges: offset o covers keys [r0 - o, r1 - o) for this row block,
                 # clipped below the previous (smaller) offset's range and below lo, so the
@@ -287,27 +379,66 @@ def _sparse_attn_fwd(
                 fbase = VFlag + slot_base * N
                 k_lo = tl.load(SRange + (slot_base * n_table + r) * 2 + 0)
                 k_hi = tl.load(SRange + (slot_base * n_table + r) * 2 + 1)
-                o_prev = -(1 << 30)
-                for kk in range(k_lo, k_hi):
-                    o = tl.load(sbase + kk)
-                    ks = tl.maximum(r0 - o, 0)
-                    ke = tl.minimum(tl.minimum(r1 - o, r0 - o_prev), lo)
-                    for start in range(ks, ke, BLOCK_N):
-                        kpos = start + offs_n
+                if SLASH_FLAT:
+                    # Every clipped range holds <= r1 - r0 <= BLOCK_M keys: SUB tiles per
+                    # offset cover it (some empty when clipped; they add nothing).
+                    SUB: tl.constexpr = BLOCK_M // BLOCK_N
+                    for u in range(0, (k_hi - k_lo) * SUB):
+                        kk = k_lo + u // SUB
+                        o = tl.load(sbase + kk)
+                        o_prev = tl.load(sbase + tl.maximum(kk - 1, 0), mask=kk > k_lo,
+                                         other=-(1 << 30))
+                        ks = tl.maximum(r0 - o, 0) + (u % SUB) * BLOCK_N
+                        ke = tl.minimum(tl.minimum(r1 - o, r0 - o_prev), lo)
+                        kpos = ks + offs_n
                         inr = kpos < ke
                         isv = tl.load(fbase + kpos, mask=inr, other=1)
                         kvalid = _key_ok(inr & (isv == 0), kpos, KGb, kgroup, KEY_GROUPED)
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
                                                 skn, svn, offs_d, dmask, qk_scale, False,
                                                 COUNT, IEEE)
-                    o_prev = o
+                else:
+                    o_prev = -(1 << 30)
+                    for kk in range(k_lo, k_hi):
+                        o = tl.load(sbase + kk)
+                        ks = tl.maximum(r0 - o, 0)
+                        ke = tl.minimum(tl.minimum(r1 - o, r0 - o_prev), lo)
+                        for start in range(ks, ke, BLOCK_N):
+                            kpos = start + offs_n
+                            inr = kpos < ke
+                            isv = tl.load(fbase + kpos, mask=inr, other=1)
+                            kvalid = _key_ok(inr & (isv == 0), kpos, KGb, kgroup,
+                                             KEY_GROUPED)
+                            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid,
+                                                    Kb, Vb, skn, svn, offs_d, dmask,
+                                                    qk_scale, False, COUNT, IEEE)
+                        o_prev = o
             if FAMILY == BLOCK:
                 bbase = BIdx + (slot_base * n_table + r) * nb_max
                 n_b = tl.load(BCnt + slot_base * n_table + r)
                 # Key blocks of BLOCK_K keys, visited as BLOCK_K // BLOCK_N tiles; only the
                 # last listed block can reach past lo.
                 # One flat loop over tiles (not a nested one) so loads stay pipelined.
-                for u in range(0, n_b * (BLOCK_K // BLOCK_N)):
+                n_bfull = 0
+                if EVEN_FAR:
+                    # Sorted blocks: only the last can reach past lo; the others are full.
+                    c_last = tl.load(bbase + tl.maximum(n_b - 1, 0), mask=n_b > 0, other=0)
+                    n_bfull = tl.where((n_b > 0) & ((c_last + 1) * BLOCK_K > lo), n_b - 1, n_b)
+                    for u in range(0, n_bfull * (BLOCK_K // BLOCK_N)):
+                        c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
+                        kstart = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N
+                        if TMA and not KEY_GROUPED:
+                            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KDesc, VDesc, b,
+                                                         kvh, kstart, qk_scale, BLOCK_N,
+                                                         BLOCK_D, IEEE)
+                        else:
+                            kpos = kstart + offs_n
+                            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+                            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb,
+                                                    Vb, skn, svn, offs_d, dmask, qk_scale,
+                                                    False, COUNT, IEEE, not KEY_GROUPED,
+                                                    DMASK)
+                for u in range(n_bfull * (BLOCK_K // BLOCK_N), n_b * (BLOCK_K // BLOCK_N)):
                     c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
                     kpos = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N + offs_n
                     kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
@@ -316,7 +447,8 @@ def _sparse_attn_fwd(
                                             COUNT, IEEE)
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK)
+                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
+                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
 
         if COUNT:
             res = l_i

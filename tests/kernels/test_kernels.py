@@ -42,12 +42,14 @@ def build(n, hq, specs, **kw):
     return plan, oracle
 
 
-def check(q, k, v, plan, oracle, scale=None):
-    """Kernel error <= 2x PyTorch's own error in the same dtype (+ representability atol)."""
+def check(q, k, v, plan, oracle, scale=None, variant=None):
+    """Kernel error <= 2x PyTorch's own error in the same dtype (+ representability atol).
+    ``variant``: a launch variant of ``kernels/variants.py`` (None: the current kernel)."""
     mask_cpu = oracle
     mask = mask_cpu.to(q.device)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    out, lse = sparse_attention(q, k, v, plan, out=out, return_lse=True, scale=scale)
+    out, lse = sparse_attention(q, k, v, plan, out=out, return_lse=True, scale=scale,
+                                variant=variant)
     assert not torch.isnan(out).any(), "rows left unwritten"
     ref, ref_lse = masked_attention(q, k, v, mask, scale=scale)
     if q.dtype == torch.float32:

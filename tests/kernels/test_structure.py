@@ -67,7 +67,8 @@ def _lower(stages=("ttir",)):
         return []
     names = list(inspect.signature(_sparse_attn_fwd.fn).parameters)
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "OS": "*bf16",
-                "L": "*fp32", "LS": "*fp32", "VFlag": "*i8"}
+                "L": "*fp32", "LS": "*fp32", "VFlag": "*i8", "KVert": "*bf16",
+                "VVert": "*bf16"}
     pointers.update({n: "*i32" for n in ("TILES", "Table", "P", "VIdx", "VCnt", "SIdx",
                                           "SRange", "BIdx", "BCnt", "KGid")})
     out = []
@@ -75,7 +76,8 @@ def _lower(stages=("ttir",)):
         for key_grouped in (False, True):
             const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, FAMILY=family,
                          KEY_GROUPED=key_grouped, WRITE_LSE=True, COUNT=False, IEEE=False,
-                         BLOCK_K=64, FAST=True, DMASK=False)
+                         BLOCK_K=64, FAST=True, DMASK=False, SCHEDULE=0, EVEN_FAR=False,
+                         SLASH_FLAT=False, VGATHER=False, TAIL_STAGES=3, TMA=False)
             sig = {n: "constexpr" if n in const else pointers.get(
                 n, "fp32" if n == "qk_scale" else "i32") for n in names}
             src = ASTSource(fn=_sparse_attn_fwd, signature=sig,
@@ -109,3 +111,114 @@ def test_attention_kernel_lowers_for_hopper():
         pytest.skip(res.stdout.strip())
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "8"   # 4 families x key groups on/off
+
+
+def _shared_bytes_sm90(variant_names):
+    """Shared memory (bytes) of every family's kernel under each named variant, compiled
+    to a cubin for sm_90 the way a launch specialises it (pointers and strides divisible
+    by 16: without that hint the loads are never pipelined and the figure means nothing).
+    Returns [(variant, family, shared, async copies, TMA copies in the ttgir)]."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton._C.libtriton import ir
+
+    from mminfer.kernels import launch as L
+    from mminfer.kernels.layout import FAMILIES
+    from mminfer.kernels.sparse_attn_kernel import _sparse_attn_fwd
+    from mminfer.kernels.variants import affects, options
+
+    target = GPUTarget("cuda", 90, 32)
+    try:
+        backend = make_backend(target)
+    except Exception as e:  # no NVIDIA backend in this triton build
+        print(f"SKIP: triton has no CUDA backend here: {e}")
+        return []
+    names = list(inspect.signature(_sparse_attn_fwd.fn).parameters)
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "OS": "*bf16",
+                "L": "*fp32", "LS": "*fp32", "VFlag": "*i8", "KVert": "*bf16",
+                "VVert": "*bf16"}
+    pointers.update({n: "*i32" for n in ("TILES", "Table", "P", "VIdx", "VCnt", "SIdx",
+                                          "SRange", "BIdx", "BCnt", "KGid")})
+
+    class _Q:       # what _config reads of q: the device kind
+        is_cuda = True
+
+    class _Plan:    # the benchmark's plans: 128-row blocks, 64-key (block: 128-key) blocks
+        block_m = 128
+
+    out = []
+    for variant in variant_names:
+        for fname, family in FAMILIES.items():
+            if not affects(variant, fname):
+                continue
+            _Plan.block_n = 128 if fname == "block" else 64
+            cfg = L._config(_Q, _Plan, options(variant) or None, family)
+            const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=cfg["BLOCK_N"],
+                         FAMILY=family, KEY_GROUPED=False, WRITE_LSE=False, COUNT=False,
+                         IEEE=False, BLOCK_K=_Plan.block_n, FAST=True, DMASK=False,
+                         SCHEDULE=cfg["SCHEDULE"], EVEN_FAR=cfg["EVEN_FAR"],
+                         SLASH_FLAT=cfg["SLASH_FLAT"], VGATHER=cfg["VGATHER"],
+                         TAIL_STAGES=cfg["TAIL_STAGES"], TMA=cfg["TMA"])
+            desc = f"tensordesc<bf16[1,1,{cfg['BLOCK_N']},128]>"
+            sig = {n: "constexpr" if n in const else pointers.get(
+                n, "fp32" if n == "qk_scale" else "i32") for n in names}
+            if cfg["TMA"]:
+                sig.update(KDesc=desc, VDesc=desc)
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                     if n not in const and (sig[n].startswith("*") or n.startswith("s")
+                                            or n == "N") and not sig[n].startswith("t")}
+            src = ASTSource(fn=_sparse_attn_fwd, signature=sig, attrs=attrs,
+                            constexprs={(names.index(k),): v for k, v in const.items()})
+            options_ = backend.parse_options({"num_warps": cfg["num_warps"],
+                                              "num_stages": cfg["num_stages"]})
+            ctx = ir.context()
+            ir.load_dialects(ctx)
+            backend.load_dialects(ctx)
+            mod = src.make_ir(target, options_, backend.get_codegen_implementation(options_),
+                              backend.get_module_map(), ctx)
+            passes: dict = {}
+            md: dict = {}
+            backend.add_stages(passes, options_, src.language)
+            n_async = n_tma = 0
+            for stage in ("ttir", "ttgir", "llir", "ptx", "cubin"):
+                mod = passes[stage](mod, md)
+                if stage == "ttgir":
+                    n_async = str(mod).count("async_copy_global_to_local")
+                    n_tma = str(mod).count("async_tma_copy_global_to_local")
+            out.append((variant, fname, int(md["shared"]), n_async, n_tma))
+    return out
+
+
+# sm_90's shared memory per block (227 KB): a kernel over it fails to launch on the H200.
+SM90_SHARED = 232448
+
+
+@pytest.mark.parametrize("variants", [("current", "tail1", "bn128", "bn128_s3"),
+                                      ("s4", "combined", "combined_bn128_s3"),
+                                      ("tma", "tma_bn128", "combined_tma_bn128")])
+def test_variants_fit_hopper_shared_memory(variants):
+    """Every variant's kernel compiles for sm_90 (through ptxas) with pipelined K/V loads
+    and fits the shared memory of one block; the unpipelined tails are what make room."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    code = ("import tests.kernels.test_structure as t; "
+            f"[print(*r) for r in t._shared_bytes_sm90({list(variants)!r})]")
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=1200)
+    if "SKIP:" in res.stdout:
+        pytest.skip(res.stdout.strip())
+    from mminfer.kernels.variants import options
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.strip().splitlines()]
+    got = {(v, f): (int(sh), int(na), int(nt)) for v, f, sh, na, nt in rows}
+    assert {v for v, _ in got} == set(variants)
+    for (v, f), (shared, n_async, n_tma) in got.items():
+        assert n_async + n_tma > 0, f"{v}/{f}: K/V loads not pipelined"
+        assert shared <= SM90_SHARED, f"{v}/{f}: {shared} B of shared memory"
+        # Descriptor loads lower to the copy engine only in the TMA variants.
+        assert (n_tma > 0) == options(v).get("TMA", False), f"{v}/{f}: {n_tma} TMA copies"
+    if "tail1" in variants:
+        # The tails' buffers are what the current kernel spends its shared memory on.
+        assert got[("tail1", "a_shape")][0] < got[("current", "a_shape")][0]
