@@ -50,11 +50,13 @@ MIN_Z_MARGIN = 2.0        # grid: lift significance above the noise of the best 
 _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
 # Which proxy computes the column and diagonal sums. "triton": the fused proxy kernels
-# (kernels/proxy.py) for a contiguous run of at most 64 queries; "torch": the chunked
-# PyTorch passes below; "auto": triton on a GPU (1.4-1.7x less estimation time at
-# 128K-256K, BENCHMARKS.md section 3), torch on the CPU (where only the slow interpreter
-# runs Triton).
-PROXIES = ("auto", "torch", "triton")
+# (kernels/proxy.py), every query set of the layer (runs of at most 64 queries) in one
+# launch per pass, each set only for the heads whose patterns read it; "triton_runs": the
+# same kernels one launch pair per query run, every head (the path before; kept to measure
+# against, benchmarks/estimate.py --impl); "torch": the chunked PyTorch passes below;
+# "auto": triton on a GPU (1.4-1.7x less estimation time at 128K-256K than torch,
+# BENCHMARKS.md section 3), torch on the CPU (where only the slow interpreter runs Triton).
+PROXIES = ("auto", "torch", "triton", "triton_runs")
 
 
 @dataclass
@@ -162,11 +164,19 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
             groups.setdefault((qm, km, p.kind, b == "k"), []).append((h, p))
 
     # Which diagonal sums each query set needs (None: over all keys; a modality: 2D keys).
+    # Per head as well (``reads``: query modality -> head -> the diagonals it reads; a head
+    # listed reads the column sums): a set's sums are computed only for its readers.
     needs: dict = {}
+    reads: dict = {}
     for (qm, km, kind, _), members in groups.items():
         if kind == "vertical_slash" or (kind == "grid" and any(
                 p.fallback.kind == "vertical_slash" for _, p in members)):
             needs.setdefault(qm, set()).add(km)
+        for h, p in members:
+            if kind == "vertical_slash" or (kind == "grid" and p.fallback.kind == "vertical_slash"):
+                reads.setdefault(qm, {}).setdefault(h, set()).add(km)
+            elif kind == "grid":
+                reads.setdefault(qm, {}).setdefault(h, set())
 
     # Row blocks never straddle a modality span when the input has several, whatever this
     # layer's heads are: a head's tiles (and so its mask) then depend on its own pattern and
@@ -174,7 +184,7 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     # ranks hold different heads and must compute what one process does).
     row_groups = index.row_groups() if multi else None
     est = _Estimator(q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                     needs, proxy)
+                     needs, proxy, reads)
     out = LayerEstimate(n=N, batch=B, num_heads=Hq, block_m=block_m, block_n=block_n,
                         specs=[], row_groups=row_groups, device=q.device)
     for (qm, km, kind, ksplit), members in groups.items():
@@ -199,7 +209,7 @@ class _Estimator:
     groups that read them."""
 
     def __init__(self, q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                 needs, proxy):
+                 needs, proxy, reads=None):
         self.q, self.k, self.index = q, k, index
         self.proxy = proxy if proxy != "auto" else ("triton" if q.is_cuda else "torch")
         self.block_m, self.block_n, self.last_q = block_m, block_n, last_q
@@ -213,6 +223,13 @@ class _Estimator:
         self.needs: dict = {}
         for qm, kms in needs.items():
             self.needs.setdefault(tuple(self._qpos(qm)), set()).update(kms)
+        self.reads: dict = {}          # query positions -> head -> diagonals read
+        for qm, by_head in (reads or {}).items():
+            mine = self.reads.setdefault(tuple(self._qpos(qm)), {})
+            for h, kms in by_head.items():
+                mine.setdefault(h, set()).update(kms)
+        self._rows: dict = {}
+        self._sets: dict = {}          # query positions -> (heads, col, diags) (fused sets)
 
     # ------------------------------------------------------------------ helpers
     def _group(self, mod):
@@ -232,14 +249,54 @@ class _Estimator:
             return list(range(max(0, self.N - self.last_q), self.N))
         return self.index.last_positions(qmod, self.last_q)
 
-    def stats(self, qmod, kmod=None):
-        """(col [B, Hq, N], diag [B, Hq, N] or None) of the query set of ``qmod``; with
-        ``kmod`` the diagonal sums count only keys of that modality (2D-boundary)."""
+    def stats(self, qmod, kmod, hs):
+        """(col [B, H', N], diag [B, H', N] or None) of the query set of ``qmod`` for the
+        heads ``hs``; with ``kmod`` the diagonal sums count only keys of that modality
+        (2D-boundary)."""
         pos = tuple(self._qpos(qmod))
+        if self.proxy == "triton" and pos in self.reads and \
+                all(len(p) <= 64 for p in self.reads):
+            return self._set_stats(pos, kmod, hs)
+        col, diag = self._all_heads(pos, kmod)
+        hidx = self._heads(hs)
+        return col[:, hidx], (diag[:, hidx] if diag is not None else None)
+
+    def _set_stats(self, pos, kmod, hs):
+        if not self._sets:
+            # Every query set of the layer in one fused call, each for its readers only.
+            from mminfer.kernels.proxy import QuerySet, proxy_sets
+            keys = sorted(self.reads)
+            sets = []
+            for p in keys:
+                by_head = self.reads[p]
+                heads = tuple(sorted(by_head))
+                diags = tuple(tuple(sorted({None if km is None else self.index.group_of(km)
+                                            for km in by_head[h]},
+                                           key=lambda d: -1 if d is None else d))
+                              for h in heads)
+                sets.append(QuerySet(tuple(_runs(p)), heads, diags))
+            kg = _key_groups(self.index, self.dev)[0] if any(
+                d is not None for s in sets for ds in s.diags for d in ds) else None
+            for p, s, (col, dg) in zip(keys, sets, proxy_sets(self.q, self.k, sets, self.scale,
+                                                                kgroup=kg)):
+                self._sets[p] = (s.heads, col, dg)
+        heads, col, dg = self._sets[pos]
+        d = None if kmod is None else self.index.group_of(kmod)
+        diag = dg.get(d)
+        rows = tuple(heads.index(h) for h in hs)
+        if rows == tuple(range(len(heads))):
+            return col, diag
+        if rows not in self._rows:
+            self._rows[rows] = self._ints(rows)
+        idx = self._rows[rows]
+        return col[:, idx], (diag[:, idx] if diag is not None else None)
+
+    def _all_heads(self, pos, kmod):
+        """(col, diag) ``[B, Hq, N]`` of the query positions ``pos`` for every head."""
         if pos not in self._stats:
             want = self.needs.get(pos, set())
             kg, _ = _key_groups(self.index, self.dev)
-            if self.proxy == "triton" and len(pos) <= 64:
+            if self.proxy in ("triton", "triton_runs") and len(pos) <= 64:
                 # One fused launch per contiguous run of the query set (a modality's last
                 # queries can sit in several spans: the prompt's text before and after the
                 # video): each row's softmax is its own, so the runs' sums add up.
@@ -314,9 +371,7 @@ class _Estimator:
 
     def _vertical_slash_mass(self, hs, pats, qmod, kmod):
         N, dev = self.N, self.dev
-        col, diag = self.stats(qmod, kmod)
-        hidx = self._heads(hs)
-        col, diag = col[:, hidx], diag[:, hidx]                     # [B, H', N]
+        col, diag = self.stats(qmod, kmod, hs)                      # [B, H', N]
         sink = self._ints([p.sink for p in pats])
         keys, n_keys = None, N
         if kmod is not None and self.multi:
@@ -341,9 +396,7 @@ class _Estimator:
 
     def _vertical_slash_counts(self, hs, pats, qmod, kmod, ksplit):
         N, dev = self.N, self.dev
-        col, diag = self.stats(qmod, kmod)
-        hidx = self._heads(hs)
-        col, diag = col[:, hidx], diag[:, hidx]                     # [B, H', N]
+        col, diag = self.stats(qmod, kmod, hs)                      # [B, H', N]
         sink = self._ints([p.sink for p in pats])
         window = self._ints([p.window for p in pats])
         j = torch.arange(N, device=dev)
@@ -498,8 +551,7 @@ class _Estimator:
                                            qmod, kmod, ksplit))
             return
         start, end = span
-        col, _ = self.stats(qmod, kmod)
-        hidx = self._heads(hs)
+        col, _ = self.stats(qmod, kmod, hs)
         window = self._ints([p.window for p in pats])
         qmin = min(self._qpos(qmod))
         L = end - start
@@ -517,7 +569,7 @@ class _Estimator:
         vis_buf = torch.zeros(len(hs), L + smax, device=self.dev)
         vis_buf[:, :L] = vis
         mass = mass_buf[..., :L]
-        torch.mul(col[:, hidx, start:end], vis_buf[:, :L], out=mass)     # [B, H', L]
+        torch.mul(col[:, :, start:end], vis_buf[:, :L], out=mass)     # [B, H', L]
         total = mass.sum(-1)                                              # [B, H']
         ntot = vis.sum(-1).to(torch.float32)                              # [H']
         mean = total / ntot.clamp(min=1)[None]
