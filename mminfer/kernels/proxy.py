@@ -9,7 +9,7 @@ import torch
 import triton
 
 from .proxy_kernel import (_proxy_lse_kernel, _proxy_mass_kernel, _sets_lse_kernel,
-                           _sets_mass_kernel)
+                           _sets_mass_chunk_kernel, _sets_mass_kernel)
 from .runtime import as_device, batch_stride, compiled_gpu, to_device
 
 BLOCK_Q = 64          # the estimator's last_q: one query run per launch
@@ -19,7 +19,8 @@ GPU_BLOCK_N, CPU_BLOCK_N = 64, 16
 # Measured on the H200 (BENCHMARKS.md section 7): these defaults are the best of 2-8 warps,
 # 2-16 programs per SM and 4-32 key blocks per program; a mass pass laid out like the
 # log-sum-exp pass (heads outer, key blocks inner) was 3-5 % slower and was dropped.
-TUNING = {"kb_per": 8, "programs_per_sm": 4, "lse_warps": 4, "mass_warps": 4}
+TUNING = {"kb_per": 8, "programs_per_sm": 4, "lse_warps": 4, "mass_warps": 4,
+          "mass_layout": "persistent"}
 
 
 def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float, *,
@@ -167,9 +168,11 @@ def proxy_sets(q: torch.Tensor, k: torch.Tensor, sets, scale: float, *,
     if by_group and kgroup is None:
         raise ValueError("diagonals over a key group need kgroup")
     gpu = compiled_gpu(q.is_cuda)
-    BN = GPU_BLOCK_N if gpu else CPU_BLOCK_N
-    BD = max(16, triton.next_power_of_2(D))
     cfg = {**TUNING, **(config or {})}
+    # the chunked mass pass pairs key blocks with query blocks (BLOCK_N == BLOCK_Q), on the
+    # CPU too, where the interpreter otherwise takes smaller tiles
+    BN = BLOCK_Q if cfg["mass_layout"] == "chunks" else (GPU_BLOCK_N if gpu else CPU_BLOCK_N)
+    BD = max(16, triton.next_power_of_2(D))
     kb_per = cfg["kb_per"]
     kend = max((q0 + nq for s in sets for q0, nq in s.runs), default=0)
     results = []
@@ -194,12 +197,22 @@ def proxy_sets(q: torch.Tensor, k: torch.Tensor, sets, scale: float, *,
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 2
         n_prog = max(1, min(n_tiles, sms * cfg["programs_per_sm"]))
         kg = kgroup.to(device=dev, dtype=torch.int32).contiguous() if by_group else dgroup
-        _sets_mass_kernel[(n_prog,)](
-            q, k, lse, col, dg, kg, dgroup, kv, q0s, nqs, heads, slots, bits,
-            n_pairs, n_slots, N, n_kb, n_tiles, B, float(scale), *common,
-            BLOCK_Q=BLOCK_Q, BLOCK_N=BN, BLOCK_D=BD,
-            SKEW_W=triton.next_power_of_2(BLOCK_Q + BN - 1), N_DIAG=len(outs),
-            BY_GROUP=by_group, num_warps=cfg["mass_warps"])
+        if cfg["mass_layout"] == "chunks":
+            if BN != BLOCK_Q:
+                raise ValueError("the chunked mass pass needs BLOCK_N == BLOCK_Q")
+            _sets_mass_chunk_kernel[(B * Hkv, n_chunks)](
+                q, k, lse, col, dg, kg, dgroup, kv, q0s, nqs, heads, slots, bits,
+                n_pairs, n_slots, N, n_chunks, B, float(scale), *common,
+                BLOCK_Q=BLOCK_Q, BLOCK_D=BD, KB_PER=kb_per, N_DIAG=len(outs),
+                ND_P2=triton.next_power_of_2(max(len(outs), 1)), BY_GROUP=by_group,
+                num_warps=cfg["mass_warps"])
+        else:
+            _sets_mass_kernel[(n_prog,)](
+                q, k, lse, col, dg, kg, dgroup, kv, q0s, nqs, heads, slots, bits,
+                n_pairs, n_slots, N, n_kb, n_tiles, B, float(scale), *common,
+                BLOCK_Q=BLOCK_Q, BLOCK_N=BN, BLOCK_D=BD,
+                SKEW_W=triton.next_power_of_2(BLOCK_Q + BN - 1), N_DIAG=len(outs),
+                BY_GROUP=by_group, num_warps=cfg["mass_warps"])
     slot0 = 0
     for s in sets:
         a, b = slot0, slot0 + len(s.heads)

@@ -225,3 +225,82 @@ def _sets_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgro
                         dsum = tl.sum(sk, 0)
                         dst = (t * B * n_slots).to(tl.int64) * N + row + o
                         tl.atomic_add(diag_ptr + dst, dsum, mask=o_ok & (dsum != 0.0))
+
+
+@triton.jit
+def _sets_mass_chunk_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgroup_ptr,
+                            kv_ptr, p_q0, p_nq, p_head, p_slot, p_dbits,
+                            n_pairs, n_slots, N, n_chunks, B, scale,
+                            s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HKV, D,
+                            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, KB_PER: tl.constexpr,
+                            N_DIAG: tl.constexpr, ND_P2: tl.constexpr, BY_GROUP: tl.constexpr):
+    """The mass pass laid out like the log-sum-exp pass: a program per (batch x KV head,
+    chunk of ``KB_PER`` key blocks), pairs outer, the chunk's key blocks inner (key tiles
+    re-read from L2 per pair), so one pair's consecutive key blocks meet in one program and
+    their diagonal sums need half the work: key block = query block = BLOCK_Q, each row r of
+    the tile is rotated by r (cyclic, a [BLOCK_Q, BLOCK_Q] gather instead of the linear
+    skew's [BLOCK_Q, 2 BLOCK_Q]); column t of the rotated tile holds offset q0 - a - t
+    (unwrapped rows) and q0 - a + BLOCK_Q - t (wrapped rows), and the wrapped part is the
+    previous key block's unwrapped part at the same t: the blocks run in descending order,
+    the wrapped part is carried in registers and added there, one vector atomic of BLOCK_Q
+    per tile (plus one per chunk for the carry left at its first block)."""
+    BN: tl.constexpr = BLOCK_Q
+    bkv = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = bkv // HKV
+    kvh = bkv % HKV
+    r = tl.arange(0, BLOCK_Q)
+    t = tl.arange(0, BN)
+    rc = r[:, None] + t[None, :]
+    wrapped = rc >= BN
+    rot = tl.where(wrapped, rc - BN, rc)             # rotated[r, t] = p[r, (r + t) mod BN]
+    dt = tl.arange(0, ND_P2)
+    first = tl.load(kv_ptr + kvh)
+    last = tl.load(kv_ptr + kvh + 1)
+    for i in range(first, last):
+        q0 = tl.load(p_q0 + i)
+        nq = tl.load(p_nq + i)
+        h = tl.load(p_head + i)
+        slot = tl.load(p_slot + i)
+        bits = tl.load(p_dbits + i)
+        kend = q0 + nq
+        n_blk = tl.minimum(tl.cdiv(kend, BN) - chunk * KB_PER, KB_PER)
+        qt = _load_q(q_ptr, b, h, q0, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
+        lse = tl.load(lse_ptr + (b * n_pairs + i).to(tl.int64) * BLOCK_Q + r)
+        row = (b * n_slots + slot).to(tl.int64) * N
+        carry = tl.zeros([ND_P2, BN], tl.float32)
+        a = chunk * KB_PER * BN
+        for jj in range(0, n_blk):
+            a = (chunk * KB_PER + n_blk - 1 - jj) * BN
+            c = a + t
+            kt = _load_k(k_ptr, b, kvh, c, kend, s_kb, s_kh, s_kn, D, BLOCK_D)
+            s = _masked_scores(qt, kt, r, c, q0, nq, scale)
+            p = tl.exp(s - lse[:, None])
+            cm = c < kend
+            prev = tl.load(col_ptr + row + c, mask=cm, other=0.0)
+            tl.store(col_ptr + row + c, prev + tl.sum(p, 0), mask=cm)
+            if bits != 0:
+                grp = tl.load(kgroup_ptr + c, mask=cm & BY_GROUP, other=-1)
+                o = q0 - a - t
+                for d in tl.static_range(N_DIAG):
+                    if (bits >> d) & 1:
+                        want = tl.load(dgroup_ptr + d)
+                        if want < 0:
+                            pt = p
+                        else:
+                            pt = tl.where((grp == want)[None, :], p, 0.0)
+                        sk = tl.gather(pt, rot, 1)
+                        low = tl.sum(tl.where(wrapped, 0.0, sk), 0)
+                        high = tl.sum(tl.where(wrapped, sk, 0.0), 0)
+                        mine = dt[:, None] == d
+                        dsum = low + tl.sum(tl.where(mine, carry, 0.0), 0)
+                        carry = tl.where(mine, high[None, :], carry)
+                        dst = (d * B * n_slots).to(tl.int64) * N + row + o
+                        tl.atomic_add(diag_ptr + dst, dsum, mask=(o >= 0) & (dsum != 0.0))
+        if n_blk > 0:                                # the last block's wrapped rows
+            o = q0 - a + BN - t
+            for d in tl.static_range(N_DIAG):
+                if (bits >> d) & 1:
+                    dsum = tl.sum(tl.where(dt[:, None] == d, carry, 0.0), 0)
+                    dst = (d * B * n_slots).to(tl.int64) * N + row + o
+                    tl.atomic_add(diag_ptr + dst, dsum, mask=(o >= 0) & (o < N) & (dsum != 0.0))
