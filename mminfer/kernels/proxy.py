@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .proxy_kernel import (_proxy_lse_kernel, _proxy_mass_kernel, _sets_lse_kernel,
-                           _sets_mass_chunk_kernel, _sets_mass_kernel)
+from .proxy_kernel import (_fold_lse_kernel, _proxy_lse_kernel, _proxy_mass_kernel,
+                           _sets_lse_kernel, _sets_mass_chunk_kernel, _sets_mass_kernel)
 from .runtime import as_device, batch_stride, compiled_gpu, to_device
 
 BLOCK_Q = 64          # the estimator's last_q: one query run per launch
@@ -88,15 +88,6 @@ def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float
     first = 1 if diag else 0
     diag_k = {g: dg[first + i].view(B, Hq, N) for i, g in enumerate(targets)}
     return col, out_diag, diag_k
-
-
-def _fold_lse(m, l):
-    """Row log-sum-exp from per-chunk running (max, sum) ``[..., chunks, BLOCK_Q]``."""
-    mx = m.amax(-2, keepdim=True)
-    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-    lse = mx.squeeze(-2) + torch.log((l * torch.exp(m - mx)).sum(-2))
-    # padded rows (r >= nq) have no keys: any finite lse keeps their p at exactly 0
-    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).contiguous()
 
 
 @dataclass(frozen=True)
@@ -192,7 +183,9 @@ def proxy_sets(q: torch.Tensor, k: torch.Tensor, sets, scale: float, *,
         _sets_lse_kernel[(B * Hkv, n_chunks)](
             q, k, m, l, kv, q0s, nqs, heads, n_pairs, n_chunks, float(scale), *common,
             BLOCK_Q=BLOCK_Q, BLOCK_N=BN, BLOCK_D=BD, KB_PER=kb_per, num_warps=cfg["lse_warps"])
-        lse = _fold_lse(m, l)
+        lse = torch.empty(B, n_pairs, BLOCK_Q, device=dev, dtype=torch.float32)
+        _fold_lse_kernel[(B * n_pairs,)](m, l, lse, n_chunks, BLOCK_Q=BLOCK_Q,
+                                         BLOCK_C=16, num_warps=4)
         n_tiles = B * Hkv * n_kb
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 2
         n_prog = max(1, min(n_tiles, sms * cfg["programs_per_sm"]))

@@ -304,3 +304,31 @@ def _sets_mass_chunk_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr
                     dsum = tl.sum(tl.where(dt[:, None] == d, carry, 0.0), 0)
                     dst = (d * B * n_slots).to(tl.int64) * N + row + o
                     tl.atomic_add(diag_ptr + dst, dsum, mask=(o >= 0) & (o < N) & (dsum != 0.0))
+
+
+@triton.jit
+def _fold_lse_kernel(m_ptr, l_ptr, lse_ptr, n_chunks, BLOCK_Q: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    """Row log-sum-exp of one pair from its chunks' running (max, sum): one launch for what
+    took a dozen torch ops (the host enqueues every one of them). Rows with no key (padding
+    rows of a short run) get 0: any finite value keeps their p at exactly 0."""
+    pair = tl.program_id(0)
+    r = tl.arange(0, BLOCK_Q)
+    base = pair.to(tl.int64) * n_chunks * BLOCK_Q
+    mx = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        ch = c0 + tl.arange(0, BLOCK_C)
+        off = base + ch[:, None].to(tl.int64) * BLOCK_Q + r[None, :]
+        m = tl.load(m_ptr + off, mask=(ch < n_chunks)[:, None], other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(m, 0))
+    safe = tl.where(mx == float("-inf"), 0.0, mx)
+    tot = tl.zeros([BLOCK_Q], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        ch = c0 + tl.arange(0, BLOCK_C)
+        off = base + ch[:, None].to(tl.int64) * BLOCK_Q + r[None, :]
+        ok = (ch < n_chunks)[:, None]
+        m = tl.load(m_ptr + off, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + off, mask=ok, other=0.0)
+        tot += tl.sum(l * tl.exp(m - safe[None, :]), 0)
+    lse = tl.where(tot > 0, safe + tl.log(tl.where(tot > 0, tot, 1.0)), 0.0)
+    tl.store(lse_ptr + pair.to(tl.int64) * BLOCK_Q + r, lse)

@@ -91,3 +91,15 @@ def test_a_long_prompt_compiles_no_new_kernel_variant():
     torch.cuda.synchronize()
     assert (_compiled_variants(_sparse_attn_fwd), _compiled_variants(_proxy_mass_kernel)) == before
     assert torch.equal(out, ref)
+    # the per-layer query-set kernels (estimate_layer's default) likewise
+    from mminfer.kernels.proxy import QuerySet, proxy_sets
+    from mminfer.kernels.proxy_kernel import _sets_lse_kernel, _sets_mass_kernel
+    sets = [QuerySet(((index.n - 64, 64),), (0, 7), ((None,), ()))]
+    want = proxy_sets(q, k, sets, 128 ** -0.5)
+    torch.cuda.synchronize()
+    before = (_compiled_variants(_sets_lse_kernel), _compiled_variants(_sets_mass_kernel))
+    got = proxy_sets(huge(q), huge(k), sets, 128 ** -0.5)
+    torch.cuda.synchronize()
+    assert (_compiled_variants(_sets_lse_kernel), _compiled_variants(_sets_mass_kernel)) == before
+    assert torch.equal(got[0][0], want[0][0])          # column sums: one writer per key
+    torch.testing.assert_close(got[0][1][None], want[0][1][None], atol=1e-6, rtol=1e-5)
