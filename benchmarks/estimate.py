@@ -133,10 +133,10 @@ def _ref_sums(index, q, k, qgroup, kgroup, cache, last_q=64):
     return cache[key]
 
 
-def _recall(index, qf, kf, ref, got):
+def _recall(index, qf, kf, ref, got, cache):
     """(recall_v, recall_s): fp32 proxy mass on ``got``'s verticals / slashes over the mass
-    on ``ref``'s (the plan of the fp32 proxy), summed over every vertical-slash spec."""
-    cache: dict = {}
+    on ``ref``'s (the plan of the fp32 proxy), summed over every vertical-slash spec;
+    ``cache`` holds the fp32 sums per query set across calls."""
     num = {"verticals": 0.0, "slashes": 0.0}
     den = dict(num)
     for sa, sb in zip(_index_specs(ref), _index_specs(got)):
@@ -240,6 +240,7 @@ def main():
         # the fp32 brute-force reference: the PyTorch proxy passes on fp32 q/k
         qf, kf = q.float(), k.float()
         ref = estimate_layer(qf, kf, index, heads, proxy="torch")
+        ref_sums: dict = {}
         box = {}
 
         def est(impl):
@@ -251,13 +252,13 @@ def main():
         for impl in a.impl:
             ms = _with_impl(impl, lambda: events_ms(lambda: est(impl)))
             launches = _with_impl(impl, lambda: _launches(lambda: est(impl)))
-            rv, rs = _recall(index, qf, kf, ref, box["est"])
+            rv, rs = _recall(index, qf, kf, ref, box["est"], ref_sums)
             per[impl] = {"estimate_plan_ms": ms, "launches": launches,
                          "agree_fp32": _same_plan(ref, box["est"]), "recall_v": rv,
                          "recall_s": rs}
             if a.profile:
                 _with_impl(impl, lambda: _profile(lambda: est(impl), os.path.join(a.out, impl), n))
-        del qf, kf, ref
+        del qf, kf, ref, ref_sums
         torch.cuda.empty_cache()
         plan, estimate = box["plan"], box["est"]
         out = torch.empty_like(q)

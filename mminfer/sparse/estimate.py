@@ -236,13 +236,13 @@ class _Estimator:
         return -1 if mod is None or not self.multi else self.index.group_of(mod)
 
     def _heads(self, hs):
-        return as_device(hs, self.dev, torch.long)
+        return _const(hs, self.dev, torch.long)
 
     def _ints(self, xs):
-        return as_device(xs, self.dev, torch.long)
+        return _const(xs, self.dev, torch.long)
 
     def _floats(self, xs):
-        return as_device(xs, self.dev, torch.float32)
+        return _const(xs, self.dev, torch.float32)
 
     def _qpos(self, qmod):
         if qmod is None or not self.multi:
@@ -493,7 +493,7 @@ class _Estimator:
             mwidth = 0
         out = torch.full((B, len(hs), R, max(kmax, mwidth)), -1, dtype=torch.long, device=dev)
         rstep = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * nkb))
-        budget = as_device(top_k, dev)[None, :, None, None]
+        budget = _const(top_k, dev, torch.long)[None, :, None, None]
         rank = torch.arange(kmax, device=dev)
         cpos, mpos = self._ints(by_count), self._ints(by_mass)
         whole = not by_mass
@@ -574,45 +574,50 @@ class _Estimator:
         ntot = vis.sum(-1).to(torch.float32)                              # [H']
         mean = total / ntot.clamp(min=1)[None]
         sd = ((mass * mass).sum(-1) / ntot.clamp(min=1)[None] - mean * mean).clamp(min=0).sqrt()
-        lifts, phases, excess, signif = [], [], [], []
-        for s in strides:
+        # Every stride's phase sums in one [.., C, smax] buffer (phases past a stride's own
+        # count are padding: lift -1), so the statistics below are one op each for
+        # all strides, not one per stride (the host enqueues every op; at 128K estimation
+        # is host-bound).
+        C, H_ = len(strides), len(hs)
+        stride_t = _const(strides, self.dev, torch.long)
+        fold = torch.zeros(self.B, H_, C, smax, device=self.dev)
+        top = torch.zeros(self.B, H_, C, smax, device=self.dev)
+        cnt = torch.zeros(H_, C, smax, device=self.dev)
+        for i, s in enumerate(strides):
             Ls = -(-L // s) * s
-            cols = mass_buf[..., :Ls].view(self.B, len(hs), -1, s)
-            fold = cols.sum(2)                                            # [B, H', s]
-            cnt = vis_buf[:, :Ls].view(len(hs), -1, s).sum(1)             # [H', s]
-            share = mean[..., None] * cnt[None]
-            # Lift and its significance without the phase's heaviest column: one column (a
-            # sink, a vertical, a noise spike) is not a grid, and with few keys per phase it
-            # would give a large lift by itself.
-            rest = fold - cols.amax(2)
-            c1 = (cnt - 1).clamp(min=0)[None]
-            lift = torch.where(c1 > 0, rest / (mean[..., None] * c1).clamp(min=1e-30),
-                               torch.zeros_like(fold))                    # [B, H', s]
-            z = (rest - mean[..., None] * c1) / (sd[..., None] * c1.sqrt()).clamp(min=1e-30)
-            best, phase = lift.max(-1)
-            lifts.append(best)
-            phases.append(phase)
-            signif.append(z.gather(-1, phase[..., None])[..., 0])
-            excess.append((fold - share) / total.clamp(min=1e-30)[..., None])
-        lift = torch.stack(lifts, -1)                                     # [B, H', C]
-        phase = torch.stack(phases, -1)
+            cols = mass_buf[..., :Ls].view(self.B, H_, -1, s)
+            torch.sum(cols, 2, out=fold[:, :, i, :s])
+            torch.amax(cols, 2, out=top[:, :, i, :s])
+            torch.sum(vis_buf[:, :Ls].view(H_, -1, s), 1, out=cnt[:, i, :s])
+        mean4 = mean[..., None, None]
+        share = mean4 * cnt[None]
+        # Lift and its significance without the phase's heaviest column: one column (a
+        # sink, a vertical, a noise spike) is not a grid, and with few keys per phase it
+        # would give a large lift by itself.
+        rest = fold - top
+        c1 = (cnt - 1).clamp(min=0)[None]
+        pad = torch.arange(smax, device=self.dev)[None, :] >= stride_t[:, None]   # [C, smax]
+        lift_all = torch.where(c1 > 0, rest / (mean4 * c1).clamp(min=1e-30), 0.0)
+        lift_all = lift_all.masked_fill(pad, -1.0)       # never a phase past the stride
+        z = (rest - mean4 * c1) / (sd[..., None, None] * c1.sqrt()).clamp(min=1e-30)
+        lift, phase = lift_all.max(-1)                                    # [B, H', C]
+        signif = z.gather(-1, phase[..., None])[..., 0]
+        excess = (fold - share) / total.clamp(min=1e-30)[..., None, None]   # [B, H', C, smax]
         # A stride counts only with MIN_PERIODS periods in the keys actually counted (else
         # its phases hold a key or two each), and with a lift significant for the number of
         # keys its phase holds: above the largest of its phases' noise (max of s normal
         # deviates, about sqrt(2 ln s)) by a margin.
-        stride_t = as_device(strides, self.dev)
         z_min = torch.sqrt(2 * torch.log(stride_t.to(torch.float32))) + MIN_Z_MARGIN
-        valid = (ntot[None, :, None] >= MIN_PERIODS * stride_t) & \
-            (torch.stack(signif, -1) >= z_min)
+        valid = (ntot[None, :, None] >= MIN_PERIODS * stride_t) & (signif >= z_min)
         # A multiple s_i = m * s_j of a smaller candidate is a real structure only if one of
         # the m sub-phases of the s_j phase holds its excess mass: a true s_j structure
         # spreads it over all m (so the runner-up sub-phase is about as heavy).
         for i, si in enumerate(strides):
             for j, sj in enumerate(strides[:i]):
                 if si % sj == 0:
-                    sub = (phases[i] % sj)[..., None] + \
+                    sub = (phase[..., i] % sj)[..., None] + \
                         sj * torch.arange(si // sj, device=self.dev)
-                    top2 = excess[i].gather(-1, sub).topk(2, dim=-1).values
+                    top2 = excess[..., i, :].gather(-1, sub).topk(2, dim=-1).values
                     valid[..., i] &= (top2[..., 0] > 0) & \
                         (top2[..., 1] <= RUNNER_UP * top2[..., 0])
         score = torch.where(valid, lift, torch.zeros_like(lift))
@@ -620,7 +625,7 @@ class _Estimator:
         g_stride = stride_t[pick[..., 0]]                                 # [B, H']
         g_phase = phase.gather(-1, pick)[..., 0]
         g_lift = score.gather(-1, pick)[..., 0]       # 0 when no candidate is valid
-        min_lift = as_device([p.min_lift for p in pats], self.dev, torch.float32)
+        min_lift = self._floats([p.min_lift for p in pats])
         fire = g_lift < min_lift[None, :]
 
         lines = [p.lines if lines_ok else "cols" for p in pats]
@@ -752,13 +757,27 @@ def _topk_ids(score, budgets, dev):
     if kmax <= 0:
         return torch.full(score.shape[:2] + (0,), -1, dtype=torch.long, device=dev)
     vals, ids = torch.topk(score, kmax, dim=-1)
-    budget = as_device(budgets, dev, torch.long)
+    budget = _const(budgets, dev, torch.long)
     keep = (torch.arange(kmax, device=dev)[None, None, :] < budget[None, :, None]) \
         & (vals > float("-inf"))
     return torch.where(keep, ids, torch.full_like(ids, -1))
 
 
 # ---------------------------------------------------------------------- layout caches
+def _const(values, device, dtype):
+    """A short host list (head ids, windows, budgets) as a device tensor, uploaded once per
+    value: every layer of a request, and every request, reads the same few lists, and each
+    upload is a host-side copy and a device transfer. The tensors are shared: never write
+    into them."""
+    return _const_cached(tuple(values), torch.device(device), dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _const_cached(values, device, dtype):
+    return as_device(values, device, dtype)
+
+
+
 # The layout is the same for every layer of a request: build its device tensors once.
 @functools.lru_cache(maxsize=16)
 def _key_groups_cached(n, row_groups, device):

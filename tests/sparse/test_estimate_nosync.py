@@ -25,6 +25,17 @@ def test_uploads_keep_values_and_dtypes():
     assert as_device([0.5], "cpu", torch.float32).dtype == torch.float32
 
 
+def test_estimator_lists_are_uploaded_once_per_value():
+    """The estimator's small lists (head ids, windows, budgets) repeat in every layer: one
+    upload per value, not per layer."""
+    from mminfer.sparse.estimate import _const
+    a = _const([3, 1, 2], "cpu", torch.long)
+    assert a.tolist() == [3, 1, 2] and a.dtype == torch.long
+    assert _const((3, 1, 2), torch.device("cpu"), torch.long) is a
+    assert _const([3, 1, 2], "cpu", torch.float32) is not a
+    assert _const([3, 1, 2], "cpu", torch.float32).dtype == torch.float32
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_layer_queues_without_a_synchronisation():
