@@ -12,6 +12,11 @@ then normalised mass), so no ``[H, last_q, N]`` matrix exists at long N:
 * diagonal sums -> slash offsets (vertical_slash);
 * block heads use mean-pooled q/k per block instead (no proxy).
 
+A query set's sums are computed only for the heads whose patterns read them (a-shape,
+block and dense heads read none; a grid head reads the column sums, and the diagonal sums
+only when its fallback is vertical_slash); on a GPU every set of the layer goes to the
+fused kernels in one launch per pass (``kernels/proxy.proxy_sets``).
+
 Grid: for every candidate stride of the layout (``index.grid_strides()``) the phase sums of
 the column mass over the visual keys give, per phase, the *lift* = phase mass / the phase's
 uniform share, both without the phase's heaviest column (one column is not a grid). The best
@@ -228,7 +233,6 @@ class _Estimator:
             mine = self.reads.setdefault(tuple(self._qpos(qm)), {})
             for h, kms in by_head.items():
                 mine.setdefault(h, set()).update(kms)
-        self._rows: dict = {}
         self._sets: dict = {}          # query positions -> (heads, col, diags) (fused sets)
 
     # ------------------------------------------------------------------ helpers
@@ -286,9 +290,7 @@ class _Estimator:
         rows = tuple(heads.index(h) for h in hs)
         if rows == tuple(range(len(heads))):
             return col, diag
-        if rows not in self._rows:
-            self._rows[rows] = self._ints(rows)
-        idx = self._rows[rows]
+        idx = self._ints(rows)
         return col[:, idx], (diag[:, idx] if diag is not None else None)
 
     def _all_heads(self, pos, kmod):
