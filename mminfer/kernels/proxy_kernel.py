@@ -195,6 +195,9 @@ def _sets_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgro
         c = a + tl.arange(0, BLOCK_N)
         kt = _load_k(k_ptr, b, kvh, c, N, s_kb, s_kh, s_kn, D, BLOCK_D)
         grp = tl.load(kgroup_ptr + c, mask=(c < N) & BY_GROUP, other=-1)
+        # one diagonal output's plane, int64 (B * slots * N passes 2**31 at long N); b * 0
+        # keeps it a tensor where Triton passes an argument equal to 1 as a constant
+        plane = (b * 0 + B).to(tl.int64) * n_slots * N
         first = tl.load(kv_ptr + kvh)
         last = tl.load(kv_ptr + kvh + 1)
         for i in range(first, last):
@@ -215,7 +218,7 @@ def _sets_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgro
                 o = q0 - a - (tw - (BLOCK_Q - 1))
                 o_ok = (o >= 0) & (o < N)
                 for t in tl.static_range(N_DIAG):
-                    if (bits >> t) & 1:
+                    if ((bits >> t) & 1) != 0:
                         want = tl.load(dgroup_ptr + t)
                         if want < 0:
                             pt = p
@@ -223,7 +226,7 @@ def _sets_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgro
                             pt = tl.where((grp == want)[None, :], p, 0.0)
                         sk = tl.where(skew_ok, tl.gather(pt, cc, 1), 0.0)
                         dsum = tl.sum(sk, 0)
-                        dst = (t * B * n_slots).to(tl.int64) * N + row + o
+                        dst = t * plane + row + o
                         tl.atomic_add(diag_ptr + dst, dsum, mask=o_ok & (dsum != 0.0))
 
 
@@ -255,6 +258,7 @@ def _sets_mass_chunk_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr
     wrapped = rc >= BN
     rot = tl.where(wrapped, rc - BN, rc)             # rotated[r, t] = p[r, (r + t) mod BN]
     dt = tl.arange(0, ND_P2)
+    plane = (b * 0 + B).to(tl.int64) * n_slots * N     # see _sets_mass_kernel
     first = tl.load(kv_ptr + kvh)
     last = tl.load(kv_ptr + kvh + 1)
     for i in range(first, last):
@@ -283,7 +287,7 @@ def _sets_mass_chunk_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr
                 grp = tl.load(kgroup_ptr + c, mask=cm & BY_GROUP, other=-1)
                 o = q0 - a - t
                 for d in tl.static_range(N_DIAG):
-                    if (bits >> d) & 1:
+                    if ((bits >> d) & 1) != 0:
                         want = tl.load(dgroup_ptr + d)
                         if want < 0:
                             pt = p
@@ -295,14 +299,14 @@ def _sets_mass_chunk_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr
                         mine = dt[:, None] == d
                         dsum = low + tl.sum(tl.where(mine, carry, 0.0), 0)
                         carry = tl.where(mine, high[None, :], carry)
-                        dst = (d * B * n_slots).to(tl.int64) * N + row + o
+                        dst = d * plane + row + o
                         tl.atomic_add(diag_ptr + dst, dsum, mask=(o >= 0) & (dsum != 0.0))
         if n_blk > 0:                                # the last block's wrapped rows
             o = q0 - a + BN - t
             for d in tl.static_range(N_DIAG):
-                if (bits >> d) & 1:
+                if ((bits >> d) & 1) != 0:
                     dsum = tl.sum(tl.where(dt[:, None] == d, carry, 0.0), 0)
-                    dst = (d * B * n_slots).to(tl.int64) * N + row + o
+                    dst = d * plane + row + o
                     tl.atomic_add(diag_ptr + dst, dsum, mask=(o >= 0) & (o < N) & (dsum != 0.0))
 
 
