@@ -7,10 +7,20 @@ models) so grid heads take their grid path rather than the fallback.
 
     python benchmarks/estimate.py --lengths 131072 262144 1048576
 
-Per length: estimation + plan time with the fused proxy kernels and with the PyTorch proxy
-(same run, and how much of the two plans agrees), sparse attention time, the estimation
-share, the density, and cuDNN dense attention of the same layer (at 1M: one call, measured
-once).
+Per length and estimator implementation (``--impl``, all in one process, so before and
+after are measured side by side): estimation + plan time, device launches per layer, the
+share of sparse attention, and how the plan compares with one estimated by an fp32
+brute-force proxy (the PyTorch passes on fp32 q/k): ``agree`` the share of plan entries
+(verticals, slashes, grid stride/phase/fallback) that are the same, ``recall_v``/``recall_s``
+the fp32 proxy mass the chosen verticals/slashes hold against what the fp32 plan's hold
+(1.0: as good as exact; on random q/k most candidates are near-ties, which ``agree``
+counts as misses and the recall does not). Then sparse attention time, density, and cuDNN
+dense attention of the same layer (at 1M: one call, measured once).
+
+Implementations: ``old`` the fused proxy one launch pair per query run for every head
+(``proxy="triton_runs"``), ``new`` every query set in one launch per pass for the heads
+that read it (``proxy="triton"``, the default), ``chunks`` the same with the chunked mass
+pass (``kernels/proxy.TUNING["mass_layout"] = "chunks"``).
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ def _index_specs(est):
 
 def _same_plan(ea, eb) -> float:
     """Share of the estimated index entries (verticals, slashes, blocks, grid choices) the
-    two estimates hold in common: 1.0 when the fused proxy chose exactly what PyTorch chose."""
+    two estimates hold in common: 1.0 when ``eb`` chose exactly what ``ea`` chose."""
     same = total = 0
     for sa, sb in zip(_index_specs(ea), _index_specs(eb)):
         for name in ("verticals", "slashes", "key_blocks"):
@@ -74,6 +84,73 @@ def _same_plan(ea, eb) -> float:
             same += int((getattr(ga, name) == getattr(gb, name)).sum())
             total += getattr(ga, name).numel()
     return same / max(total, 1)
+
+
+IMPLS = {"old": ("triton_runs", {}), "new": ("triton", {"mass_layout": "persistent"}),
+         "chunks": ("triton", {"mass_layout": "chunks"})}
+
+
+def _with_impl(impl, fn):
+    """Run ``fn`` with the estimator implementation ``impl`` (IMPLS)."""
+    from mminfer.kernels import proxy
+    _, tuning = IMPLS[impl]
+    saved = dict(proxy.TUNING)
+    proxy.TUNING.update(tuning)
+    try:
+        return fn()
+    finally:
+        proxy.TUNING.clear()
+        proxy.TUNING.update(saved)
+
+
+def _launches(fn) -> int:
+    """Device work items (kernels, copies, fills) one call of ``fn`` enqueues."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _ref_sums(index, q, k, qgroup, kgroup, cache, last_q=64):
+    """fp32 brute-force (col, diag) ``[B, Hq, N]`` of the query set a spec's groups read."""
+    from mminfer.sparse.estimate import _key_groups, _proxy_stats
+    key = (qgroup, kgroup)
+    if key not in cache:
+        n = index.n
+        if qgroup == -1:
+            pos = list(range(n - last_q, n))
+        else:
+            (qm,) = [m for m in index.modalities() if index.group_of(m) == qgroup]
+            pos = index.last_positions(qm, last_q)
+        kmasks = []
+        if kgroup != -1:
+            kg, _ = _key_groups(index, q.device)
+            kmasks = [("k", kg == kgroup)]
+        col, diag, dk = _proxy_stats(q, k, pos, q.shape[-1] ** -0.5, None, True, kmasks)
+        cache[key] = (col, diag if kgroup == -1 else dk["k"])
+    return cache[key]
+
+
+def _recall(index, qf, kf, ref, got, cache):
+    """(recall_v, recall_s): fp32 proxy mass on ``got``'s verticals / slashes over the mass
+    on ``ref``'s (the plan of the fp32 proxy), summed over every vertical-slash spec;
+    ``cache`` holds the fp32 sums per query set across calls."""
+    num = {"verticals": 0.0, "slashes": 0.0}
+    den = dict(num)
+    for sa, sb in zip(_index_specs(ref), _index_specs(got)):
+        if not hasattr(sa, "slashes"):
+            continue
+        col, diag = _ref_sums(index, qf, kf, int(sa.qgroup), int(sa.kgroup), cache)
+        hidx = torch.as_tensor(list(sa.heads), device=qf.device)
+        for name, src in (("verticals", col), ("slashes", diag)):
+            vals = src[:, hidx]
+            for spec, acc in ((sa, den), (sb, num)):
+                ids = getattr(spec, name)
+                v = vals.gather(-1, ids.clamp(min=0)) * (ids >= 0)
+                acc[name] += float(v.sum())
+    return tuple(num[x] / den[x] if den[x] > 0 else 1.0 for x in ("verticals", "slashes"))
 
 
 def _profile(fn, out_dir, n):
@@ -147,6 +224,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="profile one estimate per length (host vs GPU time, ops)")
     ap.add_argument("--tune-proxy", action="store_true",
                     help="time the fused proxy's launch parameters instead (kernels/proxy.TUNING)")
+    ap.add_argument("--impl", nargs="+", default=["old", "new"], choices=list(IMPLS),
+                    help="estimator implementations to measure side by side (first: baseline)")
+    ap.add_argument("--no-dense", action="store_true", help="skip cuDNN dense attention")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     if a.tune_proxy:
@@ -157,37 +237,48 @@ def main():
     rows = []
     for n in a.lengths:
         index, q, k, v = inputs(n)
+        # the fp32 brute-force reference: the PyTorch proxy passes on fp32 q/k
+        qf, kf = q.float(), k.float()
+        ref = estimate_layer(qf, kf, index, heads, proxy="torch")
+        ref_sums: dict = {}
         box = {}
 
-        def est(proxy):
+        def est(impl):
+            proxy, _ = IMPLS[impl]
             box["est"] = estimate_layer(q, k, index, heads, proxy=proxy)
             box["plan"] = box["est"].build_plan(q.device)
 
-        # A/B in one run: the proxy by PyTorch passes (before) and by the fused Triton
-        # kernels (after, kernels/proxy.py); the two plans must agree.
-        est_ms_torch = events_ms(lambda: est("torch"))
-        est_torch = box["est"]
-        est_ms = events_ms(lambda: est("triton"))
+        per = {}
+        for impl in a.impl:
+            ms = _with_impl(impl, lambda: events_ms(lambda: est(impl)))
+            launches = _with_impl(impl, lambda: _launches(lambda: est(impl)))
+            rv, rs = _recall(index, qf, kf, ref, box["est"], ref_sums)
+            per[impl] = {"estimate_plan_ms": ms, "launches": launches,
+                         "agree_fp32": _same_plan(ref, box["est"]), "recall_v": rv,
+                         "recall_s": rs}
+            if a.profile:
+                _with_impl(impl, lambda: _profile(lambda: est(impl), os.path.join(a.out, impl), n))
+        del qf, kf, ref, ref_sums
+        torch.cuda.empty_cache()
         plan, estimate = box["plan"], box["est"]
-        agree = _same_plan(est_torch, estimate)
-        del est_torch
-        if a.profile:
-            _profile(lambda: est("triton"), a.out, n)
         out = torch.empty_like(q)
         attn_ms = events_ms(lambda: sparse_attention(q, k, v, plan, out=out))
         dens = plan.density()
         grids = estimate.summary()
         fell_back = sum(any(c["fallback"]) for cs in grids.values() for c in cs)
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-            dense_ms = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True), reps=1 if n > 300000 else 3)
-        row = {"n": index.n, "estimate_plan_ms": est_ms,
-               "estimate_plan_ms_torch_proxy": est_ms_torch, "plans_agree": agree,
-               "sparse_attention_ms": attn_ms,
-               "estimate_share": est_ms / (est_ms + attn_ms), "logical": dens["logical"],
-               "physical": dens["physical"], "grid_heads_fell_back": fell_back,
-               "dense_cudnn_ms": dense_ms,
-               "speedup_incl_estimation": dense_ms / (est_ms + attn_ms)}
+        dense_ms = float("nan")
+        if not a.no_dense:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+                dense_ms = events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=True), reps=1 if n > 300000 else 3)
+        base = per[a.impl[0]]["estimate_plan_ms"]
+        for impl, r in per.items():
+            r.update(share=r["estimate_plan_ms"] / (r["estimate_plan_ms"] + attn_ms),
+                     speedup_incl_estimation=dense_ms / (r["estimate_plan_ms"] + attn_ms),
+                     vs_first=base / r["estimate_plan_ms"])
+        row = {"n": index.n, "impls": per, "sparse_attention_ms": attn_ms,
+               "logical": dens["logical"], "physical": dens["physical"],
+               "grid_heads_fell_back": fell_back, "dense_cudnn_ms": dense_ms}
         rows.append(row)
         print(json.dumps(row), flush=True)
         del q, k, v, plan, estimate, box, out
@@ -196,14 +287,16 @@ def main():
     with open(os.path.join(a.out, "estimate.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "layer": a.layer, "rows": rows}, f,
                   indent=1)
-    print(f"{'N':>8} {'torch ms':>9} {'est+plan ms':>11} {'attn ms':>9} {'share':>6} "
-          f"{'density':>8} {'dense ms':>9} {'speedup':>8} agree")
+    print(f"{'N':>8} {'impl':>7} {'est+plan ms':>11} {'x first':>7} {'launches':>8} "
+          f"{'attn ms':>9} {'share':>6} {'density':>8} {'dense ms':>9} {'speedup':>8} "
+          f"{'agree':>6} {'rec_v':>7} {'rec_s':>7}")
     for r in rows:
-        print(f"{r['n']:>8} {r['estimate_plan_ms_torch_proxy']:9.2f} "
-              f"{r['estimate_plan_ms']:11.2f} {r['sparse_attention_ms']:9.2f} "
-              f"{r['estimate_share']:6.1%} {r['logical']:8.4f} {r['dense_cudnn_ms']:9.1f} "
-              f"{r['speedup_incl_estimation']:7.1f}x {r['plans_agree']:.3f}")
-
+        for impl, x in r["impls"].items():
+            print(f"{r['n']:>8} {impl:>7} {x['estimate_plan_ms']:11.2f} {x['vs_first']:6.2f}x "
+                  f"{x['launches']:8d} {r['sparse_attention_ms']:9.2f} {x['share']:6.1%} "
+                  f"{r['logical']:8.4f} {r['dense_cudnn_ms']:9.1f} "
+                  f"{x['speedup_incl_estimation']:7.1f}x {x['agree_fp32']:6.3f} "
+                  f"{x['recall_v']:7.4f} {x['recall_s']:7.4f}")
 
 if __name__ == "__main__":
     main()

@@ -12,6 +12,11 @@ then normalised mass), so no ``[H, last_q, N]`` matrix exists at long N:
 * diagonal sums -> slash offsets (vertical_slash);
 * block heads use mean-pooled q/k per block instead (no proxy).
 
+A query set's sums are computed only for the heads whose patterns read them (a-shape,
+block and dense heads read none; a grid head reads the column sums, and the diagonal sums
+only when its fallback is vertical_slash); on a GPU every set of the layer goes to the
+fused kernels in one launch per pass (``kernels/proxy.proxy_sets``).
+
 Grid: for every candidate stride of the layout (``index.grid_strides()``) the phase sums of
 the column mass over the visual keys give, per phase, the *lift* = phase mass / the phase's
 uniform share, both without the phase's heaviest column (one column is not a grid). The best
@@ -50,11 +55,13 @@ MIN_Z_MARGIN = 2.0        # grid: lift significance above the noise of the best 
 _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
 # Which proxy computes the column and diagonal sums. "triton": the fused proxy kernels
-# (kernels/proxy.py) for a contiguous run of at most 64 queries; "torch": the chunked
-# PyTorch passes below; "auto": triton on a GPU (1.4-1.7x less estimation time at
-# 128K-256K, BENCHMARKS.md section 3), torch on the CPU (where only the slow interpreter
-# runs Triton).
-PROXIES = ("auto", "torch", "triton")
+# (kernels/proxy.py), every query set of the layer (runs of at most 64 queries) in one
+# launch per pass, each set only for the heads whose patterns read it; "triton_runs": the
+# same kernels one launch pair per query run, every head (the path before; kept to measure
+# against, benchmarks/estimate.py --impl); "torch": the chunked PyTorch passes below;
+# "auto": triton on a GPU (1.4-1.7x less estimation time at 128K-256K than torch,
+# BENCHMARKS.md section 3), torch on the CPU (where only the slow interpreter runs Triton).
+PROXIES = ("auto", "torch", "triton", "triton_runs")
 
 
 @dataclass
@@ -162,11 +169,19 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
             groups.setdefault((qm, km, p.kind, b == "k"), []).append((h, p))
 
     # Which diagonal sums each query set needs (None: over all keys; a modality: 2D keys).
+    # Per head as well (``reads``: query modality -> head -> the diagonals it reads; a head
+    # listed reads the column sums): a set's sums are computed only for its readers.
     needs: dict = {}
+    reads: dict = {}
     for (qm, km, kind, _), members in groups.items():
         if kind == "vertical_slash" or (kind == "grid" and any(
                 p.fallback.kind == "vertical_slash" for _, p in members)):
             needs.setdefault(qm, set()).add(km)
+        for h, p in members:
+            if kind == "vertical_slash" or (kind == "grid" and p.fallback.kind == "vertical_slash"):
+                reads.setdefault(qm, {}).setdefault(h, set()).add(km)
+            elif kind == "grid":
+                reads.setdefault(qm, {}).setdefault(h, set())
 
     # Row blocks never straddle a modality span when the input has several, whatever this
     # layer's heads are: a head's tiles (and so its mask) then depend on its own pattern and
@@ -174,7 +189,7 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     # ranks hold different heads and must compute what one process does).
     row_groups = index.row_groups() if multi else None
     est = _Estimator(q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                     needs, proxy)
+                     needs, proxy, reads)
     out = LayerEstimate(n=N, batch=B, num_heads=Hq, block_m=block_m, block_n=block_n,
                         specs=[], row_groups=row_groups, device=q.device)
     for (qm, km, kind, ksplit), members in groups.items():
@@ -199,7 +214,7 @@ class _Estimator:
     groups that read them."""
 
     def __init__(self, q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                 needs, proxy):
+                 needs, proxy, reads=None):
         self.q, self.k, self.index = q, k, index
         self.proxy = proxy if proxy != "auto" else ("triton" if q.is_cuda else "torch")
         self.block_m, self.block_n, self.last_q = block_m, block_n, last_q
@@ -213,33 +228,77 @@ class _Estimator:
         self.needs: dict = {}
         for qm, kms in needs.items():
             self.needs.setdefault(tuple(self._qpos(qm)), set()).update(kms)
+        self.reads: dict = {}          # query positions -> head -> diagonals read
+        for qm, by_head in (reads or {}).items():
+            mine = self.reads.setdefault(tuple(self._qpos(qm)), {})
+            for h, kms in by_head.items():
+                mine.setdefault(h, set()).update(kms)
+        self._sets: dict = {}          # query positions -> (heads, col, diags) (fused sets)
 
     # ------------------------------------------------------------------ helpers
     def _group(self, mod):
         return -1 if mod is None or not self.multi else self.index.group_of(mod)
 
     def _heads(self, hs):
-        return as_device(hs, self.dev, torch.long)
+        return _const(hs, self.dev, torch.long)
 
     def _ints(self, xs):
-        return as_device(xs, self.dev, torch.long)
+        return _const(xs, self.dev, torch.long)
 
     def _floats(self, xs):
-        return as_device(xs, self.dev, torch.float32)
+        return _const(xs, self.dev, torch.float32)
 
     def _qpos(self, qmod):
         if qmod is None or not self.multi:
             return list(range(max(0, self.N - self.last_q), self.N))
         return self.index.last_positions(qmod, self.last_q)
 
-    def stats(self, qmod, kmod=None):
-        """(col [B, Hq, N], diag [B, Hq, N] or None) of the query set of ``qmod``; with
-        ``kmod`` the diagonal sums count only keys of that modality (2D-boundary)."""
+    def stats(self, qmod, kmod, hs):
+        """(col [B, H', N], diag [B, H', N] or None) of the query set of ``qmod`` for the
+        heads ``hs``; with ``kmod`` the diagonal sums count only keys of that modality
+        (2D-boundary)."""
         pos = tuple(self._qpos(qmod))
+        if self.proxy == "triton" and pos in self.reads and \
+                all(len(p) <= 64 for p in self.reads):
+            return self._set_stats(pos, kmod, hs)
+        col, diag = self._all_heads(pos, kmod)
+        hidx = self._heads(hs)
+        return col[:, hidx], (diag[:, hidx] if diag is not None else None)
+
+    def _set_stats(self, pos, kmod, hs):
+        if not self._sets:
+            # Every query set of the layer in one fused call, each for its readers only.
+            from mminfer.kernels.proxy import QuerySet, proxy_sets
+            keys = sorted(self.reads)
+            sets = []
+            for p in keys:
+                by_head = self.reads[p]
+                heads = tuple(sorted(by_head))
+                diags = tuple(tuple(sorted({None if km is None else self.index.group_of(km)
+                                            for km in by_head[h]},
+                                           key=lambda d: -1 if d is None else d))
+                              for h in heads)
+                sets.append(QuerySet(tuple(_runs(p)), heads, diags))
+            kg = _key_groups(self.index, self.dev)[0] if any(
+                d is not None for s in sets for ds in s.diags for d in ds) else None
+            for p, s, (col, dg) in zip(keys, sets, proxy_sets(self.q, self.k, sets, self.scale,
+                                                                kgroup=kg)):
+                self._sets[p] = (s.heads, col, dg)
+        heads, col, dg = self._sets[pos]
+        d = None if kmod is None else self.index.group_of(kmod)
+        diag = dg.get(d)
+        rows = tuple(heads.index(h) for h in hs)
+        if rows == tuple(range(len(heads))):
+            return col, diag
+        idx = self._ints(rows)
+        return col[:, idx], (diag[:, idx] if diag is not None else None)
+
+    def _all_heads(self, pos, kmod):
+        """(col, diag) ``[B, Hq, N]`` of the query positions ``pos`` for every head."""
         if pos not in self._stats:
             want = self.needs.get(pos, set())
             kg, _ = _key_groups(self.index, self.dev)
-            if self.proxy == "triton" and len(pos) <= 64:
+            if self.proxy in ("triton", "triton_runs") and len(pos) <= 64:
                 # One fused launch per contiguous run of the query set (a modality's last
                 # queries can sit in several spans: the prompt's text before and after the
                 # video): each row's softmax is its own, so the runs' sums add up.
@@ -314,9 +373,7 @@ class _Estimator:
 
     def _vertical_slash_mass(self, hs, pats, qmod, kmod):
         N, dev = self.N, self.dev
-        col, diag = self.stats(qmod, kmod)
-        hidx = self._heads(hs)
-        col, diag = col[:, hidx], diag[:, hidx]                     # [B, H', N]
+        col, diag = self.stats(qmod, kmod, hs)                      # [B, H', N]
         sink = self._ints([p.sink for p in pats])
         keys, n_keys = None, N
         if kmod is not None and self.multi:
@@ -341,9 +398,7 @@ class _Estimator:
 
     def _vertical_slash_counts(self, hs, pats, qmod, kmod, ksplit):
         N, dev = self.N, self.dev
-        col, diag = self.stats(qmod, kmod)
-        hidx = self._heads(hs)
-        col, diag = col[:, hidx], diag[:, hidx]                     # [B, H', N]
+        col, diag = self.stats(qmod, kmod, hs)                      # [B, H', N]
         sink = self._ints([p.sink for p in pats])
         window = self._ints([p.window for p in pats])
         j = torch.arange(N, device=dev)
@@ -440,7 +495,7 @@ class _Estimator:
             mwidth = 0
         out = torch.full((B, len(hs), R, max(kmax, mwidth)), -1, dtype=torch.long, device=dev)
         rstep = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * nkb))
-        budget = as_device(top_k, dev)[None, :, None, None]
+        budget = _const(top_k, dev, torch.long)[None, :, None, None]
         rank = torch.arange(kmax, device=dev)
         cpos, mpos = self._ints(by_count), self._ints(by_mass)
         whole = not by_mass
@@ -498,8 +553,7 @@ class _Estimator:
                                            qmod, kmod, ksplit))
             return
         start, end = span
-        col, _ = self.stats(qmod, kmod)
-        hidx = self._heads(hs)
+        col, _ = self.stats(qmod, kmod, hs)
         window = self._ints([p.window for p in pats])
         qmin = min(self._qpos(qmod))
         L = end - start
@@ -517,50 +571,55 @@ class _Estimator:
         vis_buf = torch.zeros(len(hs), L + smax, device=self.dev)
         vis_buf[:, :L] = vis
         mass = mass_buf[..., :L]
-        torch.mul(col[:, hidx, start:end], vis_buf[:, :L], out=mass)     # [B, H', L]
+        torch.mul(col[:, :, start:end], vis_buf[:, :L], out=mass)     # [B, H', L]
         total = mass.sum(-1)                                              # [B, H']
         ntot = vis.sum(-1).to(torch.float32)                              # [H']
         mean = total / ntot.clamp(min=1)[None]
         sd = ((mass * mass).sum(-1) / ntot.clamp(min=1)[None] - mean * mean).clamp(min=0).sqrt()
-        lifts, phases, excess, signif = [], [], [], []
-        for s in strides:
+        # Every stride's phase sums in one [.., C, smax] buffer (phases past a stride's own
+        # count are padding: lift -1), so the statistics below are one op each for
+        # all strides, not one per stride (the host enqueues every op; at 128K estimation
+        # is host-bound).
+        C, H_ = len(strides), len(hs)
+        stride_t = _const(strides, self.dev, torch.long)
+        fold = torch.zeros(self.B, H_, C, smax, device=self.dev)
+        top = torch.zeros(self.B, H_, C, smax, device=self.dev)
+        cnt = torch.zeros(H_, C, smax, device=self.dev)
+        for i, s in enumerate(strides):
             Ls = -(-L // s) * s
-            cols = mass_buf[..., :Ls].view(self.B, len(hs), -1, s)
-            fold = cols.sum(2)                                            # [B, H', s]
-            cnt = vis_buf[:, :Ls].view(len(hs), -1, s).sum(1)             # [H', s]
-            share = mean[..., None] * cnt[None]
-            # Lift and its significance without the phase's heaviest column: one column (a
-            # sink, a vertical, a noise spike) is not a grid, and with few keys per phase it
-            # would give a large lift by itself.
-            rest = fold - cols.amax(2)
-            c1 = (cnt - 1).clamp(min=0)[None]
-            lift = torch.where(c1 > 0, rest / (mean[..., None] * c1).clamp(min=1e-30),
-                               torch.zeros_like(fold))                    # [B, H', s]
-            z = (rest - mean[..., None] * c1) / (sd[..., None] * c1.sqrt()).clamp(min=1e-30)
-            best, phase = lift.max(-1)
-            lifts.append(best)
-            phases.append(phase)
-            signif.append(z.gather(-1, phase[..., None])[..., 0])
-            excess.append((fold - share) / total.clamp(min=1e-30)[..., None])
-        lift = torch.stack(lifts, -1)                                     # [B, H', C]
-        phase = torch.stack(phases, -1)
+            cols = mass_buf[..., :Ls].view(self.B, H_, -1, s)
+            torch.sum(cols, 2, out=fold[:, :, i, :s])
+            torch.amax(cols, 2, out=top[:, :, i, :s])
+            torch.sum(vis_buf[:, :Ls].view(H_, -1, s), 1, out=cnt[:, i, :s])
+        mean4 = mean[..., None, None]
+        share = mean4 * cnt[None]
+        # Lift and its significance without the phase's heaviest column: one column (a
+        # sink, a vertical, a noise spike) is not a grid, and with few keys per phase it
+        # would give a large lift by itself.
+        rest = fold - top
+        c1 = (cnt - 1).clamp(min=0)[None]
+        pad = torch.arange(smax, device=self.dev)[None, :] >= stride_t[:, None]   # [C, smax]
+        lift_all = torch.where(c1 > 0, rest / (mean4 * c1).clamp(min=1e-30), 0.0)
+        lift_all = lift_all.masked_fill(pad, -1.0)       # never a phase past the stride
+        z = (rest - mean4 * c1) / (sd[..., None, None] * c1.sqrt()).clamp(min=1e-30)
+        lift, phase = lift_all.max(-1)                                    # [B, H', C]
+        signif = z.gather(-1, phase[..., None])[..., 0]
+        excess = (fold - share) / total.clamp(min=1e-30)[..., None, None]   # [B, H', C, smax]
         # A stride counts only with MIN_PERIODS periods in the keys actually counted (else
         # its phases hold a key or two each), and with a lift significant for the number of
         # keys its phase holds: above the largest of its phases' noise (max of s normal
         # deviates, about sqrt(2 ln s)) by a margin.
-        stride_t = as_device(strides, self.dev)
         z_min = torch.sqrt(2 * torch.log(stride_t.to(torch.float32))) + MIN_Z_MARGIN
-        valid = (ntot[None, :, None] >= MIN_PERIODS * stride_t) & \
-            (torch.stack(signif, -1) >= z_min)
+        valid = (ntot[None, :, None] >= MIN_PERIODS * stride_t) & (signif >= z_min)
         # A multiple s_i = m * s_j of a smaller candidate is a real structure only if one of
         # the m sub-phases of the s_j phase holds its excess mass: a true s_j structure
         # spreads it over all m (so the runner-up sub-phase is about as heavy).
         for i, si in enumerate(strides):
             for j, sj in enumerate(strides[:i]):
                 if si % sj == 0:
-                    sub = (phases[i] % sj)[..., None] + \
+                    sub = (phase[..., i] % sj)[..., None] + \
                         sj * torch.arange(si // sj, device=self.dev)
-                    top2 = excess[i].gather(-1, sub).topk(2, dim=-1).values
+                    top2 = excess[..., i, :].gather(-1, sub).topk(2, dim=-1).values
                     valid[..., i] &= (top2[..., 0] > 0) & \
                         (top2[..., 1] <= RUNNER_UP * top2[..., 0])
         score = torch.where(valid, lift, torch.zeros_like(lift))
@@ -568,7 +627,7 @@ class _Estimator:
         g_stride = stride_t[pick[..., 0]]                                 # [B, H']
         g_phase = phase.gather(-1, pick)[..., 0]
         g_lift = score.gather(-1, pick)[..., 0]       # 0 when no candidate is valid
-        min_lift = as_device([p.min_lift for p in pats], self.dev, torch.float32)
+        min_lift = self._floats([p.min_lift for p in pats])
         fire = g_lift < min_lift[None, :]
 
         lines = [p.lines if lines_ok else "cols" for p in pats]
@@ -700,13 +759,27 @@ def _topk_ids(score, budgets, dev):
     if kmax <= 0:
         return torch.full(score.shape[:2] + (0,), -1, dtype=torch.long, device=dev)
     vals, ids = torch.topk(score, kmax, dim=-1)
-    budget = as_device(budgets, dev, torch.long)
+    budget = _const(budgets, dev, torch.long)
     keep = (torch.arange(kmax, device=dev)[None, None, :] < budget[None, :, None]) \
         & (vals > float("-inf"))
     return torch.where(keep, ids, torch.full_like(ids, -1))
 
 
 # ---------------------------------------------------------------------- layout caches
+def _const(values, device, dtype):
+    """A short host list (head ids, windows, budgets) as a device tensor, uploaded once per
+    value: every layer of a request, and every request, reads the same few lists, and each
+    upload is a host-side copy and a device transfer. The tensors are shared: never write
+    into them."""
+    return _const_cached(tuple(values), torch.device(device), dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _const_cached(values, device, dtype):
+    return as_device(values, device, dtype)
+
+
+
 # The layout is the same for every layer of a request: build its device tensors once.
 @functools.lru_cache(maxsize=16)
 def _key_groups_cached(n, row_groups, device):

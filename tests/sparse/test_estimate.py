@@ -522,32 +522,104 @@ def test_fused_proxy_matches_brute_force(B, H, Hkv, n, D, q0, nq, dtype):
         proxy_stats(q, k, q0, 65, scale)
 
 
-def test_fused_proxy_gives_the_torch_estimate(monkeypatch):
-    """estimate_layer(proxy="triton") takes the fused kernels for every contiguous query run
-    (here: 2D- and Q-boundary vertical-slash heads on video-text-video-text) and chooses the
-    same verticals and slashes as the PyTorch passes (the CPU default, "auto")."""
-    import mminfer.kernels.proxy as P
-    idx, q, k, _ = _mixed()
-    vs = vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)
-    heads = [HeadPattern("2d", {"video->video": vs, "video->text": vs, "text->text": vs,
-                                "text->video": vs}),
-             HeadPattern("q", {"video": vs, "text": vs}),
-             HeadPattern.single(vs), HeadPattern.single(vs)]
-    ref = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN)
-    calls = []
-    real = P.proxy_stats
-    monkeypatch.setattr(P, "proxy_stats", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    got = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="triton")
-    assert len(calls) >= 2                      # text rows and video rows: both fused
-    # the last 64 text queries are two runs (116..143 and 216..251): one launch each, summed
-    assert idx.last_positions("text", 64) == list(range(116, 144)) + list(range(216, 252))
-    assert 116 in calls and 216 in calls
+def _same_lines(ref, got):
     assert len(got.specs) == len(ref.specs)
     for a, b in zip(ref.specs, got.specs):
         assert type(a) is type(b) and a.heads == b.heads
         if hasattr(a, "verticals"):
             assert torch.equal(a.verticals.sort(-1).values, b.verticals.sort(-1).values)
             assert torch.equal(a.slashes.sort(-1).values, b.slashes.sort(-1).values)
+
+
+_FUSED_HEADS = [
+    HeadPattern("2d", {"video->video": vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2),
+                       "video->text": vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2),
+                       "text->text": vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2),
+                       "text->video": vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)}),
+    HeadPattern("q", {"video": vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2),
+                      "text": vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)}),
+    HeadPattern.single(vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)),
+    HeadPattern.single(vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2))]
+
+
+def test_fused_proxy_runs_give_the_torch_estimate(monkeypatch):
+    """estimate_layer(proxy="triton_runs") (one launch pair per contiguous query run, every
+    head) chooses the same verticals and slashes as the PyTorch passes (the CPU default)."""
+    import mminfer.kernels.proxy as P
+    idx, q, k, _ = _mixed()
+    ref = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=BM, block_n=BN)
+    calls = []
+    real = P.proxy_stats
+    monkeypatch.setattr(P, "proxy_stats", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    got = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=BM, block_n=BN, proxy="triton_runs")
+    assert len(calls) >= 2                      # text rows and video rows: both fused
+    # the last 64 text queries are two runs (116..143 and 216..251): one launch each, summed
+    assert idx.last_positions("text", 64) == list(range(116, 144)) + list(range(216, 252))
+    assert 116 in calls and 216 in calls
+    _same_lines(ref, got)
+
+
+def test_fused_proxy_sets_give_the_torch_estimate(monkeypatch):
+    """estimate_layer(proxy="triton"): every query set of the layer in one proxy_sets call,
+    each set for the heads that read it (the 2D head's key-group diagonals included), and
+    the same verticals and slashes as the PyTorch passes."""
+    import mminfer.kernels.proxy as P
+    idx, q, k, _ = _mixed()
+    ref = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=BM, block_n=BN)
+    calls = []
+    real = P.proxy_sets
+    monkeypatch.setattr(P, "proxy_sets", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    got = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=BM, block_n=BN, proxy="triton")
+    (sets,) = calls                             # one call for the layer
+    runs = {r for s in sets for r in s.runs}
+    assert (116, 28) in runs and (216, 36) in runs      # the text set's two runs
+    last = [s for s in sets if s.runs == ((idx.n - 64, 64),)]
+    # the last 64 queries are read by the two single-pattern heads only (2 and 3)
+    assert [s.heads for s in last] == [(2, 3)]
+    assert all(0 in s.heads and 1 in s.heads for s in sets if s not in last)
+    assert any(len(ds) == 2 for s in sets for ds in s.diags)   # the 2D head: two key groups
+    _same_lines(ref, got)
+
+
+def test_fused_sets_read_only_what_the_patterns_need():
+    """A set's sums are computed for the heads whose pattern reads them: a-shape, block and
+    dense heads are in no set, a grid head with a non-vertical-slash fallback reads the
+    column sums but no diagonal, and every pattern kind gives the plan of the per-run path."""
+    import mminfer.kernels.proxy as P
+    idx, q, k, _ = _mixed(H=8, Hkv=2)
+    # the last head: a grid with an a-shape fallback (in place of ALL_KINDS' dense head)
+    heads = ALL_KINDS[:7] + [HeadPattern.single(grid(sink=2, window=8, min_lift=0.0,
+                                                     fallback=a_shape(4, 8)))]
+    got_sets = []
+    real = P.proxy_sets
+    try:
+        P.proxy_sets = lambda *a, **kw: got_sets.append(a[2]) or real(*a, **kw)
+        new = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="triton")
+    finally:
+        P.proxy_sets = real
+    old = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="triton_runs")
+    (sets,) = got_sets
+    readers = {h for s in sets for h in s.heads}
+    assert readers == {0, 1, 2, 3, 6, 7}        # not the block (4) and a-shape (5) heads
+    (last,) = [s for s in sets if s.runs == ((idx.n - 64, 64),)]
+    assert last.heads == (0, 1, 6, 7)
+    assert dict(zip(last.heads, last.diags))[7] == ()     # col only: a_shape fallback
+    assert dict(zip(last.heads, last.diags))[6] == (None,)
+    for a, b in zip(_index_specs(old), _index_specs(new)):
+        for name in ("verticals", "slashes", "key_blocks", "stride", "phase"):
+            x, y = getattr(a, name, None), getattr(b, name, None)
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x.sort(-1).values, y.sort(-1).values), name
+    for ga, gb in zip(old.grids, new.grids):
+        assert torch.equal(ga.fallback, gb.fallback) and torch.equal(ga.stride, gb.stride)
+    assert torch.equal(old.build_plan().masks(), new.build_plan().masks())
+
+
+def _index_specs(est):
+    out = []
+    for sp in est.specs:
+        out.extend([sp.primary, *sp.alternatives] if isinstance(sp, Fallback) else [sp])
+    return out
 
 
 @pytest.mark.gpu

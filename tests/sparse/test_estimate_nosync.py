@@ -25,6 +25,17 @@ def test_uploads_keep_values_and_dtypes():
     assert as_device([0.5], "cpu", torch.float32).dtype == torch.float32
 
 
+def test_estimator_lists_are_uploaded_once_per_value():
+    """The estimator's small lists (head ids, windows, budgets) repeat in every layer: one
+    upload per value, not per layer."""
+    from mminfer.sparse.estimate import _const
+    a = _const([3, 1, 2], "cpu", torch.long)
+    assert a.tolist() == [3, 1, 2] and a.dtype == torch.long
+    assert _const((3, 1, 2), torch.device("cpu"), torch.long) is a
+    assert _const([3, 1, 2], "cpu", torch.float32) is not a
+    assert _const([3, 1, 2], "cpu", torch.float32).dtype == torch.float32
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_layer_queues_without_a_synchronisation():
@@ -91,3 +102,15 @@ def test_a_long_prompt_compiles_no_new_kernel_variant():
     torch.cuda.synchronize()
     assert (_compiled_variants(_sparse_attn_fwd), _compiled_variants(_proxy_mass_kernel)) == before
     assert torch.equal(out, ref)
+    # the per-layer query-set kernels (estimate_layer's default) likewise
+    from mminfer.kernels.proxy import QuerySet, proxy_sets
+    from mminfer.kernels.proxy_kernel import _sets_lse_kernel, _sets_mass_kernel
+    sets = [QuerySet(((index.n - 64, 64),), (0, 7), ((None,), ()))]
+    want = proxy_sets(q, k, sets, 128 ** -0.5)
+    torch.cuda.synchronize()
+    before = (_compiled_variants(_sets_lse_kernel), _compiled_variants(_sets_mass_kernel))
+    got = proxy_sets(huge(q), huge(k), sets, 128 ** -0.5)
+    torch.cuda.synchronize()
+    assert (_compiled_variants(_sets_lse_kernel), _compiled_variants(_sets_mass_kernel)) == before
+    assert torch.equal(got[0][0], want[0][0])          # column sums: one writer per key
+    torch.testing.assert_close(got[0][1][None], want[0][1][None], atol=1e-6, rtol=1e-5)
