@@ -2,6 +2,8 @@
 computes: the same exactness checks as ``test_kernels.py`` (fp32/fp16 under the interpreter
 against the spec-built oracle; bf16/fp16 on a GPU with ``-m gpu``), strictness unchanged."""
 
+import os
+
 import pytest
 import torch
 
@@ -18,10 +20,20 @@ NAMES = [v for v in VARIANTS if v != "current"]
 # hold every switch together run, in bf16 (each switch alone runs under the interpreter, and
 # benchmarks/kernels.py --variants compares every variant's output with the current one).
 GPU_NAMES = ["combined", "combined_bn128_s3", "combined_tma_bn128"]
+# Under the interpreter the whole sweep (every variant x family x dtype) takes ~25 min on two
+# cores, so `make test` runs the two variants that hold every switch between them, at 64- and
+# 128-key tiles, one dtype each; MMINFER_ALL_VARIANTS=1 runs every variant in both dtypes.
+ALL_CPU = os.environ.get("MMINFER_ALL_VARIANTS") == "1"
+CPU_NAMES = {"combined": CPU_CASES[0], "combined_tma_bn128": CPU_CASES[1]}
 
 
 def _cases(names):
-    cpu = [] if HAS_CUDA else [(v, *c) for v in names for c in CPU_CASES]
+    if HAS_CUDA:
+        cpu = []
+    elif ALL_CPU:
+        cpu = [(v, *c) for v in names for c in CPU_CASES]
+    else:
+        cpu = [(v, *CPU_NAMES[v]) for v in names if v in CPU_NAMES]
     gpu = [pytest.param(v, *GPU_CASES[0].values, marks=GPU_CASES[0].marks,
                         id=f"{v}-cuda-bf16") for v in names if v in GPU_NAMES]
     return cpu + gpu
