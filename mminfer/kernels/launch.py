@@ -9,7 +9,8 @@ from . import density as _density
 from . import variants as _variants
 from .layout import BLOCK, F_HEAD, VERTICAL_SLASH
 from .plan import SparsePlan
-from .runtime import CPU_CONFIG, GPU_CONFIG, as_device, batch_stride, tile_config  # noqa: F401
+from .runtime import (CPU_CONFIG, GPU_CONFIG, as_device, batch_stride,  # noqa: F401
+                      compiled_gpu, tile_config)
 from .sparse_attn_kernel import _sparse_attn_fwd
 
 
@@ -139,7 +140,9 @@ def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
     ``out`` may be any ``[B, Hq, N, D]`` view (e.g. a transposed ``[B, N, Hq, D]`` buffer).
     Returns ``out`` (and the natural-log LSE ``[B, Hq, N]`` fp32 when ``return_lse``).
     ``variant``: a name of ``variants.VARIANTS`` (launch options under measurement);
-    ``config`` entries override it.
+    ``config`` entries override it. With neither, a GPU launch takes each family's measured
+    fastest variant (``variants.FAMILY_DEFAULT``); ``variant="current"`` is the kernel as it
+    was before those were measured.
     """
     _check_inputs(q, k, v, plan)
     if variant is not None:
@@ -157,8 +160,11 @@ def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
         scratch = torch.empty(G, B, H2, N, D, dtype=q.dtype, device=q.device)
         lse_s = torch.empty(G, B, H2, N, dtype=torch.float32, device=q.device)
     for name, fl in plan.launches.items():
+        cfg = config
+        if cfg is None and variant is None and compiled_gpu(q.is_cuda):
+            cfg = _variants.options(_variants.FAMILY_DEFAULT.get(name))
         _launch(q, k, v, out, lse, scratch, lse_s, None, plan, name, fl, scale, need_lse,
-                False, config)
+                False, cfg)
     if plan.heads_2d:
         _merge_partials(out, lse, scratch, lse_s, plan.heads_2d)
     return (out, lse) if return_lse else out

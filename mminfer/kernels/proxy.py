@@ -19,8 +19,12 @@ GPU_BLOCK_N, CPU_BLOCK_N = 64, 16
 # Measured on the H200 (BENCHMARKS.md section 7): these defaults are the best of 2-8 warps,
 # 2-16 programs per SM and 4-32 key blocks per program; a mass pass laid out like the
 # log-sum-exp pass (heads outer, key blocks inner) was 3-5 % slower and was dropped.
+# mass_layout: "persistent" (one program per SM share of key tiles), "chunks" (key blocks in
+# order, the diagonal gather halved) or "auto": chunks from ``chunks_from`` keys on. On the
+# H200 (BENCHMARKS.md section 7, one run) persistent was 1.40x faster at 262K keys and chunks
+# 1.15x faster at 1.05M; the switch sits between the two measured lengths, unmeasured there.
 TUNING = {"kb_per": 8, "programs_per_sm": 4, "lse_warps": 4, "mass_warps": 4,
-          "mass_layout": "persistent"}
+          "mass_layout": "auto", "chunks_from": 1 << 19}
 
 
 def proxy_stats(q: torch.Tensor, k: torch.Tensor, q0: int, nq: int, scale: float, *,
@@ -162,10 +166,15 @@ def proxy_sets(q: torch.Tensor, k: torch.Tensor, sets, scale: float, *,
     cfg = {**TUNING, **(config or {})}
     # the chunked mass pass pairs key blocks with query blocks (BLOCK_N == BLOCK_Q), on the
     # CPU too, where the interpreter otherwise takes smaller tiles
-    BN = BLOCK_Q if cfg["mass_layout"] == "chunks" else (GPU_BLOCK_N if gpu else CPU_BLOCK_N)
+    kend = max((q0 + nq for s in sets for q0, nq in s.runs), default=0)
+    layout = cfg["mass_layout"]
+    if layout == "auto":
+        layout = "chunks" if kend >= cfg["chunks_from"] else "persistent"
+    if layout not in ("persistent", "chunks"):
+        raise ValueError(f"mass_layout {layout!r}: one of 'auto', 'persistent', 'chunks'")
+    BN = BLOCK_Q if layout == "chunks" else (GPU_BLOCK_N if gpu else CPU_BLOCK_N)
     BD = max(16, triton.next_power_of_2(D))
     kb_per = cfg["kb_per"]
-    kend = max((q0 + nq for s in sets for q0, nq in s.runs), default=0)
     results = []
     col = torch.zeros(B, n_slots, N, device=dev, dtype=torch.float32)
     dg = torch.zeros(max(len(outs), 1), B, n_slots, N, device=dev, dtype=torch.float32)
@@ -190,7 +199,7 @@ def proxy_sets(q: torch.Tensor, k: torch.Tensor, sets, scale: float, *,
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 2
         n_prog = max(1, min(n_tiles, sms * cfg["programs_per_sm"]))
         kg = kgroup.to(device=dev, dtype=torch.int32).contiguous() if by_group else dgroup
-        if cfg["mass_layout"] == "chunks":
+        if layout == "chunks":
             if BN != BLOCK_Q:
                 raise ValueError("the chunked mass pass needs BLOCK_N == BLOCK_Q")
             _sets_mass_chunk_kernel[(B * Hkv, n_chunks)](

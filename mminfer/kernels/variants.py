@@ -55,6 +55,14 @@ VARIANTS = {
 }
 
 
+# What a launch with neither ``variant`` nor ``config`` runs on a GPU, per pattern family: the
+# fastest variant of each family in one H200 run (BENCHMARKS.md section 7, 2026-12-01, 128K
+# tokens, density 0.1, bf16 28/4 heads d 128): block 1.064x the current kernel, A-shape
+# 1.065x, grid 1.069x, vertical-slash 1.034x. Under the interpreter the CPU tiles stay.
+FAMILY_DEFAULT = {"block": "combined_tma_bn128", "a_shape": "combined_bn128_s3",
+                  "grid": "combined_bn128_s3", "vertical_slash": "combined_bn128_s3"}
+
+
 def options(variant: str | None) -> dict:
     """The launch options of a named variant (``None``: the current kernel)."""
     if variant is None:

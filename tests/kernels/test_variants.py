@@ -143,3 +143,32 @@ def test_descriptors_only_where_the_copy_engine_can_address():
     q = torch.randn(1, 2, n, 65)[..., 1:]
     plan, oracle = build(n, 2, [AShape([0, 1], sink=3, window=16)], block_m=16, block_n=16)
     check(q, q, q, plan, oracle, variant="tma")
+
+
+def test_a_gpu_launch_without_options_takes_each_familys_measured_default(monkeypatch):
+    """The dispatch only (no kernel runs): compiled, each family's launch gets
+    variants.FAMILY_DEFAULT's options; ``variant="current"`` and an explicit config keep what
+    they ask for; under the interpreter nothing is laid over the CPU tiles."""
+    from mminfer.kernels.variants import FAMILY_DEFAULT
+    n, hq = 300, 4
+    specs = [AShape([0], sink=2, window=16),
+             Grid([1], start=4, end=n, stride=9, phase=2, lines="both", sink=2, window=8),
+             VerticalSlash([2], *_vs(1, 1, n, 7, 3, "cpu"), window=4),
+             Block([3], _blocks(1, 1, row_table(n, 16).shape[0], n, 32, 3, "cpu"), window=5)]
+    plan, _ = build(n, hq, specs, block_m=16, block_n=32, device="cpu")
+    q, k, v = _inputs(1, hq, 2, n, 64, torch.float32, "cpu")
+    seen = {}
+    monkeypatch.setattr(L, "_launch", lambda *a: seen.__setitem__(a[9], a[-1]))
+    for gpu in (True, False):
+        monkeypatch.setattr(L, "compiled_gpu", lambda is_cuda, gpu=gpu: gpu)
+        seen.clear()
+        sparse_attention(q, k, v, plan)
+        assert set(seen) == {"a_shape", "grid", "vertical_slash", "block"}
+        for name, cfg in seen.items():
+            assert cfg == (options(FAMILY_DEFAULT[name]) if gpu else None), name
+        seen.clear()
+        sparse_attention(q, k, v, plan, variant="current")
+        assert all(cfg == {} for cfg in seen.values())
+        seen.clear()
+        sparse_attention(q, k, v, plan, config={"num_warps": 4})
+        assert all(cfg == {"num_warps": 4} for cfg in seen.values())

@@ -61,6 +61,34 @@ def test_proxy_sets_match_brute_force(layout, kb_per, dtype):
            dict(atol=1e-5, rtol=1e-4))
 
 
+def test_auto_layout_switches_at_chunks_from(monkeypatch):
+    """"auto" takes the chunked mass pass from ``chunks_from`` keys on (1.05M on the H200) and
+    the persistent one below (262K): both give the brute-force sums."""
+    import mminfer.kernels.proxy as P
+    seen = []
+    for name in ("_sets_mass_chunk_kernel", "_sets_mass_kernel"):
+        real = getattr(P, name)
+
+        class Spy:
+            def __init__(self, real, name):
+                self.real, self.name = real, name
+
+            def __getitem__(self, grid):
+                seen.append(self.name)
+                return self.real[grid]
+        monkeypatch.setattr(P, name, Spy(real, name))
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g)
+    for chunks_from, want in ((300, "_sets_mass_chunk_kernel"), (301, "_sets_mass_kernel")):
+        seen.clear()
+        _check(q, k, torch.zeros(300, dtype=torch.int32), 0.25,
+               {"mass_layout": "auto", "chunks_from": chunks_from},
+               dict(atol=1e-5, rtol=1e-4), [QuerySet(((236, 64),), (0, 3), ((None,),) * 2)])
+        assert seen == [want]
+    with pytest.raises(ValueError, match="mass_layout"):
+        proxy_sets(q, k, [QuerySet(((0, 8),), (0,), ((),))], 1.0, config={"mass_layout": "x"})
+
+
 def test_proxy_sets_bad_inputs():
     q, k = torch.zeros(1, 4, 100, 16), torch.zeros(1, 2, 100, 16)
     with pytest.raises(ValueError, match="query run"):
