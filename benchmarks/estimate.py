@@ -86,8 +86,10 @@ def _same_plan(ea, eb) -> float:
     return same / max(total, 1)
 
 
+# old: the per-run proxy; new / chunks: the query-set proxy with one mass layout each;
+# default: what the estimator runs (kernels/proxy.TUNING, the layout chosen by length)
 IMPLS = {"old": ("triton_runs", {}), "new": ("triton", {"mass_layout": "persistent"}),
-         "chunks": ("triton", {"mass_layout": "chunks"})}
+         "chunks": ("triton", {"mass_layout": "chunks"}), "default": ("triton", {})}
 
 
 def _with_impl(impl, fn):
