@@ -9,8 +9,8 @@ one block mask (broadcast over heads) that visits exactly the tiles our kernel v
     python benchmarks/kernels.py --lengths 131072 --tune   # tile-shape sweep
     python benchmarks/kernels.py --lengths 131072 --densities 0.1 --variants   # every
         # launch variant of kernels/variants.py beside the current kernel, same run
-    python benchmarks/kernels.py --lengths 131072 --densities 0.1 --variants current default
-        # the kernel before the variants ("current") against today's per-family default
+    python benchmarks/kernels.py --lengths 131072 --densities 0.1 --variants current fastest
+        # the current kernel against each family's fastest variant (variants.FAMILY_FASTEST)
 
 Effective TFLOP/s = 4·d·(visited tile area, all heads) / time (attention-gym's density-scaled
 count); "logical" density is the exact pair set as a fraction of the causal triangle,
@@ -257,11 +257,12 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                 configs = [None]
                 labels = ["current"]
                 if variants:
-                    # "current": the kernel before the variants (no options); "default":
-                    # what a launch without options runs now (variants.FAMILY_DEFAULT)
-                    labels += [v for v in variants if v == "default" or
+                    # "current": the kernel without options; "fastest": each family's
+                    # measured fastest variant (variants.FAMILY_FASTEST)
+                    labels += [v for v in variants if v == "fastest" or
                                (v != "current" and V.affects(v, pat))]
-                    configs = [None if v == "default" else V.options(v) for v in labels]
+                    configs = [V.options(V.FAMILY_FASTEST[pat]) if v == "fastest"
+                               else V.options(v) for v in labels]
                 if tune:
                     # run 1 (2026-11-29) found BLOCK_N 128 / stages 4 out of shared memory
                     # and 64/8 warps/3 stages best; now: full-tile fast path on and off
@@ -287,8 +288,7 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                         (out.float() - ref_out.float()).abs().max().item()
                     rows.append({"n": n, "impl": "mminfer", "pattern": pat, "density": dens,
                                  "variant": label if variants else None,
-                                 "params": prm, "config": cfg if cfg is not None else
-                                 V.options(V.FAMILY_DEFAULT.get(pat)), "ms": ms,
+                                 "params": prm, "config": cfg or L.GPU_CONFIG, "ms": ms,
                                  "logical": den["logical"], "physical": den["physical"],
                                  "tflops": 4 * D * den["tile_pairs"] / ms / 1e9,
                                  "vs_cudnn": dense.get("cudnn", float("nan")) / ms,
@@ -383,8 +383,8 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--variants", nargs="*", default=None, metavar="NAME",
                     help="measure the current kernel and these launch variants side by side "
-                         f"(no names: all of {', '.join(V.VARIANTS)}; 'default': each "
-                         "family's variants.FAMILY_DEFAULT, what a launch without options runs)")
+                         f"(no names: all of {', '.join(V.VARIANTS)}; 'fastest': each "
+                         "family's variants.FAMILY_FASTEST)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--no-flash", action="store_true", help="skip flash SDPA dense")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
@@ -395,7 +395,7 @@ def main():
     if a.variants is not None:
         variants = a.variants or list(V.VARIANTS)
         for name in variants:
-            if name != "default":
+            if name != "fastest":
                 V.options(name)   # unknown names fail before any device work
     tag = "_".join(map(str, a.lengths)) + ("_" + "_".join(a.patterns) if variants else "")
     run(a.lengths, a.densities, a.patterns, a.out, a.tune, a.rep,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -140,12 +142,16 @@ def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
     ``out`` may be any ``[B, Hq, N, D]`` view (e.g. a transposed ``[B, N, Hq, D]`` buffer).
     Returns ``out`` (and the natural-log LSE ``[B, Hq, N]`` fp32 when ``return_lse``).
     ``variant``: a name of ``variants.VARIANTS`` (launch options under measurement);
-    ``config`` entries override it. With neither, a GPU launch takes each family's measured
-    fastest variant (``variants.FAMILY_DEFAULT``); ``variant="current"`` is the kernel as it
-    was before those were measured.
+    ``config`` entries override it; ``variant="fastest"``: each family's fastest variant in
+    the kernel benchmark (``variants.FAMILY_FASTEST``, GPU only). ``MMINFER_KERNEL_VARIANT``
+    names the variant of every launch that asks for neither (how the product path is
+    measured both ways: ``benchmarks/prefill.py`` with it unset and set to ``fastest``).
     """
     _check_inputs(q, k, v, plan)
-    if variant is not None:
+    if variant is None and config is None:
+        variant = os.environ.get("MMINFER_KERNEL_VARIANT") or None
+    fastest = variant == "fastest"
+    if variant is not None and not fastest:
         config = {**_variants.options(variant), **(config or {})}
     B, Hq, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -161,8 +167,8 @@ def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
         lse_s = torch.empty(G, B, H2, N, dtype=torch.float32, device=q.device)
     for name, fl in plan.launches.items():
         cfg = config
-        if cfg is None and variant is None and compiled_gpu(q.is_cuda):
-            cfg = _variants.options(_variants.FAMILY_DEFAULT.get(name))
+        if fastest and compiled_gpu(q.is_cuda):
+            cfg = {**_variants.options(_variants.FAMILY_FASTEST.get(name)), **(config or {})}
         _launch(q, k, v, out, lse, scratch, lse_s, None, plan, name, fl, scale, need_lse,
                 False, cfg)
     if plan.heads_2d:

@@ -55,11 +55,13 @@ VARIANTS = {
 }
 
 
-# What a launch with neither ``variant`` nor ``config`` runs on a GPU, per pattern family: the
-# fastest variant of each family in one H200 run (BENCHMARKS.md section 7, 2026-12-01, 128K
-# tokens, density 0.1, bf16 28/4 heads d 128): block 1.064x the current kernel, A-shape
-# 1.065x, grid 1.069x, vertical-slash 1.034x. Under the interpreter the CPU tiles stay.
-FAMILY_DEFAULT = {"block": "combined_tma_bn128", "a_shape": "combined_bn128_s3",
+# Each family's fastest variant in one H200 kernel run (BENCHMARKS.md section 7, 2026-12-01,
+# 128K tokens, density 0.1, bf16 28/4 heads d 128): block 1.053-1.064x the current kernel,
+# A-shape 1.065-1.069x, grid 1.054-1.069x, vertical-slash 1.033-1.034x. Not the default yet:
+# that benchmark has no key-grouped (modality-boundary) launches, and through the product at
+# 276K tokens the attention stage was 1.69 s with these on against 1.48 s in an earlier run
+# without them (two runs, not side by side). MMINFER_KERNEL_VARIANT=fastest turns them on.
+FAMILY_FASTEST = {"block": "combined_tma_bn128", "a_shape": "combined_bn128_s3",
                   "grid": "combined_bn128_s3", "vertical_slash": "combined_bn128_s3"}
 
 

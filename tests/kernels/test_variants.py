@@ -145,11 +145,12 @@ def test_descriptors_only_where_the_copy_engine_can_address():
     check(q, q, q, plan, oracle, variant="tma")
 
 
-def test_a_gpu_launch_without_options_takes_each_familys_measured_default(monkeypatch):
-    """The dispatch only (no kernel runs): compiled, each family's launch gets
-    variants.FAMILY_DEFAULT's options; ``variant="current"`` and an explicit config keep what
-    they ask for; under the interpreter nothing is laid over the CPU tiles."""
-    from mminfer.kernels.variants import FAMILY_DEFAULT
+def test_fastest_takes_each_familys_measured_variant_and_env_picks_the_variant(monkeypatch):
+    """The dispatch only (no kernel runs): compiled, ``variant="fastest"`` (or
+    MMINFER_KERNEL_VARIANT=fastest) gives each family's launch variants.FAMILY_FASTEST's
+    options; unset, the current kernel; explicit configs win over the environment; under the
+    interpreter nothing is laid over the CPU tiles."""
+    from mminfer.kernels.variants import FAMILY_FASTEST
     n, hq = 300, 4
     specs = [AShape([0], sink=2, window=16),
              Grid([1], start=4, end=n, stride=9, phase=2, lines="both", sink=2, window=8),
@@ -159,16 +160,27 @@ def test_a_gpu_launch_without_options_takes_each_familys_measured_default(monkey
     q, k, v = _inputs(1, hq, 2, n, 64, torch.float32, "cpu")
     seen = {}
     monkeypatch.setattr(L, "_launch", lambda *a: seen.__setitem__(a[9], a[-1]))
+    families = {"a_shape", "grid", "vertical_slash", "block"}
     for gpu in (True, False):
         monkeypatch.setattr(L, "compiled_gpu", lambda is_cuda, gpu=gpu: gpu)
+        monkeypatch.delenv("MMINFER_KERNEL_VARIANT", raising=False)
         seen.clear()
         sparse_attention(q, k, v, plan)
-        assert set(seen) == {"a_shape", "grid", "vertical_slash", "block"}
-        for name, cfg in seen.items():
-            assert cfg == (options(FAMILY_DEFAULT[name]) if gpu else None), name
+        assert set(seen) == families and all(c is None for c in seen.values())
+        for how in ("arg", "env"):
+            seen.clear()
+            if how == "env":
+                monkeypatch.setenv("MMINFER_KERNEL_VARIANT", "fastest")
+                sparse_attention(q, k, v, plan)
+            else:
+                sparse_attention(q, k, v, plan, variant="fastest")
+            assert set(seen) == families
+            for name, cfg in seen.items():
+                assert cfg == (options(FAMILY_FASTEST[name]) if gpu else None), (how, name)
         seen.clear()
-        sparse_attention(q, k, v, plan, variant="current")
-        assert all(cfg == {} for cfg in seen.values())
-        seen.clear()
-        sparse_attention(q, k, v, plan, config={"num_warps": 4})
+        sparse_attention(q, k, v, plan, config={"num_warps": 4})     # env set, config wins
         assert all(cfg == {"num_warps": 4} for cfg in seen.values())
+        monkeypatch.setenv("MMINFER_KERNEL_VARIANT", "bn128")
+        seen.clear()
+        sparse_attention(q, k, v, plan)
+        assert all(cfg == options("bn128") for cfg in seen.values())
