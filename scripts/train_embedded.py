@@ -112,20 +112,11 @@ def _worker_init():
 
 
 def _codec_like(frames, rng, sigma):
-    """yuv420p round trip (BT.601 limited range, 2x2 chroma), Gaussian noise and a small
-    per-channel offset, applied to the 112 px frames: roughly what H.264 at crf 20 (on the 224 px original) leaves after the
-    resize (it is cheaper here than at 224, and errs on the blurrier side for chroma)."""
-    f = frames.astype(np.float32)
-    r, g, b = f[..., 0], f[..., 1], f[..., 2]
-    y = np.round(16 + (65.481 * r + 128.553 * g + 24.966 * b) / 255)
-    cb = 128 + (-37.797 * r - 74.203 * g + 112.0 * b) / 255
-    cr = 128 + (112.0 * r - 93.786 * g - 18.214 * b) / 255
-    T, H, W = y.shape
-    cb = np.round(cb.reshape(T, H // 2, 2, W // 2, 2).mean((2, 4))).repeat(2, 1).repeat(2, 2)
-    cr = np.round(cr.reshape(T, H // 2, 2, W // 2, 2).mean((2, 4))).repeat(2, 1).repeat(2, 2)
-    yy, cbb, crr = (y - 16) * 255 / 219, (cb - 128) * 255 / 224, (cr - 128) * 255 / 224
-    out = np.stack([yy + 1.402 * crr, yy - 0.344136 * cbb - 0.714136 * crr, yy + 1.772 * cbb],
-                   -1).astype(np.float32)
+    """yuv420p round trip (``variety.yuv420``), Gaussian noise and a small per-channel offset,
+    applied to the 112 px frames: roughly what H.264 at crf 20 (on the 224 px original) leaves
+    after the resize (it is cheaper here than at 224, and errs on the blurrier side for
+    chroma)."""
+    out = V.yuv420(frames).astype(np.float32)
     if sigma > 0:
         out += rng.standard_normal(out.shape, dtype=np.float32) * np.float32(sigma)
     # decoders (decord / swscale) come out ~1-2 levels darker per channel than the source
