@@ -49,28 +49,86 @@ def test_no_import_cycle_inside_kernels():
             visit(m, [m])
 
 
-def _lower(stages=("ttir",)):
-    """Lower ``_sparse_attn_fwd`` for sm_90 as the GPU would compile it (no GPU needed:
-    Triton's front end and the NVIDIA passes run on the host)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-    from triton._C.libtriton import ir
+class _Sm90:
+    """Triton's compiler for sm_90 on the host (front end, NVIDIA passes and ptxas; no GPU),
+    set up for ``_sparse_attn_fwd``: its argument names and pointer types. None-like
+    (``ok`` False, the reason printed as ``SKIP:``) where this triton has no CUDA backend."""
 
-    from mminfer.kernels.sparse_attn_kernel import _sparse_attn_fwd
-
-    target = GPUTarget("cuda", 90, 32)
-    try:
-        backend = make_backend(target)
-    except Exception as e:  # no NVIDIA backend in this triton build
-        print(f"SKIP: triton has no CUDA backend here: {e}")
-        return []
-    names = list(inspect.signature(_sparse_attn_fwd.fn).parameters)
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "OS": "*bf16",
+    POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "OS": "*bf16",
                 "L": "*fp32", "LS": "*fp32", "VFlag": "*i8", "KVert": "*bf16",
-                "VVert": "*bf16"}
-    pointers.update({n: "*i32" for n in ("TILES", "Table", "P", "VIdx", "VCnt", "SIdx",
-                                          "SRange", "BIdx", "BCnt", "KGid")})
+                "VVert": "*bf16", **{n: "*i32" for n in ("TILES", "Table", "P", "VIdx", "VCnt",
+                                                          "SIdx", "SRange", "BIdx", "BCnt",
+                                                          "KGid")}}
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        from mminfer.kernels.sparse_attn_kernel import _sparse_attn_fwd
+        self.fn = _sparse_attn_fwd
+        self.target = GPUTarget("cuda", 90, 32)
+        try:
+            self.backend = make_backend(self.target)
+        except Exception as e:  # no NVIDIA backend in this triton build
+            print(f"SKIP: triton has no CUDA backend here: {e}")
+            self.ok = False
+            return
+        self.ok = True
+        self.names = list(inspect.signature(_sparse_attn_fwd.fn).parameters)
+
+    def stages(self, const: dict, stages, *, num_warps: int, num_stages: int,
+               descriptors: str | None = None, divisible: bool = False):
+        """Yield ``(stage, module, metadata)`` through ``stages``. ``divisible``: pointers,
+        strides and N marked divisible by 16, as a real launch specialises them (without it
+        the loads are never pipelined)."""
+        from triton.compiler import ASTSource
+        from triton._C.libtriton import ir
+        sig = {n: "constexpr" if n in const else self.POINTERS.get(
+            n, "fp32" if n == "qk_scale" else "i32") for n in self.names}
+        if descriptors:
+            sig.update(KDesc=descriptors, VDesc=descriptors)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(self.names)
+                 if divisible and n not in const and (sig[n].startswith("*") or
+                                                     n.startswith("s") or n == "N")
+                 and not sig[n].startswith("t")}
+        src = ASTSource(fn=self.fn, signature=sig, attrs=attrs,
+                        constexprs={(self.names.index(k),): v for k, v in const.items()})
+        options = self.backend.parse_options({"num_warps": num_warps,
+                                              "num_stages": num_stages})
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        self.backend.load_dialects(ctx)
+        mod = src.make_ir(self.target, options, self.backend.get_codegen_implementation(options),
+                          self.backend.get_module_map(), ctx)
+        passes: dict = {}
+        md: dict = {}
+        self.backend.add_stages(passes, options, src.language)
+        for stage in stages:
+            mod = passes[stage](mod, md)
+            yield stage, mod, md
+
+
+def _in_child(code: str, timeout: int):
+    """Run ``code`` in a child python without TRITON_INTERPRET (under it the kernels are not
+    compilable objects); skips where the child found no CUDA backend."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", "import tests.kernels.test_structure as t; "
+                          + code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=timeout)
+    if "SKIP:" in res.stdout:
+        pytest.skip(res.stdout.strip())
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def _lower(stages=("ttir",)):
+    """Lower ``_sparse_attn_fwd`` for sm_90 as the GPU would compile it, every family with
+    and without key groups; the last stage's modules as text."""
+    sm = _Sm90()
+    if not sm.ok:
+        return []
     out = []
     for family in range(4):
         for key_grouped in (False, True):
@@ -78,68 +136,29 @@ def _lower(stages=("ttir",)):
                          KEY_GROUPED=key_grouped, WRITE_LSE=True, COUNT=False, IEEE=False,
                          BLOCK_K=64, FAST=True, DMASK=False, SCHEDULE=0, EVEN_FAR=False,
                          SLASH_FLAT=False, VGATHER=False, TAIL_STAGES=3, TMA=False)
-            sig = {n: "constexpr" if n in const else pointers.get(
-                n, "fp32" if n == "qk_scale" else "i32") for n in names}
-            src = ASTSource(fn=_sparse_attn_fwd, signature=sig,
-                            constexprs={(names.index(k),): v for k, v in const.items()})
-            options = backend.parse_options({"num_warps": 8, "num_stages": 3})
-            ctx = ir.context()
-            ir.load_dialects(ctx)
-            backend.load_dialects(ctx)
-            mod = src.make_ir(target, options, backend.get_codegen_implementation(options),
-                              backend.get_module_map(), ctx)
-            passes: dict = {}
-            backend.add_stages(passes, options, src.language)
-            for stage in stages:
-                mod = passes[stage](mod, {})
+            *_, (_, mod, _) = sm.stages(const, stages, num_warps=8, num_stages=3)
             out.append(str(mod))
     return out
 
 
 def test_attention_kernel_lowers_for_hopper():
     """The slot fields are tl.constexpr globals: the interpreter would accept plain ints,
-    the GPU compiler would not. Lowering every family for sm_90 catches it on a CPU (in a
-    child process: under TRITON_INTERPRET=1 the kernels are not compilable objects)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    code = ("import tests.kernels.test_structure as t; "
-            "print(sum('tt.dot' in x for x in t._lower()))")
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
-    if "SKIP:" in res.stdout:
-        pytest.skip(res.stdout.strip())
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == "8"   # 4 families x key groups on/off
+    the GPU compiler would not. Lowering every family for sm_90 catches it on a CPU."""
+    stdout = _in_child("print(sum('tt.dot' in x for x in t._lower()))", timeout=600)
+    assert stdout.strip().splitlines()[-1] == "8"   # 4 families x key groups on/off
 
 
 def _shared_bytes_sm90(variant_names):
     """Shared memory (bytes) of every family's kernel under each named variant, compiled
-    to a cubin for sm_90 the way a launch specialises it (pointers and strides divisible
-    by 16: without that hint the loads are never pipelined and the figure means nothing).
+    to a cubin for sm_90 the way a launch specialises it.
     Returns [(variant, family, shared, async copies, TMA copies in the ttgir)]."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-    from triton._C.libtriton import ir
-
     from mminfer.kernels import launch as L
     from mminfer.kernels.layout import FAMILIES
-    from mminfer.kernels.sparse_attn_kernel import _sparse_attn_fwd
     from mminfer.kernels.variants import affects, options
 
-    target = GPUTarget("cuda", 90, 32)
-    try:
-        backend = make_backend(target)
-    except Exception as e:  # no NVIDIA backend in this triton build
-        print(f"SKIP: triton has no CUDA backend here: {e}")
+    sm = _Sm90()
+    if not sm.ok:
         return []
-    names = list(inspect.signature(_sparse_attn_fwd.fn).parameters)
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "OS": "*bf16",
-                "L": "*fp32", "LS": "*fp32", "VFlag": "*i8", "KVert": "*bf16",
-                "VVert": "*bf16"}
-    pointers.update({n: "*i32" for n in ("TILES", "Table", "P", "VIdx", "VCnt", "SIdx",
-                                          "SRange", "BIdx", "BCnt", "KGid")})
 
     class _Q:       # what _config reads of q: the device kind
         is_cuda = True
@@ -160,29 +179,12 @@ def _shared_bytes_sm90(variant_names):
                          SCHEDULE=cfg["SCHEDULE"], EVEN_FAR=cfg["EVEN_FAR"],
                          SLASH_FLAT=cfg["SLASH_FLAT"], VGATHER=cfg["VGATHER"],
                          TAIL_STAGES=cfg["TAIL_STAGES"], TMA=cfg["TMA"])
-            desc = f"tensordesc<bf16[1,1,{cfg['BLOCK_N']},128]>"
-            sig = {n: "constexpr" if n in const else pointers.get(
-                n, "fp32" if n == "qk_scale" else "i32") for n in names}
-            if cfg["TMA"]:
-                sig.update(KDesc=desc, VDesc=desc)
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                     if n not in const and (sig[n].startswith("*") or n.startswith("s")
-                                            or n == "N") and not sig[n].startswith("t")}
-            src = ASTSource(fn=_sparse_attn_fwd, signature=sig, attrs=attrs,
-                            constexprs={(names.index(k),): v for k, v in const.items()})
-            options_ = backend.parse_options({"num_warps": cfg["num_warps"],
-                                              "num_stages": cfg["num_stages"]})
-            ctx = ir.context()
-            ir.load_dialects(ctx)
-            backend.load_dialects(ctx)
-            mod = src.make_ir(target, options_, backend.get_codegen_implementation(options_),
-                              backend.get_module_map(), ctx)
-            passes: dict = {}
-            md: dict = {}
-            backend.add_stages(passes, options_, src.language)
+            desc = f"tensordesc<bf16[1,1,{cfg['BLOCK_N']},128]>" if cfg["TMA"] else None
             n_async = n_tma = 0
-            for stage in ("ttir", "ttgir", "llir", "ptx", "cubin"):
-                mod = passes[stage](mod, md)
+            for stage, mod, md in sm.stages(const, ("ttir", "ttgir", "llir", "ptx", "cubin"),
+                                            num_warps=cfg["num_warps"],
+                                            num_stages=cfg["num_stages"], descriptors=desc,
+                                            divisible=True):
                 if stage == "ttgir":
                     n_async = str(mod).count("async_copy_global_to_local")
                     n_tma = str(mod).count("async_tma_copy_global_to_local")
@@ -206,18 +208,10 @@ _GROUPS = [("current", "tail1", "bn128", "bn128_s3"),
 def test_variants_fit_hopper_shared_memory(variants):
     """Every variant's kernel compiles for sm_90 (through ptxas) with pipelined K/V loads
     and fits the shared memory of one block; the unpipelined tails are what make room."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    code = ("import tests.kernels.test_structure as t; "
-            f"[print(*r) for r in t._shared_bytes_sm90({list(variants)!r})]")
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=1200)
-    if "SKIP:" in res.stdout:
-        pytest.skip(res.stdout.strip())
+    stdout = _in_child(f"[print(*r) for r in t._shared_bytes_sm90({list(variants)!r})]",
+                       timeout=1200)
     from mminfer.kernels.variants import options
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split() for line in res.stdout.strip().splitlines()]
+    rows = [line.split() for line in stdout.strip().splitlines()]
     got = {(v, f): (int(sh), int(na), int(nt)) for v, f, sh, na, nt in rows}
     assert {v for v, _ in got} == set(variants)
     for (v, f), (shared, n_async, n_tma) in got.items():
