@@ -34,6 +34,18 @@ def count_layers(adapter):
     return seen, hooks
 
 
+def assert_cancels_after_two_layers(ad, kept):
+    """A re-run asked to stop once two layers ran stops there, in layer 2."""
+    seen, hooks = count_layers(ad)
+    try:
+        with pytest.raises(Cancelled, match="layer 2"):
+            dense_rerun(ad, kept, max_new_tokens=8, cancel=lambda: len(seen) >= 2)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [0, 1]
+
+
 def test_dense_rerun_is_the_dense_answer_and_stops_between_layers():
     from mminfer.engine import video as videolib
     from mminfer.engine.pipeline import Pipeline
@@ -63,14 +75,7 @@ def test_dense_rerun_is_the_dense_answer_and_stops_between_layers():
     again = dense_rerun(ad, kept, max_new_tokens=8)          # kept is intact after a re-run
     assert again.token_ids == run.token_ids and torch.equal(again.logits, run.logits)
 
-    seen, hooks = count_layers(ad)
-    try:
-        with pytest.raises(Cancelled, match="layer 2"):
-            dense_rerun(ad, kept, max_new_tokens=8, cancel=lambda: len(seen) >= 2)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert seen == [0, 1]
+    assert_cancels_after_two_layers(ad, kept)
 
 
 @pytest.mark.gpu
@@ -119,11 +124,4 @@ def test_kept_inputs_and_rerun_on_cuda():
     assert kls["embedded_dense_equivalent.json"] < 5e-3, kls
     assert kls["embedded_tiny_budget.json"] > 0.1, kls
 
-    seen, hooks = count_layers(ad)
-    try:
-        with pytest.raises(Cancelled, match="layer 2"):
-            dense_rerun(ad, kept, max_new_tokens=8, cancel=lambda: len(seen) >= 2)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert seen == [0, 1]
+    assert_cancels_after_two_layers(ad, kept)
