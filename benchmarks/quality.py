@@ -320,27 +320,21 @@ def markdown(summary, modes, lengths, *, renderer: str = "synth", heatmap: str |
             cells += ["", "", f(lo[m]["kl_all"], "{:.3f}")]
         L.append("| **all tasks** | | | " + " | ".join(cells) + " |")
     if sparse:
-        L += ["", "Measured density (logical pairs / causal pairs, mean over layers and heads) "
-              "per task and length:", ""]
-        L.append("| task | mode | " + " | ".join(_k(n) for n in lengths) + " | mean |")
-        L.append("|---|---|" + "---:|" * (len(lengths) + 1))
-        for t in TASKS:
-            for m in sparse:
-                row = summary["density_task_length"][m][t]
-                if all(row[str(n)] is None for n in lengths):
-                    continue
-                L.append(f"| {t} | {m} | " + " | ".join(f(row[str(n)]) for n in lengths)
-                         + f" | {f(summary['density_task'][m][t])} |")
-        L += ["", "Last-token KL(dense ‖ mode), nats, mean per task and length:", ""]
-        L.append("| task | mode | " + " | ".join(_k(n) for n in lengths) + " | mean |")
-        L.append("|---|---|" + "---:|" * (len(lengths) + 1))
-        for t in TASKS:
-            for m in sparse:
-                row = summary["kl_task_length"][m][t]
-                if all(row[str(n)] is None for n in lengths):
-                    continue
-                L.append(f"| {t} | {m} | " + " | ".join(f(row[str(n)], "{:.3f}") for n in lengths)
-                         + f" | {f(summary['kl_task'][m][t], '{:.3f}')} |")
+        for title, key, fmt in (
+                ("Measured density (logical pairs / causal pairs, mean over layers and heads) "
+                 "per task and length:", "density", "{:.2f}"),
+                ("Last-token KL(dense ‖ mode), nats, mean per task and length:", "kl",
+                 "{:.3f}")):
+            L += ["", title, ""]
+            L.append("| task | mode | " + " | ".join(_k(n) for n in lengths) + " | mean |")
+            L.append("|---|---|" + "---:|" * (len(lengths) + 1))
+            for t in TASKS:
+                for m in sparse:
+                    row = summary[f"{key}_task_length"][m][t]
+                    if all(row[str(n)] is None for n in lengths):
+                        continue
+                    L.append(f"| {t} | {m} | " + " | ".join(f(row[str(n)], fmt) for n in lengths)
+                             + f" | {f(summary[f'{key}_task'][m][t], fmt)} |")
     if heatmap:
         L += ["", f"![needle heatmaps, dense and sparse]({heatmap})"]
     return "\n".join(L) + "\n"
