@@ -254,7 +254,7 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                 block_n = 128 if pat == "block" else 64
                 plan = SparsePlan.build(n, HQ, specs, block_m=BM, block_n=block_n, device=dev)
                 den = plan.density()
-                configs = [None]
+                configs = [V.options("current")]     # {}: no options, not the default
                 labels = ["current"]
                 if variants:
                     # "current": the kernel without options; "fastest": each family's

@@ -142,14 +142,15 @@ def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
     ``out`` may be any ``[B, Hq, N, D]`` view (e.g. a transposed ``[B, N, Hq, D]`` buffer).
     Returns ``out`` (and the natural-log LSE ``[B, Hq, N]`` fp32 when ``return_lse``).
     ``variant``: a name of ``variants.VARIANTS`` (launch options under measurement);
-    ``config`` entries override it; ``variant="fastest"``: each family's fastest variant in
-    the kernel benchmark (``variants.FAMILY_FASTEST``, GPU only). ``MMINFER_KERNEL_VARIANT``
-    names the variant of every launch that asks for neither (how the product path is
-    measured both ways: ``benchmarks/prefill.py`` with it unset and set to ``fastest``).
+    ``config`` entries override it. A launch that asks for neither runs
+    ``MMINFER_KERNEL_VARIANT`` if set, else ``"fastest"``: each family's fastest variant
+    (``variants.FAMILY_FASTEST``; on a compiled GPU only, the interpreter keeps its CPU
+    tiles). ``variant="current"`` (or ``MMINFER_KERNEL_VARIANT=current``) is the kernel
+    without options, the baseline ``benchmarks/run_variants_ab_h200.sh`` measures against.
     """
     _check_inputs(q, k, v, plan)
     if variant is None and config is None:
-        variant = os.environ.get("MMINFER_KERNEL_VARIANT") or None
+        variant = os.environ.get("MMINFER_KERNEL_VARIANT") or "fastest"
     fastest = variant == "fastest"
     if variant is not None and not fastest:
         config = {**_variants.options(variant), **(config or {})}

@@ -57,10 +57,10 @@ VARIANTS = {
 
 # Each family's fastest variant in one H200 kernel run (BENCHMARKS.md section 7, 2026-12-01,
 # 128K tokens, density 0.1, bf16 28/4 heads d 128): block 1.053-1.064x the current kernel,
-# A-shape 1.065-1.069x, grid 1.054-1.069x, vertical-slash 1.033-1.034x. Not the default yet:
-# that benchmark has no key-grouped (modality-boundary) launches, and through the product at
-# 276K tokens the attention stage was 1.69 s with these on against 1.48 s in an earlier run
-# without them (two runs, not side by side). MMINFER_KERNEL_VARIANT=fastest turns them on.
+# A-shape 1.065-1.069x, grid 1.054-1.069x, vertical-slash 1.033-1.034x. The default of every
+# GPU launch that names no variant, since the product's prefill engine (key-grouped launches
+# included) measured its attention stage at 0.970x the current kernel's side by side
+# (benchmarks/run_variants_ab_h200.sh, 131K tokens, 2026-12-01).
 FAMILY_FASTEST = {"block": "combined_tma_bn128", "a_shape": "combined_bn128_s3",
                   "grid": "combined_bn128_s3", "vertical_slash": "combined_bn128_s3"}
 

@@ -145,11 +145,12 @@ def test_descriptors_only_where_the_copy_engine_can_address():
     check(q, q, q, plan, oracle, variant="tma")
 
 
-def test_fastest_takes_each_familys_measured_variant_and_env_picks_the_variant(monkeypatch):
-    """The dispatch only (no kernel runs): compiled, ``variant="fastest"`` (or
-    MMINFER_KERNEL_VARIANT=fastest) gives each family's launch variants.FAMILY_FASTEST's
-    options; unset, the current kernel; explicit configs win over the environment; under the
-    interpreter nothing is laid over the CPU tiles."""
+def test_the_default_is_each_familys_fastest_and_env_picks_the_variant(monkeypatch):
+    """The dispatch only (no kernel runs): compiled, a launch that names nothing (or
+    ``variant="fastest"``, or MMINFER_KERNEL_VARIANT=fastest) gives each family's launch
+    variants.FAMILY_FASTEST's options; ``current`` (argument or environment) the kernel
+    without options; explicit configs win over the environment; under the interpreter
+    nothing is laid over the CPU tiles."""
     from mminfer.kernels.variants import FAMILY_FASTEST
     n, hq = 300, 4
     specs = [AShape([0], sink=2, window=16),
@@ -163,20 +164,22 @@ def test_fastest_takes_each_familys_measured_variant_and_env_picks_the_variant(m
     families = {"a_shape", "grid", "vertical_slash", "block"}
     for gpu in (True, False):
         monkeypatch.setattr(L, "compiled_gpu", lambda is_cuda, gpu=gpu: gpu)
-        monkeypatch.delenv("MMINFER_KERNEL_VARIANT", raising=False)
-        seen.clear()
-        sparse_attention(q, k, v, plan)
-        assert set(seen) == families and all(c is None for c in seen.values())
-        for how in ("arg", "env"):
+        for how in ("unset", "arg", "env"):
+            monkeypatch.delenv("MMINFER_KERNEL_VARIANT", raising=False)
             seen.clear()
             if how == "env":
                 monkeypatch.setenv("MMINFER_KERNEL_VARIANT", "fastest")
-                sparse_attention(q, k, v, plan)
-            else:
-                sparse_attention(q, k, v, plan, variant="fastest")
+            sparse_attention(q, k, v, plan, **({"variant": "fastest"} if how == "arg" else {}))
             assert set(seen) == families
             for name, cfg in seen.items():
                 assert cfg == (options(FAMILY_FASTEST[name]) if gpu else None), (how, name)
+        for how in ("arg", "env"):
+            monkeypatch.delenv("MMINFER_KERNEL_VARIANT", raising=False)
+            seen.clear()
+            if how == "env":
+                monkeypatch.setenv("MMINFER_KERNEL_VARIANT", "current")
+            sparse_attention(q, k, v, plan, **({"variant": "current"} if how == "arg" else {}))
+            assert set(seen) == families and all(c == {} for c in seen.values()), how
         seen.clear()
         sparse_attention(q, k, v, plan, config={"num_warps": 4})     # env set, config wins
         assert all(cfg == {"num_warps": 4} for cfg in seen.values())
