@@ -63,7 +63,8 @@ MIN_PIXELS = 56 * 56
 _ASPECTS = (("square", 0.30, 0.95, 1.05), ("4:3", 0.30, 1.25, 1.42), ("3:4", 0.10, 0.70, 0.80),
             ("16:9", 0.15, 1.70, 1.85), ("9:16", 0.05, 0.54, 0.59), ("small", 0.10, 0.95, 1.05))
 
-BACKGROUNDS = ("synth", "flat", "linear", "radial", "corners", "noise", "blobs", "horizon")
+BACKGROUNDS = ("synth", "flat", "linear", "radial", "corners", "noise", "blobs", "horizon",
+               "cells", "bricks", "posterized", "scribbles", "mosaic")
 SHAPES = ("ellipse", "rect", "rounded", "triangle", "diamond", "pentagon", "polygon", "bar")
 PATHS = ("bounce", "drift", "walk", "zigzag", "waypoints", "still")
 FONTS = ("synth", "ttf", "atlas", "pil", "bevel")
@@ -200,9 +201,101 @@ def background(rng, h: int, w: int, neutral: bool = False, kind: str | None = No
         sky = c1 * (1 - 0.3 * v[..., None]) + 0.3 * v[..., None] * c2
         ground = _colour(rng, neutral) * (0.85 + 0.3 * _fbm(rng, h, w, 2, 6)[..., None])
         img = sky * (1 - t) + ground * t
+    elif kind in _BUSY:
+        img = _BUSY[kind](rng, h, w, neutral, u, v)
     else:
         raise ValueError(kind)
     return np.clip(img, 0, 255).astype(np.float32), kind
+
+
+# Busy backgrounds: sharp edges at every scale down to a few pixels, so a model learns to
+# find a number on clutter and not only on smooth ground (real video is mostly clutter).
+def _palette(rng, neutral, n):
+    return np.stack([_colour(rng, neutral) for _ in range(n)])
+
+
+def _cells(rng, h, w, neutral, u, v):
+    """Voronoi cells of a few colours, optionally with dark or light borders."""
+    n = int(rng.integers(6, 60))
+    pts = rng.random((n, 2)).astype(np.float32) * np.array([w, h], np.float32)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    d = (xx[..., None] - pts[:, 0]) ** 2 + (yy[..., None] - pts[:, 1]) ** 2
+    order = np.sort(d, -1)
+    pal = _palette(rng, neutral, int(rng.integers(2, 5)))
+    img = pal[rng.integers(len(pal), size=n)][d.argmin(-1)]
+    if rng.random() < 0.6:
+        edge = (np.sqrt(order[..., 1]) - np.sqrt(order[..., 0])) < rng.uniform(0.8, 2.5)
+        img = np.where(edge[..., None], _colour(rng, neutral), img)
+    return img
+
+
+def _bricks(rng, h, w, neutral, u, v):
+    """Running-bond courses with mortar; per-brick shade jitter."""
+    bh = rng.uniform(0.05, 0.2) * h
+    bw = bh * rng.uniform(1.5, 3.5)
+    mortar = rng.uniform(0.6, 2.5)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    row = np.floor(yy / bh)
+    xs = xx + (row % 2) * bw * rng.uniform(0.3, 0.7)
+    col = np.floor(xs / bw)
+    c1, c2 = _colour(rng, neutral), _colour(rng, neutral)
+    jit = rng.uniform(0.75, 1.2, size=(int(h / bh) + 2, int(w / bw) + 3))
+    shade = jit[row.astype(int), col.astype(int) % jit.shape[1]][..., None]
+    joint = ((yy - row * bh) < mortar) | ((xs - col * bw) < mortar)
+    return np.where(joint[..., None], c2, c1 * shade)
+
+
+def _posterized(rng, h, w, neutral, u, v):
+    """Smooth noise cut into 2-4 flat levels: blotches with hard edges (camouflage)."""
+    t = _fbm(rng, h, w, octaves=int(rng.integers(2, 5)), base=int(rng.integers(3, 10)))
+    levels = int(rng.integers(2, 5))
+    edges = np.quantile(t, np.linspace(0, 1, levels + 1)[1:-1])
+    return _palette(rng, neutral, levels)[np.digitize(t, edges)]
+
+
+def _scribbles(rng, h, w, neutral, u, v):
+    """Random smooth curves of several widths over a plain or graded ground."""
+    from PIL import Image, ImageDraw
+    base = _colour(rng, neutral)
+    im = Image.new("RGB", (w, h), tuple(int(c) for c in base))
+    d = ImageDraw.Draw(im)
+    for _ in range(int(rng.integers(4, 30))):
+        n = int(rng.integers(3, 8))
+        x = np.cumsum(rng.normal(0, 0.25 * w, n)) + rng.uniform(0, w)
+        y = np.cumsum(rng.normal(0, 0.25 * h, n)) + rng.uniform(0, h)
+        d.line(list(zip(x.tolist(), y.tolist())), width=int(rng.integers(1, 7)),
+               fill=tuple(int(c) for c in _colour(rng, neutral)), joint="curve")
+    return np.asarray(im, np.float32)
+
+
+def _mosaic(rng, h, w, neutral, u, v):
+    """Rectangles split recursively (a Mondrian), thin lines between some of them."""
+    img = np.empty((h, w, 3), np.float32)
+    pal = _palette(rng, neutral, int(rng.integers(2, 6)))
+    line = _colour(rng, neutral) if rng.random() < 0.6 else None
+    lw = int(rng.integers(1, 3))
+    boxes, out = [(0, 0, h, w)], []
+    while boxes:
+        y0, x0, y1, x1 = boxes.pop()
+        if (y1 - y0) * (x1 - x0) > rng.uniform(0.004, 0.08) * h * w and min(y1 - y0, x1 - x0) > 6:
+            if (y1 - y0 > x1 - x0) ^ (rng.random() < 0.3):
+                m = int(rng.integers(y0 + 3, y1 - 2))
+                boxes += [(y0, x0, m, x1), (m, x0, y1, x1)]
+            else:
+                m = int(rng.integers(x0 + 3, x1 - 2))
+                boxes += [(y0, x0, y1, m), (y0, m, y1, x1)]
+        else:
+            out.append((y0, x0, y1, x1))
+    for y0, x0, y1, x1 in out:
+        img[y0:y1, x0:x1] = pal[rng.integers(len(pal))]
+        if line is not None:
+            img[y0:y0 + lw, x0:x1] = line
+            img[y0:y1, x0:x0 + lw] = line
+    return img
+
+
+_BUSY = {"cells": _cells, "bricks": _bricks, "posterized": _posterized,
+         "scribbles": _scribbles, "mosaic": _mosaic}
 
 
 # ----------------------------------------------------------------------- motion
