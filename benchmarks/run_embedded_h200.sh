@@ -23,7 +23,9 @@
 # eval knobs: CAL_FRAMES (calibration video lengths in frames, default "1024 2048 4096"),
 #   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
-# Knobs (env): MINUTES, LR, START_PAIRS, VARIETY (train); CAL_FRAMES (calibration video
+# Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, INIT (train: a model folder or an earlier
+# train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-busy-finetune/model.tar.gz;
+# default the shipped model); CAL_FRAMES (calibration video
 # lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
 # the eval stage plans for, 585) (eval).
 set -uo pipefail
@@ -53,8 +55,15 @@ train)
     ARGS=(--minutes "${MINUTES:-8.8}" --reserve 45)
   fi
   rm -rf "$WORK/mminfer-embedded"
+  INIT=${INIT:-mminfer/models/mminfer-embedded}
+  if [ -f "$INIT" ]; then          # a model.tar.gz of an earlier train stage
+    rm -rf "$WORK/init"; mkdir -p "$WORK/init"
+    tar -xzf "$INIT" -C "$WORK/init" || exit 1
+    INIT=$(dirname "$(ls "$WORK"/init/*/config.json | head -1)")
+  fi
+  echo "init: $INIT"
   timeout -s INT -k 15 "${TIMEOUT:-585}" $PY scripts/train_embedded.py \
-      --init mminfer/models/mminfer-embedded --start-pairs "${START_PAIRS:-8}" \
+      --init "$INIT" --start-pairs "${START_PAIRS:-8}" \
       --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
       --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \
       2>&1 | tee "$OUT/train.log"
