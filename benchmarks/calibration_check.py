@@ -5,14 +5,10 @@ vertical-slash candidate at budget 0.25, with the fused and the PyTorch proxy.
     python3 benchmarks/calibration_check.py --frames 2048 --device cuda
 """
 import argparse
-import functools
 import json
-
-import torch
 
 from mminfer.offline import calibrate as C
 from mminfer.offline.capture import capture_qkv
-from mminfer.sparse import estimate as E
 from mminfer.sparse.patterns import HeadPatternConfig
 
 MODEL = "mminfer/models/mminfer-embedded"
@@ -29,7 +25,6 @@ def main():
     paths = capture_qkv(MODEL, [f"synth:{a.task}:{a.frames}:900000"], "", "/tmp/calcheck",
                         device=a.device)
     cap = C.load_captures(paths)[0]
-    orig = E.estimate_layer
     rows = []
     cuda = a.device.startswith("cuda")
     bm, bn = (128, 64) if cuda else (16, 16)
@@ -39,12 +34,8 @@ def main():
         ref = C.dense_reference(q.float(), k.float(), v.float(), cap.scale)
         for label, heads in (("shipped", cfg.layer(layer)), ("vs@0.25", [cand] * q.shape[1])):
             for proxy in ("triton", "torch") if cuda else ("torch",):
-                E.estimate_layer = functools.partial(orig, proxy=proxy)
-                try:
-                    r = C.evaluate(q, k, v, cap.index, heads, ref, engine="kernel",
-                                   block_m=bm, block_n=bn, scale=cap.scale)
-                finally:
-                    E.estimate_layer = orig
+                r = C.evaluate(q, k, v, cap.index, heads, ref, engine="kernel",
+                               block_m=bm, block_n=bn, scale=cap.scale, proxy=proxy)
                 row = {"layer": layer, "config": label, "proxy": proxy, "n": cap.n,
                        "error": [round(x, 4) for x in r["error"].tolist()],
                        "mass": [round(x, 4) for x in r["mass"].tolist()],

@@ -133,12 +133,14 @@ def head_density(plan) -> tuple:
 
 
 def evaluate(q, k, v, index, heads: Sequence[HeadPattern], ref, *, engine="kernel",
-             block_m=16, block_n=16, scale=None) -> dict:
-    """Per-head error, mass and density of one head-pattern assignment on one input."""
+             block_m=16, block_n=16, scale=None, proxy="auto") -> dict:
+    """Per-head error, mass and density of one head-pattern assignment on one input
+    (``proxy``: the online estimator's, ``estimate.PROXIES``)."""
     from mminfer.sparse.estimate import estimate_layer
     from mminfer.kernels import masked_attention, sparse_attention
     ref_out, ref_lse = ref
-    est = estimate_layer(q, k, index, heads, block_m=block_m, block_n=block_n, scale=scale)
+    est = estimate_layer(q, k, index, heads, block_m=block_m, block_n=block_n, scale=scale,
+                         proxy=proxy)
     plan = est.build_plan(q.device)
     if engine == "reference":
         m = plan.masks()
