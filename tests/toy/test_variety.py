@@ -159,3 +159,17 @@ def test_glyph_fx_never_returns_an_unreadable_or_empty_glyph():
     for seed in range(600):
         out, applied = V.glyph_fx(np.random.default_rng(seed), mask)
         assert (out > 0.05).sum() >= 0.2 * (mask > 0.05).sum(), (seed, applied)
+
+
+def test_busy_backgrounds_have_sharp_edges_and_smooth_ones_do_not():
+    """The point of the busy kinds: many strong pixel-to-pixel steps (clutter a number must be
+    found on), where the gradients and smooth noise have almost none."""
+    def steps(img):
+        g = np.abs(np.diff(img.mean(-1), axis=1))
+        return float((g > 12).mean())
+
+    for seed in range(6):
+        for k in ("cells", "bricks", "posterized", "scribbles", "mosaic"):
+            assert steps(V.background(_rng(300 + seed), 112, 112, kind=k)[0]) > 0.01, (k, seed)
+        for k in ("flat", "linear", "radial", "noise"):
+            assert steps(V.background(_rng(300 + seed), 112, 112, kind=k)[0]) < 0.002, (k, seed)
