@@ -21,7 +21,8 @@
 #   calibrated model comes back as $OUT/model_calibrated.tar.gz.
 #
 # eval knobs: CAL_FRAMES (calibration video lengths in frames, default "1024 2048 4096"),
-#   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585).
+#   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585),
+#   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
 # Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, INIT (train: a model folder or an earlier
 # train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-busy-finetune/model.tar.gz;
@@ -99,7 +100,7 @@ eval)
       for t in needle colour order count; do VIDS+=("synth:$t:$n:$s"); s=$((s + 1)); done
     done
     CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
-         --max-error 0.05)
+         --max-error "${MAX_ERROR:-0.05}")
     QARGS=(--lengths ${QLENGTHS:-1024 4096 8192 16384 32768} --needle-reps 2 --per-task 6
            --densities 0.2)
     BUDGET=${BUDGET:-585}
