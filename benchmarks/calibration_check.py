@@ -1,6 +1,6 @@
-"""Issue 14 finding check, one short device call: the shipped embedded config's per-head output
-error on a current capture (the error `mminfer calibrate` bounds), beside the calibration's own
-vertical-slash candidate at budget 0.25, with the fused and the PyTorch proxy.
+"""One short device call (issue 14): the shipped embedded config's per-head output error on a
+current capture (the error `mminfer calibrate` bounds), beside calibrate's own vertical-slash
+candidate at budget 0.25, with the fused and the PyTorch proxy.
 
     python3 benchmarks/calibration_check.py --frames 2048 --device cuda
 """
