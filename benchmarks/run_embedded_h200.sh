@@ -24,7 +24,8 @@
 #   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585),
 #   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
-# Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, INIT (train: a model folder or an earlier
+# Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, SIZE_WEIGHT (six weights, one per
+# variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), INIT (train: a model folder or an earlier
 # train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-busy-finetune/model.tar.gz;
 # default the shipped model); CAL_FRAMES (calibration video
 # lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
@@ -67,6 +68,7 @@ train)
       --init "$INIT" --start-pairs "${START_PAIRS:-8}" \
       --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
       --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \
+      ${SIZE_WEIGHT:+--size-weight $SIZE_WEIGHT} \
       2>&1 | tee "$OUT/train.log"
   rc=${PIPESTATUS[0]}
   cp "$WORK/mminfer-embedded/embedded.json" "$OUT/" 2>/dev/null || true
