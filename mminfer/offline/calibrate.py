@@ -268,6 +268,112 @@ HARD = ("dense", "best")
 DENSE = ("dense", None, None)        # the key of the dense fallback among the candidates
 
 
+def _candidate_set(make, index, n_ref, budgets, gammas, min_density, max_density,
+                   block_m, block_n) -> dict:
+    """(family, budget, gamma) -> HeadPattern: every fixed-budget candidate of ``make`` and
+    every mass-budget one, sized at ``n_ref`` on ``index``."""
+    cands: dict = {}
+    for b in budgets:
+        for name, hp in make(index, n_ref, b, block_m=block_m, block_n=block_n).items():
+            cands[(name, b, None)] = hp
+    for g in gammas:
+        for name, hp in mass_candidate_patterns(index, n_ref, g, min_density=min_density,
+                                                max_density=max_density, block_m=block_m,
+                                                block_n=block_n).items():
+            cands[(name, None, g)] = hp
+    return cands
+
+
+def _choose(score: dict, density: dict, max_error: float, hard: str) -> tuple:
+    """One head's choice among candidates (key -> score, key -> mean density):
+    ``(key, is_hard)``, the key being ``DENSE`` for the dense fallback."""
+    fits = [key for key in score if score[key] <= max_error]
+    if fits:
+        chosen = min(fits, key=lambda key: (density[key], score[key]))
+        # Dense costs 1 (its own tiles); at short lengths a sparse plan can visit more tiles
+        # than that, and then dense is the cheaper way to hold the bound.
+        if hard == "dense" and density[chosen] >= 1.0:
+            chosen = DENSE
+    elif hard == "best":
+        chosen = min(score, key=lambda key: (score[key], density[key]))
+    else:
+        chosen = DENSE
+    return chosen, chosen == DENSE or not fits
+
+
+def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_error: float,
+             hard: str = "dense"):
+    """The choice of ``calibrate`` made again under another bound, from the numbers its
+    report kept (every candidate's error, mass and mean density per head), without measuring
+    anything: a calibration of a large model is expensive, and the bound is best set after
+    seeing what each head can hold. ``index`` is the first calibration input's (the
+    candidates are sized on it); ``cfg`` gives the identity and the candidate set.
+    Returns ``(HeadPatternConfig, report)``; heads whose choice changed have no per-input
+    numbers (nothing was re-measured)."""
+    prov = cfg.provenance or {}
+    need = ("calibration_inputs", "budgets", "gammas", "min_density", "max_density",
+            "block_m", "block_n", "objective", "candidates")
+    missing = [k for k in need if k not in prov]
+    if missing:
+        raise ConfigError(f"the config's provenance lacks {', '.join(missing)}: only a config "
+                          f"written by `mminfer calibrate` can be re-selected")
+    if hard not in HARD:
+        raise ConfigError(f"hard {hard!r} is not one of {', '.join(HARD)}")
+    first = prov["calibration_inputs"][0]
+    if first.get("tokens") != index.n:
+        raise InputError(f"the first calibration input {first.get('name')} had "
+                         f"{first.get('tokens')} tokens, the index given has {index.n}: give "
+                         f"the same video the calibration started with")
+    tokens = sorted(c["tokens"] for c in prov["calibration_inputs"])
+    n_ref = tokens[len(tokens) // 2]
+    cands = _candidate_set(candidate_patterns, index, n_ref, prov["budgets"], prov["gammas"],
+                           prov["min_density"], prov["max_density"], prov["block_m"],
+                           prov["block_n"])
+    by_label = {_label(key): key for key in cands}
+    if sorted({key[0] for key in cands}) != sorted(prov["candidates"]):
+        raise ConfigError(f"candidate families {sorted({k[0] for k in cands})} differ from the "
+                          f"calibration's {prov['candidates']}: re-selection needs the default "
+                          f"candidates")
+    objective = prov["objective"]
+    layers = [list(row) for row in cfg.layers]
+    rows = []
+    for r in report:
+        got = r["candidates"]
+        unknown = sorted(set(got) - set(by_label))
+        if unknown:
+            raise ConfigError(f"report head L{r['layer']}H{r['head']} has candidates "
+                              f"{unknown} this mminfer does not build")
+        score = {by_label[lab]: (m["error"] if objective == "output_error" else 1 - m["mass"])
+                 for lab, m in got.items()}
+        density = {by_label[lab]: m["density"] for lab, m in got.items()}
+        chosen, is_hard = _choose(score, density, max_error, hard)
+        row = dict(r, pattern=chosen[0], budget=chosen[1], gamma=chosen[2], hard=is_hard)
+        if chosen == DENSE:
+            layers[r["layer"]][r["head"]] = HeadPattern.single(dense())
+            row.update(error=0.0, mass=1.0, density=1.0,
+                       per_input={n_: {"error": 0.0, "mass": 1.0, "density": 1.0}
+                                  for n_ in r.get("per_input", {})})
+        else:
+            layers[r["layer"]][r["head"]] = cands[chosen]
+            m = got[_label(chosen)]
+            same = (r["pattern"], r["budget"], r["gamma"]) == chosen
+            row.update(error=m["error"], mass=m["mass"], density=m["density"],
+                       per_input=r.get("per_input", {}) if same else {})
+        rows.append(row)
+    score_of = (lambda r: r["error"]) if objective == "output_error" else \
+        (lambda r: 1 - r["mass"])
+    rows.sort(key=lambda r: (not r["hard"], -score_of(r), -r["density"]))
+    new_prov = dict(prov, made_by="mminfer calibrate --reselect", max_error=max_error,
+                    hard=hard, reselected_from={"max_error": prov.get("max_error"),
+                                                "hard": prov.get("hard"),
+                                                "date": prov.get("date")},
+                    hard_heads=sorted([r["layer"], r["head"]] for r in rows if r["hard"]),
+                    mean_density=_r(sum(r["density"] for r in rows) / max(1, len(rows))),
+                    density_per_input={})
+    return HeadPatternConfig(cfg.identity, layers, uncalibrated=cfg.uncalibrated,
+                             provenance=new_prov), rows
+
+
 def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = (0.1, 0.2),
               gammas: Sequence[float] = (), min_density: float = 0.0, max_density: float = 0.3,
               candidates: Mapping | Callable | None = None, objective: str = "output_error",
@@ -323,16 +429,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
     n_ref = sorted(c.n for c in caps)[len(caps) // 2]
     make = candidates if callable(candidates) else (
         (lambda *a, **kw: dict(candidates)) if candidates is not None else candidate_patterns)
-    # (family, budget, gamma) -> HeadPattern
-    cands: dict = {}
-    for b in budgets:
-        for name, hp in make(caps[0].index, n_ref, b, block_m=block_m, block_n=block_n).items():
-            cands[(name, b, None)] = hp
-    for g in gammas:
-        for name, hp in mass_candidate_patterns(caps[0].index, n_ref, g, min_density=min_density,
-                                                max_density=max_density, block_m=block_m,
-                                                block_n=block_n).items():
-            cands[(name, None, g)] = hp
+    cands = _candidate_set(make, caps[0].index, n_ref, budgets, gammas, min_density,
+                           max_density, block_m, block_n)
 
     total = sum(len(c.layers) for c in caps) * len(cands)
     bar = _progress(total, progress)
@@ -356,20 +454,9 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
         names = sorted({name for per in metrics[i].values() for name in per})
         agg = {key: _aggregate(per, names, objective, quantile) for key, per in metrics[i].items()}
         for h in range(H):
-            fits = [key for key, a in agg.items() if float(a["score"][h]) <= max_error]
-            if fits:
-                chosen = min(fits, key=lambda key: (float(agg[key]["density"][h]),
-                                                    float(agg[key]["score"][h])))
-                # Dense costs 1 (its own tiles); at short lengths a sparse plan can visit
-                # more tiles than that, and then dense is the cheaper way to hold the bound.
-                if hard == "dense" and float(agg[chosen]["density"][h]) >= 1.0:
-                    chosen = DENSE
-            elif hard == "best":
-                chosen = min(agg, key=lambda key: (float(agg[key]["score"][h]),
-                                                   float(agg[key]["density"][h])))
-            else:
-                chosen = DENSE
-            is_hard = chosen == DENSE or not fits
+            chosen, is_hard = _choose({key: float(a["score"][h]) for key, a in agg.items()},
+                                      {key: float(a["density"][h]) for key, a in agg.items()},
+                                      max_error, hard)
             if chosen == DENSE:
                 layers[i][h] = HeadPattern.single(dense())
                 got = {"error": 0.0, "mass": 1.0, "density": 1.0,
@@ -548,11 +635,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: 128 on a GPU, 16 on the CPU)")
     parser.add_argument("--block-n", type=int, help="tile keys of the plans measured "
                         "(default: 64 on a GPU, 16 on the CPU)")
+    parser.add_argument("--reselect", metavar="CONFIG", help="choose again from an earlier "
+                        "calibration's numbers (CONFIG and its report), under this run's "
+                        "--max-error and --hard, measuring nothing; the candidates are rebuilt "
+                        "on the first calibration input: give its capture (.pt), or --model "
+                        "with that one video (default: none)")
     parser.add_argument("--device", default=None, help="move the captures here, and capture "
                         "there (e.g. cuda) (default: the model's device, cuda if available)")
 
 
 def run(args) -> int:
+    if args.reselect:
+        return _run_reselect(args)
     inputs = list(args.inputs)
     if args.model or args.videos:
         if not (args.model and args.videos):
@@ -595,6 +689,51 @@ def run(args) -> int:
     print(f"wrote {args.out} and {report_path}")
     print(format_report(report, cfg.provenance))
     return 0
+
+
+def _run_reselect(args) -> int:
+    src = Path(args.reselect)
+    if not src.is_file():
+        raise InputError(f"--reselect {src}: no such config file")
+    cfg = HeadPatternConfig.load(src)
+    rep_path = Path(str(src.with_suffix("")) + ".report.json")
+    if not rep_path.is_file():
+        raise InputError(f"--reselect {src}: its report {rep_path} is missing (calibrate "
+                         f"writes it next to the config)")
+    report = json.loads(rep_path.read_text())
+    if args.inputs:
+        index = load_captures(args.inputs[:1])[0].index
+    elif args.model and args.videos:
+        index = _first_index(args.model, args.videos[0], args)
+    else:
+        raise InputError("--reselect needs the first calibration input: its capture (.pt), "
+                         "or --model with that video (--videos)")
+    new, rows = reselect(cfg, report, index, max_error=args.max_error, hard=args.hard)
+    new.save(args.out)
+    report_path = args.report or str(Path(args.out).with_suffix("")) + ".report.json"
+    Path(report_path).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.out} and {report_path} (re-selected from {src}, nothing measured; "
+          f"mean density over heads {new.provenance['mean_density']:.4f})")
+    print(format_report(rows, new.provenance))
+    return 0
+
+
+def _first_index(model, video, args) -> ModalityIndex:
+    """The ModalityIndex of one calibration video as the capture step built it (no
+    prefill: only the adapter's preprocessing)."""
+    from mminfer.engine import video as videolib
+    from mminfer.engine.pipeline import Pipeline
+    from mminfer.models.base import PrepareOptions
+    from .capture import synthetic_video
+    ad = Pipeline(model=model, attention="dense", device="cpu").adapter
+    if str(video).startswith("synth:"):
+        decoded, question, _ = synthetic_video(str(video))
+    else:
+        decoded = videolib.decode(str(video), sampling=ad.sampling, fps=args.fps,
+                                  max_frames=min(args.max_frames, ad.frame_limit or
+                                                 args.max_frames))
+        question = args.question
+    return ad.prepare(decoded, question, PrepareOptions()).index
 
 
 def format_report(report: list, prov: dict) -> str:

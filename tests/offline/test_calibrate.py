@@ -175,3 +175,54 @@ def test_capture_from_synthetic_sources(tmp_path):
     assert cap["name"] == "synth-needle-4-900000" and sorted(cap["layers"]) == [0, 1]
     q = cap["layers"][0]["q"]
     assert q.shape[2] == cap["index"]["n"] and q.shape[2] > 2 * 4   # 2 pairs of 4 tokens + text
+
+
+def test_reselect_repeats_the_choice_then_loosens_it_without_measuring(tmp_path, capsys):
+    """--reselect rebuilds the candidates from the config's provenance and the first input's
+    index: at the calibration's own bound it gives the same config back, at a looser one
+    fewer hard heads and a lower density, with each head's numbers those its report kept."""
+    from mminfer.errors import InputError
+    from mminfer.offline.calibrate import reselect
+    from mminfer.sparse.patterns import default_config
+    (tmp_path / "caps").mkdir()
+    for s in (3, 4):
+        torch.save(_capture(seed=s), tmp_path / "caps" / f"c{s}.pt")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--model-id", "toy/model", "--layers", "1", "--engine", "reference"]
+    out = tmp_path / "tight.json"
+    assert run(parser.parse_args([str(tmp_path / "caps"), "--out", str(out), "--budget", "0.3",
+                                  "0.6", "--gamma", "0.9", "--max-error", "0.002", *base])) == 0
+    tight = HeadPatternConfig.load(out)
+    tight_report = json.loads((tmp_path / "tight.report.json").read_text())
+    assert any(r["hard"] for r in tight_report)          # the bound is strict enough to bite
+
+    def again(bound, name):
+        args = parser.parse_args([str(tmp_path / "caps" / "c3.pt"), "--reselect", str(out),
+                                  "--out", str(tmp_path / name), "--max-error", str(bound)])
+        assert run(args) == 0
+        return (HeadPatternConfig.load(tmp_path / name),
+                json.loads((tmp_path / name.replace(".json", ".report.json")).read_text()))
+
+    same, same_report = again(0.002, "same.json")
+    assert same.layers == tight.layers
+    assert [(r["head"], r["pattern"], r["hard"]) for r in same_report] == \
+        [(r["head"], r["pattern"], r["hard"]) for r in tight_report]
+    loose, loose_report = again(10.0, "loose.json")
+    assert not any(r["hard"] for r in loose_report)
+    assert loose.provenance["reselected_from"]["max_error"] == 0.002
+    assert loose.provenance["mean_density"] < same.provenance["mean_density"]
+    for r in loose_report:                   # the cheapest candidate, with its kept numbers
+        label = f"{r['pattern']}@{r['budget']:g}" if r["budget"] is not None else \
+            f"{r['pattern']}@g{r['gamma']:g}"
+        cheapest = min(r["candidates"].values(), key=lambda m: m["density"])
+        assert r["density"] == cheapest["density"] == r["candidates"][label]["density"]
+        assert r["error"] == r["candidates"][label]["error"]
+    assert "re-selected" in capsys.readouterr().out
+    # The candidates are sized on the first input: another length is refused, and so is a
+    # config that no calibration wrote.
+    other = ModalityIndex.from_segments([("text", 100)])
+    with pytest.raises(InputError, match="had 160 tokens, the index given has 100"):
+        reselect(tight, tight_report, other, max_error=0.1)
+    with pytest.raises(ConfigError, match="only a config written by `mminfer calibrate`"):
+        reselect(default_config(IDENTITY), tight_report, other, max_error=0.1)
