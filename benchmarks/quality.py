@@ -128,12 +128,13 @@ def rendered(specs, workers):
 
 # ------------------------------------------------------------------------- model
 class Runner:
-    def __init__(self, model_dir, device, dtype):
+    def __init__(self, model_dir, device, dtype, engine="kernel", block=None):
         from mminfer.engine.pipeline import Pipeline
         self.pipe = Pipeline(str(model_dir), attention="dense", device=device, dtype=dtype)
         self.ad = self.pipe.adapter
         cuda = self.ad.device.type == "cuda"
-        self.block_m, self.block_n = (128, 64) if cuda else (16, 16)
+        self.block_m, self.block_n = block or ((128, 64) if cuda else (16, 16))
+        self.engine = engine
         self.answer_ids = E.answer_ids(self.ad.tokenizer)
 
     def prepare(self, frames, question):
@@ -155,7 +156,8 @@ class Runner:
         L = prep.input_ids.shape[1]
         ctx = PrefillContext(index=prep.index, patterns=patterns,
                              mode="sparse" if sparse else "dense", min_sparse_len=0,
-                             keep_plans=True)
+                             keep_plans=True, engine=self.engine,
+                             block=(self.block_m, self.block_n))
         with prefill_context(ctx):
             h = ad.text_model(inputs_embeds=embeds, position_ids=ad.positions(prep, 0, L),
                               use_cache=False).last_hidden_state
@@ -399,13 +401,21 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--max-minutes", type=float, default=2.0,
                     help="stop taking new examples after this long")
+    ap.add_argument("--engine", choices=("kernel", "reference"), default="kernel",
+                    help="how sparse modes run their plans: the Triton kernels, or exact "
+                    "masked attention by row chunks (no Triton: sparse answers on a CPU at "
+                    "long N, at the cost of a dense pass)")
+    ap.add_argument("--block", type=int, nargs=2, metavar=("M", "N"),
+                    help="plan tiles (default 128 64 on a GPU, 16 16 on the CPU; give 128 64 "
+                    "on the CPU to plan as a GPU calibration did)")
     args = ap.parse_args(argv)
 
     E.use_bundled_fonts()
     model_dir = Path(args.model) if args.model else E.default_model()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runner = Runner(model_dir, args.device, args.dtype)
+    runner = Runner(model_dir, args.device, args.dtype, engine=args.engine,
+                    block=tuple(args.block) if args.block else None)
     ad = runner.ad
     cuda = ad.device.type == "cuda"
     workers = args.workers if args.workers is not None else (
@@ -465,7 +475,8 @@ def main(argv=None):
     finally:
         summary = summarise(records, modes, lengths, depths, args.long_from)
         result = {"model": str(model_dir), "device": torch.cuda.get_device_name(ad.device)
-                  if cuda else "cpu", "dtype": str(ad.dtype), "modes": modes,
+                  if cuda else "cpu", "dtype": str(ad.dtype), "engine": args.engine,
+                  "block": [runner.block_m, runner.block_n], "modes": modes,
                   "lengths": lengths, "depths": depths, "renderer": args.renderer,
                   "held_out_seeds":
                   [E.HELDOUT_SEED_MIN, E.HELDOUT_SEED_MAX], "stopped": stopped,

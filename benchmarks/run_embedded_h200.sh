@@ -22,7 +22,10 @@
 #
 # eval knobs: CAL_FRAMES (calibration video lengths in frames, default "1024 2048 4096"),
 #   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585),
-#   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05).
+#   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05), RESELECT (looser
+#   bounds, e.g. "0.3 0.5": calibrate --reselect makes each one's config from the same
+#   numbers and quality.py measures it too, dense + that config, into $OUT/quality_eval_<bound>;
+#   the quality time is shared equally by the runs).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
 # Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, SIZE_WEIGHT (six weights, one per
 # variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), INIT (train: a model folder or an earlier
@@ -119,13 +122,31 @@ eval)
   fi
   cp "$MODEL/mminfer_patterns.json" "$MODEL"/mminfer_patterns.report.json "$OUT/" 2>/dev/null
   tar -czf "$OUT/model_calibrated.tar.gz" -C "$(dirname "$MODEL")" "$(basename "$MODEL")"
-  # the rest of the call for the quality benchmark (30 s kept for its tables and the exit;
-  # SIGINT at the limit: it stops the video in flight and still writes them)
-  Q_S=$(( $(left "$BUDGET") - 30 ))
-  echo "quality: $Q_S s left"
-  timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$MODEL" --renderer "$RENDERER" \
-      --out "$OUT/quality_eval" --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" \
-      --markdown "$OUT/quality_eval/tables.md" "${QARGS[@]}" 2>&1 | tee "$OUT/quality.log"
+  # RESELECT="0.3 0.5": the same calibration's choice under looser bounds (calibrate
+  # --reselect, nothing re-measured), each a model copy whose sparse answers are measured too
+  RUNS=("$MODEL|quality_eval|${QARGS[*]}")
+  for e in ${RESELECT:-}; do
+    M_E=$WORK/eval_$e/$(basename "$MODEL"); rm -rf "$WORK/eval_$e"; mkdir -p "$WORK/eval_$e"
+    cp -r "$MODEL" "$M_E"
+    $PY -m mminfer calibrate --reselect "$MODEL/mminfer_patterns.json" --model "$MODEL" \
+        --videos "${VIDS[0]}" --max-error "$e" --out "$M_E/mminfer_patterns.json" \
+        2>&1 | tee "$OUT/reselect_$e.log" || continue
+    cp "$M_E/mminfer_patterns.json" "$OUT/reselect_$e.json"
+    # dense and this config only: dense is the reference the points are taken from
+    RUNS+=("$M_E|quality_eval_$e|$(printf '%s ' "${QARGS[@]}" | sed 's/--densities[ 0-9.]*//') --densities")
+  done
+  # the rest of the call for the quality benchmark, shared by the runs (30 s kept for the
+  # tables and the exit; SIGINT at the limit: it stops the video in flight and still writes them)
+  Q_ALL=$(( $(left "$BUDGET") - 30 ))
+  Q_S=$(( Q_ALL / ${#RUNS[@]} ))
+  for run in "${RUNS[@]}"; do
+    IFS='|' read -r M_R NAME ARGS_R <<< "$run"
+    echo "quality ($NAME): $Q_S s"
+    # shellcheck disable=SC2086  # ARGS_R is a word list
+    timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$M_R" \
+        --renderer "$RENDERER" --out "$OUT/$NAME" --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" \
+        --markdown "$OUT/$NAME/tables.md" $ARGS_R 2>&1 | tee "$OUT/${NAME/quality_eval/quality}.log"
+  done
   ;;
 *)
   echo "usage: $0 train | eval MODEL_DIR_OR_TAR" >&2

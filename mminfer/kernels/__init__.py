@@ -13,7 +13,8 @@ import importlib
 _WHERE = {"AShape": "specs", "Block": "specs", "Fallback": "specs", "Grid": "specs",
           "VerticalSlash": "specs", "dense": "specs", "row_table": "layout",
           "SparsePlan": "plan", "count_plan": "launch", "sparse_attention": "launch",
-          "spec_masks": "masks", "proxy_stats": "proxy", "masked_attention": "reference"}
+          "spec_masks": "masks", "proxy_stats": "proxy", "masked_attention": "reference",
+          "plan_attention": "reference"}
 
 __all__ = sorted(_WHERE)
 

@@ -195,15 +195,26 @@ def spec_masks(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64
     """Exact boolean mask ``[B, H, N, N]`` of the pattern specs (small N only)."""
     if n > MAX_N:
         raise ValueError(f"masks are for small N (got {n}); use plan.density() at long N")
+    return next(spec_mask_rows(specs, n, num_heads, block_m=block_m, block_n=block_n,
+                               row_groups=row_groups, batch=batch, rows=n))[1]
+
+
+def spec_mask_rows(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
+                   row_groups=None, batch: int = 1, rows: int = 1024):
+    """The same mask ``rows`` query rows at a time, at any N: yields ``(r0, mask [B, H,
+    r1 - r0, N])``. The parameters are laid out once; only a chunk's pairs are held."""
     L = layout_tensors(n, block_m, block_n, row_groups)
-    out = torch.zeros(batch, num_heads, n, n, dtype=torch.bool)
     b = torch.arange(batch)[:, None, None, None]
-    q = torch.arange(n)[None, None, :, None]
     kv = torch.arange(n)[None, None, None, :]
+    params = []
     for sp, active in flat_specs(specs, batch):
-        if not len(sp.heads):
-            continue
-        P = spec_params(sp, L, num_heads, batch, active)
-        hs = torch.tensor(list(sp.heads), dtype=torch.long)
-        out[:, hs] |= MASKS[family_of(sp)](P, b, hs[None, :, None, None], q, kv)
-    return out
+        if len(sp.heads):
+            params.append((MASKS[family_of(sp)], spec_params(sp, L, num_heads, batch, active),
+                           torch.tensor(list(sp.heads), dtype=torch.long)))
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        q = torch.arange(r0, r1)[None, None, :, None]
+        out = torch.zeros(batch, num_heads, r1 - r0, n, dtype=torch.bool)
+        for fn, P, hs in params:
+            out[:, hs] |= fn(P, b, hs[None, :, None, None], q, kv)
+        yield r0, out

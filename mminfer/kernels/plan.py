@@ -196,6 +196,13 @@ class SparsePlan:
                                  block_n=self.block_n, row_groups=self.row_groups,
                                  batch=self.batch)
 
+    def mask_rows(self, rows: int = 1024):
+        """The exact mask of :meth:`masks`, ``rows`` query rows at a time at any N: yields
+        ``(r0, mask [B, H, rows, N])`` (``reference.plan_attention`` runs a plan so)."""
+        return _masks.spec_mask_rows(self.specs, self.n, self.num_heads, block_m=self.block_m,
+                                     block_n=self.block_n, row_groups=self.row_groups,
+                                     batch=self.batch, rows=rows)
+
     def density(self) -> dict:
         """Logical pairs and visited tiles, counted from the compiled arrays along the
         kernel's own traversal (``density.py``): no launch, at any N."""

@@ -23,3 +23,30 @@ def masked_attention(q, k, v, mask, scale=None, dtype=torch.float32):
     p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)
     return torch.matmul(p, vh), lse
+
+
+def plan_attention(q, k, v, plan, scale=None, *, rows: int = 1024, out=None,
+                   return_lse: bool = False):
+    """What the sparse kernel computes for ``plan``, done by masked attention over the plan's
+    exact mask ``rows`` query rows at a time: the CPU's engine (no Triton), at any N. The
+    cost is a dense pass (every pair is scored, then masked); memory is one chunk's scores.
+
+    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]``; fp32 arithmetic, the result in q's dtype
+    (into ``out``, any ``[B, Hq, N, D]`` view, when given). Rows with no key give 0."""
+    B, Hq, N, D = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device) if return_lse else None
+    group = Hq // k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    kh = k.float().repeat_interleave(group, dim=1)
+    vh = v.float().repeat_interleave(group, dim=1)
+    for r0, m in plan.mask_rows(rows):
+        r1 = r0 + m.shape[2]
+        s = torch.matmul(q[:, :, r0:r1].float(), kh.transpose(-1, -2)) * scale
+        s.masked_fill_(~m.to(s.device), float("-inf"))
+        if return_lse:
+            lse[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+        out[:, :, r0:r1] = torch.matmul(p, vh).to(out.dtype)
+    return (out, lse) if return_lse else out

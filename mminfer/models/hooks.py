@@ -36,6 +36,11 @@ class PrefillContext:
     cancel: object = None           # callable -> bool: the prefill checks it before every layer
     unavailable: str | None = None  # why the sparse kernels cannot run here (sparse_unavailable)
     sparse: bool | None = None      # the decision, made once by decide()
+    # how a sparse layer runs its plan: "kernel" (Triton) or "reference" (exact masked
+    # attention by row chunks, no Triton: sparse answers measured on a CPU at long N), and
+    # the plan's tiles (None: 128 x 64 on a GPU, 16 x 16 on the CPU)
+    engine: str = "kernel"
+    block: tuple | None = None
 
     def decide(self, n_tokens: int) -> bool:
         """This request's prefill of ``n_tokens`` is sparse or not: decided on the first call,
@@ -128,9 +133,10 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     out = torch.empty(B, N, H, D, dtype=query.dtype, device=query.device)
     # tensor parallel: this rank holds global heads tp_rank * H + h (engine/parallel.py)
     heads = ctx.patterns.heads_for_rank(layer, getattr(module, "tp_rank", 0), H)
+    bm, bn = ctx.block or (None, None)
     res = layer_attention(query, key, value, ctx.index, heads,
                           return_plan=ctx.keep_plans, scale=scaling, out=out.transpose(1, 2),
-                          timer=timer)
+                          timer=timer, engine=ctx.engine, block_m=bm, block_n=bn)
     if ctx.keep_plans:
         ctx.densities[layer] = res[1]
     return out, None

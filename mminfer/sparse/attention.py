@@ -17,14 +17,17 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     return_plan: bool = False,
                     scale: float | None = None, out: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int | None = None, timer=None,
-                    proxy: str = "auto"):
+                    proxy: str = "auto", engine: str = "kernel"):
     """Causal attention of one layer's prefill.
 
     q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` (GQA by head index). ``heads[h]`` is the
     pattern of query head h (global heads of this rank). ``out`` (any ``[B, Hq, N, D]``
     view, e.g. a transposed ``[B, N, Hq, D]`` buffer) receives the result. ``timer`` (a
     ``StageTimer``) books estimation + plan under "index" and the kernels under "attention";
-    ``proxy`` picks the estimator's proxy (``estimate.PROXIES``). Returns ``out``, or
+    ``proxy`` picks the estimator's proxy (``estimate.PROXIES``). ``engine`` runs the plan:
+    "kernel" (the Triton kernels) or "reference" (``kernels.reference.plan_attention``: exact
+    masked attention a chunk of rows at a time, no Triton, the cost of a dense pass; for
+    measuring sparse answers on a CPU at long N). Returns ``out``, or
     ``(out, plan)`` with ``return_plan`` (``plan.density()``
     counts its work from the plan's arrays, no launch).
     """
@@ -34,7 +37,6 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = D ** -0.5 if scale is None else scale
     stage = timer if timer is not None else (lambda name: nullcontext())
     from .estimate import estimate_layer
-    from mminfer.kernels import sparse_attention
 
     if len(heads) != Hq:
         raise ValueError(f"{len(heads)} head patterns for {Hq} query heads")
@@ -46,5 +48,12 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              proxy=proxy)
         plan = est.build_plan(q.device)
     with stage("attention"):
-        out = sparse_attention(q, k, v, plan, scale=scale, out=out)
+        if engine == "reference":
+            from mminfer.kernels.reference import plan_attention
+            out = plan_attention(q, k, v, plan, scale=scale, out=out)
+        elif engine == "kernel":
+            from mminfer.kernels import sparse_attention
+            out = sparse_attention(q, k, v, plan, scale=scale, out=out)
+        else:
+            raise ValueError(f"engine {engine!r} is not one of kernel, reference")
     return (out, plan) if return_plan else out

@@ -94,3 +94,67 @@ def test_through_the_transformers_hook_full_budget_equals_sdpa():
     assert set(ctx.densities) == {0, 1}
     assert ctx.densities[0].row_groups == idx.row_groups()   # Q-boundary head
     assert {"index", "attention"} <= set(timer.totals_ms())
+
+
+def test_reference_engine_runs_the_same_plan_by_row_chunks_without_triton():
+    """engine="reference" (the CPU's way to measure sparse answers at long N) gives what the
+    kernel gives on the same plan: exact masked attention of the plan's mask, built a few rows
+    at a time; the chunks put together are the whole mask, at any chunk size."""
+    from mminfer.kernels.reference import plan_attention
+    idx, q, k, v = _inputs(seed=2)
+    B, H, N, D = q.shape
+    buf = torch.full((B, N, H, D), float("nan"))
+    out, plan = layer_attention(q, k, v, idx, HEADS, return_plan=True, scale=0.3,
+                                out=buf.transpose(1, 2), engine="reference")
+    assert out.data_ptr() == buf.data_ptr()
+    mask = plan.masks()
+    for rows in (7, 16, N):
+        chunks = list(plan.mask_rows(rows))
+        assert [r0 for r0, _ in chunks] == list(range(0, N, rows))
+        assert torch.equal(torch.cat([m for _, m in chunks], 2), mask)
+    ref, ref_lse = masked_attention(q, k, v, mask, scale=0.3)
+    torch.testing.assert_close(buf.transpose(1, 2), ref, atol=2e-5, rtol=2e-5)
+    got, lse = plan_attention(q, k, v, plan, scale=0.3, rows=5, return_lse=True)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+    assert (got - _sdpa(q, k, v, 0.3)).abs().max() > 1e-3       # sparse for real
+    with pytest.raises(ValueError, match="engine 'flash' is not one of kernel, reference"):
+        layer_attention(q, k, v, idx, HEADS, engine="flash")
+    # the kernel on the same plan (CPU: the Triton interpreter)
+    from mminfer.kernels.runtime import interpreted
+    if q.is_cuda or interpreted():
+        kern = layer_attention(q, k, v, idx, HEADS, scale=0.3)
+        torch.testing.assert_close(kern, got, atol=2e-5, rtol=2e-5)
+
+
+def test_reference_engine_through_the_hook_with_gpu_tiles():
+    """PrefillContext(engine="reference", block=(128, 64)): the hook plans with the GPU's tiles
+    and runs the plan without Triton; at full budgets that is the dense model again."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mminfer.sparse.estimate import full_budget
+    from mminfer.models.hooks import PrefillContext, prefill_context, register
+    from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity
+
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    idx = ModalityIndex.from_segments([("text", 6), ("video", 8, 4, 6, 0), ("text", 10)])
+    ids = torch.randint(0, 100, (1, idx.n))
+    full = HeadPatternConfig(ModelIdentity("tiny", "main", 2, 4, 2, 16),
+                             [full_budget(HEADS, idx.n)] * 2)
+    sparse = HeadPatternConfig(ModelIdentity("tiny", "main", 2, 4, 2, 16), [HEADS] * 2)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids).logits
+        model.set_attn_implementation(register())
+        got = {}
+        for name, pats in (("full", full), ("sparse", sparse)):
+            ctx = PrefillContext(index=idx, patterns=pats, mode="sparse", keep_plans=True,
+                                 engine="reference", block=(128, 64))
+            with prefill_context(ctx):
+                got[name] = model(ids).logits
+            assert ctx.densities[0].block_m == 128 and ctx.densities[0].block_n == 64
+    torch.testing.assert_close(got["full"], ref, atol=1e-5, rtol=1e-5)
+    assert (got["sparse"] - ref).abs().max() > 1e-4
