@@ -144,16 +144,22 @@ def a_shape(P, b, h, q, kv):
     return ok & (near | (kv < P["sink"][b, h]))
 
 
-def grid(P, b, h, q, kv):
-    ok, near = _common(P, b, h, q, kv)
+def _on_grid(P, b, h, x):
     start, end = P["start"][b, h], P["end"][b, h]
     stride, phase = P["stride"][b, h], P["phase"][b, h]
+    return (x >= start) & (x < end) & (torch.remainder(x - start, stride) == phase)
 
-    def on(x):
-        return (x >= start) & (x < end) & (torch.remainder(x - start, stride) == phase)
 
-    return ok & (near | (kv < P["sink"][b, h]) | (P["cols"][b, h] & on(kv))
-                 | (P["rows"][b, h] & on(q)))
+def grid(P, b, h, q, kv):
+    ok, near = _common(P, b, h, q, kv)
+    return ok & (near | (kv < P["sink"][b, h]) | (P["cols"][b, h] & _on_grid(P, b, h, kv))
+                 | (P["rows"][b, h] & _on_grid(P, b, h, q)))
+
+
+def grid_row_lines(P, b, h, q, kv):
+    """The pairs a grid's row lines alone give (a query on a line sees every key)."""
+    ok, _ = _common(P, b, h, q, kv)
+    return ok & P["rows"][b, h] & _on_grid(P, b, h, q)
 
 
 def vertical_slash(P, b, h, q, kv):
@@ -192,29 +198,59 @@ def flat_specs(specs, batch: int = 1):
 
 def spec_masks(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
                row_groups=None, batch: int = 1) -> torch.Tensor:
-    """Exact boolean mask ``[B, H, N, N]`` of the pattern specs (small N only)."""
+    """Exact boolean mask ``[B, H, N, N]`` of the pattern specs (small N only): every pair
+    evaluated by the mask functions, the oracle the kernels are tested against."""
     if n > MAX_N:
         raise ValueError(f"masks are for small N (got {n}); use plan.density() at long N")
-    return next(spec_mask_rows(specs, n, num_heads, block_m=block_m, block_n=block_n,
-                               row_groups=row_groups, batch=batch, rows=n))[1]
+    L = layout_tensors(n, block_m, block_n, row_groups)
+    out = torch.zeros(batch, num_heads, n, n, dtype=torch.bool)
+    b = torch.arange(batch)[:, None, None, None]
+    q = torch.arange(n)[None, None, :, None]
+    kv = torch.arange(n)[None, None, None, :]
+    for sp, active in flat_specs(specs, batch):
+        if not len(sp.heads):
+            continue
+        P = spec_params(sp, L, num_heads, batch, active)
+        hs = torch.tensor(list(sp.heads), dtype=torch.long)
+        out[:, hs] |= MASKS[family_of(sp)](P, b, hs[None, :, None, None], q, kv)
+    return out
 
 
 def spec_mask_rows(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
                    row_groups=None, batch: int = 1, rows: int = 1024):
-    """The same mask ``rows`` query rows at a time, at any N: yields ``(r0, mask [B, H,
-    r1 - r0, N])``. The parameters are laid out once; only a chunk's pairs are held."""
+    """The mask of :func:`spec_masks` ``rows`` query rows at a time, at any N: yields
+    ``(r0, mask [B, H, r1 - r0, N])``. Apart from causality and a grid's row lines, a
+    query's pairs depend only on its row block (its start, end, group, chosen key blocks),
+    so each family is evaluated once per row block (at the block's last row in the chunk:
+    a causal superset), spread over the block's rows and cut causally row by row; grid row
+    lines are added per row. Tested equal to :func:`spec_masks`."""
     L = layout_tensors(n, block_m, block_n, row_groups)
     b = torch.arange(batch)[:, None, None, None]
     kv = torch.arange(n)[None, None, None, :]
     params = []
     for sp, active in flat_specs(specs, batch):
         if len(sp.heads):
-            params.append((MASKS[family_of(sp)], spec_params(sp, L, num_heads, batch, active),
-                           torch.tensor(list(sp.heads), dtype=torch.long)))
+            fam = family_of(sp)
+            P = spec_params(sp, L, num_heads, batch, active)
+            hs = torch.tensor(list(sp.heads), dtype=torch.long)[None, :, None, None]
+            Pb = dict(P, rows=torch.zeros_like(P["rows"])) if fam == "grid" else P
+            params.append((fam, P, Pb, hs))
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
-        q = torch.arange(r0, r1)[None, None, :, None]
-        out = torch.zeros(batch, num_heads, r1 - r0, n, dtype=torch.bool)
-        for fn, P, hs in params:
-            out[:, hs] |= fn(P, b, hs[None, :, None, None], q, kv)
+        q = torch.arange(r0, r1)
+        rb = L["row_block"][r0:r1]
+        step = torch.zeros(r1 - r0, dtype=torch.long)
+        step[1:] = (rb[1:] != rb[:-1]).long()
+        which = step.cumsum(0)                       # row -> its block among the chunk's
+        last = torch.ones(r1 - r0, dtype=torch.bool)
+        last[:-1] = step[1:].bool()
+        qb = q[last][None, None, :, None]
+        blocks = torch.zeros(batch, num_heads, int(last.sum()), n, dtype=torch.bool)
+        for fam, P, Pb, hs in params:
+            blocks[:, hs[0, :, 0, 0]] |= MASKS[fam](Pb, b, hs, qb, kv)
+        qr = q[None, None, :, None]
+        out = blocks[:, :, which] & (kv <= qr)
+        for fam, P, _, hs in params:
+            if fam == "grid" and bool(P["rows"].any()):
+                out[:, hs[0, :, 0, 0]] |= grid_row_lines(P, b, hs, qr, kv)
         yield r0, out

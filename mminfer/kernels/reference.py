@@ -43,10 +43,15 @@ def plan_attention(q, k, v, plan, scale=None, *, rows: int = 1024, out=None,
     vh = v.float().repeat_interleave(group, dim=1)
     for r0, m in plan.mask_rows(rows):
         r1 = r0 + m.shape[2]
+        m = m.to(q.device)
+        if not return_lse:      # SDPA with a boolean mask: the same sums, ~2x faster on a CPU
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, r0:r1].float(), kh, vh, attn_mask=m, scale=scale)
+            out[:, :, r0:r1] = torch.nan_to_num(o, nan=0.0).to(out.dtype)
+            continue
         s = torch.matmul(q[:, :, r0:r1].float(), kh.transpose(-1, -2)) * scale
-        s.masked_fill_(~m.to(s.device), float("-inf"))
-        if return_lse:
-            lse[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
+        s.masked_fill_(~m, float("-inf"))
+        lse[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
         p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
         out[:, :, r0:r1] = torch.matmul(p, vh).to(out.dtype)
     return (out, lse) if return_lse else out
