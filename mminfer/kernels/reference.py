@@ -39,19 +39,17 @@ def plan_attention(q, k, v, plan, scale=None, *, rows: int = 1024, out=None,
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device) if return_lse else None
     group = Hq // k.shape[1]
     scale = D ** -0.5 if scale is None else scale
-    kh = k.float().repeat_interleave(group, dim=1)
-    vh = v.float().repeat_interleave(group, dim=1)
+    kh = vh = None
     for r0, m in plan.mask_rows(rows):
         r1 = r0 + m.shape[2]
         m = m.to(q.device)
-        if not return_lse:      # SDPA with a boolean mask: the same sums, ~2x faster on a CPU
+        if return_lse:
+            o, lse[:, :, r0:r1] = masked_attention(q[:, :, r0:r1], k, v, m, scale=scale)
+        else:                   # SDPA with a boolean mask: the same sums, faster on a CPU
+            if kh is None:
+                kh = k.float().repeat_interleave(group, dim=1)
+                vh = v.float().repeat_interleave(group, dim=1)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[:, :, r0:r1].float(), kh, vh, attn_mask=m, scale=scale)
-            out[:, :, r0:r1] = torch.nan_to_num(o, nan=0.0).to(out.dtype)
-            continue
-        s = torch.matmul(q[:, :, r0:r1].float(), kh.transpose(-1, -2)) * scale
-        s.masked_fill_(~m, float("-inf"))
-        lse[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
-        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-        out[:, :, r0:r1] = torch.matmul(p, vh).to(out.dtype)
+        out[:, :, r0:r1] = torch.nan_to_num(o, nan=0.0).to(out.dtype)
     return (out, lse) if return_lse else out

@@ -301,6 +301,13 @@ def _choose(score: dict, density: dict, max_error: float, hard: str) -> tuple:
     return chosen, chosen == DENSE or not fits
 
 
+def _sort_report(report: list, objective: str) -> None:
+    """Hard heads first, then the worst objective first, then the densest."""
+    def score(r):
+        return r["error"] if objective == "output_error" else 1 - r["mass"]
+    report.sort(key=lambda r: (not r["hard"], -score(r), -r["density"]))
+
+
 def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_error: float,
              hard: str = "dense"):
     """The choice of ``calibrate`` made again under another bound, from the numbers its
@@ -360,9 +367,7 @@ def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_
             row.update(error=m["error"], mass=m["mass"], density=m["density"],
                        per_input=r.get("per_input", {}) if same else {})
         rows.append(row)
-    score_of = (lambda r: r["error"]) if objective == "output_error" else \
-        (lambda r: 1 - r["mass"])
-    rows.sort(key=lambda r: (not r["hard"], -score_of(r), -r["density"]))
+    _sort_report(rows, objective)
     new_prov = dict(prov, made_by="mminfer calibrate --reselect", max_error=max_error,
                     hard=hard, reselected_from={"max_error": prov.get("max_error"),
                                                 "hard": prov.get("hard"),
@@ -482,9 +487,7 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
                                              "density": _r(a["density"][h])}
                                for key, a in agg.items()},
             })
-    score_of = (lambda r: r["error"]) if objective == "output_error" else \
-        (lambda r: 1 - r["mass"])
-    report.sort(key=lambda r: (not r["hard"], -score_of(r), -r["density"]))
+    _sort_report(report, objective)
 
     names = [c.name for c in caps]
     per_input = {n_: _r(sum(r["per_input"][n_]["density"] for r in report

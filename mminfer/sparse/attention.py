@@ -40,6 +40,8 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     if len(heads) != Hq:
         raise ValueError(f"{len(heads)} head patterns for {Hq} query heads")
+    if engine not in ("kernel", "reference"):
+        raise ValueError(f"engine {engine!r} is not one of kernel, reference")
     cuda = q.is_cuda
     block_m = block_m or (128 if cuda else 16)
     block_n = block_n or (64 if cuda else 16)
@@ -51,9 +53,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if engine == "reference":
             from mminfer.kernels.reference import plan_attention
             out = plan_attention(q, k, v, plan, scale=scale, out=out)
-        elif engine == "kernel":
+        else:
             from mminfer.kernels import sparse_attention
             out = sparse_attention(q, k, v, plan, scale=scale, out=out)
-        else:
-            raise ValueError(f"engine {engine!r} is not one of kernel, reference")
     return (out, plan) if return_plan else out

@@ -31,6 +31,15 @@ def _sdpa(q, k, v, scale=None):
                                                             enable_gqa=True, scale=scale)
 
 
+def _tiny_qwen2():
+    """A 2-layer Qwen2 with 4 query and 2 KV heads, random weights: the hook's host."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
 def test_sparse_attention_needs_the_modality_index():
     """Dense or sparse is decided once per request (hooks.choose_attention, tested in
     tests/models/test_prefill.py); layer_attention only computes the sparse path."""
@@ -67,16 +76,11 @@ def test_sparse_path_rejects_wrong_head_count():
 def test_through_the_transformers_hook_full_budget_equals_sdpa():
     """The hook's contract: HeadPatternConfig.layer(i) -> layer_attention(..., out=view,
     timer=...), plans kept for reporting; full budgets reproduce the dense model."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from mminfer.sparse.estimate import full_budget
     from mminfer.models.hooks import PrefillContext, prefill_context, register
     from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity
 
-    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).eval()
+    model = _tiny_qwen2()
     idx = ModalityIndex.from_segments([("text", 6), ("video", 2, 4, 6, 0), ("text", 10)])
     ids = torch.randint(0, 100, (1, idx.n))
     patterns = HeadPatternConfig(ModelIdentity("tiny", "main", 2, 4, 2, 16),
@@ -130,16 +134,11 @@ def test_reference_engine_runs_the_same_plan_by_row_chunks_without_triton():
 def test_reference_engine_through_the_hook_with_gpu_tiles():
     """PrefillContext(engine="reference", block=(128, 64)): the hook plans with the GPU's tiles
     and runs the plan without Triton; at full budgets that is the dense model again."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from mminfer.sparse.estimate import full_budget
     from mminfer.models.hooks import PrefillContext, prefill_context, register
     from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity
 
-    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).eval()
+    model = _tiny_qwen2()
     idx = ModalityIndex.from_segments([("text", 6), ("video", 8, 4, 6, 0), ("text", 10)])
     ids = torch.randint(0, 100, (1, idx.n))
     full = HeadPatternConfig(ModelIdentity("tiny", "main", 2, 4, 2, 16),
