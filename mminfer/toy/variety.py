@@ -16,7 +16,8 @@ clip, synth's own look being one option among many:
               random convex polygons, bars; filled or outlined, pulsing in size, on bounce,
               drift-and-wrap, random-walk, zig-zag and way-point paths
   digits      synth's fonts, every TrueType face found (the bundled DejaVu subsets, the
-              bundled glyph atlas ``fonts/glyphs.npz``, system fonts), PIL's built-in faces,
+              bundled glyph atlas ``fonts/glyphs.npz``: 75 faces of 20 families, from
+              script to old-style figures, drawn most often; system fonts), PIL's built-in faces,
               bevelled-segment displays; per-digit size / baseline / spacing jitter, then
               generic glyph transforms: bold / thin, outline-only, broken strokes, halftone
               fill, drop-out noise, blur, shear, rotation, perspective, elastic warp, aspect;
@@ -535,7 +536,7 @@ def _resize_mask(a: np.ndarray, h: int, w: int) -> np.ndarray:
 def glyphs(rng, text: str, height: int, font: str | None = None):
     """Anti-aliased mask (float32 [h, w]) of ``text`` whose ink is about ``height`` px tall:
     one digit at a time, with per-digit size, baseline and spacing jitter. (mask, font)."""
-    font = font or FONTS[rng.choice(len(FONTS), p=(0.2, 0.35, 0.2, 0.1, 0.15))]
+    font = font or FONTS[rng.choice(len(FONTS), p=(0.2, 0.2, 0.35, 0.1, 0.15))]
     if font == "synth":
         return synth._font_mask(rng, text, height)[0], font    # noqa: SLF001
     at = atlas()

@@ -69,7 +69,7 @@ def test_every_family_is_reachable():
         balls.add(V.ball_clip(rng, np.zeros((1, 30, 30, 3), np.uint8), (30, 185, 45))["ball"])
     assert balls == set(V.BALLS)
     assert {V.Camera(rng, 8, 8).codec for _ in range(200)} == set(V.CODECS)
-    assert len(V.atlas()) >= 10         # the bundled glyph atlas loads (Liberation faces)
+    assert len(V.atlas()) >= 70         # the bundled glyph atlas loads (Liberation + 59 faces)
 
 
 def test_backgrounds_of_different_kinds_differ():
