@@ -29,7 +29,7 @@
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
 # Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, SIZE_WEIGHT (six weights, one per
 # variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), INIT (train: a model folder or an earlier
-# train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-busy-finetune/model.tar.gz;
+# train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-ft6/model.tar.gz;
 # default the shipped model); CAL_FRAMES (calibration video
 # lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
 # the eval stage plans for, 585) (eval).
