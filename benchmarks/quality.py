@@ -42,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,10 @@ def grid_specs(lengths, depths, needle_reps, per_task, tasks, seed0):
 
 
 def _init_worker():
+    # SIGINT (timeout -s INT signals the whole group) is the main process's to handle: a
+    # worker killed by it leaves the pool unable to terminate, and the run then dies by
+    # SIGKILL with nothing written
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     E.use_bundled_fonts()
 
@@ -434,6 +439,23 @@ def main(argv=None):
     records = []
     deadline = time.time() + args.max_minutes * 60
     stopped = None
+
+    def result_of(stopped_now):
+        summary = summarise(records, modes, lengths, depths, args.long_from)
+        return summary, {
+            "model": str(model_dir), "device": torch.cuda.get_device_name(ad.device)
+            if cuda else "cpu", "dtype": str(ad.dtype), "engine": args.engine,
+            "block": [runner.block_m, runner.block_n], "modes": modes,
+            "lengths": lengths, "depths": depths, "renderer": args.renderer,
+            "held_out_seeds": [E.HELDOUT_SEED_MIN, E.HELDOUT_SEED_MAX], "stopped": stopped_now,
+            "patterns_uncalibrated": bool(getattr(ad.patterns, "uncalibrated", True)),
+            "summary": summary, "examples": records}
+
+    def write_json(stopped_now):
+        # after every video too: a run killed hard (a device call's limit) keeps what it did
+        tmp = out / "quality.json.tmp"
+        tmp.write_text(json.dumps(result_of(stopped_now)[1], indent=1, default=str))
+        tmp.replace(out / "quality.json")
     try:
         for spec, frames, answer, question in rendered(specs, workers):
             if time.time() > deadline:
@@ -470,19 +492,12 @@ def main(argv=None):
             log(f"{spec['task']:<6} {n:>6} tok" + (f" depth {spec['depth']:.2f}"
                                                    if spec["depth"] is not None else "")
                 + f"  answer {answer:<6} {marks}  ({rec['seconds']:.1f}s)")
+            write_json("in progress")
     except KeyboardInterrupt:
         stopped = "interrupted"
     finally:
-        summary = summarise(records, modes, lengths, depths, args.long_from)
-        result = {"model": str(model_dir), "device": torch.cuda.get_device_name(ad.device)
-                  if cuda else "cpu", "dtype": str(ad.dtype), "engine": args.engine,
-                  "block": [runner.block_m, runner.block_n], "modes": modes,
-                  "lengths": lengths, "depths": depths, "renderer": args.renderer,
-                  "held_out_seeds":
-                  [E.HELDOUT_SEED_MIN, E.HELDOUT_SEED_MAX], "stopped": stopped,
-                  "patterns_uncalibrated": bool(getattr(ad.patterns, "uncalibrated", True)),
-                  "summary": summary, "examples": records}
-        (out / "quality.json").write_text(json.dumps(result, indent=1, default=str))
+        summary, result = result_of(stopped)
+        write_json(stopped)
         if records:
             heatmap_png(summary, modes, lengths, depths, out / "quality_needle.png")
         md = markdown(summary, modes, lengths, renderer=args.renderer,

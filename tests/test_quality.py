@@ -86,3 +86,45 @@ def test_markdown_tables(Q):
         rows = [ln for ln in block.splitlines() if ln.startswith("|")]
         if rows:
             assert len({ln.count("|") for ln in rows}) == 1, block
+
+
+def test_sigint_with_rendering_workers_keeps_the_videos_done(tmp_path):
+    """A device call's time limit sends SIGINT to the whole process group (``timeout -s
+    INT``). The run must stop, write its JSON and tables, and exit; and the JSON must
+    already hold each finished video before that (a later SIGKILL loses nothing done)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "q"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "--device", "cpu",
+           "--workers", "2", "--lengths", "64", "128", "--depths", "0", "1", "--per-task", "4",
+           "--needle-reps", "3", "--no-config", "--densities", "--max-minutes", "10",
+           "--out", str(out)]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t0 = time.time()
+        done = []
+        while time.time() - t0 < 180 and p.poll() is None:
+            f = out / "quality.json"
+            if f.is_file():
+                r = json.loads(f.read_text())
+                done = r["examples"]
+                if len(done) >= 2:
+                    break
+            time.sleep(0.5)
+        assert len(done) >= 2 and r["stopped"] == "in progress", p.poll()
+        os.killpg(p.pid, signal.SIGINT)
+        log, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, log[-2000:]
+    r = json.loads((out / "quality.json").read_text())
+    assert r["stopped"] == "interrupted"
+    assert len(r["examples"]) >= len(done)
+    assert (out / "tables.md").is_file()
