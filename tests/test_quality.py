@@ -100,9 +100,11 @@ def test_sigint_with_rendering_workers_keeps_the_videos_done(tmp_path):
     import time
     out = tmp_path / "q"
     cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "--device", "cpu",
-           "--workers", "2", "--lengths", "64", "128", "--depths", "0", "1", "--per-task", "4",
-           "--needle-reps", "3", "--no-config", "--densities", "--max-minutes", "10",
+           "--workers", "2", "--lengths", "64", "128", "--depths", "0", "1", "--per-task", "150",
+           "--needle-reps", "50", "--no-config", "--densities", "--max-minutes", "10",
            "--out", str(out)]
+    # 1100 videos: far more than it can draw before the signal (a video of this size takes
+    # tens of ms, so a short grid could end on its own first and prove nothing)
     env = {**os.environ, "TQDM_DISABLE": "1"}
     p = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -126,5 +128,5 @@ def test_sigint_with_rendering_workers_keeps_the_videos_done(tmp_path):
     assert p.returncode == 0, log[-2000:]
     r = json.loads((out / "quality.json").read_text())
     assert r["stopped"] == "interrupted"
-    assert len(r["examples"]) >= len(done)
+    assert len(done) <= len(r["examples"]) < 1100
     assert (out / "tables.md").is_file()
