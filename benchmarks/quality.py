@@ -414,6 +414,10 @@ def main(argv=None):
                     help="plan tiles (default 128 64 on a GPU, 16 16 on the CPU; give 128 64 "
                     "on the CPU to plan as a GPU calibration did)")
     args = ap.parse_args(argv)
+    # SIGINT ends the run with its tables written (run_embedded_h200.sh stops it so at a
+    # call's limit); a process started with SIGINT ignored (a background job of a
+    # non-interactive shell) would otherwise never see it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     E.use_bundled_fonts()
     model_dir = Path(args.model) if args.model else E.default_model()

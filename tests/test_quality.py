@@ -106,7 +106,10 @@ def test_sigint_with_rendering_workers_keeps_the_videos_done(tmp_path):
     # 1100 videos: far more than it can draw before the signal (a video of this size takes
     # tens of ms, so a short grid could end on its own first and prove nothing)
     env = {**os.environ, "TQDM_DISABLE": "1"}
+    # started with SIGINT ignored, as a background job of a non-interactive shell is (CI
+    # ran it so): the run must still take the signal its callers send
     p = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         t0 = time.time()
