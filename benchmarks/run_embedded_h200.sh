@@ -28,7 +28,8 @@
 #   the quality time is shared equally by the runs).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
 # Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, SIZE_WEIGHT (six weights, one per
-# variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), INIT (train: a model folder or an earlier
+# variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), SHARPEN (the weight of
+# the attention tail-mass term, mminfer.toy.sharpen: sharper heads, sparse-friendly), INIT (train: a model folder or an earlier
 # train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-ft6/model.tar.gz;
 # default the shipped model); CAL_FRAMES (calibration video
 # lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
@@ -71,7 +72,7 @@ train)
       --init "$INIT" --start-pairs "${START_PAIRS:-8}" \
       --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
       --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \
-      ${SIZE_WEIGHT:+--size-weight $SIZE_WEIGHT} \
+      ${SIZE_WEIGHT:+--size-weight $SIZE_WEIGHT} ${SHARPEN:+--sharpen $SHARPEN} \
       2>&1 | tee "$OUT/train.log"
   rc=${PIPESTATUS[0]}
   cp "$WORK/mminfer-embedded/embedded.json" "$OUT/" 2>/dev/null || true

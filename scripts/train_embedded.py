@@ -555,7 +555,8 @@ class Composer:
 
 # =============================================================================== model step
 class Trainer:
-    def __init__(self, model, tok, device, *, aux_weight: float, use_autocast: bool):
+    def __init__(self, model, tok, device, *, aux_weight: float, use_autocast: bool,
+                 sharpen: float = 0.0, sharpener=None, sharpen_min_len: int = 1024):
         self.model, self.tok, self.device = model, tok, device
         self.cfg = model.config
         self.text = model.model.language_model
@@ -564,6 +565,10 @@ class Trainer:
         self.bv = E.BatchedVision(model)
         self.aux_weight = aux_weight
         self.autocast = use_autocast
+        # the attention-sharpening term (mminfer.toy.sharpen): weight, collector, and the
+        # shortest prompt it applies to (sparse prefill is for long prompts only)
+        self.sharpen, self.sharpener, self.sharpen_min_len = sharpen, sharpener, sharpen_min_len
+        self.last_tail = None       # the last forward's mean tail mass (None: not measured)
         hidden = self.cfg.text_config.hidden_size
         # per-pair auxiliary heads: the class (plain / number / colour / red) and, for
         # pairs showing a number, its two digits (ten times the examples per class)
@@ -612,11 +617,15 @@ class Trainer:
             e_tail = self.embed(tail_ids)
             x = torch.cat([e_head, vis.to(e_head.dtype), e_tail], 1)
             L = x.shape[1]
-            h = self.text(inputs_embeds=x, position_ids=pos.view(3, 1, L).expand(3, B, L),
-                          use_cache=False).last_hidden_state
+            h, tail = self._text(x, pos.view(3, 1, L).expand(3, B, L), L)
             logits = self.lm_head(h[:, -2:]).float()
             loss = F.cross_entropy(logits[:, 0], answers) \
                 + 0.5 * F.cross_entropy(logits[:, 1], torch.full_like(answers, self.end_id))
+            self.last_tail = None
+            if tail:
+                tail = torch.stack([t.mean() for t in tail]).mean()
+                self.last_tail = float(tail.detach())
+                loss = loss + self.sharpen * tail
             if aux is not None and self.aux_weight > 0:
                 pooled = vis.view(B, Tp, ntok, D).float().mean(2)
                 out = self.aux_head(pooled).float().view(B * Tp, -1)
@@ -642,6 +651,25 @@ class Trainer:
                     aux_loss = aux_loss + (tce * is_num).sum() / is_num.sum().clamp(min=1)
                 loss = loss + self.aux_weight * aux_loss
         return loss, logits[:, 0].argmax(-1)
+
+    def _text(self, x, position_ids, L: int):
+        """The language model over ``x``; with sharpening on and a long enough prompt, also
+        each layer's tail mass (the attention function is swapped for this call only, so
+        evaluation and the saved config keep SDPA)."""
+        if not (self.sharpen > 0 and self.sharpener is not None and self.model.training
+                and L >= self.sharpen_min_len):
+            return self.text(inputs_embeds=x, position_ids=position_ids,
+                             use_cache=False).last_hidden_state, []
+        cfg = self.text.config
+        before = cfg._attn_implementation
+        cfg._attn_implementation = self.sharpener.register()
+        try:
+            with self.sharpener.collect(L, device=x.device) as tail:
+                h = self.text(inputs_embeds=x, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+        finally:
+            cfg._attn_implementation = before
+        return h, tail
 
     def params(self):
         return (list(self.model.parameters()) + list(self.aux_head.parameters())
@@ -858,6 +886,17 @@ def parse_args(argv=None):
                    help="start training once this share of the bank's scenes is rendered")
     p.add_argument("--reserve", type=float, default=None,
                    help="seconds kept for the final eval + save (default 25 GPU, 5 CPU)")
+    p.add_argument("--sharpen", type=float, default=0.0,
+                   help="weight of the attention tail-mass term (mminfer.toy.sharpen; 0: off)")
+    p.add_argument("--sharpen-rho", type=float, default=0.1,
+                   help="the share of a row block's key blocks whose mass is free of the term")
+    p.add_argument("--sharpen-blocks", type=int, nargs=2, default=(3, 64),
+                   metavar=("RANDOM", "LAST"),
+                   help="row blocks sampled per forward at random, and the last rows")
+    p.add_argument("--sharpen-block", type=int, nargs=2, default=(64, 64),
+                   metavar=("ROWS", "KEYS"), help="row block and key block of the term")
+    p.add_argument("--sharpen-min-len", type=int, default=1024,
+                   help="prompts shorter than this (tokens) are trained without the term")
     p.add_argument("--shape", help="JSON overrides of embedded.SHAPE (tests)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS,
                    help="train on these tasks only (experiments)")
@@ -894,7 +933,20 @@ def main(argv=None) -> dict:
     model, tok = E.new_model(shape, seed=args.seed)
     model.to(dev).train()
     n_params = sum(p.numel() for p in model.parameters())
-    trainer = Trainer(model, tok, dev, aux_weight=args.aux_weight, use_autocast=cuda)
+    sharpener = None
+    if args.sharpen > 0:
+        from mminfer.toy.sharpen import Sharpener
+        sharpener = Sharpener(rho=args.sharpen_rho, n_random=args.sharpen_blocks[0],
+                              n_last=args.sharpen_blocks[1], row_block=args.sharpen_block[0],
+                              key_block=args.sharpen_block[1], seed=args.seed,
+                              min_pos=args.sharpen_min_len // 4)   # rows that see few keys: no
+        log(f"sharpening: weight {args.sharpen:g}, rho {args.sharpen_rho:g}, "
+            f"{args.sharpen_blocks[0]} random row blocks + the last {args.sharpen_blocks[1]} "
+            f"rows, blocks {args.sharpen_block[0]} x {args.sharpen_block[1]}, from "
+            f"{args.sharpen_min_len} tokens")
+    trainer = Trainer(model, tok, dev, aux_weight=args.aux_weight, use_autocast=cuda,
+                      sharpen=args.sharpen, sharpener=sharpener,
+                      sharpen_min_len=args.sharpen_min_len)
     if args.init:
         _load_weights(model, Path(args.init))
         log(f"weights initialised from {args.init}")
@@ -1031,7 +1083,7 @@ def main(argv=None) -> dict:
         ema = {t: 0.0 for t in args.tasks}
         stage_steps = 0
         last_log = last_eval = last_ckpt = time.time()
-        win = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0,
+        win = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "tail": [],
                "correct": {t: 0 for t in TASKS}, "count": {t: 0 for t in TASKS}}
         errors = 0
         budget_scale = 1.0
@@ -1089,6 +1141,8 @@ def main(argv=None) -> dict:
                     win["samples"] += B
                     win["tokens"] += B * toks
                     win["correct"][task] += correct
+                    if trainer.last_tail is not None:
+                        win["tail"].append(trainer.last_tail)
                     win["count"][task] += B
                     if Tp >= max(1, M // 4):
                         ema[task] = 0.9 * ema[task] + 0.1 * correct / B
@@ -1127,15 +1181,18 @@ def main(argv=None) -> dict:
                                 for t in TASKS)
                 log(f"step {step} f {f:.2f} M {M} lr {lr:.2e} loss "
                     f"{win['loss'] / max(win['n'], 1):.3f} acc[{accs}] "
-                    f"{win['samples'] / dt:.0f} videos/s {win['tokens'] / dt / 1e3:.0f}K tok/s "
+                    + (f"tail {np.mean(win['tail']):.3f} " if win["tail"] else "")
+                    + f"{win['samples'] / dt:.0f} videos/s {win['tokens'] / dt / 1e3:.0f}K tok/s "
                     f"bank +{bank.inserted['scenes']} scenes"
                     + (f" mem {torch.cuda.max_memory_allocated(dev) / 2 ** 30:.1f}G"
                        if cuda else ""))
                 meta["samples"] += win["samples"]
                 meta["tokens"] += win["tokens"]
                 meta["history"].append({"t": round(meta["train_seconds"], 1), "step": step,
-                                        "M": M, "loss": win["loss"] / max(win["n"], 1)})
-                win = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0,
+                                        "M": M, "loss": win["loss"] / max(win["n"], 1),
+                                        **({"tail": float(np.mean(win["tail"]))}
+                                           if win["tail"] else {})})
+                win = {"loss": 0.0, "n": 0, "samples": 0, "tokens": 0, "tail": [],
                        "correct": {t: 0 for t in TASKS}, "count": {t: 0 for t in TASKS}}
                 last_log = now
             if now - last_eval >= args.eval_every and now + 10 < train_end:
