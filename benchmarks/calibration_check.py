@@ -35,7 +35,8 @@ def main():
         for label, heads in (("shipped", cfg.layer(layer)), ("vs@0.25", [cand] * q.shape[1])):
             for proxy in ("triton", "torch") if cuda else ("torch",):
                 r = C.evaluate(q, k, v, cap.index, heads, ref, engine="kernel",
-                               block_m=bm, block_n=bn, scale=cap.scale, proxy=proxy)
+                               block_m=bm, block_n=bn, scale=cap.scale, proxy=proxy,
+                               spread_q=cfg.spread_queries if label == "shipped" else 0)
                 row = {"layer": layer, "config": label, "proxy": proxy, "n": cap.n,
                        "error": [round(x, 4) for x in r["error"].tolist()],
                        "mass": [round(x, 4) for x in r["mass"].tolist()],

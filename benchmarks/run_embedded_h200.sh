@@ -25,7 +25,9 @@
 #   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05), RESELECT (looser
 #   bounds, e.g. "0.3 0.5": calibrate --reselect makes each one's config from the same
 #   numbers and quality.py measures it too, dense + that config, into $OUT/quality_eval_<bound>;
-#   the quality time is shared equally by the runs).
+#   the quality time is shared equally by the runs), SPREAD (calibrate --spread-queries:
+#   estimation also reads this many queries spread over the sequence; 0, the default, the
+#   last 64 only).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
 # Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, SIZE_WEIGHT (six weights, one per
 # variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), SHARPEN (the weight of
@@ -106,7 +108,7 @@ eval)
       for t in needle colour order count; do VIDS+=("synth:$t:$n:$s"); s=$((s + 1)); done
     done
     CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
-         --max-error "${MAX_ERROR:-0.05}")
+         --max-error "${MAX_ERROR:-0.05}" --spread-queries "${SPREAD:-0}")
     QARGS=(--lengths ${QLENGTHS:-1024 4096 8192 16384 32768} --needle-reps 2 --per-task 6
            --densities 0.2)
     BUDGET=${BUDGET:-585}

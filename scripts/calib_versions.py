@@ -37,8 +37,11 @@ def main():
     for layer in sorted(cap.layers):
         q, k, v = (t.float() for t in cap.layers[layer])
         ref = C.dense_reference(q, k, v, cap.scale)
+        # a config that sets estimation is read as serving reads it (mminfer before the
+        # setting existed has neither the field nor the argument)
+        spread = {"spread_q": cfg.spread_queries} if getattr(cfg, "spread_queries", 0) else {}
         r = C.evaluate(q, k, v, cap.index, cfg.layer(layer), ref, engine="reference",
-                       block_m=128, block_n=64, scale=cap.scale)
+                       block_m=128, block_n=64, scale=cap.scale, **spread)
         print("layer", layer, "error", [round(x, 3) for x in r["error"].tolist()],
               "density", [round(float(x), 3) for x in r["density"]], flush=True)
 

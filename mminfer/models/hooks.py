@@ -136,7 +136,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     bm, bn = ctx.block or (None, None)
     res = layer_attention(query, key, value, ctx.index, heads,
                           return_plan=ctx.keep_plans, scale=scaling, out=out.transpose(1, 2),
-                          timer=timer, engine=ctx.engine, block_m=bm, block_n=bn)
+                          timer=timer, engine=ctx.engine, block_m=bm, block_n=bn,
+                          spread_q=ctx.patterns.spread_queries)
     if ctx.keep_plans:
         ctx.densities[layer] = res[1]
     return out, None

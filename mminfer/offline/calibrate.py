@@ -133,14 +133,14 @@ def head_density(plan) -> tuple:
 
 
 def evaluate(q, k, v, index, heads: Sequence[HeadPattern], ref, *, engine="kernel",
-             block_m=16, block_n=16, scale=None, proxy="auto") -> dict:
+             block_m=16, block_n=16, scale=None, proxy="auto", spread_q: int = 0) -> dict:
     """Per-head error, mass and density of one head-pattern assignment on one input
-    (``proxy``: the online estimator's, ``estimate.PROXIES``)."""
+    (``proxy`` and ``spread_q``: the online estimator's, see ``estimate_layer``)."""
     from mminfer.sparse.estimate import estimate_layer
     from mminfer.kernels import masked_attention, sparse_attention
     ref_out, ref_lse = ref
     est = estimate_layer(q, k, index, heads, block_m=block_m, block_n=block_n, scale=scale,
-                         proxy=proxy)
+                         proxy=proxy, spread_q=spread_q)
     plan = est.build_plan(q.device)
     if engine == "reference":
         m = plan.masks()
@@ -376,7 +376,7 @@ def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_
                     mean_density=_r(sum(r["density"] for r in rows) / max(1, len(rows))),
                     density_per_input={})
     return HeadPatternConfig(cfg.identity, layers, uncalibrated=cfg.uncalibrated,
-                             provenance=new_prov), rows
+                             provenance=new_prov, estimation=dict(cfg.estimation)), rows
 
 
 def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = (0.1, 0.2),
@@ -384,7 +384,7 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
               candidates: Mapping | Callable | None = None, objective: str = "output_error",
               max_error: float = 0.05, quantile: float = 1.0, hard: str = "dense",
               engine: str = "auto", block_m: int | None = None, block_n: int | None = None,
-              progress: bool = True):
+              progress: bool = True, spread_q: int = 0):
     """Search every captured layer; returns ``(HeadPatternConfig, report)``.
 
     Candidates: for each of ``budgets`` (target densities) the fixed-budget patterns of
@@ -401,6 +401,10 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
     holding candidates all cost a dense pass or more), with ``"best"`` it takes the lowest
     score. The report lists every head, hard ones first, then by score.
 
+    Every candidate is estimated as serving will estimate it: with ``spread_q`` queries
+    spread over the sequence besides the last ones (``estimate_layer``), a setting the
+    written config keeps (``estimation.spread_queries``).
+
     Layers without captures keep ``default_config``'s patterns (the file then stays marked
     uncalibrated)."""
     if objective not in ("output_error", "mass"):
@@ -409,6 +413,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
         raise ConfigError(f"hard {hard!r} is not one of {', '.join(HARD)}")
     if not 0 < quantile <= 1:
         raise ConfigError(f"quantile must be in (0, 1], got {quantile}")
+    if spread_q < 0:
+        raise ConfigError(f"spread_q must be >= 0, got {spread_q}")
     budgets = sorted(float(b) for b in budgets)
     gammas = sorted(float(g) for g in gammas)
     if not budgets and not gammas:
@@ -447,7 +453,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
             ref = dense_reference(q, k, v, cap.scale)
             for key, hp in cands.items():
                 r = evaluate(q, k, v, cap.index, [hp] * H, ref, engine=engine,
-                             block_m=block_m, block_n=block_n, scale=cap.scale)
+                             block_m=block_m, block_n=block_n, scale=cap.scale,
+                             spread_q=spread_q)
                 metrics[i][key][cap.name] = {m: val.float() for m, val in r.items()}
                 bar.update(1)
     bar.close()
@@ -514,7 +521,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
                                 engine == "kernel" else "logical pairs / causal triangle",
                                 engine=engine, block_m=block_m, block_n=block_n,
                                 candidates=sorted({key[0] for key in cands}),
-                                layers_calibrated=layer_ids, device=_device_name(dev)))
+                                layers_calibrated=layer_ids, device=_device_name(dev)),
+                            estimation={"spread_queries": spread_q} if spread_q else {})
     return cfg, report
 
 
@@ -638,6 +646,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: 128 on a GPU, 16 on the CPU)")
     parser.add_argument("--block-n", type=int, help="tile keys of the plans measured "
                         "(default: 64 on a GPU, 16 on the CPU)")
+    parser.add_argument("--spread-queries", type=int, default=0,
+                        help="estimate every candidate with this many queries spread over "
+                        "the sequence besides the last 64, as serving then will (written to "
+                        "the config's estimation.spread_queries; 0: the last queries only)")
     parser.add_argument("--reselect", metavar="CONFIG", help="choose again from an earlier "
                         "calibration's numbers (CONFIG and its report), under this run's "
                         "--max-error and --hard, measuring nothing; the candidates are rebuilt "
@@ -685,7 +697,8 @@ def run(args) -> int:
                             min_density=args.min_density, max_density=args.max_density,
                             objective=args.objective, max_error=args.max_error,
                             quantile=args.error_quantile, hard=args.hard, engine=args.engine,
-                            block_m=args.block_m, block_n=args.block_n)
+                            block_m=args.block_m, block_n=args.block_n,
+                            spread_q=args.spread_queries)
     cfg.save(args.out)
     report_path = args.report or str(Path(args.out).with_suffix("")) + ".report.json"
     Path(report_path).write_text(json.dumps(report, indent=1))

@@ -17,14 +17,15 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     return_plan: bool = False,
                     scale: float | None = None, out: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int | None = None, timer=None,
-                    proxy: str = "auto", engine: str = "kernel"):
+                    proxy: str = "auto", engine: str = "kernel", spread_q: int = 0):
     """Causal attention of one layer's prefill.
 
     q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` (GQA by head index). ``heads[h]`` is the
     pattern of query head h (global heads of this rank). ``out`` (any ``[B, Hq, N, D]``
     view, e.g. a transposed ``[B, N, Hq, D]`` buffer) receives the result. ``timer`` (a
     ``StageTimer``) books estimation + plan under "index" and the kernels under "attention";
-    ``proxy`` picks the estimator's proxy (``estimate.PROXIES``). ``engine`` runs the plan:
+    ``proxy`` picks the estimator's proxy (``estimate.PROXIES``) and ``spread_q`` the
+    queries it reads besides the last ones (``estimate_layer``). ``engine`` runs the plan:
     "kernel" (the Triton kernels) or "reference" (``kernels.reference.plan_attention``: exact
     masked attention a chunk of rows at a time, no Triton, the cost of a dense pass; for
     measuring sparse answers on a CPU at long N). Returns ``out``, or
@@ -47,7 +48,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_n = block_n or (64 if cuda else 16)
     with stage("index"):
         est = estimate_layer(q, k, index, heads, block_m=block_m, block_n=block_n, scale=scale,
-                             proxy=proxy)
+                             proxy=proxy, spread_q=spread_q)
         plan = est.build_plan(q.device)
     with stage("attention"):
         if engine == "reference":

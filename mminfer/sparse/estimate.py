@@ -132,12 +132,16 @@ class LayerEstimate:
 def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
                    heads: Sequence[HeadPattern], *, block_m: int = 128, block_n: int = 64,
                    last_q: int = 64, chunk: int | None = None,
-                   scale: float | None = None, proxy: str = "auto") -> LayerEstimate:
+                   scale: float | None = None, proxy: str = "auto",
+                   spread_q: int = 0) -> LayerEstimate:
     """Kernel specs for all heads of one layer. q ``[B, Hq, N, D]``, k ``[B, Hkv, N, D]``;
     ``heads[h]`` is the HeadPattern of (local) head h. ``block_m``/``block_n`` must be the
     plan's (block heads list key blocks of ``block_n`` per row block of ``block_m``);
     ``chunk`` is the key chunk of the proxy (default: about 256 MiB of fp32 scores);
-    ``proxy`` one of ``PROXIES`` (see there)."""
+    ``proxy`` one of ``PROXIES`` (see there); ``spread_q`` queries spread evenly over the
+    query set's positions past the first eighth of the sequence join its last ``last_q``
+    (the config's ``estimation.spread_queries``; a set of more than 64 queries is summed by
+    the PyTorch proxy)."""
     if proxy not in PROXIES:
         raise ConfigError(f"proxy must be one of {', '.join(PROXIES)}, not {proxy!r}")
     B, Hq, N, D = q.shape
@@ -189,7 +193,7 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     # ranks hold different heads and must compute what one process does).
     row_groups = index.row_groups() if multi else None
     est = _Estimator(q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                     needs, proxy, reads)
+                     needs, proxy, reads, spread_q)
     out = LayerEstimate(n=N, batch=B, num_heads=Hq, block_m=block_m, block_n=block_n,
                         specs=[], row_groups=row_groups, device=q.device)
     for (qm, km, kind, ksplit), members in groups.items():
@@ -214,8 +218,10 @@ class _Estimator:
     groups that read them."""
 
     def __init__(self, q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                 needs, proxy, reads=None):
+                 needs, proxy, reads=None, spread_q=0):
         self.q, self.k, self.index = q, k, index
+        self.spread_q = spread_q
+        self._qpos_cache: dict = {}
         self.proxy = proxy if proxy != "auto" else ("triton" if q.is_cuda else "torch")
         self.block_m, self.block_n, self.last_q = block_m, block_n, last_q
         self.chunk, self.scale, self.multi = chunk, scale, multi
@@ -249,9 +255,19 @@ class _Estimator:
         return _const(xs, self.dev, torch.float32)
 
     def _qpos(self, qmod):
-        if qmod is None or not self.multi:
-            return list(range(max(0, self.N - self.last_q), self.N))
-        return self.index.last_positions(qmod, self.last_q)
+        key = qmod if self.multi else None
+        if key not in self._qpos_cache:
+            if key is None:
+                last = list(range(max(0, self.N - self.last_q), self.N))
+                spans = [(0, self.N)]
+            else:
+                last = self.index.last_positions(qmod, self.last_q)
+                spans = [(s.start, s.end) for s in self.index.spans_of(qmod)]
+            if self.spread_q > 0 and last:
+                last = sorted(set(last) | set(_spread(spans, self.N // 8, last[0],
+                                                      self.spread_q)))
+            self._qpos_cache[key] = last
+        return self._qpos_cache[key]
 
     def stats(self, qmod, kmod, hs):
         """(col [B, H', N], diag [B, H', N] or None) of the query set of ``qmod`` for the
@@ -720,6 +736,27 @@ def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
             for r0, r1, q0 in runs:
                 _diag_add(out, x[:, :, r0:r1], q0, a)
     return col, diag, diag_k
+
+
+def _spread(spans, lo: int, hi: int, n: int) -> list:
+    """``n`` positions evenly spread over the parts of ``spans`` (``[(start, end)]``) that
+    lie in ``[lo, hi)``: rows from the whole sequence, not only its end, so a key that only
+    earlier queries attend to (content that the question does not point at) still shows in
+    the column sums. The first eighth is left out: its rows see few keys, and each row's
+    mass sums to one, so they would pile weight on the first keys."""
+    parts = [(max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo)]
+    total = sum(b - a for a, b in parts)
+    if total <= 0:
+        return []
+    out = []
+    for i in range(min(n, total)):
+        t = (2 * i + 1) * total // (2 * min(n, total))
+        for a, b in parts:
+            if t < b - a:
+                out.append(a + t)
+                break
+            t -= b - a
+    return out
 
 
 def _runs(pos):

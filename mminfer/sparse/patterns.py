@@ -327,6 +327,13 @@ class HeadPatternConfig:
     # Names of the head patterns in the file's table (canonical JSON -> name), kept so a
     # loaded and saved file keeps its names.
     names: dict = field(default_factory=dict, repr=False, compare=False)
+    # How online estimation reads this model (ESTIMATION's keys); empty: the method's default.
+    estimation: dict = field(default_factory=dict)
+
+    @property
+    def spread_queries(self) -> int:
+        """Queries spread over the sequence that estimation adds to the last ones (0: none)."""
+        return int(self.estimation.get("spread_queries", 0))
 
     # ------------------------------------------------------------------ access
     def layer(self, i: int) -> list:
@@ -366,9 +373,11 @@ class HeadPatternConfig:
             default = max(dict.fromkeys(ids), key=ids.count)   # ties: first seen
             over = {str(h): n for h, n in enumerate(ids) if n != default}
             layers.append({"default": default, "heads": over} if over else {"default": default})
-        return {"schema_version": self.schema_version, "model": self.identity.to_dict(),
-                "uncalibrated": self.uncalibrated, "provenance": self.provenance,
-                "patterns": table, "layers": layers}
+        out = {"schema_version": self.schema_version, "model": self.identity.to_dict(),
+               "uncalibrated": self.uncalibrated, "provenance": self.provenance}
+        if self.estimation:          # absent from files that keep the default
+            out["estimation"] = dict(self.estimation)
+        return {**out, "patterns": table, "layers": layers}
 
     def save(self, path) -> None:
         d = self.to_dict()
@@ -388,7 +397,7 @@ class HeadPatternConfig:
             if name not in d:
                 raise ConfigError(f"config is missing field {name!r}")
         extra = set(d) - {"schema_version", "model", "uncalibrated", "provenance", "patterns",
-                          "layers"}
+                          "layers", "estimation"}
         if extra:
             raise ConfigError(f"config: unknown field(s) {', '.join(sorted(extra))}")
         if d["schema_version"] != SCHEMA_VERSION:
@@ -419,7 +428,7 @@ class HeadPatternConfig:
         layers = [_layer_row(row, i, table, identity.heads) for i, row in enumerate(rows)]
         names = {json.dumps(hp.to_dict(), sort_keys=True): name for name, hp in table.items()}
         return cls(identity, layers, d["uncalibrated"], d["provenance"], d["schema_version"],
-                   names)
+                   names, _estimation(d.get("estimation", {})))
 
     @classmethod
     def load(cls, path, expect: ModelIdentity | None = None) -> "HeadPatternConfig":
@@ -433,6 +442,28 @@ class HeadPatternConfig:
             return cls.from_dict(d, expect)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e.message}", **e.details) from None
+
+
+# Estimation settings a config may carry: name -> (type, what it is).
+ESTIMATION = {"spread_queries": (int, "queries spread evenly over the sequence (past its "
+                                      "first eighth) that the proxy reads besides the last ones: "
+                                      "for heads whose attention depends on content, which the "
+                                      "last queries alone do not show")}
+
+
+def _estimation(e: Any) -> dict:
+    if not isinstance(e, dict):
+        raise ConfigError("config estimation must be an object")
+    extra = set(e) - set(ESTIMATION)
+    if extra:
+        raise ConfigError(f"config estimation: unknown field(s) {', '.join(sorted(extra))} "
+                          f"(known: {', '.join(ESTIMATION)})")
+    for name, (typ, _) in ESTIMATION.items():
+        if name in e and (not isinstance(e[name], typ) or isinstance(e[name], bool)
+                          or e[name] < 0):
+            raise ConfigError(f"config estimation.{name} must be a {typ.__name__} >= 0, "
+                              f"got {e[name]!r}")
+    return dict(e)
 
 
 def _identity(m: Any) -> ModelIdentity:
