@@ -238,7 +238,8 @@ def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density
     return HeadPatternConfig(base.identity, [[head(hp) for hp in row] for row in base.layers],
                              uncalibrated=base.uncalibrated,
                              provenance={"made_by": "mminfer.offline.calibrate.resize_config",
-                                         "density": density, "n": n})
+                                         "density": density, "n": n},
+                             estimation=dict(base.estimation))
 
 
 # ---------------------------------------------------------------------- search
@@ -649,7 +650,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spread-queries", type=int, default=0,
                         help="estimate every candidate with this many queries spread over "
                         "the sequence besides the last 64, as serving then will (written to "
-                        "the config's estimation.spread_queries; 0: the last queries only)")
+                        "the config's estimation.spread_queries) (default: 0, the last "
+                        "queries only)")
     parser.add_argument("--reselect", metavar="CONFIG", help="choose again from an earlier "
                         "calibration's numbers (CONFIG and its report), under this run's "
                         "--max-error and --hard, measuring nothing; the candidates are rebuilt "

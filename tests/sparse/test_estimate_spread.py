@@ -8,7 +8,7 @@ import torch
 
 from mminfer.errors import ConfigError
 from mminfer.kernels.reference import plan_attention
-from mminfer.offline.calibrate import calibrate, dense_reference, reselect
+from mminfer.offline.calibrate import calibrate, dense_reference, reselect, resize_config
 from mminfer.sparse.attention import layer_attention
 from mminfer.sparse.estimate import _spread, estimate_layer
 from mminfer.sparse.modality import ModalityIndex
@@ -124,6 +124,7 @@ def test_calibration_writes_the_setting_and_measures_with_it():
     assert results[64] < results[0]
     new, _ = reselect(cfg, report, idx, max_error=0.5)
     assert new.spread_queries == 64
+    assert resize_config(cfg, idx, 512, 0.2, block_m=16, block_n=16).spread_queries == 64
 
 
 def test_layer_attention_passes_the_setting_to_estimation():

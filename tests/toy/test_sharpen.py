@@ -148,3 +148,16 @@ def test_training_with_sharpen_logs_the_tail_mass_and_saves_sdpa(tmp_path):
     assert res["step"] == 4 and tails and all(0.0 <= t <= 1.0 for t in tails)
     cfg = json.loads((out / "config.json").read_text())
     assert S.ATTN_NAME not in json.dumps(cfg)
+
+
+def test_the_oracle_of_benchmarks_tail_mass_is_exact_with_every_tile_and_lossy_without():
+    spec = importlib.util.spec_from_file_location("tail_mass",
+                                                  REPO / "benchmarks" / "tail_mass.py")
+    tm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tm)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
+    starts = torch.tensor([128, 192])
+    assert tm._oracle_error(q, k, v, starts, 0.999, 32, 16).max() < 1e-5
+    q = torch.zeros(1, 2, 256, 16)                      # uniform rows: tiles left out matter
+    assert tm._oracle_error(q, k, v, starts, 0.1, 32, 16).min() > 0.1
