@@ -140,8 +140,8 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     ``chunk`` is the key chunk of the proxy (default: about 256 MiB of fp32 scores);
     ``proxy`` one of ``PROXIES`` (see there); ``spread_q`` queries spread evenly over the
     query set's positions past the first eighth of the sequence join its last ``last_q``
-    (the config's ``estimation.spread_queries``; a set of more than 64 queries is summed by
-    the PyTorch proxy)."""
+    (the config's ``estimation.spread_queries``; the fused proxy reads a larger query set as
+    sets of at most 64 and adds their sums)."""
     if proxy not in PROXIES:
         raise ConfigError(f"proxy must be one of {', '.join(PROXIES)}, not {proxy!r}")
     B, Hq, N, D = q.shape
@@ -234,11 +234,18 @@ class _Estimator:
         self.needs: dict = {}
         for qm, kms in needs.items():
             self.needs.setdefault(tuple(self._qpos(qm)), set()).update(kms)
-        self.reads: dict = {}          # query positions -> head -> diagonals read
+        self.reads: dict = {}          # query positions (<= 64) -> head -> diagonals read
+        self._parts: dict = {}         # a larger query set -> its sets of <= 64 positions
         for qm, by_head in (reads or {}).items():
-            mine = self.reads.setdefault(tuple(self._qpos(qm)), {})
-            for h, kms in by_head.items():
-                mine.setdefault(h, set()).update(kms)
+            pos = tuple(self._qpos(qm))
+            # the fused proxy takes sets of at most 64 queries: a larger one (spread
+            # queries) is read as several, whose sums add up (each row's softmax is its own)
+            parts = [pos[i:i + 64] for i in range(0, len(pos), 64)]
+            self._parts[pos] = parts
+            for part in parts:
+                mine = self.reads.setdefault(part, {})
+                for h, kms in by_head.items():
+                    mine.setdefault(h, set()).update(kms)
         self._sets: dict = {}          # query positions -> (heads, col, diags) (fused sets)
 
     # ------------------------------------------------------------------ helpers
@@ -274,9 +281,14 @@ class _Estimator:
         heads ``hs``; with ``kmod`` the diagonal sums count only keys of that modality
         (2D-boundary)."""
         pos = tuple(self._qpos(qmod))
-        if self.proxy == "triton" and pos in self.reads and \
-                all(len(p) <= 64 for p in self.reads):
-            return self._set_stats(pos, kmod, hs)
+        parts = self._parts.get(pos)
+        if self.proxy == "triton" and parts and all(p in self.reads for p in parts):
+            col, diag = self._set_stats(parts[0], kmod, hs)
+            for p in parts[1:]:
+                c, d = self._set_stats(p, kmod, hs)
+                col = col + c
+                diag = None if diag is None else diag + d
+            return col, diag
         col, diag = self._all_heads(pos, kmod)
         hidx = self._heads(hs)
         return col[:, hidx], (diag[:, hidx] if diag is not None else None)

@@ -160,3 +160,23 @@ def test_the_transformers_hook_estimates_with_the_configs_setting(monkeypatch):
     with hooks.prefill_context(ctx):
         out, _ = hooks.attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None)
     assert seen == [48] and out.shape == (1, 512, 2, 32)
+
+
+def test_the_fused_proxy_reads_spread_queries_in_sets_of_64_and_gives_the_torch_estimate(
+        monkeypatch):
+    """proxy="triton" (the GPU default; the interpreter here) splits a query set of 64 last +
+    spread queries into sets of at most 64 within the layer's one proxy_sets call, and its
+    sums give the verticals and slashes of the PyTorch proxy over the whole set."""
+    import mminfer.kernels.proxy as P
+    from test_estimate import _FUSED_HEADS, _mixed, _same_lines
+    idx, q, k, _ = _mixed()
+    ref = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=16, block_n=16, spread_q=40)
+    calls = []
+    real = P.proxy_sets
+    monkeypatch.setattr(P, "proxy_sets", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    got = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=16, block_n=16, proxy="triton",
+                         spread_q=40)
+    (sets,) = calls
+    sizes = [sum(n for _, n in s.runs) for s in sets]
+    assert max(sizes) <= 64 and sum(sizes) > 3 * 64       # every set read, in parts
+    _same_lines(ref, got)
