@@ -14,6 +14,12 @@ A block whose mass sits in 10 % of its key tiles costs nothing, a uniform one 1 
 The forward pass itself is untouched (SDPA); the term reads the rotated q and k that
 transformers hands the attention function.
 
+Measured (BENCHMARKS.md §4, ft8s): the term does cut the tail mass (0.33 -> 0.05 at 8K), but
+the sharper heads attend to content landmarks that online estimation misses more often, and
+the sparse answers' last-token KL at density 0.2 rose 3.5-4x against the unsharpened model.
+So it is off by default (``--sharpen 0``); it is worth turning on together with an estimator
+that finds those landmarks.
+
 Row blocks: those covering the last ``n_last`` queries (what online estimation reads, and
 the answer's context) plus ``n_random`` drawn from the rest past ``min_pos`` (every row is
 computed by the sparse kernels, so every row's spread matters). Cost per layer:
