@@ -22,20 +22,6 @@ from mminfer.sparse.patterns import HeadPatternConfig  # noqa: E402
 MODEL = "mminfer/models/mminfer-embedded"
 
 
-def _reference(q, k, v, index, heads, ref, scale, spread):
-    """Error and density of one assignment at any N without Triton: the plan of the GPU's
-    tiles, run as exact masked attention a chunk of rows at a time."""
-    from mminfer.kernels.reference import plan_attention
-    from mminfer.sparse.estimate import estimate_layer
-    plan = estimate_layer(q, k, index, heads, block_m=128, block_n=64, scale=scale,
-                          proxy="torch", spread_q=spread).build_plan(q.device)
-    out, lse = plan_attention(q.float(), k.float(), v.float(), plan, scale=scale,
-                              return_lse=True)
-    err = ((out - ref[0]).pow(2).sum((0, 2, 3)) / ref[0].pow(2).sum((0, 2, 3))).sqrt()
-    mass = (lse - ref[1]).exp().clamp(max=1.0).mean((0, 2))
-    return {"error": err, "mass": mass, "density": plan.density()["physical_per_head"]}
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=MODEL)
@@ -63,12 +49,9 @@ def main():
                  for s in a.spread]
         for label, heads, spread in runs:
             for proxy in ("triton", "torch") if cuda else ("torch",):
-                if cuda:
-                    r = C.evaluate(q, k, v, cap.index, heads, ref, engine="kernel",
-                                   block_m=bm, block_n=bn, scale=cap.scale, proxy=proxy,
-                                   spread_q=spread)
-                else:
-                    r = _reference(q, k, v, cap.index, heads, ref, cap.scale, spread)
+                r = C.evaluate(q, k, v, cap.index, heads, ref,
+                               engine="kernel" if cuda else "reference", block_m=bm,
+                               block_n=bn, scale=cap.scale, proxy=proxy, spread_q=spread)
                 row = {"layer": layer, "config": label, "proxy": proxy, "n": cap.n,
                        "error": [round(x, 4) for x in r["error"].tolist()],
                        "mass": [round(x, 4) for x in r["mass"].tolist()],
