@@ -55,7 +55,7 @@ def main():
                 row = {"layer": layer, "config": label, "proxy": proxy, "n": cap.n,
                        "error": [round(x, 4) for x in r["error"].tolist()],
                        "mass": [round(x, 4) for x in r["mass"].tolist()],
-                       "density": [round(float(x), 4) for x in r["density"]]}
+                       "density": [round(float(x), 4) for x in r["physical"]]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if a.out:
