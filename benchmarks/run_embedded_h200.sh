@@ -27,7 +27,10 @@
 #   numbers and quality.py measures it too, dense + that config, into $OUT/quality_eval_<bound>;
 #   the quality time is shared equally by the runs), SPREAD (calibrate --spread-queries:
 #   estimation also reads this many queries spread over the sequence; 0, the default, the
-#   last 64 only).
+#   last 64 only), GAMMAS (calibrate --gamma, default "0.8 0.9 0.95 0.99"), ANSWER_KL (then
+#   calibrate against the answer on the same videos: calibrate --answer-kl, with
+#   ANSWER_RUNGS (3) and ANSWER_MINUTES (4); the per-head config comes back as
+#   mminfer_patterns.heads.json, the answer step's table as mminfer_patterns.answer.json).
 # TINY=1 runs either stage as a CPU smoke test (minutes, tiny lengths, no GPU needed).
 # Knobs (env): MINUTES, LR, START_PAIRS, VARIETY, SIZE_WEIGHT (six weights, one per
 # variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), SHARPEN (the weight of
@@ -109,11 +112,17 @@ eval)
     done
     CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
          --max-error "${MAX_ERROR:-0.05}" --spread-queries "${SPREAD:-0}")
+    if [ -n "${GAMMAS:-}" ]; then CAL+=(--gamma $GAMMAS); fi
     QARGS=(--lengths ${QLENGTHS:-1024 4096 8192 16384 32768} --needle-reps 2 --per-task 6
            --densities 0.2)
     BUDGET=${BUDGET:-585}
   fi
-  rm -f "$MODEL/mminfer_patterns.json" "$MODEL/mminfer_patterns.report.json"
+  if [ -n "${ANSWER_KL:-}" ]; then
+    # per-head search, then the answer step on the same videos: OUT is the answer-bound config
+    CAL+=(--answer-kl "$ANSWER_KL" --answer-rungs "${ANSWER_RUNGS:-3}"
+          --answer-minutes "${ANSWER_MINUTES:-4}")
+  fi
+  rm -f "$MODEL"/mminfer_patterns*.json
   timeout -k 10 "${CAL_TIMEOUT:-230}" $PY -m mminfer calibrate --model "$MODEL" \
       --videos "${VIDS[@]}" "${CAL[@]}" --capture-dir "$WORK/captures" \
       --out "$MODEL/mminfer_patterns.json" 2>&1 | tee "$OUT/calibrate.log"
@@ -123,7 +132,7 @@ eval)
     echo "CALIBRATION FAILED OR TIMED OUT: quality runs with the shipped config instead"
     cp mminfer/models/mminfer-embedded/mminfer_patterns.json "$MODEL/" || exit 1
   fi
-  cp "$MODEL/mminfer_patterns.json" "$MODEL"/mminfer_patterns.report.json "$OUT/" 2>/dev/null
+  cp "$MODEL"/mminfer_patterns*.json "$OUT/" 2>/dev/null
   tar -czf "$OUT/model_calibrated.tar.gz" -C "$(dirname "$MODEL")" "$(basename "$MODEL")"
   # RESELECT="0.3 0.5": the same calibration's choice under looser bounds (calibrate
   # --reselect, nothing re-measured), each a model copy whose sparse answers are measured too

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -208,7 +209,22 @@ def candidate_patterns(index: ModalityIndex, n: int, budget: float, *, block_m: 
                 pairs[f"text->{qm}"] = vs(K)
             pairs["text->text"] = vs(K)
             cands["2d"] = HeadPattern("2d", pairs)
+            cands.update(_dense_text_twins(cands))
     return cands
+
+
+def _dense_text_twins(cands: dict) -> dict:
+    """Q-boundary twins of the single-pattern candidates: visual rows as the candidate, text
+    rows dense. The question's rows are few (their cost is about 2 x text tokens / N of
+    density) and they are where the answer reads the video, so a miss there moves the
+    answer most (BENCHMARKS.md §4)."""
+    twins = {}
+    for name in ("vertical_slash", "block"):
+        if name in cands:
+            p = cands[name].patterns["all"]
+            twins[f"q:{'vs' if name == 'vertical_slash' else name}|dense-text"] = HeadPattern(
+                "q", {"video": p, "image": p, "text": dense()})
+    return twins
 
 
 def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density: float, *,
@@ -262,6 +278,7 @@ def mass_candidate_patterns(index: ModalityIndex, n: int, gamma: float, *,
         cands["q:vs"] = HeadPattern("q", {"video": vs, "image": vs, "text": vs})
         g = grid(lines="both", sink=sink, window=window, fallback=vs)
         cands["q:grid|vs"] = HeadPattern("q", {"video": g, "image": g, "text": vs})
+        cands.update(_dense_text_twins(cands))
     return cands
 
 
@@ -318,30 +335,11 @@ def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_
     candidates are sized on it); ``cfg`` gives the identity and the candidate set.
     Returns ``(HeadPatternConfig, report)``; heads whose choice changed have no per-input
     numbers (nothing was re-measured)."""
-    prov = cfg.provenance or {}
-    need = ("calibration_inputs", "budgets", "gammas", "min_density", "max_density",
-            "block_m", "block_n", "objective", "candidates")
-    missing = [k for k in need if k not in prov]
-    if missing:
-        raise ConfigError(f"the config's provenance lacks {', '.join(missing)}: only a config "
-                          f"written by `mminfer calibrate` can be re-selected")
     if hard not in HARD:
         raise ConfigError(f"hard {hard!r} is not one of {', '.join(HARD)}")
-    first = prov["calibration_inputs"][0]
-    if first.get("tokens") != index.n:
-        raise InputError(f"the first calibration input {first.get('name')} had "
-                         f"{first.get('tokens')} tokens, the index given has {index.n}: give "
-                         f"the same video the calibration started with")
-    tokens = sorted(c["tokens"] for c in prov["calibration_inputs"])
-    n_ref = tokens[len(tokens) // 2]
-    cands = _candidate_set(candidate_patterns, index, n_ref, prov["budgets"], prov["gammas"],
-                           prov["min_density"], prov["max_density"], prov["block_m"],
-                           prov["block_n"])
+    cands = _rebuilt_candidates(cfg, index)
     by_label = {_label(key): key for key in cands}
-    if sorted({key[0] for key in cands}) != sorted(prov["candidates"]):
-        raise ConfigError(f"candidate families {sorted({k[0] for k in cands})} differ from the "
-                          f"calibration's {prov['candidates']}: re-selection needs the default "
-                          f"candidates")
+    prov = cfg.provenance
     objective = prov["objective"]
     layers = [list(row) for row in cfg.layers]
     rows = []
@@ -378,6 +376,38 @@ def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_
                     density_per_input={})
     return HeadPatternConfig(cfg.identity, layers, uncalibrated=cfg.uncalibrated,
                              provenance=new_prov, estimation=dict(cfg.estimation)), rows
+
+
+def report_candidates(cfg: HeadPatternConfig, index: ModalityIndex) -> dict:
+    """label -> HeadPattern: the candidates a calibration (``cfg``, written by ``calibrate``)
+    measured, rebuilt on its first input's ``index``, by the labels its report uses."""
+    return {_label(key): hp for key, hp in _rebuilt_candidates(cfg, index).items()}
+
+
+def _rebuilt_candidates(cfg: HeadPatternConfig, index: ModalityIndex) -> dict:
+    prov = cfg.provenance or {}
+    need = ("calibration_inputs", "budgets", "gammas", "min_density", "max_density",
+            "block_m", "block_n", "objective", "candidates")
+    missing = [k for k in need if k not in prov]
+    if missing:
+        raise ConfigError(f"the config's provenance lacks {', '.join(missing)}: only a config "
+                          f"written by `mminfer calibrate` can be re-selected")
+    first = prov["calibration_inputs"][0]
+    if first.get("tokens") != index.n:
+        raise InputError(f"the first calibration input {first.get('name')} had "
+                         f"{first.get('tokens')} tokens, the index given has {index.n}: give "
+                         f"the same video the calibration started with")
+    tokens = sorted(c["tokens"] for c in prov["calibration_inputs"])
+    n_ref = tokens[len(tokens) // 2]
+    cands = _candidate_set(candidate_patterns, index, n_ref, prov["budgets"], prov["gammas"],
+                           prov["min_density"], prov["max_density"], prov["block_m"],
+                           prov["block_n"])
+    # an older calibration measured fewer families: what it measured must still be built
+    if not set(prov["candidates"]) <= {key[0] for key in cands}:
+        raise ConfigError(f"candidate families {sorted({k[0] for k in cands})} do not include "
+                          f"the calibration's {prov['candidates']}: re-selection needs the "
+                          f"default candidates")
+    return cands
 
 
 def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = (0.1, 0.2),
@@ -657,6 +687,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--max-error and --hard, measuring nothing; the candidates are rebuilt "
                         "on the first calibration input: give its capture (.pt), or --model "
                         "with that one video (default: none)")
+    parser.add_argument("--answer-kl", type=float, default=None, metavar="KL",
+                        help="then calibrate against the answer (needs --model and --videos): "
+                        "starting from all heads dense, make heads sparse with the candidates "
+                        "the per-head step measured, cheapest per unit of their own answer KL "
+                        "first, as long as the mean last-token KL(dense || sparse) over the "
+                        "videos stays within KL; OUT is that config, the per-head step's goes "
+                        "to OUT.heads.json (default: off)")
+    parser.add_argument("--answer-rungs", type=int, default=6,
+                        help="with --answer-kl: candidates tried per head, from its density/"
+                        "error frontier")
+    parser.add_argument("--answer-minutes", type=float, default=None,
+                        help="with --answer-kl: stop measuring after this long (heads not yet "
+                        "measured stay dense; what was kept holds the bound) (default: no "
+                        "limit)")
     parser.add_argument("--device", default=None, help="move the captures here, and capture "
                         "there (e.g. cuda) (default: the model's device, cuda if available)")
 
@@ -701,11 +745,56 @@ def run(args) -> int:
                             quantile=args.error_quantile, hard=args.hard, engine=args.engine,
                             block_m=args.block_m, block_n=args.block_n,
                             spread_q=args.spread_queries)
+    if args.answer_kl is not None:
+        cfg.save(_sibling(args.out, ".heads.json"))
+        Path(_sibling(args.out, ".heads.report.json")).write_text(json.dumps(report, indent=1))
+        print(format_report(report, cfg.provenance))
+        return _answer_step(args, cfg, report, caps[0].index)
     cfg.save(args.out)
-    report_path = args.report or str(Path(args.out).with_suffix("")) + ".report.json"
+    report_path = args.report or _sibling(args.out, ".report.json")
     Path(report_path).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out} and {report_path}")
     print(format_report(report, cfg.provenance))
+    return 0
+
+
+def _sibling(out, suffix: str) -> str:
+    return str(Path(out).with_suffix("")) + suffix
+
+
+def _answer_step(args, cfg, report, index) -> int:
+    """``--answer-kl``: the per-head calibration ``cfg``/``report`` refined against the
+    answer on ``--videos`` (``answer.py``); writes the refined config as OUT."""
+    from mminfer.engine.pipeline import Pipeline
+    from .answer import AnswerProbe, format_rows, refine
+    from .capture import load_video
+    if not (args.model and args.videos):
+        raise InputError("--answer-kl runs the model on the calibration videos: give --model "
+                         "and --videos")
+    pipe = Pipeline(model=args.model, attention="dense", device=args.device)
+    ad = pipe.adapter
+    cuda = ad.device.type == "cuda"
+    prov = cfg.provenance
+    # on a CPU the reference engine: exact like the kernel, without the interpreter's cost
+    engine = args.engine if args.engine != "auto" else ("kernel" if cuda else "reference")
+    probe = AnswerProbe(ad, engine=engine, block=(prov["block_m"], prov["block_n"]))
+    inputs = []
+    for v in args.videos:
+        decoded, question, name = load_video(v, ad, args.question, fps=args.fps,
+                                              max_frames=args.max_frames)
+        inputs.append(probe.prepare(name, decoded, question))
+        print(f"answer step: prepared {name} ({inputs[-1].prep.total_tokens} tokens)")
+    deadline = (time.monotonic() + 60 * args.answer_minutes) if args.answer_minutes else None
+    new, rows = refine(probe, inputs, cfg, report, report_candidates(cfg, index),
+                       target=args.answer_kl, max_rungs=args.answer_rungs, deadline=deadline,
+                       log=print)
+    new.save(args.out)
+    report_path = args.report or _sibling(args.out, ".report.json")
+    # the per-head numbers the answer step chose from stay with it (for --reselect)
+    Path(report_path).write_text(json.dumps(report, indent=1))
+    Path(_sibling(args.out, ".answer.json")).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.out}, {report_path} and {_sibling(args.out, '.answer.json')}")
+    print(format_rows(rows, new.provenance))
     return 0
 
 
@@ -727,6 +816,9 @@ def _run_reselect(args) -> int:
         raise InputError("--reselect needs the first calibration input: its capture (.pt), "
                          "or --model with that video (--videos)")
     new, rows = reselect(cfg, report, index, max_error=args.max_error, hard=args.hard)
+    if args.answer_kl is not None:
+        print(format_report(rows, new.provenance))
+        return _answer_step(args, new, rows, index)
     new.save(args.out)
     report_path = args.report or str(Path(args.out).with_suffix("")) + ".report.json"
     Path(report_path).write_text(json.dumps(rows, indent=1))
@@ -739,18 +831,12 @@ def _run_reselect(args) -> int:
 def _first_index(model, video, args) -> ModalityIndex:
     """The ModalityIndex of one calibration video as the capture step built it (no
     prefill: only the adapter's preprocessing)."""
-    from mminfer.engine import video as videolib
     from mminfer.engine.pipeline import Pipeline
     from mminfer.models.base import PrepareOptions
-    from .capture import synthetic_video
+    from .capture import load_video
     ad = Pipeline(model=model, attention="dense", device="cpu").adapter
-    if str(video).startswith("synth:"):
-        decoded, question, _ = synthetic_video(str(video))
-    else:
-        decoded = videolib.decode(str(video), sampling=ad.sampling, fps=args.fps,
-                                  max_frames=min(args.max_frames, ad.frame_limit or
-                                                 args.max_frames))
-        question = args.question
+    decoded, question, _ = load_video(video, ad, args.question, fps=args.fps,
+                                      max_frames=args.max_frames)
     return ad.prepare(decoded, question, PrepareOptions()).index
 
 

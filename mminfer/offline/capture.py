@@ -19,7 +19,6 @@ def capture_qkv(model, videos, question: str, out_dir, *, fps: float = 2.0,
                 max_frames: int = 768, device=None, progress=None) -> list[Path]:
     import torch
 
-    from mminfer.engine import video as videolib
     from mminfer.models.base import PrepareOptions
     from mminfer.models.hooks import PrefillContext
     from mminfer.engine.pipeline import Pipeline
@@ -31,12 +30,7 @@ def capture_qkv(model, videos, question: str, out_dir, *, fps: float = 2.0,
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for v in videos:
-        if str(v).startswith("synth:"):
-            decoded, q_text, name = synthetic_video(str(v))
-        else:
-            decoded = videolib.decode(str(v), sampling=ad.sampling, fps=fps,
-                                      max_frames=min(max_frames, ad.frame_limit or max_frames))
-            q_text, name = question, Path(v).stem
+        decoded, q_text, name = load_video(v, ad, question, fps=fps, max_frames=max_frames)
         prep = ad.prepare(decoded, q_text, PrepareOptions())
         ctx = PrefillContext(index=prep.index, patterns=None, mode="dense", capture={})
         ad.generate(prep, max_new_tokens=1, ctx=ctx)
@@ -48,6 +42,18 @@ def capture_qkv(model, videos, question: str, out_dir, *, fps: float = 2.0,
         if progress:
             progress(path, prep.total_tokens)
     return paths
+
+
+def load_video(v, adapter, question: str, *, fps: float = 2.0, max_frames: int = 768):
+    """One calibration video for ``adapter``: a file (decoded at ``fps``, at most
+    ``max_frames`` and the model's own frame limit, asked ``question``) or a synthetic source
+    (asked its own task's question). Returns ``(DecodedVideo, question, name)``."""
+    from mminfer.engine import video as videolib
+    if str(v).startswith("synth:"):
+        return synthetic_video(str(v))
+    decoded = videolib.decode(str(v), sampling=adapter.sampling, fps=fps,
+                              max_frames=min(max_frames, adapter.frame_limit or max_frames))
+    return decoded, question, Path(v).stem
 
 
 def synthetic_video(spec: str):
