@@ -42,8 +42,9 @@ import torch
 
 from mminfer.errors import ConfigError, InputError
 from mminfer.sparse.modality import ModalityIndex
-from mminfer.sparse.patterns import (KNOWN_MODELS, HeadPattern, HeadPatternConfig,
-                                     ModelIdentity, a_shape, block, default_config, dense,
+from mminfer.sparse.patterns import (KNOWN_MODELS, QUERY_MODALITIES, HeadPattern,
+                                     HeadPatternConfig, ModelIdentity, a_shape, block,
+                                     default_config, dense,
                                      grid, provenance, vertical_slash)
 
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
@@ -327,17 +328,19 @@ def _sort_report(report: list, objective: str) -> None:
 
 
 def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_error: float,
-             hard: str = "dense"):
+             hard: str = "dense", families: Sequence[str] | None = None):
     """The choice of ``calibrate`` made again under another bound, from the numbers its
     report kept (every candidate's error, mass and mean density per head), without measuring
     anything: a calibration of a large model is expensive, and the bound is best set after
     seeing what each head can hold. ``index`` is the first calibration input's (the
     candidates are sized on it); ``cfg`` gives the identity and the candidate set.
+    ``families``: choose only among these candidate families (e.g. the dense-text twins).
     Returns ``(HeadPatternConfig, report)``; heads whose choice changed have no per-input
     numbers (nothing was re-measured)."""
     if hard not in HARD:
         raise ConfigError(f"hard {hard!r} is not one of {', '.join(HARD)}")
     cands = _rebuilt_candidates(cfg, index)
+    report = only_families(report, families)
     by_label = {_label(key): key for key in cands}
     prov = cfg.provenance
     objective = prov["objective"]
@@ -373,9 +376,54 @@ def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_
                                                 "date": prov.get("date")},
                     hard_heads=sorted([r["layer"], r["head"]] for r in rows if r["hard"]),
                     mean_density=_r(sum(r["density"] for r in rows) / max(1, len(rows))),
-                    density_per_input={})
+                    density_per_input={}, **({"families": sorted(families)} if families else {}))
     return HeadPatternConfig(cfg.identity, layers, uncalibrated=cfg.uncalibrated,
                              provenance=new_prov, estimation=dict(cfg.estimation)), rows
+
+
+def with_dense_text(cfg: HeadPatternConfig) -> HeadPatternConfig:
+    """``cfg`` with the text rows of every sparse head dense (visual rows keep their pattern):
+    the question's rows are few and are where the answer reads the video (BENCHMARKS.md §4).
+    A none/k head becomes a Q-boundary head (a k head's split of the vertical budget across
+    key modalities is dropped: its visual rows then take their verticals over all keys); a
+    2D head gets every text->* region dense."""
+    memo: dict = {}
+
+    def head(hp: HeadPattern) -> HeadPattern:
+        if id(hp) in memo:
+            return memo[id(hp)]
+        if hp.boundary in ("none", "k"):
+            p = hp.patterns["all"]
+            new = hp if p.kind == "dense" else HeadPattern(
+                "q", {"video": p, "image": p, "text": dense()})
+        elif hp.boundary == "q":
+            new = HeadPattern("q", {**hp.patterns, "text": dense()})
+        else:
+            new = HeadPattern("2d", {**{r: p for r, p in hp.patterns.items()
+                                        if not r.startswith("text->")},
+                                     **{f"text->{m}": dense() for m in QUERY_MODALITIES}})
+        memo[id(hp)] = new
+        return new
+
+    return HeadPatternConfig(cfg.identity, [[head(hp) for hp in row] for row in cfg.layers],
+                             uncalibrated=cfg.uncalibrated,
+                             provenance=dict(cfg.provenance or {}, dense_text=True),
+                             estimation=dict(cfg.estimation))
+
+
+def only_families(report: list, families: Sequence[str] | None) -> list:
+    """``report`` with each head's candidates limited to ``families`` (None: all)."""
+    if not families:
+        return report
+    out = []
+    for r in report:
+        got = {lab: m for lab, m in r["candidates"].items() if lab.split("@")[0] in families}
+        if not got:
+            raise ConfigError(f"report head L{r['layer']}H{r['head']} has no candidate of "
+                              f"families {sorted(families)} (it has "
+                              f"{sorted({lab.split('@')[0] for lab in r['candidates']})})")
+        out.append(dict(r, candidates=got))
+    return out
 
 
 def report_candidates(cfg: HeadPatternConfig, index: ModalityIndex) -> dict:
@@ -701,6 +749,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --answer-kl: stop measuring after this long (heads not yet "
                         "measured stay dense; what was kept holds the bound) (default: no "
                         "limit)")
+    parser.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
+                        help="with --reselect or --answer-kl: choose only among these "
+                        "candidate families, e.g. 'q:vs|dense-text q:block|dense-text' (question "
+                        "rows dense) (default: all the report has)")
+    parser.add_argument("--dense-text", action="store_true",
+                        help="with --reselect: then make the text rows of every sparse head "
+                        "dense (visual rows keep their choice; costs about 2 x text tokens / N "
+                        "of density) (default: off)")
     parser.add_argument("--device", default=None, help="move the captures here, and capture "
                         "there (e.g. cuda) (default: the model's device, cuda if available)")
 
@@ -785,7 +841,8 @@ def _answer_step(args, cfg, report, index) -> int:
         inputs.append(probe.prepare(name, decoded, question))
         print(f"answer step: prepared {name} ({inputs[-1].prep.total_tokens} tokens)")
     deadline = (time.monotonic() + 60 * args.answer_minutes) if args.answer_minutes else None
-    new, rows = refine(probe, inputs, cfg, report, report_candidates(cfg, index),
+    new, rows = refine(probe, inputs, cfg, only_families(report, args.families),
+                       report_candidates(cfg, index),
                        target=args.answer_kl, max_rungs=args.answer_rungs, deadline=deadline,
                        log=print)
     new.save(args.out)
@@ -815,7 +872,10 @@ def _run_reselect(args) -> int:
     else:
         raise InputError("--reselect needs the first calibration input: its capture (.pt), "
                          "or --model with that video (--videos)")
-    new, rows = reselect(cfg, report, index, max_error=args.max_error, hard=args.hard)
+    new, rows = reselect(cfg, report, index, max_error=args.max_error, hard=args.hard,
+                         families=args.families)
+    if args.dense_text:
+        new = with_dense_text(new)
     if args.answer_kl is not None:
         print(format_report(rows, new.provenance))
         return _answer_step(args, new, rows, index)
