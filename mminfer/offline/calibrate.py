@@ -382,33 +382,37 @@ def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_
 
 
 def with_dense_text(cfg: HeadPatternConfig) -> HeadPatternConfig:
-    """``cfg`` with the text rows of every sparse head dense (visual rows keep their pattern):
-    the question's rows are few and are where the answer reads the video (BENCHMARKS.md §4).
-    A none/k head becomes a Q-boundary head (a k head's split of the vertical budget across
-    key modalities is dropped: its visual rows then take their verticals over all keys); a
-    2D head gets every text->* region dense."""
+    """``cfg`` with the text rows of every sparse head dense (``dense_text_head``)."""
     memo: dict = {}
 
-    def head(hp: HeadPattern) -> HeadPattern:
-        if id(hp) in memo:
-            return memo[id(hp)]
-        if hp.boundary in ("none", "k"):
-            p = hp.patterns["all"]
-            new = hp if p.kind == "dense" else HeadPattern(
-                "q", {"video": p, "image": p, "text": dense()})
-        elif hp.boundary == "q":
-            new = HeadPattern("q", {**hp.patterns, "text": dense()})
-        else:
-            new = HeadPattern("2d", {**{r: p for r, p in hp.patterns.items()
-                                        if not r.startswith("text->")},
-                                     **{f"text->{m}": dense() for m in QUERY_MODALITIES}})
-        memo[id(hp)] = new
-        return new
+    def head(hp):
+        if id(hp) not in memo:
+            memo[id(hp)] = dense_text_head(hp)
+        return memo[id(hp)]
 
     return HeadPatternConfig(cfg.identity, [[head(hp) for hp in row] for row in cfg.layers],
                              uncalibrated=cfg.uncalibrated,
                              provenance=dict(cfg.provenance or {}, dense_text=True),
                              estimation=dict(cfg.estimation))
+
+
+def dense_text_head(hp: HeadPattern) -> HeadPattern:
+    """``hp`` with its text rows dense, its visual rows as they were. The question's rows are
+    few (about 2 x text tokens / N of density) and they are where the answer reads the
+    video: a miss there moves the answer most (BENCHMARKS.md §4). A none/k head becomes a
+    Q-boundary head (a k head's split of the vertical budget across key modalities is
+    dropped: its visual rows take their verticals over all keys); a 2D head gets every
+    text->* region dense; a dense head stays as it is."""
+    if hp.boundary in ("none", "k"):
+        p = hp.patterns["all"]
+        if p.kind == "dense":
+            return hp
+        return HeadPattern("q", {"video": p, "image": p, "text": dense()})
+    if hp.boundary == "q":
+        return HeadPattern("q", {**hp.patterns, "text": dense()})
+    return HeadPattern("2d", {**{r: p for r, p in hp.patterns.items()
+                                 if not r.startswith("text->")},
+                              **{f"text->{m}": dense() for m in QUERY_MODALITIES}})
 
 
 def only_families(report: list, families: Sequence[str] | None) -> list:
@@ -753,10 +757,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --reselect or --answer-kl: choose only among these "
                         "candidate families, e.g. 'q:vs|dense-text q:block|dense-text' (question "
                         "rows dense) (default: all the report has)")
-    parser.add_argument("--dense-text", action="store_true",
-                        help="with --reselect: then make the text rows of every sparse head "
-                        "dense (visual rows keep their choice; costs about 2 x text tokens / N "
-                        "of density) (default: off)")
+    parser.add_argument("--dense-text", action=argparse.BooleanOptionalAction, default=None,
+                        help="make the text rows (the question) of every sparse head dense, "
+                        "visual rows keeping their pattern: it costs about 2 x text tokens / N "
+                        "of density and moves the answer much less (BENCHMARKS.md §4); the "
+                        "answer step measures its candidates so (default: on for inputs of "
+                        "text and video; --reselect: as the calibration was)")
     parser.add_argument("--device", default=None, help="move the captures here, and capture "
                         "there (e.g. cuda) (default: the model's device, cuda if available)")
 
@@ -801,6 +807,8 @@ def run(args) -> int:
                             quantile=args.error_quantile, hard=args.hard, engine=args.engine,
                             block_m=args.block_m, block_n=args.block_n,
                             spread_q=args.spread_queries)
+    if args.dense_text is not False and len(caps[0].index.modalities()) > 1:
+        cfg = with_dense_text(cfg)
     if args.answer_kl is not None:
         cfg.save(_sibling(args.out, ".heads.json"))
         Path(_sibling(args.out, ".heads.report.json")).write_text(json.dumps(report, indent=1))
@@ -841,8 +849,10 @@ def _answer_step(args, cfg, report, index) -> int:
         inputs.append(probe.prepare(name, decoded, question))
         print(f"answer step: prepared {name} ({inputs[-1].prep.total_tokens} tokens)")
     deadline = (time.monotonic() + 60 * args.answer_minutes) if args.answer_minutes else None
-    new, rows = refine(probe, inputs, cfg, only_families(report, args.families),
-                       report_candidates(cfg, index),
+    cands = report_candidates(cfg, index)
+    if cfg.provenance.get("dense_text"):
+        cands = {lab: dense_text_head(hp) for lab, hp in cands.items()}
+    new, rows = refine(probe, inputs, cfg, only_families(report, args.families), cands,
                        target=args.answer_kl, max_rungs=args.answer_rungs, deadline=deadline,
                        log=print)
     new.save(args.out)
@@ -874,8 +884,12 @@ def _run_reselect(args) -> int:
                          "or --model with that video (--videos)")
     new, rows = reselect(cfg, report, index, max_error=args.max_error, hard=args.hard,
                          families=args.families)
-    if args.dense_text:
+    # as the calibration did unless told otherwise
+    want = args.dense_text if args.dense_text is not None else cfg.provenance.get("dense_text")
+    if want and len(index.modalities()) > 1:
         new = with_dense_text(new)
+    elif new.provenance.get("dense_text"):
+        new.provenance = {k: v for k, v in new.provenance.items() if k != "dense_text"}
     if args.answer_kl is not None:
         print(format_report(rows, new.provenance))
         return _answer_step(args, new, rows, index)

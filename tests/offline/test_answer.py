@@ -1,7 +1,9 @@
 """Calibration against the answer (`mminfer calibrate --answer-kl`): the frontier of rungs per
 head, and on the embedded model end to end: the config written holds the mean last-token KL
 it reports (re-measured here through the pipeline's prefill), a looser bound buys a sparser
-config, and a bound nothing sparse holds leaves every head dense."""
+config, a tighter one keeps more heads dense, a deadline stops it early and what it kept still
+holds. The question's rows dense (the default): what it changes in a head, and that it moves
+the answer far less at the same choice."""
 
 import argparse
 import json
@@ -121,3 +123,47 @@ def test_answer_kl_needs_the_model_and_videos(calibrated, tmp_path):
                          str(tmp_path / "x.json"), "--budget", "0.3", "--gamma"])
     with pytest.raises(InputError, match="--answer-kl runs the model"):
         run(args)
+
+
+def test_dense_text_head_keeps_visual_rows_and_makes_text_rows_dense():
+    from mminfer.offline.calibrate import dense_text_head
+    from mminfer.sparse.patterns import HeadPattern, a_shape, dense, vertical_slash
+    vs = vertical_slash(n_vertical=8, n_slash=1, window=4, sink=2)
+    for b in ("none", "k"):
+        got = dense_text_head(HeadPattern.single(vs, b))
+        assert got.boundary == "q"
+        assert got.for_region("video") == got.for_region("image") == vs
+        assert got.for_region("text").kind == "dense"
+    q = dense_text_head(HeadPattern("q", {"video": vs, "text": a_shape(sink=1, window=2)}))
+    assert q.for_region("video") == vs and q.for_region("text").kind == "dense"
+    two = dense_text_head(HeadPattern("2d", {"video->video": vs, "text->video": vs,
+                                             "video->text": a_shape(sink=1, window=2)}))
+    assert two.for_region("video", "video") == vs
+    assert two.for_region("video", "text").kind == "a_shape"
+    assert all(two.for_region("text", k).kind == "dense" for k in ("video", "text"))
+    d = HeadPattern.single(dense())
+    assert dense_text_head(d) is d
+
+
+def test_calibrate_makes_question_rows_dense_by_default(calibrated):
+    """The per-head config written for text + video inputs has every sparse head's text rows
+    dense and says so; --reselect follows it, --no-dense-text turns it off."""
+    ckpt, heads, tmp = calibrated
+    cfg = HeadPatternConfig.load(heads)
+    assert cfg.provenance["dense_text"] is True
+    sparse = [hp for row in cfg.layers for hp in row if hp.kinds() != {"dense"}]
+    assert sparse and all(hp.boundary in ("q", "2d") for hp in sparse)
+    assert all(hp.for_region("text", "video").kind == "dense" for hp in sparse)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--reselect", str(heads), "--model", str(ckpt), "--device", "cpu",
+            "--videos", VIDEOS[0], "--max-error", "0.2"]
+    assert run(p.parse_args(base + ["--out", str(tmp / "same.json")])) == 0
+    assert HeadPatternConfig.load(tmp / "same.json").layers == cfg.layers
+    assert run(p.parse_args(base + ["--no-dense-text", "--out", str(tmp / "off.json")])) == 0
+    off = HeadPatternConfig.load(tmp / "off.json")
+    assert "dense_text" not in off.provenance
+    assert any(hp.boundary in ("none", "k") for row in off.layers for hp in row)
+    # what it is for: the same choice moves the answer far less with the question rows dense
+    on_kl, off_kl = _measure(ckpt, cfg), _measure(ckpt, off)
+    assert on_kl < off_kl / 5, (on_kl, off_kl)
