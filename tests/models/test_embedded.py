@@ -260,10 +260,10 @@ def test_default_model_answers_the_samples_dense(default_pipe):
 
 
 def test_default_model_answers_the_samples_sparse(default_pipe):
-    """The shipped config as served (at the samples' 183 tokens its patterns cover every
-    pair), then the same heads re-sized to half the causal pairs (about the least 16 x 16
-    tiles allow at this length; the heads calibration made dense stay dense): the retrieval
-    and colour samples still answer right."""
+    """The shipped config as served, then the same heads re-sized to half the causal pairs
+    (about the least 16 x 16 tiles allow at the samples' 183 tokens; the heads calibration
+    made dense stay dense, and so do the question's rows): the samples named still answer
+    right."""
     import torch
     if default_pipe.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("sparse attention on CPU needs TRITON_INTERPRET=1")
@@ -290,7 +290,12 @@ def test_default_model_answers_the_samples_sparse(default_pipe):
                         for i, p in sorted(ctx.densities.items())
                         for h, hp in enumerate(pats.layer(i))
                         if any(x.kind != "dense" for x in hp.patterns.values())]
-            assert measured and max(measured) < 0.6, (name, measured)
+            # the question's rows stay dense: their pairs come on top of about half the rest
+            n = prep.total_tokens
+            text_pairs = sum(i + 1 for sp in prep.index.spans_of("text")
+                             for i in range(sp.start, sp.end))
+            share = text_pairs / (n * (n + 1) / 2)
+            assert measured and max(measured) < 0.6 * (1 - share) + share, (name, measured)
         assert gen.text == d["answer"], (name, density, gen.text)
     assert torch.is_grad_enabled()
 
