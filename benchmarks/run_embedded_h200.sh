@@ -22,6 +22,7 @@
 #   calibrated model comes back as $OUT/model_calibrated.tar.gz.
 #
 # eval knobs: CAL_FRAMES (calibration video lengths in frames, default "1024 2048 4096"),
+#   CAL_REPS (videos per task and length, 1: --answer-kl needs more than one to transfer),
 #   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585),
 #   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05), RESELECT (looser
 #   bounds, e.g. "0.3 0.5": calibrate --reselect makes each one's config from the same
@@ -109,7 +110,9 @@ eval)
     # four tasks x 8K / 16K / 32K tokens (1024 / 2048 / 4096 frames at 224 x 224)
     VIDS=(); s=900000
     for n in ${CAL_FRAMES:-1024 2048 4096}; do
-      for t in needle colour order count; do VIDS+=("synth:$t:$n:$s"); s=$((s + 1)); done
+      for _ in $(seq "${CAL_REPS:-1}"); do
+        for t in needle colour order count; do VIDS+=("synth:$t:$n:$s"); s=$((s + 1)); done
+      done
     done
     CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
          --max-error "${MAX_ERROR:-0.05}" --spread-queries "${SPREAD:-0}")
