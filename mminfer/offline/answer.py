@@ -100,14 +100,12 @@ def _density(ctx):
 
 def frontier(candidates: dict) -> list:
     """A head's report candidates (label -> {"error", "density", ...}) reduced to the rungs
-    worth trying: sparse (density < 1), each cheaper rung with a lower error than every
-    dearer one would be dominated, so kept only if no dearer-or-equal rung has a lower error.
-    Sorted dearest first: ``[(label, density, error)]``."""
+    worth trying: sparse ones (density < 1) on the density/error frontier, each with a lower
+    error than every cheaper one. Sorted dearest first: ``[(label, density, error)]``."""
     rows = sorted(((lab, float(m["density"]), float(m["error"])) for lab, m in candidates.items()
                    if float(m["density"]) < 1.0), key=lambda r: (-r[1], r[2]))
     out, best = [], float("inf")
-    # walking from the cheapest up, a rung stays if it beats every cheaper one's error
-    for lab, d, e in reversed(rows):
+    for lab, d, e in reversed(rows):            # cheapest first
         if e < best:
             out.append((lab, d, e))
             best = e
