@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from mminfer.offline.answer import kl_divergence as _kl  # noqa: E402
 from mminfer.offline.calibrate import resize_config  # noqa: E402
 from mminfer.toy import embedded as E  # noqa: E402
 
@@ -183,7 +184,7 @@ def kl_divergence(p_log, q_log):
     """KL(p || q) in nats of two log-probability rows (None without both)."""
     if p_log is None or q_log is None:
         return None
-    return float((p_log.exp() * (p_log - q_log)).sum().clamp(min=0))
+    return _kl(p_log, q_log)
 
 
 def summarise(records, modes, lengths, depths, long_from: int = 16384):

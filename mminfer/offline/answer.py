@@ -119,7 +119,7 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
     (identity, estimation settings, provenance); ``report``: its rows (``candidates`` per
     head); ``candidates``: label -> HeadPattern (``calibrate.report_candidates``);
     ``max_rungs``: per head at most this many frontier rungs are tried (spread over the
-    frontier), and as many of the dense-text twins. ``deadline`` (``time.monotonic()``):
+    frontier). ``deadline`` (``time.monotonic()``):
     past it no more heads are measured (those left stay dense) and no more moves are tried;
     every move kept was verified, so the config returned holds the bound either way (its
     provenance says it stopped early). Returns ``(HeadPatternConfig, rows)``: per head its
@@ -160,18 +160,12 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
         if missing:
             raise ConfigError(f"report head L{key[0]}H{key[1]} has candidates {missing} that "
                               f"were not rebuilt")
-        # Dense-text twins cost a little more density for about the same output error, so
-        # one frontier would drop them: each kind of text rows gets its own.
-        rungs = []
-        for twin in (False, True):
-            got = frontier({lab: m for lab, m in r["candidates"].items()
-                            if ("|dense-text" in lab) == twin})
-            if len(got) > max_rungs:    # keep the cheapest and dearest, spread the rest
-                pick = sorted({round(j * (len(got) - 1) / max(1, max_rungs - 1))
-                               for j in range(max_rungs)})
-                got = [got[j] for j in pick]
-            rungs += got
-        ladders[key] = sorted(rungs, key=lambda x: -x[1])
+        rungs = frontier(r["candidates"])
+        if len(rungs) > max_rungs:      # keep the cheapest and dearest, spread the rest
+            pick = sorted({round(j * (len(rungs) - 1) / max(1, max_rungs - 1))
+                           for j in range(max_rungs)})
+            rungs = [rungs[j] for j in pick]
+        ladders[key] = rungs
     late = lambda: deadline is not None and time.monotonic() > deadline
     stopped = None
     own: dict = {}

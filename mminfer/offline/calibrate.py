@@ -210,22 +210,13 @@ def candidate_patterns(index: ModalityIndex, n: int, budget: float, *, block_m: 
                 pairs[f"text->{qm}"] = vs(K)
             pairs["text->text"] = vs(K)
             cands["2d"] = HeadPattern("2d", pairs)
-            cands.update(_dense_text_twins(cands))
     return cands
 
 
-def _dense_text_twins(cands: dict) -> dict:
-    """Q-boundary twins of the single-pattern candidates: visual rows as the candidate, text
-    rows dense. The question's rows are few (their cost is about 2 x text tokens / N of
-    density) and they are where the answer reads the video, so a miss there moves the
-    answer most (BENCHMARKS.md §4)."""
-    twins = {}
-    for name in ("vertical_slash", "block"):
-        if name in cands:
-            p = cands[name].patterns["all"]
-            twins[f"q:{'vs' if name == 'vertical_slash' else name}|dense-text"] = HeadPattern(
-                "q", {"video": p, "image": p, "text": dense()})
-    return twins
+# Families that only the calibrations of 2026-12-02 b13da55..a7eb775 measured (vertical_slash
+# and block with the question's rows dense, before that became a transform of every choice,
+# ``dense_text_head``): rebuilt so that their reports can still be re-selected.
+_TWINS = {"q:vs|dense-text": "vertical_slash", "q:block|dense-text": "block"}
 
 
 def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density: float, *,
@@ -279,7 +270,6 @@ def mass_candidate_patterns(index: ModalityIndex, n: int, gamma: float, *,
         cands["q:vs"] = HeadPattern("q", {"video": vs, "image": vs, "text": vs})
         g = grid(lines="both", sink=sink, window=window, fallback=vs)
         cands["q:grid|vs"] = HeadPattern("q", {"video": g, "image": g, "text": vs})
-        cands.update(_dense_text_twins(cands))
     return cands
 
 
@@ -334,7 +324,7 @@ def reselect(cfg: HeadPatternConfig, report: list, index: ModalityIndex, *, max_
     anything: a calibration of a large model is expensive, and the bound is best set after
     seeing what each head can hold. ``index`` is the first calibration input's (the
     candidates are sized on it); ``cfg`` gives the identity and the candidate set.
-    ``families``: choose only among these candidate families (e.g. the dense-text twins).
+    ``families``: choose only among these candidate families (e.g. ``vertical_slash block``).
     Returns ``(HeadPatternConfig, report)``; heads whose choice changed have no per-input
     numbers (nothing was re-measured)."""
     if hard not in HARD:
@@ -454,6 +444,10 @@ def _rebuilt_candidates(cfg: HeadPatternConfig, index: ModalityIndex) -> dict:
     cands = _candidate_set(candidate_patterns, index, n_ref, prov["budgets"], prov["gammas"],
                            prov["min_density"], prov["max_density"], prov["block_m"],
                            prov["block_n"])
+    for twin, base in _TWINS.items():
+        if twin in prov["candidates"]:
+            cands.update({(twin, b, g): dense_text_head(hp) for (name, b, g), hp in
+                          list(cands.items()) if name == base})
     # an older calibration measured fewer families: what it measured must still be built
     if not set(prov["candidates"]) <= {key[0] for key in cands}:
         raise ConfigError(f"candidate families {sorted({k[0] for k in cands})} do not include "
@@ -755,8 +749,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "limit)")
     parser.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
                         help="with --reselect or --answer-kl: choose only among these "
-                        "candidate families, e.g. 'q:vs|dense-text q:block|dense-text' (question "
-                        "rows dense) (default: all the report has)")
+                        "candidate families, e.g. 'vertical_slash block' (default: all the report "
+                        "has)")
     parser.add_argument("--dense-text", action=argparse.BooleanOptionalAction, default=None,
                         help="make the text rows (the question) of every sparse head dense, "
                         "visual rows keeping their pattern: it costs about 2 x text tokens / N "
