@@ -263,7 +263,10 @@ def mass_candidate_patterns(index: ModalityIndex, n: int, gamma: float, *,
     bounds = dict(gamma=gamma, min_density=min_density, max_density=max_density)
     vs = vertical_slash(window=window, sink=sink, **bounds)
     cands = {"vertical_slash": HeadPattern.single(vs),
-             "block": HeadPattern.single(block(window=block_m, **bounds))}
+             "block": HeadPattern.single(block(window=block_m, **bounds)),
+             # key blocks per row block by antidiagonal scores: content-driven columns that
+             # differ from row block to row block (the landmarks of BENCHMARKS.md section 4)
+             "block_ad": HeadPattern.single(block(window=block_m, stride=AD_STRIDE, **bounds))}
     if index.visual_spans() and len(index.modalities()) > 1:
         # Each query modality's verticals and slashes from its own last queries; video rows
         # also with grid lines when the lift says there is a grid (else the same mass rule).
@@ -273,6 +276,7 @@ def mass_candidate_patterns(index: ModalityIndex, n: int, gamma: float, *,
     return cands
 
 
+AD_STRIDE = 16            # block_ad's antidiagonal stride: 1/16 of QK^T to rank key blocks
 HARD = ("dense", "best")
 DENSE = ("dense", None, None)        # the key of the dense fallback among the candidates
 

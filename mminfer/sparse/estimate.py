@@ -36,6 +36,7 @@ Nothing in the hot path reads a device tensor on the host (no ``.item()``/``.tol
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -475,6 +476,10 @@ class _Estimator:
         hidx = self._heads(hs)
         kvidx = self._heads([h // group for h in hs])
         step = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * D))
+        # Heads with a stride rank key blocks by antidiagonal scores (_antidiag_logmass), the
+        # others by mean-pooled queries and keys.
+        strides = sorted({p.stride for p in pats if p.stride})
+        by_stride = {st: [i for i, p in enumerate(pats) if p.stride == st] for st in strides}
         # Mean-pooled queries per row block and keys per key block, in fp32, chunked.
         qbar = torch.zeros(B, len(hs), R, D, dtype=torch.float32, device=dev)
         for a in range(0, N, step):
@@ -523,6 +528,19 @@ class _Estimator:
             mwidth = 0
         out = torch.full((B, len(hs), R, max(kmax, mwidth)), -1, dtype=torch.long, device=dev)
         rstep = max(1, _CHUNK_ELEMS // max(1, B * len(hs) * nkb))
+        ad = {}
+        if strides:
+            # the antidiagonal scores of a row block are [block_m / S, N / S] per head
+            rstep = max(1, min(rstep, _CHUNK_ELEMS // max(
+                1, B * len(hs) * -(-self.block_m // min(strides)) * -(-N // min(strides)))))
+            logn0 = torch.where(ok_k, torch.clamp(N - cstart, max=bn).to(torch.float32).log(),
+                                torch.zeros((), device=dev))
+            for st, idx in by_stride.items():
+                hi = self._ints(idx)
+                S = math.gcd(st, bn)
+                G = -(-N // S)
+                kp = torch.nn.functional.pad(k[:, kvidx[hi]], (0, 0, 0, G * S - N))
+                ad[st] = (hi, hidx[hi], kp.reshape(B, len(idx), G, S * D))
         budget = _const(top_k, dev, torch.long)[None, :, None, None]
         rank = torch.arange(kmax, device=dev)
         cpos, mpos = self._ints(by_count), self._ints(by_mass)
@@ -530,6 +548,11 @@ class _Estimator:
         for a in range(0, R, rstep):
             b = min(a + rstep, R)
             s = torch.matmul(qbar[:, :, a:b], kbar.transpose(-1, -2))    # [B, H', r, NKB]
+            for st, (hi, hq, kr) in ad.items():
+                lm = _antidiag_logmass(q, hq, kr, table[a:b], st, self.block_m, bn, nkb,
+                                       self.scale, ok_k)
+                # in pooled-score units, so the rules below read both kinds alike
+                s[:, hi] = (lm - logn0) / self.scale
             lo = torch.clamp(table[a:b, 0][None, :] - window[:, None], min=0)  # [H', r]
             far = (cstart[None, None, :] < lo[:, :, None]) & ok_k
             if by_count:
@@ -697,6 +720,40 @@ class _Estimator:
 
 
 # ---------------------------------------------------------------------- proxy
+def _antidiag_logmass(q, hq, kr, rows, S, block_m, bn, nkb, scale, ok_k):
+    """Log attention mass per key block for a chunk of row blocks, by XAttention's
+    antidiagonal proxy: per group of S consecutive rows of a row block and S consecutive
+    keys, the mean score along the group's antidiagonal (q[r0 + S-1-t] . k[c0 + t]: every
+    row and every key read once, 1/S of QK^T); a softmax per row group over the causal key
+    groups; summed per row block and key block. A landmark key keeps its own score, where
+    mean-pooled keys dilute it ``block_n``-fold.
+
+    q ``[B, Hq, N, D]`` (all heads; ``hq`` the ones to score), ``kr [B, H', G, S*D]`` their
+    keys in groups of S (zero-padded); ``rows [r, 3]`` (start, end, group) of the row blocks
+    (at most ``block_m`` rows); ``ok_k [NKB]`` the key blocks holding the region's keys.
+    Returns ``[B, H', r, NKB]`` fp32 (-inf: no mass)."""
+    B, _, N, D = q.shape
+    H, G = kr.shape[1], kr.shape[2]
+    dev = q.device
+    S = math.gcd(S, bn)
+    J = -(-block_m // S)                                         # row groups per row block
+    t = torch.arange(S, device=dev)
+    start, end = rows[:, 0], rows[:, 1]
+    g0 = start[:, None] + torch.arange(J, device=dev)[None, :] * S          # [r, J]
+    valid = g0 < end[:, None]
+    idx = torch.minimum(g0[..., None] + (S - 1 - t), end[:, None, None] - 1)  # reversed rows
+    qr = q.index_select(2, idx.reshape(-1))[:, hq].reshape(B, H, -1, S * D)   # [B, H, rJ, SD]
+    sc = torch.matmul(qr, kr.transpose(-1, -2)).float() * (scale / S)         # [B, H, rJ, G]
+    last = torch.minimum(g0 + S - 1, end[:, None] - 1).reshape(-1)           # a group's last row
+    kg_ok = ok_k.repeat_interleave(bn // S)[:G]
+    allowed = (torch.arange(G, device=dev)[None, :] * S <= last[:, None]) & kg_ok[None, :]
+    sc = sc.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(sc, -1).nan_to_num(0.0) * valid.reshape(-1, 1)
+    p = torch.nn.functional.pad(p, (0, nkb * (bn // S) - G))
+    mass = p.reshape(B, H, len(rows), J, nkb, bn // S).sum((3, 5))
+    return mass.log()
+
+
 def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
     """Column and diagonal sums of softmax(q[pos] kᵀ · scale) (causal, fp32), two passes over
     key chunks. GQA by index: the query heads of one kv head are stacked as rows of one

@@ -43,11 +43,11 @@ _FIELDS: dict[str, dict[str, Any]] = {
                        "gamma": None, "min_density": None, "max_density": None},
     "grid": {"lines": "both", "sink": 128, "window": 6144, "min_lift": 3.0, "fallback": None},
     "block": {"top_k": 128, "window": 256, "gamma": None, "min_density": None,
-              "max_density": None},
+              "max_density": None, "stride": None},
     "dense": {},
 }
 _ALL_FIELDS = ("kind", "sink", "window", "n_vertical", "n_slash", "lines", "min_lift",
-               "fallback", "top_k", "gamma", "min_density", "max_density")
+               "fallback", "top_k", "gamma", "min_density", "max_density", "stride")
 # Kinds that take a mass budget, and the count fields the mass budget replaces: a pattern has
 # one or the other, never both (a file saying both would leave unclear which one rules).
 _MASS_KINDS = {"vertical_slash": ("n_vertical", "n_slash"), "block": ("top_k",)}
@@ -67,7 +67,10 @@ class Pattern:
     * ``grid(lines, sink, window, min_lift, fallback)``: lines every ``stride`` tokens at the
       best phase (estimated online); rows, columns or both; a best lift under ``min_lift``
       uses ``fallback`` (default: vertical_slash with its defaults);
-    * ``block(top_k, window)``: ``top_k`` key blocks per query block;
+    * ``block(top_k, window, stride)``: ``top_k`` key blocks per query block, ranked by the
+      attention of mean-pooled queries on mean-pooled keys, or, with ``stride`` S, by the
+      antidiagonal scores of S x S groups (XAttention's proxy: every query and key read,
+      1/S of QK^T; a single landmark key is not averaged away as it is by pooling);
     * ``dense``: every causal pair.
 
     Mass budgets (vertical_slash and block): with ``gamma`` set instead of the counts, the
@@ -90,6 +93,7 @@ class Pattern:
     gamma: Optional[float] = None
     min_density: Optional[float] = None
     max_density: Optional[float] = None
+    stride: Optional[int] = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -122,6 +126,10 @@ class Pattern:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 0):
                 raise ConfigError(f"{self.kind} {name} must be an int >= 0, got {value!r}")
+        if self.stride is not None and (not isinstance(self.stride, int)
+                                        or isinstance(self.stride, bool) or self.stride < 1
+                                        or self.stride & (self.stride - 1)):
+            raise ConfigError(f"block stride must be a power of two >= 1, got {self.stride!r}")
         if self.kind == "grid":
             if self.lines not in LINES:
                 raise ConfigError(f"grid lines {self.lines!r} is not one of {', '.join(LINES)}")
@@ -200,9 +208,9 @@ def grid(lines=None, sink=None, window=None, min_lift=None, fallback=None) -> Pa
 
 
 def block(top_k=None, window=None, *, gamma=None, min_density=None,
-          max_density=None) -> Pattern:
+          max_density=None, stride=None) -> Pattern:
     return Pattern("block", top_k=top_k, window=window, gamma=gamma, min_density=min_density,
-                   max_density=max_density)
+                   max_density=max_density, stride=stride)
 
 
 def dense() -> Pattern:

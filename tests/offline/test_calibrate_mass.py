@@ -172,7 +172,7 @@ def test_calibrate_a_tiny_model_on_synthetic_videos_then_answer_with_it(tmp_path
     prov = json.loads(out.read_text())["provenance"]
     tokens = sorted(x["tokens"] for x in prov["calibration_inputs"])
     assert len(tokens) == 2 and tokens[0] < tokens[1]
-    assert all(r["pattern"] in ("dense", "vertical_slash", "block", "q:vs", "q:grid|vs")
+    assert all(r["pattern"] in ("dense", "vertical_slash", "block", "block_ad", "q:vs", "q:grid|vs")
                for r in report)
     # A random model's attention is broad: some heads hold 0.17 sparse, the others are hard.
     hard = [r for r in report if r["hard"]]

@@ -1,0 +1,117 @@
+"""Block heads ranked by antidiagonal scores (``block(stride=S)``): the proxy against a
+brute-force reading of its definition, and the case it exists for — a landmark key that
+mean-pooled keys average away."""
+
+import pytest
+import torch
+
+from mminfer.errors import ConfigError
+from mminfer.kernels import masked_attention, sparse_attention
+from mminfer.sparse.estimate import _antidiag_logmass, estimate_layer
+from mminfer.sparse.modality import ModalityIndex
+from mminfer.sparse.patterns import HeadPattern, Pattern, block, dense
+
+
+def _brute(q, k, rows, S, bn, scale):
+    """``_antidiag_logmass`` by its definition, one row group and key group at a time."""
+    N, D = k.shape
+    nkb = -(-N // bn)
+    out = torch.zeros(len(rows), nkb)
+    G = -(-N // S)
+    kp = torch.nn.functional.pad(k, (0, 0, 0, G * S - N))
+    for r, (s0, e0) in enumerate(rows):
+        for g0 in range(s0, e0, S):
+            last = min(g0 + S - 1, e0 - 1)
+            sc = torch.full((G,), float("-inf"))
+            for c in range(G):
+                if c * S <= last:
+                    sc[c] = sum(float(q[min(g0 + S - 1 - t, e0 - 1)] @ kp[c * S + t])
+                                for t in range(S)) * scale / S
+            p = torch.softmax(sc, 0)
+            for c in range(G):
+                out[r, c * S // bn] += p[c]
+    return out
+
+
+@pytest.mark.parametrize("N,S,bn,bm", [(200, 4, 8, 16), (96, 8, 16, 16), (77, 2, 8, 8)])
+def test_antidiagonal_mass_matches_its_definition(N, S, bn, bm):
+    g = torch.Generator().manual_seed(N)
+    D = 8
+    q = torch.randn(1, 2, N, D, generator=g)
+    k = torch.randn(1, 1, N, D, generator=g)
+    rows = [(a, min(a + bm, N)) for a in range(0, N, bm)]
+    table = torch.tensor([(a, b, 0) for a, b in rows])
+    nkb = -(-N // bn)
+    G = -(-N // S)
+    kr = torch.nn.functional.pad(k[:, [0, 0]], (0, 0, 0, G * S - N)).reshape(1, 2, G, S * D)
+    got = _antidiag_logmass(q, torch.tensor([0, 1]), kr, table, S, bm, bn, nkb, D ** -0.5,
+                            torch.ones(nkb, dtype=torch.bool)).exp()
+    for h in range(2):
+        want = _brute(q[0, h], k[0, 0], rows, S, bn, D ** -0.5)
+        assert torch.allclose(got[0, h], want, atol=1e-5), (h, (got[0, h] - want).abs().max())
+    # each row group's softmax sums to one: a row block's mass is its number of row groups
+    assert torch.allclose(got[0].sum(-1), torch.tensor(
+        [float(-(-(b - a) // S)) for a, b in rows]).expand(2, -1), atol=1e-5)
+
+
+BM, BN = 16, 16
+
+
+def _landmarks(seed=0, n=512, D=32):
+    """Every row block from 8 on looks at one landmark key, alone in its key block among
+    keys pointing the other way, so the block's mean key carries almost none of it."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, n, D, generator=g) * 0.1
+    k = torch.randn(1, 1, n, D, generator=g) * 0.1
+    u = torch.nn.functional.normalize(torch.randn(D, generator=g), dim=0)
+    land = 5 * BN + 7                                # one key in key block 5
+    k[0, 0, 5 * BN:6 * BN] -= u * 0.6                # its neighbours cancel its mean
+    k[0, 0, land] += u * (0.6 * BN)
+    q[0, 0, 8 * BM:] += u * 1.0
+    return q, k, land
+
+
+def test_a_landmark_key_is_found_by_the_antidiagonal_and_lost_by_pooling():
+    q, k, land = _landmarks()
+    n = q.shape[2]
+    idx = ModalityIndex.from_segments([("text", n)])
+    kb = {}
+    for name, pat in (("pooled", block(top_k=1, window=BM)),
+                      ("antidiag", block(top_k=1, window=BM, stride=4))):
+        est = estimate_layer(q, k, idx, [HeadPattern.single(pat)], block_m=BM, block_n=BN)
+        kb[name] = est.specs[0].key_blocks[0, 0, 8:, 0]
+    assert bool((kb["antidiag"] == land // BN).all())
+    assert float((kb["pooled"] == land // BN).float().mean()) < 0.5
+
+
+def test_antidiagonal_mass_budget_and_kernel_match_masks():
+    """A mass budget on the antidiagonal proxy, next to a pooled head, through the kernel."""
+    q, k, _ = _landmarks(seed=1, n=384)
+    q = torch.cat([q, q.flip(2)], 1)
+    v = torch.randn_like(k)
+    n = q.shape[2]
+    idx = ModalityIndex.from_segments([("text", 20), ("video", 91, 2, 2)])   # 364 tokens
+    heads = [HeadPattern.single(block(window=BM, gamma=0.8, max_density=0.5, stride=8)),
+             HeadPattern.single(block(window=BM, gamma=0.8, max_density=0.5))]
+    est = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN)
+    plan = est.build_plan(q.device)
+    masks = plan.masks()
+    out = sparse_attention(q, k, v, plan)
+    ref, _ = masked_attention(q, k, v, masks)
+    assert torch.allclose(out, ref, atol=2e-5)
+    # alone, the antidiagonal head gets the same key blocks as next to the pooled one
+    alone = estimate_layer(q[:, :1], k, idx, heads[:1], block_m=BM, block_n=BN)
+    assert torch.equal(alone.specs[0].key_blocks[0, 0], est.specs[0].key_blocks[0, 0])
+    assert not torch.equal(est.specs[0].key_blocks[0, 0], est.specs[0].key_blocks[0, 1])
+
+
+def test_stride_is_a_block_field_and_round_trips():
+    p = block(top_k=4, window=32, stride=16)
+    assert Pattern.from_dict(p.to_dict()) == p and p.to_dict()["stride"] == 16
+    assert "stride" not in block(top_k=4).to_dict()      # unset: old configs unchanged
+    for bad in (0, 3, -4, 2.0, True):
+        with pytest.raises(ConfigError, match="stride"):
+            block(top_k=4, stride=bad)
+    with pytest.raises(ConfigError, match="no field 'stride'"):
+        Pattern("vertical_slash", stride=8)
+    assert dense().stride is None
