@@ -24,6 +24,7 @@
 # eval knobs: CAL_FRAMES (calibration video lengths in frames, default "1024 2048 4096"),
 #   CAL_REPS (videos per task and length, 1: --answer-kl needs more than one to transfer),
 #   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585),
+#   MAX_DENSITY (calibrate --max-density: the mass candidates' ceiling, 0.3),
 #   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05), RESELECT (looser
 #   bounds, e.g. "0.3 0.5": calibrate --reselect makes each one's config from the same
 #   numbers and quality.py measures it too, dense + that config, into $OUT/quality_eval_<bound>;
@@ -114,7 +115,7 @@ eval)
         for t in needle colour order count; do VIDS+=("synth:$t:$n:$s"); s=$((s + 1)); done
       done
     done
-    CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density 0.3
+    CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density "${MAX_DENSITY:-0.3}"
          --max-error "${MAX_ERROR:-0.05}" --spread-queries "${SPREAD:-0}")
     if [ -n "${GAMMAS:-}" ]; then CAL+=(--gamma $GAMMAS); fi
     QARGS=(--lengths ${QLENGTHS:-1024 4096 8192 16384 32768} --needle-reps 2 --per-task 6

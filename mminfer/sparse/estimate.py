@@ -519,7 +519,10 @@ class _Estimator:
             floor, ceil = line_bounds(mpats, nkb)
             mwidth = min(max(ceil), nkb)
             gamma = self._floats([p.gamma for p in mpats])
-            floor, ceil = self._ints(floor), self._ints(ceil)
+            # per row block, of its own causal key blocks (below): a share of the layer's
+            # keys would leave every row block before it dense
+            dmin = self._floats([p.min_density for p in mpats])[:, None]
+            dmax = self._floats([p.max_density for p in mpats])[:, None]
             nkeys = (torch.clamp(N - cstart, max=bn)).to(torch.float32)
             logn = torch.where(ok_k, nkeys.log(), float("-inf"))
             m_count = torch.zeros(B, len(by_mass), R, device=dev)
@@ -571,6 +574,9 @@ class _Estimator:
                 sm, fm = (s, far) if only else (s[:, mpos], far[mpos])
                 causal = cstart[None, :] < table[a:b, 1][:, None]               # [r, NKB]
                 logits = torch.where(causal, sm * self.scale + logn, float("-inf"))
+                nc = (causal & ok_k).sum(-1).to(torch.float32)[None, :]        # [1, r]
+                ceil = torch.floor(dmax * nc + 1e-6).long()                   # [H', r]
+                floor = torch.minimum(torch.ceil(dmin * nc - 1e-6).long(), ceil)
                 ids, cnt, cov = blocks_by_mass(logits, fm[None], ~fm[None], gamma=gamma,
                                                floor=floor, ceil=ceil, width=mwidth)
                 if only:

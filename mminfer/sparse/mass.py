@@ -33,7 +33,11 @@ Estimated mass, exactly:
   estimate is high by at most those pairs.
 * block: the row block's mean-pooled query against each key block's mean-pooled key,
   ``scale * qbar . kbar + log(keys in the block)``, softmax over the causal key blocks (of
-  the region's keys): near = the blocks in the near range, candidates the blocks beyond it.
+  the region's keys), or with a ``stride`` the antidiagonal proxy's mass per key block
+  (``estimate._antidiag_logmass``): near = the blocks in the near range, candidates the
+  blocks beyond it. Floor and ceiling are shares of *the row block's own* causal key blocks
+  (of the region), so a ceiling of 0.15 is about 0.15 of the causal triangle; as shares of
+  the layer's keys, every row block in the first 15 % of the video would stay dense.
 """
 
 from __future__ import annotations
@@ -160,7 +164,8 @@ def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, 
     ``logits [B, H, r, K]``: log estimated mass per key block (-inf where a block is not
     causal for the row block or holds none of the region's keys); ``far``/``near``
     (broadcastable to it) bool: the candidate blocks and the blocks the near range covers;
-    ``gamma [H]`` float and ``floor``/``ceil [H]`` int64 key blocks per head (device);
+    ``gamma [H]`` float and ``floor``/``ceil`` int64 key blocks per head (``[H]``) or per
+    head and row block (``[H, r]``), on the device;
     ``width`` the id list width (host: at least the largest ceiling, at most K).
 
     Returns ``(ids [B, H, r, width] -1 padded, count [B, H, r], covered [B, H, r])``."""
@@ -178,6 +183,9 @@ def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, 
     cand = torch.where(far & (e > 0), p, NEG)
     vals, ids = torch.topk(cand, width, dim=-1)
     need = gamma[None, :, None].to(p.dtype) * total - base
-    keep, kept = keep_by_mass(vals, need, floor[None, :, None, None], ceil[None, :, None, None])
+    def per_row(x):
+        return x[None, :, None, None] if x.dim() == 1 else x[None, :, :, None]
+
+    keep, kept = keep_by_mass(vals, need, per_row(floor), per_row(ceil))
     out = torch.where(keep, ids, torch.full_like(ids, -1))
     return out, keep.sum(-1).to(torch.float32), (base + kept) / total.clamp(min=1e-30)
