@@ -257,9 +257,11 @@ def main(argv=None):
             row[f"{sel}_{kind}{val}"] = {"answer": tok.decode([int(logp.argmax())]).strip(),
                                           "kl": kl_divergence(inp.dense_logp, logp),
                                           "density": dens}
-        sel, kind, val = settings[0]
+        if a.only and not settings:
+            raise SystemExit("--only needs an oracle setting (--rho or --gamma)")
         n_layers = len(cfg.layers)
         for spec_only in a.only:
+            sel, kind, val = settings[0]
             lay, _, hd = spec_only.partition(".")
             only = {(int(lay), h) for h in ([int(hd)] if hd else range(64))}
             attn.layer_attention = oracle_layer_attention(
