@@ -700,10 +700,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "until the estimated attention mass covered reaches gamma (configs/"
                         "README.md); give no value for fixed budgets only")
     parser.add_argument("--min-density", type=float, default=0.0,
-                        help="floor of the mass-budget candidates, as a fraction of the "
-                        "keys: what their lines cost per row (vertical_slash: a vertical 1 "
-                        "key, a slash block_n) or their key blocks per row block (block) "
-                        "(default: 0.0)")
+                        help="floor of the mass-budget candidates: vertical_slash, what "
+                        "its lines cost per row (a vertical 1 key, a slash block_n) as a "
+                        "fraction of the keys; block, its key blocks per row block as a "
+                        "fraction of that row block's causal key blocks (default: 0.0)")
     parser.add_argument("--max-density", type=float, default=0.3,
                         help="ceiling of the mass-budget candidates, the same fraction")
     parser.add_argument("--objective", choices=["output_error", "mass"], default="output_error",
