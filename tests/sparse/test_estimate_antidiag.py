@@ -115,3 +115,29 @@ def test_stride_is_a_block_field_and_round_trips():
     with pytest.raises(ConfigError, match="no field 'stride'"):
         Pattern("vertical_slash", stride=8)
     assert dense().stride is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_antidiagonal_heads_on_gpu_bf16_queue_without_a_sync_and_match_masks():
+    index = ModalityIndex.from_segments([("text", 20), ("video", 64, 16, 16, 1), ("text", 30)])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 4, index.n, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, 2, index.n, 128, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, 2, index.n, 128, device="cuda", generator=g).bfloat16()
+    ad = block(window=128, gamma=0.9, max_density=0.15, stride=16)
+    heads = [HeadPattern("q", {"video": ad, "image": ad, "text": dense()})] * 2 + \
+        [HeadPattern.single(block(top_k=8, window=128, stride=16)),
+         HeadPattern.single(block(window=128, gamma=0.8, max_density=0.2))]
+    plan = estimate_layer(q, k, index, heads).build_plan(q.device)     # warm the caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = estimate_layer(q, k, index, heads).build_plan(q.device)
+        out = sparse_attention(q, k, v, plan)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref, _ = masked_attention(q, k, v, plan.masks())
+    err = (out.float() - ref).abs().max()
+    same_dtype, _ = masked_attention(q, k, v, plan.masks(), dtype=torch.bfloat16)
+    assert err <= 2 * (same_dtype.float() - ref).abs().max() + 1e-3, err
