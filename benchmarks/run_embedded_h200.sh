@@ -24,7 +24,9 @@
 # eval knobs: CAL_FRAMES (calibration video lengths in frames, default "1024 2048 4096"),
 #   CAL_REPS (videos per task and length, 1: --answer-kl needs more than one to transfer),
 #   CAL_TIMEOUT (s, 230), QLENGTHS (quality lengths), RENDERER (eval | synth), BUDGET (s, 585),
-#   MAX_DENSITY (calibrate --max-density: the mass candidates' ceiling, 0.3),
+#   MAX_DENSITY (calibrate --max-density: the mass candidates' ceiling, 0.3), QARGS_EVAL
+#   (quality.py's arguments besides --lengths, default "--needle-reps 2 --per-task 6
+#   --densities 0.2"), ALSO (other configs of the model measured on the same videos),
 #   MAX_ERROR (calibrate's bound on a head's worst-input output error, 0.05), RESELECT (looser
 #   bounds, e.g. "0.3 0.5": calibrate --reselect makes each one's config from the same
 #   numbers and quality.py measures it too, dense + that config, into $OUT/quality_eval_<bound>;
@@ -118,8 +120,8 @@ eval)
     CAL=(--device cuda --budget 0.1 0.25 --gamma 0.8 0.9 0.95 0.99 --max-density "${MAX_DENSITY:-0.3}"
          --max-error "${MAX_ERROR:-0.05}" --spread-queries "${SPREAD:-0}")
     if [ -n "${GAMMAS:-}" ]; then CAL+=(--gamma $GAMMAS); fi
-    QARGS=(--lengths ${QLENGTHS:-1024 4096 8192 16384 32768} --needle-reps 2 --per-task 6
-           --densities 0.2)
+    QARGS=(--lengths ${QLENGTHS:-1024 4096 8192 16384 32768} ${QARGS_EVAL:---needle-reps 2 --per-task 6
+           --densities 0.2})
     BUDGET=${BUDGET:-585}
   fi
   if [ -n "${ANSWER_KL:-}" ]; then
@@ -151,6 +153,14 @@ eval)
     cp "$M_E/mminfer_patterns.json" "$OUT/reselect_$e.json"
     # dense and this config only: dense is the reference the points are taken from
     RUNS+=("$M_E|quality_eval_$e|$(printf '%s ' "${QARGS[@]}" | sed 's/--densities[ 0-9.]*//') --densities")
+  done
+  # ALSO="a.json b.json": other configs of the same model (e.g. the shipped one), measured on
+  # the same videos as the calibrated one: the side-by-side comparison in the same call
+  for cfg in ${ALSO:-}; do
+    NAME=also_$(basename "$cfg" .json)
+    M_A=$WORK/$NAME/$(basename "$MODEL"); rm -rf "$WORK/$NAME"; mkdir -p "$WORK/$NAME"
+    cp -r "$MODEL" "$M_A" && cp "$cfg" "$M_A/mminfer_patterns.json" || continue
+    RUNS+=("$M_A|quality_$NAME|$(printf '%s ' "${QARGS[@]}" | sed 's/--densities[ 0-9.]*//') --densities")
   done
   # the rest of the call for the quality benchmark, shared by the runs (30 s kept for the
   # tables and the exit; SIGINT at the limit: it stops the video in flight and still writes them)
