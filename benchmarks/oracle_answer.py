@@ -123,28 +123,16 @@ def _proxy_mass(q, k, scale, r0, r1, rb, kb, nt, select):
 
 
 def _antidiag_mass(q, k, scale, r0, r1, rb, kb, nt, S):
-    """XAttention's antidiagonal proxy: per group of S rows and S keys, the mean score along
-    the group's antidiagonal (every row and key read once), a softmax per row group over the
-    causal key groups, summed per row block and key tile. 1/S of the QK^T work."""
-    N = k.shape[0]
-    pad = (-N) % S
-    kp = torch.nn.functional.pad(k, (0, 0, 0, pad))
-    qp = torch.nn.functional.pad(q, (0, 0, 0, (-q.shape[0]) % S))
-    G = kp.shape[0] // S
-    kr = kp.view(G, S, -1).reshape(G, -1)                         # keys j*S + s
-    g0, g1 = r0 // S, -(-r1 // S)
-    qr = qp[g0 * S:g1 * S].view(g1 - g0, S, -1).flip(1).reshape(g1 - g0, -1)   # rows reversed
-    sc = (qr @ kr.T) * scale / S
-    rowg = torch.arange(g0, g1)
-    sc = sc.masked_fill(torch.arange(G)[None, :] > rowg[:, None], float("-inf"))
-    p = torch.softmax(sc, -1)                                     # [row groups, key groups]
-    per_t = kb // S
-    p = torch.nn.functional.pad(p, (0, nt * per_t - G))
-    p = p.view(g1 - g0, nt, per_t).sum(-1)                        # [row groups, nt]
-    per_b = rb // S
-    nb = -(-(r1 - r0) // rb)
-    p = torch.nn.functional.pad(p, (0, 0, 0, nb * per_b - p.shape[0]))
-    return p.view(nb, per_b, nt).sum(1)
+    """The served antidiagonal proxy (``estimate._antidiag_logmass``, block heads with a
+    ``stride``) for the row blocks of rows [r0, r1)."""
+    from mminfer.sparse.estimate import _antidiag_logmass
+    N, D = k.shape
+    G = -(-N // S)
+    kr = torch.nn.functional.pad(k, (0, 0, 0, G * S - N)).reshape(1, 1, G, S * D)
+    rows = torch.tensor([(b0, min(r1, b0 + rb), 0) for b0 in range(r0, r1, rb)])
+    lm = _antidiag_logmass(q[None, None], torch.tensor([0]), kr, rows, S, rb, kb, nt, scale,
+                           torch.ones(nt, dtype=torch.bool))
+    return lm.exp()[0, 0]
 
 
 def oracle_layer_attention(settings, only=None, real=None, n_layers=None):
