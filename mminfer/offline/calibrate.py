@@ -222,7 +222,7 @@ _TWINS = {"q:vs|dense-text": "vertical_slash", "q:block|dense-text": "block"}
 def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density: float, *,
                   block_m: int = 128, block_n: int = 64) -> HeadPatternConfig:
     """``base`` with every head's pattern (kind, boundary and regions kept; a grid keeps its
-    lines) replaced by the candidate of that kind sized to ``density`` at length ``n``: the
+    lines, a block its stride) replaced by the candidate of that kind sized to ``density`` at length ``n``: the
     density sweep of ``benchmarks/quality.py`` and the sparse check of the embedded model."""
     c = candidate_patterns(index, n, density, block_m=block_m, block_n=block_n)
 
@@ -234,6 +234,9 @@ def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density
             if key not in c:             # no visual span: what a grid falls back to
                 return c["vertical_slash"].patterns["all"]
             return c[key].patterns["all"]
+        if p.kind == "block" and p.stride:          # keeps how it ranks its key blocks
+            b = c["block"].patterns["all"]
+            return block(top_k=b.top_k, window=b.window, stride=p.stride)
         return c[p.kind].patterns["all"]
 
     memo = {}

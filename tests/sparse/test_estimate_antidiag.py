@@ -141,3 +141,18 @@ def test_antidiagonal_heads_on_gpu_bf16_queue_without_a_sync_and_match_masks():
     err = (out.float() - ref).abs().max()
     same_dtype, _ = masked_attention(q, k, v, plan.masks(), dtype=torch.bfloat16)
     assert err <= 2 * (same_dtype.float() - ref).abs().max() + 1e-3, err
+
+
+def test_resizing_a_config_keeps_the_antidiagonal_ranking():
+    from mminfer.offline.calibrate import resize_config
+    from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity
+    idx = ModalityIndex.from_segments([("text", 20), ("video", 91, 2, 2)])
+    ad = block(window=16, gamma=0.9, max_density=0.2, stride=16)
+    heads = [HeadPattern("q", {"video": ad, "image": ad, "text": dense()}),
+             HeadPattern.single(block(top_k=3, window=16))]
+    cfg = HeadPatternConfig(ModelIdentity(id="t", layers=1, heads=2, kv_heads=1, head_dim=32),
+                            [heads])
+    got = resize_config(cfg, idx, idx.n, 0.3, block_m=16, block_n=16).layer(0)
+    assert got[0].patterns["video"].stride == 16 and got[0].patterns["video"].top_k > 0
+    assert got[0].patterns["text"].kind == "dense"
+    assert got[1].patterns["all"].stride is None
