@@ -12,7 +12,7 @@ moves them too, the model's attention is not sparse enough at that density.
         --videos eval:count:2048:500017 eval:count:2048:500106 --rho 0.1 0.2 --gamma 0.9 \
         --out /tmp/oracle.json
 
-Videos are ``RENDERER:TASK:FRAMES:SEED`` (renderer ``eval``: mminfer.toy.render_eval, or
+Videos are ``RENDERER:TASK:FRAMES:SEED[:DEPTH]`` (renderer ``eval``: mminfer.toy.render_eval, or
 ``synth``); the config is the model folder's own ``mminfer_patterns.json`` unless
 ``--config`` names another. CPU, fp32, the reference engine: slow (tens of seconds a video at
 12K tokens) and exact.
@@ -175,14 +175,15 @@ def oracle_layer_attention(settings, only=None, real=None, n_layers=None):
 def load_video(spec: str):
     import numpy as np
     from mminfer.engine.video import DecodedVideo
-    renderer, task, frames, seed = spec.split(":")
+    renderer, task, frames, seed, *depth = spec.split(":")
     n, seed = int(frames), int(seed)
+    kw = {"depth": float(depth[0])} if depth else {}       # a needle's depth, as quality.py
     if renderer == "eval":
         from mminfer.toy import render_eval
-        ex = render_eval.make_example(task, seed, n_frames=n)
+        ex = render_eval.make_example(task, seed, n_frames=n, **kw)
     else:
         from mminfer.toy import synth
-        ex = synth.TASKS[task](seed, n)
+        ex = synth.TASKS[task](seed, n, **kw)
     fr = np.asarray(ex.frames)
     T = len(fr)
     vid = DecodedVideo(frames=fr, timestamps=np.arange(T) / 2.0, indices=np.arange(T), fps=2.0,
@@ -195,7 +196,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--config", help="head-pattern config (default: the model's own)")
-    p.add_argument("--videos", nargs="+", required=True, help="RENDERER:TASK:FRAMES:SEED")
+    p.add_argument("--videos", nargs="+", required=True, help="RENDERER:TASK:FRAMES:SEED[:DEPTH]")
     p.add_argument("--rho", type=float, nargs="*", default=[0.1, 0.2])
     p.add_argument("--gamma", type=float, nargs="*", default=[])
     p.add_argument("--select", nargs="*", default=["exact"],
