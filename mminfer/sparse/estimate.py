@@ -480,25 +480,27 @@ class _Estimator:
         # others by mean-pooled queries and keys.
         strides = sorted({p.stride for p in pats if p.stride})
         by_stride = {st: [i for i, p in enumerate(pats) if p.stride == st] for st in strides}
-        # Mean-pooled queries per row block and keys per key block, in fp32, chunked.
-        qbar = torch.zeros(B, len(hs), R, D, dtype=torch.float32, device=dev)
-        for a in range(0, N, step):
-            b = min(a + step, N)
-            qbar.index_add_(2, rb[a:b], q[:, hidx, a:b].float())
-        qbar /= (table[:, 1] - table[:, 0]).to(torch.float32)[None, None, :, None]
+        pooled = any(not p.stride for p in pats)
         nkb = -(-N // bn)
-        kbar = torch.empty(B, k.shape[1], nkb, D, dtype=torch.float32, device=dev)
-        kstep = max(bn, (_CHUNK_ELEMS // max(1, B * k.shape[1] * D)) // bn * bn)
-        for a in range(0, N, kstep):
-            b = min(a + kstep, N)
-            kc = k[:, :, a:b].float()
-            full = (b - a) // bn
-            if full:
-                kbar[:, :, a // bn:a // bn + full] = \
-                    kc[:, :, :full * bn].reshape(B, k.shape[1], full, bn, D).mean(3)
-            if full * bn < b - a:
-                kbar[:, :, a // bn + full] = kc[:, :, full * bn:].mean(2)
-        kbar = kbar[:, kvidx]                                  # [B, H', NKB, D] (pooled)
+        if pooled:
+            # Mean-pooled queries per row block and keys per key block, in fp32, chunked.
+            qbar = torch.zeros(B, len(hs), R, D, dtype=torch.float32, device=dev)
+            for a in range(0, N, step):
+                b = min(a + step, N)
+                qbar.index_add_(2, rb[a:b], q[:, hidx, a:b].float())
+            qbar /= (table[:, 1] - table[:, 0]).to(torch.float32)[None, None, :, None]
+            kbar = torch.empty(B, k.shape[1], nkb, D, dtype=torch.float32, device=dev)
+            kstep = max(bn, (_CHUNK_ELEMS // max(1, B * k.shape[1] * D)) // bn * bn)
+            for a in range(0, N, kstep):
+                b = min(a + kstep, N)
+                kc = k[:, :, a:b].float()
+                full = (b - a) // bn
+                if full:
+                    kbar[:, :, a // bn:a // bn + full] = \
+                        kc[:, :, :full * bn].reshape(B, k.shape[1], full, bn, D).mean(3)
+                if full * bn < b - a:
+                    kbar[:, :, a // bn + full] = kc[:, :, full * bn:].mean(2)
+            kbar = kbar[:, kvidx]                              # [B, H', NKB, D] (pooled)
 
         window = self._ints([p.window for p in pats])
         cstart = torch.arange(nkb, device=dev) * bn
@@ -509,6 +511,7 @@ class _Estimator:
             hit.index_add_(0, torch.arange(N, device=dev) // bn,
                            (kg == self.index.group_of(kmod)).to(torch.int32))
             ok_k = hit[:nkb] > 0
+        lognk = torch.clamp(N - cstart, max=bn).to(torch.float32).log()    # log keys per block
         # Heads with count budgets (top_k) and with mass budgets (gamma) select apart.
         by_count = [i for i, p in enumerate(pats) if not p.mass]
         by_mass = [i for i, p in enumerate(pats) if p.mass]
@@ -516,15 +519,14 @@ class _Estimator:
         kmax = min(max(top_k), nkb) if by_count else 0
         if by_mass:
             mpats = [pats[i] for i in by_mass]
-            floor, ceil = line_bounds(mpats, nkb)
-            mwidth = min(max(ceil), nkb)
+            _, widest = line_bounds(mpats, nkb)
+            mwidth = min(max(widest), nkb)
             gamma = self._floats([p.gamma for p in mpats])
             # per row block, of its own causal key blocks (below): a share of the layer's
             # keys would leave every row block before it dense
             dmin = self._floats([p.min_density for p in mpats])[:, None]
             dmax = self._floats([p.max_density for p in mpats])[:, None]
-            nkeys = (torch.clamp(N - cstart, max=bn)).to(torch.float32)
-            logn = torch.where(ok_k, nkeys.log(), float("-inf"))
+            logn = torch.where(ok_k, lognk, float("-inf"))
             m_count = torch.zeros(B, len(by_mass), R, device=dev)
             m_cover = torch.zeros(B, len(by_mass), R, device=dev)
         else:
@@ -536,8 +538,6 @@ class _Estimator:
             # the antidiagonal scores of a row block are [block_m / S, N / S] per head
             rstep = max(1, min(rstep, _CHUNK_ELEMS // max(
                 1, B * len(hs) * -(-self.block_m // min(strides)) * -(-N // min(strides)))))
-            logn0 = torch.where(ok_k, torch.clamp(N - cstart, max=bn).to(torch.float32).log(),
-                                torch.zeros((), device=dev))
             for st, idx in by_stride.items():
                 hi = self._ints(idx)
                 S = math.gcd(st, bn)
@@ -550,12 +550,13 @@ class _Estimator:
         whole = not by_mass
         for a in range(0, R, rstep):
             b = min(a + rstep, R)
-            s = torch.matmul(qbar[:, :, a:b], kbar.transpose(-1, -2))    # [B, H', r, NKB]
+            s = torch.matmul(qbar[:, :, a:b], kbar.transpose(-1, -2)) if pooled else \
+                torch.empty(B, len(hs), b - a, nkb, device=dev)            # [B, H', r, NKB]
             for st, (hi, hq, kr) in ad.items():
                 lm = _antidiag_logmass(q, hq, kr, table[a:b], st, self.block_m, bn, nkb,
                                        self.scale, ok_k)
                 # in pooled-score units, so the rules below read both kinds alike
-                s[:, hi] = (lm - logn0) / self.scale
+                s[:, hi] = (lm - lognk) / self.scale
             lo = torch.clamp(table[a:b, 0][None, :] - window[:, None], min=0)  # [H', r]
             far = (cstart[None, None, :] < lo[:, :, None]) & ok_k
             if by_count:
@@ -748,7 +749,7 @@ def _antidiag_logmass(q, hq, kr, rows, S, block_m, bn, nkb, scale, ok_k):
     g0 = start[:, None] + torch.arange(J, device=dev)[None, :] * S          # [r, J]
     valid = g0 < end[:, None]
     idx = torch.minimum(g0[..., None] + (S - 1 - t), end[:, None, None] - 1)  # reversed rows
-    qr = q.index_select(2, idx.reshape(-1))[:, hq].reshape(B, H, -1, S * D)   # [B, H, rJ, SD]
+    qr = q[:, hq[:, None], idx.reshape(-1)[None, :]].reshape(B, H, -1, S * D)  # [B, H, rJ, SD]
     sc = torch.matmul(qr, kr.transpose(-1, -2)).float() * (scale / S)         # [B, H, rJ, G]
     last = torch.minimum(g0 + S - 1, end[:, None] - 1).reshape(-1)           # a group's last row
     kg_ok = ok_k.repeat_interleave(bn // S)[:G]

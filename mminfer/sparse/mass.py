@@ -164,8 +164,8 @@ def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, 
     ``logits [B, H, r, K]``: log estimated mass per key block (-inf where a block is not
     causal for the row block or holds none of the region's keys); ``far``/``near``
     (broadcastable to it) bool: the candidate blocks and the blocks the near range covers;
-    ``gamma [H]`` float and ``floor``/``ceil`` int64 key blocks per head (``[H]``) or per
-    head and row block (``[H, r]``), on the device;
+    ``gamma [H]`` float and ``floor``/``ceil [H, r]`` int64 key blocks per head and row
+    block (shares of each row block's causal key blocks, made by the estimator), on the device;
     ``width`` the id list width (host: at least the largest ceiling, at most K).
 
     Returns ``(ids [B, H, r, width] -1 padded, count [B, H, r], covered [B, H, r])``."""
@@ -183,9 +183,6 @@ def blocks_by_mass(logits: torch.Tensor, far: torch.Tensor, near: torch.Tensor, 
     cand = torch.where(far & (e > 0), p, NEG)
     vals, ids = torch.topk(cand, width, dim=-1)
     need = gamma[None, :, None].to(p.dtype) * total - base
-    def per_row(x):
-        return x[None, :, None, None] if x.dim() == 1 else x[None, :, :, None]
-
-    keep, kept = keep_by_mass(vals, need, per_row(floor), per_row(ceil))
+    keep, kept = keep_by_mass(vals, need, floor[None, :, :, None], ceil[None, :, :, None])
     out = torch.where(keep, ids, torch.full_like(ids, -1))
     return out, keep.sum(-1).to(torch.float32), (base + kept) / total.clamp(min=1e-30)

@@ -168,6 +168,15 @@ def test_block_budget_follows_the_mass():
     # the least-covered row block: an early one (random attention, held at half its blocks)
     assert bool((m.covered[0] >= 0.5).all()) and bool((m.covered[0] < 0.9).all())
     assert float(m.count[0, 1]) > 2 * float(m.count[0, 0])     # mean over all row blocks
+    # without a binding ceiling, gamma alone decides: 10-12 of head 1's 12 blocks, and every
+    # row block reaches 0.9 of its estimated mass
+    free = estimate_layer(q, k, idx, [HeadPattern.single(block(window=BM, gamma=0.9,
+                                                                max_density=1.0))] * 2,
+                          block_m=BM, block_n=BN)
+    cnt_free = (free.specs[0].key_blocks[0] >= 0).sum(-1)
+    assert bool((cnt_free[1, rows] >= 10).all()) and bool((cnt_free[1, rows] <= 12).all())
+    assert bool((cnt_free[0, rows] == 1).all())
+    assert bool((free.masses[0].covered[0] >= 0.9).all())
     # unique ids, each before the row block's near range
     for h in range(2):
         for r in range(n // BM):
