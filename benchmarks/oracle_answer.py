@@ -173,23 +173,23 @@ def oracle_layer_attention(settings, only=None, real=None, n_layers=None):
 
 
 def load_video(spec: str):
-    import numpy as np
+    """``eval:TASK:FRAMES:SEED[:DEPTH]`` (the held-out renderer; a needle at DEPTH, as
+    quality.py draws it) or ``synth:TASK:FRAMES:SEED[:DEPTH]`` (calibration's renderer, at
+    its 224 x 224) -> (DecodedVideo at 2 fps, question, answer)."""
     from mminfer.engine.video import DecodedVideo
     renderer, task, frames, seed, *depth = spec.split(":")
-    n, seed = int(frames), int(seed)
-    kw = {"depth": float(depth[0])} if depth else {}       # a needle's depth, as quality.py
+    kw = {"depth": float(depth[0])} if depth else {}
     if renderer == "eval":
         from mminfer.toy import render_eval
-        ex = render_eval.make_example(task, seed, n_frames=n, **kw)
-    else:
+        ex = render_eval.make_example(task, int(seed), n_frames=int(frames), **kw)
+    elif renderer == "synth":
         from mminfer.toy import synth
-        ex = synth.TASKS[task](seed, n, **kw)
-    fr = np.asarray(ex.frames)
-    T = len(fr)
-    vid = DecodedVideo(frames=fr, timestamps=np.arange(T) / 2.0, indices=np.arange(T), fps=2.0,
-                       sampled_fps=2.0, duration=T / 2.0, width=fr.shape[2],
-                       height=fr.shape[1], backend=renderer)
-    return vid, ex.question, ex.answer
+        ex = synth.make_example(task, int(seed), n_frames=int(frames), height=224, width=224,
+                                **kw)
+    else:
+        raise SystemExit(f"bad video {spec!r}: RENDERER:TASK:FRAMES:SEED[:DEPTH], RENDERER "
+                         f"eval or synth")
+    return DecodedVideo.from_frames(ex.frames, backend=renderer), ex.question, ex.answer
 
 
 def main(argv=None):
@@ -252,7 +252,8 @@ def main(argv=None):
         for spec_only in a.only:
             sel, kind, val = settings[0]
             lay, _, hd = spec_only.partition(".")
-            only = {(int(lay), h) for h in ([int(hd)] if hd else range(64))}
+            heads = [int(hd)] if hd else range(len(cfg.layers[int(lay)]))
+            only = {(int(lay), h) for h in heads}
             attn.layer_attention = oracle_layer_attention(
                 {kind: val, "rb": a.row_block, "kb": a.key_block, "select": sel}, only=only,
                 real=real, n_layers=n_layers)

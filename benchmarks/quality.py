@@ -49,7 +49,6 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mminfer.offline.answer import kl_divergence as _kl  # noqa: E402
@@ -145,11 +144,7 @@ class Runner:
 
     def prepare(self, frames, question):
         from mminfer.engine.video import DecodedVideo
-        T = len(frames)
-        vid = DecodedVideo(frames=frames, timestamps=np.arange(T) / 2.0,
-                           indices=np.arange(T), fps=2.0, sampled_fps=2.0, duration=T / 2.0,
-                           width=frames.shape[2], height=frames.shape[1], backend="synth")
-        return self.ad.prepare(vid, question)
+        return self.ad.prepare(DecodedVideo.from_frames(frames), question)
 
     @torch.inference_mode()
     def embeds(self, prep):

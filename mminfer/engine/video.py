@@ -55,6 +55,16 @@ class DecodedVideo:
     height: int
     backend: str
 
+    @classmethod
+    def from_frames(cls, frames, fps: float = 2.0, backend: str = "synth") -> "DecodedVideo":
+        """Rendered frames ``[T, H, W, 3]`` as a video sampled at ``fps`` (every frame kept):
+        the synthetic and rendered videos of calibration and the benchmarks, no decoder."""
+        frames = np.asarray(frames)
+        T = len(frames)
+        return cls(frames=frames, timestamps=np.arange(T) / fps, indices=np.arange(T), fps=fps,
+                   sampled_fps=fps, duration=T / fps, width=frames.shape[2],
+                   height=frames.shape[1], backend=backend)
+
     @property
     def num_frames(self) -> int:
         return len(self.frames)

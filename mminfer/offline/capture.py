@@ -58,8 +58,6 @@ def load_video(v, adapter, question: str, *, fps: float = 2.0, max_frames: int =
 
 def synthetic_video(spec: str):
     """``synth:TASK:FRAMES:SEED`` -> (DecodedVideo at 2 fps, the task's question, a file stem)."""
-    import numpy as np
-
     from mminfer.toy import synth
     from mminfer.errors import InputError
     from mminfer.engine.video import DecodedVideo
@@ -77,8 +75,4 @@ def synthetic_video(spec: str):
         raise InputError(f"bad synthetic video {spec!r}: task must be one of "
                          f"{', '.join(synth.TASKS)}")
     ex = synth.make_example(task, seed, n_frames=n, height=224, width=224)
-    T = len(ex.frames)
-    vid = DecodedVideo(frames=ex.frames, timestamps=np.arange(T) / 2.0, indices=np.arange(T),
-                       fps=2.0, sampled_fps=2.0, duration=T / 2.0, width=224, height=224,
-                       backend="synth")
-    return vid, ex.question, f"synth-{task}-{n}-{seed}"
+    return DecodedVideo.from_frames(ex.frames), ex.question, f"synth-{task}-{n}-{seed}"

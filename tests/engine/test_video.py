@@ -375,3 +375,13 @@ def test_stream_decodes_ahead_and_stops_on_close(make_video):
         next(s.chunks(1))
     with pytest.raises(RuntimeError):
         s.request_size(10, 10)
+
+
+def test_rendered_frames_make_a_video_sampled_at_its_rate():
+    from mminfer.engine.video import DecodedVideo
+    frames = np.zeros((6, 84, 112, 3), np.uint8)
+    v = DecodedVideo.from_frames(frames, fps=2.0, backend="eval")
+    assert (v.width, v.height, v.num_frames, v.backend) == (112, 84, 6, "eval")
+    assert v.timestamps.tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert v.indices.tolist() == list(range(6)) and v.duration == 3.0
+    assert v.processor_metadata()["fps"] == 2.0
