@@ -107,7 +107,12 @@ class Pipeline:
     embedded default model (``mminfer/models/mminfer-embedded``). ``attention`` is the default mode of its
     requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens.
     ``vision_compile``: the vision tower's block through torch.compile (CUDA; None: the
-    adapter's default, ``mminfer.models.vision.COMPILE_DEFAULT`` for Qwen2.5-VL)."""
+    adapter's default, ``mminfer.models.vision.COMPILE_DEFAULT`` for Qwen2.5-VL).
+    ``full_last_layer`` (an attribute, False): the prefill's last decoder layer computes every
+    row instead of the last only (models/prefill.py); the same answers, slower: for measuring
+    what that saves."""
+
+    full_last_layer = False
 
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
                  dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1,
@@ -258,7 +263,8 @@ class Pipeline:
         ctx = PrefillContext(index=prep.index, patterns=ad.patterns, mode=mode,
                              min_sparse_len=self.min_sparse_len,
                              unavailable=self.sparse_unavailable, timer=timer,
-                             keep_plans=True, cancel=cancel)
+                             keep_plans=True, cancel=cancel,
+                             full_last_layer=self.full_last_layer)
         kept = None
         if keep_for_shadow and ctx.decide(n):     # before the prefill overwrites embeds
             from mminfer.engine.rerun import keep_inputs
@@ -268,7 +274,8 @@ class Pipeline:
         # after the last token (never in the time to first token) and inside the total: the
         # stages add up to it; wall clock, as the count ends on host reads
         t_density = time.perf_counter()
-        sparsity = _sparsity(ctx.densities, ad.patterns)
+        sparsity = _sparsity(ctx.densities, ad.patterns,
+                             None if self.full_last_layer else ad.identity.layers - 1)
         ctx.densities.clear()                          # the plans are not needed any more
         timer.add_ms("density", (time.perf_counter() - t_density) * 1e3)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
@@ -341,8 +348,11 @@ def check_request(question, fps, max_frames, max_new_tokens, start, end, mode) -
     return question.strip()
 
 
-def _sparsity(plans: dict, patterns) -> dict | None:
+def _sparsity(plans: dict, patterns, last_row_only: int | None = None) -> dict | None:
     """What the sparse layers computed, counted from their plans' arrays (no launch).
+
+    ``last_row_only``: the layer that ran its last row alone (models/prefill.py), one query
+    against every key; it makes no plan and is not in the means.
 
     ``mean_density`` / ``per_layer``: the pairs computed over the causal triangle, each pair
     once, so never above 1 (1 = all of it). ``mean_tile_work`` / ``per_layer_tile_work``: the
@@ -367,7 +377,8 @@ def _sparsity(plans: dict, patterns) -> dict | None:
     out = {"mean_density": sum(per_layer.values()) / len(per_layer),
            "per_layer": [round(v, 6) for v in per_layer.values()],
            "layers": list(per_layer),
-           "uncalibrated": bool(getattr(patterns, "uncalibrated", True))}
+           "uncalibrated": bool(getattr(patterns, "uncalibrated", True)),
+           "last_row_only": last_row_only}
     if tiles:
         out["mean_tile_work"] = sum(tiles.values()) / len(tiles)
         out["per_layer_tile_work"] = [round(v, 6) for v in tiles.values()]

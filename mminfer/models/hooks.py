@@ -41,6 +41,9 @@ class PrefillContext:
     # the plan's tiles (None: 128 x 64 on a GPU, 16 x 16 on the CPU)
     engine: str = "kernel"
     block: tuple | None = None
+    # every row of the last decoder layer, not only the last one (models/prefill.py): no
+    # answer changes; it is there to measure what skipping them saves
+    full_last_layer: bool = False
 
     def decide(self, n_tokens: int) -> bool:
         """This request's prefill of ``n_tokens`` is sparse or not: decided on the first call,

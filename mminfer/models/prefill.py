@@ -16,6 +16,13 @@ projections, ``post_attention_layernorm``, ``mlp``, ``norm``, ``rotary_emb``) an
 decision). k/v go through ``cache.update`` once per layer, so the cache holds the only copy and
 decode steps use it as after a one-shot prefill. Logits are computed for the last position only.
 
+The last decoder layer runs its attention and MLP for the last position alone: its other rows
+feed nothing but logits nobody reads, while the K/V that decode needs from it come from its
+input, which the layers before computed in full. That is exact (the same last row, the same
+cache) and saves one layer in L of the prefill's attention and MLP (a quarter of the embedded
+model's four layers, 1/28 of Qwen2-7B's). Calibration's capture and ``full_last_layer`` (for
+measuring what this saves) keep every row.
+
 It lives in models/ (not engine/) because ``Adapter.generate`` runs it and a model layer may not
 import the engine; it needs nothing above the transformers modules and our hook.
 """
@@ -63,16 +70,26 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
         rope = _rotary(text_model, h, _position_ids(text_model, position_ids, n, h.device), spans)
         if ctx is not None:
             ctx.decide(n)
-        for layer in todo:
+        # only a run of every layer ends in the rows nobody reads; a captured layer is needed whole
+        last_only = layers is None and not (
+            ctx is not None and (ctx.capture is not None or ctx.full_last_layer))
+        last = None
+        for i, layer in enumerate(todo):
             _check_cancel(ctx, layer.self_attn.layer_idx)
-            _decoder_layer(layer, h, rope, spans, cache)
-        last = text_model.norm(h[:, -1:])
+            if last_only and i == len(todo) - 1:
+                last = _decoder_layer(layer, h, rope, spans, cache, last_only=True)
+            else:
+                _decoder_layer(layer, h, rope, spans, cache)
+        last = text_model.norm(h[:, -1:] if last is None else last)
         return lm_head(last) if lm_head is not None else last
 
 
-def _decoder_layer(layer, h, rope, spans, cache):
+def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
     """``layer`` (a transformers decoder layer) on the residual stream ``h``, in place:
-    h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
+    h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h)).
+
+    ``last_only``: k/v of every row (into the cache), but queries, attention and MLP for the
+    last row alone, returned as ``[1, 1, hidden]``; ``h`` is left as it was."""
     attn = layer.self_attn
     if getattr(attn, "sliding_window", None) is not None:   # would need its mask
         raise NotImplementedError("sliding-window attention layers are not supported")
@@ -82,22 +99,35 @@ def _decoder_layer(layer, h, rope, spans, cache):
     q = k = v = None
     for (s, e), (cos, sin) in zip(spans, rope):
         x = layer.input_layernorm(h[:, s:e])
-        qc = attn.q_proj(x).view(1, e - s, -1, d).transpose(1, 2)        # [1, H, c, d]
         kc = attn.k_proj(x).view(1, e - s, -1, d).transpose(1, 2)        # [1, Hkv, c, d]
         vc = attn.v_proj(x).view(1, e - s, -1, d).transpose(1, 2)
-        del x
-        qc, kc = apply_rope(qc, kc, cos, sin)
-        if q is None:
-            q = qc.new_empty(1, qc.shape[1], n, d)
+        if k is None:
             k = kc.new_empty(1, kc.shape[1], n, d)
             v = vc.new_empty(1, vc.shape[1], n, d)
-        q[:, :, s:e], k[:, :, s:e], v[:, :, s:e] = qc, kc, vc
-        del qc, kc, vc
+        if not last_only:
+            qc = attn.q_proj(x).view(1, e - s, -1, d).transpose(1, 2)    # [1, H, c, d]
+            qc, kc = apply_rope(qc, kc, cos, sin)
+            if q is None:
+                q = qc.new_empty(1, qc.shape[1], n, d)
+            q[:, :, s:e] = qc
+            del qc
+        else:   # rotary is elementwise per row: each of q and k can be rotated alone
+            _, kc = apply_rope(kc, kc, cos, sin)
+            if e == n:
+                q = attn.q_proj(x[:, -1:]).view(1, 1, -1, d).transpose(1, 2)
+                q, _ = apply_rope(q, q, cos[:, -1:], sin[:, -1:])
+        del x
+        k[:, :, s:e], v[:, :, s:e] = kc, vc
+        del kc, vc
     if cache is not None:   # the cache's copy becomes the only one: ours is dropped here
         k, v = cache.update(k, v, attn.layer_idx)
+    # last_only: one query against every key is the causal prefill's last row, with no mask
     out, _ = _attention_function(attn)(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling,
                                        sliding_window=None)
     del q, k, v
+    if last_only:
+        last = h[:, -1:] + attn.o_proj(out.reshape(1, 1, -1))
+        return last + layer.mlp(layer.post_attention_layernorm(last))
     out = out.reshape(1, n, -1)                                            # [1, N, H*d]
     for s, e in spans:
         h[:, s:e] += attn.o_proj(out[:, s:e])

@@ -126,7 +126,8 @@ def test_sparse_and_dense_one_flag_apart(pipe, ckpt, mp4):
     # the default patterns' budgets cover every pair of a 40-token prompt: same answer
     assert sparse.answer == dense.answer
     s = sparse.sparsity
-    assert s["layers"] == [0, 1] and len(s["per_layer"]) == 2
+    # the last layer computes its last row only: no plan, named as such
+    assert s["layers"] == [0] and len(s["per_layer"]) == 1 and s["last_row_only"] == 1
     assert s["mean_density"] == pytest.approx(1.0) and s["uncalibrated"] is True
     assert sparse.timings_ms["index"] > 0 and dense.timings_ms["index"] == 0
     # auto: sparse from min_sparse_len tokens on

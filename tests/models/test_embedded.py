@@ -283,7 +283,8 @@ def test_default_model_answers_the_samples_sparse(default_pipe):
         ctx = PrefillContext(index=prep.index, patterns=pats, mode="sparse",
                              min_sparse_len=16, keep_plans=True)
         gen = ad.generate(prep, max_new_tokens=4, ctx=ctx)
-        assert sorted(ctx.densities) == list(range(ad.identity.layers)), name  # sparse ran
+        # sparse ran in every layer but the last, which computes its last row only
+        assert sorted(ctx.densities) == list(range(ad.identity.layers - 1)), name
         if density is not None:
             # the heads calibration left sparse (a hard head is dense, and stays so resized)
             measured = [float(p.density()["logical_per_head"][h])

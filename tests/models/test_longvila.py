@@ -233,7 +233,8 @@ def test_sparse_answer(model):
                       identity=model.identity)
     out = model.generate(prepared, max_new_tokens=3, ctx=ctx)
     densities = [p.density()["logical"] for p in ctx.densities.values()]
-    assert len(densities) == model.identity.layers and all(0 < d < 0.9 for d in densities)
+    # every layer but the last, which runs its last row only (models/prefill.py)
+    assert len(densities) == model.identity.layers - 1 and all(0 < d < 0.9 for d in densities)
     assert 1 <= len(out.token_ids) <= 3 and out.prefill_tokens == prepared.index.n
 
 

@@ -124,11 +124,49 @@ def test_chunked_prefill_equals_one_shot(case, chunk):
         else:
             torch.testing.assert_close(k, rk, atol=1e-6, rtol=0)
             torch.testing.assert_close(v, rv, atol=1e-6, rtol=0)
-    if chunk >= n:
-        assert torch.equal(got_h, ref_h)
+    if chunk >= n:   # every row of the last layer, as transformers runs it: bit for bit
+        full = hooks.PrefillContext(mode="dense", full_last_layer=True)
+        assert torch.equal(_chunked(adapter, p, embeds, chunk, full)[0], ref_h)
     first = ref_logits.argmax(-1)
     assert torch.equal(got_logits.argmax(-1), first)
     assert _decode(adapter, p, got_cache, first) == _decode(adapter, p, ref_cache, first)
+
+
+def test_the_last_layer_computes_its_last_row_only(case, monkeypatch):
+    """Its other rows reach no logit, and the K/V decode reads come from its input: skipping
+    them leaves the answer and the cache as they were. Calibration's capture needs them all."""
+    from mminfer.models import prefill as engine
+    adapter, p, embeds = case
+    n, layers = p.total_tokens, len(adapter.text_model.layers)
+    seen = {}
+    real = engine._attention_function
+
+    def spy(attn):
+        fn = real(attn)
+
+        def call(module, q, k, v, *a, **kw):
+            seen.setdefault(module.layer_idx, []).append((q.shape[2], k.shape[2]))
+            return fn(module, q, k, v, *a, **kw)
+        return call
+    monkeypatch.setattr(engine, "_attention_function", spy)
+    got_h, got_cache = _chunked(adapter, p, embeds, 7)
+    assert seen == {i: [(n, n)] for i in range(layers - 1)} | {layers - 1: [(1, n)]}
+    seen.clear()
+    full_h, full_cache = _chunked(adapter, p, embeds, 7, hooks.PrefillContext(
+        mode="dense", full_last_layer=True))
+    assert seen == {i: [(n, n)] for i in range(layers)}
+    torch.testing.assert_close(got_h, full_h, atol=1e-5, rtol=1e-5)
+    for (k, v), (rk, rv) in zip(_kv(got_cache, layers), _kv(full_cache, layers)):
+        assert torch.equal(k, rk) and torch.equal(v, rv)      # the same ops on the same rows
+    with torch.inference_mode():
+        first = adapter.lm_head(full_h).argmax(-1)
+        assert torch.equal(adapter.lm_head(got_h).argmax(-1), first)
+    assert _decode(adapter, p, got_cache, first) == _decode(adapter, p, full_cache, first)
+    seen.clear()
+    ctx = hooks.PrefillContext(mode="dense", capture={})
+    _chunked(adapter, p, embeds, 7, ctx)
+    assert sorted(ctx.capture) == list(range(layers))
+    assert all(q.shape[2] == n for q, _, _ in ctx.capture.values())
 
 
 def test_dynamic_rope_sees_the_whole_prompt():
@@ -188,7 +226,9 @@ def test_no_token_wise_module_sees_more_than_a_chunk(case):
                for m in mods]
     try:
         _chunked(adapter, p, embeds, chunk=8)
-        assert len(seen) >= len(mods) * (p.total_tokens // 8) and max(seen) <= 8
+        # per chunk in every layer but the last, which runs some on its last row only
+        full = len(mods) // len(tm.layers) * (len(tm.layers) - 1)
+        assert len(seen) >= full * (p.total_tokens // 8) and max(seen) <= 8
         seen.clear()
         _one_shot(adapter, p, embeds)
         assert max(seen) == p.total_tokens
@@ -222,9 +262,10 @@ def test_sparse_chunked_prefill_equals_one_shot_sparse(case):
     layers = adapter.identity.layers
     pats = _sparse_patterns(adapter)
 
-    def ctx():
-        return hooks.PrefillContext(index=p.index, patterns=pats, mode="sparse", keep_plans=True)
-    ref_ctx, got_ctx = ctx(), ctx()
+    def ctx(**kw):
+        return hooks.PrefillContext(index=p.index, patterns=pats, mode="sparse",
+                                    keep_plans=True, **kw)
+    ref_ctx, got_ctx = ctx(), ctx(full_last_layer=True)
     ref_h, ref_cache = _one_shot(adapter, p, embeds, ref_ctx)
     got_h, got_cache = _chunked(adapter, p, embeds, 7, got_ctx)
     assert got_ctx.sparse is True and sorted(got_ctx.densities) == list(range(layers))
@@ -241,6 +282,17 @@ def test_sparse_chunked_prefill_equals_one_shot_sparse(case):
     with torch.inference_mode():
         first = adapter.lm_head(got_h).argmax(-1)
     assert _decode(adapter, p, got_cache, first) == _decode(adapter, p, ref_cache, first)
+    # as served, the last layer runs its last row alone, and that one query sees every key:
+    # the same as a config whose last layer is dense, with no plan for it
+    last_dense = HeadPatternConfig(adapter.identity, [list(r) for r in pats.layers[:-1]]
+                                   + [[P.HeadPattern.single(P.dense())] * adapter.identity.heads])
+    served = ctx()
+    served_h, _ = _chunked(adapter, p, embeds, 7, served)
+    assert sorted(served.densities) == list(range(layers - 1))
+    want_h, _ = _one_shot(adapter, p, embeds, hooks.PrefillContext(
+        index=p.index, patterns=last_dense, mode="sparse"))
+    torch.testing.assert_close(served_h, want_h, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(served_h, got_h, atol=1e-3)
 
 
 # ---------------------------------------------------------------------- mask registration
