@@ -113,7 +113,7 @@ def main(argv=None):
     modes = [m for m in a.modes if m != "sparse" or pipe.sparse_unavailable is None]
     res = run(pipe, str(video), a.frames, modes, a.reps, a.max_new_tokens,
               lambda s: print(s, flush=True))
-    rep = {"date": time.strftime("%Y-%m-%d"), "model": a.model, "checkpoint": ckpt,
+    rep = {"date": time.strftime("%Y-%m-%d"), "model": a.model, "checkpoint": str(ckpt),
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "layers": pipe.adapter.identity.layers, "frames": a.frames, "size": a.size,
            "reps": a.reps, "modes": res}
