@@ -25,8 +25,9 @@ the same ``Pipeline.answer`` on the same inputs, and stop at the same point. So:
   :class:`LockstepBroken` (a BaseException, so no ``except Exception`` carries on with a
   broken group) ends that process; torchrun then ends the others. After each job the ranks
   compare outcomes (a bounded wait): a rank that diverged breaks the group the same way.
-- **shutdown**: ``Leader.close()`` sends stop and every follower returns from ``follow``; a
-  follower whose rank 0 vanished gets a connection error from gloo and ends too.
+- **shutdown**: ``Leader.close()`` sends stop and returns once every follower has read it (so
+  no rank tears its groups down under a peer still reading); every follower returns from
+  ``follow``. A follower whose rank 0 vanished gets a connection error from gloo and ends too.
 """
 
 from __future__ import annotations
@@ -228,6 +229,9 @@ class Leader:
                 return False
             self.channel.send(STOP)
             self.closed = True
+            # every follower has read the stop before this rank may exit: a group torn down
+            # while a peer still reads from it aborts that peer (gloo, seen under load)
+            self.channel.gather("stopped")
             return True
         except Exception as e:      # noqa: BLE001 - a follower already gone
             log.warning("could not stop the tensor-parallel followers: %s", e)
@@ -261,6 +265,10 @@ def follow(pipe, channel: Channel | None = None) -> int:
         while True:
             msg = channel.recv()
             if msg is STOP:
+                try:
+                    channel.gather("stopped")       # rank 0's close() waits for this
+                except Exception as e:              # noqa: BLE001 - rank 0 already gone
+                    log.warning("rank %d: stop not acknowledged: %s", channel.rank, e)
                 return done
             seq, kind, *job = msg
             if kind == "warmup":

@@ -169,7 +169,17 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
     late = lambda: deadline is not None and time.monotonic() > deadline
     stopped = None
     own: dict = {}
+    # the served prefill runs the last layer for its last row only (models/prefill.py), a
+    # single query that sees every key: no pattern there reaches the answer, so those heads
+    # take their cheapest rung unmeasured
+    free = {key: rungs[-1][0] for key, rungs in ladders.items()
+            if key[0] == ident.layers - 1 and rungs}
+    for key, lab in free.items():
+        own[(key, lab)] = 0.0
+        ladders[key] = [rungs for rungs in ladders[key] if rungs[0] == lab]
     for key, rungs in sorted(ladders.items()):
+        if key in free:
+            continue
         if late():
             stopped = stopped or f"time ran out before measuring L{key[0]}H{key[1]}"
             ladders[key] = []
@@ -189,9 +199,9 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
                 path.append((lab, d, k))
                 best = k
         steps[key] = list(reversed(path))       # dearest first: the first move from dense
-    pos = {key: -1 for key in steps}            # -1: dense
+    pos = {key: -1 if key not in free else 0 for key in steps}     # -1: dense
     frozen: set = set()
-    choice: dict = {}
+    choice: dict = dict(free)
     cur_kl, cur_kls, cur_dens = 0.0, {inp.name: 0.0 for inp in inputs}, {}
     while True:
         moves = []
@@ -226,7 +236,8 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
         d = 1.0 if lab is None else next(dd for ll, dd, _ in steps[key] if ll == lab)
         rows.append({"layer": key[0], "head": key[1], "candidate": lab or "dense",
                      "density": round(d, 5), "own_kl": round(own.get((key, lab), 0.0), 6),
-                     "measured": bool(ladders[key]),
+                     "measured": bool(ladders[key]) and key not in free,
+                     "last_row_only": key in free,
                      "rungs": [{"candidate": ll, "density": round(dd, 5),
                                 "error": round(ee, 5), "own_kl": round(own[(key, ll)], 6)}
                                for ll, dd, ee in ladders[key]]})
@@ -242,7 +253,9 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
                    "engine": probe.engine, "objective": "mean last-token KL(dense || sparse) "
                    "over the inputs"},
         hard_heads=sorted([r["layer"], r["head"]] for r in rows if r["candidate"] == "dense"),
-        mean_density=round(sum(r["density"] for r in rows) / max(1, len(rows)), 5))
+        # over the heads whose every row runs, as the served prefill counts its density
+        mean_density=round(sum(r["density"] for r in rows if not r["last_row_only"])
+                           / max(1, sum(not r["last_row_only"] for r in rows)), 5))
     return out, rows
 
 

@@ -62,7 +62,9 @@ def ckpt(tmp_path_factory):
     from mminfer.sparse.patterns import (HeadPattern, HeadPatternConfig, a_shape, grid,
                                          vertical_slash)
     from mminfer.toy.tiny import save_tiny_qwen2_5_vl
-    path = save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tp") / "tiny", heads=4, kv_heads=2)
+    # three layers: the last runs its last row only (dense), so two carry sparse plans
+    path = save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tp") / "tiny", heads=4, kv_heads=2,
+                                layers=3)
     identity = Pipeline(str(path), attention="dense", device="cpu").adapter.identity
     vs = vertical_slash(n_vertical=4, n_slash=2, window=8, sink=2)
     row = [HeadPattern.single(a_shape(sink=2, window=8)),

@@ -91,6 +91,9 @@ def test_answer_bound_holds_and_trades_density(calibrated):
     # a bound of 5 nats holds anything: every head takes its cheapest rung
     assert all(r["candidate"] == r["rungs"][-1]["candidate"] for r in loose)
     assert dens(loose) < dens(tight)
+    # even the tight bound leaves the last layer at its cheapest: no pattern there is served
+    assert all(r["candidate"] == r["rungs"][-1]["candidate"] and r["own_kl"] == 0
+               for r in tight if r["layer"] == 3)
     assert sum(r["candidate"] == "dense" for r in tight) > sum(
         r["candidate"] == "dense" for r in loose)
     assert loose_cfg.provenance["made_by"] == "mminfer calibrate --answer-kl"
@@ -110,7 +113,12 @@ def test_a_deadline_stops_early_and_still_holds_the_bound(calibrated):
     inp = probe.prepare(name, d, q)
     new, rows = refine(probe, [inp], cfg, report, report_candidates(cfg, inp.prep.index),
                        target=5.0, max_rungs=1, deadline=0.0)     # already past
-    assert all(r["candidate"] == "dense" and not r["measured"] for r in rows)
+    # the last layer's heads run their last row only when served: cheapest, never measured
+    last = [r for r in rows if r["last_row_only"]]
+    assert [r["layer"] for r in last] == [3] * 4
+    assert all(r["candidate"] == r["rungs"][-1]["candidate"] for r in last)
+    assert all(r["candidate"] == "dense" and not r["measured"] for r in rows
+               if not r["last_row_only"])
     assert "time ran out" in new.provenance["answer_kl"]["stopped_early"]
     assert new.provenance["answer_kl"]["mean_kl"] == 0.0 and probe.forwards == 1
 

@@ -138,9 +138,10 @@ def test_antidiagonal_heads_on_gpu_bf16_queue_without_a_sync_and_match_masks():
         out = sparse_attention(q, k, v, plan)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    ref, _ = masked_attention(q, k, v, plan.masks())
+    masks = plan.masks().to(q.device)       # built on the host
+    ref, _ = masked_attention(q, k, v, masks)
     err = (out.float() - ref).abs().max()
-    same_dtype, _ = masked_attention(q, k, v, plan.masks(), dtype=torch.bfloat16)
+    same_dtype, _ = masked_attention(q, k, v, masks, dtype=torch.bfloat16)
     assert err <= 2 * (same_dtype.float() - ref).abs().max() + 1e-3, err
 
 
