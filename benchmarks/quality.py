@@ -324,8 +324,9 @@ def markdown(summary, modes, lengths, *, renderer: str = "synth", heatmap: str |
         L.append("| **all tasks** | | | " + " | ".join(cells) + " |")
     if sparse:
         for title, key, fmt in (
-                ("Measured density (logical pairs / causal pairs, mean over layers and heads) "
-                 "per task and length:", "density", "{:.2f}"),
+                ("Measured density (logical pairs / causal pairs, mean over heads and the layers "
+                 "that compute every row: not the last, which runs its last row only) per task "
+                 "and length:", "density", "{:.2f}"),
                 ("Last-token KL(dense ‖ mode), nats, mean per task and length:", "kl",
                  "{:.3f}")):
             L += ["", title, ""]

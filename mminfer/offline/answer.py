@@ -60,7 +60,8 @@ class AnswerProbe:
     def logprobs(self, prep, embeds, patterns: HeadPatternConfig | None):
         """``(log-probabilities [V] fp32 on CPU, mean density or None)``: dense when
         ``patterns`` is None; the density is the plans' physical tiles / causal triangle
-        (logical pairs for the reference engine), mean over layers and heads."""
+        (logical pairs for the reference engine), mean over heads and the layers that compute
+        every row (the last runs its last row only)."""
         from mminfer.models.hooks import PrefillContext
         from mminfer.models.prefill import prefill
         ad = self.adapter
