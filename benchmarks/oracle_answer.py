@@ -48,7 +48,7 @@ def text_rows(index, n: int) -> torch.Tensor:
 
 
 def oracle_head(q, k, v, scale, *, rho=None, gamma=None, rb=128, kb=64, dense_rows=None,
-                chunk=1024, select="exact"):
+                chunk=1024, select="exact", sink=0):
     """One head's oracle attention. q/k/v ``[N, D]`` (fp32). Returns ``(out [N, D], kept
     pairs, causal pairs)``. Per block of ``rb`` rows: the top tiles of ``kb`` keys by the
     block's summed attention probability (``rho``: that share of its causal tiles, at least
@@ -56,7 +56,8 @@ def oracle_head(q, k, v, scale, *, rho=None, gamma=None, rb=128, kb=64, dense_ro
     diagonal; rows in ``dense_rows`` see every key. ``select`` says what ranks the tiles:
     "exact" (the block's attention), "pooled" (the attention of the block's mean query
     against every key: a cheap proxy, one row per block), "sampledK" (K evenly spaced rows
-    of the block, exact)."""
+    of the block, exact). ``sink``: the first tiles every row block keeps besides (the
+    attention sink and the first frames)."""
     N, D = q.shape
     chunk = max(rb, chunk // rb * rb)
     nt = -(-N // kb)
@@ -91,6 +92,7 @@ def oracle_head(q, k, v, scale, *, rho=None, gamma=None, rb=128, kb=64, dense_ro
                 n_keep = int((c < gamma).sum()) + 1
             keep[b, order[:n_keep]] = True
             keep[b, first_diag:last + 1] = True
+            keep[b, :min(sink, last + 1)] = True
         km = keep.repeat_interleave(rb, 0)[: r1 - r0].repeat_interleave(kb, 1)[:, :r1]
         if dense_rows is not None:
             km = km | dense_rows[r0:r1, None]
@@ -205,6 +207,8 @@ def main(argv=None):
     p.add_argument("--only", nargs="*", default=[],
                    help="runs with the oracle on these heads only (LAYER or LAYER.HEAD), the "
                         "config's estimate elsewhere; at the first --rho/--gamma and --select")
+    p.add_argument("--sink", type=int, default=0,
+                   help="the first key tiles every row block of the oracle keeps besides")
     p.add_argument("--row-block", type=int, default=128)
     p.add_argument("--key-block", type=int, default=64)
     p.add_argument("--out")
@@ -238,12 +242,13 @@ def main(argv=None):
                    [(sel, "gamma", g) for sel in a.select for g in a.gamma]
         for sel, kind, val in settings:
             attn.layer_attention = oracle_layer_attention(
-                {kind: val, "rb": a.row_block, "kb": a.key_block, "select": sel})
+                {kind: val, "rb": a.row_block, "kb": a.key_block, "select": sel,
+                 "sink": a.sink})
             try:
                 logp, dens = probe.logprobs(inp.prep, inp.embeds, cfg)
             finally:
                 attn.layer_attention = real
-            row[f"{sel}_{kind}{val}"] = {"answer": tok.decode([int(logp.argmax())]).strip(),
+            row[f"{sel}_{kind}{val}" + (f"_sink{a.sink}" if a.sink else "")] = {"answer": tok.decode([int(logp.argmax())]).strip(),
                                           "kl": kl_divergence(inp.dense_logp, logp),
                                           "density": dens}
         if a.only and not settings:

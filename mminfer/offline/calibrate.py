@@ -234,9 +234,9 @@ def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density
             if key not in c:             # no visual span: what a grid falls back to
                 return c["vertical_slash"].patterns["all"]
             return c[key].patterns["all"]
-        if p.kind == "block" and p.stride:          # keeps how it ranks its key blocks
+        if p.kind == "block" and (p.stride or p.sink):   # keeps its ranking and sink
             b = c["block"].patterns["all"]
-            return block(top_k=b.top_k, window=b.window, stride=p.stride)
+            return block(top_k=b.top_k, window=b.window, stride=p.stride, sink=p.sink)
         return c[p.kind].patterns["all"]
 
     memo = {}

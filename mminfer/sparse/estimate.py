@@ -593,6 +593,15 @@ class _Estimator:
             least = torch.where(rows, m_cover, torch.ones_like(m_cover)).amin(-1)
             self.masses.append(MassChoice([hs[i] for i in by_mass], "block", qmod, kmod, mean,
                                           mean / nkb, least, [p.gamma for p in mpats]))
+        sinks = [-(-(p.sink or 0) // bn) for p in pats]          # key blocks per head
+        if max(sinks):
+            # appended for every row block: the plan drops duplicates and those its near
+            # range covers, so a sink block the ranking also chose is computed once
+            ns = min(max(sinks), nkb)
+            j = torch.arange(ns, device=dev)
+            ids = torch.where((j[None, :] < self._ints(sinks)[:, None]) & ok_k[None, :ns],
+                              j[None, :], -1)
+            out = torch.cat([out, ids[None, :, None, :].expand(B, len(hs), R, ns)], -1)
         return Block(heads=hs, key_blocks=out, window=[p.window for p in pats],
                      qgroup=self._group(qmod), kgroup=self._group(kmod))
 

@@ -43,7 +43,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
                        "gamma": None, "min_density": None, "max_density": None},
     "grid": {"lines": "both", "sink": 128, "window": 6144, "min_lift": 3.0, "fallback": None},
     "block": {"top_k": 128, "window": 256, "gamma": None, "min_density": None,
-              "max_density": None, "stride": None},
+              "max_density": None, "stride": None, "sink": None},
     "dense": {},
 }
 _ALL_FIELDS = ("kind", "sink", "window", "n_vertical", "n_slash", "lines", "min_lift",
@@ -71,6 +71,9 @@ class Pattern:
       attention of mean-pooled queries on mean-pooled keys, or, with ``stride`` S, by the
       antidiagonal scores of S x S groups (XAttention's proxy: every query and key read,
       1/S of QK^T; a single landmark key is not averaged away as it is by pooling);
+      ``sink`` (default none): every row block also keeps the key blocks holding the first
+      ``sink`` keys, outside its budget (the attention sink and the video's first frames,
+      which a ranking by share misses: BENCHMARKS.md section 4);
     * ``dense``: every causal pair.
 
     Mass budgets (vertical_slash and block): with ``gamma`` set instead of the counts, the
@@ -208,9 +211,9 @@ def grid(lines=None, sink=None, window=None, min_lift=None, fallback=None) -> Pa
 
 
 def block(top_k=None, window=None, *, gamma=None, min_density=None,
-          max_density=None, stride=None) -> Pattern:
+          max_density=None, stride=None, sink=None) -> Pattern:
     return Pattern("block", top_k=top_k, window=window, gamma=gamma, min_density=min_density,
-                   max_density=max_density, stride=stride)
+                   max_density=max_density, stride=stride, sink=sink)
 
 
 def dense() -> Pattern:
