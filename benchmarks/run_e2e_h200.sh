@@ -12,12 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/e2e}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH=$PWD
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=$PWD:/tmp/site
-fi
+source benchmarks/device_env.sh       # PYTHONPATH, the .whl wheels
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   echo "cores $(nproc)"; free -g | head -2; df -h /tmp | tail -1
