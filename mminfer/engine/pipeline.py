@@ -274,8 +274,7 @@ class Pipeline:
         # after the last token (never in the time to first token) and inside the total: the
         # stages add up to it; wall clock, as the count ends on host reads
         t_density = time.perf_counter()
-        sparsity = _sparsity(ctx.densities, ad.patterns,
-                             None if self.full_last_layer else ad.identity.layers - 1)
+        sparsity = _sparsity(ctx.densities, ad.patterns, ctx.last_row_only)
         ctx.densities.clear()                          # the plans are not needed any more
         timer.add_ms("density", (time.perf_counter() - t_density) * 1e3)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync

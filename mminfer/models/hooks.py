@@ -44,6 +44,7 @@ class PrefillContext:
     # every row of the last decoder layer, not only the last one (models/prefill.py): no
     # answer changes; it is there to measure what skipping them saves
     full_last_layer: bool = False
+    last_row_only: int | None = None  # set by the prefill: the layer that ran its last row only
 
     def decide(self, n_tokens: int) -> bool:
         """This request's prefill of ``n_tokens`` is sparse or not: decided on the first call,

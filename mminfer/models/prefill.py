@@ -78,6 +78,8 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
             _check_cancel(ctx, layer.self_attn.layer_idx)
             if last_only and i == len(todo) - 1:
                 last = _decoder_layer(layer, h, rope, spans, cache, last_only=True)
+                if ctx is not None:
+                    ctx.last_row_only = layer.self_attn.layer_idx
             else:
                 _decoder_layer(layer, h, rope, spans, cache)
         last = text_model.norm(h[:, -1:] if last is None else last)

@@ -152,9 +152,13 @@ def test_the_last_layer_computes_its_last_row_only(case, monkeypatch):
     got_h, got_cache = _chunked(adapter, p, embeds, 7)
     assert seen == {i: [(n, n)] for i in range(layers - 1)} | {layers - 1: [(1, n)]}
     seen.clear()
-    full_h, full_cache = _chunked(adapter, p, embeds, 7, hooks.PrefillContext(
-        mode="dense", full_last_layer=True))
-    assert seen == {i: [(n, n)] for i in range(layers)}
+    served = hooks.PrefillContext(mode="dense")
+    _chunked(adapter, p, embeds, 7, served)
+    assert served.last_row_only == layers - 1          # what the sparsity report names
+    seen.clear()
+    full = hooks.PrefillContext(mode="dense", full_last_layer=True)
+    full_h, full_cache = _chunked(adapter, p, embeds, 7, full)
+    assert seen == {i: [(n, n)] for i in range(layers)} and full.last_row_only is None
     torch.testing.assert_close(got_h, full_h, atol=1e-5, rtol=1e-5)
     for (k, v), (rk, rv) in zip(_kv(got_cache, layers), _kv(full_cache, layers)):
         assert torch.equal(k, rk) and torch.equal(v, rv)      # the same ops on the same rows
@@ -165,7 +169,7 @@ def test_the_last_layer_computes_its_last_row_only(case, monkeypatch):
     seen.clear()
     ctx = hooks.PrefillContext(mode="dense", capture={})
     _chunked(adapter, p, embeds, 7, ctx)
-    assert sorted(ctx.capture) == list(range(layers))
+    assert sorted(ctx.capture) == list(range(layers)) and ctx.last_row_only is None
     assert all(q.shape[2] == n for q, _, _ in ctx.capture.values())
 
 
