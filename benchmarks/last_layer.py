@@ -113,12 +113,13 @@ def main(argv=None):
     modes = [m for m in a.modes if m != "sparse" or pipe.sparse_unavailable is None]
     res = run(pipe, str(video), a.frames, modes, a.reps, a.max_new_tokens,
               lambda s: print(s, flush=True))
-    rep = {"date": time.strftime("%Y-%m-%d"), "model": a.model, "checkpoint": str(ckpt),
+    label = a.model + (" (tiny)" if a.tiny else "")
+    rep = {"date": time.strftime("%Y-%m-%d"), "model": label, "checkpoint": str(ckpt),
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "layers": pipe.adapter.identity.layers, "frames": a.frames, "size": a.size,
            "reps": a.reps, "modes": res}
     (out / "last_layer.json").write_text(json.dumps(rep, indent=1))
-    print(f"\n{a.model}, {pipe.adapter.identity.layers} layers, {a.frames} frames; medians of "
+    print(f"\n{label}, {pipe.adapter.identity.layers} layers, {a.frames} frames; medians of "
           f"{a.reps} requests (ms)")
     print("| mode | tokens | prefill, served | prefill, every row | ratio | TTFT, served | "
           "TTFT, every row | ratio | same answer |")

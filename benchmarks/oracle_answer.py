@@ -248,9 +248,9 @@ def main(argv=None):
                 logp, dens = probe.logprobs(inp.prep, inp.embeds, cfg)
             finally:
                 attn.layer_attention = real
-            row[f"{sel}_{kind}{val}" + (f"_sink{a.sink}" if a.sink else "")] = {"answer": tok.decode([int(logp.argmax())]).strip(),
-                                          "kl": kl_divergence(inp.dense_logp, logp),
-                                          "density": dens}
+            name = f"{sel}_{kind}{val}" + (f"_sink{a.sink}" if a.sink else "")
+            row[name] = {"answer": tok.decode([int(logp.argmax())]).strip(),
+                         "kl": kl_divergence(inp.dense_logp, logp), "density": dens}
         if a.only and not settings:
             raise SystemExit("--only needs an oracle setting (--rho or --gamma)")
         n_layers = len(cfg.layers)

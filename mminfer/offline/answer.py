@@ -177,7 +177,7 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
             if key[0] == ident.layers - 1 and rungs}
     for key, lab in free.items():
         own[(key, lab)] = 0.0
-        ladders[key] = [rungs for rungs in ladders[key] if rungs[0] == lab]
+        ladders[key] = [r for r in ladders[key] if r[0] == lab]
     for key, rungs in sorted(ladders.items()):
         if key in free:
             continue
