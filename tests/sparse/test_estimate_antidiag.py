@@ -188,3 +188,10 @@ def test_resizing_a_config_keeps_the_antidiagonal_ranking():
     assert got[0].patterns["video"].sink == 4
     assert got[0].patterns["text"].kind == "dense"
     assert got[1].patterns["all"].stride is None
+    # a sink sized for long videos is the first key block at the resized length, and it is
+    # paid for out of the top-k (the resized head must not exceed the density asked for)
+    long_sink = block(window=16, gamma=0.9, max_density=0.2, stride=16, sink=64)
+    cfg = HeadPatternConfig(cfg.identity, [[HeadPattern.single(long_sink), heads[1]]])
+    got = resize_config(cfg, idx, idx.n, 0.3, block_m=16, block_n=16).layer(0)
+    assert got[0].patterns["all"].sink == 16
+    assert got[0].patterns["all"].top_k == got[1].patterns["all"].top_k - 1
