@@ -39,7 +39,8 @@ python3 scripts/train_embedded.py --init "$WORK/run5" "${FT[@]}" --lr 6e-4 --min
     --size-weight 3 4 1 1 1 1 --out "$WORK/mminfer-embedded" 2>&1 | tee "$WORK/train6.log"
 # 7. head patterns: the shipped rule needs no calibration (BENCHMARKS.md section 4, "A fixed
 #    share per row block"): every head ranks key blocks by antidiagonal scores and keeps 0.15
-#    of each row block's causal key blocks, the question's rows dense. `mminfer calibrate`
+#    of each row block's causal key blocks plus those holding the first 64 keys (a sink),
+#    the question's rows dense. `mminfer calibrate`
 #    (per-head search, or --answer-kl) is what a model of other heads would run instead.
 cp mminfer/models/mminfer-embedded/mminfer_patterns.json "$WORK/mminfer-embedded/"
 # 8. sparse vs dense on held-out videos at >= 16K tokens on the evaluation-only renderer
