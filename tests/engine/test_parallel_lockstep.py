@@ -43,7 +43,7 @@ def _cancel_on(call: int):
 
 def _rank_main(rank, world, port, ckpt, video, bad, out_dir):
     _env(rank, world, port)
-    from mminfer.engine import lockstep
+    from mminfer.engine import lockstep, parallel
     from mminfer.engine.pipeline import Pipeline
     pipe = Pipeline(ckpt, attention="dense", device="cpu", tensor_parallel=world)
     log = []
@@ -80,7 +80,7 @@ def _rank_main(rank, world, port, ckpt, video, bad, out_dir):
         out = {"jobs": lockstep.follow(pipe)}
     out["log"] = log
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
-    torch.distributed.destroy_process_group()
+    parallel.leave()        # what the CLI's exit does
 
 
 @pytest.fixture(scope="module")
