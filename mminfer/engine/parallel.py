@@ -63,7 +63,7 @@ def leave():
     # Groups (and the store under them) that reference cycles still hold would otherwise die
     # in the interpreter's final teardown, after rank 0, which hosts the store, may have
     # exited: a follower then aborts (std::terminate, SIGABRT) after its work was done. In
-    # tests/engine/test_parallel_lockstep.py that was 2 runs in 12 without this, 0 in 22 with.
+    # tests/engine/test_parallel_lockstep.py that was 2 runs in 12 without this, 0 in 36 with.
     gc.collect()
 
 

@@ -238,8 +238,8 @@ def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density
             b = c["block"].patterns["all"]
             # A sink sized for long videos (64 keys) would be a large share of a short one:
             # resized, it is the first key block, and it comes out of the top-k's budget.
-            sink = min(p.sink, block_n) if p.sink else p.sink
-            top_k = max(1, b.top_k - (1 if sink else 0)) if b.top_k else b.top_k
+            sink = min(p.sink, block_n) if p.sink else None
+            top_k = max(1, b.top_k - 1) if sink else b.top_k
             return block(top_k=top_k, window=b.window, stride=p.stride, sink=sink)
         return c[p.kind].patterns["all"]
 
