@@ -822,6 +822,24 @@ def lr_at(step: int, f: float, peak: float, warmup: int) -> float:
     return peak * w * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(max(f, 0.0), 1.0))))
 
 
+def next_longest(M: int, m0: int, M_final: int, f: float, grow=(0.4, 0.85),
+                 passed: bool = False) -> int:
+    """The curriculum's longest video (pairs) after this step: it doubles when the tasks pass
+    (``passed``), and at the latest on a schedule that grows geometrically from ``m0`` at the
+    fraction ``grow[0]`` of the run to ``M_final`` at ``grow[1]``. The last step may be less
+    than a doubling: once the schedule reaches ``M_final`` the run trains there (before, a
+    longest video above ``M_final / 2`` waited for a doubling the cap forbade, and ft6 never
+    saw more than 1143 of its 2048 pairs)."""
+    if M >= M_final:
+        return M_final
+    k_final = math.log2(max(M_final / max(m0, 1), 1))
+    g0, g1 = grow
+    forced = m0 * 2 ** (k_final * min(max((f - g0) / max(g1 - g0, 1e-9), 0), 1))
+    if passed or forced >= min(2 * M, M_final):
+        return min(M_final, max(2 * M, int(forced)))
+    return M
+
+
 def sample_tp(rng, M: int, task: str) -> int:
     lo = 2 if task == "order" else 1
     M = max(M, lo)
@@ -886,6 +904,11 @@ def parse_args(argv=None):
                    help="start training once this share of the bank's scenes is rendered")
     p.add_argument("--reserve", type=float, default=None,
                    help="seconds kept for the final eval + save (default 25 GPU, 5 CPU)")
+    p.add_argument("--grow", type=float, nargs=2, default=(0.4, 0.85),
+                   metavar=("FROM", "TO"),
+                   help="fractions of the run between which the longest video grows, at the "
+                   "latest, from the start to --max-tokens (default 0.4 0.85; a fine-tune at "
+                   "long lengths: e.g. 0.05 0.3)")
     p.add_argument("--sharpen", type=float, default=0.0,
                    help="weight of the attention tail-mass term (mminfer.toy.sharpen; 0: off)")
     p.add_argument("--sharpen-rho", type=float, default=0.1,
@@ -1099,14 +1122,11 @@ def main(argv=None) -> dict:
             f = (prev_seconds + now - t_train0) / planned
             absorb(feeder.poll())
             top_up(True)
-            # curriculum: accuracy-gated growth, with a schedule as the floor
-            m0 = min(m_start, M_final)
-            k_final = math.log2(max(M_final / m0, 1))
-            forced = m0 * 2 ** (k_final * min(max((f - 0.4) / 0.45, 0), 1))
             M = meta["M"]
-            if M < M_final and ((stage_steps >= 30 and min(ema.values()) >= 0.85)
-                                or forced >= 2 * M):
-                meta["M"] = M = min(M_final, max(2 * M, int(forced)))
+            M_next = next_longest(M, min(m_start, M_final), M_final, f, args.grow,
+                                  stage_steps >= 30 and min(ema.values()) >= 0.85)
+            if M_next != M:
+                meta["M"] = M = M_next
                 ema = {t: 0.0 for t in args.tasks}
                 stage_steps = 0
                 log(f"curriculum: longest video now {M} pairs ({M * PAIR_TOKENS} tokens)")

@@ -212,6 +212,25 @@ def test_micro_training_lowers_the_loss_and_saves_a_loadable_checkpoint(tmp_path
     assert r.tokens["visual"] == 10 * E.TOKENS_PER_PAIR     # 20 frames = 10 pairs
 
 
+def test_curriculum_reaches_the_longest_video_on_schedule():
+    nxt = _train_module().next_longest
+    # the schedule alone: m0 at the start of growth, the cap at its end, doublings between
+    assert nxt(8, 8, 2048, 0.0) == 8
+    assert nxt(8, 8, 2048, 0.39) == 8
+    assert nxt(8, 8, 2048, 0.5) == int(8 * 2 ** (8 * 0.1 / 0.45))     # 27: not only doublings
+    # above half the cap, the last step is less than a doubling and still happens
+    assert nxt(1143, 8, 2048, 0.84) == 1143
+    assert nxt(1143, 8, 2048, 0.85) == 2048
+    assert nxt(1143, 8, 2048, 0.99) == 2048
+    assert nxt(2048, 8, 2048, 0.99) == 2048
+    # passing the tasks doubles early; the cap holds
+    assert nxt(8, 8, 2048, 0.0, passed=True) == 16
+    assert nxt(1500, 8, 2048, 0.0, passed=True) == 2048
+    # --grow moves the window: a long-length fine-tune is at the cap early
+    assert nxt(512, 512, 2048, 0.3, grow=(0.05, 0.3)) == 2048
+    assert nxt(512, 512, 2048, 0.04, grow=(0.05, 0.3)) == 512
+
+
 # --------------------------------------------------------------------------- defaults
 def test_missing_embedded_model_says_how_to_build_it(tmp_path, monkeypatch, capsys):
     from mminfer.cli import main
