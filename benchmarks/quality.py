@@ -105,6 +105,8 @@ def render(spec):
         from mminfer.toy import render_eval
         ex = render_eval.make_example(spec["task"], spec["seed"], n_frames=spec["n_frames"],
                                       **kw)
+        if "style" in ex.meta:      # the needle's digit look: which looks a model fails on
+            spec = {**spec, "look": ex.meta["style"]}
         return spec, ex.frames, ex.answer, ex.question
     frames, answer, question, meta = E.render_example(spec["task"], spec["seed"],
                                                       spec["n_frames"], **kw)
@@ -188,9 +190,9 @@ def summarise(records, modes, lengths, depths, long_from: int = 16384):
     per task and per task x length; each also over the lengths >= ``long_from``."""
     out = {"accuracy": {}, "agreement_with_dense": {}, "density": {}, "needle_grid": {},
            "counts": {}, "density_task": {}, "density_task_length": {}, "kl_task": {},
-           "kl_task_length": {}, "long": {}, "long_from": long_from}
+           "kl_task_length": {}, "long": {}, "long_from": long_from, "needle_by_look": {}}
     for m in modes:
-        acc, grid, dens, dtl, kl = {}, {}, {}, {}, {}
+        acc, grid, dens, dtl, kl, look = {}, {}, {}, {}, {}, {}
         agree = n_agree = 0
         for r in records:
             if m not in r["modes"]:
@@ -201,6 +203,8 @@ def summarise(records, modes, lengths, depths, long_from: int = 16384):
             acc.setdefault(key, []).append(ok)
             if r["task"] == "needle":
                 grid.setdefault((r["tokens"], r["depth"]), []).append(ok)
+                if r.get("look"):
+                    look.setdefault(r["look"], []).append(ok)
             if mr.get("density") is not None:
                 dens.setdefault(r["tokens"], []).append(mr["density"])
                 dtl.setdefault(key, []).append(mr["density"])
@@ -218,6 +222,8 @@ def summarise(records, modes, lengths, depths, long_from: int = 16384):
         out["accuracy"][m] = {t: {str(n): _mean(acc.get((t, n))) for n in lengths}
                               for t in TASKS}
         out["accuracy"][m]["all"] = _mean([v for vs in acc.values() for v in vs])
+        out["needle_by_look"][m] = {k: {"accuracy": _mean(v), "n": len(v)}
+                                    for k, v in sorted(look.items())}
         out["needle_grid"][m] = {str(n): {f"{d:g}": _mean(grid.get((n, d))) for d in depths}
                                  for n in lengths}
         out["density"][m] = {str(n): _mean(dens.get(n)) for n in lengths}
@@ -302,6 +308,12 @@ def markdown(summary, modes, lengths, *, renderer: str = "synth", heatmap: str |
              + f" | {sum(sum(v.values()) for v in summary['counts'].values())} |")
     L.append("| agreement with dense | | | " + " | ".join(
         f(summary["agreement_with_dense"][m]) for m in modes) + " | |")
+    looks = summary.get("needle_by_look", {})
+    if any(looks.get(m) for m in modes):
+        L += ["", "Needle accuracy by the digits' look (all lengths): " + "; ".join(
+            f"{m}: " + ", ".join(f"{k} {f(v['accuracy'])} (n={v['n']})"
+                                 for k, v in looks[m].items())
+            for m in modes if looks.get(m))]
     lf = summary.get("long_from", 16384)
     if "long" in summary:
         L += ["", f"At >= {_k(lf)} tokens, per task: accuracy (points from dense), mean "

@@ -68,6 +68,20 @@ def test_summary_has_density_and_kl_per_task_and_the_long_videos(Q):
     assert s["agreement_with_dense"]["config"] == pytest.approx(2 / 4)
 
 
+def test_needle_accuracy_by_the_digits_look(Q):
+    R = _records()
+    R[0]["look"], R[1]["look"], R[2]["look"] = "dots", "strokes", "dots"
+    s = Q.summarise(R, ["dense", "config"], [1024, 16384], [0.0, 1.0])
+    assert s["needle_by_look"]["config"] == {"dots": {"accuracy": 0.5, "n": 2},
+                                             "strokes": {"accuracy": 1.0, "n": 1}}
+    md = Q.markdown(s, ["dense", "config"], [1024, 16384], renderer="eval")
+    assert ("Needle accuracy by the digits' look (all lengths): dense: dots 1.00 (n=2), "
+            "strokes 1.00 (n=1); config: dots 0.50 (n=2), strokes 1.00 (n=1)") in md
+    # synth's examples have no look: no line
+    assert "look" not in Q.markdown(Q.summarise(_records(), ["dense"], [1024], [0.0]),
+                                    ["dense"], [1024])
+
+
 def test_markdown_tables(Q):
     modes = ["dense", "config", "d=0.20"]
     s = Q.summarise(_records(), modes, [1024, 16384], [0.0, 1.0], long_from=16384)
