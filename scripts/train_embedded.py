@@ -44,7 +44,7 @@ digit, tens or units, covers that 28 x 28 cell: dense supervision that teaches a
 to read several times faster than the answer alone). Curriculum: the longest video grows
 from 4 pairs (64 tokens) to ``--max-tokens`` by doubling when the running accuracy at the
 current longest lengths passes 85 % on every task, and at the latest on a schedule that
-starts at 40 % of the time and reaches the end at 85 %; shorter videos stay in the mix
+starts at 40 % of the time and reaches the end at 85 % (``--grow``); shorter videos stay in the mix
 (log-uniform lengths). Time-based cosine learning rate, AdamW, bf16 autocast, plain eager
 PyTorch with dense SDPA (no torch.compile).
 
