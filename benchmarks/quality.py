@@ -383,6 +383,23 @@ def heatmap_png(summary, modes, lengths, depths, path):
     img.save(path)
 
 
+def extra_configs(paths, identity) -> dict:
+    """{'cfg:<stem>': HeadPatternConfig} for ``--configs``, each checked against the model
+    (a config of another shape fails here, before any video is drawn)."""
+    from mminfer.errors import ConfigError
+    from mminfer.sparse.patterns import HeadPatternConfig
+    out = {}
+    for p in paths:
+        name = f"cfg:{Path(p).stem}"
+        if name in out:
+            raise SystemExit(f"--configs: two files named {Path(p).stem!r}; rename one")
+        try:
+            out[name] = HeadPatternConfig.load(Path(p), expect=identity)
+        except ConfigError as e:
+            raise SystemExit(f"--configs: {e}") from None
+    return out
+
+
 # ------------------------------------------------------------------------- main
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -399,6 +416,10 @@ def main(argv=None):
     ap.add_argument("--densities", type=float, nargs="*", default=[0.1, 0.25, 0.5])
     ap.add_argument("--no-config", action="store_true",
                     help="skip the mode with the model's own head-pattern config")
+    ap.add_argument("--configs", nargs="+", default=[], metavar="JSON",
+                    help="more sparse modes, one per head-pattern config file (mode "
+                    "'cfg:<file stem>'), on the same rendered videos: comparing configs this "
+                    "way renders each video once")
     ap.add_argument("--no-density", action="store_true",
                     help="do not measure densities (saves the count-mode kernel runs)")
     ap.add_argument("--renderer", choices=("synth", "eval"), default="synth",
@@ -439,7 +460,8 @@ def main(argv=None):
     workers = args.workers if args.workers is not None else (
         max(0, min(14, (os.cpu_count() or 2) - 2)) if cuda else 0)
     lengths, depths = sorted(args.lengths), [float(x) for x in args.depths]
-    modes = ["dense"] + ([] if args.no_config else ["config"]) + \
+    extra = extra_configs(args.configs, ad.identity)
+    modes = ["dense"] + ([] if args.no_config else ["config"]) + list(extra) + \
         [f"d={x:.2f}" for x in args.densities]
     specs = grid_specs(lengths, depths, args.needle_reps, args.per_task, args.tasks, args.seed0)
     for sp in specs:
@@ -487,6 +509,8 @@ def main(argv=None):
                     pats, sparse = ad.patterns, False
                 elif m == "config":
                     pats, sparse = ad.patterns, True
+                elif m in extra:
+                    pats, sparse = extra[m], True
                 else:
                     pats = resize_config(ad.patterns, prep.index, n, float(m[2:]),
                                          block_m=runner.block_m, block_n=runner.block_n)

@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run_embedded_h200.sh train                 # -> $OUT/model.tar.gz, train.log
 #   bash benchmarks/run_embedded_h200.sh eval MODEL_DIR_OR_TAR # -> $OUT/quality*/, calibrate.log
-#   bash benchmarks/run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG... # -> $OUT/quality_<config>/
+#   bash benchmarks/run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG... # -> $OUT/compare/ (mode cfg:<stem> each)
 #
 # train: fine-tunes the shipped model (mminfer/models/mminfer-embedded: it already reads synth's
 #   digits) on the randomised renderings of mminfer.toy.variety (80 % of the bank; synth's look
@@ -179,9 +179,10 @@ eval)
   done
   ;;
 compare)
-  # compare MODEL_DIR_OR_TAR CONFIG...: quality.py (dense + that config, the same videos for
-  # every config: the same seeds) for each head-pattern config of one model, side by side;
-  # QLENGTHS, RENDERER, QARGS_EXTRA (default "--needle-reps 1 --per-task 3"), BUDGET shared.
+  # compare MODEL_DIR_OR_TAR CONFIG...: one quality.py run, dense and every head-pattern
+  # config (mode cfg:<file stem>) on the same videos, each video rendered once (rendering,
+  # not the GPU, is most of a run's time); QLENGTHS, RENDERER, QARGS_EXTRA (default
+  # "--needle-reps 1 --per-task 3"), BUDGET.
   SRC=${2:?usage: run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG...}
   shift 2
   [ $# -ge 1 ] || { echo "compare needs at least one config" >&2; exit 2; }
@@ -191,19 +192,14 @@ compare)
   else cp -r "$SRC" "$WORK/cmp/base/mminfer-embedded"; fi
   BASE=$(dirname "$(ls "$WORK"/cmp/base/*/config.json | head -1)")
   BUDGET=${BUDGET:-585}
-  Q_S=$(( ($(left "$BUDGET") - 20) / $# ))
-  for cfg in "$@"; do
-    NAME=quality_$(basename "$cfg" .json)
-    M=$WORK/cmp/$NAME/$(basename "$BASE"); mkdir -p "$(dirname "$M")"
-    cp -r "$BASE" "$M" && cp "$cfg" "$M/mminfer_patterns.json" || exit 1
-    echo "quality ($NAME, $cfg): $Q_S s"
-    # shellcheck disable=SC2086  # word lists
-    timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$M" \
-        --renderer "${RENDERER:-eval}" --out "$OUT/$NAME" --lengths ${QLENGTHS:-16384 32768} \
-        ${QARGS_EXTRA:---needle-reps 1 --per-task 3} --densities \
-        --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" --markdown "$OUT/$NAME/tables.md" \
-        2>&1 | tee "$OUT/$NAME.log"
-  done
+  Q_S=$(( $(left "$BUDGET") - 20 ))
+  echo "quality (dense and $*): $Q_S s"
+  # shellcheck disable=SC2086  # word lists
+  timeout -s INT -k 15 $(( Q_S + 15 )) $PY benchmarks/quality.py --model "$BASE" \
+      --renderer "${RENDERER:-eval}" --out "$OUT/compare" --lengths ${QLENGTHS:-16384 32768} \
+      ${QARGS_EXTRA:---needle-reps 1 --per-task 3} --densities --no-config --configs "$@" \
+      --max-minutes "$(awk "BEGIN{print $Q_S / 60}")" --markdown "$OUT/compare/tables.md" \
+      2>&1 | tee "$OUT/compare.log"
   ;;
 *)
   echo "usage: $0 train | eval MODEL_DIR_OR_TAR | compare MODEL_DIR_OR_TAR CONFIG..." >&2

@@ -147,3 +147,23 @@ def test_sigint_with_rendering_workers_keeps_the_videos_done(tmp_path):
     assert r["stopped"] == "interrupted"
     assert len(done) <= len(r["examples"]) < 1100
     assert (out / "tables.md").is_file()
+
+
+def test_more_configs_are_modes_checked_against_the_model(Q, tmp_path):
+    """``--configs`` turns each file into a mode named by its stem, on the same videos; a
+    config of another model shape, or two files of one stem, stop the run before any video."""
+    import json
+    from dataclasses import replace
+    from mminfer.sparse.patterns import ModelIdentity, default_config
+    ident = ModelIdentity(id="m", revision="local", layers=2, heads=4, kv_heads=2, head_dim=8)
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(default_config(ident).to_dict()))
+    (tmp_path / "b").mkdir()
+    a2 = tmp_path / "b" / "a.json"
+    a2.write_text(a.read_text())
+    out = Q.extra_configs([str(a)], ident)
+    assert list(out) == ["cfg:a"] and out["cfg:a"].identity == ident
+    with pytest.raises(SystemExit, match="two files named 'a'"):
+        Q.extra_configs([str(a), str(a2)], ident)
+    with pytest.raises(SystemExit, match="--configs"):
+        Q.extra_configs([str(a)], replace(ident, layers=3))
