@@ -105,10 +105,11 @@ def log(msg: str):
 # =============================================================================== rendering
 # These run in worker processes (spawned: each imports this module afresh).
 
-def _worker_init():
+def _worker_init(led: float = 0.0):
     torch.set_num_threads(1)
     E.use_bundled_fonts()
     V.ttf_fonts()
+    V.use_led(led)
 
 
 def _codec_like(frames, rng, sigma):
@@ -742,7 +743,8 @@ class Feeder:
         if workers > 0:
             import multiprocessing as mp
             try:
-                self.pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init)
+                self.pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init,
+                                                          initargs=(args.led,))
             except (OSError, RuntimeError, ImportError) as e:   # e.g. no /dev/shm semaphores
                 log(f"WARNING: no worker processes ({type(e).__name__}: {e}); rendering "
                     f"in this process (slower, the bank is refreshed rarely)")
@@ -892,6 +894,10 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=16, help="clips per rendering job")
     p.add_argument("--aug", type=float, default=0.5,
                    help="share of synth-look clips made codec-like")
+    p.add_argument("--led", type=float, default=0.0,
+                   help="share of variety's numbers redrawn as LED-matrix cells (variety.led). "
+                   "An experiment, off by default: it is the look of render_eval's dot-matrix "
+                   "digits, which then no longer measure an unseen look")
     p.add_argument("--variety", type=float, default=0.8,
                    help="share of clips drawn with mminfer.toy.variety's randomised looks, "
                    "sizes and cameras (the rest: synth's look at 224 x 224)")
@@ -946,6 +952,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     state_path = Path(args.state) if args.state else out.with_name(out.name + ".state.pt")
     E.use_bundled_fonts()
+    V.use_led(args.led)         # this process too: it renders when there are no workers
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

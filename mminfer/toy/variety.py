@@ -640,11 +640,59 @@ def _perspective(rng, a: np.ndarray, k: float) -> np.ndarray:
                                        resample=Image.BILINEAR)))
 
 
+# Share of numbers redrawn as LED-matrix cells (``led``). Off by default, and not one of
+# GLYPH_FX: a glyph sampled on a coarse grid is the look of render_eval's dot-matrix digits
+# (other glyph shapes, square / diamond cells, not round dots), so training on it stops that
+# renderer measuring dot-matrix digits as unseen. ``train_embedded.py --led`` turns it on for
+# an experiment that asks whether the needle gap is the look or the model.
+LED_SHARE = 0.0
+
+
+def use_led(share: float) -> None:
+    global LED_SHARE
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"LED share {share} is not in [0, 1]")
+    LED_SHARE = float(share)
+
+
+def led(rng, mask: np.ndarray) -> np.ndarray:
+    """The glyph sampled on a coarse grid (6-8 rows, cells of >= 4 px), each lit cell drawn
+    as a square or a diamond with a gap around it. A glyph too small for 6 rows of 4 px
+    comes back as it was."""
+    from PIL import Image, ImageDraw
+    h, w = mask.shape
+    rows = min(int(rng.integers(6, 9)), h // 4)
+    if rows < 6:
+        return mask
+    cell = h / rows
+    cols = max(1, int(round(w / cell)))
+    cover = _np(_pil(mask).resize((cols, rows), Image.BOX))
+    lit = cover > rng.uniform(0.35, 0.55) * cover.max()      # thin faces keep their cells
+    if not lit.any():
+        return mask
+    shape = rng.choice(["square", "diamond"])
+    r = cell * rng.uniform(0.22, 0.36)
+    W = int(round(cols * cell))
+    img = Image.new("L", (W, h), 0)
+    d = ImageDraw.Draw(img)
+    for i, j in zip(*np.nonzero(lit)):
+        cx, cy = (j + 0.5) * cell, (i + 0.5) * cell
+        if shape == "square":
+            d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=255)
+        else:
+            q = min(r * 1.3, cell * 0.4)
+            d.polygon([(cx, cy - q), (cx + q, cy), (cx, cy + q), (cx - q, cy)], fill=255)
+    return _np(img)
+
+
 def glyph_fx(rng, mask: np.ndarray) -> tuple[np.ndarray, list]:
     """A random subset of generic robustness transforms; the result stays legible (each
     keeps most of the ink's shape). (mask, names applied)."""
     from PIL import Image, ImageFilter
     applied = []
+    if LED_SHARE > 0 and rng.random() < LED_SHARE:     # no draw when off: looks unchanged
+        mask = led(rng, mask)
+        applied.append("led")
     h = mask.shape[0]
     plain, ink = mask, float((mask > 0.05).sum())
     k = int(rng.choice([0, 1, 1, 2, 2, 3]))

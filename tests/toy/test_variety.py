@@ -173,3 +173,38 @@ def test_busy_backgrounds_have_sharp_edges_and_smooth_ones_do_not():
             assert steps(V.background(_rng(300 + seed), 112, 112, kind=k)[0]) > 0.01, (k, seed)
         for k in ("flat", "linear", "radial", "noise"):
             assert steps(V.background(_rng(300 + seed), 112, 112, kind=k)[0]) < 0.002, (k, seed)
+
+
+def test_led_cells_are_off_by_default_and_separate_blobs_when_on():
+    """``--led`` is an experiment: off, glyph_fx draws exactly what it drew before (no random
+    draw is spent); on, a glyph comes back as separate cells on a coarse grid."""
+    def blobs(a):                       # 4-connected components of the ink
+        ink, seen, n = a > 0.5, np.zeros(a.shape, bool), 0
+        for start in zip(*np.nonzero(ink)):
+            if seen[start]:
+                continue
+            n, stack = n + 1, [start]
+            seen[start] = True
+            while stack:
+                y, x = stack.pop()
+                for v, u in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                    if 0 <= v < a.shape[0] and 0 <= u < a.shape[1] and ink[v, u] \
+                            and not seen[v, u]:
+                        seen[v, u] = True
+                        stack.append((v, u))
+        return n
+    m, _ = V.glyphs(_rng(11), "47", 48, font="synth")
+    assert V.LED_SHARE == 0.0
+    a, fx_a = V.glyph_fx(_rng(12), m)
+    try:
+        V.use_led(1.0)
+        b, fx_b = V.glyph_fx(_rng(12), m)
+    finally:
+        V.use_led(0.0)
+    c, _ = V.glyph_fx(_rng(12), m)
+    assert "led" not in fx_a and np.array_equal(a, c)
+    assert fx_b[0] == "led"
+    cells = V.led(_rng(13), m)
+    assert blobs(cells) >= max(12, 4 * blobs(m)) and cells.max() == 1.0
+    with pytest.raises(ValueError):
+        V.use_led(1.5)
