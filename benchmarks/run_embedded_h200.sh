@@ -41,7 +41,8 @@
 # variety.SIZES frame size, e.g. "2 4 1 1 1 1" to favour 4:3 video), GROW (train --grow FROM TO:
 # the fractions of the run between which the longest video reaches 32K tokens; "0.05 0.3" with
 # START_PAIRS=512 spends most of a fine-tune at 16K-32K), LED (train --led: a share of numbers
-# drawn as LED-matrix cells, an experiment that un-holds-out render_eval's dot look), SHARPEN (the weight of
+# drawn as LED-matrix cells, an experiment that un-holds-out render_eval's dot look), DEEPEN
+# (train --deepen VISION TEXT: insert identity blocks into the INIT model, mminfer.toy.grow), SHARPEN (the weight of
 # the attention tail-mass term, mminfer.toy.sharpen: sharper heads, sparse-friendly), INIT (train: a model folder or an earlier
 # train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-ft6/model.tar.gz;
 # default the shipped model); CAL_FRAMES (calibration video
@@ -85,7 +86,7 @@ train)
       --init "$INIT" --start-pairs "${START_PAIRS:-8}" \
       --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
       --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \
-      ${SIZE_WEIGHT:+--size-weight $SIZE_WEIGHT} ${SHARPEN:+--sharpen $SHARPEN} ${LED:+--led $LED} \
+      ${SIZE_WEIGHT:+--size-weight $SIZE_WEIGHT} ${SHARPEN:+--sharpen $SHARPEN} ${LED:+--led $LED} ${DEEPEN:+--deepen $DEEPEN} \
       ${GROW:+--grow $GROW} \
       2>&1 | tee "$OUT/train.log"
   rc=${PIPESTATUS[0]}

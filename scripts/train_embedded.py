@@ -72,6 +72,7 @@ import torch  # noqa: E402
 
 from mminfer.toy import synth  # noqa: E402
 from mminfer.toy import embedded as E  # noqa: E402
+from mminfer.toy import grow  # noqa: E402
 from mminfer.toy import variety as V  # noqa: E402
 
 TASKS = ("needle", "colour", "count", "order")
@@ -894,6 +895,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=16, help="clips per rendering job")
     p.add_argument("--aug", type=float, default=0.5,
                    help="share of synth-look clips made codec-like")
+    p.add_argument("--deepen", type=int, nargs=2, default=(0, 0), metavar=("VISION", "TEXT"),
+                   help="insert this many vision blocks and decoder layers into the --init "
+                   "model, identity at first (mminfer.toy.grow): more capacity from a trained start")
     p.add_argument("--led", type=float, default=0.0,
                    help="share of variety's numbers redrawn as LED-matrix cells (variety.led). "
                    "An experiment, off by default: it is the look of render_eval's dot-matrix "
@@ -960,7 +964,20 @@ def main(argv=None) -> dict:
         f"{torch.__version__}; budget {args.minutes:g} min; workers {args.workers}")
 
     shape = json.loads(args.shape) if args.shape else None
+    if shape is None and args.init:     # a deepened checkpoint trains at its own shape
+        from transformers import AutoConfig
+        shape = grow.shape_of(AutoConfig.from_pretrained(args.init))
     model, tok = E.new_model(shape, seed=args.seed)
+    if args.init:
+        _load_weights(model, Path(args.init))
+        log(f"weights initialised from {args.init}")
+        if any(args.deepen):
+            model = grow.deepen(model, *args.deepen, seed=args.seed)
+            s = grow.shape_of(model.config)
+            log(f"deepened by {args.deepen[0]} vision blocks and {args.deepen[1]} decoder "
+                f"layers (identity at first): vision {s['vision_depth']}, text {s['layers']}")
+    elif any(args.deepen):
+        raise SystemExit("--deepen grows an --init model; give --init")
     model.to(dev).train()
     n_params = sum(p.numel() for p in model.parameters())
     sharpener = None
@@ -977,9 +994,6 @@ def main(argv=None) -> dict:
     trainer = Trainer(model, tok, dev, aux_weight=args.aux_weight, use_autocast=cuda,
                       sharpen=args.sharpen, sharpener=sharpener,
                       sharpen_min_len=args.sharpen_min_len)
-    if args.init:
-        _load_weights(model, Path(args.init))
-        log(f"weights initialised from {args.init}")
     bv = trainer.bv
     err = bv.check()        # fp32, TF32 off: a real mismatch is O(1), rounding ~1e-6
     if err > 2e-3:
