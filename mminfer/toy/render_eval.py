@@ -146,11 +146,18 @@ def _draw(frame: np.ndarray, shapes, i: int):
 
 def _sphere(frame: np.ndarray, cx, cy, r, rgb, light):
     h, w, _ = frame.shape
-    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    # only the box that the shadow and the ball can touch is computed (the rest of the frame
+    # is unchanged): the same pixels as over the whole frame, for a fraction of the work
+    x0, x1 = max(0, int(cx - r) - 2), min(w, int(cx + 1.45 * r) + 3)
+    y0, y1 = max(0, int(cy - r) - 2), min(h, int(cy + 1.9 * r) + 3)
+    out = frame.copy()
+    if x0 >= x1 or y0 >= y1:
+        return out
+    yy, xx = np.mgrid[y0:y1, x0:x1].astype(np.float32)
     # cast shadow below-right, then the sphere
     sd = np.hypot((xx - cx - 0.25 * r) / 1.2, yy - cy - 0.9 * r) / r
     shadow = np.clip(1 - sd, 0, 1) * 0.45
-    out = frame.astype(np.float32) * (1 - shadow[..., None])
+    box = frame[y0:y1, x0:x1].astype(np.float32) * (1 - shadow[..., None])
     dx, dy = (xx - cx) / r, (yy - cy) / r
     inside = dx * dx + dy * dy <= 1
     nz = np.sqrt(np.clip(1 - dx * dx - dy * dy, 0, 1))
@@ -159,8 +166,9 @@ def _sphere(frame: np.ndarray, cx, cy, r, rgb, light):
     shade = 0.55 + 0.45 * lam
     spec = np.clip(lam, 0, 1) ** 40 * 90
     ball = np.array(rgb, np.float32) * shade[..., None] + spec[..., None]
-    out[inside] = ball[inside]
-    return np.clip(out, 0, 255).astype(np.uint8)
+    box[inside] = ball[inside]
+    out[y0:y1, x0:x1] = np.clip(box, 0, 255).astype(np.uint8)
+    return out
 
 
 # ---------------------------------------------------------------------- digits

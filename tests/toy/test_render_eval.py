@@ -67,3 +67,35 @@ def test_training_code_never_sees_it():
     for p in (ROOT / "scripts" / "train_embedded.py", ROOT / "mminfer" / "toy" / "embedded.py",
               ROOT / "mminfer" / "toy" / "synth.py", ROOT / "mminfer" / "toy" / "variety.py"):
         assert not any("render_eval" in n for n in _imports(p)), p
+
+
+def _sphere_whole_frame(frame, cx, cy, r, rgb, light):
+    """The ball and its shadow computed over every pixel (the renderer computes a box)."""
+    h, w, _ = frame.shape
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    sd = np.hypot((xx - cx - 0.25 * r) / 1.2, yy - cy - 0.9 * r) / r
+    out = frame.astype(np.float32) * (1 - (np.clip(1 - sd, 0, 1) * 0.45)[..., None])
+    dx, dy = (xx - cx) / r, (yy - cy) / r
+    inside = dx * dx + dy * dy <= 1
+    nz = np.sqrt(np.clip(1 - dx * dx - dy * dy, 0, 1))
+    lam = np.clip(dx * light[0] + dy * light[1] + nz * light[2], 0, 1)
+    ball = np.array(rgb, np.float32) * (0.55 + 0.45 * lam)[..., None] + \
+        (np.clip(lam, 0, 1) ** 40 * 90)[..., None]
+    out[inside] = ball[inside]
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+def test_the_ball_drawn_in_its_box_is_the_whole_frame_ball():
+    """The colour videos measured in BENCHMARKS.md were drawn over whole frames; drawing only
+    the box the ball and shadow touch must give the same pixels, edges and corners included."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        h, w = int(rng.integers(32, 260)), int(rng.integers(32, 340))
+        frame = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        r = rng.uniform(0.1, 0.17) * min(h, w)
+        cx, cy = np.float64(rng.uniform(-r, w + r)), np.float64(rng.uniform(-r, h + r))
+        light = np.array([rng.uniform(-0.6, 0.6), rng.uniform(-0.8, -0.2), 0.7])
+        light /= np.linalg.norm(light)
+        rgb = rng.uniform(0, 255, 3)
+        want = _sphere_whole_frame(frame, cx, cy, r, rgb, light)
+        assert np.array_equal(R._sphere(frame, cx, cy, r, rgb, light), want)   # noqa: SLF001
