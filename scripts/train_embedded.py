@@ -897,7 +897,8 @@ def parse_args(argv=None):
                    help="share of synth-look clips made codec-like")
     p.add_argument("--deepen", type=int, nargs=2, default=(0, 0), metavar=("VISION", "TEXT"),
                    help="insert this many vision blocks and decoder layers into the --init "
-                   "model, identity at first (mminfer.toy.grow): more capacity from a trained start")
+                   "model, identity at first (mminfer.toy.grow): more capacity from a "
+                   "trained start")
     p.add_argument("--led", type=float, default=0.0,
                    help="share of variety's numbers redrawn as LED-matrix cells (variety.led). "
                    "An experiment, off by default: it is the look of render_eval's dot-matrix "

@@ -15,7 +15,8 @@ def test_layout_spreads_new_blocks_after_old_ones():
     assert grow.layout(3, 3) == [0, None, 1, None, 2, None]
     assert grow.layout(4, 2) == [0, 1, None, 2, 3, None]
     assert grow.layout(4, 0) == [0, 1, 2, 3]
-    assert grow.layout(2, 5).count(None) == 5 and [i for i in grow.layout(2, 5) if i is not None] == [0, 1]
+    five = grow.layout(2, 5)
+    assert five.count(None) == 5 and [i for i in five if i is not None] == [0, 1]
     with pytest.raises(ValueError):
         grow.layout(0, 1)
 
