@@ -16,6 +16,8 @@ pairs; then one prefill per attention mode, through mminfer's attention hook:
 
 * ``dense``: SDPA;
 * ``config``: sparse with the model's own head-pattern config, as ``mminfer answer`` runs it;
+* ``cfg:<stem>``: sparse with each config file of ``--configs`` (several configs compared on
+  one rendering of each video);
 * ``d=0.10`` ...: sparse with every head's pattern (its kind, boundary and regions kept)
   re-sized by ``mminfer.offline.calibrate.resize_config`` to that density of the causal
   triangle at the example's length. The measured density (logical pairs, kernel count mode)
