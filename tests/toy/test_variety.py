@@ -193,17 +193,27 @@ def test_led_cells_are_off_by_default_and_separate_blobs_when_on():
                         seen[v, u] = True
                         stack.append((v, u))
         return n
+    class Calls:                        # a generator that records which draws are made
+        def __init__(self, seed):
+            self.g, self.names = _rng(seed), []
+
+        def __getattr__(self, name):
+            self.names.append(name)
+            return getattr(self.g, name)
+
     m, _ = V.glyphs(_rng(11), "47", 48, font="synth")
     assert V.LED_SHARE == 0.0
-    a, fx_a = V.glyph_fx(_rng(12), m)
+    off = Calls(12)
+    _, fx_a = V.glyph_fx(off, m)
     try:
         V.use_led(1.0)
-        b, fx_b = V.glyph_fx(_rng(12), m)
+        on = Calls(12)
+        _, fx_b = V.glyph_fx(on, m)
     finally:
         V.use_led(0.0)
-    c, _ = V.glyph_fx(_rng(12), m)
-    assert "led" not in fx_a and np.array_equal(a, c)
-    assert fx_b[0] == "led"
+    # off, the first draw is the transform count, as before --led existed; on, the LED coin
+    assert "led" not in fx_a and off.names[0] == "choice"
+    assert fx_b[0] == "led" and on.names[:2] == ["random", "integers"]
     cells = V.led(_rng(13), m)
     assert blobs(cells) >= max(12, 4 * blobs(m)) and cells.max() == 1.0
     with pytest.raises(ValueError):
