@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from mminfer.toy import embedded as E
 
 # per-block parameters whose zeroing turns a pre-norm residual block into the identity
@@ -43,12 +41,12 @@ def layout(old: int, new: int) -> list[int | None]:
     old 3 + new 3 -> [0, None, 1, None, 2, None]; old 4 + new 2 -> [0, 1, None, 2, 3, None]."""
     if old < 1 or new < 0:
         raise ValueError(f"cannot deepen {old} blocks by {new}")
-    after = np.zeros(old, int)
+    after = [0] * old
     for k in range(new):            # the k-th new block follows old block ceil((k+1) old/new) - 1
         after[min(old - 1, -(-(k + 1) * old // new) - 1)] += 1
     out: list[int | None] = []
     for i in range(old):
-        out += [i] + [None] * int(after[i])
+        out += [i] + [None] * after[i]
     return out
 
 
