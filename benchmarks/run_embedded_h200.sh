@@ -182,9 +182,9 @@ eval)
   ;;
 compare)
   # compare MODEL_DIR_OR_TAR CONFIG...: one quality.py run, dense and every head-pattern
-  # config (mode cfg:<file stem>) on the same videos, each video rendered once (rendering,
-  # not the GPU, is most of a run's time); QLENGTHS, RENDERER, QARGS_EXTRA (default
-  # "--needle-reps 1 --per-task 3"), BUDGET.
+  # config (mode cfg:<file stem>) on the same videos, each video rendered and through the
+  # vision tower once; QLENGTHS, RENDERER, QARGS_EXTRA (default "--needle-reps 1
+  # --per-task 3"), BUDGET.
   SRC=${2:?usage: run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG...}
   shift 2
   [ $# -ge 1 ] || { echo "compare needs at least one config" >&2; exit 2; }
