@@ -2,7 +2,7 @@
 before it replaces ``mminfer/models/mminfer-embedded`` (``tests/models/test_embedded.py``
 holds the shipped one to the same), run on a candidate folder or a train stage's tarball:
 
-    python3 scripts/check_samples.py benchmarks/results/2026-12-01-ft7/model.tar.gz
+    python3 scripts/check_samples.py benchmarks/results/2026-12-03-ft11-deep/model.tar.gz
 
 Prints one line per wrong answer and exits 1 if there is any."""
 
