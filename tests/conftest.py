@@ -8,6 +8,28 @@ import numpy as np
 import pytest
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relpath: str, name: str | None = None):
+    """A script of the repo (``benchmarks/…``, ``scripts/…``: not a package) as a module.
+    Registered in ``sys.modules`` (dataclasses and FlexAttention's tracer look their module up
+    by name); its folder is on ``sys.path`` while it loads (scripts import their neighbours)."""
+    import importlib.util
+    import sys
+    path = REPO / relpath
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
+    return mod
+
+
 def gray_level(i: int, n_frames: int) -> int:
     """Frame i of a ``make_video`` clip is flat gray at this level (16..236), so a decoded
     frame tells which source frame it came from."""

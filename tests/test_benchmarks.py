@@ -3,7 +3,6 @@ baseline (measured and extrapolated), and the long-context checkpoint variant it
 the 276K case takes effect in the adapter."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "benchmarks" / "e2e.py"
 STAGES = ("decode", "preprocess", "vision", "index", "attention", "llm_other", "generate",
@@ -20,11 +21,7 @@ STAGES = ("decode", "preprocess", "vision", "index", "attention", "llm_other", "
 
 
 def _e2e():
-    spec = importlib.util.spec_from_file_location("e2e_bench", E2E)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/e2e.py", "e2e_bench")
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,16 @@
 """scripts/check_samples.py: the gate a candidate embedded model passes before it ships."""
 
-import importlib.util
 import json
 import tarfile
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def C():
-    spec = importlib.util.spec_from_file_location("check_samples",
-                                                  REPO / "scripts" / "check_samples.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/check_samples.py")
 
 
 def test_a_tarball_of_the_shipped_model_passes_and_a_wrong_answer_fails(C, tmp_path,

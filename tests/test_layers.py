@@ -1,17 +1,11 @@
 """The package's layers import only downwards (kernels <- sparse <- models <- engine <-
 {offline, serve, batch, cli}); ``python3 scripts/layers.py`` prints the graph."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _layers():
-    spec = importlib.util.spec_from_file_location("layers", ROOT / "scripts" / "layers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/layers.py")
 
 
 def test_every_import_points_down():

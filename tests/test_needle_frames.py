@@ -1,22 +1,16 @@
 """benchmarks/needle_frames.py: the needle frames of a quality run, as the model read them."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def NF():
-    spec = importlib.util.spec_from_file_location("needle_frames",
-                                                  REPO / "benchmarks" / "needle_frames.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/needle_frames.py")
 
 
 def _record(seed, depth, correct, look):

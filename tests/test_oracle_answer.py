@@ -1,20 +1,13 @@
 """benchmarks/oracle_answer.py: the oracle is exact attention restricted to the tiles it
 keeps, and keeping every tile is exact attention."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("oracle_answer",
-                                                  REPO / "benchmarks" / "oracle_answer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/oracle_answer.py")
 
 
 def _causal(q, k, v, scale, mask=None):

@@ -1,22 +1,20 @@
 """benchmarks/quality.py's tables: accuracy per task x length x mode, density per task, the
 last-token KL to dense, the long-video summary and their markdown."""
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def Q():
-    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/quality.py")
 
 
 def test_kl_divergence_is_kl_of_dense_to_sparse(Q):

@@ -2,29 +2,16 @@
 BlockMask built from our block lists: both must say exactly what the specs say, on the CPU
 (FlexAttention itself runs in the benchmark, on the GPU)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from mminfer.kernels import masked_attention, spec_masks
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_kernels", BENCH / "kernels.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_kernels"] = mod   # FlexAttention's tracer looks modules up by name
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_script("benchmarks/kernels.py", "bench_kernels")
 
 
 def _blocks(bm, R):

@@ -4,7 +4,6 @@ shipped samples, dense and sparse, within the CPU time limit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -16,6 +15,7 @@ from mminfer.toy import synth
 from mminfer.models import embedded as M
 from mminfer.toy import embedded as E
 from mminfer.toy.tiny import QWEN_SPECIALS
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples" / "videos"
@@ -32,11 +32,7 @@ TINY = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate": 12
 
 
 def _train_module():
-    spec = importlib.util.spec_from_file_location("train_embedded",
-                                                  REPO / "scripts" / "train_embedded.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/train_embedded.py")
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -16,6 +16,7 @@ from mminfer.models.base import _new_cache
 from mminfer.models.prefill import prefill
 from mminfer.sparse import patterns as P
 from mminfer.sparse.patterns import HeadPatternConfig
+from conftest import load_script
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_kernels = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
@@ -423,18 +424,7 @@ def test_peak_memory_is_bounded_by_the_chunk_on_gpu():
 
 # ---------------------------------------------------------------------- the benchmark
 def _benchmark_module():
-    import importlib.util
-    import sys
-    from pathlib import Path
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench))        # the script imports its folder's cuda_events
-    try:
-        spec = importlib.util.spec_from_file_location("bench_prefill", bench / "prefill.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(bench))
-    return mod
+    return load_script("benchmarks/prefill.py", "bench_prefill")
 
 
 @pytest.mark.parametrize("kind", ["qwen", "longvila"])

@@ -268,12 +268,8 @@ def test_tower_bf16_on_gpu_is_as_close_to_fp32_as_transformers(h, w):
     and transformers' sdpa tower against transformers in fp32 on the same input; ours is no
     further from it than transformers' own bf16 run (plus bf16 rounding of the output)."""
     import copy
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vision.py"
-    spec = importlib.util.spec_from_file_location("mminfer_benchmark_vision", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from conftest import load_script
+    bench = load_script("benchmarks/vision.py", "mminfer_benchmark_vision")
     QWEN_7B_VISION, build_visual = bench.QWEN_7B_VISION, bench.build_visual
     transformers_features = bench.transformers_features
     torch.manual_seed(0)

@@ -58,13 +58,9 @@ def test_deepened_model_gives_the_same_logits():
 def test_a_deepened_checkpoint_trains_from_its_own_shape(tmp_path):
     """train_embedded.py --init of a deepened checkpoint builds the deepened shape (not
     embedded.SHAPE) and --deepen grows an --init model before training."""
-    import importlib.util
     import json
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location(
-        "train_embedded", Path(__file__).resolve().parents[2] / "scripts" / "train_embedded.py")
-    T = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(T)
+    from conftest import load_script
+    T = load_script("scripts/train_embedded.py")
     model, tok = E.new_model(TINY, seed=0)
     E.save_checkpoint(model, tok, tmp_path / "small", info={"made_by": "test"})
     common = ["--device", "cpu", "--max-tokens", "32", "--steps", "2", "--minutes", "5",

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from mminfer.toy import sharpen as S  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+from conftest import load_script  # noqa: E402
 
 
 def _brute_tail(q, k, starts, rho, scale, rb=1, kb=1):
@@ -123,11 +120,7 @@ def test_the_hooked_forward_is_sdpa_and_the_term_sharpens_attention():
 
 
 def _train_module():
-    spec = importlib.util.spec_from_file_location("train_embedded",
-                                                  REPO / "scripts" / "train_embedded.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/train_embedded.py")
 
 
 def test_training_with_sharpen_logs_the_tail_mass_and_saves_sdpa(tmp_path):
@@ -151,10 +144,7 @@ def test_training_with_sharpen_logs_the_tail_mass_and_saves_sdpa(tmp_path):
 
 
 def test_the_oracle_of_benchmarks_tail_mass_is_exact_with_every_tile_and_lossy_without():
-    spec = importlib.util.spec_from_file_location("tail_mass",
-                                                  REPO / "benchmarks" / "tail_mass.py")
-    tm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tm)
+    tm = load_script("benchmarks/tail_mass.py")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
     starts = torch.tensor([128, 192])
