@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_embedded_h200.sh train                 # -> $OUT/model.tar.gz, train.log
 #   bash benchmarks/run_embedded_h200.sh eval MODEL_DIR_OR_TAR # -> $OUT/quality*/, calibrate.log
-#   bash benchmarks/run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG... # -> $OUT/compare/ (mode cfg:<stem> each)
+#   bash benchmarks/run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG...
+#                                           # -> $OUT/compare/ (one mode cfg:<stem> per config)
 #
 # train: fine-tunes the shipped model (mminfer/models/mminfer-embedded: it already reads synth's
 #   digits) on the randomised renderings of mminfer.toy.variety (80 % of the bank; synth's look
@@ -42,12 +43,12 @@
 # the fractions of the run between which the longest video reaches 32K tokens; "0.05 0.3" with
 # START_PAIRS=512 spends most of a fine-tune at 16K-32K), LED (train --led: a share of numbers
 # drawn as LED-matrix cells, an experiment that un-holds-out render_eval's dot look), DEEPEN
-# (train --deepen VISION TEXT: insert identity blocks into the INIT model, mminfer.toy.grow), SHARPEN (the weight of
-# the attention tail-mass term, mminfer.toy.sharpen: sharper heads, sparse-friendly), INIT (train: a model folder or an earlier
-# train stage's model.tar.gz, e.g. benchmarks/results/2026-12-01-ft6/model.tar.gz;
-# default the shipped model); CAL_FRAMES (calibration video
-# lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET (s of the call
-# the eval stage plans for, 585) (eval).
+# (train --deepen VISION TEXT: insert identity blocks into the INIT model, mminfer.toy.grow),
+# SHARPEN (the weight of the attention tail-mass term, mminfer.toy.sharpen: sharper heads,
+# sparse-friendly), INIT (train: a model folder or an earlier train stage's model.tar.gz, e.g.
+# benchmarks/results/2026-12-01-ft6/model.tar.gz; default the shipped model); CAL_FRAMES
+# (calibration video lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET
+# (s of the call the eval stage plans for, 585) (eval).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-}
@@ -86,7 +87,8 @@ train)
       --init "$INIT" --start-pairs "${START_PAIRS:-8}" \
       --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
       --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \
-      ${SIZE_WEIGHT:+--size-weight $SIZE_WEIGHT} ${SHARPEN:+--sharpen $SHARPEN} ${LED:+--led $LED} ${DEEPEN:+--deepen $DEEPEN} \
+      ${SIZE_WEIGHT:+--size-weight $SIZE_WEIGHT} ${SHARPEN:+--sharpen $SHARPEN} \
+      ${LED:+--led $LED} ${DEEPEN:+--deepen $DEEPEN} \
       ${GROW:+--grow $GROW} \
       2>&1 | tee "$OUT/train.log"
   rc=${PIPESTATUS[0]}
