@@ -21,7 +21,7 @@ Cases (issue 11 targets; ``--cases`` picks, ``--frames CASE=N`` shortens):
                  at 1008x560: 720 tokens per pair, 276,480 visual tokens.
                  Targets: >= 4x the transformers default, >= 2.5x our own dense mode.
   ``longvila1m`` LongVILA-7B (Qwen2-7B + SigLIP-so400m-448 + mlp_downsample projector) written
-                 with the project's layout writer (``mminfer.toy.tiny_longvila.write_longvila``),
+                 with the project's layout writer (``lab.toy.tiny_longvila.write_longvila``),
                  4096 frames of a 640x360 file at 2 fps, 257 tokens per frame: 1,052,672 visual
                  tokens (``max_position_embeddings`` raised to 1,064,960: 4096 frames are a
                  little over the real 1,048,576; ``--frames longvila1m=4076`` stays inside it).
@@ -443,7 +443,7 @@ def write_qwen(path: Path, device, *, tiny: bool) -> None:
     template, processor configs; the tiny one with its small per-frame pixel range)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
-    from mminfer.toy.tiny import qwen2_5_vl_config, word_tokenizer, write_qwen2_5_vl
+    from lab.toy.tiny import qwen2_5_vl_config, word_tokenizer, write_qwen2_5_vl
 
     tok = word_tokenizer()
     text = {**QWEN_TINY_TEXT, "vocab_size": -(-len(tok) // 64) * 64} if tiny else QWEN_7B_TEXT
@@ -463,7 +463,7 @@ def long_context_variant(base: Path, path: Path, max_position: int,
     ``video_preprocessor_config.json`` (what ``mminfer answer --model`` then uses); the
     per-frame range stays ``base``'s (qwen-vl-utils' defaults when it has none)."""
     from mminfer.models.qwen2_5_vl import VIDEO_MIN_PIXELS
-    from mminfer.toy.tiny import write_video_preprocessor_config
+    from lab.toy.tiny import write_video_preprocessor_config
 
     path.mkdir(parents=True, exist_ok=True)
     for f in base.iterdir():
@@ -493,7 +493,7 @@ def write_longvila(path: Path, device, *, tiny: bool, max_position: int,
     import torch
     from transformers import Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
     from mminfer.models.longvila import Projector, longvila_7b_llm_config
-    from mminfer.toy.tiny_longvila import tiny_tokenizer, write_longvila as write_layout
+    from lab.toy.tiny_longvila import tiny_tokenizer, write_longvila as write_layout
 
     tok = tiny_tokenizer()
     lcfg = longvila_7b_llm_config(**(LONGVILA_TINY_LLM if tiny else {}),

@@ -33,7 +33,7 @@ def model_frame(record: dict, size: tuple[int, int]):
     import numpy as np
     import torch
     from mminfer.models.qwen2_5_vl import resize_frames
-    from mminfer.toy import render_eval
+    from lab.toy import render_eval
     ex = render_eval.needle(record["seed"], record["n_frames"], depth=record["depth"])
     frame = ex.frames[ex.meta["needle_frames"][-1]]
     x = resize_frames(torch.from_numpy(np.ascontiguousarray(frame[None])), *size)

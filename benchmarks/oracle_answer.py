@@ -12,7 +12,7 @@ moves them too, the model's attention is not sparse enough at that density.
         --videos eval:count:2048:500017 eval:count:2048:500106 --rho 0.1 0.2 --gamma 0.9 \
         --out /tmp/oracle.json
 
-Videos are ``RENDERER:TASK:FRAMES:SEED[:DEPTH]`` (renderer ``eval``: mminfer.toy.render_eval, or
+Videos are ``RENDERER:TASK:FRAMES:SEED[:DEPTH]`` (renderer ``eval``: lab.toy.render_eval, or
 ``synth``); the config is the model folder's own ``mminfer_patterns.json`` unless
 ``--config`` names another. CPU, fp32, the reference engine: slow (tens of seconds a video at
 12K tokens) and exact.
@@ -182,10 +182,10 @@ def load_video(spec: str):
     renderer, task, frames, seed, *depth = spec.split(":")
     kw = {"depth": float(depth[0])} if depth else {}
     if renderer == "eval":
-        from mminfer.toy import render_eval
+        from lab.toy import render_eval
         ex = render_eval.make_example(task, int(seed), n_frames=int(frames), **kw)
     elif renderer == "synth":
-        from mminfer.toy import synth
+        from lab.toy import synth
         ex = synth.make_example(task, int(seed), n_frames=int(frames), height=224, width=224,
                                 **kw)
     else:

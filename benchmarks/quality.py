@@ -4,7 +4,7 @@
     TRITON_INTERPRET=1 python3 benchmarks/quality.py --lengths 256 512 --depths 0 1 \
         --per-task 1 --densities 0.5 --out /tmp/quality         # CPU, tiny grid
 
-Held-out videos: ``mminfer.toy.synth`` examples with seeds in [500,000, 800,000) (training uses
+Held-out videos: ``lab.toy.synth`` examples with seeds in [500,000, 800,000) (training uses
 seeds >= 1,000,000 and private random streams, its periodic evaluation [800,000, 801,000),
 the shipped samples 1000-1002), drawn at 224 x 224 and resized to 112 x 112 with the
 adapter's own resize (the pixels an mp4 of them would give, minus the codec), at lengths of
@@ -31,7 +31,7 @@ length, and the same per task over the lengths >= ``--long-from``), ``quality_ne
 (V-NIAH-style heatmaps, length x depth, one panel per mode) and ``tables.md`` (those tables
 in markdown, for BENCHMARKS.md), and prints them.
 
-``--renderer eval`` draws the videos with ``mminfer.toy.render_eval`` (320 x 240 frames,
+``--renderer eval`` draws the videos with ``lab.toy.render_eval`` (320 x 240 frames,
 which the adapter makes 84 x 112: 12 visual tokens a pair, so a "32768" video of 2048 pairs
 holds 24,576 visual tokens; the tables give the real count) instead of synth: a renderer
 neither training nor calibration uses (calibration videos are synth, seeds 900,000+). ``--max-minutes`` stops taking new examples (the grid is
@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from mminfer.offline.answer import kl_divergence as _kl  # noqa: E402
 from mminfer.offline.calibrate import resize_config  # noqa: E402
-from mminfer.toy import embedded as E  # noqa: E402
+from lab.toy import embedded as E  # noqa: E402
 
 TASKS = ("needle", "colour", "count", "order")
 _T0 = time.time()
@@ -104,7 +104,7 @@ def _init_worker():
 def render(spec):
     kw = {"depth": spec["depth"]} if spec["task"] == "needle" else {}
     if spec.get("renderer") == "eval":      # the evaluation-only renderer, its own sizes
-        from mminfer.toy import render_eval
+        from lab.toy import render_eval
         ex = render_eval.make_example(spec["task"], spec["seed"], n_frames=spec["n_frames"],
                                       **kw)
         if "style" in ex.meta:      # the needle's digit look: which looks a model fails on
@@ -426,7 +426,7 @@ def main(argv=None):
                     help="do not measure densities (saves the count-mode kernel runs)")
     ap.add_argument("--renderer", choices=("synth", "eval"), default="synth",
                     help="synth: the training renderer (held-out seeds); eval: "
-                    "mminfer.toy.render_eval, a renderer training never sees")
+                    "lab.toy.render_eval, a renderer training never sees")
     ap.add_argument("--seed0", type=int, default=E.HELDOUT_SEED_MIN)
     ap.add_argument("--long-from", type=int, default=16384,
                     help="the per-task summary of long videos takes lengths >= this")

@@ -7,7 +7,7 @@
 #                                           # -> $OUT/compare/ (one mode cfg:<stem> per config)
 #
 # train: fine-tunes the shipped model (mminfer/models/mminfer-embedded: it already reads synth's
-#   digits) on the randomised renderings of mminfer.toy.variety (80 % of the bank; synth's look
+#   digits) on the randomised renderings of lab.toy.variety (80 % of the bank; synth's look
 #   the rest), at every frame size the adapter gives real videos, curriculum from 8 pairs to
 #   2048 pairs (32K visual tokens at 112 x 112), for MINUTES (default 8.8: the whole run, bank,
 #   final eval and save included; python's start is ~10 s more). The checkpoint (hub layout)
@@ -43,8 +43,8 @@
 # the fractions of the run between which the longest video reaches 32K tokens; "0.05 0.3" with
 # START_PAIRS=512 spends most of a fine-tune at 16K-32K), LED (train --led: a share of numbers
 # drawn as LED-matrix cells, an experiment that un-holds-out render_eval's dot look), DEEPEN
-# (train --deepen VISION TEXT: insert identity blocks into the INIT model, mminfer.toy.grow),
-# SHARPEN (the weight of the attention tail-mass term, mminfer.toy.sharpen: sharper heads,
+# (train --deepen VISION TEXT: insert identity blocks into the INIT model, lab.toy.grow),
+# SHARPEN (the weight of the attention tail-mass term, lab.toy.sharpen: sharper heads,
 # sparse-friendly), INIT (train: a model folder or an earlier train stage's model.tar.gz, e.g.
 # benchmarks/results/2026-12-01-ft6/model.tar.gz; default the shipped model); CAL_FRAMES
 # (calibration video lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET

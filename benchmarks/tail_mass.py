@@ -1,4 +1,4 @@
-"""How spread a model's attention is, per layer and head: the tail mass of mminfer.toy.sharpen
+"""How spread a model's attention is, per layer and head: the tail mass of lab.toy.sharpen
 (the attention mass outside the top ``rho`` share of causal key blocks, per block of
 query rows; blocks of 1 and 1: per row and key) on the
 dense prefill of real inputs. Sparse prefill can only be exact where this is small; the
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
 
     from mminfer.engine.pipeline import Pipeline
     from mminfer.offline.capture import capture_qkv
-    from mminfer.toy.sharpen import sample_starts, tail_mass
+    from lab.toy.sharpen import sample_starts, tail_mass
 
     pipe = Pipeline(args.model, attention="dense", device=args.device)
     per_video = {}

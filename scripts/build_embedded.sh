@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (mminfer/models/mminfer-embedded) the way the shipped one
 # was made, on one H200 (torch 2.11 + CUDA 13, transformers 5.17): two training runs on
-# synth's look, four on randomised renderings (mminfer.toy.variety; busy backgrounds from the
+# synth's look, four on randomised renderings (lab.toy.variety; busy backgrounds from the
 # fourth, 4:3 frames favoured in the last two), its head patterns, the quality benchmark on
 # synth and on the evaluation-only renderer. About 55 minutes of GPU time. Training is not
 # bit-reproducible (GPU kernels, worker processes), so a rebuild gives an equivalent model,

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mminfer.toy import synth
+from lab.toy import synth
 
 FPS = 2.0
 SECONDS = 10

@@ -21,7 +21,7 @@ CPU smoke test (a minute on 2 cores; answers are nonsense):
         --out /tmp/embedded-smoke
 
 How the data is made. Training videos are composed from a bank of pre-rendered 112 x 112
-frames, the adapter's own pixels (drawn at 224 by ``mminfer.toy.synth``'s renderer, resized with
+frames, the adapter's own pixels (drawn at 224 by ``lab.toy.synth``'s renderer, resized with
 the adapter's resize), so the training distribution is the one the real videos have:
 
 * scene clips: ``synth``'s scene (background, moving non-red distractors), ``--clip-frames``
@@ -70,10 +70,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from mminfer.toy import synth  # noqa: E402
-from mminfer.toy import embedded as E  # noqa: E402
-from mminfer.toy import grow  # noqa: E402
-from mminfer.toy import variety as V  # noqa: E402
+from lab.toy import synth  # noqa: E402
+from lab.toy import embedded as E  # noqa: E402
+from lab.toy import grow  # noqa: E402
+from lab.toy import variety as V  # noqa: E402
 
 TASKS = ("needle", "colour", "count", "order")
 TASK_WEIGHT = {"needle": 1.0, "colour": 0.6, "count": 0.8, "order": 1.0}
@@ -160,7 +160,7 @@ def job_scenes(job: int, run_seed: int, n: int, F: int, K: int, aug_p: float,
                variety: float = 0.0) -> dict:
     """``n`` scene clips of F frames with K needle runs each. A share ``1 - variety`` is
     synth's look at 224 x 224 (the shipped samples' distribution, codec-like with
-    probability ``aug_p``); the rest is ``mminfer.toy.variety``'s randomised looks at
+    probability ``aug_p``); the rest is ``lab.toy.variety``'s randomised looks at
     random source sizes and aspects, resized to the size the adapter would give them."""
     rng = np.random.default_rng([0x5EED, run_seed, 1, job])
     clips = np.zeros((n, F, SLOT, SLOT, 3), np.uint8)
@@ -567,7 +567,7 @@ class Trainer:
         self.bv = E.BatchedVision(model)
         self.aux_weight = aux_weight
         self.autocast = use_autocast
-        # the attention-sharpening term (mminfer.toy.sharpen): weight, collector, and the
+        # the attention-sharpening term (lab.toy.sharpen): weight, collector, and the
         # shortest prompt it applies to (sparse prefill is for long prompts only)
         self.sharpen, self.sharpener, self.sharpen_min_len = sharpen, sharpener, sharpen_min_len
         self.last_tail = None       # the last forward's mean tail mass (None: not measured)
@@ -897,14 +897,14 @@ def parse_args(argv=None):
                    help="share of synth-look clips made codec-like")
     p.add_argument("--deepen", type=int, nargs=2, default=(0, 0), metavar=("VISION", "TEXT"),
                    help="insert this many vision blocks and decoder layers into the --init "
-                   "model, identity at first (mminfer.toy.grow): more capacity from a "
+                   "model, identity at first (lab.toy.grow): more capacity from a "
                    "trained start")
     p.add_argument("--led", type=float, default=0.0,
                    help="share of variety's numbers redrawn as LED-matrix cells (variety.led). "
                    "An experiment, off by default: it is the look of render_eval's dot-matrix "
                    "digits, which then no longer measure an unseen look")
     p.add_argument("--variety", type=float, default=0.8,
-                   help="share of clips drawn with mminfer.toy.variety's randomised looks, "
+                   help="share of clips drawn with lab.toy.variety's randomised looks, "
                    "sizes and cameras (the rest: synth's look at 224 x 224)")
     p.add_argument("--size-weight", type=float, nargs=len(V.SIZES), default=None,
                    metavar="W", help=f"how often a training video has each frame size "
@@ -921,7 +921,7 @@ def parse_args(argv=None):
                    "latest, from the start to --max-tokens (default 0.4 0.85; a fine-tune at "
                    "long lengths: e.g. 0.05 0.3)")
     p.add_argument("--sharpen", type=float, default=0.0,
-                   help="weight of the attention tail-mass term (mminfer.toy.sharpen; 0: off)")
+                   help="weight of the attention tail-mass term (lab.toy.sharpen; 0: off)")
     p.add_argument("--sharpen-rho", type=float, default=0.1,
                    help="the share of a row block's key blocks whose mass is free of the term")
     p.add_argument("--sharpen-blocks", type=int, nargs=2, default=(3, 64),
@@ -983,7 +983,7 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     sharpener = None
     if args.sharpen > 0:
-        from mminfer.toy.sharpen import Sharpener
+        from lab.toy.sharpen import Sharpener
         sharpener = Sharpener(rho=args.sharpen_rho, n_random=args.sharpen_blocks[0],
                               n_last=args.sharpen_blocks[1], row_block=args.sharpen_block[0],
                               key_block=args.sharpen_block[1], seed=args.seed,

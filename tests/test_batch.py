@@ -18,7 +18,7 @@ from conftest import write_video
 from mminfer import cli
 from mminfer.batch import item_id, read_questions, run_batch, scan
 from mminfer.errors import ConfigError, InputError
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 
 QUESTIONS = ["what color is it?", "how many frames?"]
 NEEDLE = Path(__file__).resolve().parents[1] / "samples" / "videos" / "needle_0.mp4"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mminfer.cli import main
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 
 
 @pytest.fixture(scope="module")

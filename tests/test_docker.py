@@ -83,7 +83,7 @@ def test_the_build_context_installs_every_package_file(tmp_path):
     assert tracked and [t for t in tracked if t not in names] == []
     for data in ("mminfer/models/configs/qwen2_5_vl_7b.json",
                  "mminfer/models/mminfer-embedded/model.safetensors",
-                 "mminfer/toy/fonts/DejaVuSans.ttf"):
+                 "lab/toy/fonts/DejaVuSans.ttf"):
         assert data in names
 
 

@@ -21,7 +21,7 @@ def _record(seed, depth, correct, look):
 
 def test_wrong_first_at_the_models_size_with_the_number_drawn(NF, tmp_path, capsys):
     from PIL import Image
-    from mminfer.toy import render_eval
+    from lab.toy import render_eval
     q = {"renderer": "eval", "examples": [
         _record(500000, 0.0, True, "strokes"), _record(500003, 0.75, False, "dots"),
         {"task": "count", "seed": 1, "modes": {"dense": {"correct": False}}}]}

@@ -1,7 +1,7 @@
 """Where the model is when none is named: ``--model``, else ``$MMINFER_MODEL``, else the
 embedded default model that ships inside the package (``mminfer/models/mminfer-embedded``: a
 small Qwen2.5-VL trained on mminfer's synthetic video tasks, loaded through the ordinary
-Qwen2.5-VL adapter). How it was made lives in :mod:`mminfer.toy.embedded`."""
+Qwen2.5-VL adapter). How it was made lives in :mod:`lab.toy.embedded`."""
 
 from __future__ import annotations
 

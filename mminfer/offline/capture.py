@@ -4,7 +4,7 @@ The prefill runs dense through the ordinary adapter (same preprocessing, same Mo
 as serving); the attention hook copies each layer's rotated q and cached k/v to the CPU. One
 ``.pt`` file per video, in the format ``mminfer.offline.calibrate.load_captures`` reads.
 
-A video may also be a synthetic source ``synth:TASK:FRAMES:SEED`` (``mminfer.toy.synth``, drawn at
+A video may also be a synthetic source ``synth:TASK:FRAMES:SEED`` (``lab.toy.synth``, drawn at
 224 x 224 and 2 fps in-process, asked its own task question): the embedded model is
 calibrated that way on machines without a video decoder, on seeds no training or
 evaluation uses.
@@ -58,7 +58,7 @@ def load_video(v, adapter, question: str, *, fps: float = 2.0, max_frames: int =
 
 def synthetic_video(spec: str):
     """``synth:TASK:FRAMES:SEED`` -> (DecodedVideo at 2 fps, the task's question, a file stem)."""
-    from mminfer.toy import synth
+    from lab.toy import synth
     from mminfer.errors import InputError
     from mminfer.engine.video import DecodedVideo
 

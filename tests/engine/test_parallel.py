@@ -61,7 +61,7 @@ def ckpt(tmp_path_factory):
     from mminfer.engine.pipeline import Pipeline
     from mminfer.sparse.patterns import (HeadPattern, HeadPatternConfig, a_shape, grid,
                                          vertical_slash)
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
     # three layers: the last runs its last row only (dense), so two carry sparse plans
     path = save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tp") / "tiny", heads=4, kv_heads=2,
                                 layers=3)

@@ -35,7 +35,7 @@ def _records(path) -> dict:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
     return str(save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tpb") / "tiny", heads=4,
                                     kv_heads=2))
 

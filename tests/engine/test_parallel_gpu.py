@@ -65,8 +65,8 @@ def test_two_gpus_match_one(tmp_path):
     from conftest import write_video
     from test_parallel_vision import _answer, _small_chunks
     from mminfer.engine.pipeline import Pipeline
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
-    from mminfer.toy.tiny_longvila import save_tiny_longvila
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny_longvila import save_tiny_longvila
     ckpts = {"qwen": str(save_tiny_qwen2_5_vl(tmp_path / "qwen", hidden=256, heads=4,
                                               kv_heads=2)),
              "longvila": str(save_tiny_longvila(tmp_path / "longvila"))}

@@ -85,7 +85,7 @@ def _rank_main(rank, world, port, ckpt, video, bad, out_dir):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
     return str(save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("lock") / "tiny", heads=4,
                                     kv_heads=2))
 

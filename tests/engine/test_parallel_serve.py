@@ -71,7 +71,7 @@ def _post(url, video: Path):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
     # 4 layers: a stop asked for seconds into the sparse prefill lands before a later one
     return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tpsrv") / "tiny-qwen", heads=4,
                                 kv_heads=2, layers=4)

@@ -88,8 +88,8 @@ def _rank_main(rank, world, port, ckpts, video, out_dir):
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
-    from mminfer.toy.tiny_longvila import save_tiny_longvila
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny_longvila import save_tiny_longvila
     root = tmp_path_factory.mktemp("tpvis")
     return {"qwen": str(save_tiny_qwen2_5_vl(root / "qwen", heads=4, kv_heads=2)),
             "longvila": str(save_tiny_longvila(root / "longvila"))}

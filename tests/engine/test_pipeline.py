@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mminfer.errors import ConfigError, InputError, VideoError
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 from mminfer.engine.pipeline import STAGES, Pipeline, pick_adapter
 
 
@@ -176,7 +176,7 @@ def test_warmup_compiles_both_length_classes_before_the_first_request(tmp_path):
     """warmup() runs the product path (prepare, tower, prefill, decode) on a synthetic video
     at one prompt length divisible by 16 and one not, sparse where it can run; a no-op on the
     CPU unless forced; the pipeline answers as before afterwards."""
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
     ckpt = save_tiny_qwen2_5_vl(tmp_path / "tiny")
     pipe = Pipeline(str(ckpt), attention="auto", device="cpu", min_sparse_len=16)
     assert pipe.warmup() == {"ran": False, "why": "nothing to compile on the CPU"}

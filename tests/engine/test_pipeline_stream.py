@@ -8,7 +8,7 @@ import torch
 
 from mminfer.engine import video as videolib
 from mminfer.engine.pipeline import Pipeline
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 from test_pipeline import write_mp4      # one copy of the moving-square clip (tests/engine)
 
 
@@ -75,7 +75,7 @@ def test_oversized_upload_is_decoded_at_the_model_size(pipe, tmp_path):
 def test_longvila_streamed_answer_equals_decoding_first(tmp_path):
     """LongVILA through the streamed pipeline: the stream is narrowed to the model's frames
     before decoding, and the answer and embeddings are the whole-video path's."""
-    from mminfer.toy.tiny_longvila import save_tiny_longvila
+    from lab.toy.tiny_longvila import save_tiny_longvila
     ckpt = save_tiny_longvila(tmp_path / "tiny-longvila")
     pipe = Pipeline(str(ckpt), attention="dense", device="cpu")
     ad = pipe.adapter

@@ -31,7 +31,7 @@ def test_longvila_frames_are_sampled_once(tmp_path, make_video):
     """The pipeline decodes exactly the model's frame count by VILA's rule; the adapter gets
     those frames and samples nothing again (before: 2 fps first, then 12 -> 8 on top)."""
     from mminfer.engine.pipeline import Pipeline
-    from mminfer.toy.tiny_longvila import save_tiny_longvila
+    from lab.toy.tiny_longvila import save_tiny_longvila
     ckpt = save_tiny_longvila(tmp_path / "tiny-longvila", num_video_frames=8)
     pipe = Pipeline(str(ckpt), attention="dense", device="cpu")
     video = make_video(n_frames=60, fps=10.0)                 # 6 s: fps 2 would give 12 frames

@@ -4,7 +4,7 @@ only decode in groups (byte-level tokens of one character) held back until they 
 import pytest
 
 from mminfer.models.detokenize import IncrementalText
-from mminfer.toy.tiny_longvila import tiny_tokenizer
+from lab.toy.tiny_longvila import tiny_tokenizer
 
 
 def stream(tok, ids, skip=()):

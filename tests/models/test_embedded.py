@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mminfer.toy import synth
+from lab.toy import synth
 from mminfer.models import embedded as M
-from mminfer.toy import embedded as E
-from mminfer.toy.tiny import QWEN_SPECIALS
+from lab.toy import embedded as E
+from lab.toy.tiny import QWEN_SPECIALS
 from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]

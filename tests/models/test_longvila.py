@@ -10,7 +10,7 @@ import torch
 
 from mminfer.errors import ConfigError, InputError, VideoError
 from mminfer.models.longvila import LongVILA, space_to_depth_2x2, tokens_per_frame
-from mminfer.toy.tiny_longvila import save_tiny_longvila
+from lab.toy.tiny_longvila import save_tiny_longvila
 
 
 @pytest.fixture(scope="module")

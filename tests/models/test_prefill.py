@@ -26,7 +26,7 @@ needs_kernels = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
     path = save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("prefill") / "tiny-qwen")
     return Qwen2_5_VLAdapter.from_pretrained(str(path), device="cpu")
 
@@ -34,7 +34,7 @@ def qwen(tmp_path_factory):
 @pytest.fixture(scope="module")
 def longvila(tmp_path_factory):
     from mminfer.models.longvila import LongVILA
-    from mminfer.toy.tiny_longvila import save_tiny_longvila
+    from lab.toy.tiny_longvila import save_tiny_longvila
     path = save_tiny_longvila(tmp_path_factory.mktemp("prefill") / "tiny-longvila")
     return LongVILA.from_pretrained(path, device="cpu")
 

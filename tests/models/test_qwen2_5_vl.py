@@ -14,7 +14,7 @@ from mminfer.models import hooks
 from mminfer.models.qwen2_5_vl import (
     Qwen2_5_VLAdapter, frame_pixel_range, mrope_positions, patchify, preprocess_video,
     resize_frames, smart_resize)
-from mminfer.toy.tiny import QWEN_SPECIALS, save_tiny_qwen2_5_vl
+from lab.toy.tiny import QWEN_SPECIALS, save_tiny_qwen2_5_vl
 from mminfer.sparse.modality import ModalityIndex
 
 

@@ -9,7 +9,7 @@ import torch
 
 from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter, patchify
 from mminfer.models.vision import QwenVisionTower, window_units
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 
 # window_size 56 px = 2x2 merged units = 4x4 patches; five blocks, two of them full
 TOWER = dict(window_size=56, vision_depth=5, fullatt_block_indexes=[1, 3],

@@ -10,7 +10,7 @@ from mminfer.kernels.runtime import interpreted
 from mminfer.models import vision_fused as vf
 from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter
 from mminfer.models.vision import INTER_ALIGN, QwenVisionTower
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 
 TOWER = dict(window_size=56, vision_depth=5, fullatt_block_indexes=[1, 3],
              max_pixels=140 * 196)

@@ -131,7 +131,7 @@ def test_capture_from_a_real_layout_checkpoint_then_calibrate(tmp_path):
     from pathlib import Path
 
     from mminfer.offline import calibrate as C
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
     from mminfer.engine.pipeline import Pipeline
 
     ckpt = save_tiny_qwen2_5_vl(tmp_path / "ckpt")
@@ -161,7 +161,7 @@ def test_capture_from_synthetic_sources(tmp_path):
 
     from mminfer.offline.capture import capture_qkv, synthetic_video
     from mminfer.errors import InputError
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
 
     vid, question, name = synthetic_video("synth:colour:6:900001")
     assert vid.frames.shape == (6, 224, 224, 3) and "color" in question

@@ -156,7 +156,7 @@ def test_calibrate_a_tiny_model_on_synthetic_videos_then_answer_with_it(tmp_path
     tiny Qwen2.5-VL, search with mass candidates, write the config next to the checkpoint;
     the pipeline loads it and answers sparse, and its reported density follows gamma."""
     from mminfer.engine.pipeline import Pipeline
-    from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
 
     ckpt = save_tiny_qwen2_5_vl(tmp_path / "ckpt")
     p = argparse.ArgumentParser()

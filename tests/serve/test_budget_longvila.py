@@ -7,7 +7,7 @@ import pytest
 from mminfer.engine.pipeline import Pipeline
 from mminfer.serve.budget import Budget
 from mminfer.serve.settings import Settings
-from mminfer.toy.tiny_longvila import save_tiny_longvila
+from lab.toy.tiny_longvila import save_tiny_longvila
 
 MODEL_FRAMES = 8
 

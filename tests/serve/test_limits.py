@@ -31,7 +31,7 @@ from mminfer.serve.app import Settings, create_app
 from mminfer.serve.budget import visual_tokens
 from mminfer.serve.store import LatencyStore, percentile
 from mminfer.serve.worker import ModelWorker
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
 NEEDLE = SAMPLES / "needle_0.mp4"           # 10 s, 2 fps, 224x224

@@ -12,7 +12,7 @@ import pytest
 
 from mminfer.serve.app import Settings, create_app
 from mminfer.serve.store import LatencyStore
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 
 NEEDLE = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
 

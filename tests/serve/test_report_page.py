@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 from mminfer.serve.app import Settings, create_app
 from mminfer.serve.report import COLORS
 

@@ -21,7 +21,7 @@ from conftest import LiveServer, write_video
 from prometheus_client.parser import text_string_to_metric_families
 
 from mminfer.errors import ConfigError
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny import save_tiny_qwen2_5_vl
 from mminfer.serve import app as app_module
 from mminfer.serve.app import STAGE_ORDER, Settings, create_app
 from mminfer.serve.store import LatencyStore, bucket_of, percentile

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mminfer.serve.app import STAGE_ORDER, Settings, create_app
 from mminfer.serve.worker import ModelWorker
-from mminfer.toy.tiny import save_tiny_qwen2_5_vl
-from mminfer.toy.tiny_longvila import save_tiny_longvila
+from lab.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny_longvila import save_tiny_longvila
 
 NEEDLE = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
 

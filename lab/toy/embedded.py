@@ -4,8 +4,8 @@ Real VLM weights cannot be downloaded everywhere mminfer runs, and a random mode
 nonsense. So mminfer ships its own model in ``mminfer/models/mminfer-embedded``: the real Qwen2.5-VL
 architecture (``Qwen2_5_VLForConditionalGeneration``, real config and weight layout) at a small
 size, with a word-level tokenizer over the task vocabulary, trained by
-``scripts/train_embedded.py`` on the tasks of :mod:`mminfer.toy.synth` (needle, colour, count,
-order), drawn by synth and by the randomised renderings of :mod:`mminfer.toy.variety`. It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
+``scripts/train_embedded.py`` on the tasks of :mod:`lab.toy.synth` (needle, colour, count,
+order), drawn by synth and by the randomised renderings of :mod:`lab.toy.variety`. It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
 VIDEO QUESTION`` works with no ``--model`` and no download, and sparse-vs-dense quality
 (``benchmarks/quality.py``) is measured on a model whose attention was learned.
 
@@ -16,7 +16,7 @@ are resized to 112 x 112 (``video_preprocessor_config.json`` pins the per-frame 
 temporal pair of frames is 8 x 8 patches = 16 tokens: a 10 s sample at 2 fps is 160 visual
 tokens, 32K tokens is about 34 minutes of video.
 
-Seed split (``mminfer.toy.synth`` examples are reproducible from (task, seed)):
+Seed split (``lab.toy.synth`` examples are reproducible from (task, seed)):
 
 * training: ``synth.colour`` seeds >= ``TRAIN_SEED_MIN`` (1,000,000) and private random
   streams (``numpy.random.default_rng([0x5EED, run_seed, job])``), which never coincide with
@@ -26,7 +26,7 @@ Seed split (``mminfer.toy.synth`` examples are reproducible from (task, seed)):
 * ``samples/videos``: seeds 1000-1002; tests: small seeds (< 1000).
 
 Fonts: the "system" digit style of ``synth`` draws with DejaVu fonts where installed. A
-digits-only subset of the same 20 DejaVu files ships in ``mminfer/toy/fonts`` (identical glyphs,
+digits-only subset of the same 20 DejaVu files ships in ``lab/toy/fonts`` (identical glyphs,
 see its LICENSE); ``use_bundled_fonts()`` points ``synth`` at them, so training on a machine
 without fonts still sees the rendering of the shipped samples.
 """
@@ -65,8 +65,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 def vocabulary() -> list[str]:
     """Words of the tokenizer: the chat template and generic question words of the tiny
     checkpoints, every question and answer word of the synthetic tasks, a few spellings."""
-    from mminfer.toy import synth
-    from mminfer.toy.tiny import WORDS
+    from lab.toy import synth
+    from lab.toy.tiny import WORDS
     words: list[str] = []
     for w in list(WORDS) + list(synth.ANSWER_VOCAB) + ["colour", "flash", "number", "numbers",
                                                       "appear", "appeared", "second", "seen"]:
@@ -78,14 +78,14 @@ def vocabulary() -> list[str]:
 def build_tokenizer():
     """Word-level fast tokenizer: the 14 Qwen2.5 special tokens at ids 0-13 in their real
     order, ``[UNK]`` 14, then ``vocabulary()``; the Qwen chat template."""
-    from mminfer.toy.tiny import word_tokenizer
+    from lab.toy.tiny import word_tokenizer
     return word_tokenizer(vocabulary())
 
 
 # ---------------------------------------------------------------------- config / model
 def build_config(tok, shape: dict | None = None):
     from transformers import Qwen2_5_VLConfig
-    from mminfer.toy.tiny import QWEN_SPECIALS, mrope_section
+    from lab.toy.tiny import QWEN_SPECIALS, mrope_section
 
     s = {**SHAPE, **(shape or {})}
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
@@ -195,9 +195,9 @@ def save_checkpoint(model, tok, path, *, info: dict | None = None, dtype=None) -
 
 # ---------------------------------------------------------------------- rendering
 def use_bundled_fonts() -> bool:
-    """Make ``synth``'s "system" font style draw with ``mminfer/toy/fonts`` (digit-only subsets of
+    """Make ``synth``'s "system" font style draw with ``lab/toy/fonts`` (digit-only subsets of
     the DejaVu files, glyph-identical), whatever is installed. Returns whether it did."""
-    from mminfer.toy import synth
+    from lab.toy import synth
     fonts = tuple(sorted(str(p) for p in FONTS_DIR.glob("*.ttf")
                          if "DejaVu" in p.name
                          and not any(k in p.name for k in ("ExtraLight", "Math"))))
@@ -225,7 +225,7 @@ def resize_frames_np(frames, side: int = FRAME_SIDE, chunk: int = 64):
 def render_example(task: str, seed: int, n_frames: int, **kw):
     """A ``synth`` example drawn at 224 x 224 and resized to 112 x 112 as the adapter would:
     ``(frames uint8 [T, 112, 112, 3], answer, question, meta)``."""
-    from mminfer.toy import synth
+    from lab.toy import synth
     ex = synth.make_example(task, seed, n_frames=n_frames, height=RENDER_SIDE,
                             width=RENDER_SIDE, **kw)
     return resize_frames_np(ex.frames), ex.answer, ex.question, ex.meta
@@ -330,7 +330,7 @@ def layout(tok, config, question: str, n_pairs: int, fps: float = 2.0, grid_hw=(
 
 def answer_ids(tok) -> dict:
     """Token id of every answer of every task (each answer is one word)."""
-    from mminfer.toy import synth
+    from lab.toy import synth
     out = {}
     for task, answers in synth.ANSWERS.items():
         out[task] = {a: tok.convert_tokens_to_ids(a) for a in answers}

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mminfer.toy import synth
+from lab.toy import synth
 
 FONTS_DIR = Path(__file__).resolve().parent / "fonts"
 ATLAS = FONTS_DIR / "glyphs.npz"
@@ -992,7 +992,7 @@ def ball_clip(rng, frames: np.ndarray, rgb, *, kind: str | None = None):
 def build_atlas(font_files, out=ATLAS, height: int = 64) -> Path:
     """Write the glyph atlas: the digits 0-9 of each font file rasterised ``height`` px tall
     (uint8), so training draws these faces on machines that do not have them installed.
-    ``python -c "from mminfer.toy import variety as V; V.build_atlas(FILES)"``"""
+    ``python -c "from lab.toy import variety as V; V.build_atlas(FILES)"``"""
     arrays = {}
     for f in font_files:
         face = Path(f).stem.replace("_", "-")

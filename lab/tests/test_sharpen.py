@@ -1,4 +1,4 @@
-"""The attention-sharpening term of the embedded model's training (mminfer.toy.sharpen)."""
+"""The attention-sharpening term of the embedded model's training (lab.toy.sharpen)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from mminfer.toy import sharpen as S  # noqa: E402
+from lab.toy import sharpen as S  # noqa: E402
 from conftest import load_script  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def test_sample_starts_keeps_the_last_queries_and_stays_in_range():
 
 
 def _tiny_text():
-    from mminfer.toy import embedded as E
+    from lab.toy import embedded as E
     shape = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vision_hidden=32,
                  vision_depth=1, vision_heads=1, vision_intermediate=64)
     model, _ = E.new_model(shape, seed=0)

@@ -1,11 +1,11 @@
-"""Deepening the embedded model (mminfer.toy.grow): the deepened model computes what the
+"""Deepening the embedded model (lab.toy.grow): the deepened model computes what the
 old one did, new blocks sit between old ones, and a checkpoint of it loads by its own shape."""
 
 import pytest
 import torch
 
-from mminfer.toy import embedded as E
-from mminfer.toy import grow
+from lab.toy import embedded as E
+from lab.toy import grow
 
 TINY = dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vision_hidden=64,
             vision_depth=2, vision_heads=2, vision_intermediate=128)

@@ -5,8 +5,8 @@ frame sizes the adapter's own resize rule gives."""
 import numpy as np
 import pytest
 
-from mminfer.toy import synth
-from mminfer.toy import variety as V
+from lab.toy import synth
+from lab.toy import variety as V
 
 
 def _rng(seed):
@@ -152,7 +152,7 @@ def test_glyph_fx_never_returns_an_unreadable_or_empty_glyph():
     a bank worker (zero-size crop; seed 278 here); now the chain stops, and a glyph that lost
     most of its ink comes back plain (117 of 3000 seeds came back nearly blank before)."""
     import numpy as np
-    from mminfer.toy import variety as V
+    from lab.toy import variety as V
     mask = np.zeros((32, 64), np.float32)
     mask[2:30, 5:7] = 1.0
     mask[2:30, 32:34] = 1.0

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mminfer.toy import render_eval as R
-from mminfer.toy import synth
+from lab.toy import render_eval as R
+from lab.toy import synth
 
 ROOT = Path(__file__).resolve().parents[2]
 

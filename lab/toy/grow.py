@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from mminfer.toy import embedded as E
+from lab.toy import embedded as E
 
 # per-block parameters whose zeroing turns a pre-norm residual block into the identity
 _VISION_OUT = (".attn.proj.weight", ".attn.proj.bias", ".mlp.down_proj.weight",
@@ -94,7 +94,7 @@ def deepen_patterns(config: dict, text: int) -> dict:
     out["layers"] = rows
     out["model"]["layers"] = len(rows)
     prov = dict(out.get("provenance") or {})
-    prov["deepened"] = (f"mminfer.toy.grow.deepen_patterns: {text} decoder layers inserted, "
+    prov["deepened"] = (f"lab.toy.grow.deepen_patterns: {text} decoder layers inserted, "
                         f"each with the rule of the layer before it")
     out["provenance"] = prov
     return out
