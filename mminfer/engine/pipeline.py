@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from mminfer.errors import Cancelled, ConfigError, InputError
+from mminfer.engine.cache import Entry, VideoCache, cache_key, file_digest
 from mminfer.engine.timing import PIPELINE_STAGES
 from mminfer.models.base import resolve_checkpoint
 from mminfer.models.hooks import MODES, sparse_refusal, sparse_unavailable
@@ -47,6 +48,9 @@ class AnswerResult:
     tokens: dict                   # total, visual, text, generated
     sparsity: dict | None          # mean_density, per_layer (only when sparse ran)
     timings_ms: dict = field(default_factory=dict)
+    # the video cache: "miss" (the prefix was built, and kept), "hit" (continued a kept
+    # prefix on the device), "host" (brought back from the host tier first), "off"
+    cache: str = "off"
     # answer(keep_for_shadow=True) of a sparse prefill: engine.rerun.ShadowInputs (CPU
     # tensors) for Pipeline.shadow_dense; never part of to_dict
     shadow: object = field(default=None, repr=False, compare=False)
@@ -116,7 +120,8 @@ class Pipeline:
 
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
                  dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1,
-                 vision_compile: bool | None = None):
+                 vision_compile: bool | None = None, kv_cache_gb: float | None = None,
+                 kv_host_cache_gb: float = 0.0):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
@@ -151,6 +156,25 @@ class Pipeline:
         why = sparse_refusal(self.adapter.patterns, self.sparse_unavailable)
         if attention == "sparse" and why:
             raise ConfigError(f"{model_id}: {why}")
+        # the video cache (engine/cache.py); off under tensor parallelism, where every rank
+        # would have to make the same decisions in lockstep
+        gpu_bytes = None if kv_cache_gb is None else int(float(kv_cache_gb) * 2**30)
+        if self.tensor_parallel > 1:
+            gpu_bytes = 0
+        self.video_cache = VideoCache(self.device, gpu_bytes,
+                                      int(float(kv_host_cache_gb or 0) * 2**30))
+        ad = self.adapter
+        patterns = ad.patterns.to_dict() if ad.patterns is not None else None
+        # what every cached prefix of this pipeline depends on besides the request
+        self._prefix_identity = {
+            "model": model_id, "revision": getattr(ad.identity, "revision", None),
+            "adapter": ad.name, "dtype": str(self.dtype), "sampling": ad.sampling,
+            "frame_limit": ad.frame_limit, "min_sparse_len": self.min_sparse_len,
+            "patterns": cache_key(p=patterns), "device": self.device.type}
+        k = ad.text_model.layers[0].self_attn.k_proj
+        # bytes of K and V per prompt token, all layers
+        self.kv_bytes_per_token = (2 * len(ad.text_model.layers) * k.out_features
+                                   * torch.finfo(self.dtype).bits // 8)
 
     def _frame_shards(self):
         if self.tensor_parallel == 1:
@@ -199,44 +223,139 @@ class Pipeline:
         return {"ran": True, "sparse": sparse, "lengths": lengths,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
-    def answer(self, video_path, question: str, *, fps: float = 2.0, max_frames: int = 768,
-               max_new_tokens: int = 32, start: float | None = None, end: float | None = None,
+    def answer(self, video_path, question: str | None = None, *, conversation=None,
+               fps: float = 2.0, max_frames: int = 768, max_new_tokens: int = 32,
+               start: float | None = None, end: float | None = None,
                attention: str | None = None, options=None, cancel=None,
-               keep_for_shadow: bool = False,
-               shadow_max_bytes: int | None = None, on_token=None) -> AnswerResult:
-        """``cancel``: a callable checked between stages, before every decoder layer of the
+               keep_for_shadow: bool = False, shadow_max_bytes: int | None = None,
+               on_token=None, use_cache: bool = True) -> AnswerResult:
+        """The answer to ``question`` (or the last user turn of ``conversation``, a
+        mminfer.models.base.Conversation holding the video) about the video at
+        ``video_path``.
+
+        The prompt splits at the video: its prefix (up to and including the video) is taken
+        from the video cache when an earlier request built it with the same video bytes,
+        model, sampling, pixel budget, attention mode and turns before the video ("hit", or
+        "host" from the host tier), else decoded, encoded and prefilled ("miss") and kept
+        (``use_cache=False``: not looked up nor kept, "off"). The suffix (the question, later
+        turns) is prefilled densely over the prefix's cache, then the answer is decoded.
+
+        ``cancel``: a callable checked between stages, before every decoder layer of the
         prefill and before every decode step; when it returns True the request stops with
-        :class:`Cancelled`. ``on_token(text, token_id)``: called on this thread as each answer
-        token exists, the first once the prefill is done (``Adapter.generate`` says how the
-        texts add up to the answer); it must not block.
-        ``keep_for_shadow``: when the prefill runs sparse, keep on the CPU what a dense re-run
-        of it needs (mminfer.engine.rerun: the prompt embeddings and positions, at most
-        ``shadow_max_bytes``, and the sparse last-token logits and answer) as
-        ``result.shadow``, for :meth:`shadow_dense`."""
-        from mminfer.engine import video as videolib
-        from mminfer.models.base import PrepareOptions
-        from mminfer.models.hooks import PrefillContext
+        :class:`Cancelled` (and nothing is kept). ``on_token(text, token_id)``: called on
+        this thread as each answer token exists, the first once the prefill is done
+        (``Adapter.continue_on`` says how the texts add up to the answer); it must not block.
+        ``keep_for_shadow``: when the prefix is built sparse, keep on the CPU what a dense
+        re-run of the whole prompt needs (mminfer.engine.rerun: the prompt embeddings and
+        positions, at most ``shadow_max_bytes``, and the sparse last-token logits and
+        answer) as ``result.shadow``, for :meth:`shadow_dense`."""
+        from mminfer.models.base import Conversation
         from mminfer.engine.timing import StageTimer
 
         mode = attention or self.attention
-        question = check_request(question, fps, max_frames, max_new_tokens, start, end, mode)
+        if conversation is None:
+            question = check_request(question, fps, max_frames, max_new_tokens, start, end,
+                                     mode)
+            conv = Conversation.single(question)
+        else:
+            conv = conversation.validate()
+            check_request(conv.question, fps, max_frames, max_new_tokens, start, end, mode)
         why = sparse_refusal(self.adapter.patterns, self.sparse_unavailable)
         if mode == "sparse" and why:         # refused before the video is decoded
             raise InputError(f"{self.model_id}: {why}")
         ad = self.adapter
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
+        digest = key = None
+        try:
+            digest = file_digest(video_path)
+        except OSError:
+            pass                              # the decoder says what is wrong with the path
+        if use_cache and digest is not None and self.video_cache.enabled:
+            key = cache_key(**self._prefix_identity, video=digest, fps=float(fps),
+                            max_frames=int(max_frames), start=start, end=end, mode=mode,
+                            options=asdict(options) if options is not None else None,
+                            turns=conv.prefix_digest())
+        sampling = dict(fps=fps, max_frames=max_frames, start=start, end=end)
+        with self.video_cache.use(key) as slot:
+            built = None
+            if slot.entry is None:
+                built = self._build_prefix(video_path, conv, sampling, mode, options, timer,
+                                           cancel, keep_for_shadow, shadow_max_bytes,
+                                           max_new_tokens, cached=key is not None)
+                built["entry"].facts["video"]["sha256"] = digest
+                slot.store(built["entry"])
+            entry = slot.entry
+            suffix = built["suffix"] if built else ad.suffix_embeds(conv)
+            n = entry.length + suffix.shape[1]
+            if n + max_new_tokens > ad.max_context:
+                raise InputError(
+                    f"the prompt is {n} tokens ({entry.facts['visual_tokens']} visual) and "
+                    f"{max_new_tokens} new tokens are asked for, over the model's context of "
+                    f"{ad.max_context} tokens; lower fps or max_frames", tokens=n,
+                    limit=ad.max_context)
+            _check(cancel, "before the question's prefill")
+            gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
+                                 max_new_tokens=max_new_tokens, cancel=cancel,
+                                 on_token=on_token, timer=timer)
+            status, restore_ms = slot.status, slot.restore_ms
+        # after the last token (never in the time to first token) and inside the total: the
+        # stages add up to it; wall clock, as the count ends on host reads
+        t_density = time.perf_counter()
+        if built is not None:
+            ctx = built["ctx"]
+            entry.facts["sparsity"] = _sparsity(ctx.densities, ad.patterns, ctx.last_row_only)
+            ctx.densities.clear()                      # the plans are not needed any more
+        sparsity = entry.facts.get("sparsity")
+        timer.add_ms("density", (time.perf_counter() - t_density) * 1e3)
+        total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
 
+        ms = timer.totals_ms()
+        prefill = ms.pop("prefill", 0.0)
+        ms["llm_other"] = max(prefill - ms.get("index", 0.0) - ms.get("attention", 0.0), 0.0)
+        ms["restore"] = restore_ms
+        if built is not None:
+            ms["decode"] = built["decode_ms"]
+        ms["ttft"] = (gen.first_token_s - t0) * 1e3
+        ms["total"] = total_ms
+        timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
+        kept = built["kept"] if built else None
+        if kept is not None:
+            from mminfer.engine.rerun import finish
+            finish(kept, ad, built["prep"], gen, (sparsity or {}).get("mean_density"))
+        if status == "miss" or status == "off":
+            status = "miss" if key is not None else "off"
+        return AnswerResult(
+            answer=gen.text, model=self.model_id,
+            attention=entry.facts["attention"], attention_requested=mode,
+            video={**entry.facts["video"], "path": str(video_path)},
+            tokens={"total": n, "visual": entry.facts["visual_tokens"],
+                    "text": n - entry.facts["visual_tokens"],
+                    "generated": len(gen.token_ids),
+                    "cached": entry.length if built is None else 0},
+            sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status)
+
+    def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
+                      keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:
+        """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
+        embeddings, and what the answer reports of the build."""
+        from mminfer.engine import video as videolib
+        from mminfer.models.base import PrepareOptions
+        from mminfer.models.hooks import PrefillContext
+
+        ad = self.adapter
         # decode -> preprocess -> vision, overlapped: the stream decodes in its own thread
         # while earlier chunks of frames are preprocessed and go through the vision tower
         # sampled once, here: at most the frames the model takes, by its own rule
-        stream = videolib.open_stream(str(video_path), sampling=ad.sampling, fps=fps,
+        max_frames = sampling["max_frames"]
+        stream = videolib.open_stream(str(video_path), sampling=ad.sampling,
+                                      fps=sampling["fps"],
                                       max_frames=min(max_frames, ad.frame_limit or max_frames),
-                                      start=start, end=end)
+                                      start=sampling["start"], end=sampling["end"])
         try:
             _check(cancel, "after opening the video")
             with timer("preprocess"):
-                prep = ad.prepare(stream, question, options or PrepareOptions())
+                prep = ad.prepare(stream, conv, options or PrepareOptions())
             n = prep.total_tokens
             if n + max_new_tokens > ad.max_context:
                 raise InputError(
@@ -252,62 +371,48 @@ class Pipeline:
             if shard is not None:
                 with timer("vision"):
                     shard.gather()
-            if self.device.type == "cuda":
-                import torch
-                torch.cuda.synchronize(self.device)      # the features exist from here on
-            vision_done = time.perf_counter()
         finally:
             stream.close()
         _check(cancel, "before the prefill")
-        # the prefill decides dense or sparse once (hooks.choose_attention) from these facts
-        ctx = PrefillContext(index=prep.index, patterns=ad.patterns, mode=mode,
+        P = prep.prefix_len
+        # the prefix's prefill decides dense or sparse once (hooks.choose_attention) from its
+        # own length, and a sparse one estimates from the prefix's own last queries: the
+        # cached prefix is right for every later question
+        ctx = PrefillContext(index=prep.prefix_index, patterns=ad.patterns, mode=mode,
                              min_sparse_len=self.min_sparse_len,
                              unavailable=self.sparse_unavailable, timer=timer,
                              keep_plans=True, cancel=cancel,
                              full_last_layer=self.full_last_layer)
         kept = None
-        if keep_for_shadow and ctx.decide(n):     # before the prefill overwrites embeds
+        if keep_for_shadow and ctx.decide(P):     # before the prefill overwrites embeds
             from mminfer.engine.rerun import keep_inputs
             kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
-        gen = ad.generate(prep, max_new_tokens=max_new_tokens, ctx=ctx, timer=timer,
-                          embeds=embeds, on_token=on_token)
-        # after the last token (never in the time to first token) and inside the total: the
-        # stages add up to it; wall clock, as the count ends on host reads
-        t_density = time.perf_counter()
-        sparsity = _sparsity(ctx.densities, ad.patterns, ctx.last_row_only)
-        ctx.densities.clear()                          # the plans are not needed any more
-        timer.add_ms("density", (time.perf_counter() - t_density) * 1e3)
-        total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
-
-        ms = timer.totals_ms()
-        prefill = ms.pop("prefill", 0.0)
-        ms["llm_other"] = max(prefill - ms.get("index", 0.0) - ms.get("attention", 0.0), 0.0)
-        ms["decode"] = stream.decode_ms
-        # wall clock to the synchronised end of the vision tower, then the prefill's events
-        # (the device is idle when it starts): true time to the first token, overlap and all
-        ms["ttft"] = (vision_done - t0) * 1e3 + prefill
-        ms["total"] = total_ms
-        timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
+        suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
+        if cached:
+            self.video_cache.make_room(P * self.kv_bytes_per_token)
+        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer,
+                               headroom=max(suffix.shape[1] + max_new_tokens, 64))
+        del embeds
         resized = prep.tensors.get("resized")
-        if kept is not None:
-            from mminfer.engine.rerun import finish
-            finish(kept, ad, prep, gen, (sparsity or {}).get("mean_density"))
-        return AnswerResult(
-            answer=gen.text, model=self.model_id,
-            attention="sparse" if ctx.sparse else "dense", attention_requested=mode,
-            video={"path": str(video_path), "frames": len(stream),
-                   "model_frames": prep.n_frames, "sampled_fps": float(stream.sampled_fps),
-                   "fps": float(stream.fps), "duration": float(stream.duration),
-                   "width": stream.width, "height": stream.height,
-                   "resized": list(resized) if resized else None,
-                   "decoded": list(stream.frame_size), "backend": stream.backend,
-                   # decoding runs in its own thread alongside preprocess and vision: how
-                   # long the vision loop waited for frames, and the decoding hidden behind it
-                   "decode_wait_ms": round(stream.wait_ms, 3),
-                   "decode_hidden_ms": round(max(stream.decode_ms - stream.wait_ms, 0.0), 3)},
-            tokens={"total": n, "visual": prep.visual_tokens, "text": prep.text_tokens,
-                    "generated": len(gen.token_ids)},
-            sparsity=sparsity, timings_ms=timings, shadow=kept)
+        facts = {
+            "attention": "sparse" if ctx.sparse else "dense",
+            "visual_tokens": prep.visual_tokens,
+            "video": {"frames": len(stream),
+                      "model_frames": prep.n_frames, "sampled_fps": float(stream.sampled_fps),
+                      "fps": float(stream.fps), "duration": float(stream.duration),
+                      "width": stream.width, "height": stream.height,
+                      "resized": list(resized) if resized else None,
+                      "decoded": list(stream.frame_size), "backend": stream.backend,
+                      # decoding runs in its own thread alongside preprocess and vision: how
+                      # long the vision loop waited for frames, and the decoding hidden
+                      # behind it
+                      "decode_wait_ms": round(stream.wait_ms, 3),
+                      "decode_hidden_ms": round(max(stream.decode_ms - stream.wait_ms, 0.0),
+                                                3)}}
+        entry = Entry(kv=kv, length=P, rope_delta=prep.rope_delta, index=prep.prefix_index,
+                      facts=facts)
+        return {"entry": entry, "suffix": suffix, "ctx": ctx, "prep": prep, "kept": kept,
+                "decode_ms": stream.decode_ms}
 
     def shadow_dense(self, kept, *, max_new_tokens: int = 8, cancel=None):
         """The dense prefill of a sparse answer's kept inputs (``answer(keep_for_shadow=True)``

@@ -11,13 +11,16 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 # Every stage of a served request, in the order it happens: the one list. ``upload`` and
-# ``queue`` exist only in the service; ``index`` + ``attention`` + ``llm_other`` are the LLM
-# prefill; everything before ``generate`` adds up to the time to first token; ``density`` is
-# counting a sparse prefill's density from its plans (no launch), after the last token.
-STAGES = ("upload", "queue", "decode", "preprocess", "vision", "index", "attention",
-          "llm_other", "generate", "density")
+# ``queue`` exist only in the service; ``restore`` brings a cached video prefix back from the
+# host tier (0 on a miss and on a GPU hit); ``decode`` .. ``llm_other`` build the prefix on a
+# miss (``index`` + ``attention`` + ``llm_other`` are its LLM prefill) and are 0 on a hit;
+# ``suffix`` prefills the question's rows over the prefix's cache; everything before
+# ``generate`` adds up to the time to first token; ``density`` is counting a sparse prefill's
+# density from its plans (no launch), after the last token.
+STAGES = ("upload", "queue", "restore", "decode", "preprocess", "vision", "index", "attention",
+          "llm_other", "suffix", "generate", "density")
 TOTALS = ("ttft", "total")                      # sums reported after the stages
-SERVICE_STAGES = STAGES[:STAGES.index("decode")]
+SERVICE_STAGES = ("upload", "queue")
 PREFILL_STAGES = ("index", "attention", "llm_other")
 TTFT_STAGES = STAGES[:STAGES.index("generate")]
 # What Pipeline.answer reports, and what the service reports (its own stages first).

@@ -26,6 +26,88 @@ from pathlib import Path
 from mminfer.errors import ConfigError
 
 
+class _Video:
+    """Where the video goes in a turn's parts (one per conversation)."""
+    __slots__ = ()
+
+    def __repr__(self):
+        return "VIDEO"
+
+
+VIDEO = _Video()
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str                           # "system" | "user" | "assistant"
+    parts: tuple                        # str, or VIDEO (in one user turn)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat about one video, as the model's chat template lays it out. The prompt splits at
+    the video: the *prefix* is every turn up to and including the video (the system prompt,
+    earlier turns, the video's turn up to the video) and is what the video cache keeps; the
+    *suffix* is the rest (the question, later turns) and the assistant's opening."""
+    turns: tuple
+
+    @classmethod
+    def single(cls, question: str) -> "Conversation":
+        """One user turn: the video, then the question (the model's default system prompt)."""
+        return cls((Turn("user", (VIDEO, question)),))
+
+    def validate(self) -> "Conversation":
+        from mminfer.errors import InputError
+        if not self.turns:
+            raise InputError("the conversation is empty")
+        videos = 0
+        for i, t in enumerate(self.turns):
+            if t.role not in ROLES:
+                raise InputError(f"message {i}: role must be one of {ROLES}, not {t.role!r}")
+            if t.role == "system" and i != 0:
+                raise InputError(f"message {i}: a system message may only come first")
+            for part in t.parts:
+                if part is VIDEO:
+                    if t.role != "user":
+                        raise InputError(f"message {i}: only a user message may hold the video")
+                    videos += 1
+                elif not isinstance(part, str):
+                    raise InputError(f"message {i}: a part must be text or the video")
+        if videos != 1:
+            raise InputError("the conversation must hold exactly one video, not "
+                             f"{videos}" if videos else "the conversation has no video")
+        last = self.turns[-1]
+        if last.role != "user" or not any(isinstance(p, str) and p.strip() for p in last.parts):
+            raise InputError("the last message must be a user message with text")
+        return self
+
+    def split(self) -> tuple[list, list]:
+        """``(before, after)``: the turns up to the video and from it on; the video's turn is
+        split in two: ``before[-1]`` holds its parts before the video, ``after[0]`` (same
+        role) the parts after it."""
+        for i, t in enumerate(self.turns):
+            for j, part in enumerate(t.parts):
+                if part is VIDEO:
+                    return ([*self.turns[:i], Turn(t.role, t.parts[:j])],
+                            [Turn(t.role, t.parts[j + 1:]), *self.turns[i + 1:]])
+        raise ValueError("no video in the conversation")
+
+    def prefix_digest(self) -> str:
+        """What of the conversation the prefix's tokens depend on: the turns before the video
+        (a changed system prompt or earlier turn is another prefix)."""
+        import hashlib
+        import json
+        before, _ = self.split()
+        blob = json.dumps([[t.role, list(t.parts)] for t in before], ensure_ascii=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @property
+    def question(self) -> str:
+        """The last user message's text (what a one-question caller asked)."""
+        return " ".join(p for p in self.turns[-1].parts if isinstance(p, str)).strip()
+
+
 @dataclass
 class PrepareOptions:
     """Per-request knobs of preprocessing. ``None`` means the adapter's default."""
@@ -43,6 +125,12 @@ class Prepared:
     visual_tokens: int
     text_tokens: int
     tensors: dict = field(default_factory=dict)   # adapter-specific (pixels, grids, positions)
+    # the prompt splits at the video (Conversation): tokens [0, prefix_len) are the prefix
+    # (up to and including the video), the rest the suffix; prefix_index is the
+    # ModalityIndex of the prefix alone (what its sparse prefill estimates from)
+    prefix_len: int = 0
+    prefix_index: object = None
+    rope_delta: int = 0                 # position of token i after the video: i + rope_delta
 
     @property
     def total_tokens(self) -> int:
@@ -55,6 +143,7 @@ class Generated:
     token_ids: list
     prefill_tokens: int
     prefill_logits: object = None       # [vocab] logits of the prompt's last position
+    first_token_s: float | None = None  # time.perf_counter() when the first token was known
 
 
 class Adapter:
@@ -100,6 +189,17 @@ class Adapter:
 
     def positions(self, prepared: Prepared, start: int, length: int):
         """position_ids for tokens [start, start+length) (``None``: the model's 1-D default)."""
+        raise NotImplementedError
+
+    def positions_after(self, rope_delta: int, start: int, length: int):
+        """position_ids of tokens [start, start+length) after the video, from the prefix's
+        ``rope_delta`` alone (a cached prefix has no Prepared); None: the model counts them
+        from the cache's length."""
+        return None
+
+    def split_prompt(self, conversation, n_video_tokens: int) -> tuple[list, list]:
+        """``(prefix, suffix)`` token ids of a question or Conversation around the video;
+        the suffix (what follows the video) is the same whatever ``n_video_tokens``."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ shared
@@ -161,6 +261,81 @@ class Adapter:
                 on_token(rest, None)
         return Generated(text=text, token_ids=out, prefill_tokens=L,
                          prefill_logits=logits[0, -1])
+
+    def prefill_prefix(self, prepared: Prepared, embeds, *, ctx=None, timer=None,
+                       headroom: int | None = None):
+        """The prefix of ``prepared`` (tokens up to and including the video) into a new
+        :class:`mminfer.models.kv.PrefixKV`: the prefill engine over ``embeds[:, :prefix]``
+        (overwritten), its last layer writing K/V only (nobody reads the prefix's logits).
+        ``ctx`` is active during it (sparse or dense by its decision on the prefix's length,
+        estimated from the prefix's own last queries: ``ctx.index`` is the prefix's)."""
+        import torch
+        from contextlib import nullcontext
+        from mminfer.models.kv import HEADROOM, PrefixKV
+        from mminfer.models.prefill import DEFAULT_CHUNK, prefill
+
+        section = timer if timer is not None else (lambda name: nullcontext())
+        P = prepared.prefix_len
+        kv = PrefixKV.for_model(self.text_model, HEADROOM if headroom is None else headroom)
+        with torch.inference_mode(), section("prefill"):
+            prefill(self.text_model, embeds[:, :P], kv, self.positions(prepared, 0, P),
+                    chunk=self.prefill_chunk or DEFAULT_CHUNK, ctx=ctx, kv_only_last=True)
+        return kv
+
+    def continue_on(self, cache, embeds, *, rope_delta: int = 0, max_new_tokens: int = 32,
+                    cancel=None, on_token=None, timer=None) -> Generated:
+        """Greedy answer of the suffix ``embeds`` ``[1, S, hidden]`` continuing ``cache``
+        (a prefix's PrefixKV): the suffix's rows in one pass over every cached key (dense,
+        causal among themselves: hooks.continuation_attention), timed as "suffix", then the
+        decode steps ("generate"). The cache keeps the suffix's and answer's rows; its owner
+        truncates them. ``Generated.first_token_s``: ``time.perf_counter()`` when the first
+        token was known."""
+        import time
+        import torch
+        from contextlib import nullcontext
+        from mminfer.errors import Cancelled
+        from mminfer.models.detokenize import IncrementalText
+
+        section = timer if timer is not None else (lambda name: nullcontext())
+        P, S = cache.get_seq_length(), embeds.shape[1]
+        with torch.inference_mode():
+            with section("suffix"):
+                hidden = self._step(embeds, self.positions_after(rope_delta, P, S), cache)
+                logits = self.lm_head(hidden[:, -1:])
+                token = logits.argmax(-1)                         # [1, 1]
+            out = [int(token)]
+            first_token_s = time.perf_counter()
+            stream = IncrementalText(self.tokenizer, self.eos_token_ids) if on_token else None
+            with section("generate"):
+                if stream is not None:
+                    on_token(stream.push(out[0]), out[0])
+                embed_tokens = self.text_model.get_input_embeddings()
+                while len(out) < max_new_tokens and out[-1] not in self.eos_token_ids:
+                    if cancel is not None and cancel():
+                        raise Cancelled(f"request cancelled after {len(out)} answer tokens")
+                    pos = self.positions_after(rope_delta, P + S + len(out) - 1, 1)
+                    hidden = self._step(embed_tokens(token), pos, cache)
+                    token = self.lm_head(hidden[:, -1:]).argmax(-1)
+                    out.append(int(token))
+                    if stream is not None:
+                        on_token(stream.push(out[-1]), out[-1])
+        answer = [t for t in out if t not in self.eos_token_ids]
+        text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+        if stream is not None:
+            rest = stream.finish(text)
+            if rest:
+                on_token(rest, None)
+        return Generated(text=text, token_ids=out, prefill_tokens=P + S,
+                         prefill_logits=logits[0, -1], first_token_s=first_token_s)
+
+    def suffix_embeds(self, conversation):
+        """The embeddings of a conversation's suffix (what follows the video), ``[1, S,
+        hidden]``: all a question on a cached prefix needs of the prompt."""
+        import torch
+        _, suffix = self.split_prompt(conversation, 0)
+        ids = torch.tensor([suffix], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            return self.text_model.get_input_embeddings()(ids)
 
     def _step(self, embeds, position_ids, cache):
         """One decode step through the text model's own forward on ``cache``."""

@@ -122,6 +122,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     sparse = (ctx is not None and layer is not None and q_len == kv_len
               and attention_mask is None and ctx.decide(q_len))
     timer = ctx.timer if ctx is not None else None
+    if not sparse and query.shape[0] == 1 and 1 < q_len < kv_len:
+        return continuation_attention(query, key, value, scaling), None
     if not sparse:
         if timer is not None and layer is not None:
             with timer("attention"):
@@ -145,6 +147,23 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if ctx.keep_plans:
         ctx.densities[layer] = res[1]
     return out, None
+
+
+def continuation_attention(query, key, value, scaling=None):
+    """Rows that continue a cached prompt (a question on a kept video prefix): the last
+    ``q_len`` positions of ``kv_len``, each seeing every key up to its own position (causal,
+    aligned to the bottom right). One sequence, no padding, so transformers' mask says
+    nothing more; SDPA's lower-right causal bias keeps flash / memory-efficient kernels and
+    GQA by index, where the boolean mask transformers builds would force a dense
+    ``[q_len, kv_len]`` mask and K/V repeated per query head (7x the cache at 28/4 heads).
+    Returns ``[1, q_len, H, D]``."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+    q_len, kv_len = query.shape[2], key.shape[2]
+    out = F.scaled_dot_product_attention(query, key, value,
+                                         attn_mask=causal_lower_right(q_len, kv_len),
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def decode_backends(query, q_len: int):

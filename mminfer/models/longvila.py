@@ -325,6 +325,8 @@ class LongVILA(Adapter):
         return Prepared(input_ids=torch.tensor([ids], dtype=torch.long), index=index,
                         n_frames=n_frames, visual_tokens=len(video_ids),
                         text_tokens=len(prefix) + len(suffix),
+                        prefix_len=len(prefix) + len(video_ids),
+                        prefix_index=ModalityIndex.longvila(len(prefix), n_frames, P, 0),
                         tensors={"frames": frames, "resized": (self.image_size,) * 2})
 
     def embed(self, prepared: Prepared, *, timer=None, cancel=None,
@@ -431,20 +433,34 @@ class LongVILA(Adapter):
             out.append(x.round_().clamp_(0, 255).to(torch.uint8))
         return torch.cat(out)
 
-    def prompt_text(self, question: str) -> str:
-        msgs = [{"role": "user", "content": VIDEO_TOKEN + question}]
+    def prompt_text(self, question) -> str:
+        """The chat template's text of a question or Conversation, the video as
+        ``<vila/video>`` where it goes."""
+        from mminfer.models.base import VIDEO, Conversation
+        conv = question if isinstance(question, Conversation) else Conversation.single(question)
+        msgs = [{"role": t.role,
+                 "content": "".join(VIDEO_TOKEN if p is VIDEO else p for p in t.parts)}
+                for t in conv.turns]
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
                                                   tokenize=False)
 
-    def _prompt_ids(self, question: str) -> tuple[list[int], list[int]]:
-        if not isinstance(question, str) or not question.strip():
+    def split_prompt(self, question, n_video_tokens: int = 0) -> tuple[list[int], list[int]]:
+        """``(prefix, suffix)`` ids around the video: ``prefix`` ends just before the video's
+        frames (:meth:`prepare` adds them), ``suffix`` is what follows them."""
+        return self._prompt_ids(question)
+
+    def _prompt_ids(self, question) -> tuple[list[int], list[int]]:
+        from mminfer.models.base import Conversation
+        conv = question if isinstance(question, Conversation) else Conversation.single(question)
+        texts = [p for t in conv.turns for p in t.parts if isinstance(p, str)]
+        if not conv.question:
             raise InputError("the question is empty")
         specials = set(self.tokenizer.all_special_tokens) | set(MEDIA_TOKENS) | {
             "<|im_start|>", "<|im_end|>", "<|endoftext|>"}
-        bad = sorted(t for t in specials if t and t in question)
+        bad = sorted(t for t in specials if t and any(t in x for x in texts))
         if bad:
             raise InputError(f"the question contains special tokens {bad}")
-        ids = self.tokenizer(self.prompt_text(question), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(self.prompt_text(conv), add_special_tokens=False)["input_ids"]
         at = [i for i, t in enumerate(ids) if t == self.video_token_id]
         if len(at) != 1:
             raise ConfigError(f"the chat template produced {len(at)} {VIDEO_TOKEN} tokens")

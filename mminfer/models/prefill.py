@@ -42,7 +42,8 @@ DEFAULT_CHUNK = 16384
 
 
 def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
-            chunk: int = DEFAULT_CHUNK, ctx=None, lm_head=None, layers=None) -> torch.Tensor:
+            chunk: int = DEFAULT_CHUNK, ctx=None, lm_head=None, layers=None,
+            kv_only_last: bool = False) -> torch.Tensor | None:
     """Prefill the prompt ``embeds`` ``[1, N, hidden]`` through ``text_model`` (a transformers
     Qwen2 / Qwen2.5-VL text model) into ``cache`` (an empty ``DynamicCache``; None keeps no
     K/V, for benchmarks of the prefill alone).
@@ -53,6 +54,8 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
     once, and its ``cancel`` is checked before every layer. ``layers``: indices of the decoder
     layers to run (default all; benchmarks warm up on a few). Returns the final-normed hidden
     state of the last position ``[1, 1, hidden]``, or its logits with ``lm_head``.
+    ``kv_only_last``: a prefix that questions continue (the video cache) needs no output at
+    all: its last decoder layer writes its K/V and computes nothing else; returns None.
     """
     if embeds.ndim != 3 or embeds.shape[0] != 1:
         raise ValueError(f"prefill takes one prompt [1, N, hidden], got {tuple(embeds.shape)}")
@@ -76,6 +79,9 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
         last = None
         for i, layer in enumerate(todo):
             _check_cancel(ctx, layer.self_attn.layer_idx)
+            if kv_only_last and last_only and i == len(todo) - 1:
+                _layer_kv(layer, h, rope, spans, cache)
+                return None
             if last_only and i == len(todo) - 1:
                 last = _decoder_layer(layer, h, rope, spans, cache, last_only=True)
                 if ctx is not None:
@@ -137,6 +143,26 @@ def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
     for s, e in spans:
         part = h[:, s:e]
         part += layer.mlp(layer.post_attention_layernorm(part))
+
+
+def _layer_kv(layer, h, rope, spans, cache):
+    """Only the K/V that ``layer`` writes into ``cache`` for the rows of ``h``."""
+    attn = layer.self_attn
+    d = attn.head_dim
+    apply_rope = _module_of(attn).apply_rotary_pos_emb
+    n = h.shape[1]
+    k = v = None
+    for (s, e), (cos, sin) in zip(spans, rope):
+        x = layer.input_layernorm(h[:, s:e])
+        kc = attn.k_proj(x).view(1, e - s, -1, d).transpose(1, 2)
+        vc = attn.v_proj(x).view(1, e - s, -1, d).transpose(1, 2)
+        _, kc = apply_rope(kc, kc, cos, sin)
+        if k is None:
+            k = kc.new_empty(1, kc.shape[1], n, d)
+            v = vc.new_empty(1, vc.shape[1], n, d)
+        k[:, :, s:e], v[:, :, s:e] = kc, vc
+        del x, kc, vc
+    cache.update(k, v, attn.layer_idx)
 
 
 def _position_ids(text_model, position_ids, n, device):

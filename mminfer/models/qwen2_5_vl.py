@@ -255,18 +255,45 @@ class Qwen2_5_VLAdapter(Adapter):
         return adapter
 
     # ---------------------------------------------------------------- per request
-    def prompt_ids(self, question: str, n_video_tokens: int) -> list[int]:
-        """Token ids of the chat-template layout, the video as ``n_video_tokens`` pads (what
-        the HF processor makes of one ``<|video_pad|>``, without tokenizing 10^5 pads). The
-        question is tokenized as plain text: special-token strings in it stay text, so a
-        question cannot end the turn or add a video."""
+    def prompt_ids(self, question, n_video_tokens: int) -> list[int]:
+        """Token ids of the whole prompt (a question or a Conversation), the video as
+        ``n_video_tokens`` pads: :meth:`split_prompt` joined."""
+        prefix, suffix = Qwen2_5_VLAdapter.split_prompt(self, question, n_video_tokens)
+        return prefix + suffix
+
+    def split_prompt(self, conversation, n_video_tokens: int) -> tuple[list[int], list[int]]:
+        """``(prefix, suffix)`` token ids of the chat-template layout (Qwen2.5-VL's ChatML:
+        the default system prompt unless the conversation starts with one; a video part is
+        ``<|vision_start|>`` + ``n_video_tokens`` pads + ``<|vision_end|>``, what the HF
+        processor makes of one ``<|video_pad|>``, without tokenizing 10^5 pads). The prefix
+        ends with ``<|vision_end|>``; the suffix ends with the assistant's opening. Message
+        texts are tokenized as plain text: special-token strings in them stay text, so no
+        message can end its turn or add a video."""
+        from mminfer.models.base import VIDEO, Conversation
+        conv = conversation if isinstance(conversation, Conversation) else \
+            Conversation.single(conversation)
         tok = self.tokenizer
-        head = tok(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
-                   f"<|vision_start|>", add_special_tokens=False)["input_ids"]
-        end = tok("<|vision_end|>", add_special_tokens=False)["input_ids"]
-        q = tok(question, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        tail = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        return head + [self.video_token_id] * n_video_tokens + end + q + tail
+        special = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+        plain = lambda t: tok(t, add_special_tokens=False,                 # noqa: E731
+                              split_special_tokens=True)["input_ids"]
+        out, prefix = [], None
+        turns = conv.turns
+        if turns[0].role != "system":
+            out += special(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+        for t in turns:
+            out += special(f"<|im_start|>{t.role}\n")
+            for part in t.parts:
+                if part is VIDEO:
+                    out += special("<|vision_start|>") + [self.video_token_id] * n_video_tokens \
+                        + special("<|vision_end|>")
+                    prefix, out = out, []
+                elif part:
+                    out += plain(part)
+            out += special("<|im_end|>\n")
+        out += special("<|im_start|>assistant\n")
+        if prefix is None:
+            raise InputError("the conversation has no video")
+        return prefix, out
 
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
         """Token layout, ModalityIndex and M-RoPE positions of ``video`` (decoded frames, or
@@ -289,11 +316,13 @@ class Qwen2_5_VLAdapter(Adapter):
             frames.request_size(rh, rw)
         merge = v.spatial_merge_size
         n_video = t * (h // merge) * (w // merge)
-        ids = self.prompt_ids(question, n_video)
+        prefix, suffix = self.split_prompt(question, n_video)
+        ids = prefix + suffix
         grid = torch.tensor([[t, h, w]], dtype=torch.long)
-        index = ModalityIndex.qwen2_5_vl(ids, grid, video_token_id=self.video_token_id,
-                                         image_token_id=self.image_token_id,
-                                         spatial_merge_size=merge)
+        index, prefix_index = (
+            ModalityIndex.qwen2_5_vl(x, grid, video_token_id=self.video_token_id,
+                                     image_token_id=self.image_token_id,
+                                     spatial_merge_size=merge) for x in (ids, prefix))
         fps = float(video.sampled_fps)
         if not fps > 0:
             raise VideoError(f"sampled fps {fps} is not positive")
@@ -302,7 +331,8 @@ class Qwen2_5_VLAdapter(Adapter):
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         return Prepared(
             input_ids=input_ids, index=index, n_frames=n_frames, visual_tokens=n_video,
-            text_tokens=len(ids) - n_video,
+            text_tokens=len(ids) - n_video, prefix_len=len(prefix), prefix_index=prefix_index,
+            rope_delta=int(delta),
             tensors={"frames": frames, "video_grid_thw": grid.to(self.device),
                      "second_per_grid_ts": sgt, "position_ids": pos[:, None].to(self.device),
                      "rope_delta": delta,
@@ -379,12 +409,17 @@ class Qwen2_5_VLAdapter(Adapter):
         return embeds
 
     def positions(self, prepared: Prepared, start: int, length: int):
-        import torch
         L = prepared.input_ids.shape[1]
-        if start == 0 and length == L:
-            return prepared.tensors["position_ids"]                       # [3, 1, L]
+        if start + length <= L:
+            return prepared.tensors["position_ids"][..., start:start + length]   # [3, 1, n]
+        return self.positions_after(prepared.tensors["rope_delta"], start, length)
+
+    def positions_after(self, rope_delta: int, start: int, length: int):
+        """M-RoPE positions of tokens [start, start+length) after the video: text positions
+        run on from the video's largest, ``i + rope_delta`` on all three axes."""
+        import torch
         p = torch.arange(start, start + length, device=self.device)
-        return (p + prepared.tensors["rope_delta"]).view(1, 1, -1).expand(3, 1, -1)
+        return (p + int(rope_delta)).view(1, 1, -1).expand(3, 1, -1)
 
 
 ADAPTER = Qwen2_5_VLAdapter
