@@ -29,9 +29,10 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-# Default GPU budget: this share of the device's memory (H200: 56 of 141 GB, a 1M-token
-# LongVILA-7B prefix is 60 GB: raise --kv-cache-gb to keep one); on the CPU, 2 GiB.
-GPU_SHARE = 0.4
+# Default GPU budget: this share of the device's memory (H200: 70 of 141 GB, room for one
+# 1M-token LongVILA-7B prefix, 60 GB, beside the 16 GB of weights; a new long prefill first
+# spills what it needs room for: make_room); on the CPU, 2 GiB.
+GPU_SHARE = 0.5
 CPU_DEFAULT_BYTES = 2 << 30
 # Free memory kept for a new prefill on top of its KV cache: activations of its chunked
 # prefill (models/prefill.py: the MLP's chunk temporaries, q and the attention output).

@@ -33,6 +33,9 @@ class _Video:
     def __repr__(self):
         return "VIDEO"
 
+    def __reduce__(self):        # unpickled (tensor-parallel ranks, workers) as the one VIDEO
+        return "VIDEO"
+
 
 VIDEO = _Video()
 ROLES = ("system", "user", "assistant")

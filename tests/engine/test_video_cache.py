@@ -290,3 +290,12 @@ def test_sparse_prefix_plumbing_equals_the_one_shot_prefill():
             again = ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
                                    max_new_tokens=3)
             assert torch.equal(again.prefill_logits, got.prefill_logits)
+
+
+def test_a_conversation_survives_pickling():
+    """Tensor-parallel ranks and workers receive requests pickled: VIDEO stays the one VIDEO."""
+    import pickle
+    conv = Conversation((Turn("system", ("s",)), Turn("user", ("look", VIDEO, "q"))))
+    back = pickle.loads(pickle.dumps(conv))
+    assert back == conv and back.turns[1].parts[1] is VIDEO
+    assert back.validate().prefix_digest() == conv.prefix_digest()
