@@ -49,8 +49,8 @@ class AnswerFields(BaseModel):
 
 class AnswerForm(AnswerFields):
     """multipart/form-data: the video file (or a `video_id`) and the fields."""
-    video: bytes = Field(None, description="the video file (mp4, webm, mkv, ...); "
-                                                  "required unless `video_id` is given")
+    video: bytes = Field(None, description="the video file (mp4, webm, mkv, ...); required "
+                                           "unless `video_id` is given")
 
 
 REQUEST_BODY = {"required": True, "content": {"multipart/form-data": {

@@ -80,7 +80,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     worker.shadow = ShadowMonitor(s.shadow_rate, int(s.shadow_max_mb * 2**20),
                                   s.shadow_max_new_tokens, metrics=metrics, store=shadow_store)
 
-    video_store = videos.VideoStore(data_dir / "videos", max_bytes=int(s.video_store_gb * 1e9),
+    video_store = videos.VideoStore(data_dir / "videos",
+                                    max_bytes=int(s.video_store_gb * 2**30),
                                     max_count=s.video_store_max, ttl_s=s.video_ttl_s)
     # the engine's video cache, read when /metrics is scraped
     metrics.watch_cache(lambda: getattr(getattr(worker.pipeline, "video_cache", None),

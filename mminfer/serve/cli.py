@@ -102,18 +102,18 @@ def add_arguments(p: argparse.ArgumentParser):
     g = p.add_argument_group("video cache (a video's prefix is prefilled once, then reused by "
                              "every question about it)")
     g.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb,
-                   help="GPU memory for cached video prefixes (KV caches), GB (default: the "
+                   help="GPU memory for cached video prefixes (KV caches), GiB (default: the "
                         "engine's share of the device's memory; on the CPU 2 GiB)")
     g.add_argument("--kv-host-cache-gb", type=float, default=d.kv_host_cache_gb,
                    help="pinned host memory the least recently used prefixes move to when "
-                        "the GPU budget is spent, GB (0: they are dropped)")
+                        "the GPU budget is spent, GiB (0: they are dropped)")
     g.add_argument("--no-video-cache", action="store_true",
                    help="keep nothing between requests: every question prefills its whole "
                         "prompt")
 
     g = p.add_argument_group("video store (POST /v1/videos: upload once, ask by id)")
     g.add_argument("--video-store-gb", type=float, default=d.video_store_gb,
-                   help="disk for stored videos under --data-dir, GB (the same bytes are "
+                   help="disk for stored videos under --data-dir, GiB (the same bytes are "
                         "stored once); an upload over it gets 507")
     g.add_argument("--video-store-max", type=int, default=d.video_store_max,
                    help="stored videos at most; an upload over it gets 507")

@@ -5,6 +5,7 @@ second a cache hit, chat by ``mminfer://videos/{id}``, delete -> 404), an upload
 URL of the same bytes sharing one cache entry, the budgets and expiry over HTTP, auth."""
 
 import base64
+import json
 import os
 import time
 from pathlib import Path
@@ -119,6 +120,22 @@ def test_store_survives_a_restart(tmp_path):
     assert blobs(again) == [f"{late.sha256}.video"]
 
 
+def test_serve_flags_reach_the_settings():
+    from mminfer.cli import build_parser
+    from mminfer.serve.cli import settings_from
+    argv = ["serve", "--kv-cache-gb", "12.5", "--kv-host-cache-gb", "64", "--no-video-cache",
+            "--video-store-gb", "3", "--video-store-max", "7", "--video-ttl-s", "60"]
+    s = settings_from(build_parser(argv).parse_args(argv))
+    assert (s.kv_cache_gb, s.kv_host_cache_gb, s.video_cache) == (12.5, 64.0, False)
+    assert (s.video_store_gb, s.video_store_max, s.video_ttl_s) == (3.0, 7, 60.0)
+    d = settings_from(build_parser(["serve"]).parse_args(["serve"]))
+    assert (d.kv_cache_gb, d.kv_host_cache_gb, d.video_cache) == (None, 0.0, True)
+    help_ = build_parser(["serve"])._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--kv-cache-gb", "--kv-host-cache-gb", "--no-video-cache", "--video-store-gb",
+                 "--video-store-max", "--video-ttl-s"):
+        assert flag in help_
+
+
 def test_video_urls():
     assert video_id_of("mminfer://videos/video-abc") == "video-abc"
     assert video_id_of("data:video/mp4;base64,AAAA") is None
@@ -229,7 +246,7 @@ def test_store_budgets_expiry_and_auth_over_http(ckpt, tmp_path, live_server, mo
     raw = NEEDLE.read_bytes()
     other = Path(write_video(tmp_path / "other.mp4", n_frames=8, fps=4.0)).read_bytes()
     srv = live_server(app_with(ckpt, tmp_path / "d", api_key="sesame", video_store_max=1,
-                               video_ttl_s=2.0, video_store_gb=len(raw) * 1.5 / 1e9))
+                               video_ttl_s=2.0, video_store_gb=len(raw) * 1.5 / 2**30))
     key = {"Authorization": "Bearer sesame"}
     for r in (upload(srv.url, raw), httpx.get(f"{srv.url}/v1/videos"),
               httpx.get(f"{srv.url}/v1/videos/video-x"),
@@ -241,7 +258,10 @@ def test_store_budgets_expiry_and_auth_over_http(ckpt, tmp_path, live_server, mo
     assert a.status_code == 200, a.text
     full = upload(srv.url, other, headers=key)             # the count budget: 1
     assert full.status_code == 507 and full.json()["error"]["code"] == "video_store_full"
-    time.sleep(2.2)                                         # a expires
+    time.sleep(2.5)                                         # a expires ...
+    folder = tmp_path / "d" / "videos"                      # ... and the sweep (every 1 s
+    assert json.loads((folder / INDEX).read_text()) == []   # here) deleted it unasked
+    assert [f.name for f in folder.iterdir()] == [INDEX]
     r = httpx.get(f"{srv.url}/v1/videos/{a.json()['id']}", headers=key)
     assert r.status_code == 404 and r.json()["error"]["code"] == "video_not_found"
     b = upload(srv.url, other, headers=key)
