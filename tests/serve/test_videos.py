@@ -214,6 +214,8 @@ def test_videos_life_cycle(ckpt, tmp_path, live_server):
         assert r.status_code == 404, r.text
         assert r.json()["error"]["code"] == "video_not_found"
     assert httpx.get(f"{srv.url}/v1/videos").json()["data"] == []
+    # the answered requests gave their leases back: the file went with the id
+    assert os.listdir(tmp_path / "videos") == [INDEX]
     # what an upload of a video must pass, a stored video passes too
     empty = upload(srv.url, b"")
     assert empty.status_code == 400 and empty.json()["error"]["code"] == "bad_video"
