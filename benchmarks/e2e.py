@@ -109,10 +109,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STAGES = ("decode", "preprocess", "vision", "index", "attention", "llm_other", "generate",
+STAGES = ("restore", "decode", "preprocess", "vision", "index", "attention", "llm_other",
+          "suffix", "generate",
           "ttft", "total")
 GIB = 1024 ** 3
 QUESTION = "what is moving in the video ?"
+# the follow-ups of the repeated-questions step (multiple choice: short answers)
+FOLLOW_UPS = ("what colour is the ball ?", "how many times does it bounce ?",
+              "where is it at the end ?", "is there any text ?", "what is in the background ?",
+              "which way does it move first ?", "is the camera moving ?",
+              "how fast does it move ?", "does it leave the frame ?", "what shape is it ?",
+              "is there more than one object ?", "what happens in the middle ?",
+              "what happens at the start ?", "what is the last thing that moves ?",
+              "is it day or night ?")
 
 # Qwen2.5-VL-7B-Instruct's published config (config.json of the hub repo).
 QWEN_7B_TEXT = dict(
@@ -546,14 +555,18 @@ def ensure_checkpoint(case: Case, work: Path, device, tiny: bool, done: dict) ->
 
 
 # ============================================================================ requests
-def request(pipe, case: Case, video: str, mode: str, args, *, frames: int | None = None) -> dict:
-    """One ``Pipeline.answer``: its stages, tokens, sparsity and peak memory."""
+def request(pipe, case: Case, video: str, mode: str, args, *, frames: int | None = None,
+            question: str = QUESTION, use_cache: bool = False,
+            max_new_tokens: int | None = None) -> dict:
+    """One ``Pipeline.answer``: its stages, tokens, sparsity and peak memory. The video cache
+    is off unless ``use_cache`` (each first-question figure builds its prefix)."""
     entry = {"mode": mode, "measured": True, "path": "Pipeline.answer"}
     t0 = time.perf_counter()
     try:
         with RssPeak() as rss, GpuPeak(pipe.device) as gpu:
-            res = pipe.answer(video, QUESTION, fps=case.fps, max_frames=frames or case.frames,
-                              max_new_tokens=args.max_new_tokens, attention=mode)
+            res = pipe.answer(video, question, fps=case.fps, max_frames=frames or case.frames,
+                              max_new_tokens=max_new_tokens or args.max_new_tokens,
+                              attention=mode, use_cache=use_cache)
     except Exception as e:     # an OOM or an input error is a result; the run goes on
         entry.update(_error(e), wall_s=round(time.perf_counter() - t0, 2))
     if "error" in entry:       # outside the handler: its traceback holds the request's tensors
@@ -568,8 +581,64 @@ def request(pipe, case: Case, video: str, mode: str, args, *, frames: int | None
                   if k in sp} or None,
         peak_gpu_gib=_r(gpu.allocated), peak_gpu_reserved_gib=_r(gpu.reserved),
         peak_rss_gib=_r(rss.peak / GIB), wall_s=round(time.perf_counter() - t0, 2),
-        answer=str(res.answer)[:120])
+        answer=str(res.answer)[:120], cache=res.cache)
     return entry
+
+
+def repeated_questions(pipe, case: Case, video: str, mode: str, args) -> dict:
+    """Questions about one video on one Pipeline with the video cache on (8 new tokens each,
+    as for multiple choice): the first builds the prefix (a miss), the follow-ups continue it
+    from the GPU tier (``--follow-ups`` of them), then one from the host tier (the entry
+    offloaded to pinned host memory first). Throughput of k questions per video: with the
+    cache, the first question's total + the next k-1 follow-ups' totals as measured; from
+    scratch (every question a miss, as before the cache), k x the first question's total."""
+    out = {"mode": mode, "max_new_tokens": 8}
+    cache = pipe.video_cache
+    cache.clear()
+    first = request(pipe, case, video, mode, args, question=QUESTION, use_cache=True,
+                    max_new_tokens=8)
+    out["first"] = first
+    if "timings_ms" not in first:
+        return out
+    hits = []
+    for q in FOLLOW_UPS[:max(args.follow_ups, 2)]:
+        hits.append(request(pipe, case, video, mode, args, question=q, use_cache=True,
+                            max_new_tokens=8))
+    out["follow_ups"] = hits
+    ok = [h for h in hits if "timings_ms" in h]
+    if ok:
+        ttfts = sorted(h["timings_ms"]["ttft"] for h in ok)
+        out["follow_up_ttft_ms"] = {"median": ttfts[(len(ttfts) - 1) // 2], "min": ttfts[0],
+                                    "max": ttfts[-1], "n": len(ttfts)}
+        out["cache_statuses"] = [h.get("cache") for h in ok]
+    first_total = first["timings_ms"]["total"]
+    tp = {}
+    for k in (1, 3, 15):
+        if k - 1 > len(ok):
+            continue
+        cached = first_total + sum(h["timings_ms"]["total"] for h in ok[:k - 1])
+        scratch = k * first_total
+        tp[str(k)] = {"cached_s": round(cached / 1e3, 3), "scratch_s": round(scratch / 1e3, 3),
+                      "questions_per_s_cached": round(k / (cached / 1e3), 4),
+                      "questions_per_s_scratch": round(k / (scratch / 1e3), 4),
+                      "speedup": round(scratch / cached, 3)}
+    out["throughput"] = tp
+    out["kv_bytes"] = cache.stats()["gpu_bytes"]
+    if args.host_tier:
+        t0 = time.perf_counter()
+        try:
+            cache.host_budget = max(cache.host_budget, out["kv_bytes"] + (1 << 30))
+            moved = cache.offload()
+            out["offload_s"] = round(time.perf_counter() - t0, 2)
+            out["offloaded"] = moved
+            out["host"] = request(pipe, case, video, mode, args, question=FOLLOW_UPS[0],
+                                  use_cache=True, max_new_tokens=8)
+        except Exception as e:     # pinned host memory can run out: a result too
+            out["host"] = _error(e)
+    out["stats"] = cache.stats()
+    cache.clear()
+    free_memory()
+    return out
 
 
 def _num(v):
@@ -967,9 +1036,10 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
             R["dense"] = {"mode": "dense", "skipped": why}
             if args.baseline:
                 R["transformers"] = {"mode": "transformers", "skipped": why}
-        elif n > dense_max:
+        elif n > dense_max or not args.dense:
             R["dense"] = extrapolated_dense(R.get("sparse"), probe)
-            R["dense"]["why"] = f"{n} tokens > --dense-max-tokens {dense_max}"
+            R["dense"]["why"] = f"{n} tokens > --dense-max-tokens {dense_max}" \
+                if n > dense_max else "--no-dense"
         else:
             R["dense"] = timed_step(clock, est.get("dense"), lambda: request(
                 pipe, case, video, "dense", args))
@@ -979,6 +1049,17 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
                 R["dense"]["why"], R["dense"]["failed_run"] = "out of memory", measured
         progress(clock, case, "dense", R["dense"])
         save()
+        if args.follow_ups and n:
+            mode = "sparse" if sparse_ok else "dense"
+            rec["repeated"] = timed_step(clock, est.get("repeated", est.get("sparse")),
+                                         lambda: repeated_questions(pipe, case, video, mode,
+                                                                    args))
+            progress(clock, case, "repeated questions", rec["repeated"].get("first"))
+            print(f"[{clock.elapsed():6.0f} s] {case.name}: follow-ups "
+                  f"{rec['repeated'].get('follow_up_ttft_ms')}, host "
+                  f"{(rec['repeated'].get('host') or {}).get('timings_ms')}, throughput "
+                  f"{rec['repeated'].get('throughput')}", flush=True)
+            save()
         for i in range(1, args.repeats):
             for mode in (("sparse", "dense") if sparse_ok else ("dense",)):
                 if R.get(mode, {}).get("measured"):
@@ -1118,6 +1199,25 @@ def table(report: dict) -> str:
             lines.append(f"{name:<13} {tok or '':>9} {label:<13} {src:<5} {cells} "
                          f"{_s(e.get('ttft_excl_decode_ms')):>9} "
                          f"{_g(e.get('peak_gpu_gib')):>8} {_g(e.get('peak_rss_gib')):>8}")
+    rep = [(n, r["repeated"]) for n, r in report["cases"].items() if r.get("repeated")]
+    if rep:
+        lines += ["", "Repeated questions (video cache on, 8 new tokens; TTFT s; throughput: "
+                  "k questions per video, cached vs every question from scratch)"]
+        hdr3 = (f"{'case':<13} {'first':>8} {'follow-up':>10} {'host':>8} {'restore':>8} "
+                f"{'k=3 x':>7} {'k=15 x':>7}  cache")
+        lines += [hdr3, "-" * len(hdr3)]
+        for name, r in rep:
+            f = (r.get("first") or {}).get("timings_ms") or {}
+            h = (r.get("host") or {}).get("timings_ms") or {}
+            tp = r.get("throughput") or {}
+            lines.append(
+                f"{name:<13} {_s(f.get('ttft')):>8} "
+                f"{_s((r.get('follow_up_ttft_ms') or {}).get('median')):>10} "
+                f"{_s(h.get('ttft')):>8} {_s(h.get('restore')):>8} "
+                f"{_x((tp.get('3') or {}).get('speedup')):>7} "
+                f"{_x((tp.get('15') or {}).get('speedup')):>7}  "
+                f"{(r.get('first') or {}).get('cache')}/{','.join(sorted(set(r.get('cache_statuses') or [])))}"
+                f"/{(r.get('host') or {}).get('cache')}")
     lines += ["", "TTFT ratios, one run (excl. decode = all stages after decode; "
               "* = extrapolated)"]
     hdr2 = (f"{'case':<13} {'tokens':>9} {'sparse s':>9} {'dense s':>9} {'transf. s':>9} "
@@ -1215,6 +1315,12 @@ def parse_args(argv=None):
     p.add_argument("--baseline-vision-frames", type=int, default=512,
                    help="frames the baseline tower runs on when the prefill is extrapolated")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
+    p.add_argument("--follow-ups", type=int, default=14,
+                   help="repeated questions: follow-ups after the first (0: skip the step)")
+    p.add_argument("--no-host-tier", dest="host_tier", action="store_false",
+                   help="repeated questions: skip the follow-up from the host tier")
+    p.add_argument("--no-dense", dest="dense", action="store_false",
+                   help="extrapolate dense from the probe instead of running it")
     p.add_argument("--probe-full-max", type=int, default=400_000,
                    help="up to this many tokens the dense probe times all heads of a layer")
     p.add_argument("--deadline-s", type=float, default=None,

@@ -15,7 +15,13 @@ the prompt, M-RoPE positions and ModalityIndex; the vision tower runs batched ov
 pairs; then one prefill per attention mode, through mminfer's attention hook:
 
 * ``dense``: SDPA;
-* ``config``: sparse with the model's own head-pattern config, as ``mminfer answer`` runs it;
+* ``prefix``: sparse with the model's own head-pattern config as ``mminfer answer`` runs it
+  since the video cache: the prefix (up to the end of the video) prefilled sparse with its
+  patterns estimated from the prefix's own last queries, the question's rows dense over
+  every key (``Adapter.prefill_prefix`` + ``Adapter.continue_on``): the same for every
+  question, so a cached prefix serves them all;
+* ``config``: sparse with the same config over the whole prompt in one pass, estimated from
+  the prompt's last queries, which are the question's (the policy before the video cache);
 * ``cfg:<stem>``: sparse with each config file of ``--configs`` (several configs compared on
   one rendering of each video);
 * ``d=0.10`` ...: sparse with every head's pattern (its kind, boundary and regions kept)
@@ -153,6 +159,30 @@ class Runner:
     @torch.inference_mode()
     def embeds(self, prep):
         return self.ad.embed(prep)          # the batched tower (mminfer.models.vision)
+
+    @torch.inference_mode()
+    def first_token_prefix(self, prep, embeds, patterns, density: bool):
+        """The shipped policy: the prefix sparse (its own estimate), the suffix dense."""
+        from mminfer.models.hooks import PrefillContext
+        ad = self.ad
+        P, L = prep.prefix_len, prep.input_ids.shape[1]
+        ctx = PrefillContext(index=prep.prefix_index, patterns=patterns, mode="sparse",
+                             min_sparse_len=0, keep_plans=True, engine=self.engine,
+                             block=(self.block_m, self.block_n))
+        kv = ad.prefill_prefix(prep, embeds.clone(), ctx=ctx, headroom=L - P)
+        h = ad._step(embeds[:, P:], ad.positions_after(prep.rope_delta, P, L - P), kv)
+        logits = ad.lm_head(h[:, -1]).float()[0]
+        dens = None
+        if density and ctx.densities:
+            vals = []
+            for plan in ctx.densities.values():
+                d = plan.density()
+                vals.append(float(d["logical"]) if isinstance(d, dict) else float(d))
+            # over the whole prompt's causal triangle: the suffix's rows are dense
+            tri = lambda n: n * (n + 1) / 2      # noqa: E731
+            dens = (sum(vals) / len(vals) * tri(P) + tri(L) - tri(P)) / tri(L)
+        return int(logits.argmax(-1)), dens, bool(ctx.densities), \
+            torch.log_softmax(logits, -1).cpu()
 
     @torch.inference_mode()
     def first_token(self, prep, embeds, patterns, sparse: bool, density: bool):
@@ -463,7 +493,7 @@ def main(argv=None):
         max(0, min(14, (os.cpu_count() or 2) - 2)) if cuda else 0)
     lengths, depths = sorted(args.lengths), [float(x) for x in args.depths]
     extra = extra_configs(args.configs, ad.identity)
-    modes = ["dense"] + ([] if args.no_config else ["config"]) + list(extra) + \
+    modes = ["dense"] + ([] if args.no_config else ["prefix", "config"]) + list(extra) + \
         [f"d={x:.2f}" for x in args.densities]
     specs = grid_specs(lengths, depths, args.needle_reps, args.per_task, args.tasks, args.seed0)
     for sp in specs:
@@ -507,6 +537,14 @@ def main(argv=None):
                    "visual_tokens": int(prep.visual_tokens), "modes": {}}
             dense_logp = None
             for m in modes:
+                if m == "prefix":
+                    tok, dens, ran_sparse, logp = runner.first_token_prefix(
+                        prep, emb, ad.patterns, not args.no_density)
+                    rec["modes"][m] = {"answer": ad.tokenizer.decode([tok]).strip(),
+                                       "correct": tok == want, "density": dens,
+                                       "sparse": ran_sparse,
+                                       "kl": kl_divergence(dense_logp, logp)}
+                    continue
                 if m == "dense":
                     pats, sparse = ad.patterns, False
                 elif m == "config":

@@ -256,6 +256,17 @@ class VideoCache:
                     self._spill(key, e)
                     torch.cuda.empty_cache()
 
+    def offload(self) -> int:
+        """Move every idle device entry to the host tier (within its budget); returns how
+        many moved. For an operator freeing the device, and for measuring the host tier."""
+        moved = 0
+        with self._lock:
+            for key, e in list(self._entries.items()):
+                if e.tier == "gpu" and not e.readers and e.nbytes <= self.host_budget:
+                    self._spill(key, e)
+                    moved += e.tier == "host"
+        return moved
+
     def clear(self) -> None:
         with self._lock:
             for key, e in list(self._entries.items()):

@@ -323,15 +323,13 @@ class Pipeline:
         if kept is not None:
             from mminfer.engine.rerun import finish
             finish(kept, ad, built["prep"], gen, (sparsity or {}).get("mean_density"))
-        if status == "miss" or status == "off":
-            status = "miss" if key is not None else "off"
         return AnswerResult(
             answer=gen.text, model=self.model_id,
             attention=entry.facts["attention"], attention_requested=mode,
             video={**entry.facts["video"], "path": str(video_path)},
             tokens={"total": n, "visual": entry.facts["visual_tokens"],
                     "text": n - entry.facts["visual_tokens"],
-                    "generated": len(gen.token_ids),
+                    "prefix": entry.length, "generated": len(gen.token_ids),
                     "cached": entry.length if built is None else 0},
             sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status)
 

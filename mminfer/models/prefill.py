@@ -81,6 +81,8 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
             _check_cancel(ctx, layer.self_attn.layer_idx)
             if kv_only_last and last_only and i == len(todo) - 1:
                 _layer_kv(layer, h, rope, spans, cache)
+                if ctx is not None:       # no plan: reported as the layer that made none
+                    ctx.last_row_only = layer.self_attn.layer_idx
                 return None
             if last_only and i == len(todo) - 1:
                 last = _decoder_layer(layer, h, rope, spans, cache, last_only=True)

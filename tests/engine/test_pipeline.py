@@ -72,7 +72,9 @@ def test_dense_answer_record(pipe, mp4):
 def test_same_request_same_answer(pipe, mp4):
     a = pipe.answer(mp4, "what color is the square?", max_new_tokens=4)
     b = pipe.answer(mp4, "what color is the square?", max_new_tokens=4)
-    assert a.answer == b.answer and a.tokens == b.tokens        # greedy: deterministic
+    # greedy: deterministic; the second continues the first's kept prefix
+    assert a.answer == b.answer and (a.cache, b.cache) == ("miss", "hit")
+    assert {**a.tokens, "cached": 0} == {**b.tokens, "cached": 0} and b.tokens["cached"] > 0
 
 
 def test_request_errors(pipe, mp4, tmp_path):

@@ -251,3 +251,42 @@ def test_cache_off(qwen, mp4):
     assert pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2).cache == "off"
     assert pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2).cache == "off"
     assert pipe.video_cache.stats()["queries"] == 0
+
+
+DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data"
+
+
+def test_sparse_prefix_plumbing_equals_the_one_shot_prefill():
+    """Sparse prefix (Triton kernels under the interpreter, the prefix's own ModalityIndex,
+    K/V views of the PrefixKV buffers) + dense suffix: with head patterns whose budgets cover
+    every pair, the one-shot dense prefill of the whole prompt, in fp32; with a small budget,
+    a real sparse prefill (density < 1) whose kept prefix answers a second time the same."""
+    from mminfer.sparse.patterns import HeadPatternConfig
+    pipe = Pipeline(None, attention="sparse", device="cpu", min_sparse_len=0)
+    ad = pipe.adapter
+    needle = DATA.parents[1] / "samples" / "videos" / "needle_0.mp4"     # 183 tokens
+    decoded = videolib.decode(str(needle), sampling=ad.sampling, fps=2.0, max_frames=768)
+    conv = Conversation.single("What number appears in the video?")
+    prep = ad.prepare(decoded, conv)
+    embeds = ad.embed(prep)
+    ref = _one_shot(ad, prep, embeds, max_new_tokens=3)
+    for config, exact in (("embedded_dense_equivalent.json", True),
+                          ("embedded_tiny_budget.json", False)):
+        patterns = HeadPatternConfig.load(DATA / config, expect=ad.identity)
+        ctx = PrefillContext(index=prep.prefix_index, patterns=patterns, mode="sparse",
+                             min_sparse_len=0, unavailable=pipe.sparse_unavailable,
+                             keep_plans=True)
+        kv, got = _split(ad, prep, embeds, ctx=ctx, max_new_tokens=3)
+        assert ctx.sparse and ctx.densities
+        assert all(p.n == prep.prefix_len for p in ctx.densities.values())
+        if exact:
+            assert torch.allclose(got.prefill_logits, ref.prefill_logits, atol=1e-4), \
+                (got.prefill_logits - ref.prefill_logits).abs().max()
+            assert got.token_ids == ref.token_ids
+        else:
+            dens = [p.density()["logical"] for p in ctx.densities.values()]
+            assert max(dens) < 0.9, dens
+            kv.truncate(prep.prefix_len)
+            again = ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
+                                   max_new_tokens=3)
+            assert torch.equal(again.prefill_logits, got.prefill_logits)
