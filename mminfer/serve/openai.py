@@ -218,7 +218,10 @@ def usage(result) -> dict:
     gen = result.tokens["generated"]
     return {"prompt_tokens": result.tokens["total"], "completion_tokens": gen,
             "total_tokens": result.tokens["total"] + gen,
-            "prompt_tokens_details": {"visual_tokens": result.tokens["visual"]}}
+            # cached_tokens: OpenAI's (and vLLM's) count of prompt tokens reused from a cached
+            # prefix, here the video's prefix on a hit
+            "prompt_tokens_details": {"visual_tokens": result.tokens["visual"],
+                                      "cached_tokens": result.tokens.get("cached", 0)}}
 
 
 def extension(result) -> dict:

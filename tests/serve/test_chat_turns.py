@@ -121,6 +121,10 @@ def test_follow_up_turn_hits_the_cached_prefix(srv, clip_url):
     assert d2["usage"]["prompt_tokens"] > d1["usage"]["prompt_tokens"] + 5
     assert d2["mminfer"]["cache"] == "hit"
     assert d2["mminfer"]["tokens"]["cached"] > 0
+    # OpenAI's field for it, as the openai client reads it
+    assert d2["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        d2["mminfer"]["tokens"]["cached"]
+    assert d1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert d2["timings"]["vision"] == 0 and d1["timings"]["vision"] > 0
     again = post(srv, follow)                       # the same conversation again: a hit
     assert again.json()["mminfer"]["cache"] == "hit"
