@@ -192,7 +192,7 @@ class Pipeline:
         ``force``. Returns what it ran and how long it took."""
         import numpy as np
         from mminfer.engine.video import DecodedVideo
-        from mminfer.models.base import PrepareOptions
+        from mminfer.models.base import VIDEO, Conversation, PrepareOptions, Turn
         from mminfer.models.hooks import PrefillContext
 
         if self.device.type != "cuda" and not force:
@@ -207,17 +207,23 @@ class Pipeline:
                              height=448, backend="warmup")
         sparse = sparse_refusal(ad.patterns, self.sparse_unavailable) is None
         lengths, seen = [], set()
-        for extra in range(32):               # one prompt per residue class: 0 and not 0
-            prep = ad.prepare(video, "warm up" + " now" * extra, PrepareOptions())
-            cls = prep.total_tokens % 16 == 0
+        for extra in range(32):               # one prefix per residue class: 0 and not 0
+            prep = ad.prepare(video, Conversation((Turn("system", ("warm up" + " now" * extra,)),
+                                                   Turn("user", (VIDEO, "warm up")))),
+                              PrepareOptions())
+            cls = prep.prefix_len % 16 == 0
             if cls in seen:
                 continue
             seen.add(cls)
-            ctx = PrefillContext(index=prep.index, patterns=ad.patterns,
+            ctx = PrefillContext(index=prep.prefix_index, patterns=ad.patterns,
                                  mode="sparse" if sparse else "dense", min_sparse_len=0,
                                  unavailable=self.sparse_unavailable)
-            ad.generate(prep, max_new_tokens=2, ctx=ctx)
-            lengths.append(prep.total_tokens)
+            # the path a request runs: the prefix's prefill, then a question over its cache
+            embeds = ad.embed(prep)
+            kv = ad.prefill_prefix(prep, embeds, ctx=ctx)
+            ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
+                           max_new_tokens=2)
+            lengths.append(prep.prefix_len)
             if len(seen) == 2:
                 break
         return {"ran": True, "sparse": sparse, "lengths": lengths,

@@ -183,12 +183,12 @@ def test_warmup_compiles_both_length_classes_before_the_first_request(tmp_path):
     pipe = Pipeline(str(ckpt), attention="auto", device="cpu", min_sparse_len=16)
     assert pipe.warmup() == {"ran": False, "why": "nothing to compile on the CPU"}
     seen = []
-    real = pipe.adapter.generate
+    real = pipe.adapter.prefill_prefix
 
-    def generate(prep, **kw):
-        seen.append((prep.total_tokens, kw["ctx"].mode))
-        return real(prep, **kw)
-    pipe.adapter.generate = generate
+    def prefill_prefix(prep, embeds, **kw):          # the path requests run: prefix first
+        seen.append((prep.prefix_len, kw["ctx"].mode))
+        return real(prep, embeds, **kw)
+    pipe.adapter.prefill_prefix = prefill_prefix
     warm = pipe.warmup(force=True, frames=4)
     assert warm["ran"] and warm["lengths"] == [n for n, _ in seen] and len(seen) == 2
     assert sorted(n % 16 == 0 for n, _ in seen) == [False, True]
