@@ -221,6 +221,9 @@ def test_videos_life_cycle(ckpt, tmp_path, live_server):
     assert empty.status_code == 400 and empty.json()["error"]["code"] == "bad_video"
     png = upload(srv.url, b"\x89PNG\r\n\x1a\n" + b"\0" * 64, "x.png")
     assert png.status_code == 415
+    broken = upload(srv.url, b"\x00\x00\x00\x18ftypmp42" + b"\x01" * 500)   # the probe
+    assert broken.status_code == 400 and broken.json()["error"]["code"] == "bad_video"
+    assert "/" not in broken.json()["error"]["message"]                     # no server path
     nofile = httpx.post(f"{srv.url}/v1/videos", files={"video": ("a.mp4", raw, "video/mp4")})
     assert nofile.status_code == 422 and nofile.json()["error"]["field"] == "file"
     assert httpx.get(f"{srv.url}/v1/videos").json()["data"] == []
