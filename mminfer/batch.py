@@ -407,6 +407,7 @@ class Summary:
     quarantined: int = 0   # skipped: the process died on them --quarantine-after times
     ignored: dict = field(default_factory=dict)   # scanned entries passed over, by reason
     latencies_ms: list = field(default_factory=list)
+    cache: dict = field(default_factory=dict)     # answers of this run by video-cache outcome
 
     def to_dict(self) -> dict:
         xs = sorted(self.latencies_ms)
@@ -414,6 +415,7 @@ class Summary:
         return {"items": self.items, "done": self.done, "skipped": self.skipped,
                 "errors": self.errors, "quarantined": self.quarantined,
                 "ignored": dict(sorted(self.ignored.items())),
+                "cache": dict(sorted(self.cache.items())),
                 "latency_ms": {"mean": round(sum(xs) / len(xs), 1), "p50": round(pct(.5), 1),
                                "p95": round(pct(.95), 1)} if xs else None}
 
@@ -425,6 +427,8 @@ class Summary:
             s += f", {d['quarantined']} quarantined"
         if d["ignored"]:
             s += " (ignored: " + ", ".join(f"{n} {why}" for why, n in d["ignored"].items()) + ")"
+        if d["cache"]:
+            s += "; prefixes: " + ", ".join(f"{n} {c}" for c, n in d["cache"].items())
         if d["latency_ms"]:
             lat = d["latency_ms"]
             s += (f"; latency per answer mean {lat['mean']:.0f} ms, p50 {lat['p50']:.0f} ms, "
@@ -500,6 +504,8 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
             if rec["status"] == "ok":
                 summary.done += 1
                 summary.latencies_ms.append(rec["timings_ms"].get("total", 0.0))
+                c = (rec["response"] or {}).get("cache") or "unknown"
+                summary.cache[c] = summary.cache.get(c, 0) + 1
             else:
                 summary.errors += 1
             bar.update(1)

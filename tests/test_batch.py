@@ -229,6 +229,8 @@ def test_questions_of_one_video_are_answered_from_one_prefill(ckpt, videos, tmp_
     s = run_batch(None, [], out, model=str(ckpt), max_new_tokens=3, progress=False,
                   manifest=man)
     assert (s.items, s.done, s.errors) == (5, 5, 0)
+    assert s.to_dict()["cache"] == {"hit": 3, "miss": 2}
+    assert "prefixes: 3 hit, 2 miss" in s.line()
     recs = records(out)
     zid = next(r["custom_id"] for r in recs if r["video"] == z and r["custom_id"] != "z:0")
     # grouped by video in the order of first mention: one prefill, then hits
