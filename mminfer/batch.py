@@ -14,8 +14,17 @@ configuration to another ``--out``).
 
 Input is a folder scanned recursively (hidden entries, folder symlinks, non-regular and
 non-video files are skipped and counted in the summary's ``ignored``), or a manifest
-(``--manifest FILE``: one JSON object a line, ``{"video": PATH, "question": Q, "id": ID}``,
-paths relative to the manifest, ``id`` optional), as ``vllm run-batch`` takes a file.
+(``--manifest FILE``: one JSON object a line, ``{"video": PATH, "question": Q, "id": ID}``
+or ``{"video": PATH, "questions": [Q, ...], "id": ID}``, paths relative to the manifest,
+``id`` optional: with several questions the items are ``ID:0``, ``ID:1``, ...), as
+``vllm run-batch`` takes a file.
+
+Many questions per video is the workload (Video-MME asks 3, LVBench about 15): the items of
+one video run one after the other, so the first prefills the video's prefix and the rest
+answer from the engine's video cache (each record's ``response.cache`` says ``miss``,
+``hit`` or ``host``). A manifest keeps the order of its first mention of each video and, per
+video, of its questions; a folder runs every ``--question`` (repeatable) on each video in
+turn.
 
 Items are isolated: ``--item-timeout-s`` stops one that runs too long (an error record,
 ``timeout``), and an item during which the process died (out of memory, killed) is
@@ -106,13 +115,15 @@ def scan(root, ignored: dict | None = None) -> list[Video]:
 
 
 def read_manifest(path) -> list[tuple[Video, str, str]]:
-    """(video, question, custom_id) per line of a JSONL manifest."""
+    """(video, question, custom_id) per question of a JSONL manifest, in its order."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read the manifest {path}: {e}") from None
     items, seen = [], set()
+    shape = ('{"video": PATH, "question": Q} or {"video": PATH, "questions": [Q, ...]} (and '
+             'an optional "id")')
     for n, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -121,10 +132,16 @@ def read_manifest(path) -> list[tuple[Video, str, str]]:
             entry = json.loads(line)
         except ValueError as e:
             raise InputError(f"{where} is not JSON: {e}") from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("video"), str) or \
-                not isinstance(entry.get("question"), str) or not entry["question"].strip():
-            raise InputError(f'{where} must be {{"video": PATH, "question": Q}} (and an '
-                             f'optional "id")')
+        if not isinstance(entry, dict) or not isinstance(entry.get("video"), str):
+            raise InputError(f"{where} must be {shape}")
+        if ("question" in entry) == ("questions" in entry):
+            raise InputError(f"{where} must be {shape}: one of \"question\" and "
+                             f"\"questions\", not both")
+        several = "questions" in entry
+        qs = entry["questions"] if several else [entry["question"]]
+        if not isinstance(qs, list) or not qs or \
+                not all(isinstance(q, str) and q.strip() for q in qs):
+            raise InputError(f"{where} must be {shape}, each question a non-empty string")
         rel = entry["video"]
         p = (path.parent / rel).expanduser()
         try:
@@ -134,15 +151,31 @@ def read_manifest(path) -> list[tuple[Video, str, str]]:
         if not p.is_file():
             raise InputError(f"{where}: {rel} is not a regular file")
         video = Video(rel, str(p.resolve()), st.st_size, st.st_mtime_ns)
-        question = entry["question"].strip()
-        cid = str(entry.get("id") or entry.get("custom_id") or item_id(video, question))
-        if cid in seen:
-            raise InputError(f"{where}: the id {cid!r} is used twice")
-        seen.add(cid)
-        items.append((video, question, cid))
+        given = entry.get("id") or entry.get("custom_id")
+        for k, q in enumerate(qs):
+            question = q.strip()
+            if given:
+                cid = f"{given}:{k}" if several else str(given)
+            else:
+                cid = item_id(video, question)
+            if cid in seen:
+                raise InputError(f"{where}: the id {cid!r} is used twice")
+            seen.add(cid)
+            items.append((video, question, cid))
     if not items:
         raise InputError(f"the manifest {path} lists no item")
     return items
+
+
+def by_video(listed: list) -> list:
+    """The items of ``listed`` ((video, question, id), ...) with those of one video together,
+    so that all but the first answer from the video cache: videos in the order of their first
+    item, each video's items in their order (a stable sort on the first position of the
+    video's file)."""
+    first: dict[str, int] = {}
+    for i, (v, _, _) in enumerate(listed):
+        first.setdefault(v.path, i)
+    return sorted(listed, key=lambda item: first[item[0].path])
 
 
 def read_questions(question: list[str] | None, questions_file: str | None) -> list[str]:
@@ -318,7 +351,8 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
         d = res.to_dict()
         d["video"].pop("path", None)
         rec["response"] = {"answer": d["answer"], "model": d["model"],
-                           "attention": d["attention"], "tokens": d["tokens"],
+                           "attention": d["attention"], "cache": d.get("cache"),
+                           "tokens": d["tokens"],
                            "sparsity": d["sparsity"], "video": d["video"]}
         rec["timings_ms"] = d["timings_ms"]
     except Cancelled:
@@ -373,6 +407,7 @@ class Summary:
     quarantined: int = 0   # skipped: the process died on them --quarantine-after times
     ignored: dict = field(default_factory=dict)   # scanned entries passed over, by reason
     latencies_ms: list = field(default_factory=list)
+    cache: dict = field(default_factory=dict)     # answers of this run by video-cache outcome
 
     def to_dict(self) -> dict:
         xs = sorted(self.latencies_ms)
@@ -380,6 +415,7 @@ class Summary:
         return {"items": self.items, "done": self.done, "skipped": self.skipped,
                 "errors": self.errors, "quarantined": self.quarantined,
                 "ignored": dict(sorted(self.ignored.items())),
+                "cache": dict(sorted(self.cache.items())),
                 "latency_ms": {"mean": round(sum(xs) / len(xs), 1), "p50": round(pct(.5), 1),
                                "p95": round(pct(.95), 1)} if xs else None}
 
@@ -391,6 +427,8 @@ class Summary:
             s += f", {d['quarantined']} quarantined"
         if d["ignored"]:
             s += " (ignored: " + ", ".join(f"{n} {why}" for why, n in d["ignored"].items()) + ")"
+        if d["cache"]:
+            s += "; prefixes: " + ", ".join(f"{n} {c}" for c, n in d["cache"].items())
         if d["latency_ms"]:
             lat = d["latency_ms"]
             s += (f"; latency per answer mean {lat['mean']:.0f} ms, p50 {lat['p50']:.0f} ms, "
@@ -410,7 +448,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
     from mminfer.engine.pipeline import check_request
     summary = Summary()
     if manifest is not None:
-        listed = read_manifest(manifest)
+        listed = by_video(read_manifest(manifest))
     else:
         listed = [(v, q, item_id(v, q)) for v in scan(root, summary.ignored) for q in questions]
     for q in dict.fromkeys(q for _, q, _ in listed):
@@ -447,7 +485,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
                     results.append(_quarantine_record(v, q, cid, cfg, fp, died,
                                                       attempts.get(cid, 0) + 1))
                 continue
-            if not groups or groups[-1][0] != v:       # a manifest keeps its order
+            if not groups or groups[-1][0] != v:       # listed is by video
                 groups.append((v, []))
             groups[-1][1].append((cid, q, attempts.get(cid, 0) + 1))
         # videos the process died on go last, so they cannot starve the others
@@ -466,6 +504,8 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
             if rec["status"] == "ok":
                 summary.done += 1
                 summary.latencies_ms.append(rec["timings_ms"].get("total", 0.0))
+                c = (rec["response"] or {}).get("cache") or "unknown"
+                summary.cache[c] = summary.cache.get(c, 0) + 1
             else:
                 summary.errors += 1
             bar.update(1)
@@ -569,11 +609,15 @@ def add_arguments(p: argparse.ArgumentParser):
     p.formatter_class = HelpWithDefaults
     p.add_argument("dir", nargs="?", help="folder scanned recursively for video files")
     g = p.add_argument_group("questions (with DIR: at least one)")
-    g.add_argument("--question", action="append", help="a question (repeatable)")
+    g.add_argument("--question", action="append",
+                   help="a question (repeatable: every video is asked each, its prefix "
+                        "prefilled once)")
     g.add_argument("--questions", metavar="FILE", help="questions, one a line ('#' comments)")
     p.add_argument("--manifest", metavar="FILE",
-                   help='instead of DIR: JSONL, {"video": PATH, "question": Q, "id": ID} a line '
-                        "(paths relative to FILE, id optional)")
+                   help='instead of DIR: JSONL, {"video": PATH, "question": Q, "id": ID} or '
+                        '{"video": PATH, "questions": [Q, ...], "id": ID} a line (paths '
+                        "relative to FILE, id optional); the questions of one video run "
+                        "together, answered from its cached prefix after the first")
     p.add_argument("--out", required=True, help="JSONL results file (appended to, resumable)")
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")

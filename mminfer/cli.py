@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--start", type=float, help="clip start (seconds)")
     p.add_argument("--end", type=float, help="clip end (seconds)")
     p.add_argument("--json", action="store_true", help="print the full record as JSON")
+    p.add_argument("--no-video-cache", action="store_true",
+                   help="do not look the video's prefix up in (or add it to) the video cache; "
+                        "the record says cache \"off\"")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the language model over N processes started by `torchrun "
                    "--nproc-per-node N -m mminfer answer ...` (default: 1)")
@@ -55,7 +58,8 @@ def run(args) -> int:
     pipe = Pipeline(args.model, attention=args.attention, device=args.device, dtype=args.dtype,
                     min_sparse_len=args.min_sparse_len, tensor_parallel=args.tensor_parallel)
     res = pipe.answer(args.video, args.question, fps=args.fps, max_frames=args.max_frames,
-                      max_new_tokens=args.max_new_tokens, start=args.start, end=args.end)
+                      max_new_tokens=args.max_new_tokens, start=args.start, end=args.end,
+                      use_cache=not args.no_video_cache)
     if pipe.rank != 0:       # tensor parallel: every rank computes the answer, one prints it
         return 0
     if args.json:
@@ -74,7 +78,7 @@ def format_result(d: dict) -> str:
     lines.append(f"video  {v['frames']} frames at {v['sampled_fps']:.2f} fps of "
                  f"{v['duration']:.1f} s, {v['width']}x{v['height']}")
     lines.append(f"tokens {t['total']} ({t['visual']} visual, {t['text']} text), "
-                 f"attention {attn}")
+                 f"attention {attn}, cache {d.get('cache', '-')}")
     lines.append("")
     width = max(len(k) for k in d["timings_ms"])
     for k, ms in d["timings_ms"].items():

@@ -16,7 +16,7 @@ import pytest
 from conftest import write_video
 
 from mminfer import cli
-from mminfer.batch import item_id, read_questions, run_batch, scan
+from mminfer.batch import item_id, read_manifest, read_questions, run_batch, scan
 from mminfer.errors import ConfigError, InputError
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 
@@ -201,9 +201,9 @@ def test_manifest_input(ckpt, videos, tmp_path):
     assert (s.items, s.done, s.errors) == (3, 3, 0)
     recs = records(out)
     assert [r["custom_id"] for r in recs][0] == "first"
-    assert [(r["video"], r["question"]) for r in recs] == [
-        (f"{rel}/b.mp4", "what color is it?"), (f"{rel}/a/z.mp4", "how many frames?"),
-        (f"{rel}/b.mp4", "how many frames?")]
+    assert [(r["video"], r["question"]) for r in recs] == [     # one video's items together
+        (f"{rel}/b.mp4", "what color is it?"), (f"{rel}/b.mp4", "how many frames?"),
+        (f"{rel}/a/z.mp4", "how many frames?")]
     again = run_batch(None, [], out, model=str(ckpt), max_new_tokens=4, progress=False,
                       manifest=man)
     assert (again.done, again.skipped) == (0, 3)
@@ -213,6 +213,60 @@ def test_manifest_input(ckpt, videos, tmp_path):
     man.write_text('{"video": "x.mp4"}\n')
     with pytest.raises(InputError, match="line 1 must be"):
         run_batch(None, [], out, model=str(ckpt), progress=False, manifest=man)
+
+
+def test_questions_of_one_video_are_answered_from_one_prefill(ckpt, videos, tmp_path):
+    man = tmp_path / "items.jsonl"
+    rel = os.path.relpath(videos, tmp_path)
+    b, z = f"{rel}/b.mp4", f"{rel}/a/z.mp4"
+    man.write_text("\n".join(json.dumps(e) for e in [
+        {"video": b, "questions": ["what color is it?", "how many frames?"], "id": "b"},
+        {"video": z, "question": "what color is it?"},
+        {"video": b, "question": "is it dark?"},
+        {"video": z, "questions": ["how many frames?"], "id": "z"},
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    s = run_batch(None, [], out, model=str(ckpt), max_new_tokens=3, progress=False,
+                  manifest=man)
+    assert (s.items, s.done, s.errors) == (5, 5, 0)
+    assert s.to_dict()["cache"] == {"hit": 3, "miss": 2}
+    assert "prefixes: 3 hit, 2 miss" in s.line()
+    recs = records(out)
+    zid = next(r["custom_id"] for r in recs if r["video"] == z and r["custom_id"] != "z:0")
+    # grouped by video in the order of first mention: one prefill, then hits
+    assert [(r["custom_id"], r["video"], r["response"]["cache"]) for r in recs] == [
+        ("b:0", b, "miss"), ("b:1", b, "hit"), (recs[2]["custom_id"], b, "hit"),
+        (zid, z, "miss"), ("z:0", z, "hit")]
+    assert recs[1]["response"]["tokens"]["cached"] > 0
+    assert recs[1]["timings_ms"]["vision"] == 0 and recs[0]["timings_ms"]["vision"] > 0
+    again = run_batch(None, [], out, model=str(ckpt), max_new_tokens=3, progress=False,
+                      manifest=man)
+    assert (again.done, again.skipped) == (0, 5)
+    for bad, match in (({"video": b, "question": "q", "questions": ["q"]}, "not both"),
+                       ({"video": b, "questions": []}, "non-empty"),
+                       ({"video": b, "questions": ["q", ""]}, "non-empty"),
+                       ({"video": b, "questions": ["q", "q"], "id": "x"}, None)):
+        man.write_text(json.dumps(bad) + "\n")
+        if match is None:                    # the same question twice under an id: two items
+            assert [cid for _, _, cid in read_manifest(man)] == ["x:0", "x:1"]
+            continue
+        with pytest.raises(InputError, match=match):
+            read_manifest(man)
+
+
+def test_every_question_flag_is_asked_of_each_video_in_turn(ckpt, tmp_path, capsys):
+    root = tmp_path / "v"
+    root.mkdir()
+    write_video(root / "one.mp4", n_frames=8, fps=4.0)
+    write_video(root / "two.mp4", n_frames=10, fps=4.0)   # other bytes (the same would hit)
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["batch", str(root), "--question", "what color is it?", "--question",
+                     "how many frames?", "--question", "is it dark?", "--out", str(out),
+                     "--model", str(ckpt), "--max-new-tokens", "3", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert [(r["video"], r["response"]["cache"]) for r in records(out)] == [
+        ("one.mp4", "miss"), ("one.mp4", "hit"), ("one.mp4", "hit"),
+        ("two.mp4", "miss"), ("two.mp4", "hit"), ("two.mp4", "hit")]
 
 
 def test_item_timeout_stops_one_item_and_the_job_goes_on(tmp_path):
@@ -229,7 +283,7 @@ def test_item_timeout_stops_one_item_and_the_job_goes_on(tmp_path):
     by = {r["video"]: r for r in records(out)}
     assert by["long.mp4"]["status"] == "error" and by["long.mp4"]["error"]["code"] == "timeout"
     assert by["long.mp4"]["timings_ms"]["total"] < 3000 + 2000       # stopped, not finished
-    assert by["short.mp4"]["status"] == "ok", by["short.mp4"]
+    assert by["short.mp4"]["status"] == "ok", by["short.mp4"]["error"]
     assert (s.done, s.errors) == (1, 1) and took < 120
 
 

@@ -53,13 +53,22 @@ def test_answer_json(ckpt, mp4, capsys):
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     assert set(d) == {"answer", "model", "attention", "attention_requested", "video", "tokens",
-                      "sparsity", "timings_ms"}
+                      "sparsity", "timings_ms", "cache"}
+    assert d["cache"] == "miss" and d["tokens"]["cached"] == 0
     assert isinstance(d["answer"], str) and d["attention"] == "dense" and d["sparsity"] is None
     assert {"frames", "fps", "sampled_fps", "duration", "width", "height"} <= set(d["video"])
     assert d["video"]["frames"] == 6 and d["video"]["width"] == 64
     assert d["tokens"]["total"] == d["tokens"]["visual"] + d["tokens"]["text"]
-    assert set(d["timings_ms"]) == {"decode", "preprocess", "vision", "index", "attention",
-                                    "llm_other", "generate", "density", "ttft", "total"}
+    assert set(d["timings_ms"]) == {"restore", "decode", "preprocess", "vision", "index",
+                                    "attention", "llm_other", "suffix", "generate", "density",
+                                    "ttft", "total"}
+
+
+def test_answer_without_the_video_cache(ckpt, mp4, capsys):
+    assert main(["answer", str(mp4), "what?", "--model", str(ckpt), "--json", "--attention",
+                 "dense", "--max-new-tokens", "2", "--no-video-cache"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["cache"] == "off" and d["timings_ms"]["restore"] == 0
 
 
 def test_answer_json_sparse(ckpt, mp4, capsys):

@@ -1,5 +1,6 @@
-"""``POST /v1/answer``: a multipart upload (a ``video`` file part and form fields), answered
-with the answer, the video and token facts, and where the time went.
+"""``POST /v1/answer``: a multipart upload (a ``video`` file part, or a ``video_id`` of
+``POST /v1/videos``, and form fields), answered with the answer, the video and token facts,
+whether the video's prefix came from the video cache (``cache``), and where the time went.
 
 The body is parsed as it streams (``media.read_multipart``) rather than by FastAPI, so an
 upload over the limit is refused while it arrives; the form's schema (``AnswerForm``) still
@@ -13,7 +14,7 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mminfer.errors import MissingField
+from mminfer.errors import InputError, MissingField
 
 from . import media
 from .budget import request_params
@@ -29,6 +30,8 @@ class AnswerFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     question: str = Field(description="the question about the video")
+    video_id: str | None = Field(None, description="instead of a `video` file: the id of a "
+                                                   "video stored with POST /v1/videos")
     fps: Number | None = Field(None, description=FPS_DOC)
     max_frames: Integer | None = Field(None, description=MAX_FRAMES_DOC)
     max_new_tokens: Integer | None = Field(
@@ -45,8 +48,9 @@ class AnswerFields(BaseModel):
 
 
 class AnswerForm(AnswerFields):
-    """multipart/form-data: the video file and the fields."""
-    video: bytes = Field(description="the video file (mp4, webm, mkv, ...)")
+    """multipart/form-data: the video file (or a `video_id`) and the fields."""
+    video: bytes = Field(None, description="the video file (mp4, webm, mkv, ...); required "
+                                           "unless `video_id` is given")
 
 
 REQUEST_BODY = {"required": True, "content": {"multipart/form-data": {
@@ -69,11 +73,18 @@ async def _answer(svc, req):
     req.received()
     if up.filename:
         req.label = f"the uploaded video {up.filename!r}"
-    if req.path is None:
-        raise MissingField("the form has no `video` file part", field="video")
     fields = {k: media.text_field(up, k) for k in AnswerFields.model_fields if k in up.fields}
     form = validate(AnswerFields, fields,
                     missing=lambda field: f"the form field `{field}` is missing")
+    if form.video_id and req.path is not None:
+        raise InputError("the form has both a `video` file and a `video_id`; send one of them")
+    filename = up.filename
+    if form.video_id:
+        req.use_stored(svc.videos, form.video_id)
+        filename = req.lease.video.filename
+    if req.path is None:
+        raise MissingField("the form has no `video` file part (nor a `video_id`)",
+                           field="video")
     question, params = request_params(s, fps=form.fps, max_frames=form.max_frames,
                                       max_new_tokens=form.max_new_tokens,
                                       attention=form.attention, question=form.question)
@@ -84,7 +95,7 @@ async def _answer(svc, req):
     timings = svc.timings(result, job, upload_ms, req.arrival)
     body = {"request_id": req.id, "answer": result.answer, "model": svc.model_id(),
             "attention": result.attention,
-            "attention_requested": result.attention_requested,
-            "video": video_facts(result, up.filename), "tokens": result.tokens,
+            "attention_requested": result.attention_requested, "cache": result.cache,
+            "video": video_facts(result, filename, form.video_id), "tokens": result.tokens,
             "sparsity": result.sparsity, "timings_ms": timings}
     return body, {"result": result, "timings": timings}

@@ -5,6 +5,8 @@
     POST /v1/chat/completions   OpenAI shape; ``video_url`` parts (data: URLs, allow-listed
                                 local paths, allow-listed remote hosts); stream=true
                                 as server-sent events                 openai.py, stream.py
+    POST/GET/DELETE /v1/videos[/{id}]   upload once, ask by id (``video_id`` form field,
+                                ``mminfer://videos/{id}`` video_url)            videos.py
     GET  /v1/models                                                             openai.py
     GET  /v1/latency-report (JSON), /report (page), /health, /metrics            reads.py
     GET  /docs, /openapi.json   both POST bodies documented from their schemas
@@ -46,7 +48,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     ``worker`` already started, as the CLI does to fail fast on a bad model)."""
     from fastapi import FastAPI
 
-    from . import answer, openai, reads
+    from . import answer, openai, reads, videos
     from .service import Service
 
     s = settings or Settings()
@@ -62,7 +64,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         def load():
             from mminfer.engine.pipeline import Pipeline
             pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
-                            min_sparse_len=s.min_sparse_len)
+                            min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
+                            kv_host_cache_gb=s.kv_host_cache_gb)
             # kernels compile here, before /health says ready, not in a user's first request
             warm = pipe.warmup()
             if warm.get("ran"):
@@ -77,12 +80,23 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     worker.shadow = ShadowMonitor(s.shadow_rate, int(s.shadow_max_mb * 2**20),
                                   s.shadow_max_new_tokens, metrics=metrics, store=shadow_store)
 
+    video_store = videos.VideoStore(data_dir / "videos",
+                                    max_bytes=int(s.video_store_gb * 2**30),
+                                    max_count=s.video_store_max, ttl_s=s.video_ttl_s)
+    # the engine's video cache, read when /metrics is scraped
+    metrics.watch_cache(lambda: getattr(getattr(worker.pipeline, "video_cache", None),
+                                        "stats", lambda: None)())
+    metrics.watch_store(video_store.stats)
+
     @asynccontextmanager
     async def lifespan(app):
         for stale in upload_dir.glob(media.TEMP_PREFIX + "*"):   # left by a killed server
             media.remove(str(stale))
         worker.start()
+        sweep = asyncio.create_task(videos.sweeper(
+            video_store, min(max(s.video_ttl_s / 4, 1.0), 60.0) if s.video_ttl_s else 3600.0))
         yield
+        sweep.cancel()
         await asyncio.to_thread(worker.stop)
         store.close()
         shadow_store.close()
@@ -90,12 +104,12 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     app = FastAPI(title="mminfer", version=_version(), lifespan=lifespan, docs_url="/docs",
                   redoc_url=None, description="Answers about long videos, with where the "
                                               "time went (see the README).")
-    service = Service(s, worker, store, metrics, model_path, upload_dir)
+    service = Service(s, worker, store, metrics, model_path, upload_dir, video_store)
     app.state.settings, app.state.worker, app.state.store = s, worker, store
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
     app.state.shadow = worker.shadow
     errors.install(app)
-    for module in (answer, openai, reads):
+    for module in (answer, openai, videos, reads):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, (answer.AnswerForm, *openai.SCHEMAS))
     return app

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="the model's id in answers and /v1/models (the first), and aliases a "
                         "request may name it by (default: the checkpoint's name)")
     p.add_argument("--data-dir", default=d.data_dir,
-                   help="latency database and upload temp files")
+                   help="latency database, stored videos (/v1/videos) and upload temp files")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -99,6 +99,27 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--media-fetch-deadline-s", type=float, default=d.media_fetch_deadline_s,
                    help="a remote video must download within this (else 504)")
 
+    g = p.add_argument_group("video cache (a video's prefix is prefilled once, then reused by "
+                             "every question about it)")
+    g.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb,
+                   help="GPU memory for cached video prefixes (KV caches), GiB (default: the "
+                        "engine's share of the device's memory; on the CPU 2 GiB)")
+    g.add_argument("--kv-host-cache-gb", type=float, default=d.kv_host_cache_gb,
+                   help="pinned host memory the least recently used prefixes move to when "
+                        "the GPU budget is spent, GiB (0: they are dropped)")
+    g.add_argument("--no-video-cache", action="store_true",
+                   help="keep nothing between requests: every question prefills its whole "
+                        "prompt")
+
+    g = p.add_argument_group("video store (POST /v1/videos: upload once, ask by id)")
+    g.add_argument("--video-store-gb", type=float, default=d.video_store_gb,
+                   help="disk for stored videos under --data-dir, GiB (the same bytes are "
+                        "stored once); an upload over it gets 507")
+    g.add_argument("--video-store-max", type=int, default=d.video_store_max,
+                   help="stored videos at most; an upload over it gets 507")
+    g.add_argument("--video-ttl-s", type=float, default=d.video_ttl_s,
+                   help="a stored video is deleted this long after its upload (0: never)")
+
     g = p.add_argument_group("latency store")
     g.add_argument("--report-retention-days", type=float, default=d.report_retention_days,
                    help="latency records older than this are deleted")
@@ -129,6 +150,11 @@ def settings_from(args):
             and args.shadow_max_new_tokens >= 1):
         raise ConfigError("--shadow-rate must be in [0, 1], --shadow-max-mb >= 0 and "
                           "--shadow-max-new-tokens >= 1")
+    if args.kv_cache_gb is not None and args.kv_cache_gb < 0 or args.kv_host_cache_gb < 0:
+        raise ConfigError("--kv-cache-gb and --kv-host-cache-gb must be >= 0")
+    if not (args.video_store_gb > 0 and args.video_store_max >= 1 and args.video_ttl_s >= 0):
+        raise ConfigError("--video-store-gb must be positive, --video-store-max at least 1 "
+                          "and --video-ttl-s >= 0")
     return Settings(
         model=args.model, attention=args.attention, device=args.device, dtype=args.dtype,
         min_sparse_len=args.min_sparse_len, data_dir=args.data_dir,
@@ -149,6 +175,9 @@ def settings_from(args):
         allow_private_media_addresses=args.allow_private_media_addresses,
         media_fetch_deadline_s=args.media_fetch_deadline_s,
         report_retention_days=args.report_retention_days,
+        kv_cache_gb=args.kv_cache_gb, kv_host_cache_gb=args.kv_host_cache_gb,
+        video_cache=not args.no_video_cache, video_store_gb=args.video_store_gb,
+        video_store_max=args.video_store_max, video_ttl_s=args.video_ttl_s,
         report_max_rows=args.report_max_rows, shadow_rate=args.shadow_rate,
         shadow_max_mb=args.shadow_max_mb, shadow_max_new_tokens=args.shadow_max_new_tokens)
 

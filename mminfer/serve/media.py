@@ -122,10 +122,11 @@ def _too_large(size_desc: str | None, max_bytes: int) -> TooLarge:
                     f"{max_bytes / 2**20:g} MiB", limit_bytes=max_bytes)
 
 
-async def read_multipart(request, stream, folder, max_bytes: int) -> Upload:
+async def read_multipart(request, stream, folder, max_bytes: int,
+                         file_field: str = "video") -> Upload:
     """Parse a multipart/form-data body read from ``stream`` (the request's, timed by the
-    intake): the ``video`` part goes to a temp file, other parts (at most 64 KiB each) to
-    ``fields``. On any error the temp file is gone."""
+    intake): the ``file_field`` part (the video) goes to a temp file, other parts (at most
+    64 KiB each) to ``fields``. On any error the temp file is gone."""
     from python_multipart import MultipartParser
     from python_multipart.exceptions import FormParserError
     from python_multipart.multipart import parse_options_header
@@ -167,9 +168,10 @@ async def read_multipart(request, stream, folder, max_bytes: int) -> Upload:
         disp, params = parse_options_header(st["headers"].get(b"content-disposition", b""))
         name = params.get(b"name", b"").decode("utf-8", "replace")
         st["name"] = name
-        if name == "video":
+        if name == file_field:
             if up.video is not None:
-                raise InputError("the form has more than one `video` part; send one video")
+                raise InputError(f"the form has more than one `{file_field}` part; send one "
+                                 f"video")
             up.video_type = st["headers"].get(b"content-type", b"").decode("latin-1")
             check_video_type(up.video_type)
             fn = params.get(b"filename")

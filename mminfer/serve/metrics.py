@@ -5,12 +5,24 @@ Each app gets its own registry, so several apps in one process (tests) do not co
 ``/metrics`` shows only this service's series. ``stage_seconds`` holds the stages of a request
 (upload, queue, the pipeline's); time to first token and the total have their own histograms
 and are not stages.
+
+The engine's video cache keeps its own counts (``Pipeline.video_cache.stats()``); they are
+read when /metrics is scraped (``CacheCollector``) and exported in vLLM's prefix-cache names:
+``mminfer:prefix_cache_queries_total`` and ``mminfer:prefix_cache_hits_total`` (every hit,
+either tier; vLLM's pair, so the hit rate is their ratio), ``..._host_hits_total``,
+``..._misses_total``, ``mminfer:prefix_cache_evictions_total{tier}`` (gpu: spilled to the
+host tier or dropped; host: dropped), and gauges ``mminfer:kv_cache_bytes{tier}``,
+``mminfer:kv_cache_entries{tier}``, ``mminfer:kv_cache_budget_bytes{tier}``; the video store
+(/v1/videos) as ``mminfer:video_store_bytes`` and ``mminfer:video_store_videos``.
 """
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mminfer.engine.timing import PREFILL_STAGES, TOTALS
 
@@ -73,6 +85,12 @@ class Metrics:
         self.running = gauge("mminfer:num_requests_running", "Requests the worker is running")
         self.worker_up = gauge("mminfer:worker_up", "1 when the model worker is alive and loaded")
         gauge("mminfer:model_info", "The served model").set(1)
+        self.cache_answers = Counter(
+            "mminfer:request_prefix_cache", "Answered requests by where the video's prefix "
+            "came from: miss (prefilled), hit (GPU tier), host (host tier), off (cache off)",
+            m + ["cache"], registry=r)
+        self._cache = CacheCollector(model)
+        r.register(self._cache)
 
         # ---- the shadow-dense monitor (serve/shadow.py), per prompt-length bucket
         b = m + ["length_bucket"]
@@ -111,6 +129,18 @@ class Metrics:
         self.generation_tokens.inc(generated)
         self.density.observe(density)
 
+    def watch_cache(self, stats):
+        """``stats()``: the engine's video-cache stats (a dict), or None while there is none."""
+        self._cache.cache_stats = stats
+
+    def watch_store(self, stats):
+        """``stats()``: the video store's (videos.VideoStore.stats)."""
+        self._cache.store_stats = stats
+
+    def observe_cache(self, cache: str | None):
+        if cache:
+            self.cache_answers.labels(self.model, cache).inc()
+
     def observe_shadow(self, bucket: str, kl: float, argmax_agree: bool, answer_agree: bool,
                        seconds: float):
         # inc(0) too: an agreement series exists (at 0) wherever comparisons do, so
@@ -131,3 +161,57 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CacheCollector:
+    """The video cache's and the video store's figures, read at scrape time."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.cache_stats = lambda: None
+        self.store_stats = lambda: None
+
+    def describe(self):
+        return []                       # no fixed set: collect() names what it has
+
+    def collect(self):
+        m, lab = [self.model], ["model_name"]
+        try:
+            c = self.cache_stats()
+        except Exception:                  # noqa: BLE001 - a scrape must not fail on it
+            logging.getLogger("mminfer.serve").exception("reading the video cache's stats")
+            c = None
+        if c:
+            for name, key, doc in (
+                    ("queries", "queries", "Requests that looked their video's prefix up"),
+                    ("hits", "hits", "Lookups that found the prefix cached (either tier)"),
+                    ("host_hits", "host_hits", "Hits served from the host tier"),
+                    ("misses", "misses", "Lookups that prefilled the prefix")):
+                f = CounterMetricFamily(f"mminfer:prefix_cache_{name}", doc, labels=lab)
+                f.add_metric(m, c.get(key, 0))
+                yield f
+            f = CounterMetricFamily("mminfer:prefix_cache_evictions", "Cached prefixes "
+                                    "evicted from a tier (gpu: moved to the host tier or "
+                                    "dropped; host: dropped)", labels=lab + ["tier"])
+            for tier in ("gpu", "host"):
+                f.add_metric(m + [tier], c.get(f"evictions_{tier}", 0))
+            yield f
+            for name, key, doc in (("bytes", "{}_bytes", "Bytes of cached prefixes per tier"),
+                                   ("entries", "{}_entries", "Cached prefixes per tier"),
+                                   ("budget_bytes", "{}_budget_bytes",
+                                    "Byte budget of each tier")):
+                f = GaugeMetricFamily(f"mminfer:kv_cache_{name}", doc, labels=lab + ["tier"])
+                for tier in ("gpu", "host"):
+                    f.add_metric(m + [tier], c.get(key.format(tier), 0) or 0)
+                yield f
+        try:
+            st = self.store_stats()
+        except Exception:                  # noqa: BLE001
+            logging.getLogger("mminfer.serve").exception("reading the video store's stats")
+            st = None
+        if st:
+            for name, key, doc in (("bytes", "bytes", "Bytes of stored videos (/v1/videos)"),
+                                   ("videos", "videos", "Stored videos (/v1/videos)")):
+                f = GaugeMetricFamily(f"mminfer:video_store_{name}", doc, labels=lab)
+                f.add_metric(m, st[key])
+                yield f

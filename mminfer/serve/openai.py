@@ -1,6 +1,11 @@
-"""The OpenAI-compatible routes: ``POST /v1/chat/completions`` (one ``video_url`` part in the
-last user message: a data: URL, an allow-listed local path, an allow-listed remote URL) and
-``GET /v1/models``.
+"""The OpenAI-compatible routes: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+
+The whole message list is the prompt (``conversation_of``): the system prompt, earlier user
+and assistant turns and the question, through the model's chat template; exactly one
+``video_url`` part, in whichever user message holds it (usually the first): a data: URL, a
+stored video (``mminfer://videos/{id}``, see videos.py), an allow-listed local path or an
+allow-listed remote URL. A follow-up turn about the same video with the same turns before
+the video reuses the video's cached prefix (``mminfer.cache`` says ``hit``).
 
 The body is read by the service (size-limited and timed as it arrives), parsed off the event
 loop (a 400 for anything the JSON parser rejects, deep nesting included), then validated by
@@ -32,6 +37,7 @@ from .errors import validate
 from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention, Integer, Number
 from .service import video_facts
 from .stream import StreamReply, TokenFeed
+from .videos import video_id_of
 
 router = APIRouter()
 
@@ -48,8 +54,10 @@ class TextPart(_Open):
 
 
 class VideoURL(_Open):
-    url: str = Field(min_length=1, description="data:video/...;base64,..., file:///path or "
-                                               "/path (inside --allowed-local-media-path), "
+    url: str = Field(min_length=1, description="data:video/...;base64,..., "
+                                               "mminfer://videos/{id} (POST /v1/videos), "
+                                               "file:///path or /path (inside "
+                                               "--allowed-local-media-path), "
                                                "http(s)://host/... (--allowed-media-domains)")
 
 
@@ -68,8 +76,8 @@ ContentPart = Annotated[Union[TextPart, VideoURLPart, OtherMediaPart],
 
 
 class Message(_Open):
-    role: str = Field(description="system, user, assistant, ...; the last user message is "
-                                  "the one answered")
+    role: str = Field(description="system (or developer), user, assistant; the whole list is "
+                                  "the prompt and the last message, a user's, is answered")
     content: str | list[ContentPart] | None = None
 
 
@@ -162,30 +170,32 @@ async def _chat(svc, req):
         raise InputError("stream_options is only allowed with stream=true")
     if body.n != 1:
         raise InputError("n must be 1")
-    url, question = video_and_question(body.messages)
+    url, conv = conversation_of(body.messages)
     mm = body.mm_processor_kwargs or MMProcessorKwargs()
     max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                   else body.max_tokens)
-    question, params = request_params(
+    # the limits on a question apply to the conversation's whole text
+    _, params = request_params(
         s, fps=body.fps if body.fps is not None else mm.fps,
         max_frames=body.max_frames if body.max_frames is not None else mm.max_frames,
-        max_new_tokens=max_tokens, attention=body.attention, question=question)
+        max_new_tokens=max_tokens, attention=body.attention, question=conversation_text(conv))
+    params["conversation"] = conv
     stream = body.stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     del data, body
     req.label = "the video"
-    req.path, req.own = await _media(svc, url)
+    await _media(svc, req, url)
     media.check_file(req.path, req.label)
-    await svc.check_budget(req, question, params)
+    await svc.check_budget(req, conversation_text(conv), params)
     upload_ms = (time.monotonic() - req.arrival) * 1e3
     if stream:
         feed = TokenFeed(asyncio.get_running_loop())
-        job, fut = svc.submit(req, question, params, on_token=feed)
+        job, fut = svc.submit(req, None, params, on_token=feed)
         if await svc.wait(req, job, fut, until=feed.first):
             fut.result()                # failed before its first token: a JSON error
         chunks = ChatChunks(svc, req.id, params["max_new_tokens"], include_usage)
         return StreamReply(svc, req, "chat", job, fut, feed, chunks, upload_ms), {}
-    result, job = await svc.run_job(req, question, params)
+    result, job = await svc.run_job(req, None, params)
     timings = svc.timings(result, job, upload_ms, req.arrival)
     answer = {
         "id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": int(time.time()),
@@ -208,12 +218,16 @@ def usage(result) -> dict:
     gen = result.tokens["generated"]
     return {"prompt_tokens": result.tokens["total"], "completion_tokens": gen,
             "total_tokens": result.tokens["total"] + gen,
-            "prompt_tokens_details": {"visual_tokens": result.tokens["visual"]}}
+            # cached_tokens: OpenAI's (and vLLM's) count of prompt tokens reused from a cached
+            # prefix, here the video's prefix on a hit
+            "prompt_tokens_details": {"visual_tokens": result.tokens["visual"],
+                                      "cached_tokens": result.tokens.get("cached", 0)}}
 
 
 def extension(result) -> dict:
-    return {"attention": result.attention, "sparsity": result.sparsity,
-            "video": video_facts(result, None)}
+    return {"attention": result.attention, "cache": result.cache,
+            "tokens": {"cached": result.tokens.get("cached", 0)},
+            "sparsity": result.sparsity, "video": video_facts(result, None)}
 
 
 class ChatChunks:
@@ -247,46 +261,93 @@ class ChatChunks:
         return out
 
 
-async def _media(svc, url: str) -> tuple[str, bool]:
-    """(path, owned): a temp file we own, or an allow-listed local file we do not."""
+async def _media(svc, req, url: str):
+    """The request's video (``req.path``): a temp file it owns (data:, http(s)), a stored
+    video it leases (``mminfer://videos/{id}``), or an allow-listed local file."""
     s = svc.s
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return await asyncio.to_thread(media.save_data_url, url, svc.upload_dir,
-                                       s.max_data_url_bytes), True
-    if scheme in ("http", "https"):
-        return await media.fetch_remote(url, svc.upload_dir, s.max_upload_bytes,
-                                        s.allowed_media_domains, s.media_fetch_timeout_s,
-                                        s.media_fetch_deadline_s,
-                                        s.allow_private_media_addresses), True
-    if scheme == "file" or url.startswith("/"):
-        return media.local_media(url, s.allowed_local_media_path), False
-    raise InputError("video_url must be a data: URL, an http(s) URL or a local path "
-                     f"(file:// or absolute), not {url[:40]!r}")
+        req.path = await asyncio.to_thread(media.save_data_url, url, svc.upload_dir,
+                                           s.max_data_url_bytes)
+        req.own = True
+    elif scheme in ("http", "https"):
+        req.path = await media.fetch_remote(url, svc.upload_dir, s.max_upload_bytes,
+                                            s.allowed_media_domains, s.media_fetch_timeout_s,
+                                            s.media_fetch_deadline_s,
+                                            s.allow_private_media_addresses)
+        req.own = True
+    elif scheme == "mminfer":
+        req.use_stored(svc.videos, video_id_of(url))
+    elif scheme == "file" or url.startswith("/"):
+        req.path, req.own = media.local_media(url, s.allowed_local_media_path), False
+    else:
+        raise InputError("video_url must be a data: URL, an http(s) URL, a stored video "
+                         "(mminfer://videos/{id}) or a local path (file:// or absolute), not "
+                         f"{url[:40]!r}")
 
 
-def video_and_question(messages: list[Message]) -> tuple[str, str]:
-    """The last user message's single ``video_url`` part and its text parts."""
-    users = [m for m in messages if m.role == "user"]
-    if not users:
+ROLE_NAMES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}
+
+
+def conversation_of(messages: list[Message]):
+    """``(video_url, Conversation)`` of the whole message list: system (and OpenAI's newer
+    ``developer``) messages first, merged into one system turn, then user and assistant turns
+    in order, text parts as text and the one ``video_url`` part, in whichever user message
+    holds it, as the video. Exactly one video in the conversation (400 otherwise); other
+    media 415; the last message must be a user message with text (400)."""
+    from mminfer.models.base import VIDEO, Conversation, Turn
+
+    turns, urls = [], []
+    for i, m in enumerate(messages):
+        role = ROLE_NAMES.get(m.role)
+        if role is None:
+            raise InputError(f"messages[{i}]: role {m.role!r} is not supported here (system, "
+                             f"developer, user, assistant)")
+        content = m.content
+        if content is None:
+            raise InputError(f"messages[{i}] has no content")
+        parts: list = []
+        for part in ([TextPart(type="text", text=content)] if isinstance(content, str)
+                     else content):
+            if isinstance(part, TextPart):
+                if not part.text:
+                    continue
+                if parts and isinstance(parts[-1], str):       # adjacent texts: one text
+                    parts[-1] = parts[-1] + "\n" + part.text
+                else:
+                    parts.append(part.text)
+            elif isinstance(part, VideoURLPart):
+                if role != "user":
+                    raise InputError(f"messages[{i}]: only a user message may hold the video")
+                v = part.video_url
+                url = v.url if isinstance(v, VideoURL) else v
+                if not url:
+                    raise InputError("a video_url part has no `url`")
+                urls.append(url)
+                parts.append(VIDEO)
+            else:
+                raise UnsupportedMedia(f"{part.type} parts are not supported; send one "
+                                       f"video_url")
+        if role == "system":
+            if any(t.role != "system" for t in turns):
+                raise InputError(f"messages[{i}]: a system message may only come before the "
+                                 f"user and assistant messages")
+            parts = ["\n".join([*(turns.pop().parts if turns else ()), *parts])]
+        turns.append(Turn(role, tuple(parts)))
+    if not any(t.role == "user" for t in turns):
         raise InputError("`messages` has no user message")
-    content = users[-1].content
-    if not isinstance(content, list):
-        raise InputError("the user message has no video: give `content` as a list with a "
-                         "{\"type\": \"video_url\", \"video_url\": {\"url\": ...}} part")
-    urls, texts = [], []
-    for part in content:
-        if isinstance(part, TextPart):
-            texts.append(part.text)
-        elif isinstance(part, VideoURLPart):
-            v = part.video_url
-            url = v.url if isinstance(v, VideoURL) else v
-            if not url:
-                raise InputError("a video_url part has no `url`")
-            urls.append(url)
-        else:
-            raise UnsupportedMedia(f"{part.type} parts are not supported; send one video_url")
     if len(urls) != 1:
-        raise InputError(f"the user message must have exactly one video_url part "
-                         f"(it has {len(urls)})")
-    return urls[0], "\n".join(texts)
+        raise InputError(
+            f"the conversation must have exactly one video_url part (it has {len(urls)})"
+            + ("" if urls else ": give a user message's `content` as a list with a "
+               "{\"type\": \"video_url\", \"video_url\": {\"url\": ...}} part"))
+    conv = Conversation(tuple(turns))
+    conv.validate()
+    return urls[0], conv
+
+
+def conversation_text(conv) -> str:
+    """All the conversation's text, as the budget counts it (the question's token limit
+    applies to every turn's text together)."""
+    return "\n".join(p for t in conv.turns for p in t.parts if isinstance(p, str))

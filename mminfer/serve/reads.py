@@ -86,5 +86,5 @@ async def prometheus(request: Request):
 @router.get("/", include_in_schema=False)
 async def root(request: Request):
     return {"service": "mminfer", "model": request.app.state.service.model_id(),
-            "endpoints": ["/v1/answer", "/v1/chat/completions", "/v1/models",
+            "endpoints": ["/v1/answer", "/v1/chat/completions", "/v1/videos", "/v1/models",
                           "/v1/latency-report", "/report", "/health", "/metrics", "/docs"]}

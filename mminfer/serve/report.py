@@ -21,7 +21,8 @@ from .store import bucket_of
 # Stages that add up to the time to first token, then the answer tokens and the density
 # count: together the whole request.
 BAR_STAGES = TTFT_STAGES + ("generate", "density")
-COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "decode": "#8d6e63", "preprocess": "#ffb74d",
+COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "restore": "#a1887f", "suffix": "#7986cb",
+          "decode": "#8d6e63", "preprocess": "#ffb74d",
           "vision": "#4db6ac", "index": "#ba68c8", "attention": "#e57373",
           "llm_other": "#64b5f6", "generate": "#81c784", "density": "#f06292",
           "ttft": "#1565c0", "total": "#37474f"}
@@ -207,6 +208,31 @@ def scatter(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def cache_section(cache: dict | None) -> str:
+    """The video cache: the hit rate, and the time to first token of hits and misses
+    apart (a row per outcome; ``data-*`` attributes carry the numbers)."""
+    if not cache or not (cache["lookups"] or cache["off"]):
+        return '<p class="empty">No answered request looked the video cache up yet.</p>'
+    rate = "-" if cache["hit_rate"] is None else f'{cache["hit_rate"] * 100:.1f} %'
+    head = ('<tr><th>prefix from</th><th>count</th><th>ttft p50</th><th>p95</th><th>p99</th>'
+            '<th>mean</th></tr>')
+    names = {"miss": "miss (prefilled)", "hit": "hit (GPU tier)", "host": "hit (host tier)",
+             "off": "cache off"}
+    body = "".join(
+        f'<tr class="cache-row" data-cache="{e(r["cache"])}" data-count="{r["count"]}" '
+        f'data-p50-ms="{r["p50_ms"]:.3f}" data-p95-ms="{r["p95_ms"]:.3f}" '
+        f'data-p99-ms="{r["p99_ms"]:.3f}"><td>{e(names.get(r["cache"], r["cache"]))}</td>'
+        f'<td>{r["count"]}</td><td>{_fmt_ms(r["p50_ms"])}</td><td>{_fmt_ms(r["p95_ms"])}'
+        f'</td><td>{_fmt_ms(r["p99_ms"])}</td><td>{_fmt_ms(r["mean_ms"])}</td></tr>'
+        for r in cache["ttft"])
+    shown = "" if cache["hit_rate"] is None else cache["hit_rate"]
+    return (f'<p id="cache-summary" data-hit-rate="{shown}" data-lookups="{cache["lookups"]}" '
+            f'data-hits="{cache["hits"]}">Hit rate <b>{rate}</b>: {cache["hits"]} of '
+            f'{cache["lookups"]} lookups ({cache["host_hits"]} from the host tier, '
+            f'{cache["misses"]} misses); {cache["off"]} answered with the cache off.</p>'
+            f'<table id="cache-table">{head}{body}</table>')
+
+
 def table(report: dict) -> str:
     if not report["rows"]:
         return ""
@@ -253,6 +279,8 @@ td:first-child, th:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: 
 {stage_bars(report)}
 <h2>Time to first token</h2>
 {percentile_bars(report, "ttft")}
+<h2>Video cache: hit rate, and time to first token of hits and misses</h2>
+{cache_section(report.get("cache"))}
 <h2>Time to first token against prompt length (recent requests)</h2>
 {scatter(rows)}
 <h2>All stages</h2>

@@ -52,6 +52,7 @@ class Request:
     slot: object = None                   # worker.Slot
     upload: object = None                 # intake.Upload
     deadline: float | None = None         # time.monotonic() by which the job must be done
+    lease: object = None                  # videos.Lease of a stored video, until the job has it
 
     def body(self, intake: Intake):
         """The request body as timed chunks."""
@@ -69,11 +70,22 @@ class Request:
         if self.own:
             media.remove(self.path)
             self.own = False
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def use_stored(self, store, video_id: str):
+        """The stored video ``video_id`` is this request's (404 when there is none)."""
+        self.lease = store.acquire(video_id)
+        self.path, self.own = self.lease.path, False
+        self.label = f"the stored video {video_id!r}"
 
 
 class Service:
-    def __init__(self, settings, worker, store, metrics, model_path: str, upload_dir: Path):
+    def __init__(self, settings, worker, store, metrics, model_path: str, upload_dir: Path,
+                 videos=None):
         self.s = settings
+        self.videos = videos                # videos.VideoStore
         self.worker = worker
         self.store = store
         self.metrics = metrics
@@ -165,8 +177,10 @@ class Service:
                 density = (result.sparsity or {}).get("mean_density", 1.0)
                 self.metrics.observe_success(info["timings"], result.tokens["total"],
                                              result.tokens["generated"], density)
+                self.metrics.observe_cache(getattr(result, "cache", None))
                 self.store.add(id=rid, endpoint=endpoint, status=200, model=result.model,
-                               attention=result.attention, tokens=result.tokens["total"],
+                               attention=result.attention, cache=getattr(result, "cache", None),
+                               tokens=result.tokens["total"],
                                visual_tokens=result.tokens["visual"],
                                generated=result.tokens["generated"], density=density,
                                timings=info["timings"])
@@ -196,13 +210,15 @@ class Service:
         await self.wait(req, job, fut)
         return fut.result(), job
 
-    def submit(self, req: Request, question: str, params: dict, on_token=None):
+    def submit(self, req: Request, question: str | None, params: dict, on_token=None):
         """The job, queued in the request's slot, and its future on this loop; the request's
-        deadline starts now."""
+        deadline starts now. ``question`` None: ``params`` holds the ``conversation``."""
+        params = {**params, "use_cache": self.s.video_cache}
         job = Job(video_path=req.path, question=question, params=params,
-                  cleanup=req.path if req.own else None, request_id=req.id, on_token=on_token)
+                  cleanup=req.path if req.own else None, request_id=req.id, on_token=on_token,
+                  release=req.lease.release if req.lease is not None else None)
         self.worker.submit(job, req.slot)
-        req.own = False                     # the job deletes it when done or dropped
+        req.own, req.lease = False, None    # the job deletes or releases it when done
         req.deadline = time.monotonic() + self.s.timeout_s
         return job, asyncio.wrap_future(job.future)
 
@@ -245,7 +261,9 @@ class Service:
         return {k: round(float(v), 3) for k, v in out.items()}
 
 
-def video_facts(result, label) -> dict:
+def video_facts(result, label, video_id: str | None = None) -> dict:
     v = {k: val for k, val in result.video.items() if k != "path"}
     v["filename"] = label
+    if video_id is not None:
+        v["id"] = video_id
     return v

@@ -53,6 +53,16 @@ class Settings:
     media_fetch_timeout_s: float = 30.0           # per read
     media_fetch_deadline_s: float = 120.0         # the whole download
 
+    # the video cache (the engine's: prefixes kept between questions about one video)
+    kv_cache_gb: float | None = None   # GPU tier; None: the engine's default share
+    kv_host_cache_gb: float = 0.0      # pinned host tier the GPU tier spills to (0: none)
+    video_cache: bool = True           # False: every request prefills its whole prompt
+
+    # the video store (POST /v1/videos: upload once, ask by id)
+    video_store_gb: float = 20.0       # distinct stored files, bytes at most
+    video_store_max: int = 1000        # stored ids at most
+    video_ttl_s: float = 86400.0       # an id expires this long after its upload (0: never)
+
     # the latency store
     report_retention_days: float = 30.0
     report_max_rows: int = 200_000

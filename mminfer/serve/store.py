@@ -43,7 +43,9 @@ CREATE TABLE IF NOT EXISTS requests (
     visual_tokens INTEGER,
     generated INTEGER,
     density REAL,                  -- mean attention density (1.0 for dense)
-    timings TEXT NOT NULL          -- JSON {stage: ms}
+    timings TEXT NOT NULL,         -- JSON {stage: ms}
+    cache TEXT                     -- the video's prefix: miss | hit | host | off (NULL: before
+                                   -- the video cache, or an error)
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 -- One row per stage of each successful request: what the report reads. The covering index
@@ -55,7 +57,8 @@ CREATE TABLE IF NOT EXISTS stage_times (
     ms REAL NOT NULL,
     ts REAL NOT NULL,
     density REAL,
-    attention TEXT                 -- the request's: a report group, as the bucket is
+    attention TEXT,                -- the request's: a report group, as the bucket is
+    cache TEXT                     -- the request's (hits and misses are reported apart)
 );
 """
 # Created after any migration (a store from before the attention column has the table
@@ -66,7 +69,9 @@ CREATE INDEX IF NOT EXISTS stage_times_group ON stage_times
     (stage, b, attention, ms, ts, density);
 CREATE INDEX IF NOT EXISTS stage_times_req ON stage_times (req);
 CREATE INDEX IF NOT EXISTS stage_times_ts ON stage_times (ts);
+CREATE INDEX IF NOT EXISTS stage_times_cache ON stage_times (stage, cache, ms, ts);
 """
+CACHE_ORDER = ("miss", "hit", "host", "off")   # report order of the cache outcomes
 ATTENTION_ORDER = ("dense", "sparse")     # report order; any other value (or none) after
 
 
@@ -218,6 +223,10 @@ class LatencyStore(RetainedTable):
             self._db.execute("ALTER TABLE stage_times ADD COLUMN attention TEXT")
             self._db.execute("UPDATE stage_times SET attention = (SELECT r.attention FROM "
                              "requests r WHERE r.rowid = stage_times.req)")
+        # a store written before the video cache: its rows have no cache outcome (NULL)
+        for table in ("requests", "stage_times"):
+            if "cache" not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN cache TEXT")
         if self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM stage_times) AND EXISTS "
                             "(SELECT 1 FROM requests)").fetchone()[0]:
             self._fill_stage_times()       # a store written before stage_times existed
@@ -227,26 +236,30 @@ class LatencyStore(RetainedTable):
         whens = " ".join(f"WHEN r.tokens < {e} THEN {i}" for i, e in enumerate(BUCKET_EDGES))
         self._db.execute(
             f"INSERT INTO stage_times SELECT r.rowid, j.key, CASE {whens} ELSE "
-            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density, r.attention FROM requests r, "
+            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density, r.attention, r.cache FROM "
+            f"requests r, "
             f"json_each(r.timings) j WHERE r.status = 200 AND r.tokens IS NOT NULL AND "
             f"j.type IN ('integer', 'real')")
 
     def add(self, *, id: str, endpoint: str, status: int, code: str | None = None,
             model: str | None = None, attention: str | None = None, tokens: int | None = None,
             visual_tokens: int | None = None, generated: int | None = None,
-            density: float | None = None, timings: dict | None = None, ts: float | None = None):
+            density: float | None = None, timings: dict | None = None, ts: float | None = None,
+            cache: str | None = None):
         row = (id, time.time() if ts is None else ts, endpoint, int(status), code, model,
                attention, tokens, visual_tokens, generated, density,
-               json.dumps(timings or {}))
+               json.dumps(timings or {}), cache)
         stages = [(k, float(v)) for k, v in (timings or {}).items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
         def statements(db):
-            cur = db.execute("INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                             row)
+            cur = db.execute("INSERT INTO requests (id, ts, endpoint, status, code, model, "
+                             "attention, tokens, visual_tokens, generated, density, timings, "
+                             "cache) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             if int(status) == 200 and tokens is not None:
                 b = bucket_index(tokens)
-                db.executemany("INSERT INTO stage_times VALUES (?, ?, ?, ?, ?, ?, ?)",
-                               [(cur.lastrowid, k, b, ms, row[1], density, attention)
+                db.executemany("INSERT INTO stage_times (req, stage, b, ms, ts, density, "
+                               "attention, cache) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                               [(cur.lastrowid, k, b, ms, row[1], density, attention, cache)
                                 for k, ms in stages])
         self._write(statements)
 
@@ -286,6 +299,7 @@ class LatencyStore(RetainedTable):
             errs = self._db.execute(
                 "SELECT COALESCE(code, CAST(status AS TEXT)), COUNT(*) FROM requests "
                 "WHERE status != 200" + window + " GROUP BY 1 ORDER BY 1", args).fetchall()
+            cache = self._cache_report(window, args)
         first_seen: dict[str, float] = {}
         by_cell = {}
         for stage, b, attn, n, mean, density, ts in groups:
@@ -309,7 +323,40 @@ class LatencyStore(RetainedTable):
                 "attentions": attentions,
                 "groups": [{"bucket": BUCKET_LABELS[b], "attention": a}
                            for b, a in groups_present],
-                "bucket_edges_tokens": list(BUCKET_EDGES), "rows": table}
+                "bucket_edges_tokens": list(BUCKET_EDGES), "rows": table, "cache": cache}
+
+    def _cache_report(self, window: str, args: list) -> dict:
+        """(Under the lock.) The video cache as the answered requests saw it: the hit rate
+        (hits of either tier over the requests that looked the cache up: miss, hit or host)
+        and the time to first token of each outcome apart, a hit's and a miss's being
+        different things."""
+        counts = dict(self._db.execute(
+            "SELECT cache, COUNT(*) FROM requests WHERE status = 200 AND cache IS NOT NULL"
+            + window + " GROUP BY cache", args).fetchall())
+        lookups = sum(counts.get(c, 0) for c in ("miss", "hit", "host"))
+        hits = counts.get("hit", 0) + counts.get("host", 0)
+        ttft = []
+        for outcome in sorted(counts, key=cache_rank):
+            n, mean = self._db.execute(
+                "SELECT COUNT(*), AVG(ms) FROM stage_times WHERE stage = 'ttft' AND cache = ?"
+                + window, [outcome, *args]).fetchone()
+            if not n:
+                continue
+            row = {"cache": outcome, "count": n}
+            for name, q in QUANTILES:
+                row[name] = round(sql_quantile(
+                    self._db, "SELECT ms FROM stage_times WHERE stage = 'ttft' AND cache = ?"
+                    + window + " ORDER BY ms", [outcome, *args], n, q), 3)
+            row["mean_ms"] = round(mean, 3)
+            ttft.append(row)
+        return {"lookups": lookups, "hits": hits, "host_hits": counts.get("host", 0),
+                "misses": counts.get("miss", 0), "off": counts.get("off", 0),
+                "hit_rate": round(hits / lookups, 6) if lookups else None, "ttft": ttft}
+
+
+def cache_rank(cache):
+    return (CACHE_ORDER.index(cache), "") if cache in CACHE_ORDER else (len(CACHE_ORDER),
+                                                                          cache or "")
 
 
 def attention_rank(attention):

@@ -52,6 +52,7 @@ class Job:
     params: dict                          # keyword arguments of Pipeline.answer
     request_id: str | None = None
     cleanup: str | None = None            # a temp file to delete once nobody needs it
+    release: object = None                # called (once) when nobody needs the video any more
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued: float = 0.0                 # time.monotonic()
     started: float | None = None
@@ -88,6 +89,9 @@ class Job:
                 os.unlink(self.cleanup)
             except FileNotFoundError:
                 pass
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
 class Slot:

@@ -114,7 +114,8 @@ def test_upload_round_trip(srv):
     d = r.json()
     assert r.headers["x-request-id"] == d["request_id"] == "abc-1"
     assert set(d) == {"request_id", "answer", "model", "attention", "attention_requested",
-                      "video", "tokens", "sparsity", "timings_ms"}
+                      "cache", "video", "tokens", "sparsity", "timings_ms"}
+    assert d["cache"] in ("miss", "hit")          # an earlier test may have asked about it
     assert isinstance(d["answer"], str) and d["model"] == "tiny-qwen"
     assert d["attention"] == "dense" and d["attention_requested"] == "dense"
     assert d["sparsity"] is None
@@ -689,8 +690,10 @@ def test_openapi_documents_both_post_bodies(srv):
 
     ctype, form = body("/v1/answer")
     assert ctype == "multipart/form-data"
-    assert set(form["required"]) == {"question", "video"}
+    assert set(form["required"]) == {"question"}       # a video file or a video_id
     assert form["properties"]["video"]["format"] == "binary"
+    assert "video_id" in form["properties"]
+    assert "/v1/videos" in spec["paths"] and "/v1/videos/{video_id}" in spec["paths"]
     assert {"fps", "max_frames", "max_new_tokens", "attention"} <= set(form["properties"])
     ctype, chat = body("/v1/chat/completions")
     assert ctype == "application/json" and chat["required"] == ["messages"]

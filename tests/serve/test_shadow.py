@@ -51,8 +51,11 @@ def serve(tmp_path_factory, config: str):
     from conftest import LiveServer
     root = tmp_path_factory.mktemp(config.split(".")[0])
     model = embedded_with(config, root)
+    # the video cache off: every request here asks about the same video, and only a request
+    # that builds the video's prefix has one to compare (a hit prefills no prefix)
     app = create_app(Settings(model=str(model), device="cpu", data_dir=str(root / "data"),
-                              api_key=None, shadow_rate=1.0, timeout_s=300))
+                              api_key=None, shadow_rate=1.0, timeout_s=300,
+                              video_cache=False))
     return LiveServer(app)
 
 

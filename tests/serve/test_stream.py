@@ -137,7 +137,13 @@ def test_stream_adds_up_to_the_answer_with_usage_last(ckpt, tmp_path, live_serve
     assert final["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
     assert list(final["timings"]) == list(STAGE_ORDER)
     assert final["timings"]["ttft"] <= final["timings"]["total"]
-    assert last["choices"] == [] and last["usage"] == want["usage"]
+    # the same prompt as the plain answer, its video's prefix now cached: only that differs
+    details = last["usage"]["prompt_tokens_details"]
+    assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert details["cached_tokens"] > 0 and final["mminfer"]["cache"] == "hit"
+    assert last["choices"] == [] and last["usage"] == {
+        **want["usage"], "prompt_tokens_details": {**want["usage"]["prompt_tokens_details"],
+                                                   "cached_tokens": details["cached_tokens"]}}
     assert last["usage"]["completion_tokens"] == len(pipe.token_times) == 12
 
     # recorded like any answer: counted, its stages in the histograms and the report

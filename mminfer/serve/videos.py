@@ -1,0 +1,364 @@
+"""Upload a video once, ask about it many times: ``/v1/videos``, shaped like OpenAI's Files.
+
+    POST   /v1/videos          multipart ``file`` -> {"id": "video-...", "object": "video",
+                               "bytes", "created_at", "expires_at", "filename", "sha256"}
+    GET    /v1/videos          {"object": "list", "data": [...]} (newest first)
+    GET    /v1/videos/{id}     the object; 404 when unknown or expired
+    DELETE /v1/videos/{id}     {"id", "object": "video", "deleted": true}
+
+``/v1/answer`` then takes the form field ``video_id`` instead of a ``video`` file, and chat a
+``video_url`` of ``mminfer://videos/{id}``. The engine's video cache is keyed by the video's
+content hash, so a question about an id, an upload and a data: URL of the same bytes share one
+cached prefix.
+
+Storage (``VideoStore``, under ``--data-dir``/videos): each distinct content is one file
+named by its sha256 (two uploads of the same bytes are two ids over one file); the ids are in
+``index.json``, rewritten atomically on every change, so the store survives a restart. The
+budgets are the bytes of the distinct files (``--video-store-gb``) and the number of ids
+(``--video-store-max``); an upload over them gets 507 (a single video larger than the whole
+store: 413) after expired ids have been deleted to make room. Ids expire ``--video-ttl-s``
+after their upload: an expired id is deleted when it is next looked up and by the periodic
+sweep. A request answering about an id holds a lease on its file, so deleting or expiring the
+id while the request runs or waits removes the id at once and the file when the last lease
+ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
+
+from mminfer.errors import InputError, MMInferError, MissingField, TooLarge
+
+from . import media
+from .errors import describe, error_body, json_response
+
+log = logging.getLogger("mminfer.serve")
+
+router = APIRouter()
+
+SCHEME = "mminfer://videos/"     # a chat video_url naming a stored video
+ID_PREFIX = "video-"
+INDEX = "index.json"
+BLOB_SUFFIX = ".video"
+
+
+class VideoNotFound(MMInferError):
+    code = "video_not_found"
+    http_status = 404
+
+
+class StoreFull(MMInferError):
+    """The video store's byte or count budget is spent (HTTP 507 Insufficient Storage)."""
+    code = "video_store_full"
+    http_status = 507
+
+
+@dataclass
+class StoredVideo:
+    id: str
+    bytes: int
+    created_at: int                  # unix seconds
+    expires_at: int | None           # unix seconds; None: never
+    filename: str | None
+    sha256: str
+
+    def public(self) -> dict:
+        return {"id": self.id, "object": "video", **{k: v for k, v in asdict(self).items()
+                                                     if k != "id"}}
+
+
+def sha256_of(path) -> str:
+    """The content hash the engine keys its video cache by (and memoises by the file's
+    identity, so hashing the stored file here spares the first question the work)."""
+    from mminfer.engine.cache import file_digest
+    return file_digest(path)
+
+
+class Lease:
+    """A stored video's file, kept on disk until ``release`` (idempotent)."""
+
+    def __init__(self, store: "VideoStore", video: StoredVideo):
+        self.store, self.video = store, video
+        self.path = str(store.blob_path(video.sha256))
+        self._held = True
+
+    def release(self):
+        if self._held:
+            self._held = False
+            self.store._unpin(self.video.sha256)
+
+
+class VideoStore:
+    """The stored videos; every method is thread-safe (the event loop lists and looks up,
+    threads add)."""
+
+    def __init__(self, folder, *, max_bytes: int, max_count: int, ttl_s: float | None,
+                 clock=time.time):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.max_count = int(max_bytes), int(max_count)
+        self.ttl_s = ttl_s if ttl_s and ttl_s > 0 else None
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._videos: dict[str, StoredVideo] = {}
+        self._pins: dict[str, int] = {}          # sha256 -> leases held
+        self._load()
+
+    # ------------------------------------------------------------ disk
+    def blob_path(self, sha: str) -> Path:
+        return self.folder / f"{sha}{BLOB_SUFFIX}"
+
+    def _load(self):
+        path = self.folder / INDEX
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+        except (OSError, ValueError) as e:
+            log.error("the video store index %s is unreadable (%s): starting empty", path, e)
+            rows = []
+        for row in rows if isinstance(rows, list) else []:
+            try:
+                v = StoredVideo(**row)
+            except TypeError:
+                continue
+            if self.blob_path(v.sha256).is_file():
+                self._videos[v.id] = v
+        keep = {f"{v.sha256}{BLOB_SUFFIX}" for v in self._videos.values()}
+        for f in self.folder.iterdir():          # files of ids that are gone, temp files
+            if f.name != INDEX and f.name not in keep:
+                media.remove(str(f))
+        self.sweep()
+        self._save()
+
+    def _save(self):
+        tmp = self.folder / (INDEX + ".tmp")
+        tmp.write_text(json.dumps([asdict(v) for v in self._videos.values()]),
+                       encoding="utf-8")
+        os.replace(tmp, self.folder / INDEX)
+
+    def _drop_blob_if_unused(self, sha: str):
+        if self._pins.get(sha, 0) == 0 and not any(v.sha256 == sha
+                                                   for v in self._videos.values()):
+            media.remove(str(self.blob_path(sha)))
+
+    # ------------------------------------------------------------ budget
+    def used_bytes(self) -> int:
+        """Bytes of the distinct files on disk (those of deleted ids still leased count)."""
+        with self._lock:
+            shas = {v.sha256 for v in self._videos.values()} | set(self._pins)
+            return sum(self.blob_path(s).stat().st_size for s in shas
+                       if self.blob_path(s).exists())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"videos": len(self._videos), "bytes": self.used_bytes(),
+                    "max_bytes": self.max_bytes, "max_videos": self.max_count}
+
+    def sweep(self) -> int:
+        """Delete the expired ids; returns how many."""
+        now = self.clock()
+        with self._lock:
+            gone = [v for v in self._videos.values()
+                    if v.expires_at is not None and v.expires_at <= now]
+            for v in gone:
+                del self._videos[v.id]
+            for sha in {v.sha256 for v in gone}:
+                self._drop_blob_if_unused(sha)
+            if gone:
+                self._save()
+        return len(gone)
+
+    # ------------------------------------------------------------ ids
+    def add(self, temp_path: str, filename: str | None, sha: str) -> StoredVideo:
+        """Store the file at ``temp_path`` (taken: moved in, or deleted when the same bytes
+        are already stored) under a new id; TooLarge (413) or StoreFull (507) when it does not
+        fit the budget once expired ids are gone."""
+        try:
+            size = os.path.getsize(temp_path)
+            if size > self.max_bytes:
+                raise TooLarge(f"the video ({size} bytes) is larger than this server's whole "
+                               f"video store ({self.max_bytes} bytes, --video-store-gb)",
+                               limit_bytes=self.max_bytes)
+            with self._lock:
+                self.sweep()
+                if len(self._videos) >= self.max_count:
+                    raise StoreFull(f"the video store holds {len(self._videos)} videos, this "
+                                    f"server's limit (--video-store-max); delete some "
+                                    f"(DELETE /v1/videos/{{id}}) or wait for them to expire",
+                                    limit=self.max_count)
+                blob = self.blob_path(sha)
+                if not blob.exists():
+                    used = self.used_bytes()
+                    if used + size > self.max_bytes:
+                        raise StoreFull(f"the video store is full: {used} of {self.max_bytes} "
+                                        f"bytes used, the video is {size} (--video-store-gb); "
+                                        f"delete some (DELETE /v1/videos/{{id}}) or wait for "
+                                        f"them to expire", limit_bytes=self.max_bytes,
+                                        used_bytes=used)
+                    os.replace(temp_path, blob)
+                now = self.clock()
+                v = StoredVideo(id=ID_PREFIX + secrets.token_hex(12), bytes=size,
+                                created_at=int(now),
+                                expires_at=int(now + self.ttl_s) if self.ttl_s else None,
+                                filename=filename, sha256=sha)
+                self._videos[v.id] = v
+                self._save()
+            return v
+        finally:
+            media.remove(temp_path)         # gone already when it was moved in
+
+    def get(self, vid: str) -> StoredVideo:
+        with self._lock:
+            v = self._videos.get(vid)
+            if v is not None and v.expires_at is not None and v.expires_at <= self.clock():
+                self.sweep()
+                v = None
+        if v is None:
+            raise VideoNotFound(f"no video {vid!r} on this server (unknown, deleted or "
+                                f"expired); upload it again with POST /v1/videos", id=vid)
+        return v
+
+    def list(self) -> list[StoredVideo]:
+        self.sweep()
+        with self._lock:
+            return sorted(self._videos.values(), key=lambda v: (-v.created_at, v.id))
+
+    def delete(self, vid: str) -> StoredVideo:
+        with self._lock:
+            v = self.get(vid)
+            del self._videos[vid]
+            self._drop_blob_if_unused(v.sha256)
+            self._save()
+        return v
+
+    def acquire(self, vid: str) -> Lease:
+        """The id's file, kept until the lease is released even if the id goes meanwhile."""
+        with self._lock:
+            v = self.get(vid)
+            self._pins[v.sha256] = self._pins.get(v.sha256, 0) + 1
+            return Lease(self, v)
+
+    def _unpin(self, sha: str):
+        with self._lock:
+            n = self._pins.get(sha, 0) - 1
+            if n > 0:
+                self._pins[sha] = n
+            else:
+                self._pins.pop(sha, None)
+                self._drop_blob_if_unused(sha)
+
+
+def video_id_of(url: str) -> str | None:
+    """The id of a ``mminfer://videos/{id}`` URL, None for any other URL."""
+    if not url.lower().startswith(SCHEME):
+        return None
+    vid = url[len(SCHEME):]
+    if not vid or "/" in vid:
+        raise InputError(f"a stored video's URL is {SCHEME}{{id}}, not {url[:80]!r}")
+    return vid
+
+
+async def sweeper(store: VideoStore, every_s: float):
+    """The periodic sweep of expired ids (the app's lifespan runs it)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(store.sweep)
+        except Exception:               # noqa: BLE001 - a full disk must not end the sweeps
+            log.exception("sweeping the video store failed")
+
+
+# ------------------------------------------------------------------ routes
+
+UPLOAD_BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file"],
+    "properties": {"file": {"type": "string", "format": "binary",
+                            "description": "the video file (mp4, webm, mkv, ...)"}}}}}}
+
+
+@router.post("/v1/videos", openapi_extra={"requestBody": UPLOAD_BODY},
+             summary="Store a video once; ask about it by id (video_id, mminfer://videos/{id})")
+async def upload(request: Request):
+    svc = request.app.state.service
+    path, upload_place, status, label = None, None, 200, "the uploaded video"
+    try:
+        svc.check_auth(request)
+        upload_place = svc.intake.begin()
+        up = await media.read_multipart(request, svc.intake.timed(request.stream()),
+                                        svc.upload_dir, svc.s.max_upload_bytes,
+                                        file_field="file")
+        upload_place.end()
+        path = up.video
+        if up.filename:
+            label = f"the uploaded video {up.filename!r}"
+        if path is None:
+            raise MissingField("the form has no `file` part (the video)", field="file")
+        media.check_file(path, label)
+        await asyncio.to_thread(svc.budget.check_video, path, "",
+                                {"fps": svc.s.fps, "max_frames": svc.s.max_frames,
+                                 "max_new_tokens": svc.s.max_new_tokens}, None)
+        sha = await asyncio.to_thread(sha256_of, path)
+        video = await asyncio.to_thread(svc.videos.add, path, up.filename, sha)
+        path = None
+        # the move gave the file a new identity: hash it under its stored one now, so the
+        # first question about it does not
+        try:
+            await asyncio.to_thread(sha256_of, svc.videos.blob_path(sha))
+        except OSError:                 # deleted meanwhile: nothing to spare
+            pass
+        body = video.public()
+    except ClientDisconnect:
+        svc.metrics.count(499, "client_disconnected")
+        return json_response(499, error_body("client_disconnected", "the client disconnected",
+                                             499))
+    except MMInferError as e:
+        status, code, body = describe(e, path, label)
+        svc.metrics.count(status, code)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        if status == 503:
+            headers = {"Retry-After": "1"}
+        return json_response(status, body, headers)
+    except Exception as e:  # noqa: BLE001 - a bug, not bad input: the service lives on
+        log.exception("storing a video failed")
+        svc.metrics.count(500, "internal")
+        return json_response(500, error_body("internal", f"internal error: "
+                                             f"{type(e).__name__}: {e}", 500))
+    finally:
+        if upload_place is not None:
+            upload_place.end()
+        media.remove(path)
+    svc.metrics.count(status)
+    return json_response(status, body)
+
+
+@router.get("/v1/videos", summary="The stored videos, newest first")
+async def list_videos(request: Request):
+    svc = request.app.state.service
+    svc.check_auth(request)
+    videos = await asyncio.to_thread(svc.videos.list)
+    return {"object": "list", "data": [v.public() for v in videos]}
+
+
+@router.get("/v1/videos/{video_id}", summary="A stored video")
+async def get_video(request: Request, video_id: str):
+    svc = request.app.state.service
+    svc.check_auth(request)
+    return svc.videos.get(video_id).public()
+
+
+@router.delete("/v1/videos/{video_id}", summary="Delete a stored video")
+async def delete_video(request: Request, video_id: str):
+    svc = request.app.state.service
+    svc.check_auth(request)
+    v = await asyncio.to_thread(svc.videos.delete, video_id)
+    return {"id": v.id, "object": "video", "deleted": True}
