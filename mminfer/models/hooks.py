@@ -78,7 +78,8 @@ def choose_attention(mode: str, n_tokens: int, *, patterns, index, min_sparse_le
                      unavailable: str | None = None) -> str:
     """The one rule: "sparse" or "dense" for a prefill of ``n_tokens``. "sparse" is what was
     asked (an InputError when it cannot run); "auto" is sparse from ``min_sparse_len`` tokens
-    where it can run, dense otherwise; "dense" is dense."""
+    where it can run and the head patterns are calibrated, dense otherwise; "dense" is
+    dense."""
     from mminfer.errors import InputError
     if mode not in MODES:
         raise InputError(f"attention must be one of {MODES}, not {mode!r}")
@@ -89,6 +90,12 @@ def choose_attention(mode: str, n_tokens: int, *, patterns, index, min_sparse_le
         if why:
             raise InputError(why)
         return "sparse"
+    # "auto" runs a head-pattern config only once it was calibrated on the model (`mminfer
+    # calibrate`): the shipped 7B configs are uncalibrated starting points whose quality on
+    # the real weights nobody measured, so until then "auto" is dense (the server says so at
+    # start, in /v1/models and on /report); an explicit "sparse" still runs them
+    if getattr(patterns, "uncalibrated", False):
+        return "dense"
     return "sparse" if why is None and n_tokens >= min_sparse_len else "dense"
 
 

@@ -124,7 +124,8 @@ def test_sparse_and_dense_one_flag_apart(pipe, ckpt, mp4):
     sparse = pipe.answer(mp4, "where does the square move?", fps=4.0, max_new_tokens=4,
                          attention="sparse")
     assert dense.attention == "dense" and sparse.attention == "sparse"
-    assert sparse.attention_requested == "sparse" and sparse.tokens == dense.tokens
+    assert sparse.attention_requested == "sparse"
+    assert {**sparse.tokens, "cached": 0} == {**dense.tokens, "cached": 0}
     # the default patterns' budgets cover every pair of a 40-token prompt: same answer
     assert sparse.answer == dense.answer
     s = sparse.sparsity
@@ -132,8 +133,13 @@ def test_sparse_and_dense_one_flag_apart(pipe, ckpt, mp4):
     assert s["layers"] == [0] and len(s["per_layer"]) == 1 and s["last_row_only"] == 1
     assert s["mean_density"] == pytest.approx(1.0) and s["uncalibrated"] is True
     assert sparse.timings_ms["index"] > 0 and dense.timings_ms["index"] == 0
-    # auto: sparse from min_sparse_len tokens on
+    # auto: dense while the head patterns are uncalibrated (the tiny checkpoint's defaults),
+    # sparse from min_sparse_len tokens on once they are calibrated
     auto = Pipeline(str(ckpt), device="cpu", min_sparse_len=16)
+    assert auto.adapter.patterns.uncalibrated
+    assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "dense"
+    auto.adapter.patterns.uncalibrated = False
+    auto.video_cache.clear()          # the config changed under the pipeline: rebuild
     assert auto.answer(mp4, "what?", max_new_tokens=2).attention == "sparse"
     assert pipe.answer(mp4, "what?", max_new_tokens=2, attention="auto").attention == "dense"
 

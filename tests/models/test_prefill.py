@@ -7,6 +7,8 @@ cache causal; the one dense/sparse decision; cancellation between layers."""
 import os
 from contextlib import nullcontext
 
+import types
+
 import pytest
 import torch
 
@@ -332,6 +334,12 @@ def test_one_rule_decides_dense_or_sparse():
     assert choose("sparse", 8, patterns=pats, index=idx, min_sparse_len=10**6) == "sparse"
     assert choose("auto", 99, patterns=pats, index=idx, min_sparse_len=100) == "dense"
     assert choose("auto", 100, patterns=pats, index=idx, min_sparse_len=100) == "sparse"
+    # auto runs a calibrated config only; explicit sparse runs an uncalibrated one too
+    raw = types.SimpleNamespace(uncalibrated=True)
+    assert choose("auto", 100, patterns=raw, index=idx, min_sparse_len=1) == "dense"
+    assert choose("sparse", 100, patterns=raw, index=idx, min_sparse_len=1) == "sparse"
+    done = types.SimpleNamespace(uncalibrated=False)
+    assert choose("auto", 100, patterns=done, index=idx, min_sparse_len=1) == "sparse"
     # auto never goes where it cannot run; an explicit sparse there is refused with the reason
     assert choose("auto", 100, patterns=None, index=idx, min_sparse_len=1) == "dense"
     assert choose("auto", 100, patterns=pats, index=idx, min_sparse_len=1,
