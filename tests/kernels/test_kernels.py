@@ -12,6 +12,7 @@ import torch
 from mminfer.kernels import (AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash, dense,
                              masked_attention, row_table, sparse_attention)
 from mminfer.kernels.masks import spec_mask_rows
+from mminfer.kernels.runtime import interpreted
 
 from oracle import replay_tiles, spec_masks
 
@@ -492,7 +493,7 @@ def _three_groups(n):
     return [(c[i], c[i + 1], groups[i]) for i in range(5)]
 
 
-def _repeated_head_specs(n, hq, block_m, device):
+def _repeated_head_specs(n, hq, block_m, device, block_n=16):
     """One head listed many times across and inside specs, each slot with its own query
     group, key group and parameters (a 2D-boundary head: one slot per (query group, key
     group)), beside Q-boundary, K-split and plain heads in the same specs. The first spec's
@@ -518,7 +519,7 @@ def _repeated_head_specs(n, hq, block_m, device):
                       qgroup=[0, 0, -1], kgroup=[1, 2, -1]),
         # head 1: (q2,k0); head 3: key group 1; the rest plain
         Block(heads=block_heads,
-              key_blocks=_blocks(1, len(block_heads), r, n, 16, 3, device, seed=29),
+              key_blocks=_blocks(1, len(block_heads), r, n, block_n, 3, device, seed=29),
               window=[1, 2] + [3] * len(others), qgroup=[2, -1] + [-1] * len(others),
               kgroup=[0, 1] + [-1] * len(others)),
     ]
@@ -576,3 +577,73 @@ def test_the_oracle_ors_repeated_slots_pair_by_pair():
     assert torch.equal(got, want)
     assert torch.equal(torch.cat([m for _, m in spec_mask_rows(
         [spec], n, 1, block_m=bm, block_n=bn, row_groups=spans, rows=5)], 2)[0, 0], want)
+
+
+@pytest.mark.skipif(not interpreted(), reason="CPU tensors: needs TRITON_INTERPRET=1")
+def test_block_family_reads_through_descriptors_or_plain_loads():
+    """The block family's full tiles go through tensor descriptors (TMA on sm_90), which need
+    a 16-byte aligned base and row strides; otherwise the launch reads them with plain loads,
+    and both compute the oracle's result."""
+    from mminfer.kernels import launch as L
+    k = torch.randn(1, 2, 40, 64)
+    kd, _ = L._descriptors(k, k, {"BLOCK_N": 16}, 64)
+    assert kd is not None and list(kd.block_shape) == [1, 1, 16, 64]
+    odd = torch.randn(1, 2, 40, 65)[..., 1:]          # base 4 bytes off, row stride 260 B
+    assert L._descriptors(odd, odd, {"BLOCK_N": 16}, 64) == (None, None)
+    n = 67
+    r = row_table(n, 16).shape[0]
+    spec = Block([0, 1], _blocks(1, 2, r, n, 16, 3, "cpu", seed=37), window=[0, 20])
+    plan, oracle = build(n, 2, [spec], block_m=16, block_n=16)
+    for t in (torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 65)[..., 1:]):
+        check(t, t, t, plan, oracle)
+
+
+def test_sparsity_of_a_prefill_sums_its_layers_plans():
+    """density.sparsity: what an answer reports of its sparse layers, from their plans (or
+    already counted densities), layers in order; tile work only where a plan counted it."""
+    from mminfer.kernels import sparsity
+    n = 183
+    a_shape = SparsePlan.build(n, 2, [AShape([0, 1], sink=4, window=16)], block_m=16,
+                               block_n=16)
+    full = SparsePlan.build(n, 2, [dense([0, 1], n)], block_m=16, block_n=16)
+    d = a_shape.density()
+    got = sparsity({3: a_shape, 1: full, 5: 0.5, 7: {"logical": 0.2, "physical": 0.4}})
+    assert got["layers"] == [1, 3, 5, 7]
+    assert got["per_layer"] == [1.0, round(d["logical"], 6), 0.5, 0.2]
+    assert got["mean_density"] == pytest.approx((1.0 + d["logical"] + 0.5 + 0.2) / 4)
+    assert got["per_layer_tile_work"] == [1.0, round(d["physical"], 6), 0.4]
+    assert got["mean_tile_work"] == pytest.approx((1.0 + d["physical"] + 0.4) / 3)
+    assert 0 < d["logical"] < d["physical"] < 1
+    assert sparsity({}) is None
+    assert "mean_tile_work" not in sparsity({0: 0.25})
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_product_tiles_on_gpu(block_n, grouped):
+    """The plans the product builds on a GPU (128-row blocks, 64-key blocks; the kernel
+    benchmark's 128-key blocks) at the H200 launch configuration: 128-key tiles, the block
+    family's full tiles through TMA (plans without key groups), bf16, Qwen2.5-VL's GQA ratio
+    7 and head dim 128; with key groups, heads listed by several slots."""
+    n, hq, hkv, d, bm = 2053, 14, 2, 128, 128
+    if grouped:
+        spans, specs = _repeated_head_specs(n, hq, bm, "cuda", block_n=block_n)
+    else:
+        spans = None
+        r = row_table(n, bm).shape[0]
+        vert, sl = _vs(1, 4, n, 300, 12, "cuda", seed=43)
+        specs = [AShape([0, 1, 2], sink=[64, 0, 5], window=[1024, 128, 300]),
+                 Grid([3, 4, 5, 6], start=40, end=n - 9, stride=[257, 64, 9, 5],
+                      phase=[7, 0, 3, 1], lines=["both", "cols", "rows", "both"],
+                      sink=[64, 0, 3, 8], window=[256, 128, 0, 77]),
+                 VerticalSlash([7, 8, 9, 10], vert, sl, window=[64, 0, 128, 200]),
+                 Block([11, 12, 13], _blocks(1, 3, r, n, block_n, 4, "cuda", seed=47),
+                       window=[0, 128, 64])]
+    plan, oracle = build(n, hq, specs, block_m=bm, block_n=block_n, row_groups=spans,
+                         device="cuda")
+    assert (plan.key_groups is not None) == grouped
+    q, k, v = _inputs(1, hq, hkv, n, d, torch.bfloat16, "cuda", seed=41)
+    check(q, k, v, plan, oracle)
+    _density_is_the_oracles_and_the_replays(plan, oracle)
