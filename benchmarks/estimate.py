@@ -17,10 +17,12 @@ the fp32 proxy mass the chosen verticals/slashes hold against what the fp32 plan
 counts as misses and the recall does not). Then sparse attention time, density, and cuDNN
 dense attention of the same layer (at 1M: one call, measured once).
 
-Implementations: ``old`` the fused proxy one launch pair per query run for every head
-(``proxy="triton_runs"``), ``new`` every query set in one launch per pass for the heads
-that read it (``proxy="triton"``, the default), ``chunks`` the same with the chunked mass
-pass (``kernels/proxy.TUNING["mass_layout"] = "chunks"``).
+Implementations: ``default`` what the estimator runs on a GPU (``proxy="triton"``: every
+query set in one launch per pass for the heads that read it, the mass pass's layout chosen
+by length), ``new`` / ``chunks`` the same with the persistent / chunked mass pass
+(``kernels/proxy.TUNING["mass_layout"]``), ``torch`` the PyTorch passes (``proxy="torch"``,
+the CPU's estimator). The per-run proxy that ``old`` measured (one launch pair per query
+run, every head) left the package; BENCHMARKS.md section 7 has its figures.
 """
 
 from __future__ import annotations
@@ -86,10 +88,11 @@ def _same_plan(ea, eb) -> float:
     return same / max(total, 1)
 
 
-# old: the per-run proxy; new / chunks: the query-set proxy with one mass layout each;
-# default: what the estimator runs (kernels/proxy.TUNING, the layout chosen by length)
-IMPLS = {"old": ("triton_runs", {}), "new": ("triton", {"mass_layout": "persistent"}),
-         "chunks": ("triton", {"mass_layout": "chunks"}), "default": ("triton", {})}
+# new / chunks: the query-set proxy with one mass layout each; default: what the estimator
+# runs (kernels/proxy.TUNING, the layout chosen by length); torch: the PyTorch passes
+IMPLS = {"new": ("triton", {"mass_layout": "persistent"}),
+         "chunks": ("triton", {"mass_layout": "chunks"}), "default": ("triton", {}),
+         "torch": ("torch", {})}
 
 
 def _with_impl(impl, fn):
@@ -186,9 +189,10 @@ def _profile(fn, out_dir, n):
 def _tune_proxy(lengths, out_dir):
     """The fused proxy's launch parameters (kernels/proxy.TUNING), one axis per kernel: the
     log-sum-exp kernel's key blocks per program and warps, then the mass kernel's warps and
-    programs per SM; every variant checked against the default's output. Also the cost of
-    the diagonal sums (the same call without them)."""
-    from mminfer.kernels.proxy import TUNING, proxy_stats
+    programs per SM; every variant checked against the default's output. One query set (the
+    last 64 positions, every head). Also the cost of the diagonal sums (the same set
+    without them)."""
+    from mminfer.kernels.proxy import TUNING, QuerySet, proxy_sets
     lse_axis = [{"kb_per": kb, "lse_warps": w} for kb in (4, 8, 16, 32) for w in (2, 4, 8)]
     mass_axis = [{"mass_warps": w, "programs_per_sm": p} for w in (1, 2, 4, 8)
                  for p in (2, 4, 8, 16)]
@@ -196,18 +200,24 @@ def _tune_proxy(lengths, out_dir):
     for n in lengths:
         index, q, k, _ = inputs(n)
         n = index.n
-        args = (q, k, n - 64, 64, 128 ** -0.5)
-        ref = proxy_stats(*args)
-        base = events_ms(lambda: proxy_stats(*args), reps=5)
-        col_only = events_ms(lambda: proxy_stats(*args, diag=False), reps=5)
+        heads = tuple(range(q.shape[1]))
+
+        def sums(diag=True, config=None):
+            qs = QuerySet(((n - 64, 64),), heads, tuple((None,) if diag else () for _ in heads))
+            col, dg = proxy_sets(q, k, [qs], 128 ** -0.5, config=config)[0]
+            return col, dg.get(None)
+
+        ref = sums()
+        base = events_ms(lambda: sums(), reps=5)
+        col_only = events_ms(lambda: sums(diag=False), reps=5)
         rows.append({"n": n, "config": dict(TUNING), "ms": base, "col_only_ms": col_only})
         print(f"N={n}: default {TUNING} {base:.3f} ms, without diagonals {col_only:.3f} ms",
               flush=True)
         for c in lse_axis + mass_axis:
-            got = proxy_stats(*args, config=c)
+            got = sums(config=c)
             ok = all(torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in
                      ((got[0], ref[0]), (got[1], ref[1])))
-            ms = events_ms(lambda: proxy_stats(*args, config=c), reps=5)
+            ms = events_ms(lambda: sums(config=c), reps=5)
             rows.append({"n": n, "config": {**TUNING, **c}, "ms": ms, "same": ok})
             print(f"  {c}: {ms:.3f} ms ({base / ms:.2f}x){'' if ok else '  OUTPUT DIFFERS'}",
                   flush=True)
@@ -226,7 +236,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="profile one estimate per length (host vs GPU time, ops)")
     ap.add_argument("--tune-proxy", action="store_true",
                     help="time the fused proxy's launch parameters instead (kernels/proxy.TUNING)")
-    ap.add_argument("--impl", nargs="+", default=["old", "new"], choices=list(IMPLS),
+    ap.add_argument("--impl", nargs="+", default=["default"], choices=list(IMPLS),
                     help="estimator implementations to measure side by side (first: baseline)")
     ap.add_argument("--no-dense", action="store_true", help="skip cuDNN dense attention")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

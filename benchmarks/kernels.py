@@ -6,17 +6,15 @@ Every head of a launch uses the same pattern parameters so that FlexAttention ca
 one block mask (broadcast over heads) that visits exactly the tiles our kernel visits.
 
     python benchmarks/kernels.py                       # table + JSON under $OUT (or ./out)
-    python benchmarks/kernels.py --lengths 131072 --tune   # tile-shape sweep
-    python benchmarks/kernels.py --lengths 131072 --densities 0.1 --variants   # every
-        # launch variant of kernels/variants.py beside the current kernel, same run
-    python benchmarks/kernels.py --lengths 131072 --densities 0.1 --variants current fastest
-        # the current kernel against each family's fastest variant (variants.FAMILY_FASTEST)
+    python benchmarks/kernels.py --lengths 131072 --densities 0.1 --tune   # tile sweep
 
 Effective TFLOP/s = 4·d·(visited tile area, all heads) / time (attention-gym's density-scaled
 count); "logical" density is the exact pair set as a fraction of the causal triangle,
-"physical" the visited tiles as a fraction of the tiles a dense causal pass visits.
-With ``--variants`` every variant's TFLOP/s is counted over the current kernel's visited
-tiles (the same work for all), so the TFLOP/s ratios are the inverse time ratios.
+"physical" the visited tiles as a fraction of the tiles a dense causal pass visits. Tiles
+are counted as ``plan.density()`` counts them (``kernels/density.py``: 64-key tiles, the
+width every recorded figure used), for every configuration of a sweep alike, so TFLOP/s
+ratios are the inverse time ratios. The kernel's own tiles (``kernels/runtime.tile_config``)
+are in each row's ``config``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mminfer.kernels import AShape, Block, Grid, SparsePlan, VerticalSlash, row_table  # noqa: E402
 from mminfer.kernels import launch as L  # noqa: E402
 from mminfer.kernels import masks as M  # noqa: E402
-from mminfer.kernels import variants as V  # noqa: E402
+from mminfer.kernels.runtime import tile_config  # noqa: E402
 from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 HQ, HKV, D = 28, 4, 128
@@ -106,8 +104,9 @@ def _from_dense_blocks(partial, full, n, block):
     return kv_num, kv_idx, full_num, full_idx
 
 
-# The mask_mods are the test oracle's mask functions (mminfer/kernels/masks.py: the pattern
-# definitions, written from the specs), applied by FlexAttention on partial blocks. They
+# The mask_mods are the mask functions of mminfer/kernels/masks.py (the pattern definitions,
+# written from the specs; tests/kernels/test_flex_masks.py holds them to the test oracle),
+# applied by FlexAttention on partial blocks. They
 # live at module level and read their parameters from _FX, so the compiled flex_attention is
 # not recompiled for every density (a new closure or a new Python int would each fail
 # dynamo's guards).
@@ -128,8 +127,10 @@ def _mm_grid(b, h, q, k):
 
 
 def _oracle_params(spec, n, device):
-    """The oracle's parameters of one spec (all HQ heads) as device tensors."""
-    P = M.spec_params(spec, M.layout_tensors(n, BM, 128), HQ)
+    """The mask functions' parameters of one spec (all HQ heads, in order: slot h is head h)
+    as device tensors."""
+    assert list(spec.heads) == list(range(HQ))
+    P = M.spec_params(spec, M.layout_tensors(n, BM, 128))
     return {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in P.items()}
 
 
@@ -202,7 +203,7 @@ def flex_mask(kind, prm, n, device, spec):
 
 # ----------------------------------------------------------------------------- main
 def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.json",
-        variants=None, flex_on=True, flash_on=True):
+        flex_on=True, flash_on=True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
     dev = torch.device("cuda")
@@ -254,22 +255,13 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                 block_n = 128 if pat == "block" else 64
                 plan = SparsePlan.build(n, HQ, specs, block_m=BM, block_n=block_n, device=dev)
                 den = plan.density()
-                configs = [V.options("current")]     # {}: no options, not the default
-                labels = ["current"]
-                if variants:
-                    # "current": the kernel without options; "fastest": each family's
-                    # measured fastest variant (variants.FAMILY_FASTEST)
-                    labels += [v for v in variants if v == "fastest" or
-                               (v != "current" and V.affects(v, pat))]
-                    configs = [V.options(V.FAMILY_FASTEST[pat]) if v == "fastest"
-                               else V.options(v) for v in labels]
+                configs, labels = [None], ["default"]
                 if tune:
-                    # run 1 (2026-11-29) found BLOCK_N 128 / stages 4 out of shared memory
-                    # and 64/8 warps/3 stages best; now: full-tile fast path on and off
-                    configs = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "FAST": f}
-                               for bn, w, st, f in ((64, 8, 3, False), (64, 8, 3, True),
-                                                    (64, 8, 2, True), (64, 4, 2, True))]
-                    labels = [str(c) for c in configs]
+                    # around the H200 default (128-key tiles, 8 warps, 3 stages; 2 for block)
+                    configs = [None] + [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                                        for bn, w, st in ((64, 8, 3), (128, 8, 2), (128, 4, 3),
+                                                          (128, 8, 4))]
+                    labels = ["default"] + [str(c) for c in configs[1:]]
                 out = torch.empty_like(q)
                 ref_out = None
                 first = len(rows)
@@ -280,19 +272,20 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                     except Exception as e:
                         print(f"ours {pat} {label} failed: {type(e).__name__}: {str(e)[:200]}")
                         continue
-                    # out holds this config's result: the same pairs as the current kernel,
-                    # so it differs only by the order of the online softmax's tiles
-                    if ref_out is None and label == "current":
+                    # out holds this config's result: the same pairs as the default's, so
+                    # it differs only by the order of the online softmax's tiles
+                    if ref_out is None and label == "default":
                         ref_out = out.clone()
                     diff = float("nan") if ref_out is None else \
                         (out.float() - ref_out.float()).abs().max().item()
                     rows.append({"n": n, "impl": "mminfer", "pattern": pat, "density": dens,
-                                 "variant": label if variants else None,
-                                 "params": prm, "config": cfg or L.GPU_CONFIG, "ms": ms,
+                                 "variant": label if tune else None,
+                                 "params": prm,
+                                 "config": tile_config(True, pat, BM, block_n, cfg), "ms": ms,
                                  "logical": den["logical"], "physical": den["physical"],
                                  "tflops": 4 * D * den["tile_pairs"] / ms / 1e9,
                                  "vs_cudnn": dense.get("cudnn", float("nan")) / ms,
-                                 "max_abs_diff_vs_current": diff})
+                                 "max_abs_diff_vs_default": diff})
                     _print(rows[-1])
                     _save(rows, out_dir, json_name)
                 ours_rows = [r for r in rows[first:] if r["impl"] == "mminfer"]
@@ -330,8 +323,8 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
                         del qf, kf, vf, bmask
                     except Exception as e:
                         print(f"flex {pat} n={n} failed: {type(e).__name__}: {str(e)[:300]}")
-                if variants and ours_rows:
-                    _variant_table(ours_rows, flex_ms, dense.get("cudnn", float("nan")))
+                if tune and ours_rows:
+                    _tune_table(ours_rows, flex_ms, dense.get("cudnn", float("nan")))
                     _save(rows, out_dir, json_name)
                 del plan
                 torch.cuda.empty_cache()
@@ -341,19 +334,19 @@ def run(lengths, densities, patterns, out_dir, tune, rep, json_name="kernels.jso
     return rows
 
 
-def _variant_table(ours_rows, flex_ms, cudnn_ms):
-    """One pattern's variants against the current kernel, FlexAttention and cuDNN dense."""
+def _tune_table(ours_rows, flex_ms, cudnn_ms):
+    """One pattern's tile configurations against the default, FlexAttention and cuDNN."""
     cur = ours_rows[0]
-    print(f"\n  n={cur['n']} {cur['pattern']} d={cur['density']:.2f} (TFLOP/s over the current "
-          f"kernel's visited tiles; Flex {flex_ms:.3f} ms, cuDNN dense {cudnn_ms:.3f} ms)")
-    print(f"  {'variant':>18} {'ms':>9} {'TFLOP/s':>8} {'vs current':>10} {'vs Flex':>8} "
+    print(f"\n  n={cur['n']} {cur['pattern']} d={cur['density']:.2f} (TFLOP/s over the counted "
+          f"tiles; Flex {flex_ms:.3f} ms, cuDNN dense {cudnn_ms:.3f} ms)")
+    print(f"  {'config':>48} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10} {'vs Flex':>8} "
           f"{'vs cuDNN':>8} {'|diff|':>8}")
     for r in ours_rows:
-        r["vs_current"] = cur["ms"] / r["ms"]
+        r["vs_default"] = cur["ms"] / r["ms"]
         r["vs_flex"] = flex_ms / r["ms"]
-        print(f"  {r['variant']:>18} {r['ms']:9.3f} {r['tflops']:8.1f} {r['vs_current']:9.3f}x "
+        print(f"  {r['variant']:>48} {r['ms']:9.3f} {r['tflops']:8.1f} {r['vs_default']:9.3f}x "
               f"{r['vs_flex']:7.3f}x {cudnn_ms / r['ms']:7.2f}x "
-              f"{r['max_abs_diff_vs_current']:8.2g}", flush=True)
+              f"{r['max_abs_diff_vs_default']:8.2g}", flush=True)
     print()
 
 
@@ -380,28 +373,18 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072, 262144, 1048576])
     ap.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.10, 0.25])
     ap.add_argument("--patterns", nargs="+", default=["block", "a_shape", "grid", "vertical_slash"])
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--variants", nargs="*", default=None, metavar="NAME",
-                    help="measure the current kernel and these launch variants side by side "
-                         f"(no names: all of {', '.join(V.VARIANTS)}; 'fastest': each "
-                         "family's variants.FAMILY_FASTEST)")
+    ap.add_argument("--tune", action="store_true",
+                    help="tile configurations around the default, side by side")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--no-flash", action="store_true", help="skip flash SDPA dense")
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     t0 = time.time()
-    variants = None
-    if a.variants is not None:
-        variants = a.variants or list(V.VARIANTS)
-        for name in variants:
-            if name != "fastest":
-                V.options(name)   # unknown names fail before any device work
-    tag = "_".join(map(str, a.lengths)) + ("_" + "_".join(a.patterns) if variants else "")
+    tag = "_".join(map(str, a.lengths))
     run(a.lengths, a.densities, a.patterns, a.out, a.tune, a.rep,
-        "kernels_tune.json" if a.tune else
-        f"kernels_{'variants_' if variants else ''}{tag}.json",
-        variants=variants, flex_on=not a.no_flex, flash_on=not (a.no_flash or variants))
+        "kernels_tune.json" if a.tune else f"kernels_{tag}.json",
+        flex_on=not a.no_flex, flash_on=not (a.no_flash or a.tune))
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -1,31 +1,23 @@
 """Permuted block-sparse attention kernels (Triton), their plans, masks and references.
 
 ``specs`` (what to compute) -> ``plan`` (compiled for the kernel, rows as ``layout`` says) ->
-``launch`` (the kernel); ``masks`` is the oracle written from the specs, ``density`` counts a
-plan's work from its arrays, ``runtime`` says where kernels run.
+``launch`` (the kernel, one launch per pattern family); ``density`` counts a plan's work
+from its arrays; ``masks`` evaluates the specs' exact masks a chunk of rows at a time, which
+``reference.plan_attention`` runs on a CPU without Triton; ``proxy`` is the estimator's
+fused proxy; ``runtime`` says where kernels run and with which tiles.
 
-Names are imported on first use, so ``mminfer.kernels.runtime`` (or ``specs``) loads without
-triton.
+Importing the package imports triton (a dependency of the package): set
+``TRITON_INTERPRET`` before it, as ``runtime.interpreted`` reads.
 """
 
-import importlib
+from .density import plan_density, sparsity
+from .launch import count_plan, sparse_attention
+from .layout import row_table
+from .plan import SparsePlan
+from .proxy import QuerySet, proxy_sets
+from .reference import masked_attention, plan_attention
+from .specs import AShape, Block, Fallback, Grid, VerticalSlash, dense
 
-_WHERE = {"AShape": "specs", "Block": "specs", "Fallback": "specs", "Grid": "specs",
-          "VerticalSlash": "specs", "dense": "specs", "row_table": "layout",
-          "SparsePlan": "plan", "count_plan": "launch", "sparse_attention": "launch",
-          "spec_masks": "masks", "proxy_stats": "proxy", "masked_attention": "reference",
-          "plan_attention": "reference"}
-
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_WHERE))
+__all__ = ["AShape", "Block", "Fallback", "Grid", "QuerySet", "SparsePlan", "VerticalSlash",
+           "count_plan", "dense", "masked_attention", "plan_attention", "plan_density",
+           "proxy_sets", "row_table", "sparse_attention", "sparsity"]

@@ -1,9 +1,15 @@
 """How much a plan computes, counted from its compiled arrays: no kernel launch, at any N.
 
+This is the one place a plan's work is counted: ``plan.density()`` is ``plan_density``, and
+``sparsity`` sums the plans of a prefill's layers (what an answer reports).
+
 The counts follow the kernel's own traversal (``sparse_attn_kernel.py``) in closed form per
 (slot, row block): the near range from ``lo = max(r0 - window, 0)``, the far streams (sink
 segment, grid columns, verticals, slash ranges, key blocks), the grid row-line programs.
-``launch.count_plan`` runs the kernel in count mode instead; the tests hold the two equal.
+Tiles are counted ``COUNT_TILE`` keys wide (at most the row block and key block, as the
+kernel's): 64 on a GPU, the width every figure in BENCHMARKS.md was counted at, though the
+H200 kernel reads 128-key tiles for every family but block; 16 under the interpreter, the
+kernel's own width there.
 
 * ``logical``: the pairs computed, over the causal triangle (each pair once: ``<= 1``);
 * ``physical``: the kernel's tile work (tiles visited x ``block_m`` x ``BLOCK_N``) over the
@@ -21,8 +27,9 @@ import torch
 
 from .layout import (F_ACTIVE, F_END, F_HEAD, F_KGROUP, F_LINES, F_PHASE, F_QGROUP, F_SINK,
                      F_START, F_STRIDE, F_WINDOW, LINES_COLS, LINES_ROWS)
-from .runtime import tile_config
+from .runtime import CPU_CONFIG, compiled_gpu
 
+COUNT_TILE = {"gpu": 64, "cpu": CPU_CONFIG["BLOCK_N"]}
 _PAD = 1 << 30
 _CHUNK = 1 << 22   # (slot, row block, index) elements per step of the index-list counts
 
@@ -92,7 +99,8 @@ def counts(plan, block_n_tile: int | None = None) -> dict:
     head and request)."""
     dev = plan.table.device
     BM, BK = plan.block_m, plan.block_n
-    BN = block_n_tile or tile_config(dev.type == "cuda", BM, BK)["BLOCK_N"]
+    BN = block_n_tile or min(COUNT_TILE["gpu" if compiled_gpu(dev.type == "cuda") else "cpu"],
+                             BM, BK)
     t = plan.table.to(torch.int64)
     r0, r1, rg = t[:, 0], t[:, 1], t[:, 2]
     keys = _Keys(plan)
@@ -236,7 +244,7 @@ def _rowline_tiles(f, on, n_programs, BM, BN, n):
 
 
 def summarise(plan, raw: dict) -> dict:
-    """Fractions from raw counts (``counts`` here, or the kernel's ``launch.count_plan``)."""
+    """Fractions from raw counts (``counts``)."""
     B, H, N = plan.batch, plan.num_heads, plan.n
     tri = N * (N + 1) / 2
     area = plan.block_m * raw["block_n_tile"]
@@ -252,4 +260,37 @@ def summarise(plan, raw: dict) -> dict:
 
 
 def plan_density(plan) -> dict:
+    """What ``plan`` computes, counted from its arrays (no launch, any N): ``logical`` (pairs
+    over the causal triangle), ``physical`` (tile work over a dense pass's), ``tiles`` per
+    family, ``pairs``, ``tile_pairs``, and both fractions per head (see the module's head)."""
     return summarise(plan, counts(plan))
+
+
+def sparsity(plans: dict) -> dict | None:
+    """What the sparse layers of one prefill computed, counted from their plans (no launch):
+    ``plans`` maps layer -> ``SparsePlan`` (or an already counted ``plan_density`` dict, or a
+    bare logical density). None without plans.
+
+    ``mean_density`` / ``per_layer`` (with ``layers``): the pairs computed over the causal
+    triangle, each pair once, so never above 1. ``mean_tile_work`` / ``per_layer_tile_work``:
+    the kernels' tile work over a dense pass's (``physical``): what the time follows. It is
+    work, not a share, and goes above 1 where a plan costs more than dense (on short prompts
+    a 2D-boundary head sweeps its near range once per key group); reported as it is."""
+    if not plans:
+        return None
+    per_layer, tiles = {}, {}
+    for layer, plan in sorted(plans.items()):
+        d = plan_density(plan) if hasattr(plan, "launches") else plan
+        if isinstance(d, dict):
+            per_layer[layer] = float(d["logical"])
+            if "physical" in d:
+                tiles[layer] = float(d["physical"])
+        else:
+            per_layer[layer] = float(d)
+    out = {"mean_density": sum(per_layer.values()) / len(per_layer),
+           "per_layer": [round(v, 6) for v in per_layer.values()],
+           "layers": list(per_layer)}
+    if tiles:
+        out["mean_tile_work"] = sum(tiles.values()) / len(tiles)
+        out["per_layer_tile_work"] = [round(v, 6) for v in tiles.values()]
+    return out

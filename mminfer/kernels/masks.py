@@ -1,17 +1,20 @@
-"""The pattern families as mask functions, written from the specs: the test oracle.
+"""The pattern families as mask functions, written from the specs: the exact mask of a plan a
+chunk of rows at a time, which ``reference.plan_attention`` (the CPU engine: calibration and
+``engine="reference"``) runs.
 
-One function per family, attention-gym style: ``mask(P, b, h, q_idx, kv_idx) -> bool``,
-elementwise over broadcastable index tensors, so the same code gives a dense ``[B, H, N, N]``
-mask here and is a FlexAttention ``mask_mod`` in ``benchmarks/kernels.py``
-(``lambda b, h, q, kv: grid(P, b, h, q, kv)``). ``P`` holds the token layout (row block and
-group of every query, group of every key) and one spec's parameters per ``[b, h]``, built by
-``spec_params``.
+One function per family, attention-gym style: ``mask(P, b, s, q_idx, kv_idx) -> bool``,
+elementwise over broadcastable index tensors, ``s`` a *slot* of the spec (the position of a
+head in ``spec.heads``: a head may be listed several times, with different groups, and its
+mask is the union of its slots'). The same functions are FlexAttention ``mask_mod``s in
+``benchmarks/kernels.py``. ``P`` holds the token layout (row block and group of every query,
+group of every key) and one spec's parameters per ``[b, s]``, built by ``spec_params``.
 
 Nothing here reads a compiled plan: the row blocks come from a closed form over the row
-groups, the parameters straight from the specs, so a bug in ``SparsePlan.build`` (or in
-``layout.row_table``) cannot reach the oracle. The semantics (``plan.py``'s docstring):
+groups, the parameters straight from the specs. The kernel tests' oracle
+(``tests/kernels/oracle.py``) is written separately; these functions are tested against it.
+The semantics (``plan.py``'s docstring):
 
-* every family: causal ``kv <= q``; rows of the spec's query group, keys of its key group;
+* every family: causal ``kv <= q``; rows of the slot's query group, keys of its key group;
   the near range ``kv >= max(r0(q) - window, 0)``;
 * a_shape: ``kv < sink``;
 * grid: ``kv < sink``; column lines ``on(kv)``; row lines ``on(q)`` see every key, where
@@ -59,79 +62,66 @@ def layout_tensors(n: int, block_m: int, block_n: int = 64, row_groups=None,
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
-def _per_head(x, spec_heads, num_heads, batch, fill, name):
-    """A spec's int / per-head sequence / ``[B, H']`` value as ``[B, H]`` over all heads."""
-    H = len(spec_heads)
+def _per_slot(x, n_slots, batch, name):
+    """A spec's int / per-slot sequence / ``[B, S]`` value as ``[B, S]`` int64 (host)."""
     if isinstance(x, torch.Tensor):
         t = x.detach().to("cpu", torch.int64)
-        t = t.expand(batch, H) if t.dim() < 2 else t
+        t = t.expand(batch, n_slots) if t.dim() < 2 else t
     elif isinstance(x, int):
-        t = torch.full((batch, H), x, dtype=torch.int64)
+        t = torch.full((batch, n_slots), x, dtype=torch.int64)
     else:
-        t = torch.tensor(list(x), dtype=torch.int64)[None, :].expand(batch, H)
-    if tuple(t.shape) != (batch, H):
-        raise ValueError(f"{name}: expected an int, {H} values or [{batch}, {H}]")
-    full = torch.full((batch, num_heads), fill, dtype=torch.int64)
-    full[:, torch.tensor(list(spec_heads), dtype=torch.long)] = t
-    return full
+        t = torch.tensor(list(x), dtype=torch.int64)[None, :].expand(batch, n_slots)
+    if tuple(t.shape) != (batch, n_slots):
+        raise ValueError(f"{name}: expected an int, {n_slots} values or [{batch}, {n_slots}]")
+    return t
 
 
-def spec_params(spec, L: dict, num_heads: int, batch: int = 1, active=None) -> dict:
-    """``P`` for one spec: the layout ``L`` plus the spec's parameters as ``[B, H]`` (and
-    ``[B, H, ...]`` index lookups) over all heads; heads outside the spec (or switched off
-    by ``active [B, H']``) have ``mine`` false."""
-    n, heads = L["n"], list(spec.heads)
-    hidx = torch.tensor(heads, dtype=torch.long)
-    mine = torch.zeros(batch, num_heads, dtype=torch.bool)
-    mine[:, hidx] = True if active is None else active.detach().to("cpu", torch.bool)
+def spec_params(spec, L: dict, batch: int = 1, active=None) -> dict:
+    """``P`` for one spec: the layout ``L`` plus the spec's parameters per slot, ``[B, S]``
+    (and ``[B, S, ...]`` index lookups); slots switched off by ``active [B, S]`` (a
+    Fallback's unused side) have ``mine`` false."""
+    n, S = L["n"], len(spec.heads)
+    mine = torch.ones(batch, S, dtype=torch.bool) if active is None else \
+        active.detach().to("cpu", torch.bool).expand(batch, S)
     P = dict(L)
-    P.update(mine=mine,
-             qgroup=_per_head(spec.qgroup, heads, num_heads, batch, -1, "qgroup"),
-             kgroup=_per_head(spec.kgroup, heads, num_heads, batch, -1, "kgroup"),
-             window=_per_head(spec.window, heads, num_heads, batch, 0, "window"))
+    P.update(mine=mine, qgroup=_per_slot(spec.qgroup, S, batch, "qgroup"),
+             kgroup=_per_slot(spec.kgroup, S, batch, "kgroup"),
+             window=_per_slot(spec.window, S, batch, "window"))
     fam = family_of(spec)
     if fam in ("a_shape", "grid"):
-        P["sink"] = _per_head(spec.sink, heads, num_heads, batch, 0, "sink")
+        P["sink"] = _per_slot(spec.sink, S, batch, "sink")
     if fam == "grid":
-        for name, fill in (("start", 0), ("end", 0), ("stride", 1), ("phase", 0)):
-            P[name] = _per_head(getattr(spec, name), heads, num_heads, batch, fill, name)
-        lines = [spec.lines] * len(heads) if isinstance(spec.lines, str) else list(spec.lines)
+        for name in ("start", "end", "stride", "phase"):
+            P[name] = _per_slot(getattr(spec, name), S, batch, name)
+        lines = [spec.lines] * S if isinstance(spec.lines, str) else list(spec.lines)
         for name, kinds in (("cols", ("cols", "both")), ("rows", ("rows", "both"))):
-            t = torch.zeros(batch, num_heads, dtype=torch.bool)
-            t[:, hidx] = torch.tensor([x in kinds for x in lines])
-            P[name] = t
+            P[name] = torch.tensor([x in kinds for x in lines])[None, :].expand(batch, S)
     elif fam == "vertical_slash":
-        vert = torch.zeros(batch, num_heads, n + 1, dtype=torch.bool)
         v = spec.verticals.detach().to("cpu", torch.int64)
         v = torch.where((v < 0) | (v >= n), torch.full_like(v, n), v)
-        vert[:, hidx] = torch.zeros(batch, len(heads), n + 1, dtype=torch.bool) \
-            .scatter_(2, v, True)
-        P["vert"] = vert[..., :n]
-        # scnt[b, h, x] = number of distinct offsets o < x (offsets beyond n can reach no key)
+        P["vert"] = torch.zeros(batch, S, n + 1, dtype=torch.bool).scatter_(2, v, True)[..., :n]
+        # scnt[b, s, x] = number of distinct offsets o < x (offsets beyond n can reach no key)
         o = spec.slashes.detach().to("cpu", torch.int64)
         o = torch.where((o < 0) | (o > n), torch.full_like(o, n + 1), o)
-        has = torch.zeros(batch, len(heads), n + 2, dtype=torch.bool).scatter_(2, o, True)
-        scnt = torch.zeros(batch, num_heads, n + 2, dtype=torch.int64)
-        scnt[:, hidx, 1:] = has[..., :n + 1].to(torch.int64).cumsum(-1)
+        has = torch.zeros(batch, S, n + 2, dtype=torch.bool).scatter_(2, o, True)
+        scnt = torch.zeros(batch, S, n + 2, dtype=torch.int64)
+        scnt[..., 1:] = has[..., :n + 1].to(torch.int64).cumsum(-1)
         P["scnt"] = scnt
     elif fam == "block":
         R, bn = L["n_row_blocks"], L["block_n"]
         nkb = (n + bn - 1) // bn
         kb = spec.key_blocks.detach().to("cpu", torch.int64)
-        if tuple(kb.shape[:3]) != (batch, len(heads), R):
-            raise ValueError(f"block: key_blocks must be [B={batch}, H'={len(heads)}, R={R}, "
-                             f"k], got {tuple(kb.shape)}")
+        if tuple(kb.shape[:3]) != (batch, S, R):
+            raise ValueError(f"block: key_blocks must be [B={batch}, H'={S}, R={R}, k], "
+                             f"got {tuple(kb.shape)}")
         kb = torch.where((kb < 0) | (kb >= nkb), torch.full_like(kb, nkb), kb)
-        chosen = torch.zeros(batch, num_heads, R, nkb + 1, dtype=torch.bool)
-        chosen[:, hidx] = torch.zeros(batch, len(heads), R, nkb + 1, dtype=torch.bool) \
-            .scatter_(3, kb, True)
-        P["chosen"] = chosen
+        P["chosen"] = torch.zeros(batch, S, R, nkb + 1, dtype=torch.bool).scatter_(3, kb, True)
     return P
 
 
 # ---------------------------------------------------------------------- mask functions
 def _common(P, b, h, q, kv):
-    """(causal pair of this spec's rows and keys, in the near range)."""
+    """(causal pair of this slot's rows and keys, in the near range); ``h`` is the slot."""
     qg, kg = P["qgroup"][b, h], P["kgroup"][b, h]
     rows = P["mine"][b, h] & ((qg < 0) | (P["row_group"][q] == qg))
     keys = (kg < 0) | (P["key_group"][kv] == kg)
@@ -180,9 +170,9 @@ def block(P, b, h, q, kv):
 MASKS = {"a_shape": a_shape, "grid": grid, "vertical_slash": vertical_slash, "block": block}
 
 
-# ---------------------------------------------------------------------- dense masks
+# ---------------------------------------------------------------------- masks by rows
 def flat_specs(specs, batch: int = 1):
-    """``(spec, active [B, H'] or None)`` for every spec, a Fallback's sides included."""
+    """``(spec, active [B, S] or None)`` for every spec, a Fallback's sides included."""
     out = []
     for sp in specs:
         if isinstance(sp, Fallback):
@@ -196,34 +186,24 @@ def flat_specs(specs, batch: int = 1):
     return out
 
 
-def spec_masks(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
-               row_groups=None, batch: int = 1) -> torch.Tensor:
-    """Exact boolean mask ``[B, H, N, N]`` of the pattern specs (small N only): every pair
-    evaluated by the mask functions, the oracle the kernels are tested against."""
-    if n > MAX_N:
-        raise ValueError(f"masks are for small N (got {n}); use plan.density() at long N")
-    L = layout_tensors(n, block_m, block_n, row_groups)
-    out = torch.zeros(batch, num_heads, n, n, dtype=torch.bool)
-    b = torch.arange(batch)[:, None, None, None]
-    q = torch.arange(n)[None, None, :, None]
-    kv = torch.arange(n)[None, None, None, :]
-    for sp, active in flat_specs(specs, batch):
-        if not len(sp.heads):
-            continue
-        P = spec_params(sp, L, num_heads, batch, active)
-        hs = torch.tensor(list(sp.heads), dtype=torch.long)
-        out[:, hs] |= MASKS[family_of(sp)](P, b, hs[None, :, None, None], q, kv)
-    return out
+def _or_into(out, heads, m):
+    """``out[:, heads[s]] |= m[:, s]`` for every slot s; slots of one head OR together (an
+    indexed ``|=`` with a repeated head keeps only its last slot)."""
+    if len(set(heads)) == len(heads):
+        out[:, torch.tensor(heads, dtype=torch.long)] |= m
+    else:
+        for s, h in enumerate(heads):
+            out[:, h] |= m[:, s]
 
 
 def spec_mask_rows(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
                    row_groups=None, batch: int = 1, rows: int = 1024):
-    """The mask of :func:`spec_masks` ``rows`` query rows at a time, at any N: yields
+    """The exact mask of the specs, ``rows`` query rows at a time, at any N: yields
     ``(r0, mask [B, H, r1 - r0, N])``. Apart from causality and a grid's row lines, a
     query's pairs depend only on its row block (its start, end, group, chosen key blocks),
     so each family is evaluated once per row block (at the block's last row in the chunk:
     a causal superset), spread over the block's rows and cut causally row by row; grid row
-    lines are added per row. Tested equal to :func:`spec_masks`."""
+    lines are added per row. Tested equal to the oracle (``tests/kernels/oracle.py``)."""
     L = layout_tensors(n, block_m, block_n, row_groups)
     b = torch.arange(batch)[:, None, None, None]
     kv = torch.arange(n)[None, None, None, :]
@@ -231,10 +211,10 @@ def spec_mask_rows(specs, n: int, num_heads: int, *, block_m: int, block_n: int 
     for sp, active in flat_specs(specs, batch):
         if len(sp.heads):
             fam = family_of(sp)
-            P = spec_params(sp, L, num_heads, batch, active)
-            hs = torch.tensor(list(sp.heads), dtype=torch.long)[None, :, None, None]
+            P = spec_params(sp, L, batch, active)
             Pb = dict(P, rows=torch.zeros_like(P["rows"])) if fam == "grid" else P
-            params.append((fam, P, Pb, hs))
+            slots = torch.arange(len(sp.heads))[None, :, None, None]
+            params.append((fam, P, Pb, list(sp.heads), slots))
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         q = torch.arange(r0, r1)
@@ -246,11 +226,11 @@ def spec_mask_rows(specs, n: int, num_heads: int, *, block_m: int, block_n: int 
         last[:-1] = step[1:].bool()
         qb = q[last][None, None, :, None]
         blocks = torch.zeros(batch, num_heads, int(last.sum()), n, dtype=torch.bool)
-        for fam, P, Pb, hs in params:
-            blocks[:, hs[0, :, 0, 0]] |= MASKS[fam](Pb, b, hs, qb, kv)
+        for fam, P, Pb, heads, slots in params:
+            _or_into(blocks, heads, MASKS[fam](Pb, b, slots, qb, kv))
         qr = q[None, None, :, None]
         out = blocks[:, :, which] & (kv <= qr)
-        for fam, P, _, hs in params:
+        for fam, P, _, heads, slots in params:
             if fam == "grid" and bool(P["rows"].any()):
-                out[:, hs[0, :, 0, 0]] |= grid_row_lines(P, b, hs, qr, kv)
+                _or_into(out, heads, grid_row_lines(P, b, slots, qr, kv))
         yield r0, out

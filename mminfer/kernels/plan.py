@@ -23,11 +23,13 @@ also causal ``j <= i`` on original positions); ``masks.py`` writes them as mask 
 
 A slot restricted to query group g covers only rows of that group; a slot restricted to key
 group g (2D-boundary) sees only keys of that group, and its partial results are merged with
-the head's other key groups through their log-sum-exp. A ``Fallback`` plans both of its
+the head's other key groups through their log-sum-exp. A head may be listed by several slots
+(of one spec or several): it gets the union of their pairs (a 2D-boundary head has one slot
+per (query group, key group)). A ``Fallback`` plans both of its
 sides; the slot row's ``active`` field (set on the device) says which one runs.
 
-The plan is data: ``masks()`` (from the specs) and ``density()`` (from the compiled arrays)
-are functions of it, and neither launches a kernel.
+The plan is data: ``mask_rows()`` (from the specs) and ``density()`` (from the compiled
+arrays) are functions of it, and neither launches a kernel.
 """
 
 from __future__ import annotations
@@ -190,11 +192,12 @@ class SparsePlan:
         return self.table.shape[0]
 
     def masks(self) -> torch.Tensor:
-        """Exact boolean mask ``[B, H, N, N]`` of every head (small N only), evaluated from
-        the plan's specs by the mask functions of ``masks.py``, not from the compiled arrays."""
-        return _masks.spec_masks(self.specs, self.n, self.num_heads, block_m=self.block_m,
-                                 block_n=self.block_n, row_groups=self.row_groups,
-                                 batch=self.batch)
+        """Exact boolean mask ``[B, H, N, N]`` of every head (small N only): :meth:`mask_rows`
+        in one chunk. Only tests read it (the kernel tests' oracle is
+        ``tests/kernels/oracle.py``, written apart from this)."""
+        if self.n > _masks.MAX_N:
+            raise ValueError(f"masks are for small N (got {self.n}); use density() at long N")
+        return next(self.mask_rows(self.n))[1]
 
     def mask_rows(self, rows: int = 1024):
         """The exact mask of :meth:`masks`, ``rows`` query rows at a time at any N: yields

@@ -1,23 +1,21 @@
 """Triton kernels of the estimation proxy: softmax(Q[last queries] · Kᵀ · scale) reduced to
 column sums and diagonal sums, without the [heads, queries, keys] matrix ever existing.
 
-The queries are one contiguous run of positions q0 .. q0 + nq - 1 (nq <= BLOCK_Q), the keys
-0 .. q0 + nq - 1 under the causal mask. Both kernels work on (batch x KV head, key block)
-tiles: a key tile is loaded once and scored on the tensor cores against the query run of
-every query head of its GQA group (G of them), so keys are read once per pass, not G times,
-and one program does G tiles' worth of work (a program per (head, key block) spent more
-time starting than computing: 2.5 ms per pass at 1M keys).
+One layer's query sets go in one launch per pass: a set is one or more contiguous runs of
+at most ``BLOCK_Q`` positions (keys under the causal mask up to each run's last query),
+read for the query heads whose patterns need it; the launcher lists the (run x head) pairs
+grouped by KV head. The kernels work on (batch x KV head, key block) tiles: a key tile is
+loaded once and scored on the tensor cores against every pair of its GQA group, so keys are
+read once per pass, not once per query head.
 
-* ``_proxy_lse_kernel``: per query head and row, the running max and sum of
-  exp(score - max) over a chunk of ``KB_PER`` key blocks; the launcher folds the chunks
-  into the row log-sum-exp (a small torch reduction);
-* ``_proxy_mass_kernel`` (persistent): p = exp(score - lse) per tile; its column sums are
-  the tile's slice of ``col`` (one owner per key, no atomics). Its diagonal sums (key
-  offset ``o = query - key``) need a per-row shift: ``tl.gather`` reads the tile skewed
-  (row r shifted by r) in registers / shared memory, it is summed over rows and added into
-  ``diag`` with one vector atomic per tile (neighbouring key blocks share BLOCK_Q - 1
-  offsets). Extra diagonal targets count only the keys of one key group (2D-boundary
-  heads: text->video, ...).
+* ``_sets_lse_kernel``: per pair and row, the running max and sum of exp(score - max) over
+  a chunk of ``KB_PER`` key blocks; ``_fold_lse_kernel`` folds the chunks into the row
+  log-sum-exp;
+* ``_sets_mass_kernel`` (persistent) and ``_sets_mass_chunk_kernel`` (key blocks in order,
+  half the diagonal gather; the launcher picks by length, ``proxy.TUNING``):
+  p = exp(score - lse) per tile, summed into the columns and the diagonals (key offset
+  ``o = query - key``, read skewed with ``tl.gather`` and added with one vector atomic per
+  tile); extra diagonal outputs count only the keys of one key group (2D-boundary heads).
 """
 
 import triton
@@ -50,88 +48,6 @@ def _masked_scores(qt, kt, r, c, q0, nq, scale):
     return tl.where(ok, s, float("-inf"))
 
 
-@triton.jit
-def _proxy_lse_kernel(q_ptr, k_ptr, m_ptr, l_ptr, q0, nq, kend, n_chunks, scale,
-                      s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HQ, HKV, G, D,
-                      BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      KB_PER: tl.constexpr):
-    bkv = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = bkv // HKV
-    kvh = bkv % HKV
-    r = tl.arange(0, BLOCK_Q)
-    for g in range(0, G):
-        h = kvh * G + g
-        qt = _load_q(q_ptr, b, h, q0, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
-        m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_Q], tl.float32)
-        for i in range(0, KB_PER):    # the G heads re-read this chunk's keys from L2
-            c = (chunk * KB_PER + i) * BLOCK_N + tl.arange(0, BLOCK_N)
-            kt = _load_k(k_ptr, b, kvh, c, kend, s_kb, s_kh, s_kn, D, BLOCK_D)
-            s = _masked_scores(qt, kt, r, c, q0, nq, scale)
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
-            m = m_new
-        out = ((b * HQ + h).to(tl.int64) * n_chunks + chunk) * BLOCK_Q + r
-        tl.store(m_ptr + out, m)
-        tl.store(l_ptr + out, l)
-
-
-@triton.jit
-def _proxy_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, targets_ptr,
-                       q0, nq, kend, N, n_kb, n_tiles, BH, scale,
-                       s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HQ, HKV, G, D,
-                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       SKEW_W: tl.constexpr, N_DIAG: tl.constexpr, PLAIN: tl.constexpr):
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    r = tl.arange(0, BLOCK_Q)
-    # skewed read: row r, column j of [BLOCK_Q, SKEW_W >= BLOCK_Q + BLOCK_N - 1] holds
-    # p[r, r + t] with t = j - (BLOCK_Q - 1), i.e. key offset o = q0 - a - t (key block at a)
-    tw = tl.arange(0, SKEW_W)
-    cc = r[:, None] + tw[None, :] - (BLOCK_Q - 1)
-    skew_ok = (cc >= 0) & (cc < BLOCK_N)
-    cc = tl.where(skew_ok, cc, 0)
-    for tile in range(pid, n_tiles, n_prog):
-        bkv = tile // n_kb
-        kb = tile % n_kb
-        b = bkv // HKV
-        kvh = bkv % HKV
-        a = kb * BLOCK_N
-        c = a + tl.arange(0, BLOCK_N)
-        kt = _load_k(k_ptr, b, kvh, c, kend, s_kb, s_kh, s_kn, D, BLOCK_D)
-        grp = tl.load(kgroup_ptr + c, mask=(c < kend) & (N_DIAG > PLAIN), other=-1)
-        o = q0 - a - (tw - (BLOCK_Q - 1))
-        o_ok = (o >= 0) & (o < N)
-        for g in range(0, G):
-            bh = b * HQ + kvh * G + g
-            qt = _load_q(q_ptr, b, kvh * G + g, q0, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
-            s = _masked_scores(qt, kt, r, c, q0, nq, scale)
-            lse = tl.load(lse_ptr + bh.to(tl.int64) * BLOCK_Q + r)
-            p = tl.exp(s - lse[:, None])                 # exactly 0 where s is -inf
-            row = bh.to(tl.int64) * N
-            tl.store(col_ptr + row + c, tl.sum(p, 0), mask=c < kend)
-            for t in tl.static_range(N_DIAG):
-                if t < PLAIN:                            # slot 0: the plain diagonal
-                    pt = p
-                else:
-                    want = tl.load(targets_ptr + (t - PLAIN))
-                    pt = tl.where((grp == want)[None, :], p, 0.0)
-                sk = tl.where(skew_ok, tl.gather(pt, cc, 1), 0.0)
-                dsum = tl.sum(sk, 0)
-                tl.atomic_add(diag_ptr + t * BH * N + row + o, dsum,
-                              mask=o_ok & (dsum != 0.0))
-
-
-
-# ---------------------------------------------------------------------- all query sets at once
-# A layer's estimate reads up to three query sets (the last queries of the text, of the video,
-# of the whole sequence), and a set's sums are needed only for the heads whose pattern reads
-# them. These kernels take every (query run, query head) pair of a layer in one launch per
-# pass: a key tile is loaded once for all pairs of its KV head, and a head no pattern of a set
-# reads costs nothing there. Pairs are grouped by KV head (``kv_ptr`` [HKV + 1] offsets into the
-# pair arrays); a pair's outputs go to its slot (a (set, head) row of ``col``/``diag``).
 @triton.jit
 def _sets_lse_kernel(q_ptr, k_ptr, m_ptr, l_ptr, kv_ptr, p_q0, p_nq, p_head,
                      n_pairs, n_chunks, scale,

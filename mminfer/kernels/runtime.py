@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import os
 
-# Tile shapes per device kind. The block_m of a plan is semantic (it defines the near range);
-# BLOCK_N, warps and stages are free (except for the block family, whose key block is the
-# plan's block_n). Hopper values come from benchmarks/kernels.py --tune, see BENCHMARKS.md.
-GPU_CONFIG = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+import torch
+
+# Tile shapes of the attention kernel per device kind and pattern family. The block_m of a
+# plan is semantic (it defines the near range); BLOCK_N, warps and stages are free, except
+# that a block-family tile must divide the plan's key block (block_n). Hopper: each family's
+# fastest launch of one H200 run (BENCHMARKS.md section 7, 2026-12-01, 128K tokens, density
+# 0.1, bf16, 28/4 heads, d 128: 1.03-1.07x the 64-key, 3-stage kernel before it; 0.970x its
+# attention stage through the product's prefill at 131K): 128-key tiles (up to the row block;
+# the block family's up to its key block), 3 pipeline stages, 2 for the block family, whose
+# full tiles are read through TMA descriptors. The interpreter runs the same kernel code
+# with 16-key tiles.
+GPU_CONFIG = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+GPU_FAMILY = {"block": {"num_stages": 2}}
 CPU_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
@@ -25,13 +34,17 @@ def compiled_gpu(is_cuda: bool) -> bool:
     return is_cuda and not interpreted()
 
 
-def tile_config(is_cuda: bool, block_m: int, block_n: int, config=None) -> dict:
-    """Launch configuration of the attention kernel for a plan with these blocks:
-    ``BLOCK_N`` never exceeds the plan's row block or key block."""
-    cfg = dict(GPU_CONFIG if compiled_gpu(is_cuda) else CPU_CONFIG)
+def tile_config(is_cuda: bool, family: str, block_m: int, block_n: int, config=None) -> dict:
+    """Launch configuration of the attention kernel for one family's launch of a plan with
+    these blocks: ``BLOCK_N``, ``num_warps``, ``num_stages`` (``config`` overrides, e.g. a
+    tile sweep). ``BLOCK_N`` never exceeds the row block, nor, for the block family, the
+    key block."""
+    gpu = compiled_gpu(is_cuda)
+    cfg = dict(GPU_CONFIG if gpu else CPU_CONFIG)
+    if gpu:
+        cfg.update(GPU_FAMILY.get(family, {}))
     cfg.update(config or {})
-    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_m, block_n)
-    cfg.setdefault("FAST", True)
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_m, block_n if family == "block" else block_m)
     return cfg
 
 
@@ -40,7 +53,6 @@ def to_device(t, device):
     from pageable memory synchronises the stream, which stalls the host behind every kernel
     queued before it (15 such waits per layer made estimation host-bound). Pinned memory
     from torch's caching host allocator is held until the copy has run."""
-    import torch
     device = torch.device(device)
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
@@ -49,7 +61,6 @@ def to_device(t, device):
 
 def as_device(values, device, dtype=None):
     """A short list of host numbers as a device tensor (``to_device``; never in place)."""
-    import torch
     return to_device(torch.tensor(list(values), dtype=dtype), device)
 
 

@@ -12,10 +12,14 @@ Far streams are disjoint from the near range and from each other by construction
 online softmax runs over all of them and every (query, key) pair is counted once. Grid
 row lines (queries ``≡ phase (mod stride)``) are programs of their own whose rows are loaded
 with strided addresses; ordinary blocks skip storing those rows. Q, K and V are never
-copied into permuted order: every permutation is address arithmetic here.
+copied into permuted order: every permutation is address arithmetic here (the launcher
+gathers each vertical slot's K/V rows once, so that its columns read as contiguous tiles).
 
-The launcher and the plan that feeds this kernel live in ``launch.py`` and ``plan.py``; the
-slot row it reads is defined in ``layout.py``.
+There is one code path per pattern family, the one measured fastest on the H200
+(BENCHMARKS.md section 7); the CPU (Triton interpreter) runs the same path with smaller
+tiles. The launcher (``launch.py``) and the tile shapes per device and family
+(``runtime.tile_config``) go with it; the plan that feeds it is ``plan.py``, the slot row it
+reads ``layout.py``.
 """
 
 import triton
@@ -46,9 +50,6 @@ GRID = tl.constexpr(layout.GRID)
 VERTICAL_SLASH = tl.constexpr(layout.VERTICAL_SLASH)
 BLOCK = tl.constexpr(layout.BLOCK)
 
-_LN2 = 0.6931471805599453
-
-
 @triton.jit
 def _key_ok(kvalid, kpos, KGb, kgroup, KEY_GROUPED: tl.constexpr):
     # 2D-boundary slots see only keys of their key modality group.
@@ -60,50 +61,43 @@ def _key_ok(kvalid, kpos, KGb, kgroup, KEY_GROUPED: tl.constexpr):
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmask, qk_scale,
-            CAUSAL: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr,
-            EVEN: tl.constexpr = False, DMASK: tl.constexpr = True):
+            CAUSAL: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr = False,
+            DMASK: tl.constexpr = True):
     """One key tile of the online softmax (base 2). Invalid logits are -inf before the max.
     EVEN: every key of the tile is valid and no causal mask applies, so loads and logits go
     unmasked (the bulk of the work: full tiles of near ranges, segments and columns)."""
     valid = kvalid[None, :]
     if CAUSAL:
         valid = valid & (kpos[None, :] <= qpos[:, None])
-    if COUNT:
-        # Count mode: l_i counts visited pairs per row, m_i counts tiles.
-        full = valid & (qpos[:, None] >= 0)
-        l_i += tl.sum(full.to(tl.float32), 1)
-        m_i += 1.0
+    # 64-bit row offsets: N x (heads x d) strides pass 2^31 at a few million tokens.
+    krow = kpos.to(tl.int64)[:, None]
+    if EVEN and not DMASK:
+        k = tl.load(Kb + krow * skn + offs_d[None, :])
     else:
-        # 64-bit row offsets: N x (heads x d) strides pass 2^31 at a few million tokens.
-        krow = kpos.to(tl.int64)[:, None]
-        if EVEN and not DMASK:
-            k = tl.load(Kb + krow * skn + offs_d[None, :])
-        else:
-            kv_mask = kvalid[:, None] & dmask[None, :]
-            k = tl.load(Kb + krow * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        if EVEN:
-            qk = qk * qk_scale
-        else:
-            qk = tl.where(valid, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EVEN and not DMASK:
-            v = tl.load(Vb + krow * svn + offs_d[None, :])
-        else:
-            v = tl.load(Vb + krow * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return acc, m_i, l_i
+        kv_mask = kvalid[:, None] & dmask[None, :]
+        k = tl.load(Kb + krow * skn + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if EVEN:
+        qk = qk * qk_scale
+    else:
+        qk = tl.where(valid, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if EVEN and not DMASK:
+        v = tl.load(Vb + krow * svn + offs_d[None, :])
+    else:
+        v = tl.load(Vb + krow * svn + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -134,38 +128,38 @@ def _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh, start, qk_scale, BLOCK_N: tl.
 @triton.jit
 def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
           dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-          COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr,
-          TAIL_STAGES: tl.constexpr, KD, VD, b, kvh, TMA: tl.constexpr, BLOCK_D: tl.constexpr):
+          IEEE: tl.constexpr, DMASK: tl.constexpr, KD, VD, b, kvh, TMA: tl.constexpr,
+          BLOCK_D: tl.constexpr):
     """Keys [lo, r1): tiles entirely below r0 (<= every row) unmasked, the rest causal."""
     n_full = (r0 - lo) // BLOCK_N
     for t in range(0, n_full):
-        if TMA and FAST and not KEY_GROUPED:
+        if TMA and not KEY_GROUPED:
             acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh,
                                          lo + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D, IEEE)
         else:
             kpos = lo + t * BLOCK_N + offs_n
             kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                    offs_d, dmask, qk_scale, False, COUNT, IEEE,
-                                    FAST and not KEY_GROUPED, DMASK)
-    for start in tl.range(lo + n_full * BLOCK_N, r1, BLOCK_N, num_stages=TAIL_STAGES):
+                                    offs_d, dmask, qk_scale, False, IEEE, not KEY_GROUPED,
+                                    DMASK)
+    # The masked tails (1-2 tiles) are not software-pipelined: every pipelined loop holds
+    # its own K/V ring in shared memory, and with the tails pipelined a 64-key, 3-stage
+    # kernel took 224 of sm_90's 227 KB (128-key tiles did not fit at all).
+    for start in tl.range(lo + n_full * BLOCK_N, r1, BLOCK_N, num_stages=1):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < r1, kpos, KGb, kgroup, KEY_GROUPED)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, True, COUNT, IEEE)
+                                offs_d, dmask, qk_scale, True, IEEE)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _segment(acc, m_i, l_i, q, qpos, a, b, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
              dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-             COUNT: tl.constexpr, IEEE: tl.constexpr, FAST: tl.constexpr, DMASK: tl.constexpr,
-             TAIL_STAGES: tl.constexpr, KD, VD, bb, kvh, TMA: tl.constexpr,
+             IEEE: tl.constexpr, DMASK: tl.constexpr, KD, VD, bb, kvh, TMA: tl.constexpr,
              BLOCK_D: tl.constexpr):
     """Far keys [a, b), all below every row of the block: no causal mask."""
     n_full = tl.maximum(b - a, 0) // BLOCK_N
-    if not FAST:
-        n_full = 0
     for t in range(0, n_full):
         if TMA and not KEY_GROUPED:
             acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, bb, kvh,
@@ -174,19 +168,19 @@ def _segment(acc, m_i, l_i, q, qpos, a, b, Kb, Vb, skn, svn, KGb, kgroup, offs_n
             kpos = a + t * BLOCK_N + offs_n
             kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                    offs_d, dmask, qk_scale, False, COUNT, IEEE,
-                                    not KEY_GROUPED, DMASK)
-    for start in tl.range(a + n_full * BLOCK_N, b, BLOCK_N, num_stages=TAIL_STAGES):
+                                    offs_d, dmask, qk_scale, False, IEEE, not KEY_GROUPED,
+                                    DMASK)
+    for start in tl.range(a + n_full * BLOCK_N, b, BLOCK_N, num_stages=1):
         kpos = start + offs_n
         kvalid = _key_ok(kpos < b, kpos, KGb, kgroup, KEY_GROUPED)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, False, COUNT, IEEE)
+                                offs_d, dmask, qk_scale, False, IEEE)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _sparse_attn_fwd(
-    Q, K, V, O, OS, L, LS, TILES,
+    Q, K, V, O, OS, L, LS,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     sos, sosb, sosh, sosn, slb, slh, sls, slsb, slsh,
     Table, n_table, n_programs, P, n_slots,
@@ -195,34 +189,22 @@ def _sparse_attn_fwd(
     N, kv_group, qk_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, FAMILY: tl.constexpr, KEY_GROUPED: tl.constexpr,
-    WRITE_LSE: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_K: tl.constexpr = 64, FAST: tl.constexpr = True, DMASK: tl.constexpr = True,
-    SCHEDULE: tl.constexpr = 0, EVEN_FAR: tl.constexpr = False,
-    SLASH_FLAT: tl.constexpr = False, VGATHER: tl.constexpr = False,
-    TAIL_STAGES: tl.constexpr = 3, TMA: tl.constexpr = False,
+    WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr, DMASK: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    # Launch variants (variants.VARIANTS names them; the defaults are the measured kernel):
-    # SCHEDULE 0: grid (programs, slots), each slot's row blocks longest first, slot after
-    #   slot. SCHEDULE 1: one axis, slots innermost, so the heads of one row block (the
-    #   query heads of a KV group read the same keys) run side by side, row lines (the
-    #   longest rows) first, then row blocks longest first over all slots.
-    # EVEN_FAR: full tiles of key blocks and of gathered verticals go unmasked.
-    # SLASH_FLAT: slash ranges in one flat tile loop (a range has <= BLOCK_M keys) instead
-    #   of a loop per offset, whose few iterations the software pipeline cannot fill.
-    # TMA: full contiguous tiles (near range, sinks, key blocks) read through the tensor
-    #   descriptors KDesc/VDesc over K/V [B, Hkv, N, D] (block [1, 1, BLOCK_N, BLOCK_D]).
-    # VGATHER: vertical keys read from K/V rows gathered per slot by the launcher
-    #   (``KVert``/``VVert`` [B*S, nv_max, HEAD_D]): contiguous tiles, no index load.
-    if SCHEDULE == 1:
-        n_bs = tl.num_programs(0) // n_programs
-        u_sched = tl.program_id(0) // n_bs
-        pid_bs = tl.program_id(0) % n_bs
-        pid_m = (u_sched + n_table) % n_programs
-    else:
-        pid_m = tl.program_id(0)
-        pid_bs = tl.program_id(1)
+    # One axis of programs, slots innermost: the query heads of one row block (the heads of
+    # a KV group read the same keys, from L2) run side by side, row lines (the longest
+    # rows) first, then row blocks longest first over all slots.
+    # TMA (the block family's launches): full contiguous key tiles (near range, key blocks)
+    # read through the tensor descriptors KDesc/VDesc over K/V [B, Hkv, N, D] (block
+    # [1, 1, BLOCK_N, BLOCK_D]); off where the launcher found them unaddressable.
+    # Verticals are read from K/V rows gathered per slot by the launcher (``KVert``/
+    # ``VVert`` [B*S, nv_max, HEAD_D]): contiguous tiles, no index load per key.
+    n_bs = tl.num_programs(0) // n_programs
+    u_sched = tl.program_id(0) // n_bs
+    pid_bs = tl.program_id(0) % n_bs
+    pid_m = (u_sched + n_table) % n_programs
     b = pid_bs // n_slots
-    s = pid_bs % n_slots
     prm = P + pid_bs * NF
     head = tl.load(prm + F_HEAD)
     qgroup = tl.load(prm + F_QGROUP)
@@ -275,8 +257,6 @@ def _sparse_attn_fwd(
             store_ok = qvalid & (~on_line)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    if COUNT:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
@@ -289,21 +269,20 @@ def _sparse_attn_fwd(
         if is_rowline:
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, 0, r0 + 1, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                  KEY_GROUPED, IEEE, DMASK, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
         else:
             lo = tl.maximum(r0 - window, 0)
             if FAMILY == A_SHAPE:
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                         TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                         qk_scale, BLOCK_N, KEY_GROUPED, IEEE, DMASK,
+                                         KDesc, VDesc, b, kvh, TMA, BLOCK_D)
             if FAMILY == GRID:
                 s_end = tl.minimum(sink, lo)
                 acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
                                          Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                         TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                         qk_scale, BLOCK_N, KEY_GROUPED, IEEE, DMASK,
+                                         KDesc, VDesc, b, kvh, TMA, BLOCK_D)
                 if (g_lines & LINES_COLS) != 0:
                     # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
                     c_lo = tl.maximum(sink, g_start)
@@ -312,168 +291,114 @@ def _sparse_attn_fwd(
                     j0 = g_start + g_phase + ((skip + g_stride - 1) // g_stride) * g_stride
                     n_cols = tl.maximum((c_hi - j0 + g_stride - 1) // g_stride, 0)
                     n_cfull = n_cols // BLOCK_N
-                    if not FAST:
-                        n_cfull = 0
                     for t in range(0, n_cfull):
                         kpos = j0 + (t * BLOCK_N + offs_n) * g_stride
                         kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
                                                 skn, svn, offs_d, dmask, qk_scale, False,
-                                                COUNT, IEEE, not KEY_GROUPED, DMASK)
-                    for t in tl.range(n_cfull, tl.cdiv(n_cols, BLOCK_N),
-                                      num_stages=TAIL_STAGES):
+                                                IEEE, not KEY_GROUPED, DMASK)
+                    for t in tl.range(n_cfull, tl.cdiv(n_cols, BLOCK_N), num_stages=1):
                         idx = t * BLOCK_N + offs_n
                         kpos = j0 + idx * g_stride
                         kvalid = _key_ok(idx < n_cols, kpos, KGb, kgroup, KEY_GROUPED)
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                                skn, svn, offs_d, dmask, qk_scale, False,
-                                                COUNT, IEEE)
+                                                skn, svn, offs_d, dmask, qk_scale, False, IEEE)
             if FAMILY == VERTICAL_SLASH:
-                # Vertical columns below lo (sorted; the count per row block is precomputed).
+                # Vertical columns below lo (sorted; the count per row block is precomputed),
+                # from this slot's gathered copy: tile t is its rows [t*BLOCK_N, ...).
                 vbase = VIdx + slot_base * nv_max
                 n_v = tl.load(VCnt + slot_base * n_table + r)
-                if VGATHER:
-                    # Gathered rows: tile t is rows [t*BLOCK_N, ...) of this slot's copy.
-                    Kv = KVert + slot_base * nv_max * HEAD_D
-                    Vv = VVert + slot_base * nv_max * HEAD_D
-                    sk_v = HEAD_D
-                    sv_v = HEAD_D
-                else:
-                    Kv = Kb
-                    Vv = Vb
-                    sk_v = skn
-                    sv_v = svn
-                n_vfull = 0
-                if EVEN_FAR:
-                    n_vfull = n_v // BLOCK_N
-                    for t in range(0, n_vfull):
-                        idx = t * BLOCK_N + offs_n
-                        if VGATHER:
-                            krow = idx
-                            kpos = idx
-                            if KEY_GROUPED:
-                                kpos = tl.load(vbase + idx)
-                        else:
-                            kpos = tl.load(vbase + idx)
-                            krow = kpos
-                        kvalid = _key_ok(idx >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, krow, kvalid, Kv, Vv,
-                                                sk_v, sv_v, offs_d, dmask, qk_scale, False,
-                                                COUNT, IEEE, not KEY_GROUPED, DMASK)
+                Kv = KVert + slot_base * nv_max * HEAD_D
+                Vv = VVert + slot_base * nv_max * HEAD_D
+                n_vfull = n_v // BLOCK_N
+                for t in range(0, n_vfull):
+                    idx = t * BLOCK_N + offs_n
+                    kpos = idx
+                    if KEY_GROUPED:
+                        kpos = tl.load(vbase + idx)
+                    kvalid = _key_ok(idx >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, idx, kvalid, Kv, Vv,
+                                            HEAD_D, HEAD_D, offs_d, dmask, qk_scale, False,
+                                            IEEE, not KEY_GROUPED, DMASK)
                 for t in range(n_vfull, tl.cdiv(n_v, BLOCK_N)):
                     idx = t * BLOCK_N + offs_n
                     vmask = idx < n_v
                     kpos = tl.load(vbase + idx, mask=vmask, other=0)
                     kvalid = _key_ok(vmask, kpos, KGb, kgroup, KEY_GROUPED)
-                    krow = kpos
-                    if VGATHER:
-                        krow = idx
-                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, krow, kvalid, Kv, Vv,
-                                            sk_v, sv_v, offs_d, dmask, qk_scale, False,
-                                            COUNT, IEEE)
+                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, idx, kvalid, Kv, Vv,
+                                            HEAD_D, HEAD_D, offs_d, dmask, qk_scale, False,
+                                            IEEE)
                 # Slash ranges: offset o covers keys [r0 - o, r1 - o) for this row block,
                 # clipped below the previous (smaller) offset's range and below lo, so the
                 # ranges are disjoint; keys that are vertical columns are left to the
-                # vertical stream above.
+                # vertical stream above. One flat tile loop (a loop per offset has too few
+                # iterations for the software pipeline to fill): every clipped range holds
+                # <= r1 - r0 <= BLOCK_M keys, so SUB tiles per offset cover it (some empty
+                # when clipped; they add nothing).
                 sbase = SIdx + slot_base * ns_max
                 fbase = VFlag + slot_base * N
                 k_lo = tl.load(SRange + (slot_base * n_table + r) * 2 + 0)
                 k_hi = tl.load(SRange + (slot_base * n_table + r) * 2 + 1)
-                if SLASH_FLAT:
-                    # Every clipped range holds <= r1 - r0 <= BLOCK_M keys: SUB tiles per
-                    # offset cover it (some empty when clipped; they add nothing).
-                    SUB: tl.constexpr = BLOCK_M // BLOCK_N
-                    for u in range(0, (k_hi - k_lo) * SUB):
-                        kk = k_lo + u // SUB
-                        o = tl.load(sbase + kk)
-                        o_prev = tl.load(sbase + tl.maximum(kk - 1, 0), mask=kk > k_lo,
-                                         other=-(1 << 30))
-                        ks = tl.maximum(r0 - o, 0) + (u % SUB) * BLOCK_N
-                        ke = tl.minimum(tl.minimum(r1 - o, r0 - o_prev), lo)
-                        kpos = ks + offs_n
-                        inr = kpos < ke
-                        isv = tl.load(fbase + kpos, mask=inr, other=1)
-                        kvalid = _key_ok(inr & (isv == 0), kpos, KGb, kgroup, KEY_GROUPED)
-                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                                skn, svn, offs_d, dmask, qk_scale, False,
-                                                COUNT, IEEE)
-                else:
-                    o_prev = -(1 << 30)
-                    for kk in range(k_lo, k_hi):
-                        o = tl.load(sbase + kk)
-                        ks = tl.maximum(r0 - o, 0)
-                        ke = tl.minimum(tl.minimum(r1 - o, r0 - o_prev), lo)
-                        for start in range(ks, ke, BLOCK_N):
-                            kpos = start + offs_n
-                            inr = kpos < ke
-                            isv = tl.load(fbase + kpos, mask=inr, other=1)
-                            kvalid = _key_ok(inr & (isv == 0), kpos, KGb, kgroup,
-                                             KEY_GROUPED)
-                            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid,
-                                                    Kb, Vb, skn, svn, offs_d, dmask,
-                                                    qk_scale, False, COUNT, IEEE)
-                        o_prev = o
+                SUB: tl.constexpr = BLOCK_M // BLOCK_N
+                for u in range(0, (k_hi - k_lo) * SUB):
+                    kk = k_lo + u // SUB
+                    o = tl.load(sbase + kk)
+                    o_prev = tl.load(sbase + tl.maximum(kk - 1, 0), mask=kk > k_lo,
+                                     other=-(1 << 30))
+                    ks = tl.maximum(r0 - o, 0) + (u % SUB) * BLOCK_N
+                    ke = tl.minimum(tl.minimum(r1 - o, r0 - o_prev), lo)
+                    kpos = ks + offs_n
+                    inr = kpos < ke
+                    isv = tl.load(fbase + kpos, mask=inr, other=1)
+                    kvalid = _key_ok(inr & (isv == 0), kpos, KGb, kgroup, KEY_GROUPED)
+                    acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
+                                            skn, svn, offs_d, dmask, qk_scale, False, IEEE)
             if FAMILY == BLOCK:
                 bbase = BIdx + (slot_base * n_table + r) * nb_max
                 n_b = tl.load(BCnt + slot_base * n_table + r)
-                # Key blocks of BLOCK_K keys, visited as BLOCK_K // BLOCK_N tiles; only the
-                # last listed block can reach past lo.
-                # One flat loop over tiles (not a nested one) so loads stay pipelined.
-                n_bfull = 0
-                if EVEN_FAR:
-                    # Sorted blocks: only the last can reach past lo; the others are full.
-                    c_last = tl.load(bbase + tl.maximum(n_b - 1, 0), mask=n_b > 0, other=0)
-                    n_bfull = tl.where((n_b > 0) & ((c_last + 1) * BLOCK_K > lo), n_b - 1, n_b)
-                    for u in range(0, n_bfull * (BLOCK_K // BLOCK_N)):
-                        c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
-                        kstart = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N
-                        if TMA and not KEY_GROUPED:
-                            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KDesc, VDesc, b,
-                                                         kvh, kstart, qk_scale, BLOCK_N,
-                                                         BLOCK_D, IEEE)
-                        else:
-                            kpos = kstart + offs_n
-                            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-                            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb,
-                                                    Vb, skn, svn, offs_d, dmask, qk_scale,
-                                                    False, COUNT, IEEE, not KEY_GROUPED,
-                                                    DMASK)
+                # Key blocks of BLOCK_K keys, visited as BLOCK_K // BLOCK_N tiles, in one
+                # flat loop (not a nested one) so loads stay pipelined. The blocks are
+                # sorted: only the last can reach past lo, the others are full tiles.
+                c_last = tl.load(bbase + tl.maximum(n_b - 1, 0), mask=n_b > 0, other=0)
+                n_bfull = tl.where((n_b > 0) & ((c_last + 1) * BLOCK_K > lo), n_b - 1, n_b)
+                for u in range(0, n_bfull * (BLOCK_K // BLOCK_N)):
+                    c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
+                    kstart = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N
+                    if TMA and not KEY_GROUPED:
+                        acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KDesc, VDesc, b,
+                                                     kvh, kstart, qk_scale, BLOCK_N,
+                                                     BLOCK_D, IEEE)
+                    else:
+                        kpos = kstart + offs_n
+                        kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
+                        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb,
+                                                Vb, skn, svn, offs_d, dmask, qk_scale,
+                                                False, IEEE, not KEY_GROUPED, DMASK)
                 for u in range(n_bfull * (BLOCK_K // BLOCK_N), n_b * (BLOCK_K // BLOCK_N)):
                     c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
                     kpos = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N + offs_n
                     kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
                     acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                            skn, svn, offs_d, dmask, qk_scale, False,
-                                            COUNT, IEEE)
+                                            skn, svn, offs_d, dmask, qk_scale, False, IEEE)
             acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, COUNT, IEEE, FAST, DMASK,
-                                  TAIL_STAGES, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                  KEY_GROUPED, IEEE, DMASK, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
 
-        if COUNT:
-            res = l_i
-            tl.store(TILES + slot_base * n_programs + pid_m, tl.max(m_i, 0).to(tl.int32))
-        else:
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
-            res = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453,
-                           float("-inf"))
-            acc = acc / l_safe[:, None]
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        acc = acc / l_safe[:, None]
         srow = tl.where(store_ok, qpos, 0).to(tl.int64)
         if dst == 0:
-            if not COUNT:
-                o_ptrs = O + b.to(tl.int64) * sob + head.to(tl.int64) * soh + \
-                    srow[:, None] * son + offs_d[None, :]
-                tl.store(o_ptrs, acc.to(O.dtype.element_ty),
-                         mask=store_ok[:, None] & dmask[None, :])
-            if WRITE_LSE or COUNT:
-                tl.store(L + b.to(tl.int64) * slb + head.to(tl.int64) * slh + srow, res,
+            o_ptrs = O + b.to(tl.int64) * sob + head.to(tl.int64) * soh + \
+                srow[:, None] * son + offs_d[None, :]
+            tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=store_ok[:, None] & dmask[None, :])
+            if WRITE_LSE:
+                tl.store(L + b.to(tl.int64) * slb + head.to(tl.int64) * slh + srow, lse,
                          mask=store_ok)
         else:
             part = (dst - 1).to(tl.int64)
-            if not COUNT:
-                o_ptrs = OS + part * sos + b.to(tl.int64) * sosb + \
-                    dsthead.to(tl.int64) * sosh + srow[:, None] * sosn + offs_d[None, :]
-                tl.store(o_ptrs, acc.to(OS.dtype.element_ty),
-                         mask=store_ok[:, None] & dmask[None, :])
+            o_ptrs = OS + part * sos + b.to(tl.int64) * sosb + \
+                dsthead.to(tl.int64) * sosh + srow[:, None] * sosn + offs_d[None, :]
+            tl.store(o_ptrs, acc.to(OS.dtype.element_ty), mask=store_ok[:, None] & dmask[None, :])
             tl.store(LS + part * sls + b.to(tl.int64) * slsb + dsthead.to(tl.int64) * slsh +
-                     srow, res, mask=store_ok)
+                     srow, lse, mask=store_ok)

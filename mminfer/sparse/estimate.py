@@ -57,12 +57,12 @@ _CHUNK_ELEMS = 1 << 26    # fp32 elements per chunk of the estimates (256 MiB)
 _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key chunk
 # Which proxy computes the column and diagonal sums. "triton": the fused proxy kernels
 # (kernels/proxy.py), every query set of the layer (runs of at most 64 queries) in one
-# launch per pass, each set only for the heads whose patterns read it; "triton_runs": the
-# same kernels one launch pair per query run, every head (the path before; kept to measure
-# against, benchmarks/estimate.py --impl); "torch": the chunked PyTorch passes below;
-# "auto": triton on a GPU (1.4-1.7x less estimation time at 128K-256K than torch,
-# BENCHMARKS.md section 3), torch on the CPU (where only the slow interpreter runs Triton).
-PROXIES = ("auto", "torch", "triton", "triton_runs")
+# launch per pass, each set only for the heads whose patterns read it (a set no pattern
+# reads, should one be asked for, takes the PyTorch passes); "torch": the chunked PyTorch
+# passes below; "auto": triton on a GPU (1.4-1.7x less estimation time at 128K-256K than
+# torch, BENCHMARKS.md section 3; 1.5-1.7x less again than one launch pair per query run,
+# section 7), torch on the CPU (where only the slow interpreter runs Triton).
+PROXIES = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -327,31 +327,9 @@ class _Estimator:
         if pos not in self._stats:
             want = self.needs.get(pos, set())
             kg, _ = _key_groups(self.index, self.dev)
-            if self.proxy in ("triton", "triton_runs") and len(pos) <= 64:
-                # One fused launch per contiguous run of the query set (a modality's last
-                # queries can sit in several spans: the prompt's text before and after the
-                # video): each row's softmax is its own, so the runs' sums add up.
-                from mminfer.kernels.proxy import proxy_stats
-                groups = {km: self.index.group_of(km) for km in want if km is not None}
-                targets = tuple(sorted(set(groups.values())))
-                col = diag = None
-                by_group: dict = {}
-                for q0, nq in _runs(pos):
-                    c, d, bg = proxy_stats(self.q, self.k, q0, nq, self.scale,
-                                           diag=None in want, kgroup=kg, targets=targets)
-                    if col is None:
-                        col, diag, by_group = c, d, bg
-                        continue
-                    col += c
-                    if d is not None:
-                        diag += d
-                    for g in targets:
-                        by_group[g] += bg[g]
-                self._stats[pos] = (col, diag, {km: by_group[g] for km, g in groups.items()})
-            else:
-                kmasks = [(km, kg == self.index.group_of(km)) for km in want if km is not None]
-                self._stats[pos] = _proxy_stats(self.q, self.k, list(pos), self.scale,
-                                                self.chunk, None in want, kmasks)
+            kmasks = [(km, kg == self.index.group_of(km)) for km in want if km is not None]
+            self._stats[pos] = _proxy_stats(self.q, self.k, list(pos), self.scale,
+                                            self.chunk, None in want, kmasks)
         col, diag, diag_k = self._stats[pos]
         return col, (diag_k[kmod] if kmod is not None else diag)
 

@@ -1,12 +1,14 @@
-"""benchmarks/kernels.py gives FlexAttention the oracle's mask functions as mask_mods and a
-BlockMask built from our block lists: both must say exactly what the specs say, on the CPU
-(FlexAttention itself runs in the benchmark, on the GPU)."""
+"""benchmarks/kernels.py gives FlexAttention the runtime's mask functions (kernels/masks.py)
+as mask_mods and a BlockMask built from our block lists: both must say exactly what the
+oracle (tests/kernels/oracle.py) says, on the CPU (FlexAttention itself runs in the
+benchmark, on the GPU)."""
 
 import pytest
 import torch
 
-from mminfer.kernels import masked_attention, spec_masks
+from mminfer.kernels import masked_attention
 from conftest import load_script
+from oracle import spec_masks
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Kernel exactness: every pattern family and both groupings against fp32 masked attention
-over the oracle masks, written from the *specs* (``kernels/masks.py``), never from the
+over the oracle masks, written from the *specs* (``oracle.py`` here), never from the
 compiled plan: a bug in ``SparsePlan.build`` cannot reach kernel and oracle alike.
 
 CPU runs use the Triton interpreter (fp32/fp16, small N); the same cases run in bf16/fp16
@@ -9,8 +9,12 @@ at larger N on a GPU (``-m gpu``; skipped without CUDA).
 import pytest
 import torch
 
-from mminfer.kernels import (AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash, count_plan,
-                             dense, masked_attention, row_table, sparse_attention, spec_masks)
+from mminfer.kernels import (AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash, dense,
+                             masked_attention, row_table, sparse_attention)
+from mminfer.kernels.masks import spec_mask_rows
+from mminfer.kernels.runtime import interpreted
+
+from oracle import replay_tiles, spec_masks
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -42,14 +46,14 @@ def build(n, hq, specs, **kw):
     return plan, oracle
 
 
-def check(q, k, v, plan, oracle, scale=None, variant=None):
+def check(q, k, v, plan, oracle, scale=None, config=None):
     """Kernel error <= 2x PyTorch's own error in the same dtype (+ representability atol).
-    ``variant``: a launch variant of ``kernels/variants.py`` (None: the current kernel)."""
+    ``config``: tile overrides of the launch (None: the device's tiles)."""
     mask_cpu = oracle
     mask = mask_cpu.to(q.device)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     out, lse = sparse_attention(q, k, v, plan, out=out, return_lse=True, scale=scale,
-                                variant=variant)
+                                config=config)
     assert not torch.isnan(out).any(), "rows left unwritten"
     ref, ref_lse = masked_attention(q, k, v, mask, scale=scale)
     if q.dtype == torch.float32:
@@ -252,16 +256,21 @@ def test_density_counts_match_masks(device, dtype, n, block_m):
     tri = hq * n * (n + 1) / 2
     assert dens["logical"] == pytest.approx(oracle.sum().item() / tri, abs=1e-9)
     assert dens["physical"] >= dens["logical"]
-    _same_density(dens, count_plan(plan))
+    _density_is_the_oracles_and_the_replays(plan, oracle)
 
 
-def _same_density(a, b):
-    """plan.density() (from the plan's arrays) equals count_plan (the kernel counting)."""
-    assert a["tiles"] == b["tiles"]
-    assert torch.equal(a["logical_per_head"], b["logical_per_head"])
-    assert torch.equal(a["physical_per_head"], b["physical_per_head"])
-    assert (a["logical"], a["physical"], a["pairs"], a["tile_pairs"]) == \
-        (b["logical"], b["physical"], b["pairs"], b["tile_pairs"])
+def _density_is_the_oracles_and_the_replays(plan, oracle):
+    """plan.density() (closed form over the plan's arrays) counts the oracle's pairs, per
+    head, and the tiles of the traversal replayed here loop by loop (``replay_tiles``)."""
+    d = plan.density()
+    B, n = plan.batch, plan.n
+    tri = n * (n + 1) / 2
+    per_head = oracle.sum((0, 2, 3))
+    assert d["pairs"] == float(per_head.sum())
+    assert torch.equal(d["logical_per_head"], per_head.double() / (B * tri))
+    tiles, by_family, dense_tiles = replay_tiles(plan)
+    assert d["tiles"] == by_family
+    assert torch.equal(d["physical_per_head"], tiles.double() / (B * dense_tiles))
 
 
 def _mixed_specs(n, block_m, device, batch=1):
@@ -289,7 +298,7 @@ def _mixed_specs(n, block_m, device, batch=1):
 
 @pytest.mark.parametrize("device,dtype,n,block_m", CASES)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_mixed_plan_exact_and_its_density_is_the_kernels_count(device, dtype, n, block_m,
+def test_mixed_plan_exact_and_its_density_counts_it(device, dtype, n, block_m,
                                                                 batch):
     hq, hkv, d = 4, 2, 64
     spans, specs = _mixed_specs(n, block_m, device, batch)
@@ -299,7 +308,7 @@ def test_mixed_plan_exact_and_its_density_is_the_kernels_count(device, dtype, n,
     check(q, k, v, plan, oracle)
     dens = plan.density()
     assert dens["logical"] == pytest.approx(oracle.sum().item() / (batch * hq * n * (n + 1) / 2))
-    _same_density(dens, count_plan(plan))
+    _density_is_the_oracles_and_the_replays(plan, oracle)
 
 
 @pytest.mark.parametrize("device,dtype,n,block_m", CASES)
@@ -452,20 +461,189 @@ def test_plan_validation_messages():
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_mask_by_row_chunks_equals_the_oracle(block_m, batch):
+@pytest.mark.parametrize("kind", ["mixed-batch1", "mixed-batch2", "repeated-heads"])
+def test_mask_by_row_chunks_equals_the_oracle(block_m, kind):
     """spec_mask_rows (each row block evaluated once, then cut causally row by row, grid row
     lines added per row: the CPU engine's mask at long N) is the oracle's mask exactly, for
-    every family, row groups, grid row lines and a Fallback, at chunk sizes that split row
-    blocks and spans."""
-    from mminfer.kernels.masks import spec_mask_rows
+    every family, row groups, grid row lines, a Fallback and heads listed by several slots,
+    at chunk sizes that split row blocks and spans."""
     n = 157
-    spans, specs = _mixed_specs(n, block_m, "cpu", batch)
-    oracle = spec_masks(specs, n, 4, block_m=block_m, block_n=16, row_groups=spans,
+    if kind == "repeated-heads":
+        batch, hq = 1, 8
+        spans, specs = _repeated_head_specs(n, hq, block_m, "cpu")
+    else:
+        batch, hq = int(kind[-1]), 4
+        spans, specs = _mixed_specs(n, block_m, "cpu", batch)
+    oracle = spec_masks(specs, n, hq, block_m=block_m, block_n=16, row_groups=spans,
                         batch=batch)
     assert oracle.any() and not oracle.all()
     for rows in (1, 7, 16, 50, n):
-        chunks = list(spec_mask_rows(specs, n, 4, block_m=block_m, block_n=16,
+        chunks = list(spec_mask_rows(specs, n, hq, block_m=block_m, block_n=16,
                                      row_groups=spans, batch=batch, rows=rows))
         assert [r0 for r0, _ in chunks] == list(range(0, n, rows))
         assert torch.equal(torch.cat([m for _, m in chunks], 2), oracle), rows
+
+
+# ---------------------------------------------------------------------- repeated heads
+def _three_groups(n):
+    """text - video - image - video - text: three row (and key) groups."""
+    c = [0, 11, 11 + (n - 30) // 3, 11 + 2 * (n - 30) // 3, n - 19 - 7, n]
+    c[4] = max(c[4], c[3] + 1)
+    groups = [0, 1, 2, 1, 0]
+    return [(c[i], c[i + 1], groups[i]) for i in range(5)]
+
+
+def _repeated_head_specs(n, hq, block_m, device, block_n=16):
+    """One head listed many times across and inside specs, each slot with its own query
+    group, key group and parameters (a 2D-boundary head: one slot per (query group, key
+    group)), beside Q-boundary, K-split and plain heads in the same specs. The first spec's
+    head-1 slots are issue 31's example, which plan.masks() got wrong."""
+    spans = _three_groups(n)
+    s1, e1 = spans[1][0], spans[1][1]
+    r = row_table(n, block_m, spans).shape[0]
+    vert, sl = _vs(1, 3, n, 7, 5, device, seed=23)
+    others = list(range(5, hq))
+    block_heads = [1, 3] + others
+    return spans, [
+        # head 1: (q0,k0) (q1,k2) (q2,k1) (q2,k2); head 3: key groups 0 and 2; head 0 plain
+        AShape(heads=[1, 1, 1, 1, 3, 0, 3], sink=[3, 0, 0, 5, 2, 4, 0],
+               window=[65, 0, n, 11, block_m, 9, 3], qgroup=[0, 1, 2, 2, -1, -1, -1],
+               kgroup=[0, 2, 1, 2, 0, -1, 2]),
+        # head 1: (q1,k1) with row and column lines, (q1,k0) columns; head 2: video rows
+        Grid(heads=[1, 1, 2], start=s1, end=e1, stride=[5, 3, 4], phase=[1, 0, 2],
+             lines=["both", "cols", "both"], sink=[2, 0, 1], window=[4, 9, 6],
+             qgroup=[1, 1, 1], kgroup=[1, 0, -1]),
+        dense([2, 2], n, qgroup=[0, 2]),
+        # head 1: (q0,k1) (q0,k2); head 4 plain
+        VerticalSlash(heads=[1, 1, 4], verticals=vert, slashes=sl, window=[2, 5, 3],
+                      qgroup=[0, 0, -1], kgroup=[1, 2, -1]),
+        # head 1: (q2,k0); head 3: key group 1; the rest plain
+        Block(heads=block_heads,
+              key_blocks=_blocks(1, len(block_heads), r, n, block_n, 3, device, seed=29),
+              window=[1, 2] + [3] * len(others), qgroup=[2, -1] + [-1] * len(others),
+              kgroup=[0, 1] + [-1] * len(others)),
+    ]
+
+
+@pytest.mark.parametrize("device,dtype,n,block_m", CASES)
+@pytest.mark.parametrize("ratio,d", [(1, 64), (7, 80), (8, 128)])
+def test_repeated_heads_with_different_groups(device, dtype, n, block_m, ratio, d):
+    """Slots of one head OR together: kernel output, the runtime's masks by rows, the plan's
+    density and the oracle agree on a plan that lists heads many times (GQA 1 / 7 / 8, head
+    dims 64 / 80 / 128, odd N, random inputs, poisoned output)."""
+    hq = 8 if ratio in (1, 8) else 7
+    hkv = hq // ratio
+    spans, specs = _repeated_head_specs(n, hq, block_m, device)
+    plan, oracle = build(n, hq, specs, block_m=block_m, block_n=16, row_groups=spans,
+                         device=device)
+    assert plan.heads_2d == [1, 3]
+    assert oracle[0, 1, 0, 0], "head 1, row 0, key 0: the (text, text) slot's sink"
+    q, k, v = _inputs(1, hq, hkv, n, d, dtype, device, seed=31 + ratio)
+    check(q, k, v, plan, oracle)
+    assert torch.equal(plan.masks(), oracle)
+    _density_is_the_oracles_and_the_replays(plan, oracle)
+    # Head 1 as nine one-slot specs of its own gives the same mask (the union of its slots).
+    one = []
+    for sp in specs:
+        for s, h in enumerate(sp.heads):
+            if h == 1:
+                one.append(_slot_of(sp, s))
+    alone = spec_masks(one, n, hq, block_m=block_m, block_n=16, row_groups=spans)
+    assert torch.equal(alone[0, 1], oracle[0, 1]) and not alone[0, 0].any()
+
+
+def _slot_of(sp, s):
+    """Slot s of a spec as a spec of its own (per-slot values picked)."""
+    def pick(x):
+        if isinstance(x, torch.Tensor):
+            return x[:, s:s + 1]
+        return x if isinstance(x, (int, str)) else [list(x)[s]]
+    fields = {f: pick(getattr(sp, f)) for f in sp.__dataclass_fields__ if f != "heads"}
+    return type(sp)(heads=[sp.heads[s]], **fields)
+
+
+def test_the_oracle_ors_repeated_slots_pair_by_pair():
+    """The oracle's union over a head's slots, against the definitions pair by pair."""
+    n, bm, bn = 45, 8, 4
+    spans = [(0, 7, 0), (7, 31, 1), (31, n, 0)]
+    spec = AShape(heads=[0, 0, 0, 0], sink=[3, 0, 0, 5], window=[9, 0, n, 2],
+                  qgroup=[0, 1, 0, 1], kgroup=[0, 1, 1, 0])
+    want = torch.zeros(n, n, dtype=torch.bool)
+    for s in range(4):
+        want |= _naive_mask("a_shape", n, bm, bn, spans,
+                            dict(sink=spec.sink[s], window=spec.window[s],
+                                 qgroup=spec.qgroup[s], kgroup=spec.kgroup[s]))
+    got = spec_masks([spec], n, 1, block_m=bm, block_n=bn, row_groups=spans)[0, 0]
+    assert torch.equal(got, want)
+    assert torch.equal(torch.cat([m for _, m in spec_mask_rows(
+        [spec], n, 1, block_m=bm, block_n=bn, row_groups=spans, rows=5)], 2)[0, 0], want)
+
+
+@pytest.mark.skipif(not interpreted(), reason="CPU tensors: needs TRITON_INTERPRET=1")
+def test_block_family_reads_through_descriptors_or_plain_loads():
+    """The block family's full tiles go through tensor descriptors (TMA on sm_90), which need
+    a 16-byte aligned base and row strides; otherwise the launch reads them with plain loads,
+    and both compute the oracle's result."""
+    from mminfer.kernels import launch as L
+    k = torch.randn(1, 2, 40, 64)
+    kd, _ = L._descriptors(k, k, {"BLOCK_N": 16}, 64)
+    assert kd is not None and list(kd.block_shape) == [1, 1, 16, 64]
+    odd = torch.randn(1, 2, 40, 65)[..., 1:]          # base 4 bytes off, row stride 260 B
+    assert L._descriptors(odd, odd, {"BLOCK_N": 16}, 64) == (None, None)
+    n = 67
+    r = row_table(n, 16).shape[0]
+    spec = Block([0, 1], _blocks(1, 2, r, n, 16, 3, "cpu", seed=37), window=[0, 20])
+    plan, oracle = build(n, 2, [spec], block_m=16, block_n=16)
+    for t in (torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 65)[..., 1:]):
+        check(t, t, t, plan, oracle)
+
+
+def test_sparsity_of_a_prefill_sums_its_layers_plans():
+    """density.sparsity: what an answer reports of its sparse layers, from their plans (or
+    already counted densities), layers in order; tile work only where a plan counted it."""
+    from mminfer.kernels import sparsity
+    n = 183
+    a_shape = SparsePlan.build(n, 2, [AShape([0, 1], sink=4, window=16)], block_m=16,
+                               block_n=16)
+    full = SparsePlan.build(n, 2, [dense([0, 1], n)], block_m=16, block_n=16)
+    d = a_shape.density()
+    got = sparsity({3: a_shape, 1: full, 5: 0.5, 7: {"logical": 0.2, "physical": 0.4}})
+    assert got["layers"] == [1, 3, 5, 7]
+    assert got["per_layer"] == [1.0, round(d["logical"], 6), 0.5, 0.2]
+    assert got["mean_density"] == pytest.approx((1.0 + d["logical"] + 0.5 + 0.2) / 4)
+    assert got["per_layer_tile_work"] == [1.0, round(d["physical"], 6), 0.4]
+    assert got["mean_tile_work"] == pytest.approx((1.0 + d["physical"] + 0.4) / 3)
+    assert 0 < d["logical"] < d["physical"] < 1
+    assert sparsity({}) is None
+    assert "mean_tile_work" not in sparsity({0: 0.25})
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_product_tiles_on_gpu(block_n, grouped):
+    """The plans the product builds on a GPU (128-row blocks, 64-key blocks; the kernel
+    benchmark's 128-key blocks) at the H200 launch configuration: 128-key tiles, the block
+    family's full tiles through TMA (plans without key groups), bf16, Qwen2.5-VL's GQA ratio
+    7 and head dim 128; with key groups, heads listed by several slots."""
+    n, hq, hkv, d, bm = 2053, 14, 2, 128, 128
+    if grouped:
+        spans, specs = _repeated_head_specs(n, hq, bm, "cuda", block_n=block_n)
+    else:
+        spans = None
+        r = row_table(n, bm).shape[0]
+        vert, sl = _vs(1, 4, n, 300, 12, "cuda", seed=43)
+        specs = [AShape([0, 1, 2], sink=[64, 0, 5], window=[1024, 128, 300]),
+                 Grid([3, 4, 5, 6], start=40, end=n - 9, stride=[257, 64, 9, 5],
+                      phase=[7, 0, 3, 1], lines=["both", "cols", "rows", "both"],
+                      sink=[64, 0, 3, 8], window=[256, 128, 0, 77]),
+                 VerticalSlash([7, 8, 9, 10], vert, sl, window=[64, 0, 128, 200]),
+                 Block([11, 12, 13], _blocks(1, 3, r, n, block_n, 4, "cuda", seed=47),
+                       window=[0, 128, 64])]
+    plan, oracle = build(n, hq, specs, block_m=bm, block_n=block_n, row_groups=spans,
+                         device="cuda")
+    assert (plan.key_groups is not None) == grouped
+    q, k, v = _inputs(1, hq, hkv, n, d, torch.bfloat16, "cuda", seed=41)
+    check(q, k, v, plan, oracle)
+    _density_is_the_oracles_and_the_replays(plan, oracle)

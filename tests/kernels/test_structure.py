@@ -56,7 +56,7 @@ class _Sm90:
 
     POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "OS": "*bf16",
                 "L": "*fp32", "LS": "*fp32", "VFlag": "*i8", "KVert": "*bf16",
-                "VVert": "*bf16", **{n: "*i32" for n in ("TILES", "Table", "P", "VIdx", "VCnt",
+                "VVert": "*bf16", **{n: "*i32" for n in ("Table", "P", "VIdx", "VCnt",
                                                           "SIdx", "SRange", "BIdx", "BCnt",
                                                           "KGid")}}
 
@@ -133,9 +133,8 @@ def _lower(stages=("ttir",)):
     for family in range(4):
         for key_grouped in (False, True):
             const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, FAMILY=family,
-                         KEY_GROUPED=key_grouped, WRITE_LSE=True, COUNT=False, IEEE=False,
-                         BLOCK_K=64, FAST=True, DMASK=False, SCHEDULE=0, EVEN_FAR=False,
-                         SLASH_FLAT=False, VGATHER=False, TAIL_STAGES=3, TMA=False)
+                         KEY_GROUPED=key_grouped, WRITE_LSE=True, IEEE=False, BLOCK_K=64,
+                         DMASK=False, TMA=False)
             *_, (_, mod, _) = sm.stages(const, stages, num_warps=8, num_stages=3)
             out.append(str(mod))
     return out
@@ -148,47 +147,35 @@ def test_attention_kernel_lowers_for_hopper():
     assert stdout.strip().splitlines()[-1] == "8"   # 4 families x key groups on/off
 
 
-def _shared_bytes_sm90(variant_names):
-    """Shared memory (bytes) of every family's kernel under each named variant, compiled
-    to a cubin for sm_90 the way a launch specialises it.
-    Returns [(variant, family, shared, async copies, TMA copies in the ttgir)]."""
-    from mminfer.kernels import launch as L
-    from mminfer.kernels.layout import FAMILIES
-    from mminfer.kernels.variants import affects, options
+def _shared_bytes_sm90():
+    """Shared memory (bytes) of every family's kernel at its H200 launch configuration
+    (``runtime.tile_config``), compiled to a cubin for sm_90 the way a launch specialises
+    it. Returns [(family, BLOCK_N, shared, async copies, TMA copies in the ttgir)]."""
+    from mminfer.kernels.layout import BLOCK, FAMILIES
+    from mminfer.kernels.runtime import tile_config
 
     sm = _Sm90()
     if not sm.ok:
         return []
-
-    class _Q:       # what _config reads of q: the device kind
-        is_cuda = True
-
-    class _Plan:    # the benchmark's plans: 128-row blocks, 64-key (block: 128-key) blocks
-        block_m = 128
-
     out = []
-    for variant in variant_names:
-        for fname, family in FAMILIES.items():
-            if not affects(variant, fname):
-                continue
-            _Plan.block_n = 128 if fname == "block" else 64
-            cfg = L._config(_Q, _Plan, options(variant) or None, family)
-            const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=cfg["BLOCK_N"],
-                         FAMILY=family, KEY_GROUPED=False, WRITE_LSE=False, COUNT=False,
-                         IEEE=False, BLOCK_K=_Plan.block_n, FAST=True, DMASK=False,
-                         SCHEDULE=cfg["SCHEDULE"], EVEN_FAR=cfg["EVEN_FAR"],
-                         SLASH_FLAT=cfg["SLASH_FLAT"], VGATHER=cfg["VGATHER"],
-                         TAIL_STAGES=cfg["TAIL_STAGES"], TMA=cfg["TMA"])
-            desc = f"tensordesc<bf16[1,1,{cfg['BLOCK_N']},128]>" if cfg["TMA"] else None
-            n_async = n_tma = 0
-            for stage, mod, md in sm.stages(const, ("ttir", "ttgir", "llir", "ptx", "cubin"),
-                                            num_warps=cfg["num_warps"],
-                                            num_stages=cfg["num_stages"], descriptors=desc,
-                                            divisible=True):
-                if stage == "ttgir":
-                    n_async = str(mod).count("async_copy_global_to_local")
-                    n_tma = str(mod).count("async_tma_copy_global_to_local")
-            out.append((variant, fname, int(md["shared"]), n_async, n_tma))
+    # the benchmark's plans: 128-row blocks, 64-key (block: 128-key) blocks
+    for fname, family in FAMILIES.items():
+        block_n = 128 if fname == "block" else 64
+        cfg = tile_config(True, fname, 128, block_n)
+        tma = family == BLOCK
+        const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=cfg["BLOCK_N"],
+                     FAMILY=family, KEY_GROUPED=False, WRITE_LSE=False, IEEE=False,
+                     BLOCK_K=block_n, DMASK=False, TMA=tma)
+        desc = f"tensordesc<bf16[1,1,{cfg['BLOCK_N']},128]>" if tma else None
+        n_async = n_tma = 0
+        for stage, mod, md in sm.stages(const, ("ttir", "ttgir", "llir", "ptx", "cubin"),
+                                        num_warps=cfg["num_warps"],
+                                        num_stages=cfg["num_stages"], descriptors=desc,
+                                        divisible=True):
+            if stage == "ttgir":
+                n_async = str(mod).count("async_copy_global_to_local")
+                n_tma = str(mod).count("async_tma_copy_global_to_local")
+        out.append((fname, cfg["BLOCK_N"], int(md["shared"]), n_async, n_tma))
     return out
 
 
@@ -196,29 +183,17 @@ def _shared_bytes_sm90(variant_names):
 SM90_SHARED = 232448
 
 
-# Each group is ~40 s of host compiles; `make test` lowers the first (the current kernel and
-# the tile / pipeline changes), MMINFER_ALL_VARIANTS=1 all of them.
-_GROUPS = [("current", "tail1", "bn128", "bn128_s3"),
-           ("s4", "combined", "combined_bn128_s3"),
-           ("tma", "tma_bn128", "combined_tma_bn128")]
-
-
-@pytest.mark.parametrize("variants", _GROUPS if os.environ.get("MMINFER_ALL_VARIANTS") == "1"
-                         else _GROUPS[:1])
-def test_variants_fit_hopper_shared_memory(variants):
-    """Every variant's kernel compiles for sm_90 (through ptxas) with pipelined K/V loads
-    and fits the shared memory of one block; the unpipelined tails are what make room."""
-    stdout = _in_child(f"[print(*r) for r in t._shared_bytes_sm90({list(variants)!r})]",
-                       timeout=1200)
-    from mminfer.kernels.variants import options
+def test_each_family_fits_hopper_shared_memory_at_its_tiles():
+    """Every family's kernel compiles for sm_90 (through ptxas) at its H200 tiles (128-key,
+    the block family 128-key over 128-key blocks) with pipelined K/V loads, and fits the
+    shared memory of one block: the unpipelined masked tails are what make room. Only the
+    block family reads through the copy engine (TMA)."""
+    stdout = _in_child("[print(*r) for r in t._shared_bytes_sm90()]", timeout=1200)
     rows = [line.split() for line in stdout.strip().splitlines()]
-    got = {(v, f): (int(sh), int(na), int(nt)) for v, f, sh, na, nt in rows}
-    assert {v for v, _ in got} == set(variants)
-    for (v, f), (shared, n_async, n_tma) in got.items():
-        assert n_async + n_tma > 0, f"{v}/{f}: K/V loads not pipelined"
-        assert shared <= SM90_SHARED, f"{v}/{f}: {shared} B of shared memory"
-        # Descriptor loads lower to the copy engine only in the TMA variants.
-        assert (n_tma > 0) == options(v).get("TMA", False), f"{v}/{f}: {n_tma} TMA copies"
-    if "tail1" in variants:
-        # The tails' buffers are what the current kernel spends its shared memory on.
-        assert got[("tail1", "a_shape")][0] < got[("current", "a_shape")][0]
+    got = {f: tuple(int(x) for x in rest) for f, *rest in rows}
+    assert set(got) == {"a_shape", "grid", "vertical_slash", "block"}
+    for f, (block_n, shared, n_async, n_tma) in got.items():
+        assert block_n == 128, f"{f}: {block_n}-key tiles"
+        assert n_async + n_tma > 0, f"{f}: K/V loads not pipelined"
+        assert shared <= SM90_SHARED, f"{f}: {shared} B of shared memory"
+        assert (n_tma > 0) == (f == "block"), f"{f}: {n_tma} TMA copies"

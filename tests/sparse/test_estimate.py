@@ -489,40 +489,6 @@ def test_diagonal_sums_by_runs_match_brute_force():
 
 
 # ---------------------------------------------------------------------- fused proxy kernels
-@pytest.mark.parametrize("B,H,Hkv,n,D,q0,nq,dtype", [
-    (1, 4, 2, 150, 8, 86, 64, torch.float32),       # last 64 queries, GQA 2, d padded to 16
-    (2, 2, 1, 97, 80, 30, 23, torch.float16),       # batch 2, a short run inside, d 80
-    (2, 6, 2, 300, 16, 236, 64, torch.float32),     # batch x KV heads x GQA 3, 3 lse chunks
-])
-def test_fused_proxy_matches_brute_force(B, H, Hkv, n, D, q0, nq, dtype):
-    """kernels/proxy.py: column sums, diagonal sums and diagonal sums over one key group,
-    against softmax of the full score rows in fp32 (error of the inputs' dtype)."""
-    from mminfer.kernels.proxy import proxy_stats
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(B, H, n, D, generator=g).to(dtype)
-    k = torch.randn(B, Hkv, n, D, generator=g).to(dtype)
-    kgroup = (torch.rand(n, generator=g) > 0.5).to(torch.int32)
-    scale = D ** -0.5
-    pos = torch.arange(q0, q0 + nq)
-    s = q.float()[:, :, q0:q0 + nq] @ k.float().repeat_interleave(H // Hkv, 1).transpose(-1, -2)
-    s = (s * scale).masked_fill(torch.arange(n)[None, :] > pos[:, None], float("-inf"))
-    p = s.softmax(-1)
-    off = pos[:, None] - torch.arange(n)[None, :]
-    ok = off >= 0
-    want = torch.zeros(B, H, n).index_add_(2, off[ok], p[:, :, ok])
-    in1 = ok & (kgroup[None, :] == 1)
-    want1 = torch.zeros(B, H, n).index_add_(2, off[in1], p[:, :, in1])
-    col, diag, by_group = proxy_stats(q, k, q0, nq, scale, kgroup=kgroup, targets=(1,))
-    tol = dict(atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(col, p.sum(2), **tol)
-    torch.testing.assert_close(diag, want, **tol)
-    torch.testing.assert_close(by_group[1], want1, **tol)
-    col2, none, only = proxy_stats(q, k, q0, nq, scale, diag=False, kgroup=kgroup, targets=(1,))
-    assert none is None and torch.equal(col2, col) and torch.equal(only[1], by_group[1])
-    with pytest.raises(ValueError, match="query run"):
-        proxy_stats(q, k, q0, 65, scale)
-
-
 def _same_lines(ref, got):
     assert len(got.specs) == len(ref.specs)
     for a, b in zip(ref.specs, got.specs):
@@ -541,23 +507,6 @@ _FUSED_HEADS = [
                       "text": vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)}),
     HeadPattern.single(vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2)),
     HeadPattern.single(vertical_slash(n_vertical=6, n_slash=4, window=8, sink=2))]
-
-
-def test_fused_proxy_runs_give_the_torch_estimate(monkeypatch):
-    """estimate_layer(proxy="triton_runs") (one launch pair per contiguous query run, every
-    head) chooses the same verticals and slashes as the PyTorch passes (the CPU default)."""
-    import mminfer.kernels.proxy as P
-    idx, q, k, _ = _mixed()
-    ref = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=BM, block_n=BN)
-    calls = []
-    real = P.proxy_stats
-    monkeypatch.setattr(P, "proxy_stats", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    got = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=BM, block_n=BN, proxy="triton_runs")
-    assert len(calls) >= 2                      # text rows and video rows: both fused
-    # the last 64 text queries are two runs (116..143 and 216..251): one launch each, summed
-    assert idx.last_positions("text", 64) == list(range(116, 144)) + list(range(216, 252))
-    assert 116 in calls and 216 in calls
-    _same_lines(ref, got)
 
 
 def test_fused_proxy_sets_give_the_torch_estimate(monkeypatch):
@@ -585,7 +534,7 @@ def test_fused_proxy_sets_give_the_torch_estimate(monkeypatch):
 def test_fused_sets_read_only_what_the_patterns_need():
     """A set's sums are computed for the heads whose pattern reads them: a-shape, block and
     dense heads are in no set, a grid head with a non-vertical-slash fallback reads the
-    column sums but no diagonal, and every pattern kind gives the plan of the per-run path."""
+    column sums but no diagonal, and every pattern kind gives the plan of the PyTorch proxy."""
     import mminfer.kernels.proxy as P
     idx, q, k, _ = _mixed(H=8, Hkv=2)
     # the last head: a grid with an a-shape fallback (in place of ALL_KINDS' dense head)
@@ -598,7 +547,7 @@ def test_fused_sets_read_only_what_the_patterns_need():
         new = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="triton")
     finally:
         P.proxy_sets = real
-    old = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="triton_runs")
+    old = estimate_layer(q, k, idx, heads, block_m=BM, block_n=BN, proxy="torch")
     (sets,) = got_sets
     readers = {h for s in sets for h in s.heads}
     assert readers == {0, 1, 2, 3, 6, 7}        # not the block (4) and a-shape (5) heads
@@ -621,33 +570,6 @@ def _index_specs(est):
     for sp in est.specs:
         out.extend([sp.primary, *sp.alternatives] if isinstance(sp, Fallback) else [sp])
     return out
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_proxy_on_gpu_bf16():
-    """The compiled kernels (persistent mass kernel, barriers, vector atomics) at a length
-    of several thousand keys in bf16, against the fp32 softmax of the same bf16 inputs."""
-    from mminfer.kernels.proxy import proxy_stats
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, H, Hkv, n, D = 1, 28, 4, 9001, 128
-    q = torch.randn(B, H, n, D, device="cuda", generator=g).bfloat16()
-    k = torch.randn(B, Hkv, n, D, device="cuda", generator=g).bfloat16()
-    kgroup = (torch.arange(n, device="cuda") // 777 % 2).to(torch.int32)
-    q0, nq = n - 64, 64
-    col, diag, by_group = proxy_stats(q, k, q0, nq, D ** -0.5, kgroup=kgroup, targets=(0, 1))
-    s = q.float()[:, :, q0:] @ k.float().repeat_interleave(H // Hkv, 1).transpose(-1, -2)
-    pos = torch.arange(q0, n, device="cuda")
-    s = (s * D ** -0.5).masked_fill(torch.arange(n, device="cuda")[None, :] > pos[:, None],
-                                    float("-inf"))
-    p = s.softmax(-1)
-    off = pos[:, None] - torch.arange(n, device="cuda")[None, :]
-    ok = off >= 0
-    want = torch.zeros(B, H, n, device="cuda").index_add_(2, off[ok], p[:, :, ok])
-    tol = dict(atol=1e-4, rtol=1e-3)
-    torch.testing.assert_close(col, p.sum(2), **tol)
-    torch.testing.assert_close(diag, want, **tol)
-    torch.testing.assert_close(by_group[0] + by_group[1], diag, **tol)
 
 
 def test_a_heads_plan_does_not_depend_on_the_other_heads():
