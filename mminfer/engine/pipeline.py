@@ -457,37 +457,14 @@ def check_request(question, fps, max_frames, max_new_tokens, start, end, mode) -
 
 
 def _sparsity(plans: dict, patterns, last_row_only: int | None = None) -> dict | None:
-    """What the sparse layers computed, counted from their plans' arrays (no launch).
-
-    ``last_row_only``: the layer that ran its last row alone (models/prefill.py), one query
-    against every key; it makes no plan and is not in the means.
-
-    ``mean_density`` / ``per_layer``: the pairs computed over the causal triangle, each pair
-    once, so never above 1 (1 = all of it). ``mean_tile_work`` / ``per_layer_tile_work``: the
-    kernels' tile work over a dense pass's (kernels/density.py "physical"): what the time
-    follows. It is work, not a share, and goes above 1 where a plan costs more than dense:
-    on short prompts a 2D-boundary head sweeps its near range once per key group, and slash
-    ranges re-visit (masked) keys that verticals already gather; that is reported as it is,
-    not as a density (it was, as ``mean_tile_density``: 1.334 at 183 tokens, when its
-    denominator was the causal triangle; 1.50 on the embedded model at 535 tokens since).
-    """
-    if not plans:
-        return None
-    per_layer, tiles = {}, {}
-    for layer, plan in sorted(plans.items()):
-        d = plan.density() if hasattr(plan, "density") else plan
-        if isinstance(d, dict):
-            per_layer[layer] = float(d["logical"])
-            if "physical" in d:
-                tiles[layer] = float(d["physical"])
-        else:
-            per_layer[layer] = float(d)
-    out = {"mean_density": sum(per_layer.values()) / len(per_layer),
-           "per_layer": [round(v, 6) for v in per_layer.values()],
-           "layers": list(per_layer),
-           "uncalibrated": bool(getattr(patterns, "uncalibrated", True)),
-           "last_row_only": last_row_only}
-    if tiles:
-        out["mean_tile_work"] = sum(tiles.values()) / len(tiles)
-        out["per_layer_tile_work"] = [round(v, 6) for v in tiles.values()]
+    """What the sparse layers computed, counted from their plans' arrays (no launch):
+    mminfer.kernels.density.sparsity (``mean_density``: the pairs computed over the causal
+    triangle, never above 1; ``mean_tile_work``: the kernels' tile work over a dense pass's,
+    what the time follows), with whether the config was calibrated and ``last_row_only``:
+    the layer that made no plan (the prefix's last layer writes K/V only, models/prefill.py)."""
+    from mminfer.kernels import sparsity
+    out = sparsity(plans)
+    if out is not None:
+        out.update(uncalibrated=bool(getattr(patterns, "uncalibrated", True)),
+                   last_row_only=last_row_only)
     return out

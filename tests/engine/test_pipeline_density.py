@@ -10,7 +10,6 @@ import torch
 
 from mminfer.engine.pipeline import Pipeline, _sparsity
 from mminfer.engine.timing import PIPELINE_STAGES, TOTALS
-from mminfer.kernels.plan import SparsePlan
 
 NEEDLE = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
 SLOW_S = 0.25          # per layer: a count slow enough that no gap can hide it
@@ -26,15 +25,16 @@ def stages_sum(t: dict) -> float:
 
 
 def test_density_is_a_stage_inside_the_total(pipe, monkeypatch):
-    real = SparsePlan.density
+    from mminfer.kernels import density
+    real = density.plan_density
     counted = []
 
-    def slow_density(plan):
+    def slow_density(plan, *a, **kw):
         counted.append(plan.n)
         time.sleep(SLOW_S)
-        return real(plan)
+        return real(plan, *a, **kw)
 
-    monkeypatch.setattr(SparsePlan, "density", slow_density)
+    monkeypatch.setattr(density, "plan_density", slow_density)
     r = pipe.answer(NEEDLE, "What number appears in the video?", fps=2, max_frames=4,
                     max_new_tokens=3, attention="sparse")
     t = r.timings_ms
