@@ -176,6 +176,23 @@ class Pipeline:
         self.kv_bytes_per_token = (2 * len(ad.text_model.layers) * k.out_features
                                    * torch.finfo(self.dtype).bits // 8)
 
+    def attention_policy(self) -> dict:
+        """What "auto" attention does with this model, and why: for the start-up message,
+        ``/v1/models`` and ``/report``."""
+        pats = self.adapter.patterns
+        if pats is None:
+            state, auto = "none", "dense (the model has no head-pattern config)"
+        elif self.sparse_unavailable:
+            state = "uncalibrated" if pats.uncalibrated else "calibrated"
+            auto = "dense (sparse kernels cannot run here)"
+        elif pats.uncalibrated:
+            state = "uncalibrated"
+            auto = ("dense until calibrated: the shipped head patterns are an uncalibrated "
+                    "starting point; run `mminfer calibrate` (attention=sparse runs them now)")
+        else:
+            state, auto = "calibrated", f"sparse from {self.min_sparse_len} prompt tokens"
+        return {"head_patterns": state, "auto_attention": auto}
+
     def _frame_shards(self):
         if self.tensor_parallel == 1:
             return None

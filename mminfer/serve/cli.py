@@ -241,6 +241,10 @@ def run(args) -> int:
     worker.start()
     if not worker.wait_ready():
         raise ConfigError(worker.error or "the model did not load")
+    policy = getattr(worker.pipeline, "attention_policy", lambda: None)()
+    if policy and policy["head_patterns"] == "uncalibrated":
+        print(f"warning: head patterns uncalibrated for this model; attention auto is "
+              f"{policy['auto_attention']}", flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         print("warning: listening beyond loopback without MMINFER_API_KEY: anyone who can "
               "reach this port can use the model", flush=True)

@@ -32,6 +32,7 @@ async def latency_report(request: Request):
     since, until = _window(request)
     rep = await asyncio.to_thread(svc.store.report, since, until)
     rep["model"] = svc.model_id()
+    rep["policy"] = _policy(svc)
     rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
     return rep
 
@@ -45,7 +46,14 @@ async def report_page(request: Request):
     rep = await asyncio.to_thread(svc.store.report, since, until)
     rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
     rows = await asyncio.to_thread(svc.store.rows, since, until, 1000)
+    rep["policy"] = _policy(svc)
     return HTMLResponse(render(rep, rows, svc.model_id()))
+
+
+def _policy(svc) -> dict | None:
+    """The served model's head-pattern state and what "auto" attention does with it."""
+    p = getattr(svc.worker, "pipeline", None)
+    return p.attention_policy() if hasattr(p, "attention_policy") else None
 
 
 def _shadow_report(request, since, until) -> dict | None:

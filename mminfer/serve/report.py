@@ -251,6 +251,14 @@ def table(report: dict) -> str:
     return f'<table id="latency-table">{head}{"".join(body)}</table>'
 
 
+def _policy_line(policy: dict | None) -> str:
+    if not policy:
+        return ""
+    cls = ' class="warn"' if policy["head_patterns"] == "uncalibrated" else ""
+    return (f'<p{cls} id="policy">Head patterns: <b>{e(policy["head_patterns"])}</b>; '
+            f'attention "auto": {e(policy["auto_attention"])}.</p>')
+
+
 def render(report: dict, rows: list[dict], model: str, now: float | None = None) -> str:
     now = time.time() if now is None else now
     links = " · ".join(
@@ -270,8 +278,10 @@ table {{ border-collapse: collapse; font-size: 13px; }}
 td, th {{ border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: right; }}
 td:first-child, th:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: left; }}
 .empty {{ color: #777; }}
+.warn {{ background: #fff4d6; padding: 6px 10px; }}
 </style></head><body>
 <h1>mminfer latency report</h1>
+{_policy_line(report.get("policy"))}
 <p>Model <code>{e(model)}</code>; {window}; {report["requests"]} requests,
 {report["succeeded"]} answered; errors: {errors}.<br>{links} ·
 <a href="/v1/latency-report">JSON</a> · <a href="/metrics">metrics</a></p>

@@ -720,3 +720,16 @@ def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
     assert post_answer(s.url, NEEDLE.read_bytes(), max_new_tokens=2).json()["model"] == "video-qa"
     m = httpx.get(f"{s.url}/metrics").text
     assert metric_values(m, "mminfer:requests_total", "video-qa")[(("status", "200"),)] == 4
+
+
+def test_an_uncalibrated_config_is_said_in_models_and_report(srv):
+    """The tiny checkpoint's head patterns are the uncalibrated defaults: /v1/models, the JSON
+    report and the page say so, and what "auto" does with them (dense until calibrated)."""
+    assert srv.app.state.worker.wait_ready(60)
+    (m,) = httpx.get(f"{srv.url}/v1/models").json()["data"][:1]
+    assert m["mminfer"]["head_patterns"] == "uncalibrated"
+    assert m["mminfer"]["auto_attention"].startswith("dense until calibrated")
+    rep = httpx.get(f"{srv.url}/v1/latency-report").json()
+    assert rep["policy"] == m["mminfer"]
+    page = httpx.get(f"{srv.url}/report").text
+    assert 'id="policy"' in page and "uncalibrated" in page and "mminfer calibrate" in page
