@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lab.toy import synth
+from mminfer.offline import synthetic as synth
 
 FPS = 2.0
 SECONDS = 10

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lab.toy import render_eval as R
-from lab.toy import synth
+from mminfer.offline import synthetic as synth
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,8 +64,8 @@ def _imports(path: Path) -> set:
 
 
 def test_training_code_never_sees_it():
-    for p in (ROOT / "scripts" / "train_embedded.py", ROOT / "mminfer" / "toy" / "embedded.py",
-              ROOT / "mminfer" / "toy" / "synth.py", ROOT / "mminfer" / "toy" / "variety.py"):
+    for p in (ROOT / "lab" / "train" / "train_embedded.py", ROOT / "lab" / "toy" / "embedded.py",
+              ROOT / "mminfer" / "offline" / "synthetic.py", ROOT / "lab" / "toy" / "variety.py"):
         assert not any("render_eval" in n for n in _imports(p)), p
 
 

@@ -4,7 +4,7 @@ Real VLM weights cannot be downloaded everywhere mminfer runs, and a random mode
 nonsense. So mminfer ships its own model in ``mminfer/models/mminfer-embedded``: the real Qwen2.5-VL
 architecture (``Qwen2_5_VLForConditionalGeneration``, real config and weight layout) at a small
 size, with a word-level tokenizer over the task vocabulary, trained by
-``scripts/train_embedded.py`` on the tasks of :mod:`lab.toy.synth` (needle, colour, count,
+``lab/train/train_embedded.py`` on the tasks of :mod:`mminfer.offline.synthetic` (needle, colour, count,
 order), drawn by synth and by the randomised renderings of :mod:`lab.toy.variety`. It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
 VIDEO QUESTION`` works with no ``--model`` and no download, and sparse-vs-dense quality
 (``benchmarks/quality.py``) is measured on a model whose attention was learned.
@@ -16,7 +16,7 @@ are resized to 112 x 112 (``video_preprocessor_config.json`` pins the per-frame 
 temporal pair of frames is 8 x 8 patches = 16 tokens: a 10 s sample at 2 fps is 160 visual
 tokens, 32K tokens is about 34 minutes of video.
 
-Seed split (``lab.toy.synth`` examples are reproducible from (task, seed)):
+Seed split (``mminfer.offline.synthetic`` examples are reproducible from (task, seed)):
 
 * training: ``synth.colour`` seeds >= ``TRAIN_SEED_MIN`` (1,000,000) and private random
   streams (``numpy.random.default_rng([0x5EED, run_seed, job])``), which never coincide with
@@ -65,7 +65,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 def vocabulary() -> list[str]:
     """Words of the tokenizer: the chat template and generic question words of the tiny
     checkpoints, every question and answer word of the synthetic tasks, a few spellings."""
-    from lab.toy import synth
+    from mminfer.offline import synthetic as synth
     from lab.toy.tiny import WORDS
     words: list[str] = []
     for w in list(WORDS) + list(synth.ANSWER_VOCAB) + ["colour", "flash", "number", "numbers",
@@ -197,7 +197,7 @@ def save_checkpoint(model, tok, path, *, info: dict | None = None, dtype=None) -
 def use_bundled_fonts() -> bool:
     """Make ``synth``'s "system" font style draw with ``lab/toy/fonts`` (digit-only subsets of
     the DejaVu files, glyph-identical), whatever is installed. Returns whether it did."""
-    from lab.toy import synth
+    from mminfer.offline import synthetic as synth
     fonts = tuple(sorted(str(p) for p in FONTS_DIR.glob("*.ttf")
                          if "DejaVu" in p.name
                          and not any(k in p.name for k in ("ExtraLight", "Math"))))
@@ -225,7 +225,7 @@ def resize_frames_np(frames, side: int = FRAME_SIDE, chunk: int = 64):
 def render_example(task: str, seed: int, n_frames: int, **kw):
     """A ``synth`` example drawn at 224 x 224 and resized to 112 x 112 as the adapter would:
     ``(frames uint8 [T, 112, 112, 3], answer, question, meta)``."""
-    from lab.toy import synth
+    from mminfer.offline import synthetic as synth
     ex = synth.make_example(task, seed, n_frames=n_frames, height=RENDER_SIDE,
                             width=RENDER_SIDE, **kw)
     return resize_frames_np(ex.frames), ex.answer, ex.question, ex.meta
@@ -330,7 +330,7 @@ def layout(tok, config, question: str, n_pairs: int, fps: float = 2.0, grid_hw=(
 
 def answer_ids(tok) -> dict:
     """Token id of every answer of every task (each answer is one word)."""
-    from lab.toy import synth
+    from mminfer.offline import synthetic as synth
     out = {}
     for task, answers in synth.ANSWERS.items():
         out[task] = {a: tok.convert_tokens_to_ids(a) for a in answers}

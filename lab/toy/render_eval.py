@@ -2,7 +2,7 @@
 
 The training code never imports this module (``tests/toy/test_render_eval.py`` checks that),
 so a model that scores well here has learned the tasks, not one renderer's pictures. Every
-visual choice differs from :mod:`lab.toy.synth`:
+visual choice differs from :mod:`mminfer.offline.synthetic`:
 
   digits       dot-matrix glyphs (5 x 7 round dots) or single-stroke polylines, never a font
                or seven segments; drawn with a drop shadow, sliding in over their frames
@@ -24,7 +24,7 @@ import io
 
 import numpy as np
 
-from lab.toy.synth import ANSWERS, COLOURS, QUESTIONS, Example
+from mminfer.offline.synthetic import ANSWERS, COLOURS, QUESTIONS, Example
 
 _TASK_IDS = {"needle": 11, "colour": 12, "count": 13, "order": 14}
 

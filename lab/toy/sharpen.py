@@ -7,7 +7,7 @@ on answers is not: counting and ordering can be solved by averaging over the who
 and calibration found 8-14 of its 16 heads covering under 60 % of their mass at 20 %
 density (BENCHMARKS.md §4). Even the best choice of tiles leaves mass out: on 4K-token synth
 videos the shipped model's 64-row blocks keep 70-80 % of their mass in their top 10 % of
-64-key blocks (``benchmarks/tail_mass.py``). So training adds, with weight λ, the **tail
+64-key blocks (``lab/experiments/tail_mass.py``). So training adds, with weight λ, the **tail
 mass**: for sampled blocks of query rows, the attention mass outside the block's top
 ``rho`` share of key blocks (causal keys only), averaged over blocks, heads and layers.
 A block whose mass sits in 10 % of its key tiles costs nothing, a uniform one 1 - rho.

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.toy import synth
+from mminfer.offline import synthetic as synth
 
 FONTS_DIR = Path(__file__).resolve().parent / "fonts"
 ATLAS = FONTS_DIR / "glyphs.npz"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The embedded model on one H200, in two device calls of < 600 s each (issue 14 part 3):
 #
-#   bash benchmarks/run_embedded_h200.sh train                 # -> $OUT/model.tar.gz, train.log
-#   bash benchmarks/run_embedded_h200.sh eval MODEL_DIR_OR_TAR # -> $OUT/quality*/, calibrate.log
-#   bash benchmarks/run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG...
+#   bash lab/train/run_embedded_h200.sh train                 # -> $OUT/model.tar.gz, train.log
+#   bash lab/train/run_embedded_h200.sh eval MODEL_DIR_OR_TAR # -> $OUT/quality*/, calibrate.log
+#   bash lab/train/run_embedded_h200.sh compare MODEL_DIR_OR_TAR CONFIG...
 #                                           # -> $OUT/compare/ (one mode cfg:<stem> per config)
 #
 # train: fine-tunes the shipped model (mminfer/models/mminfer-embedded: it already reads synth's
@@ -50,7 +50,7 @@
 # (calibration video lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET
 # (s of the call the eval stage plans for, 585) (eval).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STAGE=${1:-}
 OUT=${OUT:-out/embedded}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/mminfer_embedded}; mkdir -p "$WORK"
@@ -83,7 +83,7 @@ train)
     INIT=$(dirname "$(ls "$WORK"/init/*/config.json | head -1)")
   fi
   echo "init: $INIT"
-  timeout -s INT -k 15 "${TIMEOUT:-585}" $PY scripts/train_embedded.py \
+  timeout -s INT -k 15 "${TIMEOUT:-585}" $PY lab/train/train_embedded.py \
       --init "$INIT" --start-pairs "${START_PAIRS:-8}" \
       --lr "${LR:-1e-3}" --warmup 30 --variety "${VARIETY:-0.8}" \
       --out "$WORK/mminfer-embedded" --archive "$OUT/model.tar.gz" "${ARGS[@]}" \

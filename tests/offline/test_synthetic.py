@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from lab.toy import synth
+from mminfer.offline import synthetic as synth
 from mminfer.engine.video import decode, probe
 
 SEEDS = range(12)

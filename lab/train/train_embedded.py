@@ -1,10 +1,10 @@
 """Train the embedded default model (mminfer.models.embedded) on the synthetic video tasks.
 
-    python3 scripts/train_embedded.py --minutes 5 --out /tmp/model --archive $OUT/model.tar.gz
+    python3 lab/train/train_embedded.py --minutes 5 --out /tmp/model --archive $OUT/model.tar.gz
 
 The shipped mminfer/models/mminfer-embedded came from two such runs (8.6 minutes from scratch, then 4.2 at
 the long lengths with ``--init``), calibration and the quality benchmark:
-``scripts/build_embedded.sh`` holds the exact commands.
+``lab/train/build_embedded.sh`` holds the exact commands.
 
 On the H200 (one GPU, 16 cores) that is the whole job: it renders a frame bank on CPU worker
 processes, trains on the GPU for the rest of the time box, evaluates, and writes the final
@@ -17,11 +17,11 @@ training stops early (time box, Ctrl-C, repeated errors). ``--resume`` continues
 
 CPU smoke test (a minute on 2 cores; answers are nonsense):
 
-    python3 scripts/train_embedded.py --minutes 0.5 --max-tokens 128 --workers 0 \
+    python3 lab/train/train_embedded.py --minutes 0.5 --max-tokens 128 --workers 0 \
         --out /tmp/embedded-smoke
 
 How the data is made. Training videos are composed from a bank of pre-rendered 112 x 112
-frames, the adapter's own pixels (drawn at 224 by ``lab.toy.synth``'s renderer, resized with
+frames, the adapter's own pixels (drawn at 224 by ``mminfer.offline.synthetic``'s renderer, resized with
 the adapter's resize), so the training distribution is the one the real videos have:
 
 * scene clips: ``synth``'s scene (background, moving non-red distractors), ``--clip-frames``
@@ -66,11 +66,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from lab.toy import synth  # noqa: E402
+from mminfer.offline import synthetic as synth  # noqa: E402
 from lab.toy import embedded as E  # noqa: E402
 from lab.toy import grow  # noqa: E402
 from lab.toy import variety as V  # noqa: E402
@@ -1299,7 +1299,7 @@ def _load_weights(model, path: Path):
 def _checkpoint(out, state_path, trainer, opt, tok, meta, args, n_params, dev, final: bool):
     import transformers
     info = {
-        "made_by": "scripts/train_embedded.py", "command": " ".join(sys.argv),
+        "made_by": "lab/train/train_embedded.py", "command": " ".join(sys.argv),
         "final": final, "steps": meta["step"], "train_seconds": round(meta["train_seconds"], 1),
         "videos_seen": meta["samples"], "visual_tokens_seen": meta["tokens"],
         "curriculum_pairs": meta["M"], "max_tokens": args.max_tokens,

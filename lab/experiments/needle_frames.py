@@ -1,6 +1,6 @@
 """The needle frames a quality run got wrong, as the model saw them: a contact sheet.
 
-    python3 benchmarks/needle_frames.py QUALITY.json --look dots --out sheet.png
+    python3 lab/experiments/needle_frames.py QUALITY.json --look dots --out sheet.png
 
 For every needle record of a ``benchmarks/quality.py --renderer eval`` JSON (optionally one
 digit look), re-renders the video from its seed, takes the needle's last frame (the number in
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def needle_records(quality: dict, look: str | None, mode: str) -> list[dict]:

@@ -1,16 +1,16 @@
-"""benchmarks/needle_frames.py: the needle frames of a quality run, as the model read them."""
+"""lab/experiments/needle_frames.py: the needle frames of a quality run, as the model read them."""
 
 import json
 
 import numpy as np
 import pytest
 
-from conftest import load_script
+from lab.experiments import needle_frames
 
 
 @pytest.fixture(scope="module")
 def NF():
-    return load_script("benchmarks/needle_frames.py")
+    return needle_frames
 
 
 def _record(seed, depth, correct, look):

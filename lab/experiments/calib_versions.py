@@ -5,8 +5,8 @@ from a change of data. Capture with today's code, then evaluate with both:
     python -c "from mminfer.offline.capture import capture_qkv; capture_qkv(
         'mminfer/models/mminfer-embedded', ['synth:needle:512:900000'], '', '/tmp/caps', device='cpu')"
     git worktree add /tmp/old 1158fdb
-    TRITON_INTERPRET=1 python scripts/calib_versions.py /tmp/caps/synth-needle-512-900000.pt
-    TRITON_INTERPRET=1 OLD_ROOT=/tmp/old python scripts/calib_versions.py /tmp/caps/synth-needle-512-900000.pt
+    TRITON_INTERPRET=1 python lab/experiments/calib_versions.py /tmp/caps/synth-needle-512-900000.pt
+    TRITON_INTERPRET=1 OLD_ROOT=/tmp/old python lab/experiments/calib_versions.py /tmp/caps/synth-needle-512-900000.pt
 
 OLD_ROOT puts that tree's mminfer first (an editable install's finder is dropped so it cannot
 win). Reference engine: a capture of at most 4096 tokens.
@@ -26,7 +26,7 @@ except ImportError:                  # the flat layout of the first commits
     from mminfer import calibrate as C
     from mminfer.patterns import HeadPatternConfig
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(HERE, "mminfer/models/mminfer-embedded/mminfer_patterns.json")
 
 

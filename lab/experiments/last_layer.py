@@ -4,9 +4,9 @@ requests alternate between the prefill as served (``full_last_layer`` False) and
 the last layer (True), in each attention mode, so every ratio comes from requests side by side
 in one process. The answers must be the same: a different one is reported and fails the run.
 
-    python benchmarks/last_layer.py --model qwen7b --frames 384 --out out/last_layer  # H200
-    python benchmarks/last_layer.py --model embedded --frames 4096 --out out/last_layer
-    python benchmarks/last_layer.py --tiny --out /tmp/last_layer                      # CPU
+    python lab/experiments/last_layer.py --model qwen7b --frames 384 --out out/last_layer  # H200
+    python lab/experiments/last_layer.py --model embedded --frames 4096 --out out/last_layer
+    python lab/experiments/last_layer.py --tiny --out /tmp/last_layer                      # CPU
 
 ``--model``: a checkpoint folder, ``embedded`` (the shipped model) or ``qwen7b``
 (Qwen2.5-VL-7B's shapes with random weights, written under ``--work`` by benchmarks/e2e.py's
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # its e2e.py
 
 QUESTION = "what is moving in the video ?"
 

@@ -8,7 +8,7 @@ floor of what any estimator of this tile shape can do. If the oracle at the conf
 keeps the answers and the config does not, estimation is what to improve; if the oracle
 moves them too, the model's attention is not sparse enough at that density.
 
-    python3 benchmarks/oracle_answer.py --model mminfer/models/mminfer-embedded \
+    python3 lab/experiments/oracle_answer.py --model mminfer/models/mminfer-embedded \
         --videos eval:count:2048:500017 eval:count:2048:500106 --rho 0.1 0.2 --gamma 0.9 \
         --out /tmp/oracle.json
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
@@ -185,7 +185,7 @@ def load_video(spec: str):
         from lab.toy import render_eval
         ex = render_eval.make_example(task, int(seed), n_frames=int(frames), **kw)
     elif renderer == "synth":
-        from lab.toy import synth
+        from mminfer.offline import synthetic as synth
         ex = synth.make_example(task, int(seed), n_frames=int(frames), height=224, width=224,
                                 **kw)
     else:

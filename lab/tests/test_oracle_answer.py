@@ -1,13 +1,13 @@
-"""benchmarks/oracle_answer.py: the oracle is exact attention restricted to the tiles it
+"""lab/experiments/oracle_answer.py: the oracle is exact attention restricted to the tiles it
 keeps, and keeping every tile is exact attention."""
 
 import torch
 
-from conftest import load_script
+from lab.experiments import oracle_answer
 
 
 def _mod():
-    return load_script("benchmarks/oracle_answer.py")
+    return oracle_answer
 
 
 def _causal(q, k, v, scale, mask=None):

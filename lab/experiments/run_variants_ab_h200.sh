@@ -4,13 +4,13 @@
 # engine (key-grouped launches included), side by side? Then where the 256K estimation time goes,
 # and the GPU tests of kernels and estimation.
 #
-#   E2E_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/run_variants_ab_h200.sh
+#   E2E_COMMIT=$(git rev-parse --short HEAD) bash lab/experiments/run_variants_ab_h200.sh
 #
 # prefill.py runs four times, alternating MMINFER_KERNEL_VARIANT=current / fastest: the first
 # pair fills Triton's on-disk cache (prefill.py warms only two layers, so a variant a later
 # layer needs would otherwise compile inside the timing); the second pair is the comparison.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/variants_ab}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 echo "${E2E_COMMIT:-unknown}" > "$OUT/COMMIT.txt"

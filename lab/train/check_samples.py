@@ -2,7 +2,7 @@
 before it replaces ``mminfer/models/mminfer-embedded`` (``tests/models/test_embedded.py``
 holds the shipped one to the same), run on a candidate folder or a train stage's tarball:
 
-    python3 scripts/check_samples.py benchmarks/results/2026-12-03-ft11-deep/model.tar.gz
+    python3 lab/train/check_samples.py benchmarks/results/2026-12-03-ft11-deep/model.tar.gz
 
 Prints one line per wrong answer and exits 1 if there is any."""
 
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples" / "videos"
 
 

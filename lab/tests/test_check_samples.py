@@ -1,16 +1,16 @@
-"""scripts/check_samples.py: the gate a candidate embedded model passes before it ships."""
+"""lab/train/check_samples.py: the gate a candidate embedded model passes before it ships."""
 
 import json
 import tarfile
 
 import pytest
 
-from conftest import load_script
+from lab.train import check_samples
 
 
 @pytest.fixture(scope="module")
 def C():
-    return load_script("scripts/check_samples.py")
+    return check_samples
 
 
 def test_a_tarball_of_the_shipped_model_passes_and_a_wrong_answer_fails(C, tmp_path,

@@ -3,9 +3,9 @@ current capture (the error `mminfer calibrate` bounds), beside calibrate's own v
 candidate at budget 0.25, with the fused and the PyTorch proxy; ``--spread`` measures that
 candidate once per number of spread queries (``estimation.spread_queries``).
 
-    python3 benchmarks/calibration_check.py --frames 2048 --device cuda
+    python3 lab/experiments/calibration_check.py --frames 2048 --device cuda
     # on a CPU, any model: exact masked attention by row chunks, GPU tiles (128 x 64)
-    python3 benchmarks/calibration_check.py --model DIR --task count --frames 1024 \
+    python3 lab/experiments/calibration_check.py --model DIR --task count --frames 1024 \
         --seed 900003 --device cpu --spread 0 64 --out /tmp/check.json
 """
 import argparse
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mminfer.offline import calibrate as C  # noqa: E402
 from mminfer.offline.capture import capture_qkv  # noqa: E402

@@ -4,7 +4,7 @@ query rows; blocks of 1 and 1: per row and key) on the
 dense prefill of real inputs. Sparse prefill can only be exact where this is small; the
 number to watch before and after training with ``--sharpen``.
 
-    python3 benchmarks/tail_mass.py --model mminfer/models/mminfer-embedded \
+    python3 lab/experiments/tail_mass.py --model mminfer/models/mminfer-embedded \
         --videos synth:count:512:900001 synth:needle:512:900000 --out /tmp/tail.json
 """
 
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _oracle_error(q, k, v, starts, rho, rb, kb):
