@@ -666,8 +666,6 @@ def _progress(total, enabled):
 
 # ---------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mminfer.engine.options import HelpWithDefaults
-    parser.formatter_class = HelpWithDefaults
     parser.add_argument("inputs", nargs="*",
                         help="captured q/k/v: .pt files or directories of them (default: none; "
                         "give these, or --model with --videos)")

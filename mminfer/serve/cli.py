@@ -11,7 +11,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from mminfer.engine.options import HelpWithDefaults, add_model_arguments
+from mminfer.cli_options import add_model_arguments, pipeline_options
 from mminfer.errors import ConfigError
 
 from .settings import Settings as Defaults
@@ -21,7 +21,6 @@ SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
 
 def add_arguments(p: argparse.ArgumentParser):
     d = Defaults
-    p.formatter_class = HelpWithDefaults
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
@@ -130,8 +129,7 @@ def settings_from(args):
         raise ConfigError("--shadow-rate must be in [0, 1], --shadow-max-mb >= 0 and "
                           "--shadow-max-new-tokens >= 1")
     return Settings(
-        model=args.model, attention=args.attention, device=args.device, dtype=args.dtype,
-        min_sparse_len=args.min_sparse_len, data_dir=args.data_dir,
+        model=args.model, **pipeline_options(args), data_dir=args.data_dir,
         served_model_names=tuple(args.served_model_name), fps=args.fps,
         max_frames=args.max_frames, max_new_tokens=args.max_new_tokens,
         queue_size=args.queue_size, timeout_s=args.timeout_s,

@@ -1,5 +1,7 @@
-"""Which model and how it runs: one set of options for answer, serve and batch, mapping
-onto :class:`mminfer.engine.pipeline.Pipeline`'s constructor."""
+"""The command line's shared options (interface layer): which model and how it runs, the same
+flags for ``answer``, ``serve`` and ``batch``, mapping onto
+:class:`mminfer.engine.pipeline.Pipeline`'s constructor; and the help formatter every
+subcommand gets from :func:`mminfer.cli.build_parser`."""
 
 from __future__ import annotations
 
@@ -27,3 +29,10 @@ def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
                    "always dense on the CPU)")
+
+
+def pipeline_options(args) -> dict:
+    """How the model runs, from the flags :func:`add_model_arguments` added: the keywords
+    ``Pipeline`` (and the server's ``Settings``) take besides the model."""
+    return {"attention": args.attention, "device": args.device, "dtype": args.dtype,
+            "min_sparse_len": args.min_sparse_len}
