@@ -234,7 +234,7 @@ def test_device_script_train_stage_smoke(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "OUT": str(out), "WORK": str(work), "TINY": "1",
            "PYTHON": sys.executable, "MINUTES": "0.6"}
-    r = subprocess.run(["bash", str(REPO / "benchmarks" / "run_embedded_h200.sh"), "train"],
+    r = subprocess.run(["bash", str(REPO / "lab" / "train" / "run_embedded_h200.sh"), "train"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "weights initialised from mminfer/models/mminfer-embedded" in r.stdout

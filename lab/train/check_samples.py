@@ -2,7 +2,7 @@
 before it replaces ``mminfer/models/mminfer-embedded`` (``tests/models/test_embedded.py``
 holds the shipped one to the same), run on a candidate folder or a train stage's tarball:
 
-    python3 lab/train/check_samples.py benchmarks/results/2026-12-03-ft11-deep/model.tar.gz
+    python3 lab/train/check_samples.py $OUT/model.tar.gz     # a train stage's archive
 
 Prints one line per wrong answer and exits 1 if there is any."""
 

@@ -46,7 +46,7 @@
 # (train --deepen VISION TEXT: insert identity blocks into the INIT model, lab.toy.grow),
 # SHARPEN (the weight of the attention tail-mass term, lab.toy.sharpen: sharper heads,
 # sparse-friendly), INIT (train: a model folder or an earlier train stage's model.tar.gz, e.g.
-# benchmarks/results/2026-12-01-ft6/model.tar.gz; default the shipped model); CAL_FRAMES
+# $OUT/model.tar.gz of an earlier call; default the shipped model); CAL_FRAMES
 # (calibration video lengths in frames, default "1024 2048 4096"), CAL_TIMEOUT (s, 230), BUDGET
 # (s of the call the eval stage plans for, 585) (eval).
 set -uo pipefail
