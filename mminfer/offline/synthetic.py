@@ -33,6 +33,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
 QUESTIONS = {
     "needle": "What number appears in the video?",
@@ -219,7 +220,6 @@ def _distractors(rng, n_frames, h, w, *, neutral: bool, kinds, bg_value: float) 
 
 
 def _draw_scene(bg: np.ndarray, shapes: list[_Shape], n_frames: int) -> np.ndarray:
-    from PIL import Image, ImageDraw
 
     base = Image.fromarray(bg.astype(np.uint8))
     frames = []
@@ -269,7 +269,6 @@ def _system_fonts() -> tuple[str, ...]:
 
 def _segment_glyph(digit: str, h: int, thick: float) -> np.ndarray:
     """Anti-aliased seven-segment glyph (float mask [h, 0.55 h]) drawn at 4x and averaged."""
-    from PIL import Image, ImageDraw
 
     s = 4
     H, W = h * s, max(int(h * 0.55), 3) * s
@@ -292,7 +291,6 @@ def _segment_glyph(digit: str, h: int, thick: float) -> np.ndarray:
 def _font_mask(rng, text: str, height: int) -> tuple[np.ndarray, str]:
     """An anti-aliased mask (float32 [h, w] in [0, 1]) of ``text`` whose ink is ``height``
     pixels tall, in a randomly chosen font style."""
-    from PIL import Image, ImageDraw, ImageFont
 
     style = FONT_STYLES[rng.integers(len(FONT_STYLES))]
     u_font, u_bold, u_slant, u_wide = rng.random(4)
@@ -335,7 +333,6 @@ def _font_mask(rng, text: str, height: int) -> tuple[np.ndarray, str]:
 
 
 def _resize(a: np.ndarray, h: int, w: int, nearest: bool = False) -> np.ndarray:
-    from PIL import Image
 
     im = Image.fromarray((np.clip(a, 0, 1) * 255).astype(np.uint8))
     im = im.resize((max(w, 1), max(h, 1)), Image.NEAREST if nearest else Image.BILINEAR)
@@ -344,7 +341,6 @@ def _resize(a: np.ndarray, h: int, w: int, nearest: bool = False) -> np.ndarray:
 
 def _shear(a: np.ndarray, slant: float) -> np.ndarray:
     """Italicise a mask: row y moves right by slant * (h/2 - y)."""
-    from PIL import Image
 
     h, w = a.shape
     extra = int(math.ceil(abs(slant) * h / 2)) + 1
@@ -548,7 +544,7 @@ def make_example(task: str, seed: int, **kw) -> Example:
 def write_mp4(frames: np.ndarray, path, fps: float = 2.0, *, crf: int = 20) -> None:
     """Write RGB uint8 frames [T, H, W, 3] as H.264 / yuv420p (odd sides padded by
     repeating the last row/column, as yuv420p needs even dimensions)."""
-    import av
+    import av   # lazy: only writing a file needs the encoder, drawing frames does not
 
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:

@@ -8,19 +8,26 @@ uploads a sample video are printed.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import shlex
 from pathlib import Path
 
+import uvicorn
+
 from mminfer.cli_options import add_model_arguments, pipeline_options
 from mminfer.errors import ConfigError
+from mminfer.models.embedded import resolve_model
 
-from .settings import Settings as Defaults
+from . import tensor_parallel
+from .app import create_app
+from .settings import Settings
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    d = Defaults
+    d = Settings                     # its defaults are the flags' defaults
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
@@ -117,7 +124,6 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def settings_from(args):
-    from .settings import Settings
     if args.queue_size < 1 or (args.max_concurrent_uploads or 1) < 1:
         raise ConfigError("--queue-size and --max-concurrent-uploads must be at least 1")
     for name in ("max_upload_mb", "max_data_url_mb", "timeout_s", "upload_deadline_s",
@@ -182,25 +188,18 @@ def graceful_server(uvicorn, config, worker):
 
 
 def run(args) -> int:
-    import asyncio
-    import logging
-
-    import uvicorn
-
-    from mminfer.models.embedded import resolve_model
-    from .app import create_app
-
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        # lazy: transformers takes seconds to import (the model worker imports it anyway)
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
     tp = None
     if args.tensor_parallel > 1:         # rank 0 serves, the others follow its requests
-        from . import tensor_parallel as tp
+        tp = tensor_parallel
         if not tp.is_leader(args.tensor_parallel):
             return tp.follow(settings, args.tensor_parallel)
     app = create_app(settings, worker=tp.leader_worker(settings, args.tensor_parallel)
