@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: lab/experiments/last_layer.py on Qwen2.5-VL-7B's shapes (random weights, written
 # under /tmp) and on the embedded model, through Pipeline.answer; results in $OUT/<model>/.
-# Carry .whl (the decord wheel, BENCHMARKS.md section 5 says how): the GPU machine cannot
+# Carry .whl (the decord wheel, BENCHMARKS.md, end to end, says how): the GPU machine cannot
 # decode a file without it. QWEN_FRAMES (256: 38K tokens at 300 per frame pair),
 # EMB_FRAMES (4096: 33K tokens), REPS (2).
 set -uo pipefail

@@ -86,7 +86,7 @@ def _sphere_whole_frame(frame, cx, cy, r, rgb, light):
 
 
 def test_the_ball_drawn_in_its_box_is_the_whole_frame_ball():
-    """The colour videos measured in BENCHMARKS.md were drawn over whole frames; drawing only
+    """The colour videos measured in lab/NOTES.md were drawn over whole frames; drawing only
     the box the ball and shadow touch must give the same pixels, edges and corners included."""
     rng = np.random.default_rng(0)
     for _ in range(200):

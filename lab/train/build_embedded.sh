@@ -37,14 +37,14 @@ python3 lab/train/train_embedded.py --init "$WORK/run4" "${FT[@]}" --lr 8e-4 --m
     --size-weight 3 4 1 1 1 1 --out "$WORK/run5" 2>&1 | tee "$WORK/train5.log"
 python3 lab/train/train_embedded.py --init "$WORK/run5" "${FT[@]}" --lr 6e-4 --minutes 8.9 \
     --size-weight 3 4 1 1 1 1 --out "$WORK/mminfer-embedded" 2>&1 | tee "$WORK/train6.log"
-# 7. head patterns: the shipped rule needs no calibration (BENCHMARKS.md section 4, "A fixed
+# 7. head patterns: the shipped rule needs no calibration (lab/NOTES.md section 4, "A fixed
 #    share per row block"): every head ranks key blocks by antidiagonal scores and keeps 0.15
 #    of each row block's causal key blocks plus those holding the first 64 keys (a sink),
 #    the question's rows dense. `mminfer calibrate`
 #    (per-head search, or --answer-kl) is what a model of other heads would run instead.
 cp mminfer/models/mminfer-embedded/mminfer_patterns.json "$WORK/mminfer-embedded/"
 # 8. sparse vs dense on held-out videos at >= 16K tokens on the evaluation-only renderer
-#    (BENCHMARKS.md section 4), then dense at 512-2K on both renderers, 180 videos each (the
+#    (lab/NOTES.md section 4), then dense at 512-2K on both renderers, 180 videos each (the
 #    CPU is enough for those: add --device cpu)
 python3 benchmarks/quality.py --model "$WORK/mminfer-embedded" --renderer eval \
     --out "$WORK/quality_eval" --lengths 16384 32768 --needle-reps 2 --per-task 6 \
