@@ -61,7 +61,7 @@ _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key c
 # same kernels one launch pair per query run, every head (the path before; kept to measure
 # against, benchmarks/estimate.py --impl); "torch": the chunked PyTorch passes below;
 # "auto": triton on a GPU (1.4-1.7x less estimation time at 128K-256K than torch,
-# lab/NOTES.md section 3), torch on the CPU (where only the slow interpreter runs Triton).
+# BENCHMARKS.md section 3), torch on the CPU (where only the slow interpreter runs Triton).
 PROXIES = ("auto", "torch", "triton", "triton_runs")
 
 
