@@ -4,7 +4,7 @@
     TRITON_INTERPRET=1 python3 benchmarks/quality.py --lengths 256 512 --depths 0 1 \
         --per-task 1 --densities 0.5 --out /tmp/quality         # CPU, tiny grid
 
-Held-out videos: ``lab.toy.synth`` examples with seeds in [500,000, 800,000) (training uses
+Held-out videos: ``mminfer.offline.synthetic`` examples with seeds in [500,000, 800,000) (training uses
 seeds >= 1,000,000 and private random streams, its periodic evaluation [800,000, 801,000),
 the shipped samples 1000-1002), drawn at 224 x 224 and resized to 112 x 112 with the
 adapter's own resize (the pixels an mp4 of them would give, minus the codec), at lengths of

@@ -605,7 +605,7 @@ def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, 
 # ------------------------------------------------------------------- CLI
 
 def add_arguments(p: argparse.ArgumentParser):
-    from mminfer.engine.options import HelpWithDefaults, add_model_arguments
+    from mminfer.cli_options import HelpWithDefaults, add_model_arguments
     p.formatter_class = HelpWithDefaults
     p.add_argument("dir", nargs="?", help="folder scanned recursively for video files")
     g = p.add_argument_group("questions (with DIR: at least one)")

@@ -1,6 +1,7 @@
 """The ``mminfer`` command. Subcommands live in modules with ``add_arguments(parser)`` and
-``run(args) -> int``. Only the module of the subcommand being run is imported, so
-``mminfer --help`` stays instant whatever the subcommand modules import.
+``run(args) -> int`` (:data:`SUBCOMMANDS`). Only the module of the subcommand being run is
+imported, so ``mminfer --help`` stays instant whatever the subcommand modules import; for the
+same reason torch and transformers are imported only where they are used.
 """
 
 from __future__ import annotations
@@ -9,26 +10,28 @@ import argparse
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 
-from mminfer.engine.options import HelpWithDefaults, add_model_arguments
+from mminfer import __version__
+from mminfer.cli_options import HelpWithDefaults, add_model_arguments, pipeline_options
+from mminfer.engine.pipeline import Pipeline, check_request
 from mminfer.errors import MMInferError
+from mminfer.models.embedded import resolve_model
 
-# name -> (module, one-line help). `answer` is defined below; the others are added by their
-# owners: create the module and it appears here (a module not written yet is skipped).
+# name -> (module, one-line help); `answer` is defined below. Benchmarks are scripts in the
+# source tree (benchmarks/), not subcommands.
 SUBCOMMANDS = {
     "answer": ("mminfer.cli", "answer a question about a video"),
     "serve": ("mminfer.serve.cli", "run the HTTP service"),
     "batch": ("mminfer.batch", "answer questions about every video of a directory"),
-    "calibrate": ("mminfer.offline.calibrate", "search head patterns on calibration videos"),  # TODO
-    "bench": ("mminfer.bench", "measure kernels and end-to-end latency"),      # TODO(bench)
+    "calibrate": ("mminfer.offline.calibrate", "search head patterns on calibration videos"),
 }
 
 
 # ---------------------------------------------------------------------- answer
 def add_arguments(p: argparse.ArgumentParser):
-    p.formatter_class = HelpWithDefaults
     p.add_argument("video", help="video file")
     p.add_argument("question", help="question about the video")
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
@@ -47,16 +50,15 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from mminfer.models.embedded import resolve_model
+    # lazy: transformers takes seconds to import, which `mminfer --help` must not wait for
+    from transformers.utils import logging as hf_logging
+
     args.model = resolve_model(args.model)   # a clear error says how to get a model
-    from mminfer.engine.pipeline import Pipeline, check_request
     # bad arguments fail before the model loads
     check_request(args.question, args.fps, args.max_frames, args.max_new_tokens, args.start,
                   args.end, args.attention)
-    from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    pipe = Pipeline(args.model, attention=args.attention, device=args.device, dtype=args.dtype,
-                    min_sparse_len=args.min_sparse_len, tensor_parallel=args.tensor_parallel)
+    pipe = Pipeline(args.model, **pipeline_options(args), tensor_parallel=args.tensor_parallel)
     res = pipe.answer(args.video, args.question, fps=args.fps, max_frames=args.max_frames,
                       max_new_tokens=args.max_new_tokens, start=args.start, end=args.end,
                       use_cache=not args.no_video_cache)
@@ -92,14 +94,14 @@ def build_parser(argv=()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mminfer", description="Fast long-video question answering with modality-aware "
                                     "sparse prefill (MMInference).")
-    from mminfer import __version__
     parser.add_argument("--version", action="version", version=f"mminfer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_) in SUBCOMMANDS.items():
         if not _exists(module):
             continue
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=HelpWithDefaults)
         if name == wanted:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
@@ -129,8 +131,7 @@ def _end_rank(rc: int):
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
-    import logging
-    from mminfer.engine.parallel import leave
+    from mminfer.engine.parallel import leave   # lazy: imports torch.distributed
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -82,9 +82,9 @@ def test_the_build_context_installs_every_package_file(tmp_path):
                              text=True, check=True).stdout.split()
     assert tracked and [t for t in tracked if t not in names] == []
     for data in ("mminfer/models/configs/qwen2_5_vl_7b.json",
-                 "mminfer/models/mminfer-embedded/model.safetensors",
-                 "lab/toy/fonts/DejaVuSans.ttf"):
+                 "mminfer/models/mminfer-embedded/model.safetensors"):
         assert data in names
+    assert not [n for n in names if n.endswith(".ttf") or n.startswith("lab/")]  # no lab code
 
 
 def test_the_image_has_a_c_compiler_and_installs_plainly():

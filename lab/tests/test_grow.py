@@ -1,11 +1,19 @@
 """Deepening the embedded model (lab.toy.grow): the deepened model computes what the
 old one did, new blocks sit between old ones, and a checkpoint of it loads by its own shape."""
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 
 from lab.toy import embedded as E
 from lab.toy import grow
+from lab.train import train_embedded as T
+from mminfer.engine.pipeline import Pipeline
+from mminfer.models.embedded import DEFAULT_MODEL_DIR
+from mminfer.sparse.patterns import HeadPatternConfig
 
 TINY = dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vision_hidden=64,
             vision_depth=2, vision_heads=2, vision_intermediate=128)
@@ -58,9 +66,6 @@ def test_deepened_model_gives_the_same_logits():
 def test_a_deepened_checkpoint_trains_from_its_own_shape(tmp_path):
     """train_embedded.py --init of a deepened checkpoint builds the deepened shape (not
     embedded.SHAPE) and --deepen grows an --init model before training."""
-    import json
-    from conftest import load_script
-    T = load_script("scripts/train_embedded.py")
     model, tok = E.new_model(TINY, seed=0)
     E.save_checkpoint(model, tok, tmp_path / "small", info={"made_by": "test"})
     common = ["--device", "cpu", "--max-tokens", "32", "--steps", "2", "--minutes", "5",
@@ -78,8 +83,6 @@ def test_a_deepened_checkpoint_trains_from_its_own_shape(tmp_path):
 def test_the_product_runs_a_deepened_checkpoint_as_the_old_one(tmp_path):
     """The Pipeline's own vision tower and prefill (not transformers' forward) take any depth:
     a deepened, untrained checkpoint answers a sample exactly as the model it came from."""
-    from pathlib import Path
-    from mminfer.engine.pipeline import Pipeline
     sample = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
     model, tok = E.new_model(TINY, seed=5)
     with torch.no_grad():
@@ -96,12 +99,7 @@ def test_the_product_runs_a_deepened_checkpoint_as_the_old_one(tmp_path):
 
 
 def test_patterns_follow_the_deepened_layers():
-    import json
-    from dataclasses import replace
-    from pathlib import Path
-    from mminfer.sparse.patterns import HeadPatternConfig
-    src = json.loads((Path(E.__file__).resolve().parents[1] / "models" / "mminfer-embedded"
-                      / "mminfer_patterns.json").read_text())
+    src = json.loads((DEFAULT_MODEL_DIR / "mminfer_patterns.json").read_text())
     tagged = {**src, "layers": [{"tag": i} for i in range(4)]}
     out = grow.deepen_patterns(tagged, 2)           # layout(4, 2) = [0, 1, new, 2, 3, new]
     assert [r["tag"] for r in out["layers"]] == [0, 1, 1, 2, 3, 3]

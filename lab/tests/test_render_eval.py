@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lab.toy import render_eval as R
-from lab.toy import synth
+from mminfer.offline import synthetic as synth
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,8 +64,8 @@ def _imports(path: Path) -> set:
 
 
 def test_training_code_never_sees_it():
-    for p in (ROOT / "scripts" / "train_embedded.py", ROOT / "mminfer" / "toy" / "embedded.py",
-              ROOT / "mminfer" / "toy" / "synth.py", ROOT / "mminfer" / "toy" / "variety.py"):
+    for p in (ROOT / "lab" / "train" / "train_embedded.py", ROOT / "lab" / "toy" / "embedded.py",
+              ROOT / "mminfer" / "offline" / "synthetic.py", ROOT / "lab" / "toy" / "variety.py"):
         assert not any("render_eval" in n for n in _imports(p)), p
 
 
@@ -86,7 +86,7 @@ def _sphere_whole_frame(frame, cx, cy, r, rgb, light):
 
 
 def test_the_ball_drawn_in_its_box_is_the_whole_frame_ball():
-    """The colour videos measured in BENCHMARKS.md were drawn over whole frames; drawing only
+    """The colour videos measured in lab/NOTES.md were drawn over whole frames; drawing only
     the box the ball and shadow touch must give the same pixels, edges and corners included."""
     rng = np.random.default_rng(0)
     for _ in range(200):

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from lab.toy import sharpen as S  # noqa: E402
-from conftest import load_script  # noqa: E402
+from lab.train import train_embedded  # noqa: E402
 
 
 def _brute_tail(q, k, starts, rho, scale, rb=1, kb=1):
@@ -120,7 +120,7 @@ def test_the_hooked_forward_is_sdpa_and_the_term_sharpens_attention():
 
 
 def _train_module():
-    return load_script("scripts/train_embedded.py")
+    return train_embedded
 
 
 def test_training_with_sharpen_logs_the_tail_mass_and_saves_sdpa(tmp_path):
@@ -144,7 +144,7 @@ def test_training_with_sharpen_logs_the_tail_mass_and_saves_sdpa(tmp_path):
 
 
 def test_the_oracle_of_benchmarks_tail_mass_is_exact_with_every_tile_and_lossy_without():
-    tm = load_script("benchmarks/tail_mass.py")
+    from lab.experiments import tail_mass as tm
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
     starts = torch.tensor([128, 192])

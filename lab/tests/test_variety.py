@@ -5,7 +5,7 @@ frame sizes the adapter's own resize rule gives."""
 import numpy as np
 import pytest
 
-from lab.toy import synth
+from mminfer.offline import synthetic as synth
 from lab.toy import variety as V
 
 

@@ -1,13 +1,15 @@
-"""How the embedded default model is made: a small Qwen2.5-VL trained on mminfer's synthetic video tasks.
+"""How the embedded default model is made: a small Qwen2.5-VL trained on mminfer's synthetic
+video tasks.
 
 Real VLM weights cannot be downloaded everywhere mminfer runs, and a random model answers
-nonsense. So mminfer ships its own model in ``mminfer/models/mminfer-embedded``: the real Qwen2.5-VL
-architecture (``Qwen2_5_VLForConditionalGeneration``, real config and weight layout) at a small
-size, with a word-level tokenizer over the task vocabulary, trained by
-``scripts/train_embedded.py`` on the tasks of :mod:`lab.toy.synth` (needle, colour, count,
-order), drawn by synth and by the randomised renderings of :mod:`lab.toy.variety`. It loads through the ordinary Qwen2.5-VL adapter and pipeline, so ``mminfer answer
-VIDEO QUESTION`` works with no ``--model`` and no download, and sparse-vs-dense quality
-(``benchmarks/quality.py``) is measured on a model whose attention was learned.
+nonsense. So mminfer ships its own model in ``mminfer/models/mminfer-embedded``: the real
+Qwen2.5-VL architecture (``Qwen2_5_VLForConditionalGeneration``, real config and weight layout)
+at a small size, with a word-level tokenizer over the task vocabulary, trained by
+``lab/train/train_embedded.py`` on the tasks of :mod:`mminfer.offline.synthetic` (needle,
+colour, count, order), drawn by synth and by the randomised renderings of
+:mod:`lab.toy.variety`. It loads through the ordinary Qwen2.5-VL adapter and pipeline, so
+``mminfer answer VIDEO QUESTION`` works with no ``--model`` and no download, and sparse-vs-dense
+quality (``benchmarks/quality.py``) is measured on a model whose attention was learned.
 
 Shape (``SHAPE``): text 4 layers, hidden 256, 4 query / 2 KV heads of dim 64, M-RoPE sections
 [8, 12, 12]; vision 3 blocks, hidden 192, 3 heads of dim 64, patch 14, temporal patch 2,
@@ -16,7 +18,7 @@ are resized to 112 x 112 (``video_preprocessor_config.json`` pins the per-frame 
 temporal pair of frames is 8 x 8 patches = 16 tokens: a 10 s sample at 2 fps is 160 visual
 tokens, 32K tokens is about 34 minutes of video.
 
-Seed split (``lab.toy.synth`` examples are reproducible from (task, seed)):
+Seed split (``mminfer.offline.synthetic`` examples are reproducible from (task, seed)):
 
 * training: ``synth.colour`` seeds >= ``TRAIN_SEED_MIN`` (1,000,000) and private random
   streams (``numpy.random.default_rng([0x5EED, run_seed, job])``), which never coincide with
@@ -38,6 +40,20 @@ import os
 from pathlib import Path
 
 from mminfer.models.embedded import BUILD_COMMAND, DEFAULT_MODEL_DIR, default_model  # noqa: F401
+
+import shutil
+import tempfile
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, GenerationConfig
+
+from lab.toy.tiny import WORDS, word_tokenizer, QWEN_SPECIALS, mrope_section
+from mminfer.models.qwen2_5_vl import resize_frames, patchify, Qwen2_5_VLAdapter, mrope_positions
+from mminfer.models.vision import QwenVisionTower
+from mminfer.offline import synthetic as synth
+from mminfer.sparse.modality import ModalityIndex
 
 FONTS_DIR = Path(__file__).resolve().parent / "fonts"
 
@@ -65,8 +81,6 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 def vocabulary() -> list[str]:
     """Words of the tokenizer: the chat template and generic question words of the tiny
     checkpoints, every question and answer word of the synthetic tasks, a few spellings."""
-    from lab.toy import synth
-    from lab.toy.tiny import WORDS
     words: list[str] = []
     for w in list(WORDS) + list(synth.ANSWER_VOCAB) + ["colour", "flash", "number", "numbers",
                                                       "appear", "appeared", "second", "seen"]:
@@ -78,15 +92,11 @@ def vocabulary() -> list[str]:
 def build_tokenizer():
     """Word-level fast tokenizer: the 14 Qwen2.5 special tokens at ids 0-13 in their real
     order, ``[UNK]`` 14, then ``vocabulary()``; the Qwen chat template."""
-    from lab.toy.tiny import word_tokenizer
     return word_tokenizer(vocabulary())
 
 
 # ---------------------------------------------------------------------- config / model
 def build_config(tok, shape: dict | None = None):
-    from transformers import Qwen2_5_VLConfig
-    from lab.toy.tiny import QWEN_SPECIALS, mrope_section
-
     s = {**SHAPE, **(shape or {})}
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     vocab_size = -(-len(tok) // 64) * 64
@@ -119,8 +129,6 @@ def build_config(tok, shape: dict | None = None):
 
 def new_model(shape: dict | None = None, seed: int = 0):
     """A freshly initialised embedded-shape model (fp32, SDPA attention) and its tokenizer."""
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     tok = build_tokenizer()
     cfg = build_config(tok, shape)
@@ -135,7 +143,6 @@ def new_model(shape: dict | None = None, seed: int = 0):
 
 
 def generation_config(tok):
-    from transformers import GenerationConfig
     end, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     return GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=False)
 
@@ -145,9 +152,6 @@ def save_checkpoint(model, tok, path, *, info: dict | None = None, dtype=None) -
     the tokenizer, the (video) preprocessor configs pinning 112 x 112 frames and
     ``embedded.json`` (how it was made). Files are written to a temporary folder and moved
     into ``path`` one by one, so an interrupted save leaves the previous files whole."""
-    import shutil
-    import tempfile
-    import torch
 
     dtype = dtype or torch.float16
     path = Path(path)
@@ -197,7 +201,6 @@ def save_checkpoint(model, tok, path, *, info: dict | None = None, dtype=None) -
 def use_bundled_fonts() -> bool:
     """Make ``synth``'s "system" font style draw with ``lab/toy/fonts`` (digit-only subsets of
     the DejaVu files, glyph-identical), whatever is installed. Returns whether it did."""
-    from lab.toy import synth
     fonts = tuple(sorted(str(p) for p in FONTS_DIR.glob("*.ttf")
                          if "DejaVu" in p.name
                          and not any(k in p.name for k in ("ExtraLight", "Math"))))
@@ -210,9 +213,6 @@ def use_bundled_fonts() -> bool:
 def resize_frames_np(frames, side: int = FRAME_SIDE, chunk: int = 64):
     """uint8 ``[T, H, W, 3]`` -> uint8 ``[T, side, side, 3]`` with the adapter's own resize
     (bicubic, antialias, rounded): the pixels the model sees for that video."""
-    import numpy as np
-    import torch
-    from mminfer.models.qwen2_5_vl import resize_frames
 
     frames = np.asarray(frames)
     out = np.empty((len(frames), side, side, 3), np.uint8)
@@ -225,7 +225,6 @@ def resize_frames_np(frames, side: int = FRAME_SIDE, chunk: int = 64):
 def render_example(task: str, seed: int, n_frames: int, **kw):
     """A ``synth`` example drawn at 224 x 224 and resized to 112 x 112 as the adapter would:
     ``(frames uint8 [T, 112, 112, 3], answer, question, meta)``."""
-    from lab.toy import synth
     ex = synth.make_example(task, seed, n_frames=n_frames, height=RENDER_SIDE,
                             width=RENDER_SIDE, **kw)
     return resize_frames_np(ex.frames), ex.answer, ex.question, ex.meta
@@ -236,8 +235,6 @@ def pixels_from_frames(frames, mean=CLIP_MEAN, std=CLIP_STD, dtype=None):
     """uint8 frames ``[..., T, 112, 112, 3]`` (T even; leading dims are videos) on any device
     -> patches ``[pairs * 64, 1176]`` exactly as ``preprocess_video`` makes them (CLIP
     normalisation in fp32, then ``dtype``)."""
-    import torch
-    from mminfer.models.qwen2_5_vl import patchify
 
     f = frames.reshape(-1, *frames.shape[-3:])
     if f.shape[0] % 2:
@@ -256,7 +253,6 @@ class BatchedVision:
     ``use_reference`` switches to that (slow, always right) path where a check fails."""
 
     def __init__(self, model, grid_hw=(GRID, GRID)):
-        from mminfer.models.vision import QwenVisionTower
         self.model = model
         self.visual = model.model.visual
         self.h, self.w = grid_hw
@@ -272,7 +268,6 @@ class BatchedVision:
         return self.tower(pixels, n_pairs, h, w)
 
     def _reference(self, pixels, n_pairs, grid_hw=None):
-        import torch
         h, w = grid_hw or (self.h, self.w)
         grid = torch.tensor([[n_pairs, h, w]], device=pixels.device)
         ref = self.model.model.get_video_features(pixels, grid)
@@ -282,7 +277,6 @@ class BatchedVision:
     def check(self, n_pairs: int = 3, seed: int = 0) -> float:
         """Largest difference to ``get_video_features`` on random pixels, relative to the
         largest feature magnitude (fp32 matmuls: TF32 off while checking)."""
-        import torch
         p = self.visual.patch_embed
         dev = next(self.visual.parameters()).device
         dt = next(self.visual.parameters()).dtype
@@ -306,10 +300,6 @@ def layout(tok, config, question: str, n_pairs: int, fps: float = 2.0, grid_hw=(
     ``(head_ids, tail_ids, positions)`` where the video tokens sit between head and tail, and
     ``positions [3, L + 1]`` are the M-RoPE positions of the L prompt tokens plus the first
     answer token (decode position ``L + rope_delta``)."""
-    from types import SimpleNamespace
-    import torch
-    from mminfer.sparse.modality import ModalityIndex
-    from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter, mrope_positions
 
     v = config.vision_config
     gh, gw = grid_hw
@@ -330,7 +320,6 @@ def layout(tok, config, question: str, n_pairs: int, fps: float = 2.0, grid_hw=(
 
 def answer_ids(tok) -> dict:
     """Token id of every answer of every task (each answer is one word)."""
-    from lab.toy import synth
     out = {}
     for task, answers in synth.ANSWERS.items():
         out[task] = {a: tok.convert_tokens_to_ids(a) for a in answers}

@@ -1,6 +1,6 @@
 """Deepening a trained embedded model without changing what it computes.
 
-Five fine-tunes of the 5.6 M-parameter model (BENCHMARKS.md §4, ft5-ft9) left its reading of
+Five fine-tunes of the 5.6 M-parameter model (lab/NOTES.md §4, ft5-ft9) left its reading of
 unseen digit looks at about half; capacity is the lever left. Training a larger model from
 scratch costs several sessions of device time, so the larger model starts as the trained one:
 new vision blocks and decoder layers are inserted between the old ones with their output
@@ -15,6 +15,10 @@ from __future__ import annotations
 import re
 
 from lab.toy import embedded as E
+
+import copy
+
+import torch
 
 # per-block parameters whose zeroing turns a pre-norm residual block into the identity
 _VISION_OUT = (".attn.proj.weight", ".attn.proj.bias", ".mlp.down_proj.weight",
@@ -53,7 +57,6 @@ def layout(old: int, new: int) -> list[int | None]:
 def deepen(model, vision: int = 0, text: int = 0, seed: int = 0):
     """A new model (fp32, on the CPU) with ``vision`` more vision blocks and ``text`` more
     decoder layers than ``model``, computing exactly what ``model`` computes."""
-    import torch
     shape = shape_of(model.config)
     grown, _ = E.new_model({**shape, "vision_depth": shape["vision_depth"] + vision,
                             "layers": shape["layers"] + text}, seed=seed)
@@ -82,7 +85,6 @@ def deepen_patterns(config: dict, text: int) -> dict:
     ``text`` decoder layers: each new layer takes the rule of the old layer before it (its
     place in ``layout``), the model identity gets the new layer count, the provenance says so.
     A config for the deepened model to start from; calibration is what fits it."""
-    import copy
     old = config["model"]["layers"]
     if len(config["layers"]) != old:
         raise ValueError(f"config has {len(config['layers'])} layers for a {old}-layer model")

@@ -2,7 +2,7 @@
 
 The training code never imports this module (``tests/toy/test_render_eval.py`` checks that),
 so a model that scores well here has learned the tasks, not one renderer's pictures. Every
-visual choice differs from :mod:`lab.toy.synth`:
+visual choice differs from :mod:`mminfer.offline.synthetic`:
 
   digits       dot-matrix glyphs (5 x 7 round dots) or single-stroke polylines, never a font
                or seven segments; drawn with a drop shadow, sliding in over their frames
@@ -24,7 +24,11 @@ import io
 
 import numpy as np
 
-from lab.toy.synth import ANSWERS, COLOURS, QUESTIONS, Example
+from mminfer.offline.synthetic import ANSWERS, COLOURS, QUESTIONS, Example
+
+import colorsys
+
+from PIL import Image, ImageDraw
 
 _TASK_IDS = {"needle": 11, "colour": 12, "count": 13, "order": 14}
 
@@ -69,7 +73,6 @@ def _not_red(rng, lo=0.15, hi=0.85) -> float:
 
 
 def _hsv_rgb(h, s, v) -> np.ndarray:
-    import colorsys
     return np.array(colorsys.hsv_to_rgb(h % 1.0, s, v)) * 255.0
 
 
@@ -135,7 +138,6 @@ def _distractors(rng, n_frames, h, w, neutral):
 
 
 def _draw(frame: np.ndarray, shapes, i: int):
-    from PIL import Image, ImageDraw
     img = Image.fromarray(frame)
     d = ImageDraw.Draw(img)
     for kind, col, r, x, y, spin in shapes:
@@ -174,7 +176,6 @@ def _sphere(frame: np.ndarray, cx, cy, r, rgb, light):
 # ---------------------------------------------------------------------- digits
 def _digit_mask(rng, text: str, height: int) -> np.ndarray:
     """Float mask [height, width] of the number, dot-matrix or strokes."""
-    from PIL import Image, ImageDraw
     style = rng.choice(["dots", "strokes"])
     gw = int(height * 0.62)
     gap = max(2, int(height * 0.12))
@@ -233,7 +234,6 @@ def _stamp(rng, text: str, h: int, w: int):
 
 # ---------------------------------------------------------------------- camera
 def _camera(rng, frames: np.ndarray) -> np.ndarray:
-    from PIL import Image
     sigma = rng.uniform(2, 7)
     quality = int(rng.integers(30, 75))
     out = np.empty_like(frames)

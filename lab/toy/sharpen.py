@@ -5,16 +5,16 @@ a head's mass sits in those tiles and loses what the head spreads elsewhere. A r
 heads are sharp (sinks, local windows, frame columns); a 5.6M-parameter model trained only
 on answers is not: counting and ordering can be solved by averaging over the whole video,
 and calibration found 8-14 of its 16 heads covering under 60 % of their mass at 20 %
-density (BENCHMARKS.md §4). Even the best choice of tiles leaves mass out: on 4K-token synth
+density (lab/NOTES.md §4). Even the best choice of tiles leaves mass out: on 4K-token synth
 videos the shipped model's 64-row blocks keep 70-80 % of their mass in their top 10 % of
-64-key blocks (``benchmarks/tail_mass.py``). So training adds, with weight λ, the **tail
+64-key blocks (``lab/experiments/tail_mass.py``). So training adds, with weight λ, the **tail
 mass**: for sampled blocks of query rows, the attention mass outside the block's top
 ``rho`` share of key blocks (causal keys only), averaged over blocks, heads and layers.
 A block whose mass sits in 10 % of its key tiles costs nothing, a uniform one 1 - rho.
 The forward pass itself is untouched (SDPA); the term reads the rotated q and k that
 transformers hands the attention function.
 
-Measured (BENCHMARKS.md §4, ft8s): the term does cut the tail mass (0.33 -> 0.05 at 8K), but
+Measured (lab/NOTES.md §4, ft8s): the term does cut the tail mass (0.33 -> 0.05 at 8K), but
 the sharper heads attend to content landmarks that online estimation misses more often, and
 the sparse answers' last-token KL at density 0.2 rose 3.5-4x against the unsharpened model.
 So it is off by default (``--sharpen 0``); it is worth turning on together with an estimator
@@ -37,6 +37,11 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
 ATTN_NAME = "mminfer_sharpen"   # no "flash" in it: transformers would treat it as FlashAttention
 
 
@@ -52,7 +57,6 @@ def tail_mass(query, key, starts, rho: float, scaling: float, row_block: int = 1
     query ``[B, H, L, D]``, key ``[B, Hkv, L, D]`` (GQA by index: query head h reads key
     head ``h // (H // Hkv)``), starts a LongTensor with ``start + row_block <= L``.
     Returns ``[B, H, len(starts)]`` in fp32, differentiable in query and key."""
-    import torch
     B, H, L, D = query.shape
     Hkv = key.shape[1]
     g = H // Hkv
@@ -83,7 +87,6 @@ def sample_starts(seq_len: int, n_random: int, n_last: int, min_pos: int, row_bl
     rows (a multiple of ``row_block``) and ``n_random`` distinct others starting in
     [min_pos, L - n_last - row_block], sorted; fewer where the sequence is short (none when
     it does not reach past ``min_pos + n_last``)."""
-    import torch
     last0 = max(min_pos, seq_len - n_last)
     starts = torch.arange(last0, max(last0, seq_len - row_block + 1), row_block)
     span = last0 - row_block + 1 - min_pos
@@ -98,7 +101,6 @@ class Sharpener:
 
     def __init__(self, rho: float = 0.1, n_random: int = 3, n_last: int = 64,
                  min_pos: int = 256, row_block: int = 64, key_block: int = 64, seed: int = 0):
-        import torch
         if not 0.0 < rho < 1.0:
             raise ValueError(f"rho must be in (0, 1), not {rho}")
         if row_block < 1 or key_block < 1 or n_last % row_block:
@@ -113,8 +115,6 @@ class Sharpener:
     def register(self) -> str:
         """Register the attention function (SDPA plus the collection) and its mask (SDPA's)
         with transformers; returns the name to set as ``_attn_implementation``."""
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
         AttentionInterface.register(ATTN_NAME, self.attention_forward)
         AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
         return ATTN_NAME
@@ -135,7 +135,6 @@ class Sharpener:
 
     def attention_forward(self, module, query, key, value, attention_mask, scaling=None,
                           dropout=0.0, **kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         out = sdpa_attention_forward(module, query, key, value, attention_mask,
                                      scaling=scaling, dropout=dropout, **kwargs)
         if self._rows is not None and query.shape[2] == key.shape[2]:

@@ -14,6 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+import torch
+from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, GenerationConfig,
+                          Qwen2_5_VLForConditionalGeneration)
+
 # The Qwen2.5 special tokens, in the order of their real ids 151643..151656.
 QWEN_SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -60,8 +65,6 @@ def mrope_section(head_dim: int) -> list[int]:
 def word_tokenizer(words=WORDS, chat_template: str = QWEN_CHAT_TEMPLATE):
     """A lowercasing WordLevel fast tokenizer: Qwen specials at 0..13, ``[UNK]`` at 14, then
     ``words``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(QWEN_SPECIALS)}
     vocab[UNK] = len(vocab)
@@ -81,7 +84,6 @@ def word_tokenizer(words=WORDS, chat_template: str = QWEN_CHAT_TEMPLATE):
 def qwen2_5_vl_config(tok, text: dict, vision: dict):
     """A ``Qwen2_5_VLConfig`` from ``text_config`` / ``vision_config`` fields whose special
     token ids are ``tok``'s (the compact word ids), so any size uses the tokenizer above."""
-    from transformers import Qwen2_5_VLConfig
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
@@ -122,7 +124,6 @@ def write_qwen2_5_vl(path, model, tok, *, min_pixels: int | None = None,
     ``save_pretrained``, greedy generation config, tokenizer, image processor config, and a
     video processor config only when a pixel range is given (the hub checkpoints have none,
     so they get qwen-vl-utils' defaults). Returns the path."""
-    from transformers import GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -150,8 +151,6 @@ def save_tiny_qwen2_5_vl(path, *, hidden: int = 64, layers: int = 2, heads: int 
     and get qwen-vl-utils' defaults. ``window_size`` (pixels) and ``fullatt_block_indexes``
     (default: the last vision block) shape the vision tower's attention.
     """
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
     tok = word_tokenizer(words)
     vocab_size = -(-len(tok) // 64) * 64

@@ -13,6 +13,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+import torch
+from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          SiglipVisionConfig, SiglipVisionModel)
+
+from mminfer.models.longvila import Projector
+
 # Qwen2's ChatML template (the one Qwen2-7B-Instruct ships).
 QWEN2_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -45,8 +53,6 @@ def _byte_chars() -> list[str]:
 
 def tiny_tokenizer():
     """Byte-level tokenizer: ids 0..255 the bytes, then the Qwen2 and VILA special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {c: i for i, c in enumerate(_byte_chars())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -63,10 +69,7 @@ def tiny_tokenizer():
 def save_tiny_longvila(path, *, seed: int = 0, num_video_frames: int = 8,
                        image_size: int = TINY_VISION["image_size"]) -> Path:
     """Write a random tiny LongVILA checkpoint at ``path`` (created); returns the path."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
-    from mminfer.models.longvila import Projector
 
     torch.manual_seed(seed)
     tok = tiny_tokenizer()
@@ -91,7 +94,6 @@ def write_longvila(path, vision, llm, projector, tok, *, num_video_frames: int,
     ``SiglipVisionModel``, a ``Qwen2ForCausalLM``, the ``mlp_downsample`` Projector and the
     tokenizer; the root ``config.json`` repeats the three sub-configs as VILA's does.
     Returns the path."""
-    from safetensors.torch import save_file
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.toy import synth
+from mminfer.offline import synthetic as synth
+
+from PIL import Image, ImageDraw, ImageFont, ImageFilter
+import torch
+
+from mminfer.models.qwen2_5_vl import smart_resize, resize_frames
 
 FONTS_DIR = Path(__file__).resolve().parent / "fonts"
 ATLAS = FONTS_DIR / "glyphs.npz"
@@ -80,7 +85,6 @@ CODECS = ("none", "jpeg", "yuv420", "posterize", "downscale")
 # ----------------------------------------------------------------------- sizes
 def smart_size(h: int, w: int) -> tuple[int, int]:
     """The model-side size of an h x w source frame: the adapter's rule (its own function)."""
-    from mminfer.models.qwen2_5_vl import smart_resize
     return smart_resize(h, w, 28, MIN_PIXELS, MAX_PIXELS)
 
 
@@ -103,8 +107,6 @@ def pick_size(rng, size_class: int | None = None) -> tuple[int, int, int]:
 
 def resize_to(frames: np.ndarray, h: int, w: int) -> np.ndarray:
     """uint8 [T, H, W, 3] -> uint8 [T, h, w, 3], the adapter's bicubic antialiased resize."""
-    import torch
-    from mminfer.models.qwen2_5_vl import resize_frames
     x = resize_frames(torch.from_numpy(np.ascontiguousarray(frames)), h, w)
     return x.permute(0, 2, 3, 1).to(torch.uint8).numpy()
 
@@ -256,7 +258,6 @@ def _posterized(rng, h, w, neutral, u, v):
 
 def _scribbles(rng, h, w, neutral, u, v):
     """Random smooth curves of several widths over a plain or graded ground."""
-    from PIL import Image, ImageDraw
     base = _colour(rng, neutral)
     im = Image.new("RGB", (w, h), tuple(int(c) for c in base))
     d = ImageDraw.Draw(im)
@@ -422,7 +423,6 @@ def scene(rng, n_frames: int, h: int, w: int, *, neutral: bool = False,
           allow_ellipse: bool = True):
     """Frames uint8 [n, h, w, 3] of a scene (background, optional pan, moving shapes) and the
     background as float32 [h, w, 3] (for the digits' contrast) and a description."""
-    from PIL import Image, ImageDraw
     pan = rng.random() < 0.3
     m = int(0.12 * max(h, w)) if pan else 0
     bg_big, kind = background(rng, h + 2 * m, w + 2 * m, neutral)
@@ -474,7 +474,6 @@ def atlas():
 
 @lru_cache(maxsize=256)
 def _font(path: str, size: int):
-    from PIL import ImageFont
     return ImageFont.truetype(path, size)
 
 
@@ -486,7 +485,6 @@ def _crop(a: np.ndarray) -> np.ndarray:
 
 
 def _render_char(font, ch: str, stroke: int = 0) -> np.ndarray:
-    from PIL import Image, ImageDraw
     l, t, r, b = ImageDraw.Draw(Image.new("L", (1, 1))).textbbox((0, 0), ch, font=font,
                                                                    stroke_width=stroke)
     im = Image.new("L", (r - l + 4, b - t + 4), 0)
@@ -498,7 +496,6 @@ def _render_char(font, ch: str, stroke: int = 0) -> np.ndarray:
 def _bevel_glyph(digit: str, h: int, thick: float, gap: float) -> np.ndarray:
     """A segment-display digit with bevelled (hexagonal) segments and gaps between them, as
     LCD / LED displays draw them (synth's segments are plain touching rectangles)."""
-    from PIL import Image, ImageDraw
     s = 4
     H, W = h * s, max(int(h * 0.56), 4) * s
     T = max(thick * H, s)
@@ -528,7 +525,6 @@ def _bevel_glyph(digit: str, h: int, thick: float, gap: float) -> np.ndarray:
 
 
 def _resize_mask(a: np.ndarray, h: int, w: int) -> np.ndarray:
-    from PIL import Image
     im = Image.fromarray((np.clip(a, 0, 1) * 255).astype(np.uint8))
     return np.asarray(im.resize((max(w, 1), max(h, 1)), Image.BILINEAR), np.float32) / 255.0
 
@@ -593,7 +589,6 @@ def glyphs(rng, text: str, height: int, font: str | None = None):
 
 # ----------------------------------------------------------------------- glyph transforms
 def _pil(a):
-    from PIL import Image
     return Image.fromarray((np.clip(a, 0, 1) * 255).astype(np.uint8))
 
 
@@ -602,12 +597,10 @@ def _np(im):
 
 
 def _maxf(a, k):
-    from PIL import ImageFilter
     return _np(_pil(a).filter(ImageFilter.MaxFilter(k)))
 
 
 def _minf(a, k):
-    from PIL import ImageFilter
     return _np(_pil(a).filter(ImageFilter.MinFilter(k)))
 
 
@@ -625,7 +618,6 @@ def _warp(rng, a: np.ndarray, amp: float) -> np.ndarray:
 
 
 def _perspective(rng, a: np.ndarray, k: float) -> np.ndarray:
-    from PIL import Image
     h, w = a.shape
     p = np.pad(a, ((h // 4, h // 4), (w // 4, w // 4)))
     H, W = p.shape
@@ -659,7 +651,6 @@ def led(rng, mask: np.ndarray) -> np.ndarray:
     """The glyph sampled on a coarse grid (6-8 rows, cells of >= 4 px), each lit cell drawn
     as a square or a diamond with a gap around it. A glyph too small for 6 rows of 4 px
     comes back as it was."""
-    from PIL import Image, ImageDraw
     h, w = mask.shape
     rows = min(int(rng.integers(6, 9)), h // 4)
     if rows < 6:
@@ -688,7 +679,6 @@ def led(rng, mask: np.ndarray) -> np.ndarray:
 def glyph_fx(rng, mask: np.ndarray) -> tuple[np.ndarray, list]:
     """A random subset of generic robustness transforms; the result stays legible (each
     keeps most of the ink's shape). (mask, names applied)."""
-    from PIL import Image, ImageFilter
     applied = []
     if LED_SHARE > 0 and rng.random() < LED_SHARE:     # no draw when off: looks unchanged
         mask = led(rng, mask)
@@ -747,7 +737,6 @@ def number_stamp(rng, text: str, h: int, w: int, bg: np.ndarray):
     """How a number is drawn on a scene of this size: ``(paint(frame, k) -> frame,
     box (x0, y0, x1, y1), description)``; ``k`` is the frame's place in the run (a run may
     drift by a few pixels)."""
-    from PIL import ImageFilter
     th = int(round(rng.uniform(0.22, 0.6) * h))
     th = max(th, 10)
     mask, font = glyphs(rng, text, th)
@@ -857,7 +846,6 @@ class Camera:
         self.mul = None
 
     def __call__(self, frames: np.ndarray) -> np.ndarray:
-        from PIL import Image, ImageFilter
         rng = self.rng
         T, h, w, _ = frames.shape
         if self.mul is None:        # lighting, cast, brightness and contrast as one affine map

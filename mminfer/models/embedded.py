@@ -13,7 +13,7 @@ from mminfer.errors import ConfigError
 # MMINFER_EMBEDDED_MODEL overrides where the default model is looked for (deployments, tests)
 DEFAULT_MODEL_DIR = Path(os.environ.get("MMINFER_EMBEDDED_MODEL")
                          or Path(__file__).resolve().parent / "mminfer-embedded")
-BUILD_COMMAND = "bash scripts/build_embedded.sh"
+BUILD_COMMAND = "bash lab/train/build_embedded.sh"
 
 
 def default_model() -> Path:

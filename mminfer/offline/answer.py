@@ -29,6 +29,9 @@ from typing import Callable, Sequence
 import torch
 
 from mminfer.errors import ConfigError
+from mminfer.models.base import PrepareOptions
+from mminfer.models.hooks import PrefillContext
+from mminfer.models.prefill import prefill
 from mminfer.sparse.patterns import HeadPattern, HeadPatternConfig, dense
 
 
@@ -50,7 +53,6 @@ class AnswerProbe:
     forwards: int = field(default=0, init=False)
 
     def prepare(self, name: str, decoded, question: str) -> AnswerInput:
-        from mminfer.models.base import PrepareOptions
         prep = self.adapter.prepare(decoded, question, PrepareOptions())
         with torch.inference_mode():
             embeds = self.adapter.embed(prep)
@@ -62,8 +64,6 @@ class AnswerProbe:
         ``patterns`` is None; the density is the plans' physical tiles / causal triangle
         (logical pairs for the reference engine), mean over heads and the layers that compute
         every row (the last runs its last row only)."""
-        from mminfer.models.hooks import PrefillContext
-        from mminfer.models.prefill import prefill
         ad = self.adapter
         L = prep.input_ids.shape[1]
         ctx = PrefillContext(index=prep.index, patterns=patterns,

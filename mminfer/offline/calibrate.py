@@ -39,13 +39,19 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
+from tqdm import tqdm
 
+from mminfer.engine.pipeline import Pipeline, resolve_checkpoint
 from mminfer.errors import ConfigError, InputError
+from mminfer.models.base import PrepareOptions
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.sparse.patterns import (KNOWN_MODELS, QUERY_MODALITIES, HeadPattern,
                                      HeadPatternConfig, ModelIdentity, a_shape, block,
                                      default_config, dense,
                                      grid, provenance, vertical_slash)
+
+from .answer import AnswerProbe, format_rows, refine
+from .capture import capture_qkv, load_video
 
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
 
@@ -138,6 +144,8 @@ def evaluate(q, k, v, index, heads: Sequence[HeadPattern], ref, *, engine="kerne
              block_m=16, block_n=16, scale=None, proxy="auto", spread_q: int = 0) -> dict:
     """Per-head error, mass and density of one head-pattern assignment on one input
     (``proxy`` and ``spread_q``: the online estimator's, see ``estimate_layer``)."""
+    # lazy: these load triton, which reads TRITON_INTERPRET once, when it is imported; code
+    # that imports this module (benchmarks, tests) may set it later
     from mminfer.sparse.estimate import estimate_layer
     from mminfer.kernels import sparse_attention
     from mminfer.kernels.reference import plan_attention
@@ -654,20 +662,11 @@ def _device_name(dev) -> str:
 
 
 def _progress(total, enabled):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc="calibrate", unit="run", disable=not enabled)
-    except ImportError:      # tqdm is a dependency; keep calibration working without it
-        class _Null:
-            def update(self, n=1): pass
-            def close(self): pass
-        return _Null()
+    return tqdm(total=total, desc="calibrate", unit="run", disable=not enabled)
 
 
 # ---------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mminfer.engine.options import HelpWithDefaults
-    parser.formatter_class = HelpWithDefaults
     parser.add_argument("inputs", nargs="*",
                         help="captured q/k/v: .pt files or directories of them (default: none; "
                         "give these, or --model with --videos)")
@@ -779,13 +778,11 @@ def run(args) -> int:
     if args.model or args.videos:
         if not (args.model and args.videos):
             raise InputError("capturing needs both --model and --videos")
-        from .capture import capture_qkv
         cap_dir = Path(args.capture_dir or str(Path(args.out).with_suffix("")) + ".captures")
         paths = capture_qkv(args.model, args.videos, args.question, cap_dir, fps=args.fps,
                             max_frames=args.max_frames, device=args.device,
                             progress=lambda p, n: print(f"captured {p} ({n} tokens)"))
         inputs += [str(p) for p in paths]
-        from mminfer.engine.pipeline import resolve_checkpoint
         _, model_id, revision = resolve_checkpoint(args.model)
         # the identity the adapter will check this config against when it loads it
         args.model_id = args.model_id or model_id
@@ -834,9 +831,6 @@ def _sibling(out, suffix: str) -> str:
 def _answer_step(args, cfg, report, index) -> int:
     """``--answer-kl``: the per-head calibration ``cfg``/``report`` refined against the
     answer on ``--videos`` (``answer.py``); writes the refined config as OUT."""
-    from mminfer.engine.pipeline import Pipeline
-    from .answer import AnswerProbe, format_rows, refine
-    from .capture import load_video
     if not (args.model and args.videos):
         raise InputError("--answer-kl runs the model on the calibration videos: give --model "
                          "and --videos")
@@ -910,9 +904,6 @@ def _run_reselect(args) -> int:
 def _first_index(model, video, args) -> ModalityIndex:
     """The ModalityIndex of one calibration video as the capture step built it (no
     prefill: only the adapter's preprocessing)."""
-    from mminfer.engine.pipeline import Pipeline
-    from mminfer.models.base import PrepareOptions
-    from .capture import load_video
     ad = Pipeline(model=model, attention="dense", device="cpu").adapter
     decoded, question, _ = load_video(video, ad, args.question, fps=args.fps,
                                       max_frames=args.max_frames)

@@ -4,8 +4,8 @@ The prefill runs dense through the ordinary adapter (same preprocessing, same Mo
 as serving); the attention hook copies each layer's rotated q and cached k/v to the CPU. One
 ``.pt`` file per video, in the format ``mminfer.offline.calibrate.load_captures`` reads.
 
-A video may also be a synthetic source ``synth:TASK:FRAMES:SEED`` (``lab.toy.synth``, drawn at
-224 x 224 and 2 fps in-process, asked its own task question): the embedded model is
+A video may also be a synthetic source ``synth:TASK:FRAMES:SEED`` (:mod:`.synthetic`, drawn
+at 224 x 224 and 2 fps in-process, asked its own task question): the embedded model is
 calibrated that way on machines without a video decoder, on seeds no training or
 evaluation uses.
 """
@@ -14,15 +14,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from mminfer.engine import video as videolib
+from mminfer.engine.pipeline import Pipeline
+from mminfer.errors import InputError
+from mminfer.models.base import PrepareOptions
+from mminfer.models.hooks import PrefillContext
+from mminfer.offline import synthetic as synth
+
 
 def capture_qkv(model, videos, question: str, out_dir, *, fps: float = 2.0,
                 max_frames: int = 768, device=None, progress=None) -> list[Path]:
-    import torch
-
-    from mminfer.models.base import PrepareOptions
-    from mminfer.models.hooks import PrefillContext
-    from mminfer.engine.pipeline import Pipeline
-
     pipe = model if isinstance(model, Pipeline) else Pipeline(model=model, attention="dense",
                                                               device=device)
     ad = pipe.adapter
@@ -48,7 +51,6 @@ def load_video(v, adapter, question: str, *, fps: float = 2.0, max_frames: int =
     """One calibration video for ``adapter``: a file (decoded at ``fps``, at most
     ``max_frames`` and the model's own frame limit, asked ``question``) or a synthetic source
     (asked its own task's question). Returns ``(DecodedVideo, question, name)``."""
-    from mminfer.engine import video as videolib
     if str(v).startswith("synth:"):
         return synthetic_video(str(v))
     decoded = videolib.decode(str(v), sampling=adapter.sampling, fps=fps,
@@ -58,10 +60,6 @@ def load_video(v, adapter, question: str, *, fps: float = 2.0, max_frames: int =
 
 def synthetic_video(spec: str):
     """``synth:TASK:FRAMES:SEED`` -> (DecodedVideo at 2 fps, the task's question, a file stem)."""
-    from lab.toy import synth
-    from mminfer.errors import InputError
-    from mminfer.engine.video import DecodedVideo
-
     parts = spec.split(":")
     try:
         _, task, frames, seed = parts
@@ -75,4 +73,4 @@ def synthetic_video(spec: str):
         raise InputError(f"bad synthetic video {spec!r}: task must be one of "
                          f"{', '.join(synth.TASKS)}")
     ex = synth.make_example(task, seed, n_frames=n, height=224, width=224)
-    return DecodedVideo.from_frames(ex.frames), ex.question, f"synth-{task}-{n}-{seed}"
+    return videolib.DecodedVideo.from_frames(ex.frames), ex.question, f"synth-{task}-{n}-{seed}"

@@ -8,20 +8,26 @@ uploads a sample video are printed.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import shlex
 from pathlib import Path
 
-from mminfer.engine.options import HelpWithDefaults, add_model_arguments
-from mminfer.errors import ConfigError
+import uvicorn
 
-from .settings import Settings as Defaults
+from mminfer.cli_options import add_model_arguments, pipeline_options
+from mminfer.errors import ConfigError
+from mminfer.models.embedded import resolve_model
+
+from . import tensor_parallel
+from .app import create_app
+from .settings import Settings
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    d = Defaults
-    p.formatter_class = HelpWithDefaults
+    d = Settings                     # its defaults are the flags' defaults
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
@@ -139,7 +145,6 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def settings_from(args):
-    from .settings import Settings
     if args.queue_size < 1 or (args.max_concurrent_uploads or 1) < 1:
         raise ConfigError("--queue-size and --max-concurrent-uploads must be at least 1")
     for name in ("max_upload_mb", "max_data_url_mb", "timeout_s", "upload_deadline_s",
@@ -156,8 +161,7 @@ def settings_from(args):
         raise ConfigError("--video-store-gb must be positive, --video-store-max at least 1 "
                           "and --video-ttl-s >= 0")
     return Settings(
-        model=args.model, attention=args.attention, device=args.device, dtype=args.dtype,
-        min_sparse_len=args.min_sparse_len, data_dir=args.data_dir,
+        model=args.model, **pipeline_options(args), data_dir=args.data_dir,
         served_model_names=tuple(args.served_model_name), fps=args.fps,
         max_frames=args.max_frames, max_new_tokens=args.max_new_tokens,
         queue_size=args.queue_size, timeout_s=args.timeout_s,
@@ -213,25 +217,18 @@ def graceful_server(uvicorn, config, worker):
 
 
 def run(args) -> int:
-    import asyncio
-    import logging
-
-    import uvicorn
-
-    from mminfer.models.embedded import resolve_model
-    from .app import create_app
-
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        # lazy: transformers takes seconds to import (the model worker imports it anyway)
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
     tp = None
     if args.tensor_parallel > 1:         # rank 0 serves, the others follow its requests
-        from . import tensor_parallel as tp
+        tp = tensor_parallel
         if not tp.is_leader(args.tensor_parallel):
             return tp.follow(settings, args.tensor_parallel)
     app = create_app(settings, worker=tp.leader_worker(settings, args.tensor_parallel)

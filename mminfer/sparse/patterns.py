@@ -73,7 +73,7 @@ class Pattern:
       1/S of QK^T; a single landmark key is not averaged away as it is by pooling);
       ``sink`` (default none): every row block also keeps the key blocks holding the first
       ``sink`` keys, outside its budget (the attention sink and the video's first frames,
-      which a ranking by share misses: BENCHMARKS.md section 4);
+      which a ranking by share misses: lab/NOTES.md section 4);
     * ``dense``: every causal pair.
 
     Mass budgets (vertical_slash and block): with ``gamma`` set instead of the counts, the

@@ -91,7 +91,7 @@ def test_kept_inputs_and_rerun_on_cuda():
     from mminfer.engine.video import DecodedVideo
     from mminfer.models.hooks import PrefillContext
     from mminfer.sparse.patterns import HeadPatternConfig
-    from lab.toy import synth
+    from mminfer.offline import synthetic as synth
 
     pipe = Pipeline(None, device="cuda")
     ad = pipe.adapter

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mminfer.cli import build_parser
+from mminfer.cli_options import HelpWithDefaults
 from mminfer.offline.calibrate import add_arguments, calibrate, format_report, run
 from mminfer.sparse.estimate import estimate_layer
 from mminfer.sparse.modality import ModalityIndex
@@ -138,9 +140,10 @@ def test_dense_when_it_is_the_cheaper_way_to_hold_the_bound():
 
 
 def test_help_gives_every_flag_a_default():
-    from mminfer.engine.options import HelpWithDefaults
-    p = argparse.ArgumentParser(prog="mminfer calibrate")
-    add_arguments(p)
+    # the parser `mminfer calibrate --help` prints (cli gives every subcommand the formatter)
+    sub = next(a for a in build_parser(["calibrate"])._actions
+               if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices["calibrate"]
     assert p.formatter_class is HelpWithDefaults
     fmt = p._get_formatter()
     for action in p._actions:

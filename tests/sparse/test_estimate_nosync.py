@@ -1,7 +1,7 @@
 """Estimation, plan and kernels queue a layer without waiting for the GPU: one
 synchronisation stalls the host behind every kernel queued before it, so the next layer's
 launches no longer overlap this layer's work (15 waits per layer made estimation
-host-bound, BENCHMARKS.md section 7)."""
+host-bound, lab/NOTES.md section 7)."""
 
 from pathlib import Path
 
