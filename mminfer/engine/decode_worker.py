@@ -149,13 +149,13 @@ def _vm_bytes() -> int:
         return 0
 
 
-def _limit_memory(extra: int) -> None:
-    """Let this process map at most ``extra`` bytes more than it has now."""
+def _limit_memory(vm: int, extra: int) -> None:
+    """Let this process map at most ``vm + extra`` bytes in all (``vm``: its footprint once
+    started, so earlier commands' leftovers count against the limit, not on top of it)."""
     try:
         import resource
     except ImportError:         # not a POSIX system: no limit to set
         return
-    vm = _vm_bytes()
     if not vm:
         return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -188,7 +188,8 @@ def main(fd: int) -> None:
     from mminfer.engine.video import Session
     session = Session()
     slots: dict[int, int] = {}                       # slot id -> its memfd
-    _send(sock, ("ready", os.getpid()))
+    base = _vm_bytes()
+    _send(sock, ("ready", os.getpid(), base))
     while True:
         try:
             msg, fds = _recv(sock)
@@ -198,12 +199,12 @@ def main(fd: int) -> None:
         try:
             if op in ("probe", "open"):
                 _, path, order, kind, extra = msg
-                _limit_memory(extra)
+                _limit_memory(base, extra)
                 facts = (session.probe if op == "probe" else session.open)(path, order, kind)
                 _send(sock, ("ok", facts))
             elif op == "start":
                 _, targets, size, batch, extra = msg
-                _limit_memory(extra)
+                _limit_memory(base, extra)
                 session.start(targets, size, batch)
             elif op == "next":
                 _, slot, nbytes = msg
@@ -268,16 +269,27 @@ class Worker:
         self.sock = parent
         self.pid = self.proc.pid
         self.ready = False
+        self.base_vm = 0
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def bloated(self) -> bool:
+        """Has it kept (freed but still mapped) memory beyond half its margin? Its next
+        command would start with less room than the limit means: retire it."""
+        try:
+            with open(f"/proc/{self.pid}/statm") as f:
+                vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return False
+        return bool(self.base_vm) and vm > self.base_vm + _margin() // 2
 
     def wait_ready(self):
         if not self.ready:
             msg, _ = self._recv(time.monotonic() + _config.start_timeout_s, "start")
             if msg[0] != "ready":
                 raise _Failed("crashed", f"the decode worker said {msg!r} on starting")
-            self.ready = True
+            self.ready, self.base_vm = True, msg[2]
 
     def send(self, msg, fds=()):
         try:
@@ -363,6 +375,10 @@ class Pool:
         return w
 
     def release(self, w: Worker, healthy: bool) -> None:
+        if healthy and w.bloated():
+            w.kill()
+            self.warm(1)
+            return
         if healthy and w.alive():
             with self._lock:
                 if len(self._idle) < _config.workers:

@@ -180,8 +180,14 @@ def _timing(facts) -> tuple[float, float, bool]:
     total, vfps, pts = facts["total"], facts["fps"], facts.get("pts")
     if not is_variable_rate(pts, vfps):
         return vfps, total / vfps, False
-    last = 1.0 / vfps if vfps > 0 and math.isfinite(vfps) else 0.0
-    duration = float(pts[-1] - pts[0]) + min(last, float(np.median(np.diff(pts))))
+    # the last frame is shown for one frame interval: the shortest one seen (the
+    # container's mean rate says nothing about it here)
+    steps = np.diff(pts)
+    steps = steps[steps > 0]
+    last = float(steps.min()) if len(steps) else 0.0
+    if vfps > 0 and math.isfinite(vfps):
+        last = min(last, 1.0 / vfps)
+    duration = float(pts[-1] - pts[0]) + last
     return total / duration if duration > 0 else vfps, duration, True
 
 
@@ -671,6 +677,10 @@ class Session:
         rotation), ``codec``, ``rotation``."""
         self.close()
         facts = _probe_av(path, kind)
+        if (facts or {}).get("rotation") and "pyav" in order:
+            # decord turns frames itself, but breaks on some sizes (a buffer size check fails
+            # for 96x48 at 90 degrees, and with scaling at 180): PyAV first for these
+            order = ("pyav", *(o for o in order if o != "pyav"))
         failures: list[tuple[str, str, BaseException]] = []
         reader = None
         for i, name in enumerate(order):
