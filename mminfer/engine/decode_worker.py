@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import collections
+import errno
 import mmap
 import os
 import pickle
@@ -187,8 +188,9 @@ def main(fd: int) -> None:
             pass
     from mminfer.engine.video import Session
     session = Session()
-    slots: dict[int, int] = {}                       # slot id -> its memfd
+    slots: dict[int, mmap.mmap] = {}                 # slot id -> its shared memory, mapped
     base = _vm_bytes()
+    extra = 0
     _send(sock, ("ready", os.getpid(), base))
     while True:
         try:
@@ -209,32 +211,51 @@ def main(fd: int) -> None:
             elif op == "next":
                 _, slot, nbytes = msg
                 if fds:
-                    slots[slot] = fds[0]
-                frames = session.next()
+                    try:
+                        slots[slot] = mmap.mmap(fds[0], nbytes)
+                    finally:
+                        os.close(fds[0])
+                    # the slots mapped here count against the limit, on top of the rest
+                    _limit_memory(base, extra + sum(len(m) for m in slots.values()))
+                out = np.frombuffer(slots[slot], np.uint8, nbytes)
+                frames = session.next(out)
                 if frames is None:
+                    del out
                     _send(sock, ("end",))
                     continue
                 if frames.nbytes > nbytes:
                     raise RuntimeError(f"a batch of {frames.nbytes} bytes for a slot of "
                                        f"{nbytes}")
-                with mmap.mmap(slots[slot], nbytes) as mm:
-                    view = np.frombuffer(mm, np.uint8, frames.nbytes).reshape(frames.shape)
-                    view[...] = frames
-                    del view
-                _send(sock, ("batch", slot, frames.shape, session.backend))
+                if frames.__array_interface__["data"][0] != out.ctypes.data:
+                    out[:frames.nbytes].reshape(frames.shape)[...] = frames  # not in place
+                shape = frames.shape
+                del frames, out
+                _send(sock, ("batch", slot, shape, session.backend))
             elif op == "close":
                 session.close()
-                for f in slots.values():
-                    os.close(f)
+                for m in slots.values():
+                    try:
+                        m.close()
+                    except BufferError:      # a view still alive: the collector unmaps it
+                        pass
                 slots.clear()
             else:
                 raise RuntimeError(f"unknown command {op!r}")
         except VideoError as e:
-            _send(sock, ("video_error", e.message, e.details))
+            reply = ("video_error", e.message, e.details)
         except MemoryError:
-            _send(sock, ("memory", None))
+            reply = ("memory", None)
+        except OSError as e:
+            reply = ("memory", None) if e.errno == errno.ENOMEM else \
+                ("error", f"{type(e).__name__}: {e}")
         except BaseException as e:  # noqa: BLE001 (told to the parent, which retires us)
-            _send(sock, ("error", f"{type(e).__name__}: {e}"))
+            reply = ("error", f"{type(e).__name__}: {e}")
+        else:
+            continue
+        try:
+            _send(sock, reply)
+        except OSError:              # the parent has gone (or given up on us)
+            return
 
 
 # =========================================================================== the parent

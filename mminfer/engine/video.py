@@ -469,9 +469,12 @@ class _DecordReader:
         self.close()
         return _DecordReader(self.path, size, self.rotation)
 
+    out_buffer = None     # uint8 memory to decode the next batch into (Session.next)
+
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = [int(i) for i in indices]
-        frames = self.vr.get_batch(idx).asnumpy()
+        nd = self.vr.get_batch(idx)
+        frames = _decord_into(nd, self.out_buffer)
         return frames, self.pts[np.asarray(idx, dtype=np.int64)]
 
     def batches(self, targets: np.ndarray, batch: int):
@@ -484,8 +487,35 @@ class _DecordReader:
         self.vr = None
 
 
+def _decord_into(nd, out) -> np.ndarray:
+    """A decord NDArray as numpy: copied straight into ``out`` (shared memory: one copy,
+    as ``asnumpy`` makes) when it fits, else a new array."""
+    shape = tuple(nd.shape)
+    n = int(np.prod(shape))
+    if out is not None and out.nbytes >= n and str(nd.dtype) == "uint8":
+        try:
+            import ctypes
+            from decord._ffi.base import _LIB, check_call
+            dst = out[:n].reshape(shape)
+            check_call(_LIB.DECORDArrayCopyToBytes(nd.handle, dst.ctypes.data_as(
+                ctypes.c_void_p), ctypes.c_size_t(n)))
+            return dst
+        except (ImportError, AttributeError):
+            pass
+    return nd.asnumpy()
+
+
+def _stack_into(frames: list, out) -> np.ndarray:
+    shape = (len(frames), *frames[0].shape)
+    n = int(np.prod(shape))
+    if out is not None and out.nbytes >= n:
+        return np.stack(frames, out=out[:n].reshape(shape))
+    return np.stack(frames)
+
+
 class _PyAVReader:
     name = "pyav"
+    out_buffer = None     # uint8 memory to decode the next batch into (Session.next)
 
     def __init__(self, path: str, facts: dict, size: tuple[int, int] | None = None):
         import av
@@ -612,10 +642,10 @@ class _PyAVReader:
             rgb.append(frame)
             ts.append(t)
             if len(rgb) == batch:
-                yield np.stack(rgb), np.array(ts, dtype=np.float64)
+                yield _stack_into(rgb, self.out_buffer), np.array(ts, dtype=np.float64)
                 rgb, ts = [], []
         if rgb:
-            yield np.stack(rgb), np.array(ts, dtype=np.float64)
+            yield _stack_into(rgb, self.out_buffer), np.array(ts, dtype=np.float64)
 
     def close(self):
         self.container.close()
@@ -663,6 +693,8 @@ class Session:
         self.reader = None
         self.backend = None
         self._gen = None
+        self._cur = None          # the reader decoding now
+        self._out = None
 
     def probe(self, path: str, order, kind) -> dict:
         try:
@@ -722,8 +754,12 @@ class Session:
                                   None if size is None else tuple(int(v) for v in size),
                                   int(batch))
 
-    def next(self) -> np.ndarray | None:
-        """The next batch of frames (uint8 ``[k, h, w, 3]``, C order), None at the end."""
+    def next(self, out: np.ndarray | None = None) -> np.ndarray | None:
+        """The next batch of frames (uint8 ``[k, h, w, 3]``, C order), None at the end;
+        decoded into ``out`` (flat uint8) where the backend can (then a view of it)."""
+        self._out = out
+        if self._cur is not None:
+            self._cur.out_buffer = out
         return next(self._gen, None)
 
     def close(self):
@@ -746,6 +782,8 @@ class Session:
                 try:
                     reader = reader.resized(size)
                     self.backend = reader.name
+                    self._cur = reader
+                    reader.out_buffer = self._out
                     for frames, _ in reader.batches(targets[pos:], batch):
                         k = len(frames)
                         want_hw = size or want_hw or frames.shape[1:3]
@@ -764,6 +802,7 @@ class Session:
                     self.failures.append((name, "read", e))
                 finally:
                     reader.close()
+                    self._cur = None
                 reader = None
                 while rest and reader is None:
                     nxt = rest.pop(0)

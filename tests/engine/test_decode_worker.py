@@ -103,9 +103,11 @@ def test_an_overrun_is_a_timeout(tmp_path, limits):
 
 
 def test_the_memory_limit_is_enforced(tmp_path, limits):
-    """Opening a 4K video decodes a frame (its rotation is read off it): with 1 MiB of margin
-    that cannot be allocated under the worker's RLIMIT_AS and the file is refused; with the
-    default margin the same call succeeds, so the limit is what refused it."""
+    """A worker may map its footprint, the frames in flight (sized from the header, at most
+    ``max_frame_pixels`` a frame: a header may lie) and the margin. A 4K video whose frames
+    are sized as 64x64 ones, with 1 MiB of margin, cannot be decoded under that RLIMIT_AS and
+    is refused as this file's failure; with the real sizes the same call succeeds, so the
+    limit is what refused it."""
     import av
     path = tmp_path / "uhd.mp4"
     with av.open(str(path), "w") as c:
@@ -117,11 +119,11 @@ def test_the_memory_limit_is_enforced(tmp_path, limits):
                 c.mux(p)
         for p in s.encode():
             c.mux(p)
-    limits(memory_mb=1)
-    with pytest.raises(VideoError) as e:
+    limits(memory_mb=1, max_frame_pixels=64 * 64)
+    with pytest.raises(UndecodableVideo) as e:
         video.decode(path)
-    assert str(path) in str(e.value)
-    limits(memory_mb=1024)
+    assert str(path) in str(e.value) and e.value.details["reason"] in ("memory", "crashed")
+    limits(memory_mb=1024, max_frame_pixels=7680 * 4320)
     assert video.decode(path).frames.shape == (2, 2160, 3840, 3)
 
 
