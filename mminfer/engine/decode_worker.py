@@ -89,6 +89,7 @@ def session():
 # travel here; frames go through shared memory.
 
 _HEAD = struct.Struct("<QI")
+NICE = 5                 # the workers' niceness, added to the parent's
 
 
 def _send(sock, obj, fds=()) -> None:
@@ -179,6 +180,13 @@ def main(fd: int) -> None:
     """The worker's loop: one command at a time from the parent over the socket ``fd``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle
     _die_with_parent()
+    try:
+        # below the server's own threads: on a saturated machine a flood of crafted files
+        # (each a worker restart: an interpreter importing numpy, decord and PyAV) must not
+        # starve the event loop; on an idle one this changes nothing
+        os.nice(NICE)
+    except OSError:
+        pass
     sock = socket.socket(fileno=fd)
     import numpy as np
     for lib in ("decord", "av"):                     # imported now, not in the first request

@@ -196,10 +196,12 @@ def test_crafted_media_never_take_the_server_down(server, tmp_path):
     cases = mutants(rng, 36) + truncations(rng, 14) + zoo(tmp_path)
     ways = ("upload", "data", "file")
     # The baseline, in this run: /health while the server answers good uploads (the model's
-    # CPU work, on a machine that may be shared). The bound is 0.5 s, or, on a machine so busy
-    # that benign traffic alone is slower, what it measured then (p95 x 1.5, worst + 0.5 s):
-    # what is tested is that crafted files add no stall of their own (a blocked event loop
-    # shows as seconds, a crashed server as no answer at all).
+    # CPU work, on a machine that may be shared). The bound is 0.5 s; on a machine so loaded
+    # that benign traffic alone comes near it (a shared 2-core box at a load of 8 measured a
+    # p95 of 0.49 s and a worst of 0.54 s), it scales with what benign traffic measured then:
+    # p95 x 1.5 and worst x 2.5 (crafted cases restart workers, which costs CPU the benign
+    # ones do not). A stall of the server's own (a blocked event loop: seconds) or its death
+    # still fails.
     base, stop = [], threading.Event()
     th = threading.Thread(target=health_latencies, args=(url, stop, base))
     th.start()
@@ -242,7 +244,7 @@ def test_crafted_media_never_take_the_server_down(server, tmp_path):
     assert len(seen.get("answered", [])) >= 3 and len(seen) >= 3, seen   # both kinds met
     assert len(lat) > 20 and len(base) > 5
     assert p95(lat) <= max(0.5, 1.5 * p95(base)), (p95(lat), p95(base))
-    assert max(lat) <= max(0.5, max(base) + 0.5), (max(lat), max(base))
+    assert max(lat) <= max(0.5, 2.5 * max(base)), (max(lat), max(base))
     # no temp file left behind: uploads and data: URLs are deleted, and nothing in /dev/shm
     deadline = time.monotonic() + 10
     while os.listdir(data / "uploads") and time.monotonic() < deadline:
