@@ -166,3 +166,25 @@ def test_workers_are_fresh_interpreters_not_forks():
     assert pids
     cmd = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
     assert b"mminfer.engine.decode_worker" in cmd, cmd
+
+
+def test_batch_records_a_crashing_file_as_bad_video_at_once(tmp_path):
+    """In the batch job the crafted file is one bad_video record in the first run (before the
+    sandbox it killed the process twice and was quarantined on the third run); the other
+    video is answered in the same run."""
+    import json
+    from lab.toy.tiny import save_tiny_qwen2_5_vl
+    from mminfer.batch import run_batch
+    ckpt = save_tiny_qwen2_5_vl(tmp_path / "tiny-qwen")
+    root = tmp_path / "v"
+    root.mkdir()
+    crafted_stts(root / "c.mp4")
+    write_video(root / "good.mp4", n_frames=4, fps=4.0)
+    out = tmp_path / "out.jsonl"
+    s = run_batch(root, ["what?"], out, model=str(ckpt), attention="dense", max_new_tokens=2,
+                  progress=False)
+    by = {r["video"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert by["c.mp4"]["status"] == "error" and by["c.mp4"]["error"]["code"] == "bad_video"
+    assert "cannot be decoded" in by["c.mp4"]["error"]["message"]
+    assert by["good.mp4"]["status"] == "ok", by["good.mp4"]
+    assert (s.done, s.errors, s.quarantined) == (1, 1, 0)
