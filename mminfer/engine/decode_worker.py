@@ -52,6 +52,10 @@ class Config:
     memory_mb: float = 1024.0   # margin over the worker's footprint and the frames in flight
     timeout_s: float = 60.0     # to open a file, and for each batch of frames
     workers: int = 2            # kept started (a stream holds one while it decodes)
+    # niceness added to the parent's: below the server's own threads, so that on a saturated
+    # machine a flood of crafted files (each a worker restart: an interpreter importing numpy,
+    # decord and PyAV) cannot starve the event loop; on an idle machine it changes nothing
+    nice: int = 5
     start_timeout_s: float = 120.0   # a new worker to import its libraries (a busy machine)
     # frames are assumed no larger than this when sizing the memory limit (a header may lie)
     max_frame_pixels: int = 7680 * 4320
@@ -89,7 +93,6 @@ def session():
 # travel here; frames go through shared memory.
 
 _HEAD = struct.Struct("<QI")
-NICE = 5                 # the workers' niceness, added to the parent's
 
 
 def _send(sock, obj, fds=()) -> None:
@@ -176,17 +179,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def main(fd: int) -> None:
+def main(fd: int, nice: int = 0) -> None:
     """The worker's loop: one command at a time from the parent over the socket ``fd``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle
     _die_with_parent()
-    try:
-        # below the server's own threads: on a saturated machine a flood of crafted files
-        # (each a worker restart: an interpreter importing numpy, decord and PyAV) must not
-        # starve the event loop; on an idle one this changes nothing
-        os.nice(NICE)
-    except OSError:
-        pass
+    if nice:
+        try:
+            os.nice(nice)                            # Config.nice
+        except OSError:
+            pass
     sock = socket.socket(fileno=fd)
     import numpy as np
     for lib in ("decord", "av"):                     # imported now, not in the first request
@@ -290,7 +291,8 @@ class Worker:
         env.pop("CUDA_VISIBLE_DEVICES", None)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mminfer.engine.decode_worker", str(child.fileno())],
+                [sys.executable, "-m", "mminfer.engine.decode_worker", str(child.fileno()),
+                 str(int(_config.nice))],
                 pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
                 close_fds=True)
         finally:
@@ -612,4 +614,4 @@ def _margin() -> int:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)
