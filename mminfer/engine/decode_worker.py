@@ -50,7 +50,7 @@ class Config:
     sandbox: bool = field(
         default_factory=lambda: os.environ.get("MMINFER_DECODE_SANDBOX", "1") != "0")
     memory_mb: float = 1024.0   # margin over the worker's footprint and the frames in flight
-    timeout_s: float = 60.0     # to open a file, and for each batch of frames
+    timeout_s: float = 30.0     # to open a file, and for each batch of frames
     workers: int = 2            # kept started (a stream holds one while it decodes)
     # niceness added to the parent's: below the server's own threads, so that on a saturated
     # machine a flood of crafted files (each a worker restart: an interpreter importing numpy,
@@ -574,15 +574,18 @@ class RemoteSession:
                 raise self._undecodable(e) from None
         return frames
 
+    CLOSE_WAIT_S = 2.0   # answers still owed at close are awaited this long, then it is killed
+
     def close(self):
         if self.worker is None:
             return
         healthy = True
+        deadline = time.monotonic() + self.CLOSE_WAIT_S
         try:
-            while self._pending:        # answers still owed: take them (a batch at most)
+            while self._pending:        # answers still owed (a stream stopped early)
                 self._pending.popleft()
                 try:
-                    self.worker.recv()
+                    self.worker.recv(max(deadline - time.monotonic(), 0.01))
                 except VideoError:
                     pass
             self.worker.send(("close",))
@@ -590,6 +593,13 @@ class RemoteSession:
             healthy = False
         self._release(healthy)
         self._slots_free.clear()
+
+    def abort(self):
+        """Kill the worker now (from another thread: a consumer that stops waiting for a
+        batch); the thread waiting on it sees the worker gone."""
+        w = self.worker
+        if w is not None and w.proc.poll() is None:
+            w.proc.kill()
 
     # ------------------------------------------------------------------ helpers
     def _release(self, healthy: bool):

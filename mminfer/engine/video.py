@@ -1003,11 +1003,15 @@ class VideoStream:
         """Stop the decoder thread (if running) and release the file and the worker."""
         if self._thread is not None:
             self._stop.set()
+            give_up = time.monotonic() + 1.0
             while self._thread.is_alive():
                 try:                      # unblock a producer waiting on a full queue
                     self._queue.get_nowait()
                 except Exception:  # noqa: BLE001 (queue.Empty)
                     self._thread.join(0.05)
+                if time.monotonic() > give_up and hasattr(self._session, "abort"):
+                    self._session.abort()  # a decode worker still busy on a batch: end it
+                    give_up = float("inf")
             self._thread = None
         if self._session is not None:
             self._session.close()

@@ -127,7 +127,7 @@ def configure_decoding(settings) -> None:
     from mminfer.engine import decode_worker
     decode_worker.configure(
         memory_mb=float(getattr(settings, "decode_memory_mb", 1024.0)),
-        timeout_s=float(getattr(settings, "decode_timeout_s", 60.0)),
+        timeout_s=float(getattr(settings, "decode_timeout_s", 30.0)),
         workers=int(getattr(settings, "decode_workers", 2)))
     if decode_worker.config().sandbox:
         decode_worker.pool().warm()

@@ -188,3 +188,42 @@ def test_batch_records_a_crashing_file_as_bad_video_at_once(tmp_path):
     assert "cannot be decoded" in by["c.mp4"]["error"]["message"]
     assert by["good.mp4"]["status"] == "ok", by["good.mp4"]
     assert (s.done, s.errors, s.quarantined) == (1, 1, 0)
+
+
+def test_a_hung_worker_is_timed_out_mid_stream(tmp_path, limits):
+    """A worker that stops answering mid-video (frozen with SIGSTOP: a parser stuck in a
+    loop) is killed after the time limit; the stream fails with a timeout, the next one
+    decodes."""
+    path = write_video(tmp_path / "long.mp4", n_frames=240, fps=30, width=320, height=240,
+                       noise=True)
+    limits(timeout_s=2.0)
+    with video.open_stream(path, fps=30, max_frames=240) as s:
+        chunks = s.chunks(8)
+        next(chunks)
+        os.kill(s._session.worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(UndecodableVideo) as e:
+            for _ in chunks:
+                pass
+        took = time.monotonic() - t0
+    assert e.value.details["reason"] == "timeout" and took < 2.0 + 10, took
+    assert len(video.decode(path, fps=30, max_frames=240).frames) == 240
+
+
+def test_closing_a_stream_does_not_wait_for_a_hung_worker(tmp_path):
+    """A consumer that stops (a client gone) while the worker is stuck is free within a
+    couple of seconds, not after the 30 s time limit."""
+    path = write_video(tmp_path / "long.mp4", n_frames=240, fps=30, width=320, height=240,
+                       noise=True)
+    s = video.open_stream(path, fps=30, max_frames=240)
+    next(s.chunks(8))
+    pid = s._session.worker.pid
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ProcessLookupError):       # killed, not left stopped
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.05)
+    assert len(video.decode(path, fps=30, max_frames=240).frames) == 240
