@@ -382,30 +382,59 @@ class Worker:
 
 class Pool:
     """Started workers, handed out one per probe or stream; a broken one is replaced in the
-    background, so the next request finds one ready."""
+    background, so the next request finds one ready. At most ``workers + 2`` are busy at
+    once: a burst of uploads waits its turn for a worker (a probe takes milliseconds) rather
+    than starting an interpreter each; past ``timeout_s`` of waiting one is started anyway,
+    so that a caller holding several streams open cannot deadlock."""
 
     def __init__(self):
         self._idle: list[Worker] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._busy = 0
+        self._spawner = None
         self.started = 0          # workers started so far (tests watch restarts)
         self.retired = 0          # killed after a crash, an overrun or an error
 
     def acquire(self) -> Worker:
+        deadline = time.monotonic() + _config.timeout_s
         with self._lock:
+            while not self._idle and self._busy >= _config.workers + 2 \
+                    and time.monotonic() < deadline:
+                self._lock.wait(max(deadline - time.monotonic(), 0.01))
+            self._busy += 1
             while self._idle:
                 w = self._idle.pop()
                 if w.alive():
                     return w
                 w.kill()
-        return self._start()
+        try:
+            return self._start()
+        except BaseException:
+            self._done()
+            raise
+
+    def _done(self):
+        with self._lock:
+            self._busy -= 1
+            self._lock.notify()
 
     def _start(self) -> Worker:
-        w = Worker()
+        # Started from one long-lived thread: a worker's parent-death signal (PR_SET_PDEATHSIG)
+        # fires when the *thread* that started it ends, and callers' threads come and go
+        # (asyncio.to_thread, the warm-up thread): workers started there were killed with them
+        with self._lock:
+            if self._spawner is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._spawner = ThreadPoolExecutor(1, thread_name_prefix="mminfer-decode-start")
+            spawner = self._spawner
+        w = spawner.submit(Worker).result()
         with self._lock:
             self.started += 1
         return w
 
-    def release(self, w: Worker, healthy: bool) -> None:
+    def release(self, w: Worker, healthy: bool, busy: bool = True) -> None:
+        if busy:
+            self._done()
         if healthy and w.bloated():
             w.kill()
             self.warm(1)
@@ -414,6 +443,7 @@ class Pool:
             with self._lock:
                 if len(self._idle) < _config.workers:
                     self._idle.append(w)
+                    self._lock.notify()
                     return
         w.kill()
         if not healthy:
@@ -430,7 +460,7 @@ class Pool:
                 for _ in range(max(need, 0)):
                     w = self._start()
                     w.wait_ready()
-                    self.release(w, True)
+                    self.release(w, True, busy=False)
             except Exception:  # noqa: BLE001 (the next acquire starts one itself)
                 pass
         threading.Thread(target=run, name="mminfer-decode-warm", daemon=True).start()

@@ -227,3 +227,27 @@ def test_closing_a_stream_does_not_wait_for_a_hung_worker(tmp_path):
             os.kill(pid, 0)
             time.sleep(0.05)
     assert len(video.decode(path, fps=30, max_frames=240).frames) == 240
+
+
+def test_concurrent_callers_on_short_lived_threads():
+    """Fourteen uploads probed at once from threads that end (asyncio.to_thread's, a
+    burst's): every one succeeds. (Workers started on such threads died with them, by the
+    parent-death signal, and the probe after was refused as a crash.)"""
+    import threading
+    errors = []
+
+    def go():
+        try:
+            video.probe(NEEDLE)
+            with video.open_stream(NEEDLE) as s:
+                list(s.chunks(4))
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    for _ in range(2):
+        threads = [threading.Thread(target=go) for _ in range(14)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
