@@ -681,6 +681,11 @@ def _explain(path: str, failures) -> VideoError:
                       path=path)
 
 
+# FFmpeg's answers when an address-space limit stops it: ENOMEM, and EAGAIN from a
+# decoder thread whose stack cannot be mapped (PyAV raises them as OSErrors)
+_OUT_OF_MEMORY = (12, 11)
+
+
 class Session:
     """The decoding side of one video: opens it with the first backend that can, then reads
     sorted distinct frame numbers in batches, handing the rest to the next backend when one
@@ -798,6 +803,10 @@ class Session:
                     raise
                 except MemoryError:
                     raise
+                except OSError as e:
+                    if e.errno in _OUT_OF_MEMORY:
+                        raise MemoryError(f"decoding {self.path}: {e}") from None
+                    self.failures.append((name, "read", e))
                 except Exception as e:  # noqa: BLE001 (the next backend gets the rest)
                     self.failures.append((name, "read", e))
                 finally:
