@@ -27,6 +27,13 @@ class VideoError(MMInferError):
     code = "bad_video"
 
 
+class UndecodableVideo(VideoError):
+    """The decoder crashed, ran out of its memory limit or its time limit on the file
+    (``reason``: crashed, memory, timeout, error): a crafted or corrupt file, refused
+    without harm to the service (mminfer.engine.decode_worker)."""
+    http_status = 422
+
+
 class InputError(MMInferError):
     """A request field is wrong (bad fps, empty question, prompt over the context...)."""
     code = "bad_input"

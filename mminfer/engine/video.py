@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,11 +36,13 @@ class VideoInfo:
     path: str
     frames: int
     fps: float
-    duration: float  # seconds, frames / fps
-    width: int
+    duration: float  # seconds, frames / fps (variable frame rate: from the timestamps)
+    width: int       # as displayed (after the display matrix's rotation)
     height: int
     codec: str
     backend: str
+    # every frame's presentation time, seconds from the first (None: not known)
+    timestamps: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -146,22 +148,112 @@ def qwen_nframes(total: int, video_fps: float, *, fps: float = 2.0, min_frames: 
 
 def sample_indices(total: int, video_fps: float, *, sampling: str = "qwen", fps: float = 2.0,
                    max_frames: int = 768, min_frames: int = 4, num_frames: int | None = None,
-                   start: float | None = None, end: float | None = None) -> np.ndarray:
-    """Source frame indices to decode for a video of ``total`` frames at ``video_fps``."""
+                   start: float | None = None, end: float | None = None,
+                   timestamps=None) -> np.ndarray:
+    """Source frame indices to decode for a video of ``total`` frames at ``video_fps``.
+
+    ``timestamps`` (every frame's presentation time, seconds from the first): when they do
+    not follow ``video_fps`` (a variable-frame-rate video), samples are picked by time
+    instead of by frame number (:func:`is_variable_rate`)."""
+    return _sampling(total, video_fps, timestamps, sampling=sampling, fps=fps,
+                     max_frames=max_frames, min_frames=min_frames, num_frames=num_frames,
+                     start=start, end=end)[0]
+
+
+def is_variable_rate(pts, video_fps: float) -> bool:
+    """Do the frames' timestamps ``pts`` (seconds from the first) stray from frame i at
+    ``i / video_fps`` by more than two frames and 2 % of the duration? Then the container's
+    rate says little about time (a screen recording, a phone's variable rate, a Matroska
+    file whose rate is a guess) and sampling goes by the timestamps."""
+    if pts is None or len(pts) < 2:
+        return False
+    pts = np.asarray(pts, dtype=np.float64)
+    if not (video_fps > 0 and math.isfinite(video_fps)):
+        return True
+    dev = np.abs(pts - np.arange(len(pts)) / video_fps).max()
+    return bool(dev > max(2.0 / video_fps, 0.02 * len(pts) / video_fps))
+
+
+def _timing(facts) -> tuple[float, float, bool]:
+    """(frame rate, duration s, variable?) of a video's facts: the container's rate and
+    frames / rate, or, at a variable rate, the span of the timestamps and its mean rate."""
+    total, vfps, pts = facts["total"], facts["fps"], facts.get("pts")
+    if not is_variable_rate(pts, vfps):
+        return vfps, total / vfps, False
+    # the last frame is shown for one frame interval: the shortest one seen (the
+    # container's mean rate says nothing about it here)
+    steps = np.diff(pts)
+    steps = steps[steps > 0]
+    last = float(steps.min()) if len(steps) else 0.0
+    if vfps > 0 and math.isfinite(vfps):
+        last = min(last, 1.0 / vfps)
+    duration = float(pts[-1] - pts[0]) + last
+    return total / duration if duration > 0 else vfps, duration, True
+
+
+def _nearest(sorted_times, t) -> np.ndarray:
+    """Index of the nearest of ``sorted_times`` to each of ``t``."""
+    times = np.maximum.accumulate(np.asarray(sorted_times, dtype=np.float64))
+    j = np.clip(np.searchsorted(times, t), 1, max(len(times) - 1, 1))
+    if len(times) == 1:
+        return np.zeros(len(t), dtype=np.int64)
+    left = np.abs(t - times[j - 1]) <= np.abs(times[j] - t)
+    return np.where(left, j - 1, j).astype(np.int64)
+
+
+def _sampling(total, video_fps, pts, *, sampling, fps, max_frames, min_frames, num_frames,
+              start, end) -> tuple[np.ndarray, float]:
+    """(source frame indices, sampled fps) of a video: by frame number at a constant rate
+    (the models' own rules, bit for bit), by presentation time at a variable one."""
     _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end)
     if total < 1:
         raise VideoError("the video contains no frames")
+    if is_variable_rate(pts, video_fps):
+        return _time_sampling(np.asarray(pts, dtype=np.float64)[:total], video_fps,
+                              sampling=sampling, fps=fps, max_frames=max_frames,
+                              min_frames=min_frames, num_frames=num_frames, start=start,
+                              end=end)
     first, last = frame_range(total, video_fps, start, end)
     window = last - first + 1
     if sampling == "qwen":
         n = qwen_nframes(window, video_fps, fps=fps, min_frames=min_frames,
                          max_frames=max_frames, num_frames=num_frames)
-        return _torch_linspace_round(first, last, n)
-    # uniform (LongVILA): an explicit num_frames is honoured even beyond the window
-    # (frames repeat), as VILA's loader does; otherwise fps·duration within the limits.
-    if num_frames is None:
-        num_frames = min(max(math.floor(window / video_fps * fps), min_frames), max_frames, window)
-    return vila_indices(first, last, max(num_frames, 1))
+        idx = _torch_linspace_round(first, last, n)
+    else:
+        # uniform (LongVILA): an explicit num_frames is honoured even beyond the window
+        # (frames repeat), as VILA's loader does; otherwise fps·duration within the limits.
+        if num_frames is None:
+            num_frames = min(max(math.floor(window / video_fps * fps), min_frames),
+                             max_frames, window)
+        idx = vila_indices(first, last, max(num_frames, 1))
+    return idx, len(idx) / window * video_fps
+
+
+def _time_sampling(pts, video_fps, *, sampling, fps, max_frames, min_frames, num_frames,
+                   start, end) -> tuple[np.ndarray, float]:
+    """A variable-frame-rate video: as many samples as the same rule takes of a video of
+    this duration and frame count, at evenly spaced times, each the frame shown then."""
+    fps_, duration, _ = _timing({"total": len(pts), "fps": video_fps, "pts": pts})
+    t0 = 0.0 if start is None else min(float(start), duration)
+    t1 = duration if end is None else min(float(end), duration)
+    inside = np.flatnonzero((pts >= t0 - 1e-9) & (pts < t1 + 1e-9))
+    if (start is not None or end is not None) and len(inside) < 2:
+        raise VideoError(
+            f"the time window start={start} end={end} selects fewer than 2 frames of a "
+            f"{duration:.2f} s video", start=start, end=end, duration=duration)
+    if len(inside) == 0:
+        inside = np.arange(len(pts))
+    window, span = len(inside), max(t1 - t0, 1e-9)
+    if sampling == "qwen":
+        n = qwen_nframes(window, window / span, fps=fps, min_frames=min_frames,
+                         max_frames=max_frames, num_frames=num_frames)
+    else:
+        n = num_frames if num_frames is not None else \
+            min(max(math.floor(span * fps), min_frames), max_frames, window)
+        n = max(n, 1)
+    times = np.linspace(pts[inside[0]], pts[inside[-1]], n)
+    idx = inside[_nearest(pts[inside], times)]
+    return idx.astype(np.int64), n / span
 
 
 def _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end) -> None:
@@ -275,7 +367,8 @@ def _check_file(path: str) -> str | None:
 
 
 def _probe_av(path: str, kind: str | None) -> dict | None:
-    """Container facts from the headers only (no decoding); None when PyAV is missing.
+    """Container facts from the headers (and the first frame's side data); None when PyAV
+    is missing.
 
     Raises VideoError for files that are not usable videos at all, whatever the backend."""
     try:
@@ -309,41 +402,80 @@ def _probe_av(path: str, kind: str | None) -> dict | None:
             seconds = container.duration / 1e6
         else:
             seconds = 0.0
-        frames = s.frames or (round(seconds * fps) if fps else 0)
-        return {"frames": int(frames), "fps": fps, "start": start, "width": cc.width,
-                "height": cc.height, "codec": cc.name, "format": fmt}
+        frames = s.frames or (round(seconds * fps) if fps and math.isfinite(seconds) else 0)
+        width, height, codec = cc.width, cc.height, cc.name
+        rotation = _rotation(container, s)
+        return {"frames": int(frames), "fps": fps, "start": start, "width": width,
+                "height": height, "codec": codec, "format": fmt, "rotation": rotation}
+
+
+def _rotation(container, stream) -> int:
+    """Degrees (0, 90, 180, 270) counter-clockwise the picture is turned by for display, from
+    its display matrix (an MP4/MOV ``tkhd`` matrix: a phone's portrait video is stored
+    landscape), as FFmpeg's ``av_display_rotation_get`` reads it and its players apply it.
+    FFmpeg hands the matrix to every decoded frame as side data, so the first frame tells,
+    whatever the container; 0 when there is none, it is no right angle, or nothing decodes
+    (the readers say so later)."""
+    try:
+        for frame in container.decode(stream):
+            r = round(float(getattr(frame, "rotation", 0) or 0)) % 360
+            return r if r in (90, 180, 270) else 0
+    except Exception:  # noqa: BLE001 (av errors: the file's data is for the readers to judge)
+        pass
+    return 0
+
+
+def _rotate(frames: np.ndarray, rotation: int) -> np.ndarray:
+    """``[T, H, W, 3]`` frames turned counter-clockwise by ``rotation`` degrees (a view)."""
+    if not rotation:
+        return frames
+    return np.rot90(frames, rotation // 90, axes=(1, 2))
+
+
+def _stored(size, rotation):
+    """The (h, w) a decoder scales the stored picture to, for display size ``size``."""
+    if size is None or rotation not in (90, 270):
+        return size
+    return size[1], size[0]
 
 
 # --------------------------------------------------------------------------- readers
 
 class _DecordReader:
+    """decord applies the display matrix's rotation itself (and scales after it): its frames
+    and sizes are as displayed already."""
     name = "decord"
 
-    def __init__(self, path: str, size: tuple[int, int] | None = None):
+    def __init__(self, path: str, size: tuple[int, int] | None = None, rotation: int = 0):
         import decord
 
         decord.logging.set_level(decord.logging.QUIET)
-        h, w = size or (-1, -1)   # decord scales in its own filter graph when given a size
-        self.path, self.size = path, size
+        self.path, self.size, self.rotation = path, size, rotation
+        h, w = size or (-1, -1)   # decord scales in its own filter graph
         self.vr = decord.VideoReader(path, ctx=decord.cpu(0), width=w, height=h, num_threads=0)
         self.total = len(self.vr)
         self.fps = float(self.vr.get_avg_fps())
         if not (self.fps > 0 and math.isfinite(self.fps)):
             raise RuntimeError("decord reports no frame rate")
+        # every frame's presentation time (decord's index: no decoding), from the first
+        ts = np.asarray(self.vr.get_frame_timestamp(np.arange(self.total))[:, 0], np.float64) \
+            if self.total else np.zeros(0)
+        self.pts = ts - ts[0] if len(ts) else ts
 
     def resized(self, size):
         """This reader with frames at ``size`` (h, w), or full size for None."""
         if size == self.size:
             return self
         self.close()
-        return _DecordReader(self.path, size)
+        return _DecordReader(self.path, size, self.rotation)
+
+    out_buffer = None     # uint8 memory to decode the next batch into (Session.next)
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = [int(i) for i in indices]
-        frames = self.vr.get_batch(idx).asnumpy()
-        ts = self.vr.get_frame_timestamp(idx)[:, 0]
-        t0 = self.vr.get_frame_timestamp([0])[0, 0]
-        return frames, np.asarray(ts - t0, dtype=np.float64)
+        nd = self.vr.get_batch(idx)
+        frames = _decord_into(nd, self.out_buffer)
+        return frames, self.pts[np.asarray(idx, dtype=np.int64)]
 
     def batches(self, targets: np.ndarray, batch: int):
         """``(frames, timestamps)`` of sorted distinct ``targets``, ``batch`` at a time; the
@@ -355,19 +487,47 @@ class _DecordReader:
         self.vr = None
 
 
+def _decord_into(nd, out) -> np.ndarray:
+    """A decord NDArray as numpy: copied straight into ``out`` (shared memory: one copy,
+    as ``asnumpy`` makes) when it fits, else a new array."""
+    shape = tuple(nd.shape)
+    n = int(np.prod(shape))
+    if out is not None and out.nbytes >= n and str(nd.dtype) == "uint8":
+        try:
+            import ctypes
+            from decord._ffi.base import _LIB, check_call
+            dst = out[:n].reshape(shape)
+            check_call(_LIB.DECORDArrayCopyToBytes(nd.handle, dst.ctypes.data_as(
+                ctypes.c_void_p), ctypes.c_size_t(n)))
+            return dst
+        except (ImportError, AttributeError):
+            pass
+    return nd.asnumpy()
+
+
+def _stack_into(frames: list, out) -> np.ndarray:
+    shape = (len(frames), *frames[0].shape)
+    n = int(np.prod(shape))
+    if out is not None and out.nbytes >= n:
+        return np.stack(frames, out=out[:n].reshape(shape))
+    return np.stack(frames)
+
+
 class _PyAVReader:
     name = "pyav"
+    out_buffer = None     # uint8 memory to decode the next batch into (Session.next)
 
     def __init__(self, path: str, facts: dict, size: tuple[int, int] | None = None):
         import av
 
         self.av = av
         self.path, self.facts, self.size = path, facts, size
-        self.total, self.fps, self.start = facts["frames"], facts["fps"], facts["start"]
+        self.rotation = facts.get("rotation", 0)
+        self.fps, self.start = facts["fps"], facts["start"]
         if not self.fps > 0:
             raise VideoError(f"{path}: the video stream has no frame rate", path=path)
-        if self.total < 1:
-            self.total = self._count_packets()
+        self.pts = self._packet_times()
+        self.total = len(self.pts)
         self.container = av.open(path, metadata_errors="ignore")
         self.stream = self.container.streams.video[0]
         self.stream.thread_type = "AUTO"
@@ -376,28 +536,39 @@ class _PyAVReader:
         self.size = size   # swscale converts and scales in one pass from the decoded planes
         return self
 
-    def _count_packets(self) -> int:
-        # Some containers (e.g. Matroska) carry no frame count; demuxing reads packet
-        # headers only, far cheaper than decoding.
+    def _packet_times(self) -> np.ndarray:
+        # Every frame's presentation time from the packet headers (demuxing, far cheaper
+        # than decoding): the frame count where the container has none (Matroska), and the
+        # timestamps of a variable-frame-rate video.
+        ts = []
         with self.av.open(self.path, metadata_errors="ignore") as c:
+            s = c.streams.video[0]
             try:
-                return sum(1 for p in c.demux(video=0) if p.size)
+                for p in c.demux(s):
+                    t = p.pts if p.pts is not None else p.dts
+                    if p.size and t is not None:
+                        ts.append(t)
             except self.av.error.FFmpegError:
-                return 0
+                pass
+            base = float(s.time_base) if s.time_base else 1.0 / self.fps
+        ts = np.sort(np.asarray(ts, dtype=np.float64)) * base
+        return ts - self.start if len(ts) else ts
 
     def _index(self, frame) -> int:
-        return round((frame.time - self.start) * self.fps)
+        return int(_nearest(self.pts, np.array([frame.time - self.start]))[0])
 
     def _rgb(self, frame) -> np.ndarray:
         if self.size is None:
-            return frame.to_ndarray(format="rgb24")
-        h, w = self.size
-        return frame.to_ndarray(format="rgb24", width=w, height=h, interpolation="BICUBIC")
+            rgb = frame.to_ndarray(format="rgb24")
+        else:
+            h, w = _stored(self.size, self.rotation)
+            rgb = frame.to_ndarray(format="rgb24", width=w, height=h, interpolation="BICUBIC")
+        return _rotate(rgb[None], self.rotation)[0]
 
     def _frames_from(self, target: int | None):
         """Decoded frames from the keyframe at or before ``target`` (from the start when
         None), skipping packets the decoder rejects instead of giving up on the file."""
-        seconds = self.start + target / self.fps if target else 0.0
+        seconds = self.start + float(self.pts[target]) if target else 0.0
         offset = int(seconds / self.stream.time_base) if target else 0
         self.container.seek(offset, stream=self.stream, backward=True, any_frame=False)
         demux = self.container.demux(self.stream)
@@ -471,10 +642,10 @@ class _PyAVReader:
             rgb.append(frame)
             ts.append(t)
             if len(rgb) == batch:
-                yield np.stack(rgb), np.array(ts, dtype=np.float64)
+                yield _stack_into(rgb, self.out_buffer), np.array(ts, dtype=np.float64)
                 rgb, ts = [], []
         if rgb:
-            yield np.stack(rgb), np.array(ts, dtype=np.float64)
+            yield _stack_into(rgb, self.out_buffer), np.array(ts, dtype=np.float64)
 
     def close(self):
         self.container.close()
@@ -482,7 +653,7 @@ class _PyAVReader:
 
 def _open_reader(name: str, path: str, facts: dict | None, size=None):
     if name == "decord":
-        return _DecordReader(path, size)
+        return _DecordReader(path, size, (facts or {}).get("rotation", 0))
     if facts is None:
         raise ImportError("PyAV (the av package) is not installed")
     return _PyAVReader(path, facts, size)
@@ -494,35 +665,6 @@ def _backend_order(backend: str | None) -> tuple[str, ...]:
     if backend not in BACKENDS:
         raise VideoError(f"unknown video backend {backend!r}; use one of {', '.join(BACKENDS)}")
     return (backend,)
-
-
-def _with_reader(path, backend, fn, size=None):
-    """Run ``fn(reader, facts)`` with the first backend that opens and reads the file."""
-    path = os.fspath(path)
-    order = _backend_order(backend)
-    kind = _check_file(path)
-    facts = _probe_av(path, kind)
-    failures: list[tuple[str, str, BaseException]] = []
-    for name in order:
-        try:
-            reader = _open_reader(name, path, facts, size)
-        except ImportError as e:
-            failures.append((name, "missing", e))
-            continue
-        except MemoryError:     # not the file's fault: the caller says "out of memory"
-            raise
-        except Exception as e:  # decord raises DECORDError/RuntimeError on bad files
-            failures.append((name, "open", e))
-            continue
-        try:
-            return fn(reader, facts)
-        except (VideoError, MemoryError):
-            raise
-        except Exception as e:
-            failures.append((name, "read", e))
-        finally:
-            reader.close()
-    raise _explain(path, failures)
 
 
 def _explain(path: str, failures) -> VideoError:
@@ -539,23 +681,172 @@ def _explain(path: str, failures) -> VideoError:
                       path=path)
 
 
+# FFmpeg's answers when an address-space limit stops it: ENOMEM, and EAGAIN from a
+# decoder thread whose stack cannot be mapped (PyAV raises them as OSErrors)
+_OUT_OF_MEMORY = (12, 11)
+
+
+class Session:
+    """The decoding side of one video: opens it with the first backend that can, then reads
+    sorted distinct frame numbers in batches, handing the rest to the next backend when one
+    fails mid-read. Everything here runs C/C++ parsers on the file, so by default it runs in
+    a decode worker process (``mminfer.engine.decode_worker``) that a crafted file may crash,
+    starve of memory or hang without harm to the caller; ``decode_worker.configure(
+    sandbox=False)`` runs it in this process instead."""
+
+    def __init__(self):
+        self.reader = None
+        self.backend = None
+        self._gen = None
+        self._cur = None          # the reader decoding now
+        self._out = None
+
+    def probe(self, path: str, order, kind) -> dict:
+        try:
+            return self.open(path, order, kind)
+        finally:
+            self.close()
+
+    def open(self, path: str, order, kind) -> dict:
+        """Facts of the video (as the backend that opened it sees them): ``backend``,
+        ``total`` frames, ``fps`` (the container's average), ``pts`` (every frame's
+        presentation time in seconds from the first), display ``width``/``height`` (after
+        rotation), ``codec``, ``rotation``."""
+        self.close()
+        facts = _probe_av(path, kind)
+        if (facts or {}).get("rotation") and "pyav" in order:
+            # decord turns frames itself, but breaks on some sizes (a buffer size check fails
+            # for 96x48 at 90 degrees, and with scaling at 180): PyAV first for these
+            order = ("pyav", *(o for o in order if o != "pyav"))
+        failures: list[tuple[str, str, BaseException]] = []
+        reader = None
+        for i, name in enumerate(order):
+            try:
+                reader = _open_reader(name, path, facts)
+            except ImportError as e:
+                failures.append((name, "missing", e))
+                continue
+            except MemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 (decord raises DECORDError/RuntimeError)
+                failures.append((name, "open", e))
+                continue
+            order = order[i + 1:]
+            break
+        if reader is None:
+            raise _explain(path, failures)
+        self.path, self.facts, self.reader, self.rest = path, facts, reader, list(order)
+        self.failures, self.backend = failures, reader.name
+        rotation = (facts or {}).get("rotation", 0)
+        if reader.total < 1:
+            h = w = 0
+            codec = (facts or {}).get("codec", "unknown")
+        elif facts is not None:
+            h, w, codec = facts["height"], facts["width"], facts["codec"]
+            if rotation in (90, 270):
+                h, w = w, h
+        else:   # no PyAV to read the headers: one decoded frame tells
+            h, w = reader.read(np.array([0]))[0].shape[1:3]
+            codec = "unknown"
+        return {"backend": reader.name, "total": int(reader.total), "fps": float(reader.fps),
+                "pts": np.asarray(reader.pts, dtype=np.float64), "width": int(w),
+                "height": int(h), "codec": codec, "rotation": rotation}
+
+    def start(self, targets, size, batch: int) -> None:
+        """Decode the sorted distinct frame numbers ``targets``, ``batch`` at a time, at
+        display size ``size`` (h, w) or the source's (None): see :meth:`next`."""
+        self._gen = self._produce(np.asarray(targets, dtype=np.int64),
+                                  None if size is None else tuple(int(v) for v in size),
+                                  int(batch))
+
+    def next(self, out: np.ndarray | None = None) -> np.ndarray | None:
+        """The next batch of frames (uint8 ``[k, h, w, 3]``, C order), None at the end;
+        decoded into ``out`` (flat uint8) where the backend can (then a view of it)."""
+        self._out = out
+        if self._cur is not None:
+            self._cur.out_buffer = out
+        return next(self._gen, None)
+
+    def close(self):
+        if self._gen is not None:
+            self._gen.close()
+            self._gen = None
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+    def _produce(self, targets, size, batch):
+        pos = 0
+        reader, self.reader = self.reader, None
+        if size is None:
+            want_hw = None
+        rest = self.rest
+        try:
+            while True:
+                name = reader.name
+                try:
+                    reader = reader.resized(size)
+                    self.backend = reader.name
+                    self._cur = reader
+                    reader.out_buffer = self._out
+                    for frames, _ in reader.batches(targets[pos:], batch):
+                        k = len(frames)
+                        want_hw = size or want_hw or frames.shape[1:3]
+                        want = (k, *want_hw, 3)
+                        if frames.shape != want or frames.dtype != np.uint8:
+                            raise RuntimeError(f"backend returned frames of shape "
+                                               f"{frames.shape}, expected {want}")
+                        pos += k
+                        yield np.ascontiguousarray(frames)
+                    return
+                except VideoError:
+                    raise
+                except MemoryError:
+                    raise
+                except OSError as e:
+                    if e.errno in _OUT_OF_MEMORY:
+                        raise MemoryError(f"decoding {self.path}: {e}") from None
+                    self.failures.append((name, "read", e))
+                except Exception as e:  # noqa: BLE001 (the next backend gets the rest)
+                    self.failures.append((name, "read", e))
+                finally:
+                    reader.close()
+                    self._cur = None
+                reader = None
+                while rest and reader is None:
+                    nxt = rest.pop(0)
+                    try:
+                        reader = _open_reader(nxt, self.path, self.facts)
+                    except ImportError as e:
+                        self.failures.append((nxt, "missing", e))
+                    except Exception as e:  # noqa: BLE001
+                        self.failures.append((nxt, "open", e))
+                if reader is None:
+                    raise _explain(self.path, self.failures)
+        finally:
+            if reader is not None:
+                reader.close()
+
+
+def _session() -> Session:
+    from mminfer.engine import decode_worker
+    return decode_worker.session()
+
+
 # ------------------------------------------------------------------------------ API
 
 def probe(path, *, backend: str | None = None) -> VideoInfo:
-    """Frame count, frame rate and size of a video, as the decoding backend sees them."""
-
-    def info(reader, facts):
-        if reader.total < 1:
-            raise VideoError(f"{path} contains no video frames", path=os.fspath(path))
-        if facts is not None:
-            w, h, codec = facts["width"], facts["height"], facts["codec"]
-        else:
-            h, w = reader.read(np.array([0]))[0].shape[1:3]
-            codec = "unknown"
-        return VideoInfo(os.fspath(path), reader.total, reader.fps, reader.total / reader.fps,
-                         int(w), int(h), codec, reader.name)
-
-    return _with_reader(path, backend, info)
+    """Frame count, frame rate and size of a video, as the decoding backend sees them
+    (a variable-frame-rate video: its mean rate and the duration its timestamps span)."""
+    path = os.fspath(path)
+    order = _backend_order(backend)
+    kind = _check_file(path)
+    facts = _session().probe(path, order, kind)
+    if facts["total"] < 1:
+        raise VideoError(f"{path} contains no video frames", path=path)
+    fps, duration, _ = _timing(facts)
+    return VideoInfo(path, facts["total"], fps, duration, facts["width"], facts["height"],
+                     facts["codec"], facts["backend"], facts["pts"])
 
 
 def decode(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: int = 768,
@@ -569,26 +860,17 @@ def decode(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: int = 
     (h, w) has the decoder scale every frame to that size (its own bicubic scaler), else
     frames come at the source size. All frames are held at once: a long video or a large
     frame wants :func:`open_stream`."""
-    _check_args(sampling, fps, max_frames, min_frames, num_frames, start, end)
-
-    def run(reader, facts):
-        idx = sample_indices(reader.total, reader.fps, sampling=sampling, fps=fps,
-                             max_frames=max_frames, min_frames=min_frames,
-                             num_frames=num_frames, start=start, end=end)
-        frames, ts = reader.read(idx)
-        if frames.ndim != 4 or frames.shape[0] != len(idx) or frames.shape[-1] != 3:
-            raise RuntimeError(f"backend returned frames of shape {frames.shape}")
-        first, last = frame_range(reader.total, reader.fps, start, end)
-        return DecodedVideo(
-            frames=np.ascontiguousarray(frames, dtype=np.uint8), timestamps=ts,
-            indices=idx, fps=reader.fps,
-            sampled_fps=len(idx) / (last - first + 1) * reader.fps,
-            duration=reader.total / reader.fps,
-            width=int(facts["width"] if size and facts else frames.shape[2]),
-            height=int(facts["height"] if size and facts else frames.shape[1]),
-            backend=reader.name)
-
-    return _with_reader(path, backend, run, size)
+    with open_stream(path, sampling=sampling, fps=fps, max_frames=max_frames,
+                     min_frames=min_frames, num_frames=num_frames, start=start, end=end,
+                     backend=backend) as s:
+        if size is not None:
+            s.decode_size = (int(size[0]), int(size[1]))
+        chunks = list(s.chunks(max(len(s), 1)))
+        frames = np.ascontiguousarray(chunks[0] if len(chunks) == 1 else np.concatenate(chunks))
+    return DecodedVideo(
+        frames=frames, timestamps=s.timestamps, indices=s.indices, fps=s.fps,
+        sampled_fps=s.sampled_fps, duration=s.duration, width=s.width, height=s.height,
+        backend=s.backend)
 
 
 # --------------------------------------------------------------------------- streaming
@@ -620,24 +902,25 @@ class VideoStream:
     yields uint8 RGB arrays ``[n, h, w, 3]`` (the last one shorter) in sample order while
     the thread decodes ahead, holding at most ``STREAM_BUFFER_BYTES`` of decoded frames. The
     stream behaves as the frames of a :class:`DecodedVideo` where the adapters look:
-    ``len()``, ``shape`` (of the source frames) and ``sampled_fps``.
+    ``len()``, ``shape`` (of the source frames, as displayed) and ``sampled_fps``.
 
+    The decoding itself runs in a decode worker process (``mminfer.engine.decode_worker``),
+    which writes the frames into shared memory; the thread here hands them on.
     ``decode_ms`` is the thread's own decoding time (it runs alongside the consumer);
     ``wait_ms`` is how long the consumer sat waiting for frames. A backend that fails while
     reading hands the remaining samples to the next backend (same frame numbers).
     """
 
-    def __init__(self, path, facts, backends, reader, indices, *, fps, sampled_fps, duration,
-                 width, height, failures, open_ms):
-        self.path, self._facts, self._backends = path, facts, list(backends)
-        self._reader = reader
+    def __init__(self, path, session, facts, indices, *, sampled_fps, open_ms):
+        self.path, self._session, self._facts = path, session, facts
         self.indices = np.asarray(indices, dtype=np.int64)
-        self.fps, self.sampled_fps, self.duration = fps, sampled_fps, duration
-        self.width, self.height = int(width), int(height)
-        self.backend = reader.name
+        self.fps, self.duration, self.vfr = _timing(facts)
+        self.sampled_fps = sampled_fps
+        self.width, self.height = int(facts["width"]), int(facts["height"])
+        self.rotation = facts.get("rotation", 0)
+        self.backend = facts["backend"]
         self.decode_size: tuple[int, int] | None = None   # what the decoder scales to
         self.decode_ms, self.wait_ms = open_ms, 0.0
-        self._failures = list(failures)
         self._thread = None
         self._queue = None
         self._stop = None
@@ -650,6 +933,11 @@ class VideoStream:
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (len(self.indices), self.height, self.width, 3)
+
+    @property
+    def timestamps(self) -> np.ndarray:
+        """Presentation time (seconds from the first frame) of each sample."""
+        return self._facts["pts"][self.indices].astype(np.float64)
 
     @property
     def frame_size(self) -> tuple[int, int]:
@@ -721,18 +1009,22 @@ class VideoStream:
             yield np.concatenate(buf) if len(buf) > 1 else buf[0]
 
     def close(self):
-        """Stop the decoder thread (if running) and release the file."""
+        """Stop the decoder thread (if running) and release the file and the worker."""
         if self._thread is not None:
             self._stop.set()
+            give_up = time.monotonic() + 1.0
             while self._thread.is_alive():
                 try:                      # unblock a producer waiting on a full queue
                     self._queue.get_nowait()
                 except Exception:  # noqa: BLE001 (queue.Empty)
                     self._thread.join(0.05)
+                if time.monotonic() > give_up and hasattr(self._session, "abort"):
+                    self._session.abort()  # a decode worker still busy on a batch: end it
+                    give_up = float("inf")
             self._thread = None
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        if self._session is not None:
+            self._session.close()
+            self._session = None
         self._consumed = True
 
     def __enter__(self):
@@ -752,10 +1044,9 @@ class VideoStream:
         return False
 
     def _run(self):
-        frames_of = self._produce()
         try:
             t0 = time.perf_counter()
-            for frames in frames_of:
+            for frames in self._produce():
                 self.decode_ms += (time.perf_counter() - t0) * 1e3
                 if not self._put(frames):
                     return
@@ -764,48 +1055,29 @@ class VideoStream:
             self._put(_END)
         except BaseException as e:  # noqa: BLE001 (handed to the consumer, raised there)
             self._put(_Failure(e))
-        finally:
-            frames_of.close()       # a stopped stream releases its reader here
 
     def _produce(self):
         targets, counts = np.unique(self.indices, return_counts=True)
+        session = self._session
+        session.start(targets, self.decode_size, self._batch)
         pos = 0
-        reader, self._reader = self._reader, None
-        rest = self._backends[1:]
-        while True:
-            name = reader.name
-            try:
-                reader = reader.resized(self.decode_size)
-                self.backend = reader.name
-                for frames, _ in reader.batches(targets[pos:], self._batch):
-                    k = len(frames)
-                    want = (k, *self.frame_size, 3)
-                    if frames.shape != want:
-                        raise RuntimeError(f"backend returned frames of shape {frames.shape}, "
-                                           f"expected {want}")
-                    reps = counts[pos:pos + k]
-                    pos += k
-                    yield np.repeat(frames, reps, axis=0) if reps.max() > 1 else frames
-                    if self._stop.is_set():
-                        return
+        want = self.frame_size
+        while pos < len(targets):
+            frames = session.next()
+            if frames is None:
+                raise _explain(self.path, [(self.backend, "read", RuntimeError(
+                    f"the decoder ended after {pos} of {len(targets)} frames"))])
+            self.backend = session.backend
+            k = len(frames)
+            if k == 0 or pos + k > len(targets) or frames.shape[1:] != (*want, 3):
+                raise RuntimeError(f"the decoder returned frames of shape {frames.shape}, "
+                                   f"expected ({min(self._batch, len(targets) - pos)}, "
+                                   f"{want[0]}, {want[1]}, 3)")
+            reps = counts[pos:pos + k]
+            pos += k
+            yield np.repeat(frames, reps, axis=0) if reps.max() > 1 else frames
+            if self._stop.is_set():
                 return
-            except VideoError:
-                raise
-            except Exception as e:  # noqa: BLE001 (the next backend gets the rest)
-                self._failures.append((name, "read", e))
-            finally:
-                reader.close()
-            reader = None
-            while rest and reader is None:
-                nxt = rest.pop(0)
-                try:
-                    reader = _open_reader(nxt, self.path, self._facts)
-                except ImportError as e:
-                    self._failures.append((nxt, "missing", e))
-                except Exception as e:  # noqa: BLE001
-                    self._failures.append((nxt, "open", e))
-            if reader is None:
-                raise _explain(self.path, self._failures)
 
 
 def open_stream(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: int = 768,
@@ -819,35 +1091,17 @@ def open_stream(path, *, sampling: str = "qwen", fps: float = 2.0, max_frames: i
     path = os.fspath(path)
     order = _backend_order(backend)
     kind = _check_file(path)
-    facts = _probe_av(path, kind)
-    failures: list[tuple[str, str, BaseException]] = []
-    reader = None
-    for i, name in enumerate(order):
-        try:
-            reader = _open_reader(name, path, facts)
-        except ImportError as e:
-            failures.append((name, "missing", e))
-            continue
-        except Exception as e:  # noqa: BLE001 (decord raises DECORDError/RuntimeError)
-            failures.append((name, "open", e))
-            continue
-        order = order[i:]
-        break
-    if reader is None:
-        raise _explain(path, failures)
+    session = _session()
     try:
-        idx = sample_indices(reader.total, reader.fps, sampling=sampling, fps=fps,
-                             max_frames=max_frames, min_frames=min_frames,
-                             num_frames=num_frames, start=start, end=end)
-        first, last = frame_range(reader.total, reader.fps, start, end)
-        if facts is not None:
-            width, height = facts["width"], facts["height"]
-        else:   # no PyAV to read the headers: one decoded frame tells
-            height, width = reader.read(np.array([idx[0]]))[0].shape[1:3]
+        facts = session.open(path, order, kind)
+        if facts["total"] < 1:
+            raise VideoError(f"{path} contains no video frames", path=path)
+        idx, sampled_fps = _sampling(facts["total"], facts["fps"], facts["pts"],
+                                     sampling=sampling, fps=fps, max_frames=max_frames,
+                                     min_frames=min_frames, num_frames=num_frames,
+                                     start=start, end=end)
     except BaseException:
-        reader.close()
+        session.close()
         raise
-    return VideoStream(path, facts, order, reader, idx, fps=reader.fps,
-                       sampled_fps=len(idx) / (last - first + 1) * reader.fps,
-                       duration=reader.total / reader.fps, width=width, height=height,
-                       failures=failures, open_ms=(time.perf_counter() - t0) * 1e3)
+    return VideoStream(path, session, facts, idx, sampled_fps=sampled_fps,
+                       open_ms=(time.perf_counter() - t0) * 1e3)

@@ -7,6 +7,10 @@ disk, its header is read off the event loop (``check_video``: frames the decoder
 sample, pixels per frame, the decoded RGB bytes, the visual tokens the model would see, the
 question's tokens) and a request over any budget is answered 413 with the limit it passed,
 before it takes the worker's time or memory.
+
+The header is read in a decode worker process (mminfer.engine.decode_worker, set up here from
+the server's settings): a file that crashes, starves or hangs the parser is refused with 422
+(``UndecodableVideo``) and the server goes on.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Budget:
         self._tok = None
         self._tok_of = None
         self._lock = threading.Lock()
+        configure_decoding(settings)
 
     def _tokenizer(self, adapter):
         # A copy of its own: the worker thread encodes with the model's tokenizer at the
@@ -70,13 +75,14 @@ class Budget:
         ``adapter`` None (a stand-in model without one): the frame and pixel budgets only."""
         from mminfer.engine import video as videolib
         s = self.s
-        info = videolib.probe(path)
+        info = videolib.probe(path)         # in a decode worker: UndecodableVideo (422)
         # the frames the pipeline decodes: at most the model's own limit (LongVILA's)
         max_frames = min(params["max_frames"],
                          getattr(adapter, "frame_limit", None) or params["max_frames"])
         frames = len(videolib.sample_indices(info.frames, info.fps,
                                              sampling=getattr(adapter, "sampling", "qwen"),
-                                             fps=params["fps"], max_frames=max_frames))
+                                             fps=params["fps"], max_frames=max_frames,
+                                             timestamps=info.timestamps))
         pixels = info.width * info.height
         if pixels > s.max_frame_pixels:
             raise OverBudget(f"the video is {info.width}x{info.height} ({pixels} pixels per "
@@ -113,6 +119,18 @@ class Budget:
                 f"context of {context} tokens; lower fps or max_frames", tokens=least,
                 limit=context)
         return {**facts, "visual_tokens": visual, "question_tokens": q_tokens}
+
+
+def configure_decoding(settings) -> None:
+    """The decode sandbox's limits from the server's settings, and its workers started in the
+    background (the first request does not wait for one)."""
+    from mminfer.engine import decode_worker
+    decode_worker.configure(
+        memory_mb=float(getattr(settings, "decode_memory_mb", 1024.0)),
+        timeout_s=float(getattr(settings, "decode_timeout_s", 30.0)),
+        workers=int(getattr(settings, "decode_workers", 2)))
+    if decode_worker.config().sandbox:
+        decode_worker.pool().warm()
 
 
 def visual_tokens(adapter, n_frames: int, height: int, width: int) -> int | None:

@@ -89,6 +89,14 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="longest question (characters)")
     g.add_argument("--max-question-tokens", type=int, default=d.max_question_tokens,
                    help="longest question (tokens)")
+    g.add_argument("--decode-memory-mb", type=float, default=d.decode_memory_mb,
+                   help="memory a decode worker may take beyond its own footprint and the "
+                        "frames it is decoding (over: the video is refused, 422)")
+    g.add_argument("--decode-timeout-s", type=float, default=d.decode_timeout_s,
+                   help="a decode worker must open a video, and decode each batch of its "
+                        "frames, within this (else the video is refused, 422)")
+    g.add_argument("--decode-workers", type=int, default=d.decode_workers,
+                   help="decode worker processes kept started")
     g.add_argument("--no-client-sparse", action="store_true",
                    help="refuse requests that ask for attention=sparse (the server's "
                         "--attention still applies)")
@@ -148,7 +156,8 @@ def settings_from(args):
     if args.queue_size < 1 or (args.max_concurrent_uploads or 1) < 1:
         raise ConfigError("--queue-size and --max-concurrent-uploads must be at least 1")
     for name in ("max_upload_mb", "max_data_url_mb", "timeout_s", "upload_deadline_s",
-                 "max_fps", "max_decode_mb", "media_fetch_deadline_s"):
+                 "max_fps", "max_decode_mb", "media_fetch_deadline_s", "decode_memory_mb",
+                 "decode_timeout_s"):
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if not (0 <= args.shadow_rate <= 1 and args.shadow_max_mb >= 0
@@ -174,6 +183,8 @@ def settings_from(args):
         max_question_chars=args.max_question_chars,
         max_question_tokens=args.max_question_tokens,
         allow_client_sparse=not args.no_client_sparse,
+        decode_memory_mb=args.decode_memory_mb, decode_timeout_s=args.decode_timeout_s,
+        decode_workers=max(args.decode_workers, 1),
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(h.lower() for h in args.allowed_media_domains),
         allow_private_media_addresses=args.allow_private_media_addresses,

@@ -385,3 +385,88 @@ def test_rendered_frames_make_a_video_sampled_at_its_rate():
     assert v.timestamps.tolist() == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
     assert v.indices.tolist() == list(range(6)) and v.duration == 3.0
     assert v.processor_metadata()["fps"] == 2.0
+
+
+# ------------------------------------------------- rotation and variable frame rate (#32)
+
+def _marked(path, rotation=None, pts=None, container="mp4", n=6, h=48, w=96):
+    """A landscape clip with a white block in its top-left corner; ``rotation`` writes a
+    display matrix (PyAV: degrees counter-clockwise, as FFmpeg reads it back), ``pts`` the
+    presentation times in seconds (a variable frame rate)."""
+    import av
+    from fractions import Fraction
+    with av.open(str(path), "w", format=container) as c:
+        s = c.add_stream("libx264", rate=30, options={"preset": "ultrafast"})
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        if pts is not None:
+            s.time_base = s.codec_context.time_base = Fraction(1, 1000)
+        if rotation is not None:
+            s.set_display_rotation(rotation)
+        for i in range(n if pts is None else len(pts)):
+            a = np.full((h, w, 3), 40, np.uint8)
+            a[: h // 2, : w // 4] = 255
+            f = av.VideoFrame.from_ndarray(a, format="rgb24")
+            if pts is not None:
+                f.pts, f.time_base = int(round(pts[i] * 1000)), Fraction(1, 1000)
+            for p in s.encode(f):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def _block(frame):
+    ys, xs = np.nonzero(frame[:, :, 0] > 150)
+    return frame.shape[:2], (ys.mean() < frame.shape[0] / 2, xs.mean() < frame.shape[1] / 2)
+
+
+@pytest.mark.parametrize("backend", [None, "pyav"])   # decord's own turning breaks on sizes
+def test_display_rotation_is_applied(tmp_path, backend):
+    """A phone's portrait video (stored landscape with a 90 degree display matrix) is read
+    portrait, as FFmpeg's players show it: turned counter-clockwise, the stored top-left
+    corner comes to the bottom-left. probe and the stream report the displayed size."""
+    from mminfer.engine.video import open_stream
+    plain = _marked(tmp_path / "plain.mp4")
+    assert _block(decode(plain, backend=backend).frames[0]) == ((48, 96), (True, True))
+    for deg, want in ((90, ((96, 48), (False, True))), (270, ((96, 48), (True, False))),
+                      (180, ((48, 96), (False, False)))):
+        path = _marked(tmp_path / f"r{deg}.mp4", rotation=deg)
+        v = decode(path, backend=backend)
+        assert _block(v.frames[0]) == want, deg
+        assert (v.height, v.width) == want[0]
+        info = probe(path, backend=backend)
+        assert (info.height, info.width) == want[0]
+        with open_stream(path, backend=backend) as s:
+            assert s.shape[1:3] == want[0]
+            assert _block(next(s.chunks(2))[0]) == want
+
+
+@pytest.mark.parametrize("container", ["mp4", "matroska"])
+def test_variable_frame_rate_is_sampled_by_timestamps(tmp_path, container):
+    """Ten frames at 30 fps, then ten spread over an hour: the duration is the hour (not
+    20 frames at 30 fps, 0.67 s), and the samples are spread over it in time, each frame's
+    timestamp its own."""
+    pts = np.concatenate([np.arange(10) / 30, np.linspace(600, 3600, 10)])
+    path = _marked(tmp_path / f"vfr.{'mp4' if container == 'mp4' else 'mkv'}", pts=pts,
+                   container=container)
+    info = probe(path)
+    assert info.frames == 20 and 3600 <= info.duration < 3601, info
+    v = decode(path, fps=2.0, max_frames=16)
+    assert 3600 <= v.duration < 3601
+    np.testing.assert_allclose(v.timestamps, pts[v.indices], atol=2e-3)
+    # evenly spaced in time: 16 samples over the hour, about 240 s apart; most from the
+    # sparse part (a frame-number rule would take 8 of the first 10 frames, all in 0.3 s)
+    assert len(v.indices) == 16 and (v.timestamps > 300).sum() >= 13, v.timestamps
+    assert v.sampled_fps == pytest.approx(16 / 3600.033, rel=1e-3)
+    u = decode(path, sampling="uniform", num_frames=4)
+    np.testing.assert_allclose(u.timestamps, [0.0, 1266.7, 2266.7, 3600.0], atol=1.0)
+    w = decode(path, start=1000.0, end=3000.0, num_frames=4)   # a window, in seconds
+    assert w.timestamps.min() >= 1000 and w.timestamps.max() <= 3000, w.timestamps
+
+
+def test_constant_rate_sampling_is_unchanged_by_timestamps(make_video):
+    """A constant-rate file's timestamps change nothing: the frame-number rules hold."""
+    path = make_video(n_frames=300, fps=30)
+    from mminfer.engine.video import is_variable_rate
+    assert not is_variable_rate(np.arange(300) / 30 + 1e-4, 30.0)
+    assert decode(path).indices.tolist() == qwen_reference(300, 30).tolist()

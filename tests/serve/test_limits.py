@@ -250,7 +250,10 @@ except Exception as e:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
+                              # in-process decoding (the sandbox bounds a worker instead:
+                              # tests/engine/test_decode_worker.py)
+                              "MMINFER_DECODE_SANDBOX": "0"})
     assert out.stdout.strip().splitlines()[-1] == "MemoryError", out.stdout + out.stderr
 
 
