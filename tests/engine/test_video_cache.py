@@ -299,3 +299,46 @@ def test_a_conversation_survives_pickling():
     back = pickle.loads(pickle.dumps(conv))
     assert back == conv and back.turns[1].parts[1] is VIDEO
     assert back.validate().prefix_digest() == conv.prefix_digest()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_continuation_attention_on_the_gpu(dtype):
+    """The question's rows over a cached prefix on CUDA (SDPA's lower-right causal bias, GQA
+    by index, K/V as views of larger buffers) against fp32 attention with the mask written
+    out, at a 7B head shape."""
+    from mminfer.models.hooks import continuation_attention
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, Hkv, D, P, S, cap = 28, 4, 128, 5003, 37, 6000
+    q = torch.randn(1, H, S, D, device="cuda", generator=g).to(dtype)
+    kb = torch.randn(1, Hkv, cap, D, device="cuda", generator=g).to(dtype)
+    vb = torch.randn(1, Hkv, cap, D, device="cuda", generator=g).to(dtype)
+    k, v = kb[:, :, :P + S], vb[:, :, :P + S]            # views, as a PrefixKV hands them
+    out = continuation_attention(q, k, v, D ** -0.5)      # [1, S, H, D]
+    kr, vr = (t.float().repeat_interleave(H // Hkv, 1) for t in (k, v))
+    s = (q.float() @ kr.transpose(-1, -2)) * D ** -0.5
+    rows = torch.arange(P, P + S, device="cuda")[:, None]
+    s = s.masked_fill(torch.arange(P + S, device="cuda")[None, :] > rows, float("-inf"))
+    ref = (s.softmax(-1) @ vr).transpose(1, 2)
+    err = (out.float() - ref).abs().max().item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 4e-3), err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_kept_prefix_answers_as_the_one_shot_prefill_on_the_gpu(qwen, mp4):
+    """bf16 on CUDA: a question continued on a kept prefix gives the one-shot prefill's greedy
+    tokens and nearly its logits; a hit answers as the miss that built the prefix."""
+    pipe = Pipeline(str(qwen), attention="dense", device="cuda")
+    ad = pipe.adapter
+    decoded = videolib.decode(str(mp4), sampling=ad.sampling, fps=4.0, max_frames=8)
+    prep = ad.prepare(decoded, Conversation.single("where does the red square move?"))
+    embeds = ad.embed(prep)
+    ref = _one_shot(ad, prep, embeds, max_new_tokens=6)
+    kv, got = _split(ad, prep, embeds, max_new_tokens=6)
+    assert got.token_ids == ref.token_ids
+    assert torch.allclose(got.prefill_logits.float(), ref.prefill_logits.float(), atol=5e-2)
+    a = pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=6)
+    b = pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=6)
+    assert (a.cache, b.cache, a.answer) == ("miss", "hit", b.answer)
