@@ -1,0 +1,213 @@
+"""The lean decode step (mminfer.models.decode): the same greedy tokens and the same cache rows as
+the text model's own forward (``Adapter._step``) on tiny Qwen2.5-VL and LongVILA checkpoints
+(CPU, fp32); the loop's cancel / streaming semantics through ``continue_on``; which path runs
+where; and on a GPU (bf16) the CUDA-graph replay against the eager lean step and ``_step``."""
+
+import pytest
+import torch
+
+from lab.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny_longvila import save_tiny_longvila
+from mminfer.engine import video as videolib
+from mminfer.engine.pipeline import Pipeline
+from mminfer.errors import Cancelled
+from mminfer.models import decode
+from mminfer.models.base import Adapter, Conversation
+from mminfer.models.kv import PrefixKV
+
+from conftest import write_video
+
+
+@pytest.fixture(scope="module")
+def mp4(tmp_path_factory):
+    return write_video(tmp_path_factory.mktemp("vid") / "square.mp4", n_frames=16, fps=8.0,
+                       width=96, height=64, noise=True)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, mp4):
+    """kind -> (adapter, Prepared, embeds) of one question on the tiny checkpoint."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for kind in ("qwen", "longvila"):
+        ckpt = (save_tiny_qwen2_5_vl(root / "tiny-qwen") if kind == "qwen"
+                else save_tiny_longvila(root / "tiny-longvila"))
+        ad = Pipeline(str(ckpt), attention="dense", device="cpu").adapter
+        decoded = videolib.decode(str(mp4), sampling=ad.sampling, fps=4.0,
+                                  max_frames=min(8, ad.frame_limit or 8))
+        prep = ad.prepare(decoded, Conversation.single("where does the red square move?"))
+        out[kind] = (ad, prep, ad.embed(prep))
+    return out
+
+
+def _answer(ad, prep, embeds, mode, *, headroom=None, n=14, **kw):
+    """prefix prefill + continue_on with decode ``mode``; end tokens off so every step runs."""
+    kv = ad.prefill_prefix(prep, embeds.clone(), headroom=headroom)
+    ad.decode_mode, eos = mode, ad.eos_token_ids
+    ad.eos_token_ids = ()
+    try:
+        got = ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
+                             max_new_tokens=n, **kw)
+    finally:
+        ad.decode_mode, ad.eos_token_ids = "auto", eos
+    return kv, got
+
+
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_lean_step_decodes_as_the_models_forward(kind, prepared):
+    ad, prep, embeds = prepared[kind]
+    # a small headroom: the slab grows during the answer
+    kv_ref, ref = _answer(ad, prep, embeds, "step", headroom=3)
+    kv, got = _answer(ad, prep, embeds, "lean", headroom=3)
+    assert decode.choose_path(ad) == "lean"              # CPU: no graphs
+    assert len(ref.token_ids) == 14 and len(set(ref.token_ids)) > 1
+    assert got.token_ids == ref.token_ids
+    # the rows written by the decode steps (positions, rotary, K/V) are the forward's
+    n = kv_ref.get_seq_length()
+    assert kv.get_seq_length() == n == prep.input_ids.shape[1] + 13
+    for a, b in zip(kv.layers, kv_ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def test_lean_step_logits_track_the_forward_step_by_step(prepared):
+    """Each lean step's token is the argmax of the forward's logits at that step, and a wrong
+    position would show: the step takes the positions the adapter gives."""
+    ad, prep, embeds = prepared["qwen"]
+    kv = ad.prefill_prefix(prep, embeds.clone())
+    kv2 = ad.prefill_prefix(prep, embeds.clone())
+    suffix = embeds[:, prep.prefix_len:]
+    P, S = prep.prefix_len, suffix.shape[1]
+    with torch.inference_mode():
+        for cache in (kv, kv2):
+            ad._step(suffix, ad.positions_after(prep.rope_delta, P, S), cache)
+        dec = decode.decoder_of(ad)
+        token = torch.tensor([[7]])
+        for i in range(5):
+            pos = ad.positions_after(prep.rope_delta, P + S + i, 1)
+            logits = ad.lm_head(ad._step(ad.text_model.get_input_embeddings()(token), pos, kv))
+            lean = dec.step(token, pos, kv2)
+            assert lean.shape == (1, 1) and int(lean) == int(logits.argmax(-1))
+            token = lean
+        # off by one position: other keys in the cache
+        shifted = ad.positions_after(prep.rope_delta, P + S + 6, 1)
+        dec.step(token, shifted, kv2)
+        ad._step(ad.text_model.get_input_embeddings()(token),
+                 ad.positions_after(prep.rope_delta, P + S + 5, 1), kv)
+    assert not torch.allclose(kv.layers[0].keys[..., -1, :], kv2.layers[0].keys[..., -1, :])
+    torch.testing.assert_close(kv.layers[0].keys[..., :-1, :], kv2.layers[0].keys[..., :-1, :],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_cancel_is_checked_before_every_step_and_streaming_adds_up(prepared):
+    ad, prep, embeds = prepared["qwen"]
+    calls = []
+
+    def cancel():
+        calls.append(1)
+        return len(calls) == 4
+
+    with pytest.raises(Cancelled, match="after 4 answer tokens"):
+        _answer(ad, prep, embeds, "lean", cancel=cancel)
+    assert len(calls) == 4
+    texts, ids = [], []
+    _, got = _answer(ad, prep, embeds, "lean", n=8,
+                     on_token=lambda t, i: (texts.append(t), ids.append(i)))
+    assert ids[:-1] == got.token_ids or ids == got.token_ids
+    assert "".join(texts) == got.text
+    # max_new_tokens=1: the suffix's token alone, no step
+    _, one = _answer(ad, prep, embeds, "lean", n=1)
+    assert one.token_ids == got.token_ids[:1]
+
+
+def test_path_choice(prepared):
+    ad, *_ = prepared["qwen"]
+    assert decode.choose_path(ad, "auto") == "lean"
+    assert decode.choose_path(ad, "step") == "step"
+    with pytest.raises(ValueError, match="CUDA"):
+        decode.choose_path(ad, "graph")
+    with pytest.raises(ValueError, match="decode mode"):
+        decode.choose_path(ad, "fast")
+    # a sliding-window layer: the model's own forward
+    attn = ad.text_model.layers[0].self_attn
+    old = getattr(attn, "sliding_window", None)
+    attn.sliding_window = 16
+    ad._lean_decoder = None
+    try:
+        assert decode.choose_path(ad) == "step"
+        with pytest.raises(ValueError, match="sliding"):
+            decode.choose_path(ad, "lean")
+    finally:
+        attn.sliding_window = old
+        ad._lean_decoder = None
+
+
+# ------------------------------------------------------------------------------ GPU
+class _Bare(Adapter):
+    """An adapter around a bare text model (no tokenizer, no vision): what decode_loop needs."""
+
+    def __init__(self, text_model, lm_head, mrope):
+        self.text_model, self.lm_head, self.mrope = text_model, lm_head, mrope
+        self.eos_token_ids = ()
+        self.device = lm_head.weight.device
+
+    def positions_after(self, rope_delta, start, length):
+        if not self.mrope:
+            return None
+        p = torch.arange(start, start + length, device=self.device) + int(rope_delta)
+        return p.view(1, 1, -1).expand(3, 1, -1)
+
+
+def _small_gpu_model(kind):
+    from mminfer.models import hooks
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    sizes = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536,
+                 rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    if kind == "qwen":
+        from transformers import Qwen2_5_VLConfig
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+        cfg = Qwen2_5_VLConfig(text_config=dict(
+            **sizes, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                      "mrope_section": [8, 12, 12]},
+            tie_word_embeddings=False)).text_config
+        with dev:
+            tm = m.Qwen2_5_VLTextModel._from_config(cfg, dtype=dt,
+                                                     attn_implementation=hooks.register())
+            head = torch.nn.Linear(256, 512, bias=False, dtype=dt)
+        return tm.eval(), head
+    from mminfer.models.longvila import longvila_7b_llm_config, random_llm
+    lm = random_llm(longvila_7b_llm_config(**sizes), device=dev, dtype=dt)
+    return lm.model, lm.lm_head
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_graph_replay_decodes_as_the_eager_step_on_cuda(kind):
+    from mminfer.models.prefill import prefill
+    tm, head = _small_gpu_model(kind)
+    ad = _Bare(tm, head, mrope=kind == "qwen")
+    assert decode.choose_path(ad) == "graph"
+    results = {}
+    with torch.inference_mode():
+        for n in (3000, 1234):             # two caches: one capture serves both
+            g = torch.Generator(device="cuda").manual_seed(n)
+            embeds = torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+            kv = PrefixKV.for_model(tm, headroom=8)           # grows during the answer
+            pos = ad.positions_after(5, 0, n) if ad.mrope else None
+            prefill(tm, embeds, kv, pos, kv_only_last=True)
+            first = int(torch.randint(0, 512, (1,), generator=g, device="cuda"))
+            for mode in ("step", "lean", "graph", "graph"):
+                out = decode.decode_loop(ad, kv, [first], rope_delta=5, max_new_tokens=40,
+                                         mode=mode)
+                assert kv.get_seq_length() == n + 39
+                results.setdefault(n, {}).setdefault(mode, []).append(out)
+                kv.truncate(n)
+    assert decode.decoder_of(ad)._graphs is not None
+    for n, r in results.items():
+        ref = r["step"][0]
+        assert len(ref) == 40 and len(set(ref)) > 1, ref
+        assert r["lean"][0] == ref, (n, r["lean"][0], ref)
+        assert r["graph"][0] == ref and r["graph"][1] == ref, (n, r["graph"], ref)
