@@ -144,7 +144,7 @@ class StepGraphs:
         L = len(dec.layers)
         dev = dec.embed.weight.device
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.pos = position_ids.detach().clone()
+        self.pos = position_ids.detach().clone(memory_format=torch.contiguous_format)
         attn0 = dec.layers[0].self_attn
         H = attn0.q_proj.out_features // attn0.head_dim
         self.attn = torch.zeros(1, 1, H, attn0.head_dim, dtype=dec.embed.weight.dtype,

@@ -211,3 +211,27 @@ def test_graph_replay_decodes_as_the_eager_step_on_cuda(kind):
         assert len(ref) == 40 and len(set(ref)) > 1, ref
         assert r["lean"][0] == ref, (n, r["lean"][0], ref)
         assert r["graph"][0] == ref and r["graph"][1] == ref, (n, r["graph"], ref)
+
+
+def test_benchmark_tiny_run(tmp_path):
+    """benchmarks/decode_step.py --tiny: every path's time and the same greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "decode.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_step.py"), "--tiny",
+                           "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["modes"] == ["step", "lean"] and "CUDA" in rep["graph"]
+    assert [r["n"] for r in rep["rows"]] == [300, 700]
+    for r in rep["rows"]:
+        assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
+        assert r["same_tokens"] == {"lean": True}
+        assert len(r["tokens"]["step"]) == 1 + rep["steps"]
+    assert "same tokens" in proc.stdout
