@@ -127,6 +127,113 @@ def attention_ms(ad, kv, n):
     return events_ms(run, reps=5)
 
 
+# ---------------------------------------------------------------- split-K attention, measured only
+# Is a flash-decoding kernel needed? A plain split-K Triton kernel for one query per head (the
+# GQA group's queries packed as rows of one tile, each KV head read once), timed against the
+# SDPA call the decode step makes, attention alone. Not used by mminfer.models.decode: a kernel
+# that rounds differently would not give the _step path's tokens bit for bit.
+_SPLITK = None
+
+
+def _splitk_kernel():
+    global _SPLITK
+    if _SPLITK is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def partial(Q, K, V, O, LSE, n, chunk, T, scale, skh, skn, svh, svn,
+                    G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+            h = tl.program_id(0)
+            s = tl.program_id(1)
+            S = tl.num_programs(1)
+            g = tl.arange(0, BG)
+            d = tl.arange(0, D)
+            q = tl.load(Q + (h * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G,
+                        other=0.0)
+            lo = s * chunk
+            hi = tl.minimum(lo + chunk, n)
+            m = tl.full([BG], float("-inf"), tl.float32)
+            l = tl.zeros([BG], tl.float32)
+            acc = tl.zeros([BG, D], tl.float32)
+            for t in range(0, T):
+                offs = lo + t * BN + tl.arange(0, BN)
+                valid = offs < hi
+                k = tl.load(K + h * skh + offs[:, None] * skn + d[None, :], mask=valid[:, None],
+                            other=0.0)
+                sc = tl.dot(q, tl.trans(k)) * scale
+                sc = tl.where(valid[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m, tl.max(sc, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(sc - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                l = l * alpha + tl.sum(p, 1)
+                v = tl.load(V + h * svh + offs[:, None] * svn + d[None, :], mask=valid[:, None],
+                            other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+            ok = l > 0
+            l_div = tl.where(ok, l, 1.0)
+            tl.store(O + ((h * S + s) * BG + g[:, None]) * D + d[None, :], acc / l_div[:, None])
+            tl.store(LSE + (h * S + s) * BG + g, tl.where(ok, m + tl.log(l_div), float("-inf")))
+
+        _SPLITK = (triton, partial)
+    return _SPLITK
+
+
+def splitk_attention(q, k, v, n, scale, *, block_n=64, programs=528):
+    """q ``[1, H, 1, D]``, k/v ``[1, Hkv, cap, D]`` (rows ``[0, n)`` used) -> ``[1, H, 1, D]``."""
+    triton, partial = _splitk_kernel()
+    _, H, _, D = q.shape
+    hkv = k.shape[1]
+    G = H // hkv
+    BG = max(16, triton.next_power_of_2(G))
+    tiles = triton.cdiv(n, block_n)
+    S = max(1, min(tiles, triton.cdiv(programs, hkv)))
+    T = triton.cdiv(tiles, S)
+    chunk = T * block_n
+    S = triton.cdiv(n, chunk)
+    o = torch.empty(hkv, S, BG, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(hkv, S, BG, device=q.device, dtype=torch.float32)
+    qc = q.reshape(hkv, G, D).contiguous()
+    partial[(hkv, S)](qc, k, v, o, lse, n, chunk, T, float(scale), k.stride(1), k.stride(2),
+                      v.stride(1), v.stride(2), G=G, BG=BG, D=D, BN=block_n)
+    w = torch.softmax(lse[:, :, :G], dim=1)                      # [Hkv, S, G]
+    out = (w[..., None] * o[:, :, :G]).sum(1)                    # [Hkv, G, D]
+    return out.reshape(1, H, 1, D).to(q.dtype)
+
+
+def splitk_check(ad, kv, n):
+    """Largest |splitk - SDPA| over every layer's view (fp32 on the CPU, bf16 on a GPU)."""
+    attn = ad.text_model.layers[0].self_attn
+    H = attn.q_proj.out_features // attn.head_dim
+    g = torch.Generator(device=ad.device).manual_seed(3)
+    worst = 0.0
+    for slab in kv.layers:
+        q = torch.randn(1, H, 1, attn.head_dim, device=ad.device, generator=g,
+                        dtype=torch.float32).to(slab.k_buf.dtype)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), slab.keys.float(), slab.values.float(), scale=attn.scaling,
+            enable_gqa=True)
+        got = splitk_attention(q, slab.k_buf, slab.v_buf, n, attn.scaling,
+                               block_n=16 if ad.device.type == "cpu" else 64,
+                               programs=8 if ad.device.type == "cpu" else 528)
+        worst = max(worst, float((got.float() - ref).abs().max()))
+    return worst
+
+
+def splitk_ms(ad, kv, n):
+    from cuda_events import events_ms
+    attn = ad.text_model.layers[0].self_attn
+    H = attn.q_proj.out_features // attn.head_dim
+    q = torch.randn(1, H, 1, attn.head_dim, device=ad.device, dtype=kv.layers[0].k_buf.dtype)
+
+    def run():
+        for slab in kv.layers:
+            splitk_attention(q, slab.k_buf, slab.v_buf, n, attn.scaling)
+    return events_ms(run, reps=5)
+
+
 def segments_ms(ad, graphs):
     """The captured segments alone (no K/V write, no attention): ms a step."""
     from cuda_events import events_ms
@@ -210,12 +317,27 @@ def main(argv=None):
                     row[f"{mode}_error"] = f"out of memory: {str(e).splitlines()[0]}"
                     print(f"  {mode}: out of memory at {n} tokens")
                     continue
+                except Exception as e:      # reported, the other paths still measured
+                    kv.truncate(n)
+                    row[f"{mode}_ms"] = None
+                    row[f"{mode}_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  {mode} failed at {n} tokens: {type(e).__name__}: {e}")
+                    continue
                 row[f"{mode}_ms"] = round(ms, 3)
                 row[f"{mode}_first_call_s"] = round(first_s, 3)
                 tokens[mode] = out
             if device.type == "cuda":
                 row["attention_ms"] = round(attention_ms(ad, kv, n), 3)
                 row["attention_GBps"] = round(kv_bytes / row["attention_ms"] / 1e6, 1)
+            if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+                try:
+                    row["splitk_max_abs_err"] = splitk_check(ad, kv, n)
+                    if device.type == "cuda":
+                        row["splitk_ms"] = round(splitk_ms(ad, kv, n), 3)
+                        row["splitk_GBps"] = round(kv_bytes / row["splitk_ms"] / 1e6, 1)
+                except Exception as e:     # measured only: a failure is reported
+                    row["splitk_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  split-K kernel failed: {row['splitk_error']}")
                 graphs = decode.decoder_of(ad)._graphs
                 if graphs is not None:
                     row["segments_ms"] = round(segments_ms(ad, graphs), 3)
@@ -230,16 +352,21 @@ def main(argv=None):
 
     print()
     print(f"{'tokens':>9} {'floor':>7} {'step':>8} {'lean':>8} {'graph':>8} {'attn':>7} "
-          f"{'segs':>7}  same tokens")
+          f"{'splitK':>7} {'segs':>7}  same tokens")
     for r in report["rows"]:
         def f(key):
             v = r.get(key)
             return f"{v:8.2f}" if isinstance(v, (int, float)) else f"{'-':>8}"
         print(f"{r['n']:>9} {r['floor_ms']:7.2f} {f('step_ms')} {f('lean_ms')} "
-              f"{f('graph_ms')} {f('attention_ms')[1:]} {f('segments_ms')[1:]}  "
+              f"{f('graph_ms')} {f('attention_ms')[1:]} {f('splitk_ms')[1:]} "
+              f"{f('segments_ms')[1:]}  "
               f"{r['same_tokens']}{'  (' + r['note'] + ')' if r['note'] else ''}")
-    print("ms a decode step; floor: weights + K/V once at 4.8 TB/s; attn: 28 layers' decode "
-          "attention alone; segs: the graphs without attention")
+    print("ms a decode step; floor: weights + K/V once at 4.8 TB/s; attn: every layer's decode "
+          "attention alone (SDPA, as the step runs it); splitK: the same with the split-K Triton "
+          "kernel (measured only); segs: the graphs without attention")
+    for r in report["rows"]:
+        if "splitk_max_abs_err" in r:
+            print(f"  split-K vs SDPA at {r['n']}: max |err| {r['splitk_max_abs_err']:.2e}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:

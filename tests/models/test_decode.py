@@ -214,7 +214,8 @@ def test_graph_replay_decodes_as_the_eager_step_on_cuda(kind):
 
 
 def test_benchmark_tiny_run(tmp_path):
-    """benchmarks/decode_step.py --tiny: every path's time and the same greedy tokens."""
+    """benchmarks/decode_step.py --tiny: every path's time, the same greedy tokens, and its
+    split-K kernel (under the Triton interpreter) equal to SDPA."""
     import json
     import os
     import subprocess
@@ -222,7 +223,8 @@ def test_benchmark_tiny_run(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "decode.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_step.py"), "--tiny",
                            "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -234,4 +236,6 @@ def test_benchmark_tiny_run(tmp_path):
         assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
         assert r["same_tokens"] == {"lean": True}
         assert len(r["tokens"]["step"]) == 1 + rep["steps"]
+        # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
+        assert r["splitk_max_abs_err"] < 1e-5, r
     assert "same tokens" in proc.stdout
