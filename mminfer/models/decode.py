@@ -182,7 +182,7 @@ class StepGraphs:
         self.graphs = []
         for j in range(L + 1):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 seg(j)
             self.graphs.append(g)
         torch.cuda.synchronize(dev)
@@ -235,6 +235,11 @@ def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_token
     to feed; its position is the cache's length): appends each new token to ``out`` until
     ``max_new_tokens`` tokens or an end token, calling ``emit(token_id)`` after each and
     ``cancel()`` before each step (raises mminfer.errors.Cancelled). Returns ``out``."""
+    with torch.inference_mode():
+        return _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode)
+
+
+def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode):
     from mminfer.errors import Cancelled
 
     path = choose_path(adapter, mode)
