@@ -370,7 +370,8 @@ def main(argv=None):
           "kernel (measured only); segs: the graphs without attention")
     for r in report["rows"]:
         if "splitk_max_abs_err" in r:
-            print(f"  split-K vs SDPA at {r['n']}: max |err| {r['splitk_max_abs_err']:.2e}")
+            err = r["splitk_max_abs_err"]
+            print(f"  split-K vs exact attention at {r['n']}: max |err| {err:.2e}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
