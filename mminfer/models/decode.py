@@ -153,6 +153,8 @@ class StepGraphs:
         self.q, self.k, self.v = [None] * L, [None] * L, [None] * L
         self.h = None
         self.next = None
+        self.scale = attn0.scaling
+        self.direct = None                 # direct_slabs' check, made on the first cache
 
         def seg(j):
             if j == 0:
@@ -187,15 +189,50 @@ class StepGraphs:
             self.graphs.append(g)
         torch.cuda.synchronize(dev)
 
-    def step(self, cache):
+    def step(self, cache, slabs=None):
         """One step from the token and position in ``tok``/``pos``; returns ``tok`` (now the
-        next token, on the device)."""
+        next token, on the device). ``slabs`` (from :meth:`direct_slabs`): the cache's
+        SlabLayers, written and attended directly (fewer host calls, the same kernels)."""
         g, dec = self.graphs, self.dec
         g[0].replay()
-        for i in range(len(dec.layers)):
-            self.attn.copy_(dec._attend(i, self.q[i], self.k[i], self.v[i], cache))
-            g[i + 1].replay()
+        if slabs is None:
+            for i in range(len(dec.layers)):
+                self.attn.copy_(dec._attend(i, self.q[i], self.k[i], self.v[i], cache))
+                g[i + 1].replay()
+            return self.tok
+        from mminfer.models.hooks import decode_backends
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with decode_backends(self.q[0], 1):
+            for i, slab in enumerate(slabs):
+                keys, values = slab.update(self.k[i], self.v[i])
+                out = sdpa(self.q[i], keys, values, scale=self.scale, enable_gqa=True)
+                self.attn.copy_(out.transpose(1, 2))
+                g[i + 1].replay()
         return self.tok
+
+    def direct_slabs(self, cache):
+        """``cache.layers`` where they are SlabLayers (layer i's at index i) and one SDPA call
+        gives, bit for bit, what the attention function the step would call gives (checked
+        once, on the first such cache); else None (the step goes through ``cache.update`` and
+        the attention function)."""
+        from mminfer.models.kv import SlabLayer
+        layers = getattr(cache, "layers", None)
+        if (not layers or len(layers) != len(self.dec.layers)
+                or not all(isinstance(x, SlabLayer) and x.length > 0 for x in layers)
+                or any(a.self_attn.layer_idx != i for i, a in enumerate(self.dec.layers))):
+            return None
+        if self.direct is None:
+            from mminfer.models.hooks import decode_backends
+            attn = self.dec.layers[0].self_attn
+            keys, values = layers[0].keys, layers[0].values
+            q = torch.randn(self.q[0].shape, device=keys.device, dtype=keys.dtype)
+            ref, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
+                                               scaling=attn.scaling)
+            with decode_backends(q, 1):
+                got = torch.nn.functional.scaled_dot_product_attention(
+                    q, keys, values, scale=self.scale, enable_gqa=True)
+            self.direct = bool(torch.equal(ref, got.transpose(1, 2)))
+        return list(layers) if self.direct else None
 
 
 # ---------------------------------------------------------------- the loop
@@ -274,8 +311,9 @@ def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, 
             if graphs is not None:
                 graphs.tok.fill_(out[-1])
                 graphs.pos.copy_(dec.position_ids(pos0, cache))
+                slabs = graphs.direct_slabs(cache)
                 while True:
-                    push(int(graphs.step(cache)))
+                    push(int(graphs.step(cache, slabs)))
                     if not more():
                         return out
         finally:

@@ -192,10 +192,17 @@ def test_graph_replay_decodes_as_the_eager_step_on_cuda(kind):
     assert decode.choose_path(ad) == "graph"
     results = {}
     with torch.inference_mode():
-        for n in (3000, 1234):             # two caches: one capture serves both
+        # two caches, one capture: a PrefixKV (written and attended directly where that is
+        # bit for bit the attention function) and a DynamicCache (through cache.update)
+        for n in (3000, 1234):
             g = torch.Generator(device="cuda").manual_seed(n)
             embeds = torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-            kv = PrefixKV.for_model(tm, headroom=8)           # grows during the answer
+            if n == 3000:
+                kv = PrefixKV.for_model(tm, headroom=8)       # grows during the answer
+            else:
+                from transformers import DynamicCache
+                kv = DynamicCache()
+                kv.truncate = kv.crop
             pos = ad.positions_after(5, 0, n) if ad.mrope else None
             prefill(tm, embeds, kv, pos, kv_only_last=True)
             first = int(torch.randint(0, 512, (1,), generator=g, device="cuda"))
