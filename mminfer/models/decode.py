@@ -171,23 +171,10 @@ class StepGraphs:
                 self.pos.add_(1)
 
         saved_tok, saved_pos = self.tok.clone(), self.pos.clone()
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):          # warm-up: cuBLAS handles, lazy inits
-            for _ in range(warmup):
-                for j in range(L + 1):
-                    seg(j)
-        torch.cuda.current_stream(dev).wait_stream(side)
+        _warm_up(dev, lambda: [seg(j) for _ in range(warmup) for j in range(L + 1)])
         self.tok.copy_(saved_tok)
         self.pos.copy_(saved_pos)
-        pool = torch.cuda.graph_pool_handle()
-        self.graphs = []
-        for j in range(L + 1):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                seg(j)
-            self.graphs.append(g)
-        torch.cuda.synchronize(dev)
+        self.graphs = _capture(dev, [lambda j=j: seg(j) for j in range(L + 1)])
 
     def step(self, cache, slabs=None):
         """One step from the token and position in ``tok``/``pos``; returns ``tok`` (now the
@@ -233,6 +220,29 @@ class StepGraphs:
                     q, keys, values, scale=self.scale, enable_gqa=True)
             self.direct = bool(torch.equal(ref, got.transpose(1, 2)))
         return list(layers) if self.direct else None
+
+
+def _warm_up(dev, fn):
+    """``fn()`` on a side stream (cuBLAS handles and lazy inits happen before a capture)."""
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+
+
+def _capture(dev, fns) -> list:
+    """One CUDA graph per function, captured in order into one memory pool (they are replayed
+    in that order, never concurrently, so their temporaries may share memory)."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            fn()
+        graphs.append(g)
+    torch.cuda.synchronize(dev)
+    return graphs
 
 
 # ---------------------------------------------------------------- the loop

@@ -142,6 +142,64 @@ def test_path_choice(prepared):
         ad._lean_decoder = None
 
 
+class _Replay:
+    """A stand-in for a captured CUDA graph on the CPU: replay runs the segment again. The
+    segments read their inputs through the StepGraphs' attributes at call time, as a graph
+    reads them at their captured addresses, so this checks the plumbing (static token and
+    position, the residual chain, q/k/v handed to the host, the attention buffer)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        fn()
+
+    def replay(self):
+        self.fn()
+
+
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_graph_plumbing_replayed_on_the_cpu(kind, prepared, monkeypatch):
+    from transformers import DynamicCache
+    from mminfer.models.prefill import prefill
+    ad, prep, embeds = prepared[kind]
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
+    ad._lean_decoder = None
+    try:
+        assert decode.choose_path(ad) == "graph"
+        # a PrefixKV: rows written and attended directly (the check holds on the CPU)
+        kv_ref, ref = _answer(ad, prep, embeds, "lean", headroom=3)
+        kv, got = _answer(ad, prep, embeds, "graph", headroom=3)
+        graphs = decode.decoder_of(ad)._graphs
+        assert graphs is not None and graphs.direct is True
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(kv.layers, kv_ref.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(a.values, b.values, atol=1e-6, rtol=1e-6)
+        # a DynamicCache: through cache.update and the attention function; the same capture
+        L = prep.input_ids.shape[1]
+        outs, caches = {}, {}
+        for mode in ("lean", "graph"):
+            cache = DynamicCache()
+            with torch.inference_mode():
+                first = int(prefill(ad.text_model, embeds.clone(), cache, ad.positions(prep, 0, L),
+                                    lm_head=ad.lm_head).argmax(-1))
+            eos, ad.eos_token_ids = ad.eos_token_ids, ()
+            try:
+                outs[mode] = decode.decode_loop(ad, cache, [first], rope_delta=prep.rope_delta,
+                                                max_new_tokens=9, mode=mode)
+            finally:
+                ad.eos_token_ids = eos
+            caches[mode] = cache
+        assert decode.decoder_of(ad)._graphs is graphs
+        assert outs["graph"] == outs["lean"] and len(outs["lean"]) == 9
+        for a, b in zip(caches["graph"].layers, caches["lean"].layers):
+            assert a.keys.shape[-2] == L + 8
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
+    finally:
+        ad._lean_decoder = None
+
+
 # ------------------------------------------------------------------------------ GPU
 class _Bare(Adapter):
     """An adapter around a bare text model (no tokenizer, no vision): what decode_loop needs."""
