@@ -19,10 +19,13 @@ layer after attention, norm, lm_head, argmax] — each captured once per model i
 with static buffers (the token id and the position live on the device and the last segment
 advances them). Between the replays the host runs what changes length every step: the K/V
 write into the cache and attention over its current view, as in the eager step (flash attention
-splits a long cache across its length for one query: flash-decoding). That leaves ~4 launches a
-layer instead of ~15 plus the module machinery, keeps the graphs independent of any cache (one
-capture serves every video and question), and replays exactly the eager step's kernels, so the
-tokens are the eager step's.
+splits a long cache across its length for one query: flash-decoding). On a PrefixKV the host
+writes the rows through its SlabLayers and calls SDPA itself, once it has checked on the first
+cache that this gives bit for bit what the attention function gives (else it goes through
+``cache.update`` and that function). That leaves ~4 launches a layer instead of ~15 plus the
+module machinery, keeps the graphs independent of any cache (one capture serves every video and
+question), and replays exactly the eager step's kernels, so the tokens are the eager step's.
+Capture happens on a model's first decode (its time falls in that request's "generate").
 
 Where a step cannot be captured (the CPU, tensor-parallel layers whose collectives run inside
 the modules, rotary embeddings that rescale with the position) the lean step runs eagerly; a
@@ -314,9 +317,13 @@ def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, 
         try:
             try:
                 graphs = dec.graphs(dec.position_ids(pos0, cache))
-            except Exception:
+            except Exception as e:
                 if mode == "graph" or getattr(adapter, "decode_mode", "auto") == "graph":
                     raise
+                import logging
+                logging.getLogger(__name__).warning(
+                    "decode steps run eagerly: CUDA graph capture failed (%s: %s)",
+                    type(e).__name__, e)
                 graphs = None                  # eager from here (graph_unsupported says why)
             if graphs is not None:
                 graphs.tok.fill_(out[-1])

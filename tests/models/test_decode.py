@@ -200,6 +200,30 @@ def test_graph_plumbing_replayed_on_the_cpu(kind, prepared, monkeypatch):
         ad._lean_decoder = None
 
 
+def test_a_failed_capture_decodes_eagerly(prepared, monkeypatch, caplog):
+    ad, prep, embeds = prepared["qwen"]
+
+    def refuse(dev, fns):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", refuse)
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: self._graph_failed)
+    ad._lean_decoder = None
+    try:
+        assert decode.choose_path(ad) == "graph"
+        _, ref = _answer(ad, prep, embeds, "lean")
+        with caplog.at_level("WARNING", logger="mminfer.models.decode"):
+            _, got = _answer(ad, prep, embeds, "auto")
+        assert got.token_ids == ref.token_ids
+        assert "capture failed" in caplog.text
+        assert decode.choose_path(ad) == "lean"          # not tried again
+        with pytest.raises(ValueError, match="capture failed"):
+            decode.choose_path(ad, "graph")
+    finally:
+        ad._lean_decoder = None
+
+
 # ------------------------------------------------------------------------------ GPU
 class _Bare(Adapter):
     """An adapter around a bare text model (no tokenizer, no vision): what decode_loop needs."""
