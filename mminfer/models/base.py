@@ -296,7 +296,6 @@ class Adapter:
         import time
         import torch
         from contextlib import nullcontext
-        from mminfer.errors import Cancelled
         from mminfer.models.detokenize import IncrementalText
 
         section = timer if timer is not None else (lambda name: nullcontext())
@@ -312,16 +311,12 @@ class Adapter:
             with section("generate"):
                 if stream is not None:
                     on_token(stream.push(out[0]), out[0])
-                embed_tokens = self.text_model.get_input_embeddings()
-                while len(out) < max_new_tokens and out[-1] not in self.eos_token_ids:
-                    if cancel is not None and cancel():
-                        raise Cancelled(f"request cancelled after {len(out)} answer tokens")
-                    pos = self.positions_after(rope_delta, P + S + len(out) - 1, 1)
-                    hidden = self._step(embed_tokens(token), pos, cache)
-                    token = self.lm_head(hidden[:, -1:]).argmax(-1)
-                    out.append(int(token))
-                    if stream is not None:
-                        on_token(stream.push(out[-1]), out[-1])
+                # decode steps: mminfer.models.decode (the lean step, replayed from CUDA graphs
+                # on a GPU; self._step where it cannot run), cancel checked before every step
+                from mminfer.models.decode import decode_loop
+                decode_loop(self, cache, out, rope_delta=rope_delta,
+                            max_new_tokens=max_new_tokens, cancel=cancel,
+                            emit=(lambda t: on_token(stream.push(t), t)) if stream else None)
         answer = [t for t in out if t not in self.eos_token_ids]
         text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
         if stream is not None:

@@ -1,0 +1,366 @@
+"""Greedy decode steps without transformers' forward: the lean step, and the same step replayed
+from CUDA graphs.
+
+A decode step through the text model's forward (``Adapter._step``) spends most of its time on
+the host: the mask machinery, the output wrappers, and 28 layers × ~15 small kernels launched
+one by one from Python (34 ms a step at 115K tokens on an H200 where the memory floor is
+≈ 4.5 ms). Here one token goes through the decoder layers using the model's own modules, the
+way mminfer.models.prefill does (``input_layernorm``, the q/k/v/o projections, the module's
+``apply_rotary_pos_emb`` with cos/sin from ``rotary_emb``, ``post_attention_layernorm``,
+``mlp``, ``norm``, ``lm_head``): nothing is re-implemented, no mask is built (one query sees
+every cached key), K/V go into the cache through ``cache.update`` (a PrefixKV writes them in
+place into its slab), and attention is the function the attention module itself calls (our
+hook: SDPA with GQA by index on the flash / memory-efficient backends), so each kernel is the
+one ``_step`` launches and the greedy tokens are the same.
+
+On a GPU the step is split at attention into ``L + 1`` segments — [embed, rotary, layer 0 up to
+its q/k/v], [layer i-1 after attention, layer i up to its q/k/v] for i = 1..L-1, [the last
+layer after attention, norm, lm_head, argmax] — each captured once per model in a CUDA graph
+with static buffers (the token id and the position live on the device and the last segment
+advances them). Between the replays the host runs what changes length every step: the K/V
+write into the cache and attention over its current view, as in the eager step (flash attention
+splits a long cache across its length for one query: flash-decoding). On a PrefixKV the host
+writes the rows through its SlabLayers and calls SDPA itself, once it has checked on the first
+cache that this gives bit for bit what the attention function gives (else it goes through
+``cache.update`` and that function). That leaves ~4 launches a layer instead of ~15 plus the
+module machinery, keeps the graphs independent of any cache (one capture serves every video and
+question), and replays exactly the eager step's kernels, so the tokens are the eager step's.
+Capture happens on a model's first decode (its time falls in that request's "generate").
+
+Where a step cannot be captured (the CPU, tensor-parallel layers whose collectives run inside
+the modules, rotary embeddings that rescale with the position) the lean step runs eagerly; a
+model whose layers the lean step does not cover (sliding-window attention) decodes through
+``Adapter._step``. ``adapter.decode_mode`` ("auto" | "graph" | "lean" | "step") forces one path
+(benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from mminfer.models.prefill import _attention_function, _module_of, _position_ids
+
+MODES = ("auto", "graph", "lean", "step")
+
+
+class LeanDecoder:
+    """The decode step of one text model (a transformers Qwen2 / Qwen2.5-VL decoder stack) and
+    its ``lm_head``. ``step(token, position_ids, cache)`` → the next greedy token ``[1, 1]``."""
+
+    def __init__(self, text_model, lm_head):
+        self.text_model, self.lm_head = text_model, lm_head
+        self.layers = list(text_model.layers)
+        self.embed = text_model.get_input_embeddings()
+        self.unsupported = _lean_unsupported(text_model)
+        self._graphs = None
+        self._graph_failed: str | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ the segments
+    def _rope(self, h, position_ids):
+        return self.text_model.rotary_emb(h, position_ids)
+
+    def _pre(self, i, h, cos, sin):
+        """Layer ``i`` up to attention: q ``[1, H, 1, d]``, k/v ``[1, Hkv, 1, d]`` (rotated)."""
+        layer = self.layers[i]
+        attn = layer.self_attn
+        d = attn.head_dim
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(1, 1, -1, d).transpose(1, 2)
+        k = attn.k_proj(x).view(1, 1, -1, d).transpose(1, 2)
+        v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)
+        q, k = _module_of(attn).apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _attend(self, i, q, k, v, cache):
+        """K/V of layer ``i`` into ``cache``, attention over all its rows: ``[1, 1, H, d]``."""
+        attn = self.layers[i].self_attn
+        keys, values = cache.update(k, v, attn.layer_idx)
+        out, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
+                                           scaling=attn.scaling)
+        return out
+
+    def _post(self, i, h, out):
+        """Layer ``i`` after attention: the new residual stream ``[1, 1, hidden]``."""
+        layer = self.layers[i]
+        h = h + layer.self_attn.o_proj(out.reshape(1, 1, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _head(self, h):
+        return self.lm_head(self.text_model.norm(h)).argmax(-1)              # [1, 1]
+
+    # ------------------------------------------------------------ eager
+    def step(self, token, position_ids, cache):
+        """One greedy step, eagerly: ``token`` ``[1, 1]`` at ``position_ids`` (what the model's
+        forward takes; None: the cache's length) → the next token ``[1, 1]``."""
+        h = self.embed(token)
+        pos = self.position_ids(position_ids, cache)
+        cos, sin = self._rope(h, pos)
+        for i in range(len(self.layers)):
+            q, k, v = self._pre(i, h, cos, sin)
+            h = self._post(i, h, self._attend(i, q, k, v, cache))
+        return self._head(h)
+
+    def position_ids(self, position_ids, cache):
+        if position_ids is None:     # the model's default: counted from the cache's length
+            n = cache.get_seq_length()
+            position_ids = torch.tensor([[n]], device=self.embed.weight.device)
+        return _position_ids(self.text_model, position_ids, 1, self.embed.weight.device)
+
+    # ------------------------------------------------------------ CUDA graphs
+    def graph_unsupported(self) -> str | None:
+        """Why the step cannot be replayed from CUDA graphs here, or None."""
+        if self.unsupported:
+            return self.unsupported
+        dev = self.embed.weight.device
+        if dev.type != "cuda":
+            return f"CUDA graphs need a CUDA device, the model is on {dev}"
+        if any(getattr(layer.self_attn, "tp_rank", None) is not None for layer in self.layers):
+            return "tensor-parallel layers run collectives inside the step"
+        kind = str(getattr(self.text_model.rotary_emb, "rope_type", "default"))
+        if "dynamic" in kind or kind == "longrope":
+            return f"{kind} rotary embeddings rescale with the position"
+        return self._graph_failed
+
+    def graphs(self, position_ids) -> "StepGraphs":
+        """The captured step (captured on the first call; one per model and position shape)."""
+        shape = tuple(position_ids.shape)
+        if self._graphs is None or self._graphs.pos.shape != shape:
+            self._graphs = None
+            try:
+                self._graphs = StepGraphs(self, position_ids)
+            except Exception as e:     # capture refused: this model decodes eagerly from now on
+                self._graph_failed = f"capture failed: {type(e).__name__}: {e}"
+                raise
+        return self._graphs
+
+
+class StepGraphs:
+    """The lean step's segments captured in CUDA graphs over static buffers: ``tok`` (the
+    token fed, then the one produced), ``pos`` (its position ids, advanced by one per step);
+    between the replays the host writes K/V and runs attention (``LeanDecoder._attend``)."""
+
+    def __init__(self, dec: LeanDecoder, position_ids, warmup: int = 2):
+        self.dec = dec
+        L = len(dec.layers)
+        dev = dec.embed.weight.device
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = position_ids.detach().clone(memory_format=torch.contiguous_format)
+        attn0 = dec.layers[0].self_attn
+        H = attn0.q_proj.out_features // attn0.head_dim
+        self.attn = torch.zeros(1, 1, H, attn0.head_dim, dtype=dec.embed.weight.dtype,
+                                device=dev)
+        # filled at capture: each segment's outputs, read by the host and the next segment
+        self.q, self.k, self.v = [None] * L, [None] * L, [None] * L
+        self.h = None
+        self.next = None
+        self.scale = attn0.scaling
+        self.direct = None                 # direct_slabs' check, made on the first cache
+
+        def seg(j):
+            if j == 0:
+                h = dec.embed(self.tok)
+                self.cos, self.sin = dec._rope(h, self.pos)
+            else:
+                h = dec._post(j - 1, self.h, self.attn)
+            self.h = h
+            if j < L:
+                self.q[j], self.k[j], self.v[j] = dec._pre(j, h, self.cos, self.sin)
+            else:
+                self.next = dec._head(h)
+                self.tok.copy_(self.next)
+                self.pos.add_(1)
+
+        saved_tok, saved_pos = self.tok.clone(), self.pos.clone()
+        _warm_up(dev, lambda: [seg(j) for _ in range(warmup) for j in range(L + 1)])
+        self.tok.copy_(saved_tok)
+        self.pos.copy_(saved_pos)
+        self.graphs = _capture(dev, [lambda j=j: seg(j) for j in range(L + 1)])
+
+    def step(self, cache, slabs=None):
+        """One step from the token and position in ``tok``/``pos``; returns ``tok`` (now the
+        next token, on the device). ``slabs`` (from :meth:`direct_slabs`): the cache's
+        SlabLayers, written and attended directly (fewer host calls, the same kernels)."""
+        g, dec = self.graphs, self.dec
+        g[0].replay()
+        if slabs is None:
+            for i in range(len(dec.layers)):
+                self.attn.copy_(dec._attend(i, self.q[i], self.k[i], self.v[i], cache))
+                g[i + 1].replay()
+            return self.tok
+        from mminfer.models.hooks import decode_backends
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with decode_backends(self.q[0], 1):
+            for i, slab in enumerate(slabs):
+                keys, values = slab.update(self.k[i], self.v[i])
+                out = sdpa(self.q[i], keys, values, scale=self.scale, enable_gqa=True)
+                self.attn.copy_(out.transpose(1, 2))
+                g[i + 1].replay()
+        return self.tok
+
+    def direct_slabs(self, cache):
+        """``cache.layers`` where they are SlabLayers (layer i's at index i) and one SDPA call
+        gives, bit for bit, what the attention function the step would call gives (checked
+        once, on the first such cache); else None (the step goes through ``cache.update`` and
+        the attention function)."""
+        from mminfer.models.kv import SlabLayer
+        layers = getattr(cache, "layers", None)
+        if (not layers or len(layers) != len(self.dec.layers)
+                or not all(isinstance(x, SlabLayer) and x.length > 0 for x in layers)
+                or any(a.self_attn.layer_idx != i for i, a in enumerate(self.dec.layers))):
+            return None
+        if self.direct is None:
+            from mminfer.models.hooks import decode_backends
+            attn = self.dec.layers[0].self_attn
+            keys, values = layers[0].keys, layers[0].values
+            q = torch.randn(self.q[0].shape, device=keys.device, dtype=keys.dtype)
+            ref, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
+                                               scaling=attn.scaling)
+            with decode_backends(q, 1):
+                got = torch.nn.functional.scaled_dot_product_attention(
+                    q, keys, values, scale=self.scale, enable_gqa=True)
+            self.direct = bool(torch.equal(ref, got.transpose(1, 2)))
+        return list(layers) if self.direct else None
+
+
+def _warm_up(dev, fn):
+    """``fn()`` on a side stream (cuBLAS handles and lazy inits happen before a capture)."""
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+
+
+def _capture(dev, fns) -> list:
+    """One CUDA graph per function, captured in order into one memory pool (they are replayed
+    in that order, never concurrently, so their temporaries may share memory)."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            fn()
+        graphs.append(g)
+    torch.cuda.synchronize(dev)
+    return graphs
+
+
+# ---------------------------------------------------------------- the loop
+def decoder_of(adapter) -> LeanDecoder:
+    """The adapter's LeanDecoder (built once, kept on the adapter)."""
+    dec = getattr(adapter, "_lean_decoder", None)
+    if dec is None or dec.text_model is not adapter.text_model:
+        dec = LeanDecoder(adapter.text_model, adapter.lm_head)
+        adapter._lean_decoder = dec
+    return dec
+
+
+def choose_path(adapter, mode: str | None = None) -> str:
+    """"graph", "lean" or "step": the path a decode on ``adapter`` takes (``mode``: its
+    ``decode_mode`` by default; "graph" asked where it cannot run is an error)."""
+    mode = mode or getattr(adapter, "decode_mode", "auto") or "auto"
+    if mode not in MODES:
+        raise ValueError(f"decode mode must be one of {MODES}, not {mode!r}")
+    if mode == "step":
+        return "step"
+    dec = decoder_of(adapter)
+    if dec.unsupported:
+        if mode in ("lean", "graph"):
+            raise ValueError(f"the lean decode step cannot run this model: {dec.unsupported}")
+        return "step"
+    if mode == "lean":
+        return "lean"
+    why = dec.graph_unsupported()
+    if mode == "graph" and why:
+        raise ValueError(f"the decode step cannot be captured in CUDA graphs: {why}")
+    return "lean" if why else "graph"
+
+
+def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_tokens: int = 32,
+                cancel=None, emit=None, mode: str | None = None) -> list:
+    """Greedy decode steps on ``cache`` after the tokens in ``out`` (``out[-1]`` is the token
+    to feed; its position is the cache's length): appends each new token to ``out`` until
+    ``max_new_tokens`` tokens or an end token, calling ``emit(token_id)`` after each and
+    ``cancel()`` before each step (raises mminfer.errors.Cancelled). Returns ``out``."""
+    with torch.inference_mode():
+        return _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode)
+
+
+def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode):
+    from mminfer.errors import Cancelled
+
+    path = choose_path(adapter, mode)
+    dec = decoder_of(adapter)
+    eos = adapter.eos_token_ids
+    device = dec.embed.weight.device
+
+    def more():
+        if len(out) >= max_new_tokens or out[-1] in eos:
+            return False
+        if cancel is not None and cancel():
+            raise Cancelled(f"request cancelled after {len(out)} answer tokens")
+        return True
+
+    def push(t):
+        out.append(t)
+        if emit is not None:
+            emit(t)
+
+    if not more():
+        return out
+    pos0 = adapter.positions_after(rope_delta, cache.get_seq_length(), 1)
+    graphs = None
+    if path == "graph" and dec._lock.acquire(blocking=False):   # one decode at a time replays
+        try:
+            try:
+                graphs = dec.graphs(dec.position_ids(pos0, cache))
+            except Exception as e:
+                if mode == "graph" or getattr(adapter, "decode_mode", "auto") == "graph":
+                    raise
+                import logging
+                logging.getLogger(__name__).warning(
+                    "decode steps run eagerly: CUDA graph capture failed (%s: %s)",
+                    type(e).__name__, e)
+                graphs = None                  # eager from here (graph_unsupported says why)
+            if graphs is not None:
+                graphs.tok.fill_(out[-1])
+                graphs.pos.copy_(dec.position_ids(pos0, cache))
+                slabs = graphs.direct_slabs(cache)
+                while True:
+                    push(int(graphs.step(cache, slabs)))
+                    if not more():
+                        return out
+        finally:
+            dec._lock.release()
+    if path == "step":
+        embed = adapter.text_model.get_input_embeddings()
+    while True:
+        token = torch.tensor([[out[-1]]], device=device)
+        pos = adapter.positions_after(rope_delta, cache.get_seq_length(), 1)
+        if path == "step":
+            hidden = adapter._step(embed(token), pos, cache)
+            nxt = adapter.lm_head(hidden[:, -1:]).argmax(-1)
+        else:
+            nxt = dec.step(token, pos, cache)
+        push(int(nxt))
+        if not more():
+            return out
+
+
+def _lean_unsupported(text_model) -> str | None:
+    for layer in text_model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "sliding_window", None) is not None:
+            return "sliding-window attention layers need their mask"
+        if not hasattr(_module_of(attn), "apply_rotary_pos_emb"):
+            return f"{type(attn).__name__}'s module has no apply_rotary_pos_emb"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(attn, name):
+                return f"{type(attn).__name__} has no {name}"
+    for name in ("rotary_emb", "norm"):
+        if not hasattr(text_model, name):
+            return f"{type(text_model).__name__} has no {name}"
+    return None

@@ -1,0 +1,337 @@
+"""The lean decode step (mminfer.models.decode): the same greedy tokens and the same cache rows as
+the text model's own forward (``Adapter._step``) on tiny Qwen2.5-VL and LongVILA checkpoints
+(CPU, fp32); the loop's cancel / streaming semantics through ``continue_on``; which path runs
+where; and on a GPU (bf16) the CUDA-graph replay against the eager lean step and ``_step``."""
+
+import pytest
+import torch
+
+from lab.toy.tiny import save_tiny_qwen2_5_vl
+from lab.toy.tiny_longvila import save_tiny_longvila
+from mminfer.engine import video as videolib
+from mminfer.engine.pipeline import Pipeline
+from mminfer.errors import Cancelled
+from mminfer.models import decode
+from mminfer.models.base import Adapter, Conversation
+from mminfer.models.kv import PrefixKV
+
+from conftest import write_video
+
+
+@pytest.fixture(scope="module")
+def mp4(tmp_path_factory):
+    return write_video(tmp_path_factory.mktemp("vid") / "square.mp4", n_frames=16, fps=8.0,
+                       width=96, height=64, noise=True)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, mp4):
+    """kind -> (adapter, Prepared, embeds) of one question on the tiny checkpoint."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for kind in ("qwen", "longvila"):
+        ckpt = (save_tiny_qwen2_5_vl(root / "tiny-qwen") if kind == "qwen"
+                else save_tiny_longvila(root / "tiny-longvila"))
+        ad = Pipeline(str(ckpt), attention="dense", device="cpu").adapter
+        decoded = videolib.decode(str(mp4), sampling=ad.sampling, fps=4.0,
+                                  max_frames=min(8, ad.frame_limit or 8))
+        prep = ad.prepare(decoded, Conversation.single("where does the red square move?"))
+        out[kind] = (ad, prep, ad.embed(prep))
+    return out
+
+
+def _answer(ad, prep, embeds, mode, *, headroom=None, n=14, **kw):
+    """prefix prefill + continue_on with decode ``mode``; end tokens off so every step runs."""
+    kv = ad.prefill_prefix(prep, embeds.clone(), headroom=headroom)
+    ad.decode_mode, eos = mode, ad.eos_token_ids
+    ad.eos_token_ids = ()
+    try:
+        got = ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
+                             max_new_tokens=n, **kw)
+    finally:
+        ad.decode_mode, ad.eos_token_ids = "auto", eos
+    return kv, got
+
+
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_lean_step_decodes_as_the_models_forward(kind, prepared):
+    ad, prep, embeds = prepared[kind]
+    # a small headroom: the slab grows during the answer
+    kv_ref, ref = _answer(ad, prep, embeds, "step", headroom=3)
+    kv, got = _answer(ad, prep, embeds, "lean", headroom=3)
+    assert decode.choose_path(ad) == "lean"              # CPU: no graphs
+    assert len(ref.token_ids) == 14 and len(set(ref.token_ids)) > 1
+    assert got.token_ids == ref.token_ids
+    # the rows written by the decode steps (positions, rotary, K/V) are the forward's
+    n = kv_ref.get_seq_length()
+    assert kv.get_seq_length() == n == prep.input_ids.shape[1] + 13
+    for a, b in zip(kv.layers, kv_ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def test_lean_step_logits_track_the_forward_step_by_step(prepared):
+    """Each lean step's token is the argmax of the forward's logits at that step, and a wrong
+    position would show: the step takes the positions the adapter gives."""
+    ad, prep, embeds = prepared["qwen"]
+    kv = ad.prefill_prefix(prep, embeds.clone())
+    kv2 = ad.prefill_prefix(prep, embeds.clone())
+    suffix = embeds[:, prep.prefix_len:]
+    P, S = prep.prefix_len, suffix.shape[1]
+    with torch.inference_mode():
+        for cache in (kv, kv2):
+            ad._step(suffix, ad.positions_after(prep.rope_delta, P, S), cache)
+        dec = decode.decoder_of(ad)
+        token = torch.tensor([[7]])
+        for i in range(5):
+            pos = ad.positions_after(prep.rope_delta, P + S + i, 1)
+            logits = ad.lm_head(ad._step(ad.text_model.get_input_embeddings()(token), pos, kv))
+            lean = dec.step(token, pos, kv2)
+            assert lean.shape == (1, 1) and int(lean) == int(logits.argmax(-1))
+            token = lean
+        # off by one position: other keys in the cache
+        shifted = ad.positions_after(prep.rope_delta, P + S + 6, 1)
+        dec.step(token, shifted, kv2)
+        ad._step(ad.text_model.get_input_embeddings()(token),
+                 ad.positions_after(prep.rope_delta, P + S + 5, 1), kv)
+    assert not torch.allclose(kv.layers[0].keys[..., -1, :], kv2.layers[0].keys[..., -1, :])
+    torch.testing.assert_close(kv.layers[0].keys[..., :-1, :], kv2.layers[0].keys[..., :-1, :],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_cancel_is_checked_before_every_step_and_streaming_adds_up(prepared):
+    ad, prep, embeds = prepared["qwen"]
+    calls = []
+
+    def cancel():
+        calls.append(1)
+        return len(calls) == 4
+
+    with pytest.raises(Cancelled, match="after 4 answer tokens"):
+        _answer(ad, prep, embeds, "lean", cancel=cancel)
+    assert len(calls) == 4
+    texts, ids = [], []
+    _, got = _answer(ad, prep, embeds, "lean", n=8,
+                     on_token=lambda t, i: (texts.append(t), ids.append(i)))
+    assert ids[:-1] == got.token_ids or ids == got.token_ids
+    assert "".join(texts) == got.text
+    # max_new_tokens=1: the suffix's token alone, no step
+    _, one = _answer(ad, prep, embeds, "lean", n=1)
+    assert one.token_ids == got.token_ids[:1]
+
+
+def test_path_choice(prepared):
+    ad, *_ = prepared["qwen"]
+    assert decode.choose_path(ad, "auto") == "lean"
+    assert decode.choose_path(ad, "step") == "step"
+    with pytest.raises(ValueError, match="CUDA"):
+        decode.choose_path(ad, "graph")
+    with pytest.raises(ValueError, match="decode mode"):
+        decode.choose_path(ad, "fast")
+    # a sliding-window layer: the model's own forward
+    attn = ad.text_model.layers[0].self_attn
+    old = getattr(attn, "sliding_window", None)
+    attn.sliding_window = 16
+    ad._lean_decoder = None
+    try:
+        assert decode.choose_path(ad) == "step"
+        with pytest.raises(ValueError, match="sliding"):
+            decode.choose_path(ad, "lean")
+    finally:
+        attn.sliding_window = old
+        ad._lean_decoder = None
+
+
+class _Replay:
+    """A stand-in for a captured CUDA graph on the CPU: replay runs the segment again. The
+    segments read their inputs through the StepGraphs' attributes at call time, as a graph
+    reads them at their captured addresses, so this checks the plumbing (static token and
+    position, the residual chain, q/k/v handed to the host, the attention buffer)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        fn()
+
+    def replay(self):
+        self.fn()
+
+
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_graph_plumbing_replayed_on_the_cpu(kind, prepared, monkeypatch):
+    from transformers import DynamicCache
+    from mminfer.models.prefill import prefill
+    ad, prep, embeds = prepared[kind]
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
+    ad._lean_decoder = None
+    try:
+        assert decode.choose_path(ad) == "graph"
+        # a PrefixKV: rows written and attended directly (the check holds on the CPU)
+        kv_ref, ref = _answer(ad, prep, embeds, "lean", headroom=3)
+        kv, got = _answer(ad, prep, embeds, "graph", headroom=3)
+        graphs = decode.decoder_of(ad)._graphs
+        assert graphs is not None and graphs.direct is True
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(kv.layers, kv_ref.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(a.values, b.values, atol=1e-6, rtol=1e-6)
+        # a DynamicCache: through cache.update and the attention function; the same capture
+        L = prep.input_ids.shape[1]
+        outs, caches = {}, {}
+        for mode in ("lean", "graph"):
+            cache = DynamicCache()
+            with torch.inference_mode():
+                first = int(prefill(ad.text_model, embeds.clone(), cache, ad.positions(prep, 0, L),
+                                    lm_head=ad.lm_head).argmax(-1))
+            eos, ad.eos_token_ids = ad.eos_token_ids, ()
+            try:
+                outs[mode] = decode.decode_loop(ad, cache, [first], rope_delta=prep.rope_delta,
+                                                max_new_tokens=9, mode=mode)
+            finally:
+                ad.eos_token_ids = eos
+            caches[mode] = cache
+        assert decode.decoder_of(ad)._graphs is graphs
+        assert outs["graph"] == outs["lean"] and len(outs["lean"]) == 9
+        for a, b in zip(caches["graph"].layers, caches["lean"].layers):
+            assert a.keys.shape[-2] == L + 8
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
+    finally:
+        ad._lean_decoder = None
+
+
+def test_a_failed_capture_decodes_eagerly(prepared, monkeypatch, caplog):
+    ad, prep, embeds = prepared["qwen"]
+
+    def refuse(dev, fns):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", refuse)
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: self._graph_failed)
+    ad._lean_decoder = None
+    try:
+        assert decode.choose_path(ad) == "graph"
+        _, ref = _answer(ad, prep, embeds, "lean")
+        with caplog.at_level("WARNING", logger="mminfer.models.decode"):
+            _, got = _answer(ad, prep, embeds, "auto")
+        assert got.token_ids == ref.token_ids
+        assert "capture failed" in caplog.text
+        assert decode.choose_path(ad) == "lean"          # not tried again
+        with pytest.raises(ValueError, match="capture failed"):
+            decode.choose_path(ad, "graph")
+    finally:
+        ad._lean_decoder = None
+
+
+# ------------------------------------------------------------------------------ GPU
+class _Bare(Adapter):
+    """An adapter around a bare text model (no tokenizer, no vision): what decode_loop needs."""
+
+    def __init__(self, text_model, lm_head, mrope):
+        self.text_model, self.lm_head, self.mrope = text_model, lm_head, mrope
+        self.eos_token_ids = ()
+        self.device = lm_head.weight.device
+
+    def positions_after(self, rope_delta, start, length):
+        if not self.mrope:
+            return None
+        p = torch.arange(start, start + length, device=self.device) + int(rope_delta)
+        return p.view(1, 1, -1).expand(3, 1, -1)
+
+
+def _small_gpu_model(kind):
+    from mminfer.models import hooks
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    sizes = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536,
+                 rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    if kind == "qwen":
+        from transformers import Qwen2_5_VLConfig
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+        cfg = Qwen2_5_VLConfig(text_config=dict(
+            **sizes, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                      "mrope_section": [4, 6, 6]},
+            tie_word_embeddings=False)).text_config
+        with dev:
+            tm = m.Qwen2_5_VLTextModel._from_config(cfg, dtype=dt,
+                                                     attn_implementation=hooks.register())
+            head = torch.nn.Linear(256, 512, bias=False, dtype=dt)
+        return tm.eval(), head
+    from mminfer.models.longvila import longvila_7b_llm_config, random_llm
+    lm = random_llm(longvila_7b_llm_config(**sizes), device=dev, dtype=dt)
+    return lm.model, lm.lm_head
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_graph_replay_decodes_as_the_eager_step_on_cuda(kind):
+    from mminfer.models.prefill import prefill
+    tm, head = _small_gpu_model(kind)
+    ad = _Bare(tm, head, mrope=kind == "qwen")
+    assert decode.choose_path(ad) == "graph"
+    results = {}
+    with torch.inference_mode():
+        # two caches, one capture: a PrefixKV (written and attended directly where that is
+        # bit for bit the attention function) and a DynamicCache (through cache.update)
+        for n in (3000, 1234):
+            g = torch.Generator(device="cuda").manual_seed(n)
+            embeds = torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+            if n == 3000:
+                kv = PrefixKV.for_model(tm, headroom=8)       # grows during the answer
+            else:
+                from transformers import DynamicCache
+                kv = DynamicCache()
+                kv.truncate = kv.crop
+            pos = ad.positions_after(5, 0, n) if ad.mrope else None
+            prefill(tm, embeds, kv, pos, kv_only_last=True)
+            first = int(torch.randint(0, 512, (1,), generator=g, device="cuda"))
+            for mode in ("step", "lean", "graph", "graph"):
+                out = decode.decode_loop(ad, kv, [first], rope_delta=5, max_new_tokens=40,
+                                         mode=mode)
+                assert kv.get_seq_length() == n + 39
+                # the rows the answer wrote: every layer's input, positions and rotary
+                rows = [(layer.keys[..., n:, :].clone(), layer.values[..., n:, :].clone())
+                        for layer in kv.layers]
+                results.setdefault(n, {}).setdefault(mode, []).append((out, rows))
+                kv.truncate(n)
+    assert decode.decoder_of(ad)._graphs is not None
+    for n, r in results.items():
+        ref, ref_rows = r["step"][0]
+        assert len(ref) == 40
+        for mode, i in (("lean", 0), ("graph", 0), ("graph", 1)):
+            got, rows = r[mode][i]
+            assert got == ref, (n, mode, i, got, ref)
+            for (k, v), (k0, v0) in zip(rows, ref_rows):
+                torch.testing.assert_close(k, k0, atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(v, v0, atol=2e-2, rtol=2e-2)
+
+
+def test_benchmark_tiny_run(tmp_path):
+    """benchmarks/decode_step.py --tiny: every path's time, the same greedy tokens, and its
+    split-K kernel (under the Triton interpreter) equal to SDPA."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "decode.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+           "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_step.py"), "--tiny",
+                           "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["modes"] == ["step", "lean"] and "CUDA" in rep["graph"]
+    assert [r["n"] for r in rep["rows"]] == [300, 700]
+    for r in rep["rows"]:
+        assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
+        assert r["same_tokens"] == {"lean": True}
+        assert len(r["tokens"]["step"]) == 1 + rep["steps"]
+        # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
+        assert r["splitk_max_abs_err"] < 1e-5, r
+    assert "same tokens" in proc.stdout
