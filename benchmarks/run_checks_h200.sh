@@ -24,6 +24,10 @@ if [ "${PREFILL_S:-0}" -gt 0 ]; then      # TTFT and decode steps after each pre
   timeout -k 5 "$PREFILL_S" python3 benchmarks/prefill.py ${PREFILL_ARGS:---model qwen --lengths 131072} \
     --out "$OUT" 2>&1 | tee "$OUT/prefill.log" | tail -8
 fi
+if [ "${STEP_S:-0}" -gt 0 ]; then         # ms per decode step: transformers' step, lean, graph
+  timeout -k 5 "$STEP_S" python3 benchmarks/decode_step.py ${STEP_ARGS:-} --out /tmp/step.json \
+    2>&1 | tee "$OUT/decode_step.log" | tail -12
+fi
 if [ "${QUALITY_S:-0}" -gt 0 ]; then     # stops taking videos at QUALITY_MIN, writes tables
   timeout -k 5 "$QUALITY_S" python3 benchmarks/quality.py ${QUALITY_ARGS:---lengths 16384 32768 \
     --per-task 3 --depths 0 0.5 1 --densities} --max-minutes "${QUALITY_MIN:-3}" \
@@ -33,10 +37,6 @@ fi
 if [ "${DECODE_S:-0}" -gt 0 ]; then       # in-process vs sandboxed decode of the 1.05M video
   timeout -k 5 "$DECODE_S" python3 benchmarks/decode.py ${DECODE_ARGS:---repeats 3} \
     --out /tmp/decode.json 2>&1 | tee "$OUT/decode.log" | tail -12
-fi
-if [ "${STEP_S:-0}" -gt 0 ]; then         # ms per decode step: transformers' step, lean, graph
-  timeout -k 5 "$STEP_S" python3 benchmarks/decode_step.py ${STEP_ARGS:-} --out /tmp/step \
-    2>&1 | tee "$OUT/decode_step.log" | tail -12
 fi
 if [ "${KERNELS_S:-0}" -gt 0 ]; then
   timeout -k 5 "$KERNELS_S" python3 benchmarks/kernels.py ${KERNELS_ARGS:---lengths 131072 --densities 0.1} \
