@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
+    check_video_path(args.video)             # before the model loads (seconds), not after
     from mminfer.models.embedded import resolve_model
     args.model = resolve_model(args.model)   # a clear error says how to get a model
     from mminfer.engine.pipeline import Pipeline, check_request
@@ -63,6 +64,19 @@ def run(args) -> int:
     else:
         print(format_result(res.to_dict()))
     return 0
+
+
+def check_video_path(path: str):
+    """InputError unless ``path`` names a readable file (a URL is the pipeline's to judge)."""
+    from mminfer.errors import InputError
+    if "://" in path:
+        return
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: not a file")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: not readable (permission denied)")
 
 
 def format_result(d: dict) -> str:

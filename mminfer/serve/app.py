@@ -29,7 +29,7 @@ from pathlib import Path
 from mminfer.engine.timing import SERVED_STAGES as STAGE_ORDER
 from mminfer.models.embedded import resolve_model
 
-from . import errors, media
+from . import errors, jsonbody, media
 from .metrics import Metrics
 from .settings import Settings
 from .shadow import ShadowMonitor, ShadowStore
@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         for stale in upload_dir.glob(media.TEMP_PREFIX + "*"):   # left by a killed server
             media.remove(str(stale))
         worker.start()
+        jsonbody.start()          # the JSON parsing processes, before the first chat body
         yield
         await asyncio.to_thread(worker.stop)
         store.close()

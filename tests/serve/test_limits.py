@@ -104,6 +104,7 @@ class Gated:
 
 def gated_server(ckpt, tmp_path, live_server, **settings):
     holder = {}
+    settings.setdefault("max_uploads_per_client", 0)   # these tests fill every slot from one
 
     def load():
         holder["p"] = Gated(ckpt)
