@@ -5,8 +5,8 @@
   second hold every one of them through the grace period, reconnect, and hold them again
   (issue 32). Over its share a client gets 429 with Retry-After before its body is read.
 * ``StorageFull`` (507): a write under ``--data-dir`` failed for lack of space (ENOSPC,
-  EDQUOT); the request is answered 507 and ``/health`` says ``storage_full`` until a write
-  succeeds again or the disk has room for an upload.
+  EDQUOT); the request is answered 507 and ``/health`` says ``storage_full`` (503) until a
+  write succeeds again, or 30 s have passed and the disk has room for an upload.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ class ClientUpload:
 class Storage:
     """Whether writes under the data folder fail for lack of space."""
 
+    HOLD_S = 30.0
+
     def __init__(self, folder, need_bytes: int):
         self.folder = str(folder)
         self.need_bytes = need_bytes      # free space that counts as "has room again"
@@ -100,9 +102,12 @@ class Storage:
         self.full_since = None
 
     def full(self) -> bool:
+        """A write found no space within the last ``HOLD_S`` seconds, or since then the disk
+        still has no room for an upload; a successful write ends it at once."""
         if self.full_since is None:
             return False
         free = self.free_bytes()
-        if free is not None and free >= self.need_bytes:
+        if time.time() - self.full_since > self.HOLD_S and (free is None or
+                                                            free >= self.need_bytes):
             self.full_since = None
         return self.full_since is not None

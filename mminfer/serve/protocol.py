@@ -66,7 +66,7 @@ def _json(status: int, reason: bytes, code: str, message: str, **details) -> lis
 
 
 class GuardedH11Protocol(H11Protocol):
-    connections: Connections          # set on the subclass ``protocol_class`` makes
+    guard: Connections                # set on the subclass ``protocol_class`` makes
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -88,11 +88,11 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport):
         super().connection_made(transport)
         host = self.client[0] if self.client else "unknown"
-        reason = self.connections.open(host)
+        reason = self.guard.open(host)
         if reason is not None:
-            self.connections.refused(reason)
-            limit = (self.connections.s.max_connections if reason == "connections" else
-                     self.connections.s.max_connections_per_client)
+            self.guard.refused(reason)
+            limit = (self.guard.s.max_connections if reason == "connections" else
+                     self.guard.s.max_connections_per_client)
             what = "open connections" if reason == "connections" else \
                 "open connections from your address"
             self._answer(*_json(503, b"Service Unavailable", "too_many_connections",
@@ -105,14 +105,14 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc):
         self._disarm()
         if self._counted is not None:
-            self.connections.close(self._counted)
+            self.guard.close(self._counted)
             self._counted = None
         super().connection_lost(exc)
 
     # ------------------------------------------------------------ the header deadline
     def _arm(self):
         self._disarm()
-        self._header_timer = self.loop.call_later(self.connections.s.header_timeout_s,
+        self._header_timer = self.loop.call_later(self.guard.s.header_timeout_s,
                                                   self._header_timeout)
 
     def _disarm(self):
@@ -130,8 +130,8 @@ class GuardedH11Protocol(H11Protocol):
             # an idle kept-alive connection: uvicorn's keep-alive timeout closes it
             if self.timeout_keep_alive_task is not None:
                 return
-        self.connections.refused("header_timeout")
-        t = self.connections.s.header_timeout_s
+        self.guard.refused("header_timeout")
+        t = self.guard.s.header_timeout_s
         self._answer(*_json(408, b"Request Timeout", "header_timeout",
                             f"the request's headers did not arrive within this server's "
                             f"header deadline of {t:g} s", header_timeout_s=t))
@@ -152,7 +152,7 @@ class GuardedH11Protocol(H11Protocol):
         e = self._protocol_error
         hint = getattr(e, "error_status_hint", 400) or 400
         detail = str(e) if e is not None and str(e) else "malformed request"
-        self.connections.refused("bad_http")
+        self.guard.refused("bad_http")
         if hint == 431 or "too long" in detail.lower() or "too large" in detail.lower():
             body = _json(431, b"Request Header Fields Too Large", "headers_too_large",
                          f"the request's headers are over this server's limit of "
@@ -186,7 +186,7 @@ class GuardedH11Protocol(H11Protocol):
 def protocol_class(settings, metrics=None):
     """A GuardedH11Protocol subclass bound to this server's limits."""
     return type("GuardedH11", (GuardedH11Protocol,),
-                {"connections": Connections(settings, metrics)})
+                {"guard": Connections(settings, metrics)})
 
 
 def config(app, **kwargs):
