@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first, from PyTorch's CPU index, so that nothing pulls a CUDA
 	# build (PyPI's Linux torch is the CUDA one); no torchvision. Then Triton for the kernel
-	# interpreter, and the package. The versions: pyproject.toml's "one torch story".
-	$(PY) -m pip install -q 'torch==$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX)
+	# interpreter, and the package (torch's own dependencies come with it, from PyPI). The
+	# versions: pyproject.toml's "one torch story".
+	$(PY) -m pip install -q --no-deps 'torch==$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX)
 	$(PY) -m pip install -q 'triton==$(TRITON)' -e '.[test]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
