@@ -15,12 +15,12 @@ import errno
 import os
 import time
 
-from mminfer.errors import MMInferError, ServiceUnavailable
+from mminfer.errors import MMInferError
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-class TooManyFromClient(ServiceUnavailable):
+class TooManyFromClient(MMInferError):
     """A client address already sends as many bodies as its share allows."""
     code = "too_many_requests"
     http_status = 429

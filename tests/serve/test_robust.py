@@ -24,6 +24,8 @@ from mminfer.serve import media
 from mminfer.serve.app import Settings, create_app
 from mminfer.serve.protocol import config as guarded_config
 
+from health_probe import Prober, health_bound
+
 SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
 NEEDLE = SAMPLES / "needle_0.mp4"
 
@@ -109,52 +111,6 @@ def read_reply(sock, timeout=30.0) -> tuple[int, dict, dict]:
             break
         rest += chunk
     return int(lines[0].split(b" ")[1]), headers, json.loads(rest[:n] or b"{}")
-
-
-class Prober:
-    """/health every 20 ms from a thread; ``baseline()`` first, in the same run: a busy CI
-    machine's own latency is then part of the bound, not a failure (issue 32, item 9)."""
-
-    def __init__(self, url):
-        self.url = url
-        self.times: list[float] = []
-        self._stop = threading.Event()
-        self._thread = None
-
-    def _run(self, out):
-        with httpx.Client(timeout=30) as c:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                c.get(f"{self.url}/health")
-                out.append(time.monotonic() - t0)
-                time.sleep(0.02)
-
-    def measure(self, seconds) -> list[float]:
-        out: list[float] = []
-        self._stop.clear()
-        t = threading.Thread(target=self._run, args=(out,))
-        t.start()
-        time.sleep(seconds)
-        self._stop.set()
-        t.join()
-        return out
-
-    def __enter__(self):
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(self.times,))
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
-def health_bound(baseline: list[float]) -> float:
-    """The largest /health latency allowed while the server works on an attack: the issue's
-    0.5 s, plus the worst probe of an idle-server baseline taken in the same run (what the
-    machine itself adds when it is busy). A held event loop fails it by seconds."""
-    return 0.5 + max(baseline)
 
 
 # ----------------------------------------------------------------------- item 2
