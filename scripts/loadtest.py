@@ -395,7 +395,7 @@ async def slow_headers(srv: Server, bound: float, n: int = 400, ramp_s: float = 
         what = ("still open when the attacker gave up" if not reply else
                 "reset" if reply == b"reset" else reply.split(b"\r\n")[0].decode())
         outcomes[what] = outcomes.get(what, 0) + 1
-        if not reply.startswith(b"HTTP/1.1 503"):
+        if not reply or reply.startswith(b"HTTP/1.1 408"):     # held until cut off
             held.append(took)
 
     async def watch():

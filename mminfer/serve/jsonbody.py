@@ -109,8 +109,12 @@ def pool() -> concurrent.futures.ProcessPoolExecutor:
 
 
 def start():
-    """Spawn the parsing processes now (at server start), not in a client's first request."""
-    pool().submit(int, 0)
+    """Spawn every parsing process now (at server start), not in a client's request: the
+    pool spawns a process on a submit that finds none idle, so ``WORKERS`` busy ones."""
+    import time
+    p = pool()
+    for _ in range(WORKERS):
+        p.submit(time.sleep, 0.5)
 
 
 def _reset(broken):

@@ -27,6 +27,7 @@ from .errors import error_body
 log = logging.getLogger("mminfer.serve")
 
 HEADER_LIMIT_BYTES = 64 * 1024        # request line + headers at most (h11's default: 16 KiB)
+LINGER_S = 1.0                        # a refused connection's answer gets this long to be read
 
 
 class Connections:
@@ -73,6 +74,7 @@ class GuardedH11Protocol(H11Protocol):
         self._counted = None           # the client host this connection is counted under
         self._header_timer = None
         self._protocol_error = None
+        self._discard = False
         orig = self.conn.next_event
 
         def next_event():              # keep h11's reason for the JSON answer
@@ -171,16 +173,36 @@ class GuardedH11Protocol(H11Protocol):
         self._answer(*body)
 
     def _answer(self, status: int, reason: bytes, body: bytes, retry_after: int | None = None):
-        """A complete JSON answer, then close (written raw: h11 may be in an error state)."""
+        """A complete JSON answer, then close (written raw: h11 may be in an error state).
+        Our side is shut first and what the client still sends is dropped for up to
+        LINGER_S: closing with unread bytes would reset the connection and the client would
+        never read the answer."""
         self._disarm()
         head = (f"HTTP/1.1 {status} ".encode() + reason + b"\r\n"
                 b"content-type: application/json\r\nconnection: close\r\n"
                 + (f"retry-after: {retry_after}\r\n".encode() if retry_after else b"")
                 + f"content-length: {len(body)}\r\n\r\n".encode())
+        self._discard = True
         try:
             self.transport.write(head + body)
-        finally:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(LINGER_S, self.transport.close)
+                return
+        except (OSError, RuntimeError):
+            pass
+        self.transport.close()
+
+    def data_received(self, data: bytes):
+        if self._discard:                # answered and closing: the rest is dropped
+            return
+        super().data_received(data)
+
+    def eof_received(self):
+        if self._discard:
             self.transport.close()
+            return None
+        return super().eof_received()
 
 
 def protocol_class(settings, metrics=None):

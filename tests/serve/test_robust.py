@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import socket
-import statistics
 import threading
 import time
 from pathlib import Path
