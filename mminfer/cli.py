@@ -72,7 +72,7 @@ def check_video_path(path: str):
     if "://" in path:
         return
     if not os.path.exists(path):
-        raise InputError(f"{path}: no such file")
+        raise InputError(f"{path}: not found (no such file)")
     if not os.path.isfile(path):
         raise InputError(f"{path}: not a file")
     if not os.access(path, os.R_OK):

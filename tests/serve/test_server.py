@@ -463,7 +463,7 @@ def test_timeout_answers_504_and_cleans_up(ckpt, tmp_path, live_server):
 
 def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_server):
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
-                              queue_size=16, timeout_s=120))
+                              queue_size=16, timeout_s=120, max_uploads_per_client=0))
     s = live_server(app)
     video = NEEDLE.read_bytes()
     ahead = 14
