@@ -6,9 +6,10 @@
 #       --model /models/Qwen2.5-VL-7B-Instruct
 #   make docker-check      # build, then answer the sample inside (sparse), skipped without Docker
 #
-# torch 2.11.0 because its Linux wheel pairs with the pinned triton==3.6.0 (torch 2.13's needs
-# triton 3.7.1) and is what the H200 machine was validated with. The wheel brings its own
-# CUDA 13 libraries; the host driver must support CUDA 13 (R580 or newer).
+# torch 2.11.0 (pyproject.toml's "one torch story"): its CUDA wheel requires triton 3.6.0,
+# the Triton the kernels were validated with, and it is what the H200 machine runs
+# (scripts/check_deps.py resolves this set against PyPI). The wheel brings its own CUDA 13
+# libraries; the host driver must support CUDA 13 (R580 or newer).
 FROM nvidia/cuda:13.0.0-runtime-ubuntu22.04
 
 ENV DEBIAN_FRONTEND=noninteractive \

@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
+    check_video_path(args.video)             # before the model loads (seconds), not after
     # lazy: transformers takes seconds to import, which `mminfer --help` must not wait for
     from transformers.utils import logging as hf_logging
 
@@ -69,6 +70,19 @@ def run(args) -> int:
     else:
         print(format_result(res.to_dict()))
     return 0
+
+
+def check_video_path(path: str):
+    """InputError unless ``path`` names a readable file (a URL is the pipeline's to judge)."""
+    from mminfer.errors import InputError
+    if "://" in path:
+        return
+    if not os.path.exists(path):
+        raise InputError(f"{path}: not found (no such file)")
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: not a file")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: not readable (permission denied)")
 
 
 def format_result(d: dict) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from mminfer.engine.timing import SERVED_STAGES as STAGE_ORDER
 from mminfer.models.embedded import resolve_model
 
-from . import errors, media
+from . import errors, jsonbody, media
 from .metrics import Metrics
 from .settings import Settings
 from .shadow import ShadowMonitor, ShadowStore
@@ -93,6 +93,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         for stale in upload_dir.glob(media.TEMP_PREFIX + "*"):   # left by a killed server
             media.remove(str(stale))
         worker.start()
+        jsonbody.start()          # the JSON parsing processes, before the first chat body
         sweep = asyncio.create_task(videos.sweeper(
             video_store, min(max(s.video_ttl_s / 4, 1.0), 60.0) if s.video_ttl_s else 3600.0))
         yield

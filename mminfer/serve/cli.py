@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--data-dir", default=d.data_dir,
                    help="latency database, stored videos (/v1/videos) and upload temp files")
     p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log verbosity (uvicorn's and mminfer's); debug also logs "
+                        "every request")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N processes started by `torchrun "
                         "--nproc-per-node N -m mminfer serve ...`: rank 0 serves HTTP, the "
@@ -74,6 +76,19 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="a body must average at least this many KiB/s after the grace period")
     g.add_argument("--upload-grace-s", type=float, default=d.upload_grace_s,
                    help="seconds before the minimum upload rate applies")
+    g.add_argument("--max-uploads-per-client", type=int, default=d.max_uploads_per_client,
+                   help="request bodies one client address sends at once; more get 429 "
+                        "(default: half of --max-concurrent-uploads; 0: no limit)")
+    g.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s,
+                   help="a request's headers must arrive within this (else 408, closed)")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections at most; more are answered 503 and closed")
+    g.add_argument("--max-connections-per-client", type=int,
+                   default=d.max_connections_per_client,
+                   help="open connections from one client address at most")
+    g.add_argument("--max-json-items", type=int, default=d.max_json_items,
+                   help="values (messages, parts, fields...) in a chat JSON body at most "
+                        "(else 413, counted before the body is validated)")
 
     g = p.add_argument_group("budgets (per request, checked before queueing; over: 413)")
     g.add_argument("--max-fps", type=float, default=d.max_fps, help="highest fps a request may ask")
@@ -178,6 +193,10 @@ def settings_from(args):
         max_concurrent_uploads=args.max_concurrent_uploads,
         upload_deadline_s=args.upload_deadline_s, min_upload_kbps=args.min_upload_kbps,
         upload_grace_s=args.upload_grace_s, max_fps=args.max_fps,
+        max_uploads_per_client=args.max_uploads_per_client,
+        header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        max_json_items=args.max_json_items,
         max_frames_limit=args.max_frames_limit, max_frame_pixels=args.max_frame_pixels,
         max_decode_mb=args.max_decode_mb, max_visual_tokens=args.max_visual_tokens,
         max_question_chars=args.max_question_chars,
@@ -195,6 +214,29 @@ def settings_from(args):
         video_store_max=args.video_store_max, video_ttl_s=args.video_ttl_s,
         report_max_rows=args.report_max_rows, shadow_rate=args.shadow_rate,
         shadow_max_mb=args.shadow_max_mb, shadow_max_new_tokens=args.shadow_max_new_tokens)
+
+
+def check_port(host: str, port: int):
+    """ConfigError when ``host:port`` cannot be listened on (in use, not an address here),
+    found by binding it as uvicorn will (SO_REUSEADDR), then letting it go."""
+    import errno
+    import socket
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            why = ("is already in use (another server?); choose another with --port"
+                   if e.errno == errno.EADDRINUSE else f"cannot be used: {e.strerror or e}")
+            raise ConfigError(f"port {port} on {host} {why}") from None
 
 
 def banner(host: str, port: int, model: str, api_key: bool) -> str:
@@ -242,6 +284,7 @@ def run(args) -> int:
         tp = tensor_parallel
         if not tp.is_leader(args.tensor_parallel):
             return tp.follow(settings, args.tensor_parallel)
+    check_port(args.host, args.port)      # before the model loads, not after
     app = create_app(settings, worker=tp.leader_worker(settings, args.tensor_parallel)
                      if tp else None)
     worker = app.state.worker
@@ -257,7 +300,8 @@ def run(args) -> int:
         print("warning: listening beyond loopback without MMINFER_API_KEY: anyone who can "
               "reach this port can use the model", flush=True)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    from .protocol import config as guarded_config
+    config = guarded_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_s)
     server = graceful_server(uvicorn, config, worker)
     if tp is not None:

@@ -265,6 +265,35 @@ def text_field(up: Upload, name: str, required: bool = False) -> str | None:
 
 # ------------------------------------------------------------------- media URLs
 
+def parse_url(url: str):
+    """``urlparse``, its ValueError (a malformed IPv6 literal such as ``http://[::1/x``, a
+    bracketed non-address) as a 400 naming the URL's problem."""
+    try:
+        parts = urlparse(url)
+        parts.hostname                 # noqa: B018 - validates a bracketed host
+    except ValueError as e:
+        raise InputError(f"the video URL is malformed ({e})") from None
+    return parts
+
+
+B64_WHITESPACE = str.maketrans("", "", " \t\r\n")
+
+
+def _b64_pieces(payload: str, chunk: int):
+    """``payload`` in pieces of base64 characters whose lengths are multiples of 4 (the last
+    excepted), whitespace removed: RFC 2045 (MIME) base64 breaks lines every 76 characters,
+    and a data: URL may carry it so. Each piece is cleaned on its own, so a long payload is
+    never copied whole."""
+    carry = ""
+    for i in range(0, len(payload), chunk):
+        piece = carry + payload[i:i + chunk].translate(B64_WHITESPACE)
+        cut = len(piece) - len(piece) % 4
+        carry = piece[cut:]
+        if cut:
+            yield piece[:cut], i + chunk >= len(payload) and not carry
+    if carry:
+        yield carry, True
+
 def save_data_url(url: str, folder, max_bytes: int) -> str:
     """``data:[type][;base64],...`` into a temp file; returns its path. Run it off the event
     loop: the payload is decoded and written a chunk at a time, so the thread gives up the
@@ -276,7 +305,9 @@ def save_data_url(url: str, folder, max_bytes: int) -> str:
     check_video_type(meta[0] or None, "the data: URL")
     if "base64" not in meta[1:]:
         raise InputError("data: URLs must be base64-encoded (data:video/mp4;base64,...)")
-    size = len(payload) * 3 // 4
+    spaces = (payload.count("\n") + payload.count("\r") + payload.count(" ")
+              + payload.count("\t"))
+    size = (len(payload) - spaces) * 3 // 4
     if size > max_bytes + 3:
         raise TooLarge(f"the video in the data: URL (about {size} bytes) is larger than this "
                        f"server's data: URL limit of {max_bytes / 2**20:g} MiB; upload it to "
@@ -284,9 +315,11 @@ def save_data_url(url: str, folder, max_bytes: int) -> str:
     path = new_temp(folder)
     try:
         with open(path, "wb") as f:
-            for i in range(0, len(payload), DATA_URL_CHUNK):
-                chunk = payload[i:i + DATA_URL_CHUNK]
-                if "=" in chunk and i + DATA_URL_CHUNK < len(payload):
+            pieces = (_b64_pieces(payload, DATA_URL_CHUNK) if spaces else
+                      ((payload[i:i + DATA_URL_CHUNK], i + DATA_URL_CHUNK >= len(payload))
+                       for i in range(0, len(payload), DATA_URL_CHUNK)))
+            for chunk, last in pieces:
+                if "=" in chunk and not last:
                     raise InputError("the data: URL is not valid base64 (padding before "
                                      "the end)")
                 try:
@@ -305,7 +338,15 @@ def local_media(url: str, allowed_dir: str | None) -> str:
     if not allowed_dir:
         raise Forbidden("local media paths are disabled on this server (start it with "
                         "--allowed-local-media-path DIR to allow a folder)")
-    raw = unquote(urlparse(url).path) if url.startswith("file:") else url
+    if url[:5].lower() == "file:":           # schemes are case-insensitive (RFC 3986)
+        parts = parse_url(url)
+        host = (parts.netloc or "").lower()
+        if host not in ("", "localhost"):
+            raise Forbidden(f"file:// URLs name files on this server only; the host "
+                            f"{parts.netloc!r} is not this server (use file:///path)")
+        raw = unquote(parts.path)
+    else:
+        raw = url
     if "\x00" in raw:
         raise InputError("the media path contains a NUL byte")
     root = os.path.realpath(allowed_dir)
@@ -363,7 +404,7 @@ async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeou
     size checked while downloading, the whole download within ``deadline`` seconds."""
     import httpx
 
-    parts = urlparse(url)
+    parts = parse_url(url)
     host = (parts.hostname or "").lower()
     if not allowed_domains:
         raise RemoteRefused("remote media URLs are disabled on this server; send the video as "

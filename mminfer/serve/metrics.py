@@ -79,6 +79,10 @@ class Metrics:
                                 m + ["status"], registry=r)
         self.errors = Counter("mminfer:errors", "Errors, by error code", m + ["code"],
                               registry=r)
+        self.refused = Counter(
+            "mminfer:refused_connections", "Connections and requests refused before a request "
+            "is served (never stored): by reason (unauthorized, header_timeout, bad_http, "
+            "connections, connections_per_client)", m + ["reason"], registry=r)
         self.generation_tokens = Counter("mminfer:generation_tokens",
                                          "Answer tokens generated", m, registry=r).labels(model)
         self.waiting = gauge("mminfer:num_requests_waiting", "Requests queued for the worker")
@@ -153,6 +157,9 @@ class Metrics:
 
     def shadow_skip(self, reason: str):
         self.shadow_skipped.labels(self.model, reason).inc()
+
+    def refuse(self, reason: str):
+        self.refused.labels(self.model, reason).inc()
 
     def count(self, status: int, code: str | None = None):
         self.requests.labels(self.model, str(status)).inc()

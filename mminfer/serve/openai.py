@@ -31,10 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mminfer.errors import InputError, ModelNotFound, UnsupportedMedia
 
-from . import media
+from . import jsonbody, media
 from .budget import request_params
 from .errors import validate
-from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention, Integer, Number
+from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention
+from .schemas import JsonBool as Bool
+from .schemas import JsonInteger as Integer
+from .schemas import JsonNumber as Number
 from .service import video_facts
 from .stream import StreamReply, TokenFeed
 from .videos import video_id_of
@@ -87,7 +90,7 @@ class MMProcessorKwargs(_Open):
 
 
 class StreamOptions(_Open):
-    include_usage: bool = Field(False, description="send a last chunk with the usage "
+    include_usage: Bool = Field(False, description="send a last chunk with the usage "
                                                    "(prompt and completion tokens)")
 
 
@@ -99,7 +102,7 @@ class ChatCompletionRequest(_Open):
     max_tokens: Integer | None = Field(None, description="answer length cap in tokens")
     max_completion_tokens: Integer | None = Field(None, description="same as max_tokens "
                                                                     "(wins over it)")
-    stream: bool = Field(False, description="answer as server-sent events "
+    stream: Bool = Field(False, description="answer as server-sent events "
                                             "(chat.completion.chunk), from the first token")
     stream_options: StreamOptions | None = Field(None, description="with stream=true only")
     n: Integer = Field(1, description="must be 1")
@@ -160,7 +163,7 @@ async def _chat(svc, req):
                                f"{ctype or 'a body without Content-Type'}")
     raw = await media.read_body(req.http, req.body(svc.intake), s.max_json_bytes)
     req.received()
-    data = await asyncio.to_thread(parse_json, raw)
+    data = await jsonbody.parse_body(raw, s.max_json_items, s.max_json_depth)
     del raw
     if not isinstance(data, dict):
         raise InputError("the request body must be a JSON object")

@@ -71,8 +71,14 @@ async def health(request: Request):
     job = w.running_job()
     body = {"status": w.state, "model": svc.model_id(), "queue": w.waiting,
             "reserved": w.reserved, "running": w.running, "queue_size": w.queue_size,
-            "uploads": svc.intake.active,
-            "running_request_id": job.request_id if job is not None else None}
+            "uploads": svc.intake.active}
+    if not svc.s.api_key:       # /health is open: with a key set, no client's request id
+        body["running_request_id"] = job.request_id if job is not None else None
+    if w.alive and svc.storage.full():
+        free = svc.storage.free_bytes()
+        return JSONResponse({**body, "status": "storage_full", "error": "no space left under "
+                             "the data folder: uploads are answered 507",
+                             "free_bytes": free}, status_code=503)
     if w.alive:
         return JSONResponse({**body, "status": "ok"})
     if w.state == "ready":       # the thread vanished without saying why

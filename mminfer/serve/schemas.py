@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, Strict, StrictBool
 
 
 def _no_bool(v):
@@ -17,6 +17,12 @@ def _no_bool(v):
 Number = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
 Integer = Annotated[int, BeforeValidator(_no_bool)]
 Attention = Literal["auto", "sparse", "dense"]
+# JSON bodies (the OpenAI-shaped schema): a JSON number or boolean, never a string that
+# looks like one ("2", "yes"), as OpenAI's own schema refuses them. Form fields are text and
+# keep the lax types above.
+JsonNumber = Annotated[float, BeforeValidator(_no_bool), Strict(), Field(allow_inf_nan=False)]
+JsonInteger = Annotated[int, BeforeValidator(_no_bool), Strict()]
+JsonBool = StrictBool
 
 FPS_DOC = "frames sampled per second (default: the server's --fps; at most its --max-fps)"
 MAX_FRAMES_DOC = "at most this many frames (capped at the server's --max-frames-limit)"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from mminfer.errors import ClientGone, MMInferError, Timeout, Unauthorized, WorkerDead
 
-from . import media
+from . import guard, media
 from .budget import Budget
 from .errors import describe, error_body, json_response
 from .intake import Intake
@@ -51,6 +51,7 @@ class Request:
     label: str = "the uploaded video"     # what messages call the video instead of its path
     slot: object = None                   # worker.Slot
     upload: object = None                 # intake.Upload
+    client_upload: object = None          # guard.ClientUpload
     deadline: float | None = None         # time.monotonic() by which the job must be done
     lease: object = None                  # videos.Lease of a stored video, until the job has it
 
@@ -62,6 +63,8 @@ class Request:
         """The body is in: its upload place is free for another."""
         if self.upload is not None:
             self.upload.end()
+        if self.client_upload is not None:
+            self.client_upload.end()
 
     def release(self):
         self.received()
@@ -95,6 +98,8 @@ class Service:
                              settings.upload_deadline_s, settings.min_upload_kbps * 1024,
                              settings.upload_grace_s)
         self.budget = Budget(settings)
+        self.clients = guard.ClientUploads(settings.uploads_per_client)
+        self.storage = guard.Storage(upload_dir, 64 * 2**20)
 
     # ------------------------------------------------------------ names and keys
     def model_id(self) -> str:
@@ -137,6 +142,7 @@ class Service:
             # Continue either); the server drops whatever the client still sends.
             req.slot = self.worker.reserve()
             req.upload = self.intake.begin()
+            req.client_upload = self.clients.begin(guard.client_host(http))
             body, info = await impl(req)
             status = 200
             if isinstance(body, StreamReply):
@@ -145,7 +151,7 @@ class Service:
             status, code, body = describe(e, req.path, req.label)
             body["error"]["request_id"] = rid
             info = {"code": code}
-            if status == 503:
+            if status in (503, 429):
                 headers["Retry-After"] = str(self.worker.retry_after(self.s.retry_after_max_s))
             if status == 401:
                 headers["WWW-Authenticate"] = "Bearer"
@@ -153,15 +159,29 @@ class Service:
             status, info = 499, {"code": "client_disconnected"}
             body = error_body("client_disconnected", "the client disconnected", 499)
         except Exception as e:  # noqa: BLE001 - a bug, not bad input: the service lives on
-            log.exception("request %s failed", rid)
-            status, info = 500, {"code": "internal"}
-            body = error_body("internal", f"internal error: {type(e).__name__}: {e}", 500,
-                              request_id=rid)
+            full = self.storage.failed(e)
+            if full is not None:            # a full disk is not a bug: 507, /health says so
+                log.warning("request %s: no space left under the data folder", rid)
+                status, code, body = describe(full)
+                body["error"]["request_id"] = rid
+                info = {"code": code}
+            else:                           # the log has the exception; the client its id
+                log.exception("request %s failed", rid)
+                status, info = 500, {"code": "internal"}
+                body = error_body("internal", f"internal error ({type(e).__name__}); the "
+                                  f"server log has the details under request id {rid}", 500,
+                                  request_id=rid)
         finally:
             if stream is None:
                 req.release()
         if stream is not None:          # it releases, counts and records when it ends
             return stream.response(headers)
+        if status == 200:
+            self.storage.ok()
+        if status == 401:               # refused before authentication: counted, not stored
+            self.metrics.count(status, info.get("code"))
+            self.metrics.refuse("unauthorized")
+            return json_response(status, body, headers)
         self.finish(rid, endpoint, status, info, arrival)
         return json_response(status, body, headers)
 

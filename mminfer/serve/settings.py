@@ -35,6 +35,17 @@ class Settings:
     upload_deadline_s: float = 300.0   # the whole body within this
     min_upload_kbps: float = 64.0      # ... and at least this fast (KiB/s) once past the grace
     upload_grace_s: float = 10.0
+    max_uploads_per_client: int | None = None  # bodies one client address sends at once
+                                       # (None: half of max_concurrent_uploads; 0: no limit)
+
+    # connections (serve/protocol.py): before a request exists
+    header_timeout_s: float = 10.0     # a request's headers must arrive within this (else 408)
+    max_connections: int = 512         # open connections at most; more are refused at once
+    max_connections_per_client: int = 128   # ... from one client address
+
+    # JSON bodies (serve/jsonbody.py): bounded before they are validated
+    max_json_items: int = 10_000       # values (objects, arrays, strings, numbers) in a body
+    max_json_depth: int = 32           # nesting of arrays and objects
 
     # budgets: what one request may cost the worker, checked before it is queued
     max_fps: float = 8.0
@@ -80,6 +91,13 @@ class Settings:
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 2**20)
+
+    @property
+    def uploads_per_client(self) -> int | None:
+        """Bodies one client address may send at once (None: no limit)."""
+        if self.max_uploads_per_client is not None:
+            return self.max_uploads_per_client or None
+        return max(1, (self.max_concurrent_uploads or self.queue_size) // 2)
 
     @property
     def max_data_url_bytes(self) -> int:

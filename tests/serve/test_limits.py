@@ -104,6 +104,7 @@ class Gated:
 
 def gated_server(ckpt, tmp_path, live_server, **settings):
     holder = {}
+    settings.setdefault("max_uploads_per_client", 0)   # these tests fill every slot from one
 
     def load():
         holder["p"] = Gated(ckpt)
@@ -551,32 +552,27 @@ def test_json_the_parser_rejects_is_a_400(srv, body):
 
 
 def test_health_stays_fast_while_a_big_data_url_is_decoded(ckpt, tmp_path, live_server):
+    """/health within its budget while a 64 MB chat body is parsed and its 48 MB data: URL
+    decoded. The bound is 0.5 s plus the worst probe of an idle baseline taken first in
+    this run (health_probe.py): on a loaded 2-core machine a fixed 0.5 s failed at 0.959 s
+    with nothing held (issue 32, item 9)."""
+    from health_probe import Prober, health_bound
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
                               max_upload_mb=64, max_data_url_mb=64, api_key=None))
     s = live_server(app)
     assert app.state.worker.wait_ready(60)
     raw = NEEDLE.read_bytes()[:64] + os.urandom(48 * 2**20)    # decodes, then fails as video
     body = json.dumps(chat_json(data_url(raw))).encode()
-    worst = []
-    done = threading.Event()
-
-    def probe():
-        while not done.is_set():
-            t0 = time.monotonic()
-            httpx.get(f"{s.url}/health", timeout=10)
-            worst.append(time.monotonic() - t0)
-            time.sleep(0.02)
-
-    th = threading.Thread(target=probe)
-    th.start()
-    try:
+    p = Prober(s.url)
+    baseline = p.measure(1.0)
+    with p:
         r = httpx.post(f"{s.url}/v1/chat/completions", content=body, timeout=120,
                        headers={"Content-Type": "application/json"})
-    finally:
-        done.set()
-        th.join()
     assert 400 <= r.status_code < 500, r.text
-    assert len(worst) > 5 and max(worst) < 0.5, max(worst)
+    assert len(p.times) > 5
+    print(f"/health: worst {max(p.times):.3f} s while decoding, idle baseline worst "
+          f"{max(baseline):.3f} s, bound {health_bound(baseline):.3f} s")
+    assert max(p.times) < health_bound(baseline), (max(p.times), max(baseline))
     wait_until(lambda: uploads_left(app) == [])
 
 

@@ -416,8 +416,9 @@ def test_bearer_auth(ckpt, tmp_path, live_server, monkeypatch):
 # ----------------------------------------------------------------------- load and failure
 
 def test_concurrent_uploads_against_a_small_queue(ckpt, tmp_path, live_server):
+    # one client fills the queue here: its address's share (test_robust.py) is lifted
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
-                              queue_size=2, timeout_s=120))
+                              queue_size=2, timeout_s=120, max_uploads_per_client=0))
     s = live_server(app)
     video = NEEDLE.read_bytes()
 
@@ -463,7 +464,7 @@ def test_timeout_answers_504_and_cleans_up(ckpt, tmp_path, live_server):
 
 def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_server):
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
-                              queue_size=16, timeout_s=120))
+                              queue_size=16, timeout_s=120, max_uploads_per_client=0))
     s = live_server(app)
     video = NEEDLE.read_bytes()
     ahead = 14
