@@ -366,6 +366,16 @@ def _check_file(path: str) -> str | None:
     return kind.name if kind is not None else None
 
 
+def _av_open(av, path):
+    """``av.open`` that skips undecodable metadata: PyAV up to 18 takes
+    ``metadata_errors="ignore"``; PyAV 19 dropped the argument (a TypeError) and ignores
+    such metadata itself."""
+    try:
+        return av.open(path, metadata_errors="ignore")
+    except TypeError:
+        return av.open(path)
+
+
 def _probe_av(path: str, kind: str | None) -> dict | None:
     """Container facts from the headers (and the first frame's side data); None when PyAV
     is missing.
@@ -376,7 +386,7 @@ def _probe_av(path: str, kind: str | None) -> dict | None:
     except ImportError:
         return None
     try:
-        container = av.open(path, metadata_errors="ignore")
+        container = _av_open(av, path)
     except Exception as e:  # av.error.* (InvalidDataError, ...) and OSError
         reason = getattr(e, "strerror", None) or type(e).__name__
         if kind in ("mp4", "matroska"):
@@ -528,7 +538,7 @@ class _PyAVReader:
             raise VideoError(f"{path}: the video stream has no frame rate", path=path)
         self.pts = self._packet_times()
         self.total = len(self.pts)
-        self.container = av.open(path, metadata_errors="ignore")
+        self.container = _av_open(av, path)
         self.stream = self.container.streams.video[0]
         self.stream.thread_type = "AUTO"
 
@@ -541,7 +551,7 @@ class _PyAVReader:
         # than decoding): the frame count where the container has none (Matroska), and the
         # timestamps of a variable-frame-rate video.
         ts = []
-        with self.av.open(self.path, metadata_errors="ignore") as c:
+        with _av_open(self.av, self.path) as c:
             s = c.streams.video[0]
             try:
                 for p in c.demux(s):
