@@ -50,6 +50,10 @@ class Config:
     sandbox: bool = field(
         default_factory=lambda: os.environ.get("MMINFER_DECODE_SANDBOX", "1") != "0")
     memory_mb: float = 1024.0   # margin over the worker's footprint and the frames in flight
+    # and this much more per core: decord and FFmpeg start a thread per core, each with its
+    # stack, codec context and frame-threading buffers (on a 16-core H200 machine 1 GiB of
+    # margin alone let a legitimate 4096-frame file die of std::bad_alloc)
+    per_core_mb: float = 256.0
     timeout_s: float = 30.0     # to open a file, and for each batch of frames
     workers: int = 2            # kept started (a stream holds one while it decodes)
     # niceness added to the parent's: below the server's own threads, so that on a saturated
@@ -650,7 +654,7 @@ class RemoteSession:
 
 
 def _margin() -> int:
-    return int(_config.memory_mb * 2**20)
+    return int((_config.memory_mb + _config.per_core_mb * (os.cpu_count() or 1)) * 2**20)
 
 
 if __name__ == "__main__":

@@ -121,13 +121,13 @@ def test_the_memory_limit_is_enforced(tmp_path, limits):
                 c.mux(p)
         for p in s.encode():
             c.mux(p)
-    limits(memory_mb=1, max_frame_pixels=64 * 64)
+    limits(memory_mb=1, per_core_mb=0, max_frame_pixels=64 * 64)
     # refused either way: the worker's MemoryError/ENOMEM (UndecodableVideo, "memory"), or,
     # where FFmpeg swallows the failed allocation, what is left of the file ("no frames")
     with pytest.raises(VideoError) as e:
         video.decode(path)
     assert str(path) in str(e.value)
-    limits(memory_mb=1024, max_frame_pixels=7680 * 4320)
+    limits(memory_mb=1024, per_core_mb=256, max_frame_pixels=7680 * 4320)
     assert video.decode(path).frames.shape == (2, 2160, 3840, 3)
 
 
