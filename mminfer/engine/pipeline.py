@@ -164,17 +164,29 @@ class Pipeline:
         self.video_cache = VideoCache(self.device, gpu_bytes,
                                       int(float(kv_host_cache_gb or 0) * 2**30))
         ad = self.adapter
-        patterns = ad.patterns.to_dict() if ad.patterns is not None else None
-        # what every cached prefix of this pipeline depends on besides the request
+        # what every cached prefix of this pipeline depends on besides the request (and its
+        # head patterns: _patterns_key, read per request, as a caller may swap them)
         self._prefix_identity = {
             "model": model_id, "revision": getattr(ad.identity, "revision", None),
             "adapter": ad.name, "dtype": str(self.dtype), "sampling": ad.sampling,
             "frame_limit": ad.frame_limit, "min_sparse_len": self.min_sparse_len,
-            "patterns": cache_key(p=patterns), "device": self.device.type}
+            "device": self.device.type}
         k = ad.text_model.layers[0].self_attn.k_proj
         # bytes of K and V per prompt token, all layers
         self.kv_bytes_per_token = (2 * len(ad.text_model.layers) * k.out_features
                                    * torch.finfo(self.dtype).bits // 8)
+
+    def _patterns_key(self) -> str | None:
+        """A digest of the head-pattern config the prefix would be built with: a swapped
+        config (``adapter.patterns = ...``) or one marked calibrated is another key, never a
+        stale hit. Memoised on the object (hashing a 7B config takes ~20 ms)."""
+        pats = self.adapter.patterns
+        if pats is None:
+            return None
+        memo = getattr(self, "_patterns_memo", None)   # (config object, flag, digest)
+        if memo is None or memo[0] is not pats or memo[1] != pats.uncalibrated:
+            memo = self._patterns_memo = (pats, pats.uncalibrated, cache_key(p=pats.to_dict()))
+        return memo[2]
 
     def attention_policy(self) -> dict:
         """What "auto" attention does with this model, and why: for the start-up message,
@@ -295,7 +307,8 @@ class Pipeline:
         except OSError:
             pass                              # the decoder says what is wrong with the path
         if use_cache and digest is not None and self.video_cache.enabled:
-            key = cache_key(**self._prefix_identity, video=digest, fps=float(fps),
+            key = cache_key(**self._prefix_identity, patterns=self._patterns_key(),
+                            video=digest, fps=float(fps),
                             max_frames=int(max_frames), start=start, end=end, mode=mode,
                             options=asdict(options) if options is not None else None,
                             turns=conv.prefix_digest())

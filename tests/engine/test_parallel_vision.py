@@ -52,13 +52,13 @@ def _small_chunks(pipe):
 def _answer(pipe, video, mode="dense"):
     """Answer once; the embeddings the prefill got, the first-token logits, the answer."""
     ad, seen = pipe.adapter, {}
-    generate = ad.generate
+    prefill_prefix = ad.prefill_prefix
 
-    def spy(prep, **kw):
-        seen["embeds"] = kw["embeds"].detach().clone()     # the prefill overwrites them
-        return generate(prep, **kw)
+    def spy(prep, embeds, **kw):
+        seen["embeds"] = embeds.detach().clone()           # the prefill overwrites them
+        return prefill_prefix(prep, embeds, **kw)
 
-    ad.generate = spy
+    ad.prefill_prefix = spy
     logits = []
     handle = ad.lm_head.register_forward_hook(
         lambda mod, args, out: logits.append(out[0, -1].detach().float().clone()))
@@ -66,7 +66,7 @@ def _answer(pipe, video, mode="dense"):
         res = pipe.answer(video, QUESTION, attention=mode, max_new_tokens=4)
     finally:
         handle.remove()
-        ad.generate = generate
+        ad.prefill_prefix = prefill_prefix
     return seen["embeds"][0], logits[0], res
 
 

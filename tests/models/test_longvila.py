@@ -208,7 +208,7 @@ def _small_budget_row():
 def _sparse_ctx(prepared, rows, **kw):
     from mminfer.models.hooks import PrefillContext
     from mminfer.sparse.patterns import HeadPatternConfig
-    return PrefillContext(index=prepared.index, mode="auto", min_sparse_len=16, keep_plans=True,
+    return PrefillContext(index=prepared.index, mode="sparse", min_sparse_len=16, keep_plans=True,
                           patterns=HeadPatternConfig(kw.pop("identity"), rows), **kw)
 
 

@@ -139,7 +139,10 @@ def server(tmp_path_factory):
     p = subprocess.Popen([sys.executable, "-m", "mminfer.cli", "serve", "--model", str(ckpt),
                           "--port", "0", "--data-dir", str(data), "--device", "cpu",
                           "--log-level", "warning", "--allowed-local-media-path", str(media),
-                          "--decode-timeout-s", "20"],
+                          "--decode-timeout-s", "20",
+                          # every answered case decodes (a cache hit would skip the decoder,
+                          # and the /health baseline's good uploads would cost nothing)
+                          "--no-video-cache"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url, lines = None, []
     deadline = time.monotonic() + 180

@@ -463,8 +463,11 @@ def test_timeout_answers_504_and_cleans_up(ckpt, tmp_path, live_server):
 
 
 def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_server):
+    # the video cache off: the requests ahead must each cost a prefill (as hits of one video
+    # they would drain the queue in milliseconds, before the impatient one could queue)
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
-                              queue_size=16, timeout_s=120, max_uploads_per_client=0))
+                              queue_size=16, timeout_s=120, max_uploads_per_client=0,
+                              video_cache=False))
     s = live_server(app)
     video = NEEDLE.read_bytes()
     ahead = 14
@@ -482,7 +485,9 @@ def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_serv
                 for i in range(ahead)]
             # Wait until the impatient request is in the queue behind them (not still
             # uploading: a fixed sleep raced with that), then leave.
+            deadline = time.monotonic() + 60
             while await queued() < ahead - 2:
+                assert time.monotonic() < deadline, "the requests ahead never queued"
                 await asyncio.sleep(0.02)
             async with httpx.AsyncClient(timeout=90) as impatient:
                 task = asyncio.create_task(impatient.post(
