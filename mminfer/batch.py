@@ -549,7 +549,7 @@ def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, 
     try:
         import ray
     except ImportError:
-        raise ConfigError("--ray needs the ray package: pip install 'ray>=2.44'") from None
+        raise ConfigError("--ray needs the ray package: pip install 'mminfer[ray]'") from None
     if not ray.is_initialized():
         if address == "local":
             ray.init(include_dashboard=False, log_to_driver=False)
