@@ -324,12 +324,7 @@ class Pipeline:
             entry = slot.entry
             suffix = built["suffix"] if built else ad.suffix_embeds(conv)
             n = entry.length + suffix.shape[1]
-            if n + max_new_tokens > ad.max_context:
-                raise InputError(
-                    f"the prompt is {n} tokens ({entry.facts['visual_tokens']} visual) and "
-                    f"{max_new_tokens} new tokens are asked for, over the model's context of "
-                    f"{ad.max_context} tokens; lower fps or max_frames", tokens=n,
-                    limit=ad.max_context)
+            _check_context(n, entry.facts["visual_tokens"], max_new_tokens, ad.max_context)
             _check(cancel, "before the question's prefill")
             gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
                                  max_new_tokens=max_new_tokens, cancel=cancel,
@@ -391,12 +386,7 @@ class Pipeline:
             with timer("preprocess"):
                 prep = ad.prepare(stream, conv, options or PrepareOptions())
             n = prep.total_tokens
-            if n + max_new_tokens > ad.max_context:
-                raise InputError(
-                    f"the prompt is {n} tokens ({prep.visual_tokens} visual) and "
-                    f"{max_new_tokens} new tokens are asked for, over the model's context of "
-                    f"{ad.max_context} tokens; lower fps or max_frames", tokens=n,
-                    limit=ad.max_context)
+            _check_context(n, prep.visual_tokens, max_new_tokens, ad.max_context)
             # tensor parallel: each rank runs the tower on its share of the chunks of frames,
             # then every rank gathers the others' features (mminfer.engine.parallel)
             shard = self._frame_shards()
@@ -455,6 +445,15 @@ class Pipeline:
         checked before every decoder layer and decode step (:class:`Cancelled`)."""
         from mminfer.engine.rerun import dense_rerun
         return dense_rerun(self.adapter, kept, max_new_tokens=max_new_tokens, cancel=cancel)
+
+
+def _check_context(n: int, visual: int, max_new_tokens: int, max_context: int) -> None:
+    """InputError when a prompt of ``n`` tokens and its answer do not fit the model."""
+    if n + max_new_tokens > max_context:
+        raise InputError(
+            f"the prompt is {n} tokens ({visual} visual) and {max_new_tokens} new tokens are "
+            f"asked for, over the model's context of {max_context} tokens; lower fps or "
+            f"max_frames", tokens=n, limit=max_context)
 
 
 def _check(cancel, where: str):
