@@ -463,49 +463,60 @@ def test_timeout_answers_504_and_cleans_up(ckpt, tmp_path, live_server):
 
 
 def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_server):
-    # the video cache off: the requests ahead must each cost a prefill (as hits of one video
-    # they would drain the queue in milliseconds, before the impatient one could queue)
+    # The model is held at a gate, so the requests ahead stay queued for as long as the test
+    # needs, however slow the machine (racing a real prefill against uploads was flaky).
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
-                              queue_size=16, timeout_s=120, max_uploads_per_client=0,
-                              video_cache=False))
+                              queue_size=16, timeout_s=120, max_uploads_per_client=0))
     s = live_server(app)
-    video = NEEDLE.read_bytes()
-    ahead = 14
+    worker = app.state.worker
+    assert worker.wait_ready(120)
+    gate = threading.Event()
+    answer = worker.pipeline.answer
 
-    async def queued() -> int:
-        async with httpx.AsyncClient(timeout=10) as c:
-            h = (await c.get(f"{s.url}/health")).json()
-            return h["queue"]
+    def gated(*a, **kw):
+        assert gate.wait(120), "the test never opened the gate"
+        return answer(*a, **kw)
+
+    worker.pipeline.answer = gated
+    video = NEEDLE.read_bytes()
+    ahead = 3
 
     async def run():
-        async with httpx.AsyncClient(timeout=90) as c:
+        async with httpx.AsyncClient(timeout=120) as c:
             busy = [asyncio.create_task(c.post(
                 f"{s.url}/v1/answer", files={"video": ("v.mp4", video)},
-                data={"question": f"q {i}", "max_new_tokens": "32", "fps": "2"}))
+                data={"question": f"q {i}", "max_new_tokens": "4"}))
                 for i in range(ahead)]
-            # Wait until the impatient request is in the queue behind them (not still
-            # uploading: a fixed sleep raced with that), then leave.
-            # each upload is probed by the decode sandbox first (a few workers): on a busy
-            # 2-core machine 14 of them take a while to reach the queue; a bound, not a target
+            # one running (held at the gate), the others queued behind it
             deadline = time.monotonic() + 300
-            while await queued() < ahead - 2:
+            while len(worker._queue) < ahead - 1:
                 assert time.monotonic() < deadline, "the requests ahead never queued"
+                assert not any(t.done() for t in busy), [t.result().text for t in busy if t.done()]
                 await asyncio.sleep(0.02)
-            async with httpx.AsyncClient(timeout=90) as impatient:
+            async with httpx.AsyncClient(timeout=120) as impatient:
                 task = asyncio.create_task(impatient.post(
                     f"{s.url}/v1/answer", files={"video": ("v.mp4", video)},
                     data={"question": "never mind"}))
-                deadline = time.monotonic() + 30
-                while not any(j.question == "never mind" for j in app.state.worker._queue):
+                deadline = time.monotonic() + 300
+                while not any(j.question == "never mind" for j in worker._queue):
                     assert time.monotonic() < deadline and not task.done()
                     await asyncio.sleep(0.01)
                 task.cancel()                  # closes the connection
+            # the server notices the closed connection and takes the job off the queue
+            deadline = time.monotonic() + 60
+            while any(j.question == "never mind" for j in worker._queue):
+                assert time.monotonic() < deadline, "the disconnected request stayed queued"
+                await asyncio.sleep(0.02)
+            gate.set()
             return await asyncio.gather(*busy)
 
-    rs = asyncio.run(run())
-    assert [r.status_code for r in rs] == [200] * ahead
+    try:
+        rs = asyncio.run(run())
+    finally:
+        gate.set()
+    assert [r.status_code for r in rs] == [200] * ahead, [r.text for r in rs]
     # the impatient request was cancelled while queued: the model never ran it
-    assert app.state.worker.served == ahead
+    assert worker.served == ahead
     m = httpx.get(f"{s.url}/metrics").text
     assert metric_values(m, "mminfer:errors_total")[(("code", "client_disconnected"),)] == 1
     assert wait_no_uploads(app) == []
