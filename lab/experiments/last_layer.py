@@ -1,6 +1,6 @@
 """What running only the last row of the last decoder layer saves (models/prefill.py), through
 ``Pipeline.answer``, the path the CLI, the server and batch run. One Pipeline, one video;
-requests alternate between the prefill as served (``full_last_layer`` False) and every row of
+requests alternate between the prefill as served and every row of
 the last layer (True), in each attention mode, so every ratio comes from requests side by side
 in one process. The answers must be the same: a different one is reported and fails the run.
 
@@ -23,6 +23,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from mminfer.models.hooks import PrefillContext
+
+
+class EveryRow(PrefillContext):
+    """The prefill with every row of its last layer (the product computes the last one only)."""
+
+    def every_row(self) -> bool:
+        return True
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # its e2e.py
 
@@ -54,7 +63,7 @@ def run(pipe, video: str, frames: int, modes, reps: int, max_new_tokens: int, lo
     for r in range(reps + 1):                  # round 0 warms each mode and setting up
         for mode in modes:
             for setting in ("served", "full"):
-                pipe.full_last_layer = setting == "full"
+                pipe.prefill_context = EveryRow if setting == "full" else PrefillContext
                 # every request prefills (a video-cache hit would skip what is measured)
                 res = pipe.answer(video, QUESTION, max_frames=frames, attention=mode,
                                   max_new_tokens=max_new_tokens, use_cache=False)
@@ -70,7 +79,7 @@ def run(pipe, video: str, frames: int, modes, reps: int, max_new_tokens: int, lo
                     f"ttft {t['ttft']:9.1f} ms  tokens {rec['tokens']}")
                 if r:
                     rows[mode][setting].append(rec)
-    pipe.full_last_layer = False
+    pipe.prefill_context = PrefillContext
     out = {}
     for mode, by in rows.items():
         med = {s: {k: statistics.median(x[k] for x in recs) for k in ("prefill_ms", "ttft_ms")}

@@ -29,7 +29,8 @@ from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.engine.cache import Entry, VideoCache, cache_key, file_digest
 from mminfer.engine.timing import PIPELINE_STAGES
 from mminfer.models.base import resolve_checkpoint
-from mminfer.models.hooks import MODES, sparse_refusal, sparse_unavailable
+from mminfer.models.hooks import (MODES, PrefillContext, auto_min_tokens, sparse_refusal,
+                                  sparse_unavailable)
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
 ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
@@ -100,23 +101,17 @@ def _dtype(dtype, device):
     return dtype
 
 
-# "auto" attention: sparse prefill from this many tokens on a GPU (BENCHMARKS.md §2: sparse
-# already wins at 128K; below 64K estimation is not yet amortised). On the CPU "auto" stays
-# dense: the Triton interpreter there is for tests, not speed.
-AUTO_SPARSE_MIN_TOKENS = 65536
-
-
 class Pipeline:
     """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
     embedded default model (``mminfer/models/mminfer-embedded``). ``attention`` is the default mode of its
-    requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens.
+    requests: "auto" goes sparse for prefills of at least ``min_sparse_len`` tokens (None:
+    ``hooks.auto_min_tokens`` of the device).
     ``vision_compile``: the vision tower's block through torch.compile (CUDA; None: the
     adapter's default, ``mminfer.models.vision.COMPILE_DEFAULT`` for Qwen2.5-VL).
-    ``full_last_layer`` (an attribute, False): the prefill's last decoder layer computes every
-    row instead of the last only (models/prefill.py); the same answers, slower: for measuring
-    what that saves."""
+    ``prefill_context``: the type of a request's ``hooks.PrefillContext`` (the lab substitutes
+    a subclass to measure a setting the product does not serve)."""
 
-    full_last_layer = False
+    prefill_context = PrefillContext
 
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
                  dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1,
@@ -139,7 +134,7 @@ class Pipeline:
         self.dtype = _dtype(dtype, self.device)
         self.attention = attention
         if min_sparse_len is None:
-            min_sparse_len = AUTO_SPARSE_MIN_TOKENS if self.device.type == "cuda" else 1 << 62
+            min_sparse_len = auto_min_tokens(self.device)
         self.min_sparse_len = int(min_sparse_len)
         path, model_id, revision = resolve_checkpoint(str(model))
         self.model_id = model_id
@@ -222,7 +217,6 @@ class Pipeline:
         import numpy as np
         from mminfer.engine.video import DecodedVideo
         from mminfer.models.base import VIDEO, Conversation, PrepareOptions, Turn
-        from mminfer.models.hooks import PrefillContext
 
         if self.device.type != "cuda" and not force:
             return {"ran": False, "why": "nothing to compile on the CPU"}
@@ -370,7 +364,6 @@ class Pipeline:
         embeddings, and what the answer reports of the build."""
         from mminfer.engine import video as videolib
         from mminfer.models.base import PrepareOptions
-        from mminfer.models.hooks import PrefillContext
 
         ad = self.adapter
         # decode -> preprocess -> vision, overlapped: the stream decodes in its own thread
@@ -402,11 +395,10 @@ class Pipeline:
         # the prefix's prefill decides dense or sparse once (hooks.choose_attention) from its
         # own length, and a sparse one estimates from the prefix's own last queries: the
         # cached prefix is right for every later question
-        ctx = PrefillContext(index=prep.prefix_index, patterns=ad.patterns, mode=mode,
-                             min_sparse_len=self.min_sparse_len,
-                             unavailable=self.sparse_unavailable, timer=timer,
-                             keep_plans=True, cancel=cancel,
-                             full_last_layer=self.full_last_layer)
+        ctx = self.prefill_context(index=prep.prefix_index, patterns=ad.patterns, mode=mode,
+                                   min_sparse_len=self.min_sparse_len,
+                                   unavailable=self.sparse_unavailable, timer=timer,
+                                   keep_plans=True, cancel=cancel)
         kept = None
         if keep_for_shadow and ctx.decide(P):     # before the prefill overwrites embeds
             from mminfer.engine.rerun import keep_inputs

@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 ATTN_NAME = "mminfer_sparse"
 MODES = ("auto", "sparse", "dense")
 
+# "auto" attention: sparse prefill from this many tokens on a GPU (BENCHMARKS.md: sparse
+# already wins at 128K; below 64K estimation is not yet amortised). On the CPU "auto" stays
+# dense (auto_min_tokens): the Triton interpreter there is for tests, not speed.
+AUTO_SPARSE_MIN_TOKENS = 65536
+
 _current: contextvars.ContextVar = contextvars.ContextVar("mminfer_prefill", default=None)
 
 
@@ -28,7 +33,7 @@ class PrefillContext:
     index: object = None            # mminfer.sparse.modality.ModalityIndex of this request
     patterns: object = None         # mminfer.sparse.patterns.HeadPatternConfig (or None: dense)
     mode: str = "auto"              # "sparse" | "dense" | "auto"
-    min_sparse_len: int = 8192      # "auto": shorter prefills go dense
+    min_sparse_len: int = AUTO_SPARSE_MIN_TOKENS   # "auto": shorter prefills go dense
     timer: object = None            # mminfer.engine.timing.StageTimer
     keep_plans: bool = False
     densities: dict = field(default_factory=dict)  # layer -> plan (density read lazily)
@@ -37,14 +42,19 @@ class PrefillContext:
     unavailable: str | None = None  # why the sparse kernels cannot run here (sparse_unavailable)
     sparse: bool | None = None      # the decision, made once by decide()
     # how a sparse layer runs its plan: "kernel" (Triton) or "reference" (exact masked
-    # attention by row chunks, no Triton: sparse answers measured on a CPU at long N), and
-    # the plan's tiles (None: 128 x 64 on a GPU, 16 x 16 on the CPU)
+    # attention by row chunks, no Triton: calibration's answer probe on a CPU at long N), and
+    # the plan's tiles (None: 128 x 64 on a GPU, 16 x 16 on the CPU; calibration on a CPU
+    # plans with the GPU's tiles it calibrates for)
     engine: str = "kernel"
     block: tuple | None = None
-    # every row of the last decoder layer, not only the last one (models/prefill.py): no
-    # answer changes; it is there to measure what skipping them saves
-    full_last_layer: bool = False
     last_row_only: int | None = None  # set by the prefill: the layer that ran its last row only
+
+    def every_row(self) -> bool:
+        """Whether the prefill's last layer computes every row, not only the last one that
+        reaches a logit (models/prefill.py). Calibration's capture needs every layer whole;
+        a subclass may ask for them to measure what the shortcut saves (the answers are the
+        same)."""
+        return self.capture is not None
 
     def decide(self, n_tokens: int) -> bool:
         """This request's prefill of ``n_tokens`` is sparse or not: decided on the first call,
@@ -54,6 +64,12 @@ class PrefillContext:
                 self.mode, n_tokens, patterns=self.patterns, index=self.index,
                 min_sparse_len=self.min_sparse_len, unavailable=self.unavailable) == "sparse"
         return self.sparse
+
+
+def auto_min_tokens(device) -> int:
+    """The length from which "auto" prefills sparse on ``device``: AUTO_SPARSE_MIN_TOKENS on
+    a GPU, never on the CPU."""
+    return AUTO_SPARSE_MIN_TOKENS if getattr(device, "type", str(device)) == "cuda" else 1 << 62
 
 
 def sparse_unavailable(device) -> str | None:

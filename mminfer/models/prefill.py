@@ -20,8 +20,8 @@ The last decoder layer runs its attention and MLP for the last position alone: i
 feed nothing but logits nobody reads, while the K/V that decode needs from it come from its
 input, which the layers before computed in full. That is exact (the same last row, the same
 cache) and saves one layer in L of the prefill's attention and MLP (a quarter of the embedded
-model's four layers, 1/28 of Qwen2-7B's). Calibration's capture and ``full_last_layer`` (for
-measuring what this saves) keep every row.
+model's four layers, 1/28 of Qwen2-7B's). Calibration's capture keeps every row
+(``PrefillContext.every_row``; the lab overrides it to measure what this saves).
 
 It lives in models/ (not engine/) because ``Adapter.generate`` runs it and a model layer may not
 import the engine; it needs nothing above the transformers modules and our hook.
@@ -75,7 +75,7 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
             ctx.decide(n)
         # only a run of every layer ends in the rows nobody reads; a captured layer is needed whole
         last_only = layers is None and not (
-            ctx is not None and (ctx.capture is not None or ctx.full_last_layer))
+            ctx is not None and ctx.every_row())
         last = None
         for i, layer in enumerate(todo):
             _check_cancel(ctx, layer.self_attn.layer_idx)

@@ -21,6 +21,13 @@ from mminfer.sparse.patterns import HeadPatternConfig
 from conftest import load_script
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class EveryRow(hooks.PrefillContext):
+    """Every row of the last layer (as lab/experiments/last_layer.py measures it)."""
+
+    def every_row(self) -> bool:
+        return True
 needs_kernels = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
                                    reason="sparse kernels need CUDA or TRITON_INTERPRET=1")
 
@@ -128,7 +135,7 @@ def test_chunked_prefill_equals_one_shot(case, chunk):
             torch.testing.assert_close(k, rk, atol=1e-6, rtol=0)
             torch.testing.assert_close(v, rv, atol=1e-6, rtol=0)
     if chunk >= n:   # every row of the last layer, as transformers runs it: bit for bit
-        full = hooks.PrefillContext(mode="dense", full_last_layer=True)
+        full = EveryRow(mode="dense")
         assert torch.equal(_chunked(adapter, p, embeds, chunk, full)[0], ref_h)
     first = ref_logits.argmax(-1)
     assert torch.equal(got_logits.argmax(-1), first)
@@ -159,7 +166,7 @@ def test_the_last_layer_computes_its_last_row_only(case, monkeypatch):
     _chunked(adapter, p, embeds, 7, served)
     assert served.last_row_only == layers - 1          # what the sparsity report names
     seen.clear()
-    full = hooks.PrefillContext(mode="dense", full_last_layer=True)
+    full = EveryRow(mode="dense")
     full_h, full_cache = _chunked(adapter, p, embeds, 7, full)
     assert seen == {i: [(n, n)] for i in range(layers)} and full.last_row_only is None
     torch.testing.assert_close(got_h, full_h, atol=1e-5, rtol=1e-5)
@@ -269,10 +276,10 @@ def test_sparse_chunked_prefill_equals_one_shot_sparse(case):
     layers = adapter.identity.layers
     pats = _sparse_patterns(adapter)
 
-    def ctx(**kw):
-        return hooks.PrefillContext(index=p.index, patterns=pats, mode="sparse",
-                                    keep_plans=True, **kw)
-    ref_ctx, got_ctx = ctx(), ctx(full_last_layer=True)
+    def ctx(every_row=False):
+        return (EveryRow if every_row else hooks.PrefillContext)(
+            index=p.index, patterns=pats, mode="sparse", keep_plans=True)
+    ref_ctx, got_ctx = ctx(), ctx(every_row=True)
     ref_h, ref_cache = _one_shot(adapter, p, embeds, ref_ctx)
     got_h, got_cache = _chunked(adapter, p, embeds, 7, got_ctx)
     assert got_ctx.sparse is True and sorted(got_ctx.densities) == list(range(layers))
