@@ -248,15 +248,17 @@ def summarise(plan, raw: dict) -> dict:
     B, H, N = plan.batch, plan.num_heads, plan.n
     tri = N * (N + 1) / 2
     area = plan.block_m * raw["block_n_tile"]
-    pairs = raw["pairs_per_head"].double()
-    tiles = raw["tiles_per_head"].double()
+    # on the host: CUDA divides a tensor by a scalar as a multiplication by its reciprocal
+    # (one ulp off the quotient), so the same plan would report other fractions on a GPU
+    pairs = raw["pairs_per_head"].cpu().double()
+    tiles = raw["tiles_per_head"].cpu().double()
     dense = float(raw["dense_tiles"])
     return {"logical": float(pairs.sum()) / (B * H * tri),
             "physical": float(tiles.sum()) / (B * H * dense),
             "tiles": dict(raw["tiles"]), "pairs": float(pairs.sum()),
             "tile_pairs": float(tiles.sum()) * area,
-            "logical_per_head": (pairs / (B * tri)).cpu(),
-            "physical_per_head": (tiles / (B * dense)).cpu()}
+            "logical_per_head": pairs / (B * tri),
+            "physical_per_head": tiles / (B * dense)}
 
 
 def plan_density(plan) -> dict:
