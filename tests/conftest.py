@@ -1,6 +1,7 @@
 """Shared fixtures: small videos written with PyAV into the test's tmp_path."""
 from __future__ import annotations
 
+import json
 from fractions import Fraction
 from pathlib import Path
 
@@ -91,6 +92,28 @@ def frame_index():
         return int(round((float(np.mean(frame)) - 16) * max(n_frames - 1, 1) / 220))
 
     return index
+
+
+def read_response(sock, timeout=30.0) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of one HTTP/1.1 response read from a raw socket."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {k.strip().lower().decode(): v.strip().decode()
+               for k, _, v in (ln.partition(b":") for ln in lines[1:])}
+    n = int(headers.get("content-length", 0))
+    while len(rest) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return int(lines[0].split(b" ")[1]), headers, json.loads(rest[:n] or b"{}")
 
 
 class LiveServer:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, read_response
 
 from mminfer.serve.app import Settings, create_app
 from mminfer.serve.budget import visual_tokens
@@ -122,27 +122,6 @@ def raw_connect(port, head: bytes, body: bytes = b"") -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.sendall(head + body)
     return sock
-
-
-def read_response(sock, timeout=30.0) -> tuple[int, dict, dict]:
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    headers = {k.strip().lower().decode(): v.strip().decode()
-               for k, _, v in (ln.partition(b":") for ln in lines[1:])}
-    n = int(headers.get("content-length", 0))
-    while len(rest) < n:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        rest += chunk
-    return int(lines[0].split(b" ")[1]), headers, json.loads(rest[:n] or b"{}")
 
 
 def multipart_head(length: int, boundary=b"BB", extra=b"") -> bytes:

@@ -23,6 +23,7 @@ from mminfer.serve import media
 from mminfer.serve.app import Settings, create_app
 from mminfer.serve.protocol import config as guarded_config
 
+from conftest import read_response
 from health_probe import Prober, health_bound
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
@@ -89,27 +90,6 @@ def data_url(raw: bytes) -> str:
 def connect(port, source="127.0.0.1") -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=30,
                                     source_address=(source, 0))
-
-
-def read_reply(sock, timeout=30.0) -> tuple[int, dict, dict]:
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    headers = {k.strip().lower().decode(): v.strip().decode()
-               for k, _, v in (ln.partition(b":") for ln in lines[1:])}
-    n = int(headers.get("content-length", 0))
-    while len(rest) < n:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        rest += chunk
-    return int(lines[0].split(b" ")[1]), headers, json.loads(rest[:n] or b"{}")
 
 
 # ----------------------------------------------------------------------- item 2
@@ -179,7 +159,7 @@ def test_slow_clients_from_one_address_leave_slots_for_others(serve):
     while svc.intake.active < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
     for sock in held[4:]:
-        status, headers, body = read_reply(sock, timeout=10)
+        status, headers, body = read_response(sock, timeout=10)
         refused.append((status, body["error"]["code"], int(headers["retry-after"])))
     assert svc.intake.active == 4, svc.intake.active
     assert [r[:2] for r in refused] == [(429, "too_many_requests")] * 4 and \
@@ -198,14 +178,14 @@ def test_headers_must_arrive_within_the_deadline(serve):
     sock = connect(s.port)
     t0 = time.monotonic()
     sock.sendall(b"POST /v1/answer HTTP/1.1\r\nHo")
-    status, _, body = read_reply(sock, timeout=10)
+    status, _, body = read_response(sock, timeout=10)
     took = time.monotonic() - t0
     assert status == 408 and body["error"]["code"] == "header_timeout", body
     assert 0.9 < took < 3, took
     assert sock.recv(10) == b""             # closed
     sock.close()
     idle = connect(s.port)                  # nothing at all: the same deadline
-    status, _, body = read_reply(idle, timeout=10)
+    status, _, body = read_response(idle, timeout=10)
     assert status == 408
     idle.close()
     # a kept-alive connection serves several requests; the deadline is per request
@@ -220,7 +200,7 @@ def test_connections_are_capped_per_address_and_in_all(serve):
     flood = [connect(s.port, "127.0.0.3") for _ in range(5)]
     time.sleep(0.3)
     extra = connect(s.port, "127.0.0.3")
-    status, headers, body = read_reply(extra, timeout=10)
+    status, headers, body = read_response(extra, timeout=10)
     assert status == 503 and body["error"]["code"] == "too_many_connections"
     assert "retry-after" in headers
     extra.close()
@@ -228,7 +208,7 @@ def test_connections_are_capped_per_address_and_in_all(serve):
     more = [connect(s.port, "127.0.0.4") for _ in range(3)]               # 8 in all
     time.sleep(0.3)
     one_over = connect(s.port, "127.0.0.5")
-    status, _, body = read_reply(one_over, timeout=10)
+    status, _, body = read_response(one_over, timeout=10)
     assert status == 503
     one_over.close()
     for sock in flood + more:
@@ -357,7 +337,7 @@ def test_protocol_errors_are_json(serve, raw, status):
     s = serve()
     sock = connect(s.port)
     sock.sendall(raw)
-    got, headers, body = read_reply(sock, timeout=10)
+    got, headers, body = read_response(sock, timeout=10)
     sock.close()
     assert got == status and headers["content-type"] == "application/json", (got, headers)
     assert body["error"]["code"] in ("bad_http", "headers_too_large")
