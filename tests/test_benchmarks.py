@@ -164,3 +164,29 @@ def test_baseline_survives_an_adapter_that_streams_its_pixels(tmp_path, model):
     _stages_complete(b, allow_none=("generate", "total"))
     assert b["tokens"]["total"] == ref["tokens"]["total"]
     assert b["timings_ms"]["vision"] > 0 and b["timings_ms"]["attention"] > 0
+
+
+def test_calibrate_benchmark_runs_the_users_command_and_measures_it(tmp_path):
+    """benchmarks/calibrate.py --tiny: `mminfer calibrate` on a checkpoint it wrote, with the
+    capture's tokens, the phases' times and the host memory measured from outside."""
+    from mminfer.sparse.patterns import HeadPatternConfig
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "calibrate.py"), "--tiny",
+                           "--model", "qwen", "--out", str(out), "--work-dir",
+                           str(tmp_path / "work")], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [rec] = json.loads((out / "calibrate.json").read_text())
+    assert rec["rc"] == 0 and rec["tokens"] and rec["tokens"][0] > 50
+    assert 0 < rec["capture_s"] <= rec["total_s"] and rec["search_s"] >= 0
+    assert rec["capture_bytes"] > 0 and rec["peak_host_rss_gib"] > 0
+    assert "calibrate --model" in rec["command"] and "--device cpu" in rec["command"]
+    cfg = HeadPatternConfig.load(out / "qwen-tiny" / "heads.json")
+    assert cfg.identity.layers == rec_layers(tmp_path / "work" / "qwen-tiny")
+    assert not (tmp_path / "work" / "qwen.captures").exists()      # captures removed
+
+
+def rec_layers(ckpt: Path) -> int:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return (cfg.get("text_config") or cfg)["num_hidden_layers"]
