@@ -43,7 +43,10 @@ def is_fp8(t) -> bool:
     return getattr(t, "dtype", None) == FP8
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len", "split_len"])
+# lengths and the scratch strides that follow them change every step or question: one compiled
+# variant each, not one per divisibility class met mid-answer
+@triton.jit(do_not_specialize=["spo_s", "spo_h", "spl_s", "spl_h", "q_len", "kv_len",
+                               "split_len"])
 def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
                    sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, spo_s, spo_h, spl_s, spl_h,
                    q_len, kv_len, split_len, G: tl.constexpr, qk_scale,
@@ -104,7 +107,7 @@ def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
     tl.store(PL + split * spl_s + kvh * spl_h + rows, lse, mask=rvalid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["spo_s", "spo_h", "spl_s", "spl_h", "q_len", "n_splits"])
 def _fp8_merge(PO, PL, O, spo_s, spo_h, spl_s, spl_h, so_m, so_h, q_len, n_splits,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_D: tl.constexpr):
@@ -190,9 +193,9 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     G = H // Hkv
     gpu = compiled_gpu(q.is_cuda)
     R = q_len * G
-    if gpu:
-        block_m = 16 if R <= 16 else (32 if R <= 32 else 64)
-        block_n, warps, stages = 64, 4, 2
+    if gpu:    # not tuned on a device yet: a first choice (rows >= 16 for tl.dot)
+        block_m = 16 if R <= 16 else (32 if R <= 32 else (64 if R <= 64 else 128))
+        block_n, warps, stages = 64, 4 if block_m <= 64 else 8, 2
     else:
         block_m, block_n, warps, stages = 16, 16, 4, 1
     m_blocks = -(-R // block_m)
@@ -217,7 +220,7 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     _fp8_merge[(Hkv, m_blocks)](
         po, pl, out, po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
         out.stride(1), out.stride(2), q_len, n_splits,
-        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4 if gpu else 4)
+        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
     return out
 
 

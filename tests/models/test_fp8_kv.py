@@ -257,3 +257,35 @@ def test_graph_replay_on_an_fp8_cache_decodes_as_the_eager_step_on_cuda(tmp_path
     assert tokens[FP8, "graph"] == tokens[FP8, "lean"]
     bf16_cache = 2 * 4 * 2 * n * 32 * 2        # K and V, 4 layers, 2 KV heads, d 32, bf16
     assert peaks[None] - peaks[FP8] > 0.3 * bf16_cache
+
+
+def test_graph_path_logic_on_fp8_slabs_emulated_on_the_cpu(prepared, monkeypatch):
+    """StepGraphs with its segments run eagerly (no CUDA here: warm-up and capture replaced by
+    plain calls): the direct-slab step on an FP8 cache (host writes the rows, the FP8 kernel
+    attends between the segments) gives the lean step's tokens."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture",
+                        lambda dev, fns: [SimpleNamespace(replay=f) for f in fns])
+    ad, prep, embeds = prepared["qwen"]
+    kv_lean, first = _answer(ad, prep, embeds, FP8, n=1)
+    kv_graph, again = _answer(ad, prep, embeds, FP8, n=1)
+    assert first.token_ids == again.token_ids
+    eos, ad.eos_token_ids = ad.eos_token_ids, ()
+    try:
+        lean = decode.decode_loop(ad, kv_lean, list(first.token_ids), max_new_tokens=6,
+                                  rope_delta=prep.rope_delta, mode="lean")
+    finally:
+        ad.eos_token_ids = eos
+    dec = decode.decoder_of(ad)
+    pos0 = ad.positions_after(prep.rope_delta, kv_graph.get_seq_length(), 1)
+    with torch.inference_mode():
+        g = decode.StepGraphs(dec, dec.position_ids(pos0, kv_graph))
+        g.tok.fill_(first.token_ids[-1])
+        slabs = g.direct_slabs(kv_graph)
+        assert slabs is not None and all(s.quantized for s in slabs)
+        out = list(first.token_ids)
+        while len(out) < 6:
+            out.append(int(g.step(kv_graph, slabs)))
+    assert out == lean and len(set(out)) > 1
+    assert kv_graph.get_seq_length() == kv_lean.get_seq_length()
