@@ -5,9 +5,10 @@ Whether a request's prefill is sparse is decided once, by :func:`choose_attentio
 length threshold, head patterns, kernel availability), when the prefill starts
 (``PrefillContext.decide``); the hook follows that decision for the whole-prompt prefill call
 of every layer. Decode steps and any call on a non-empty cache stay dense (SDPA): the sparse
-kernels compute a causal prefill from position 0. Per-request state (the ModalityIndex, the
-head patterns, the timer, per-layer densities) lives in a context variable, so concurrent
-requests in one process never see each other's layout.
+kernels compute a causal prefill from position 0. Rows over an FP8 cache (``--kv-cache-dtype
+fp8``: the views carry their scales) go to the FP8 flash-decoding kernel. Per-request state
+(the ModalityIndex, the head patterns, the timer, per-layer densities) lives in a context
+variable, so concurrent requests in one process never see each other's layout.
 """
 
 from __future__ import annotations
