@@ -989,7 +989,7 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
 
     t0 = time.perf_counter()
     pipe = Pipeline(str(path), attention="auto", device=args.device, dtype=args.dtype,
-                    min_sparse_len=args.min_sparse_len)
+                    min_sparse_len=args.min_sparse_len, kv_cache_dtype=args.kv_cache_dtype)
     rec["load_s"] = round(time.perf_counter() - t0, 2)
     if args.pipeline_warmup:      # what `mminfer serve` does before it reports ready
         rec["pipeline_warmup"] = pipe.warmup()
@@ -1300,6 +1300,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                   help="Pipeline(kv_cache_dtype=): fp8 stores the KV cache in e4m3 (compare "
+                   "peak_gpu_gib and ttft with a run without it)")
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="Pipeline(min_sparse_len=) (requests name their mode explicitly)")
     p.add_argument("--warmup", choices=("full", "short", "none"), default=None,
@@ -1364,7 +1367,8 @@ def main(argv=None) -> int:
     clock = Clock(args.deadline_s)
     report = {"benchmark": "e2e (Pipeline.answer)", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "argv": sys.argv[1:] if argv is None else list(argv), "env": environment(args),
-              "device": args.device, "dtype": args.dtype, "question": QUESTION,
+              "device": args.device, "dtype": args.dtype,
+              "kv_cache_dtype": args.kv_cache_dtype, "question": QUESTION,
               "max_new_tokens": args.max_new_tokens, "setup": {}, "cases": {}}
     du = shutil.disk_usage(work)
     report["setup"]["work_dir"] = {"path": str(work), "free_gib": round(du.free / GIB, 1)}

@@ -381,6 +381,7 @@ def load_pipeline(load_args: dict):
     return Pipeline(load_args["model"], attention=load_args["attention"],
                     device=load_args.get("device"), dtype=load_args.get("dtype"),
                     min_sparse_len=load_args.get("min_sparse_len"),
+                    kv_cache_dtype=load_args.get("kv_cache_dtype", "auto"),
                     tensor_parallel=load_args.get("tensor_parallel", 1))
 
 
@@ -438,7 +439,8 @@ class Summary:
 
 def run_batch(root, questions: list[str], out, *, model: str, attention: str = "auto",
               fps: float = 2.0, max_frames: int = 768, max_new_tokens: int = 32,
-              device=None, dtype=None, min_sparse_len: int | None = None, retry_errors: bool = False,
+              device=None, dtype=None, min_sparse_len: int | None = None,
+              kv_cache_dtype: str = "auto", retry_errors: bool = False,
               ray_address: str | None = None, ray_workers: int | None = None,
               progress: bool = True, manifest=None, item_timeout_s: float | None = None,
               quarantine_after: int = 2, pipe=None) -> Summary:
@@ -497,7 +499,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
         bar = tqdm(total=n, unit="answer", disable=not progress, file=sys.stderr,
                    dynamic_ncols=True, desc="batch")
         load_args = {"model": model, "attention": attention, "device": device, "dtype": dtype,
-                     "min_sparse_len": min_sparse_len}
+                     "min_sparse_len": min_sparse_len, "kv_cache_dtype": kv_cache_dtype}
 
         def record(rec):
             results.append(rec)
@@ -656,6 +658,7 @@ def run(args) -> int:
             pipe = lockstep.lead_or_follow(lambda: load_pipeline(
                 {"model": model, "attention": args.attention, "device": args.device,
                  "dtype": args.dtype, "min_sparse_len": args.min_sparse_len,
+                 "kv_cache_dtype": args.kv_cache_dtype,
                  "tensor_parallel": args.tensor_parallel}))
         except (lockstep.LockstepBroken, RuntimeError) as e:   # RuntimeError: gloo lost rank 0
             print(f"error: tensor-parallel rank: {e}", file=sys.stderr)
@@ -669,6 +672,7 @@ def run(args) -> int:
                             fps=args.fps, max_frames=args.max_frames,
                             max_new_tokens=args.max_new_tokens, device=args.device,
                             dtype=args.dtype, min_sparse_len=args.min_sparse_len,
+                            kv_cache_dtype=args.kv_cache_dtype,
                             retry_errors=args.retry_errors, ray_address=args.ray,
                             ray_workers=args.ray_workers, progress=not args.no_progress,
                             pipe=pipe)

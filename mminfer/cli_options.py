@@ -26,6 +26,9 @@ def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                   help="what the KV cache stores: auto the model dtype; fp8 (= fp8_e4m3) "
+                   "float8 e4m3 with per-head scales, half the memory of bf16")
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
                    "always dense on the CPU)")
@@ -35,4 +38,4 @@ def pipeline_options(args) -> dict:
     """How the model runs, from the flags :func:`add_model_arguments` added: the keywords
     ``Pipeline`` (and the server's ``Settings``) take besides the model."""
     return {"attention": args.attention, "device": args.device, "dtype": args.dtype,
-            "min_sparse_len": args.min_sparse_len}
+            "min_sparse_len": args.min_sparse_len, "kv_cache_dtype": args.kv_cache_dtype}

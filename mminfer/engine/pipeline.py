@@ -87,6 +87,16 @@ def _adapter_class(mod):
     raise ConfigError(f"{mod.__name__} defines no model adapter")
 
 
+def _kv_cache_dtype(name):
+    """The dtype a prefix's KV cache stores for ``--kv-cache-dtype`` ``name`` (None: the
+    model's), or ConfigError."""
+    from mminfer.models.kv import kv_dtype
+    try:
+        return kv_dtype(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _dtype(dtype, device):
     import torch
     if dtype is None:
@@ -109,14 +119,17 @@ class Pipeline:
     ``vision_compile``: the vision tower's block through torch.compile (CUDA; None: the
     adapter's default, ``mminfer.models.vision.COMPILE_DEFAULT`` for Qwen2.5-VL).
     ``prefill_context``: the type of a request's ``hooks.PrefillContext`` (the lab substitutes
-    a subclass to measure a setting the product does not serve)."""
+    a subclass to measure a setting the product does not serve).
+    ``kv_cache_dtype``: what a prefix's KV cache stores (vLLM's names): "auto" the model's
+    dtype, "fp8" / "fp8_e4m3" float8 e4m3 with per-KV-head scales (mminfer.models.kv: half
+    of bf16's bytes; the video cache keeps and moves it as it is)."""
 
     prefill_context = PrefillContext
 
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
                  dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1,
                  vision_compile: bool | None = None, kv_cache_gb: float | None = None,
-                 kv_host_cache_gb: float = 0.0):
+                 kv_host_cache_gb: float = 0.0, kv_cache_dtype: str = "auto"):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
@@ -132,6 +145,7 @@ class Pipeline:
                 self.device = torch.device("cuda", local)
                 torch.cuda.set_device(self.device)
         self.dtype = _dtype(dtype, self.device)
+        _kv_cache_dtype(kv_cache_dtype)       # a wrong name fails before the model loads
         self.attention = attention
         if min_sparse_len is None:
             min_sparse_len = auto_min_tokens(self.device)
@@ -140,6 +154,7 @@ class Pipeline:
         self.model_id = model_id
         self.adapter = pick_adapter(path).from_pretrained(
             path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision)
+        self.kv_cache_dtype = kv_cache_dtype
         if vision_compile is not None and hasattr(self.adapter, "set_vision_compile"):
             self.adapter.set_vision_compile(vision_compile)
         if self.tensor_parallel > 1:
@@ -166,10 +181,30 @@ class Pipeline:
             "adapter": ad.name, "dtype": str(self.dtype), "sampling": ad.sampling,
             "frame_limit": ad.frame_limit, "min_sparse_len": self.min_sparse_len,
             "device": self.device.type}
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """"auto" (the model's dtype) or "fp8_e4m3": what prefixes built from now on store
+        (set with any name ``--kv-cache-dtype`` takes; the video cache's key follows it)."""
+        return "auto" if self.adapter.kv_cache_dtype is None else "fp8_e4m3"
+
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, name) -> None:
+        self.adapter.kv_cache_dtype = _kv_cache_dtype(name)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per prompt token, all layers, in the dtype the cache stores."""
+        import torch
+        ad = self.adapter
         k = ad.text_model.layers[0].self_attn.k_proj
-        # bytes of K and V per prompt token, all layers
-        self.kv_bytes_per_token = (2 * len(ad.text_model.layers) * k.out_features
-                                   * torch.finfo(self.dtype).bits // 8)
+        bits = torch.finfo(ad.kv_cache_dtype or self.dtype).bits
+        return 2 * len(ad.text_model.layers) * k.out_features * bits // 8
+
+    def _kv_key(self) -> str:
+        """What the prefix's cache stores, for its key (read per request: an FP8 prefix is
+        never a hit for a bf16 request, nor the other way)."""
+        return str(self.adapter.kv_cache_dtype or self.dtype)
 
     def _patterns_key(self) -> str | None:
         """A digest of the head-pattern config the prefix would be built with: a swapped
@@ -302,6 +337,7 @@ class Pipeline:
             pass                              # the decoder says what is wrong with the path
         if use_cache and digest is not None and self.video_cache.enabled:
             key = cache_key(**self._prefix_identity, patterns=self._patterns_key(),
+                            kv_cache=self._kv_key(),
                             video=digest, fps=float(fps),
                             max_frames=int(max_frames), start=start, end=end, mode=mode,
                             options=asdict(options) if options is not None else None,

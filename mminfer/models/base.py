@@ -162,6 +162,9 @@ class Adapter:
     eos_token_ids: tuple = ()
     device = None
     dtype = None
+    # what a prefix's KV cache stores (``--kv-cache-dtype``): None the model's dtype, or
+    # torch.float8_e4m3fn (mminfer.models.kv); set by the pipeline
+    kv_cache_dtype = None
 
     # ------------------------------------------------------------ per adapter
     @classmethod
@@ -271,7 +274,8 @@ class Adapter:
         :class:`mminfer.models.kv.PrefixKV`: the prefill engine over ``embeds[:, :prefix]``
         (overwritten), its last layer writing K/V only (nobody reads the prefix's logits).
         ``ctx`` is active during it (sparse or dense by its decision on the prefix's length,
-        estimated from the prefix's own last queries: ``ctx.index`` is the prefix's)."""
+        estimated from the prefix's own last queries: ``ctx.index`` is the prefix's). The
+        cache stores ``self.kv_cache_dtype`` (FP8: quantised as each layer writes it)."""
         import torch
         from contextlib import nullcontext
         from mminfer.models.kv import HEADROOM, PrefixKV
@@ -279,7 +283,8 @@ class Adapter:
 
         section = timer if timer is not None else (lambda name: nullcontext())
         P = prepared.prefix_len
-        kv = PrefixKV.for_model(self.text_model, HEADROOM if headroom is None else headroom)
+        kv = PrefixKV.for_model(self.text_model, HEADROOM if headroom is None else headroom,
+                                dtype=self.kv_cache_dtype)
         with torch.inference_mode(), section("prefill"):
             prefill(self.text_model, embeds[:, :P], kv, self.positions(prepared, 0, P),
                     chunk=self.prefill_chunk or DEFAULT_CHUNK, ctx=ctx, kv_only_last=True)

@@ -25,6 +25,8 @@ cache that this gives bit for bit what the attention function gives (else it goe
 ``cache.update`` and that function). That leaves ~4 launches a layer instead of ~15 plus the
 module machinery, keeps the graphs independent of any cache (one capture serves every video and
 question), and replays exactly the eager step's kernels, so the tokens are the eager step's.
+An FP8 cache (``--kv-cache-dtype fp8``) is attended there by the flash-decoding kernel that
+reads e4m3 tiles (mminfer.kernels.fp8_attention), the one the hook runs in the eager step.
 Capture happens on a model's first decode (its time falls in that request's "generate").
 
 Where a step cannot be captured (the CPU, tensor-parallel layers whose collectives run inside
@@ -40,6 +42,7 @@ import threading
 
 import torch
 
+from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -195,8 +198,12 @@ class StepGraphs:
         with decode_backends(self.q[0], 1):
             for i, slab in enumerate(slabs):
                 keys, values = slab.update(self.k[i], self.v[i])
-                out = sdpa(self.q[i], keys, values, scale=self.scale, enable_gqa=True)
-                self.attn.copy_(out.transpose(1, 2))
+                if slab.quantized:     # FP8 cache: the kernel the attention hook runs
+                    self.attn.copy_(fp8_attention(self.q[i], keys, values, slab.k_scale,
+                                                  slab.v_scale, self.scale))
+                else:
+                    out = sdpa(self.q[i], keys, values, scale=self.scale, enable_gqa=True)
+                    self.attn.copy_(out.transpose(1, 2))
                 g[i + 1].replay()
         return self.tok
 
@@ -210,6 +217,12 @@ class StepGraphs:
         if (not layers or len(layers) != len(self.dec.layers)
                 or not all(isinstance(x, SlabLayer) and x.length > 0 for x in layers)
                 or any(a.self_attn.layer_idx != i for i, a in enumerate(self.dec.layers))):
+            return None
+        if all(x.quantized for x in layers):
+            # FP8: the hook and the direct step call the same launcher (fp8_attention) on the
+            # same views and scales: the same kernels by construction, nothing to check
+            return list(layers)
+        if any(x.quantized for x in layers):
             return None
         if self.direct is None:
             from mminfer.models.hooks import decode_backends

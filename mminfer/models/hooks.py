@@ -5,9 +5,10 @@ Whether a request's prefill is sparse is decided once, by :func:`choose_attentio
 length threshold, head patterns, kernel availability), when the prefill starts
 (``PrefillContext.decide``); the hook follows that decision for the whole-prompt prefill call
 of every layer. Decode steps and any call on a non-empty cache stay dense (SDPA): the sparse
-kernels compute a causal prefill from position 0. Per-request state (the ModalityIndex, the
-head patterns, the timer, per-layer densities) lives in a context variable, so concurrent
-requests in one process never see each other's layout.
+kernels compute a causal prefill from position 0. Rows over an FP8 cache (``--kv-cache-dtype
+fp8``: the views carry their scales) go to the FP8 flash-decoding kernel. Per-request state
+(the ModalityIndex, the head patterns, the timer, per-layer densities) lives in a context
+variable, so concurrent requests in one process never see each other's layout.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if getattr(key, "kv_scale", None) is not None:      # an FP8 cache (models/kv.py)
+        return fp8_cache_attention(query, key, value, scaling, ctx), None
     if ctx is not None and ctx.capture is not None and layer is not None and q_len == kv_len:
         ctx.capture[layer] = tuple(t.detach().to("cpu", copy=True) for t in (query, key, value))
     # the whole prompt from position 0 (a causal mask transformers could skip) is the one call
@@ -187,6 +190,23 @@ def continuation_attention(query, key, value, scaling=None):
                                          attn_mask=causal_lower_right(q_len, kv_len),
                                          scale=scaling, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+def fp8_cache_attention(query, key, value, scaling=None, ctx=None):
+    """Rows over an FP8 KV cache (a PrefixKV stored in e4m3: models/kv.py): a decode step's
+    query or a question's suffix, the last ``q_len`` of ``kv_len`` positions, causal from the
+    bottom right as :func:`continuation_attention`. The flash-decoding kernel reads the FP8
+    tiles and dequantises them in registers (mminfer.kernels.fp8_attention); no dequantised
+    copy of the cache is made. The prefill of a prefix never gets here: it attends with the
+    K/V it has just computed (models/prefill.py). Returns ``[1, q_len, H, D]``."""
+    # triton (through the kernel module) is imported on first use, as everywhere in this
+    # module: the CLI imports the hook without it
+    from mminfer.kernels.fp8_attention import fp8_attention
+    timer = ctx.timer if ctx is not None else None
+    if timer is not None:
+        with timer("attention"):
+            return fp8_attention(query, key, value, key.kv_scale, value.kv_scale, scaling)
+    return fp8_attention(query, key, value, key.kv_scale, value.kv_scale, scaling)
 
 
 def decode_backends(query, q_len: int):

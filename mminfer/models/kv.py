@@ -12,6 +12,20 @@ the next question without copying anything.
 
 The layers subclass transformers' ``DynamicLayer`` and keep its ``keys``/``values`` attributes,
 so the mask sizes and sequence lengths transformers reads from them stay right (5.17 and 5.24).
+
+FP8 (``--kv-cache-dtype fp8``): with ``dtype=float8_e4m3fn`` the buffers hold K and V in e4m3
+(half of bf16: a 1.05M-token LongVILA-7B prefix from 60 to 30 GB) with one fp32 scale per
+(layer, KV head) for K and one for V (``k_scale``/``v_scale`` ``[Hkv]``). The scales are set
+by the layer's first write, the prefix's prefill, from its own K/V: ``amax / 448`` per head
+(448 is e4m3's largest value), so the prefix uses the whole range and no prefix row
+saturates. Later rows (the question, the answer) are quantised with the same scales,
+saturating at ±448 (a value past the prefix's amax is clipped, never NaN). A per-head scale
+costs nothing to apply (a constant of each attention program: mminfer.kernels.fp8_attention)
+and fits what varies most: K's magnitude differs by head far more than along the prompt
+(RoPE only rotates pairs of channels). ``keys``/``values`` are then FP8 views carrying their
+scale as ``kv_scale`` (:func:`scale_of`), which is how our attention hook
+(mminfer.models.hooks) finds it between transformers' ``cache.update`` and the attention call.
+Quantising runs a chunk of rows at a time, so its fp32 temporaries stay small at 1M tokens.
 """
 
 from __future__ import annotations
@@ -23,16 +37,66 @@ from transformers.cache_utils import DynamicLayer
 # Rows of room past the prompt: a question and its answer (grown, one copy, when more is asked).
 HEADROOM = 1024
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0          # e4m3fn's largest finite value
+# rows quantised at a time: fp32 temporaries of 32K x Hkv x d (64 MB at 4 x 128)
+QUANT_CHUNK = 32768
+# what "--kv-cache-dtype" takes (vLLM's names): "auto" is the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
+
+
+def kv_dtype(name):
+    """The storage dtype of ``--kv-cache-dtype`` ``name`` (None: the model's own), or
+    ValueError."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return KV_CACHE_DTYPES[str(name)]
+    except KeyError:
+        raise ValueError(f"kv cache dtype must be one of {tuple(KV_CACHE_DTYPES)}, "
+                         f"not {name!r}") from None
+
+
+def head_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-head e4m3 scales of ``x`` ``[B, H, n, D]``: ``amax / 448`` over everything but the
+    head, fp32 ``[H]`` (never 0: an all-zero head gets the smallest normal float)."""
+    amax = None
+    for s in range(0, x.shape[-2], QUANT_CHUNK):
+        a = x[..., s:s + QUANT_CHUNK, :].abs().amax(dim=(0, 2, 3)).float()
+        amax = a if amax is None else torch.maximum(amax, a)
+    return (amax / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_into(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> None:
+    """``dst`` (fp8, ``[B, H, n, D]``) = ``src / scale`` per head, saturating at ±448."""
+    inv = (1.0 / scale).view(1, -1, 1, 1)
+    for s in range(0, src.shape[-2], QUANT_CHUNK):
+        e = min(s + QUANT_CHUNK, src.shape[-2])
+        x = src[..., s:e, :].float() * inv
+        dst[..., s:e, :].copy_(x.clamp_(-FP8_MAX, FP8_MAX).to(FP8))
+
+
+def scale_of(t: torch.Tensor):
+    """The per-head scale an FP8 ``keys``/``values`` view carries (None: not one of ours)."""
+    return getattr(t, "kv_scale", None)
+
 
 class SlabLayer(DynamicLayer):
     """One layer's K and V in ``[B, Hkv, capacity, D]`` buffers; ``keys``/``values`` are the
-    views ``[..., :length, :]``."""
+    views ``[..., :length, :]``. ``dtype``: what the buffers hold (None: the dtype K/V come
+    in; FP8: quantised, see the module doc)."""
 
-    def __init__(self, headroom: int = HEADROOM):
+    def __init__(self, headroom: int = HEADROOM, dtype: torch.dtype | None = None):
         super().__init__()
         self.headroom = int(headroom)
+        self.store_dtype = dtype
         self.k_buf = self.v_buf = None
+        self.k_scale = self.v_scale = None
         self.length = 0
+
+    @property
+    def quantized(self) -> bool:
+        return self.store_dtype == FP8
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
@@ -45,15 +109,23 @@ class SlabLayer(DynamicLayer):
         end = self.length + n
         if self.k_buf is None or end > self.k_buf.shape[-2]:
             self._grow(end + self.headroom, key_states, value_states)
-        self.k_buf[..., self.length:end, :].copy_(key_states)
-        self.v_buf[..., self.length:end, :].copy_(value_states)
+        if self.quantized:
+            if self.k_scale is None:       # the first write (the prefix) sets the scales
+                self.k_scale = head_scales(key_states)
+                self.v_scale = head_scales(value_states)
+            quantize_into(self.k_buf[..., self.length:end, :], key_states, self.k_scale)
+            quantize_into(self.v_buf[..., self.length:end, :], value_states, self.v_scale)
+        else:
+            self.k_buf[..., self.length:end, :].copy_(key_states)
+            self.v_buf[..., self.length:end, :].copy_(value_states)
         self._set_length(end)
         return self.keys, self.values
 
     def _grow(self, capacity: int, k, v) -> None:
         B, H, _, D = k.shape
-        k_new = k.new_empty(B, H, capacity, D)
-        v_new = v.new_empty(B, v.shape[1], capacity, v.shape[-1])
+        dt = self.store_dtype or k.dtype
+        k_new = k.new_empty(B, H, capacity, D, dtype=dt)
+        v_new = v.new_empty(B, v.shape[1], capacity, v.shape[-1], dtype=dt)
         if self.k_buf is not None and self.length:
             k_new[..., :self.length, :].copy_(self.k_buf[..., :self.length, :])
             v_new[..., :self.length, :].copy_(self.v_buf[..., :self.length, :])
@@ -63,6 +135,8 @@ class SlabLayer(DynamicLayer):
         self.length = n
         self.keys = self.k_buf[..., :n, :]
         self.values = self.v_buf[..., :n, :]
+        if self.quantized:
+            self.keys.kv_scale, self.values.kv_scale = self.k_scale, self.v_scale
 
     def get_seq_length(self, *args) -> int:
         return self.length
@@ -74,21 +148,25 @@ class SlabLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.k_buf = self.v_buf = self.keys = self.values = None
+        self.k_scale = self.v_scale = None
         self.length = 0
         self.is_initialized = False
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the rows held (not the headroom)."""
+        """Bytes of the rows held (not the headroom), and the FP8 scales."""
         if self.k_buf is None:
             return 0
         per_row = self.k_buf[..., :1, :].numel() * self.k_buf.element_size()
         per_row += self.v_buf[..., :1, :].numel() * self.v_buf.element_size()
-        return per_row * self.length
+        scales = sum(s.numel() * s.element_size() for s in (self.k_scale, self.v_scale)
+                     if s is not None)
+        return per_row * self.length + scales
 
     def move(self, device, *, pin: bool = False, headroom: int = 0) -> None:
         """The held rows to ``device`` (pinned host memory with ``pin``), with ``headroom``
-        rows of room; the old buffers are dropped."""
+        rows of room; the old buffers are dropped. FP8 rows move as they are, with their
+        scales."""
         n = self.length
         k, v = self.k_buf[..., :n, :], self.v_buf[..., :n, :]
         shape_k = (*k.shape[:2], n + headroom, k.shape[-1])
@@ -98,22 +176,27 @@ class SlabLayer(DynamicLayer):
         k_new[..., :n, :].copy_(k, non_blocking=True)
         v_new[..., :n, :].copy_(v, non_blocking=True)
         self.k_buf, self.v_buf, self.device = k_new, v_new, torch.device(device)
+        if self.k_scale is not None:
+            self.k_scale = self.k_scale.to(device, non_blocking=True)
+            self.v_scale = self.v_scale.to(device, non_blocking=True)
         self._set_length(n)
 
 
 class PrefixKV(DynamicCache):
-    """A DynamicCache whose layers are :class:`SlabLayer` s (see the module doc)."""
+    """A DynamicCache whose layers are :class:`SlabLayer` s (see the module doc); ``dtype``:
+    what they store (None: the model's dtype; FP8)."""
 
-    def __init__(self, n_layers: int, headroom: int = HEADROOM):
+    def __init__(self, n_layers: int, headroom: int = HEADROOM, dtype=None):
         try:
             super().__init__()
         except TypeError:     # pragma: no cover - signatures that insist on arguments
             super().__init__(config=None)
-        self.layers = [SlabLayer(headroom) for _ in range(n_layers)]
+        self.store_dtype = kv_dtype(dtype)
+        self.layers = [SlabLayer(headroom, self.store_dtype) for _ in range(n_layers)]
 
     @classmethod
-    def for_model(cls, text_model, headroom: int = HEADROOM) -> "PrefixKV":
-        return cls(len(text_model.layers), headroom)
+    def for_model(cls, text_model, headroom: int = HEADROOM, dtype=None) -> "PrefixKV":
+        return cls(len(text_model.layers), headroom, dtype)
 
     def get_seq_length(self, layer_idx: int = 0, *args) -> int:
         return self.layers[layer_idx].length if self.layers else 0

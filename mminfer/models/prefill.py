@@ -15,6 +15,10 @@ projections, ``post_attention_layernorm``, ``mlp``, ``norm``, ``rotary_emb``) an
 ``_attn_implementation`` (our hook in mminfer.models.hooks: sparse or dense by the request's
 decision). k/v go through ``cache.update`` once per layer, so the cache holds the only copy and
 decode steps use it as after a one-shot prefill. Logits are computed for the last position only.
+An FP8 cache (``--kv-cache-dtype fp8``, models/kv.py) stores a quantised copy: each layer's
+attention then runs on the layer's own K/V (computed in the model dtype, dropped after it), so
+the prefill's attention is the same as with a bf16 cache and only one layer's K/V ever exist
+outside the cache.
 
 The last decoder layer runs its attention and MLP for the last position alone: its other rows
 feed nothing but logits nobody reads, while the K/V that decode needs from it come from its
@@ -129,8 +133,14 @@ def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
         del x
         k[:, :, s:e], v[:, :, s:e] = kc, vc
         del kc, vc
-    if cache is not None:   # the cache's copy becomes the only one: ours is dropped here
-        k, v = cache.update(k, v, attn.layer_idx)
+    if cache is not None:
+        kc, vc = cache.update(k, v, attn.layer_idx)
+        # the cache's copy becomes the only one: ours is dropped here. An FP8 cache
+        # (models/kv.py) holds a quantised copy: this layer attends with its own K/V, the
+        # one layer's worth that exists besides the cache, dropped after its attention
+        if kc.dtype == k.dtype:
+            k, v = kc, vc
+        del kc, vc
     # last_only: one query against every key is the causal prefill's last row, with no mask
     out, _ = _attention_function(attn)(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling,
                                        sliding_window=None)

@@ -137,8 +137,10 @@ async def models(request: Request):
     ctx_len = getattr(getattr(p, "adapter", None), "max_context", None)
     ids = [svc.model_id()] + [n for n in svc.s.served_model_names[1:]]
     policy = p.attention_policy() if hasattr(p, "attention_policy") else None
+    kv = getattr(p, "kv_cache_dtype", None)          # "auto" | "fp8_e4m3"
     return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "mminfer",
                                         "root": svc.model_path, "max_model_len": ctx_len,
+                                        **({"kv_cache_dtype": kv} if kv else {}),
                                         **({"mminfer": policy} if policy else {})}
                                        for i in ids]}
 

@@ -1,0 +1,274 @@
+"""Attention of a few query rows over an FP8 (e4m3) KV cache: flash-decoding.
+
+The cache holds K and V in ``float8_e4m3fn`` with one fp32 scale per KV head (the value is
+``fp8 * scale``; mminfer.models.kv). The rows that read it are the last ``q_len`` positions
+of ``kv_len`` (a decode step: 1; a question's suffix over a cached video prefix: tens to a
+few hundred), each seeing every key up to its own position (causal, aligned to the bottom
+right).
+
+One launch splits the keys into ``n_splits`` contiguous ranges; each program takes one KV
+head, one key range and one block of rows, where a row is a (query position, query head of
+that KV head's group) pair: GQA by index, so every K/V tile is read once for the whole group
+(7 query heads per KV head at 28/4). K and V tiles are loaded as FP8 and converted to the
+query's dtype in registers (e4m3 is exact in fp16, bf16 and fp32); their per-head scales are
+constants of the program and are applied to the logits (K: folded into the softmax scale) and
+to the output (V), so no dequantised copy of the cache exists anywhere. Each program writes
+its range's normalised partial output and log-sum-exp; a second launch merges the ranges
+through their log-sum-exp. Splitting across the length keeps the GPU busy when one query
+and 4 KV heads alone would give 4 programs.
+
+``reference`` is the pure-PyTorch fp32 oracle of the tests. ``chunked`` is the same
+attention in PyTorch a chunk of keys at a time with an online softmax (no full dequantised
+copy of a layer): where Triton cannot run (the CPU without its interpreter).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import compiled_gpu, interpreted
+
+FP8 = torch.float8_e4m3fn
+LOG2E = 1.4426950408889634
+# keys a program takes at least (a shorter range costs more in the merge than it saves)
+MIN_SPLIT_GPU = 256
+MAX_SPLITS = 128
+
+
+def is_fp8(t) -> bool:
+    return getattr(t, "dtype", None) == FP8
+
+
+# lengths and the scratch strides that follow them change every step or question: one compiled
+# variant each, not one per divisibility class met mid-answer
+@triton.jit(do_not_specialize=["spo_s", "spo_h", "spl_s", "spl_h", "q_len", "kv_len",
+                               "split_len"])
+def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
+                   sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, spo_s, spo_h, spl_s, spl_h,
+                   q_len, kv_len, split_len, G: tl.constexpr, qk_scale,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    mb = tl.program_id(2)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)          # row r: query r // G, head r % G
+    rvalid = rows < q_len * G
+    qi = rows // G
+    head = kvh * G + rows % G
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(Q + head[:, None].to(tl.int64) * sq_h + qi[:, None].to(tl.int64) * sq_m
+                + offs_d[None, :], mask=rvalid[:, None] & dmask[None, :], other=0.0)
+    qpos = kv_len - q_len + qi                           # each row's own position
+    lo = split * split_len
+    # keys past the block's last query are masked for every row: not read at all
+    last = kv_len - q_len + tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
+    hi = tl.minimum(lo + split_len, last + 1)
+    k_scale = tl.load(KS + kvh)
+    v_scale = tl.load(VS + kvh)
+    scale = qk_scale * k_scale                           # base 2, K's scale folded in
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    Kb = K + kvh.to(tl.int64) * sk_h
+    Vb = V + kvh.to(tl.int64) * sv_h
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kvalid = kpos < hi
+        krow = kpos.to(tl.int64)[:, None]
+        kv_mask = kvalid[:, None] & dmask[None, :]
+        k = tl.load(Kb + krow * sk_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        valid = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
+        qk = tl.where(valid, qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(Vb + krow * sv_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+    has = l_i > 0
+    out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
+    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(PO + split * spo_s + kvh * spo_h + rows[:, None] * D + offs_d[None, :], out,
+             mask=rvalid[:, None] & dmask[None, :])
+    tl.store(PL + split * spl_s + kvh * spl_h + rows, lse, mask=rvalid)
+
+
+@triton.jit(do_not_specialize=["spo_s", "spo_h", "spl_s", "spl_h", "q_len", "n_splits"])
+def _fp8_merge(PO, PL, O, spo_s, spo_h, spl_s, spl_h, so_m, so_h, q_len, n_splits,
+               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    kvh = tl.program_id(0)
+    mb = tl.program_id(1)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rvalid = rows < q_len * G
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = rvalid[:, None] & (offs_d < D)[None, :]
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, n_splits):
+        lse = tl.load(PL + s * spl_s + kvh * spl_h + rows, mask=rvalid, other=float("-inf"))
+        o = tl.load(PO + s * spo_s + kvh * spo_h + rows[:, None] * D + offs_d[None, :],
+                    mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_use)
+        w = tl.math.exp2(lse - m_use)
+        w_sum = w_sum * alpha + w
+        acc = acc * alpha[:, None] + o * w[:, None]
+        m = m_new
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    qi = rows // G
+    head = kvh * G + rows % G
+    tl.store(O + qi[:, None].to(tl.int64) * so_m + head[:, None] * so_h + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mask)
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def split_plan(kv_len: int, programs: int, *, gpu: bool, block_n: int,
+               sms: int = 132) -> tuple[int, int]:
+    """``(split_len, n_splits)``: key ranges (multiples of ``block_n``) so that ``programs``
+    (KV heads x row blocks) times the splits fill about two waves of ``sms`` programs, no
+    range shorter than MIN_SPLIT_GPU keys on a GPU (one tile on the CPU), at most
+    MAX_SPLITS."""
+    want = max(1, min(MAX_SPLITS, -(-2 * sms // max(programs, 1))))
+    least = MIN_SPLIT_GPU if gpu else block_n
+    split_len = max(-(-kv_len // want), least)
+    split_len = -(-split_len // block_n) * block_n
+    return split_len, -(-kv_len // split_len)
+
+
+def available(device) -> bool:
+    """Whether the Triton kernels run for tensors on ``device``."""
+    return compiled_gpu(device.type == "cuda") or interpreted()
+
+
+def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
+                  n_splits: int | None = None) -> torch.Tensor:
+    """``q`` ``[1, H, q_len, D]`` (bf16/fp16/fp32) over the FP8 cache ``k``/``v``
+    ``[1, Hkv, kv_len, D]`` (any row stride: views of a larger buffer) with per-KV-head
+    fp32 scales ``k_scale``/``v_scale`` ``[Hkv]``: the last ``q_len`` of ``kv_len``
+    positions, causal from the bottom right. Returns ``[1, q_len, H, D]`` in q's dtype.
+    Triton where it runs (``available``), else :func:`chunked`. ``n_splits``: force the
+    number of key ranges (tests)."""
+    if not available(q.device):
+        return chunked(q, k, v, k_scale, v_scale, scale)
+    B, H, q_len, D = q.shape
+    _, Hkv, kv_len, _ = k.shape
+    if B != 1:
+        raise ValueError(f"fp8_attention takes one sequence, not a batch of {B}")
+    if H % Hkv or q_len > kv_len or q_len < 1:
+        raise ValueError(f"{H} query heads, {Hkv} KV heads, {q_len} queries over {kv_len} keys")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the cache's head dim must be contiguous")
+    G = H // Hkv
+    gpu = compiled_gpu(q.is_cuda)
+    R = q_len * G
+    if gpu:    # not tuned on a device yet: a first choice (rows >= 16 for tl.dot)
+        block_m = 16 if R <= 16 else (32 if R <= 32 else (64 if R <= 64 else 128))
+        block_n, warps, stages = 64, 4 if block_m <= 64 else 8, 2
+    else:
+        block_m, block_n, warps, stages = 16, 16, 4, 1
+    m_blocks = -(-R // block_m)
+    if n_splits is None:
+        split_len, n_splits = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
+                                         sms=_sm_count(q.device))
+    else:
+        split_len = -(-kv_len // n_splits)
+        n_splits = -(-kv_len // split_len)
+    po = torch.empty(n_splits, Hkv, R, D, dtype=torch.float32, device=q.device)
+    pl = torch.empty(n_splits, Hkv, R, dtype=torch.float32, device=q.device)
+    out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
+    BD = max(16, triton.next_power_of_2(D))
+    ieee = q.dtype == torch.float32
+    _fp8_split_fwd[(Hkv, n_splits, m_blocks)](
+        q, k, v, k_scale, v_scale, po, pl,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
+        q_len, kv_len, split_len, G, float(scale) * LOG2E,
+        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, IEEE=ieee,
+        num_warps=warps, num_stages=stages)
+    _fp8_merge[(Hkv, m_blocks)](
+        po, pl, out, po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
+        out.stride(1), out.stride(2), q_len, n_splits,
+        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
+    return out
+
+
+def dequantize(x, scale, dtype=torch.float32):
+    """``x`` fp8 ``[B, Hkv, n, D]`` times its per-head ``scale`` ``[Hkv]``, in ``dtype``."""
+    return (x.to(torch.float32) * scale.view(1, -1, 1, 1).to(torch.float32)).to(dtype)
+
+
+def reference(q, k, v, k_scale, v_scale, scale: float | None = None) -> torch.Tensor:
+    """The oracle: K/V dequantised whole, fp32 softmax with the bottom-right causal mask,
+    K/V repeated per query head. ``[1, q_len, H, D]`` in fp32."""
+    B, H, q_len, D = q.shape
+    kv_len, G = k.shape[2], H // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    kf = dequantize(k, k_scale).repeat_interleave(G, dim=1)
+    vf = dequantize(v, v_scale).repeat_interleave(G, dim=1)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale                     # [B, H, q, kv]
+    qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+    s = s.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > qpos, float("-inf"))
+    return (s.softmax(-1) @ vf).transpose(1, 2)
+
+
+def chunked(q, k, v, k_scale, v_scale, scale: float | None = None,
+            chunk: int = 8192) -> torch.Tensor:
+    """:func:`fp8_attention` in PyTorch: ``chunk`` keys at a time dequantised to fp32, an
+    online softmax across the chunks, GQA by reshaping the query heads into their groups.
+    ``[1, q_len, H, D]`` in q's dtype."""
+    B, H, q_len, D = q.shape
+    Hkv, kv_len = k.shape[1], k.shape[2]
+    G = H // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = q.float().reshape(B, Hkv, G * q_len, D) * scale                # rows: (g, qi)
+    qpos = (kv_len - q_len + torch.arange(q_len, device=q.device)).repeat(G)[:, None]
+    m = torch.full((B, Hkv, G * q_len, 1), float("-inf"), device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(B, Hkv, G * q_len, D, device=q.device)
+    for s in range(0, kv_len, chunk):
+        e = min(s + chunk, kv_len)
+        kf = dequantize(k[:, :, s:e], k_scale)
+        logits = qf @ kf.transpose(-1, -2)
+        logits = logits.masked_fill(torch.arange(s, e, device=q.device)[None, :] > qpos,
+                                    float("-inf"))
+        m_new = torch.maximum(m, logits.amax(-1, keepdim=True))
+        m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(logits - m_use)
+        alpha = torch.exp(m - m_use)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + p @ dequantize(v[:, :, s:e], v_scale)
+        m = m_new
+    out = (acc / l).reshape(B, H, q_len, D)
+    return out.transpose(1, 2).to(q.dtype)
