@@ -47,12 +47,20 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tqdm import tqdm
+
+from mminfer.cli_options import HelpWithDefaults, add_model_arguments
+from mminfer.engine import lockstep
+from mminfer.engine.interrupt import Guard, Interrupted
+from mminfer.engine.pipeline import Pipeline, check_request
 from mminfer.errors import Cancelled, ConfigError, InputError, MMInferError
+from mminfer.models.embedded import resolve_model
 
 VIDEO_EXTS = frozenset((".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg",
                         ".ts", ".mts", ".m2ts", ".flv", ".wmv", ".3gp", ".ogv"))
@@ -234,7 +242,7 @@ class Results:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f = open(self.path, "a+b")
         try:
-            import fcntl
+            import fcntl  # lazy: POSIX only
             fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except ImportError:          # not POSIX: no lock
             pass
@@ -320,9 +328,6 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
     """One record; any error of this item becomes an error record, never an exception.
     ``timeout_s``: asked to stop after that long (between stages and layers), interrupted a
     second later if it has not."""
-    import threading
-    from mminfer.engine.interrupt import Guard, Interrupted
-
     rec = {"custom_id": cid, "video": video["rel"], "question": question,
            "size": video["size"], "mtime_ns": video["mtime_ns"], "config_fingerprint": fp,
            "config": cfg, "attempt": attempt, "status": "ok", "response": None,
@@ -372,8 +377,9 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
 
 
 def load_pipeline(load_args: dict):
-    from mminfer.engine.pipeline import Pipeline
     try:
+        # lazy: transformers takes seconds to import, and `mminfer batch --help` imports
+        # this module
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     except ImportError:
@@ -447,7 +453,6 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
     """Answer every (video, question) of ``root`` x ``questions``, or every line of
     ``manifest``, into the JSONL ``out``. ``pipe``: a model already loaded (tensor parallel:
     rank 0's ``engine.lockstep.Leader``) instead of one loaded when there is work."""
-    from mminfer.engine.pipeline import check_request
     summary = Summary()
     if manifest is not None:
         listed = by_video(read_manifest(manifest))
@@ -495,7 +500,6 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
         n = sum(len(items) for _, items in todo)
         if n == 0:
             return summary
-        from tqdm import tqdm
         bar = tqdm(total=n, unit="answer", disable=not progress, file=sys.stderr,
                    dynamic_ncols=True, desc="batch")
         load_args = {"model": model, "attention": attention, "device": device, "dtype": dtype,
@@ -549,7 +553,7 @@ def _quarantine_record(v: Video, q: str, cid: str, cfg: dict, fp: str, died: int
 def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, record,
              timeout_s: float | None = None):
     try:
-        import ray
+        import ray  # lazy: an optional dependency (the ray extra)
     except ImportError:
         raise ConfigError("--ray needs the ray package: pip install 'mminfer[ray]'") from None
     if not ray.is_initialized():
@@ -607,7 +611,6 @@ def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, 
 # ------------------------------------------------------------------- CLI
 
 def add_arguments(p: argparse.ArgumentParser):
-    from mminfer.cli_options import HelpWithDefaults, add_model_arguments
     p.formatter_class = HelpWithDefaults
     p.add_argument("dir", nargs="?", help="folder scanned recursively for video files")
     g = p.add_argument_group("questions (with DIR: at least one)")
@@ -643,7 +646,6 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from mminfer.models.embedded import resolve_model
     if (args.dir is None) == (args.manifest is None):
         raise InputError("give a folder (DIR) or --manifest FILE, one of them")
     questions = read_questions(args.question, args.questions) if args.dir is not None else []
@@ -653,7 +655,6 @@ def run(args) -> int:
         if args.ray:
             raise ConfigError("--tensor-parallel and --ray do not go together: Ray spreads "
                               "whole videos over GPUs, tensor parallel one video over several")
-        from mminfer.engine import lockstep
         try:
             pipe = lockstep.lead_or_follow(lambda: load_pipeline(
                 {"model": model, "attention": args.attention, "device": args.device,

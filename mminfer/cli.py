@@ -17,7 +17,7 @@ import sys
 from mminfer import __version__
 from mminfer.cli_options import HelpWithDefaults, add_model_arguments, pipeline_options
 from mminfer.engine.pipeline import Pipeline, check_request
-from mminfer.errors import MMInferError
+from mminfer.errors import InputError, MMInferError
 from mminfer.models.embedded import resolve_model
 
 # name -> (module, one-line help); `answer` is defined below. Benchmarks are scripts in the
@@ -74,7 +74,6 @@ def run(args) -> int:
 
 def check_video_path(path: str):
     """InputError unless ``path`` names a readable file (a URL is the pipeline's to judge)."""
-    from mminfer.errors import InputError
     if "://" in path:
         return
     if not os.path.exists(path):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import errno
 import mmap
 import os
@@ -40,8 +41,13 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
+import mminfer
+from mminfer.engine.video import Session
 from mminfer.errors import UndecodableVideo, VideoError
 
 
@@ -86,7 +92,6 @@ def config() -> Config:
 def session():
     """A Session for one probe or stream: in a worker process unless the sandbox is off."""
     if not _config.sandbox:
-        from mminfer.engine.video import Session
         return Session()
     return RemoteSession(_pool)
 
@@ -162,7 +167,7 @@ def _limit_memory(vm: int, extra: int) -> None:
     """Let this process map at most ``vm + extra`` bytes in all (``vm``: its footprint once
     started, so earlier commands' leftovers count against the limit, not on top of it)."""
     try:
-        import resource
+        import resource  # lazy: POSIX only
     except ImportError:         # not a POSIX system: no limit to set
         return
     if not vm:
@@ -176,7 +181,6 @@ def _limit_memory(vm: int, extra: int) -> None:
 
 def _die_with_parent() -> None:
     try:
-        import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG: a hung decode ends too
     except Exception:  # noqa: BLE001 (not Linux: the closed socket still ends the loop)
@@ -193,13 +197,11 @@ def main(fd: int, nice: int = 0) -> None:
         except OSError:
             pass
     sock = socket.socket(fileno=fd)
-    import numpy as np
     for lib in ("decord", "av"):                     # imported now, not in the first request
         try:
             __import__(lib)
         except ImportError:
             pass
-    from mminfer.engine.video import Session
     session = Session()
     slots: dict[int, mmap.mmap] = {}                 # slot id -> its shared memory, mapped
     base = _vm_bytes()
@@ -285,7 +287,6 @@ class Worker:
     """One worker process and the parent's end of its socket."""
 
     def __init__(self):
-        import mminfer
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         root = os.path.dirname(os.path.dirname(os.path.abspath(mminfer.__file__)))
         env = dict(os.environ)
@@ -428,7 +429,6 @@ class Pool:
         # (asyncio.to_thread, the warm-up thread): workers started there were killed with them
         with self._lock:
             if self._spawner is None:
-                from concurrent.futures import ThreadPoolExecutor
                 self._spawner = ThreadPoolExecutor(1, thread_name_prefix="mminfer-decode-start")
             spawner = self._spawner
         w = spawner.submit(Worker).result()
@@ -581,7 +581,6 @@ class RemoteSession:
         self._pending.append(slot)
 
     def next(self):
-        import numpy as np
         if not self._pending:
             return None
         slot = self._pending.popleft()

@@ -27,7 +27,15 @@ so that when it says stop, at most one layer's kernels are still ahead of the ne
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+import torch
+
+from mminfer.errors import Cancelled
+from mminfer.models.base import _new_cache
+from mminfer.models.hooks import PrefillContext
+from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 
 
 @dataclass
@@ -61,29 +69,27 @@ def inputs_nbytes(embeds, positions) -> int:
 def keep_inputs(adapter, prepared, embeds, max_bytes: int | None = None) -> ShadowInputs | None:
     """Copy what a dense re-run needs of ``embeds`` (before the prefill overwrites them) and
     of the prompt's positions to the CPU; None when that is more than ``max_bytes``."""
-    import torch
     L = prepared.input_ids.shape[1]
     positions = adapter.positions(prepared, 0, L)
     nbytes = inputs_nbytes(embeds, positions)
     if max_bytes is not None and nbytes > max_bytes:
         return None
-    return ShadowInputs(embeds=_to_host(embeds, torch), positions=_to_host(positions, torch),
+    return ShadowInputs(embeds=_to_host(embeds), positions=_to_host(positions),
                         tokens=L, nbytes=nbytes)
 
 
 def finish(kept: ShadowInputs, adapter, prepared, generated, density) -> ShadowInputs:
     """Add the sparse run's outputs, once it has answered."""
-    import torch
     kept.sparse_logits = generated.prefill_logits.detach().float().cpu()
     kept.sparse_tokens = list(generated.token_ids)
     kept.sparse_text = generated.text
     kept.density = density
     steps = len(generated.token_ids)
-    kept.decode_positions = _to_host(adapter.positions(prepared, kept.tokens, steps), torch)
+    kept.decode_positions = _to_host(adapter.positions(prepared, kept.tokens, steps))
     return kept
 
 
-def _to_host(t, torch):
+def _to_host(t):
     if t is None:
         return None
     if t.device.type == "cuda":
@@ -97,13 +103,6 @@ def dense_rerun(adapter, kept: ShadowInputs, *, max_new_tokens: int = 8,
     """The dense prefill of ``kept``'s prompt and up to ``max_new_tokens`` greedy tokens
     (at least the first; never more than the sparse answer had, the comparison's length).
     Raises :class:`mminfer.errors.Cancelled` when ``cancel()`` says stop."""
-    import time
-
-    import torch
-    from mminfer.errors import Cancelled
-    from mminfer.models.base import _new_cache
-    from mminfer.models.hooks import PrefillContext
-    from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 
     t0 = time.perf_counter()
     device = adapter.device

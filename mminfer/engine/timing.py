@@ -30,6 +30,7 @@ SERVED_STAGES = STAGES + TOTALS
 
 class StageTimer:
     def __init__(self, device=None):
+        # lazy: torch takes seconds to import, and `mminfer --help` imports this module
         import torch
         self._torch = torch
         dev = torch.device(device) if device is not None else torch.device("cpu")

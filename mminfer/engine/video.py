@@ -16,8 +16,11 @@ wrong with the file or the arguments; backend exceptions never reach the caller.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -382,7 +385,7 @@ def _probe_av(path: str, kind: str | None) -> dict | None:
 
     Raises VideoError for files that are not usable videos at all, whatever the backend."""
     try:
-        import av
+        import av  # lazy: PyAV is optional here (decord may decode alone): None without it
     except ImportError:
         return None
     try:
@@ -457,6 +460,8 @@ class _DecordReader:
     name = "decord"
 
     def __init__(self, path: str, size: tuple[int, int] | None = None, rotation: int = 0):
+        # lazy: decord is installed on x86_64 only (pyproject.toml), and decoders load only
+        # in the process that decodes (the decode worker)
         import decord
 
         decord.logging.set_level(decord.logging.QUIET)
@@ -504,8 +509,7 @@ def _decord_into(nd, out) -> np.ndarray:
     n = int(np.prod(shape))
     if out is not None and out.nbytes >= n and str(nd.dtype) == "uint8":
         try:
-            import ctypes
-            from decord._ffi.base import _LIB, check_call
+            from decord._ffi.base import _LIB, check_call  # lazy: decord is x86_64 only
             dst = out[:n].reshape(shape)
             check_call(_LIB.DECORDArrayCopyToBytes(nd.handle, dst.ctypes.data_as(
                 ctypes.c_void_p), ctypes.c_size_t(n)))
@@ -528,6 +532,8 @@ class _PyAVReader:
     out_buffer = None     # uint8 memory to decode the next batch into (Session.next)
 
     def __init__(self, path: str, facts: dict, size: tuple[int, int] | None = None):
+        # lazy: decoders load only in the process that decodes (the decode worker), not in
+        # every process that imports this module (the server's, `mminfer serve --help`)
         import av
 
         self.av = av
@@ -839,7 +845,7 @@ class Session:
 
 
 def _session() -> Session:
-    from mminfer.engine import decode_worker
+    from mminfer.engine import decode_worker  # lazy: import cycle (it imports Session)
     return decode_worker.session()
 
 
@@ -979,8 +985,6 @@ class VideoStream:
     # -------------------------------------------------------------- decoding
     def start(self) -> "VideoStream":
         if self._thread is None and not self._consumed:
-            import queue
-            import threading
             h, w = self.frame_size
             frame = max(h * w * 3, 1)
             self._batch = int(min(DECODE_BATCH, max(1, STREAM_BUFFER_BYTES // 4 // frame)))
@@ -1044,7 +1048,6 @@ class VideoStream:
         self.close()
 
     def _put(self, item) -> bool:
-        import queue
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)

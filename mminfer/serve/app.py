@@ -28,11 +28,18 @@ import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from pydantic.json_schema import models_json_schema
+
+from mminfer import __version__
+from mminfer.engine.pipeline import Pipeline
 from mminfer.engine.timing import SERVED_STAGES as STAGE_ORDER
+from mminfer.errors import ConfigError
+from mminfer.models.base import resolve_checkpoint
 from mminfer.models.embedded import resolve_model
 
 from . import errors, jsonbody, media
 from .metrics import Metrics
+from .service import Service
 from .settings import Settings
 from .shadow import ShadowMonitor, ShadowStore
 from .store import LatencyStore
@@ -46,10 +53,11 @@ log = logging.getLogger("mminfer.serve")
 def create_app(settings: Settings | None = None, worker: ModelWorker | None = None):
     """The FastAPI app; the model loads on the worker thread when the app starts (or pass a
     ``worker`` already started, as the CLI does to fail fast on a bad model)."""
+    # lazy: FastAPI (imported by these route modules too) takes ~1 s to import, and
+    # `mminfer serve --help` imports this module
     from fastapi import FastAPI
 
-    from . import answer, openai, reads, videos
-    from .service import Service
+    from . import answer, openai, reads, videos  # lazy: they import FastAPI
 
     s = settings or Settings()
     model_path = resolve_model(s.model)
@@ -62,7 +70,6 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
                       model_name(model_path))
     if worker is None:
         def load():
-            from mminfer.engine.pipeline import Pipeline
             pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
                             min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
                             kv_host_cache_gb=s.kv_host_cache_gb,
@@ -120,8 +127,6 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
 def model_name(model_path: str) -> str:
     """The id the pipeline will give the model, known before it loads (a local folder: its
     name, or the hub id of a cache snapshot; a hub id: itself)."""
-    from mminfer.errors import ConfigError
-    from mminfer.models.base import resolve_checkpoint
     if not Path(model_path).expanduser().exists():
         return model_path
     try:
@@ -135,8 +140,7 @@ def _openapi(app, models) -> dict:
     and limit the body, so FastAPI never sees a parameter to document)."""
     if app.openapi_schema:
         return app.openapi_schema
-    from fastapi.openapi.utils import get_openapi
-    from pydantic.json_schema import models_json_schema
+    from fastapi.openapi.utils import get_openapi  # lazy: as in create_app
 
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)
@@ -148,5 +152,4 @@ def _openapi(app, models) -> dict:
 
 
 def _version() -> str:
-    from mminfer import __version__
     return __version__

@@ -19,13 +19,15 @@ import copy
 import math
 import threading
 
+from mminfer.engine import decode_worker
+from mminfer.engine import video as videolib
+from mminfer.engine.pipeline import check_request
 from mminfer.errors import Forbidden, InputError, OverBudget
 
 
 def request_params(s, *, fps, max_frames, max_new_tokens, attention, question) -> tuple[str, dict]:
     """(stripped question, keyword arguments of Pipeline.answer) of a request, with the
     server's defaults and limits applied."""
-    from mminfer.engine.pipeline import check_request
     fps = s.fps if fps is None else fps
     max_frames = s.max_frames if max_frames is None else max_frames
     max_new_tokens = s.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -73,7 +75,6 @@ class Budget:
         """Raise OverBudget (413) or the context error (400) for a request the server will
         not run; return what was found. Blocking (reads the file header): run in a thread.
         ``adapter`` None (a stand-in model without one): the frame and pixel budgets only."""
-        from mminfer.engine import video as videolib
         s = self.s
         info = videolib.probe(path)         # in a decode worker: UndecodableVideo (422)
         # the frames the pipeline decodes: at most the model's own limit (LongVILA's)
@@ -124,7 +125,6 @@ class Budget:
 def configure_decoding(settings) -> None:
     """The decode sandbox's limits from the server's settings, and its workers started in the
     background (the first request does not wait for one)."""
-    from mminfer.engine import decode_worker
     decode_worker.configure(
         memory_mb=float(getattr(settings, "decode_memory_mb", 1024.0)),
         timeout_s=float(getattr(settings, "decode_timeout_s", 30.0)),
@@ -138,6 +138,8 @@ def visual_tokens(adapter, n_frames: int, height: int, width: int) -> int | None
     height x width (tests/serve pins this against prepare); None for an adapter whose
     layout is not known here (the pipeline's own context check still applies)."""
     if adapter.name == "qwen2_5_vl":
+        # lazy: the adapter imports torch and transformers (seconds), and `mminfer serve
+        # --help` imports this module
         from mminfer.models.qwen2_5_vl import frame_pixel_range, smart_resize
         v, d = adapter.vcfg, adapter.video_defaults
         patch, temporal, merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size

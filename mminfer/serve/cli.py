@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import shlex
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -21,6 +23,7 @@ from mminfer.models.embedded import resolve_model
 
 from . import tensor_parallel
 from .app import create_app
+from .protocol import config as guarded_config
 from .settings import Settings
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
@@ -219,8 +222,6 @@ def settings_from(args):
 def check_port(host: str, port: int):
     """ConfigError when ``host:port`` cannot be listened on (in use, not an address here),
     found by binding it as uvicorn will (SO_REUSEADDR), then letting it go."""
-    import errno
-    import socket
     if port == 0:
         return
     try:
@@ -300,7 +301,6 @@ def run(args) -> int:
         print("warning: listening beyond loopback without MMINFER_API_KEY: anyone who can "
               "reach this port can use the model", flush=True)
 
-    from .protocol import config as guarded_config
     config = guarded_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_shutdown_s)
     server = graceful_server(uvicorn, config, worker)

@@ -13,7 +13,9 @@ import json
 import logging
 import math
 
-from mminfer.errors import InputError, MMInferError
+from pydantic import ValidationError
+
+from mminfer.errors import InputError, MMInferError, MissingField
 
 log = logging.getLogger("mminfer.serve")
 
@@ -52,7 +54,7 @@ def describe(e: MMInferError, path: str | None = None, label: str = "the video")
 
 
 def json_response(status: int, body: dict, headers: dict | None = None):
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse  # lazy: FastAPI, as install says
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -66,6 +68,7 @@ def error_response(e: MMInferError, headers: dict | None = None):
 
 def install(app):
     """Handlers for what escapes a route: FastAPI's own 404/405/422, our errors, bugs."""
+    # lazy: FastAPI takes ~1 s to import, and `mminfer serve --help` imports this module
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
@@ -104,7 +107,6 @@ def from_validation(exc, missing=lambda field: f"`{field}` is missing") -> MMInf
     """A pydantic ValidationError of a request schema as the error a client reads: a missing
     field is 422 ``missing_field``, anything else 400 ``bad_input`` naming the field, what it
     must be and what it was."""
-    from mminfer.errors import MissingField
     e = exc.errors()[0]
     field = _loc(e["loc"])
     if e["type"] == "missing":
@@ -119,7 +121,6 @@ def from_validation(exc, missing=lambda field: f"`{field}` is missing") -> MMInf
 
 def validate(model, data, **how):
     """``model.model_validate(data)``, its errors as ``from_validation`` says."""
-    from pydantic import ValidationError
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -22,6 +22,10 @@ import concurrent.futures
 import json
 import multiprocessing
 import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+
+from mminfer.errors import InputError, TooLarge
 
 IN_PROCESS_BYTES = 256 * 1024     # parsed in the calling thread below this size
 WORKERS = 2
@@ -90,7 +94,7 @@ def parse(raw: bytes, max_items: int, max_depth: int):
 
 def _child_init():
     try:
-        import resource
+        import resource  # lazy: POSIX only
         resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
     except (ImportError, ValueError, OSError):
         pass
@@ -111,7 +115,6 @@ def pool() -> concurrent.futures.ProcessPoolExecutor:
 def start():
     """Spawn every parsing process now (at server start), not in a client's request: the
     pool spawns a process on a submit that finds none idle, so ``WORKERS`` busy ones."""
-    import time
     p = pool()
     for _ in range(WORKERS):
         p.submit(time.sleep, 0.5)
@@ -127,10 +130,6 @@ def _reset(broken):
 
 async def parse_body(raw: bytes, max_items: int, max_depth: int):
     """The parsed body, or InputError (400) / TooLarge (413) saying what is wrong."""
-    from concurrent.futures.process import BrokenProcessPool
-
-    from mminfer.errors import InputError, TooLarge
-
     if len(raw) <= IN_PROCESS_BYTES:
         out = await asyncio.to_thread(parse, raw, max_items, max_depth)
     else:

@@ -14,10 +14,15 @@ import base64
 import binascii
 import ipaddress
 import os
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
+
+from python_multipart import MultipartParser
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import parse_options_header
 
 from mminfer.engine.video import sniff
 from mminfer.errors import (Forbidden, InputError, MissingField, MMInferError, RemoteRefused,
@@ -127,9 +132,6 @@ async def read_multipart(request, stream, folder, max_bytes: int,
     """Parse a multipart/form-data body read from ``stream`` (the request's, timed by the
     intake): the ``file_field`` part (the video) goes to a temp file, other parts (at most
     64 KiB each) to ``fields``. On any error the temp file is gone."""
-    from python_multipart import MultipartParser
-    from python_multipart.exceptions import FormParserError
-    from python_multipart.multipart import parse_options_header
 
     ctype, opts = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data":
@@ -375,7 +377,6 @@ async def _resolve(host: str, port: int, allow_private: bool) -> str:
     """The address to connect to: an IP literal as it is (the operator listed it), a name
     resolved once here, refused when it points inside (loopback, private, link-local...),
     so the allow-list cannot be turned against the server's own network."""
-    import socket
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
@@ -402,6 +403,8 @@ async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeou
     """Download an http(s) URL whose host is allow-listed: no redirects (they could lead
     anywhere), the resolved address pinned (no second lookup that could answer otherwise),
     size checked while downloading, the whole download within ``deadline`` seconds."""
+    # lazy: httpx takes 0.25 s to import and only a remote URL needs it; `mminfer serve
+    # --help` imports this module
     import httpx
 
     parts = parse_url(url)

@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from mminfer.errors import InputError, ModelNotFound, UnsupportedMedia
+from mminfer.models.base import VIDEO, Conversation, Turn
 
 from . import jsonbody, media
 from .budget import request_params
@@ -303,7 +304,6 @@ def conversation_of(messages: list[Message]):
     in order, text parts as text and the one ``video_url`` part, in whichever user message
     holds it, as the video. Exactly one video in the conversation (400 otherwise); other
     media 415; the last message must be a user message with text (400)."""
-    from mminfer.models.base import VIDEO, Conversation, Turn
 
     turns, urls = [], []
     for i, m in enumerate(messages):

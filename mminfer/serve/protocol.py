@@ -20,6 +20,7 @@ import json
 import logging
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
@@ -214,7 +215,6 @@ def protocol_class(settings, metrics=None):
 def config(app, **kwargs):
     """``uvicorn.Config`` for ``app`` with the guarded protocol (settings and metrics from
     ``app.state``); ``kwargs`` go to uvicorn (host, port, log_level...)."""
-    import uvicorn
     s = app.state.settings
     return uvicorn.Config(app, http=protocol_class(s, app.state.metrics),
                           h11_max_incomplete_event_size=HEADER_LIMIT_BYTES, **kwargs)

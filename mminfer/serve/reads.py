@@ -9,9 +9,11 @@ import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from mminfer.errors import InputError
 
+from .report import render
 from .store import parse_time
 
 router = APIRouter()
@@ -39,7 +41,6 @@ async def latency_report(request: Request):
 
 @router.get("/report", response_class=HTMLResponse, summary="The latency report page")
 async def report_page(request: Request):
-    from .report import render
     svc = request.app.state.service
     svc.check_auth(request)
     since, until = _window(request)
@@ -90,7 +91,6 @@ async def health(request: Request):
 
 @router.get("/metrics", summary="Prometheus metrics")
 async def prometheus(request: Request):
-    from prometheus_client import CONTENT_TYPE_LATEST
     svc = request.app.state.service
     svc.metrics.waiting.set(svc.worker.waiting)
     svc.metrics.worker_up.set(1 if svc.worker.alive else 0)

@@ -127,6 +127,8 @@ class Service:
     # ------------------------------------------------------------ the request
     async def handle(self, http, endpoint: str, impl):
         """Serve one POST with ``impl(req) -> (body, info)``; every outcome is JSON."""
+        # lazy: starlette takes 0.3 s to import, and `mminfer serve --help` imports this
+        # module (through app.py)
         from starlette.requests import ClientDisconnect
 
         arrival = time.monotonic()

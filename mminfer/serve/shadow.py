@@ -42,6 +42,7 @@ from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.errors import Cancelled
 
 from .store import BUCKET_LABELS, RetainedTable, bucket_index, sql_quantile, time_window
+from .worker import _is_oom, is_fatal
 
 log = logging.getLogger("mminfer.serve")
 
@@ -62,6 +63,7 @@ def compare(kept, rerun, max_new_tokens: int) -> dict:
     """The comparison of a sparse run (``kept``) with its dense re-run, which decoded the
     first ``max(1, min(max_new_tokens, len(sparse answer)))`` tokens (fewer where it met EOS:
     a dense answer that ends where the sparse one goes on is a different answer)."""
+    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
     import torch
     ld = torch.log_softmax(rerun.logits.double(), -1)
     ls = torch.log_softmax(kept.sparse_logits.double(), -1)
@@ -156,7 +158,6 @@ class ShadowMonitor:
     def run_pending(self, pipeline):
         """Run the pending job (on the worker thread, which owns the model) and record it.
         Raises only what the worker must die of."""
-        from .worker import _is_oom, is_fatal
         with self._lock:
             job, self._pending = self._pending, None
             self._running = job
@@ -214,6 +215,7 @@ class ShadowMonitor:
 
 def _empty_cache():
     try:
+        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
         import torch
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -24,6 +24,7 @@ import signal
 
 from mminfer.engine.lockstep import LockstepBroken, lead_or_follow
 from mminfer.engine.parallel import check_launch
+from mminfer.engine.pipeline import Pipeline
 
 from .worker import ModelWorker
 
@@ -36,7 +37,6 @@ def is_leader(n: int) -> bool:
 
 
 def _pipeline(settings, n: int):
-    from mminfer.engine.pipeline import Pipeline
     return Pipeline(settings.model, attention=settings.attention, device=settings.device,
                     dtype=settings.dtype, min_sparse_len=settings.min_sparse_len,
                     kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel=n)

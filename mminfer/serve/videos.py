@@ -38,6 +38,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from starlette.requests import ClientDisconnect
 
+from mminfer.engine.cache import file_digest
 from mminfer.errors import InputError, MMInferError, MissingField, TooLarge
 
 from . import media
@@ -81,7 +82,6 @@ class StoredVideo:
 def sha256_of(path) -> str:
     """The content hash the engine keys its video cache by (and memoises by the file's
     identity, so hashing the stored file here spares the first question the work)."""
-    from mminfer.engine.cache import file_digest
     return file_digest(path)
 
 

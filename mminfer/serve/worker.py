@@ -405,6 +405,7 @@ class ModelWorker:
 
     def _free_memory(self):
         try:
+            # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
             import torch
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

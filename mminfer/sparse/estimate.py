@@ -45,6 +45,7 @@ import torch
 from mminfer.errors import ConfigError
 from mminfer.kernels import AShape, Block, Fallback, Grid, SparsePlan, VerticalSlash
 from mminfer.kernels.layout import key_groups, row_blocks, row_table
+from mminfer.kernels.proxy import QuerySet, proxy_sets
 from mminfer.kernels.runtime import as_device, to_device
 from .mass import MassChoice, blocks_by_mass, line_bounds, lines_by_mass
 from .modality import ModalityIndex
@@ -297,7 +298,6 @@ class _Estimator:
     def _set_stats(self, pos, kmod, hs):
         if not self._sets:
             # Every query set of the layer in one fused call, each for its readers only.
-            from mminfer.kernels.proxy import QuerySet, proxy_sets
             keys = sorted(self.reads)
             sets = []
             for p in keys:

@@ -513,7 +513,7 @@ def test_fused_proxy_sets_give_the_torch_estimate(monkeypatch):
     """estimate_layer(proxy="triton"): every query set of the layer in one proxy_sets call,
     each set for the heads that read it (the 2D head's key-group diagonals included), and
     the same verticals and slashes as the PyTorch passes."""
-    import mminfer.kernels.proxy as P
+    import mminfer.sparse.estimate as P        # where estimate_layer looks proxy_sets up
     idx, q, k, _ = _mixed()
     ref = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=BM, block_n=BN)
     calls = []
@@ -535,7 +535,7 @@ def test_fused_sets_read_only_what_the_patterns_need():
     """A set's sums are computed for the heads whose pattern reads them: a-shape, block and
     dense heads are in no set, a grid head with a non-vertical-slash fallback reads the
     column sums but no diagonal, and every pattern kind gives the plan of the PyTorch proxy."""
-    import mminfer.kernels.proxy as P
+    import mminfer.sparse.estimate as P        # where estimate_layer looks proxy_sets up
     idx, q, k, _ = _mixed(H=8, Hkv=2)
     # the last head: a grid with an a-shape fallback (in place of ALL_KINDS' dense head)
     heads = ALL_KINDS[:7] + [HeadPattern.single(grid(sink=2, window=8, min_lift=0.0,

@@ -167,7 +167,7 @@ def test_the_fused_proxy_reads_spread_queries_in_sets_of_64_and_gives_the_torch_
     """proxy="triton" (the GPU default; the interpreter here) splits a query set of 64 last +
     spread queries into sets of at most 64 within the layer's one proxy_sets call, and its
     sums give the verticals and slashes of the PyTorch proxy over the whole set."""
-    import mminfer.kernels.proxy as P
+    import mminfer.sparse.estimate as P        # where estimate_layer looks proxy_sets up
     from test_estimate import _FUSED_HEADS, _mixed, _same_lines
     idx, q, k, _ = _mixed()
     ref = estimate_layer(q, k, idx, _FUSED_HEADS, block_m=16, block_n=16, spread_q=40)
