@@ -11,7 +11,7 @@ Importing the package imports triton (a dependency of the package): set
 """
 
 from .density import plan_density, sparsity
-from .launch import count_plan, sparse_attention
+from .launch import sparse_attention
 from .layout import row_table
 from .plan import SparsePlan
 from .proxy import QuerySet, proxy_sets
@@ -19,5 +19,5 @@ from .reference import masked_attention, plan_attention
 from .specs import AShape, Block, Fallback, Grid, VerticalSlash, dense
 
 __all__ = ["AShape", "Block", "Fallback", "Grid", "QuerySet", "SparsePlan", "VerticalSlash",
-           "count_plan", "dense", "masked_attention", "plan_attention", "plan_density",
+           "dense", "masked_attention", "plan_attention", "plan_density",
            "proxy_sets", "row_table", "sparse_attention", "sparsity"]

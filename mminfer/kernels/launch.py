@@ -6,7 +6,6 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import density as _density
 from .layout import BLOCK, F_HEAD, FAMILIES
 from .plan import SparsePlan
 from .runtime import as_device, batch_stride, tile_config
@@ -153,10 +152,6 @@ def _merge_partials(out, lse, scratch, lse_s, heads_2d):
     lse.index_copy_(1, idx, m_safe + torch.log(denom))
 
 
-# The pipeline's name for plan.density() from before density had one home (density.py).
-count_plan = _density.plan_density
-
-
 def dense_flops(n: int, heads: int, d: int, batch: int = 1) -> float:
     """FLOPs of causal attention forward (two matmuls over the triangle)."""
     return 4.0 * batch * heads * d * n * (n + 1) / 2
@@ -166,4 +161,4 @@ def effective_tflops(density: float, n: int, heads: int, d: int, ms: float) -> f
     return dense_flops(n, heads, d) * density / (ms * 1e-3) / 1e12
 
 
-__all__ = ["sparse_attention", "count_plan", "dense_flops", "effective_tflops"]
+__all__ = ["sparse_attention", "dense_flops", "effective_tflops"]

@@ -149,7 +149,7 @@ def replay_grid_density(n, start, end, stride, phase, sink, window, BM, BN):
 
 
 def test_default_grid_density_at_1m():
-    from mminfer.kernels import Grid, SparsePlan, count_plan
+    from mminfer.kernels import Grid, SparsePlan
     from mminfer.kernels.density import counts, summarise
     from mminfer.kernels.runtime import CPU_CONFIG
     from mminfer.sparse.modality import ModalityIndex
@@ -160,7 +160,7 @@ def test_default_grid_density_at_1m():
     args = dict(start=vs.start, end=vs.end, stride=257, phase=7, sink=128, window=300)
     plan = SparsePlan.build(idx.n, 1, [Grid([0], lines="both", **args)], block_m=64,
                             block_n=16, device="cpu")
-    d = count_plan(plan)
+    d = plan.density()
     logical, physical = replay_grid_density(idx.n, BM=64, BN=CPU_CONFIG["BLOCK_N"], **args)
     assert d["logical"] == pytest.approx(logical, rel=1e-9)
     assert d["physical"] == pytest.approx(physical, rel=1e-9)
