@@ -549,9 +549,10 @@ def test_health_stays_fast_while_a_big_data_url_is_decoded(ckpt, tmp_path, live_
                        headers={"Content-Type": "application/json"})
     assert 400 <= r.status_code < 500, r.text
     assert len(p.times) > 5
-    print(f"/health: worst {max(p.times):.3f} s while decoding, idle baseline worst "
-          f"{max(baseline):.3f} s, bound {health_bound(baseline):.3f} s")
-    assert max(p.times) < health_bound(baseline), (max(p.times), max(baseline))
+    print(f"/health: worst {max(p.times):.3f} s while decoding ({max(p.excess):.3f} s beyond "
+          f"the control), idle baseline worst {max(baseline):.3f} s, bound "
+          f"{health_bound(baseline):.3f} s")
+    assert max(p.excess) < health_bound(baseline), (max(p.excess), max(p.times), max(baseline))
     wait_until(lambda: uploads_left(app) == [])
 
 
