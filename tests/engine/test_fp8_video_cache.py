@@ -106,10 +106,9 @@ def test_the_flag_reaches_pipeline_settings_and_batch():
 
 
 def test_batch_loads_the_pipeline_with_the_dtype(monkeypatch):
-    import mminfer.engine.pipeline as pl
     from mminfer import batch
     seen = {}
-    monkeypatch.setattr(pl, "Pipeline", lambda model, **kw: seen.update(kw) or "pipe")
+    monkeypatch.setattr(batch, "Pipeline", lambda model, **kw: seen.update(kw) or "pipe")
     batch.load_pipeline({"model": "m", "attention": "auto", "kv_cache_dtype": "fp8"})
     assert seen["kv_cache_dtype"] == "fp8"
 
