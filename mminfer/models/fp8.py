@@ -268,28 +268,37 @@ def silu_mul_quant(g: torch.Tensor, u: torch.Tensor, *, kernels: str = "auto") -
 
 
 # ---------------------------------------------------------------------- the GEMM
-def fp8_gemm(x: Fp8Act, wq: torch.Tensor, ws: torch.Tensor, bias=None) -> torch.Tensor:
+def fp8_gemm(x: Fp8Act, wq: torch.Tensor, ws: torch.Tensor, bias=None, *,
+             out_features: int | None = None) -> torch.Tensor:
     """``x [..., K]`` (quantised) times ``wq [N, K]`` (e4m3, scales ``ws [N]``) → ``[..., N]``
-    in ``x.dtype``. ``torch._scaled_mm`` with row-wise scales where it runs (CUDA: both widths
-    multiples of 16; the CPU: any), else the same arithmetic by dequantising."""
+    in ``x.dtype``: ``torch._scaled_mm`` with row-wise scales (fp32 accumulation). On CUDA
+    both widths must be multiples of 16: a weight padded with zero rows and columns (see
+    :meth:`Fp8Linear.padded`) takes a narrower ``x`` (padded here with zeros, which add
+    exact zeros) and ``out_features`` keeps the first columns of the product."""
     lead = x.shape[:-1]
     a, sa = x.data.reshape(-1, x.shape[-1]), x.scale.reshape(-1, 1)
     N, K = wq.shape
+    n_out = N if out_features is None else out_features
     out = x.dtype
     if a.is_cuda and (K % ALIGN or N % ALIGN):
-        return scaled_mm_ref(a, sa, wq, ws, bias, out).view(*lead, N)
+        return scaled_mm_ref(a, sa, wq, ws, bias, out)[:, :n_out].reshape(*lead, n_out)
+    if a.shape[1] < K:                   # zero columns of a padded weight: zero inputs
+        a = F.pad(a.view(torch.uint8), (0, K - a.shape[1])).view(FP8)
     if a.is_cuda:
         # row-wise scaling on CUDA writes bf16 and fuses a bf16 bias only
         mm_out = torch.bfloat16
-        fuse = bias is not None and bias.dtype == torch.bfloat16 and out == mm_out
+        fuse = bias is not None and bias.dtype == torch.bfloat16 and out == mm_out \
+            and n_out == N
     else:
-        mm_out, fuse = out, bias is not None and bias.dtype == out
+        mm_out, fuse = out, bias is not None and bias.dtype == out and n_out == N
     y = torch._scaled_mm(a.contiguous(), wq.t(), scale_a=sa.contiguous(),
                          scale_b=ws.view(1, -1), bias=bias if fuse else None,
                          out_dtype=mm_out)
+    if n_out != N:
+        y = y[:, :n_out]
     if bias is not None and not fuse:
         y = (y.float() + bias.float()).to(out)
-    return y.to(out).view(*lead, N)
+    return y.to(out).reshape(*lead, n_out)
 
 
 class Fp8Linear(nn.Module):
@@ -321,7 +330,21 @@ class Fp8Linear(nn.Module):
     def forward(self, x):
         if not isinstance(x, Fp8Act):
             x = quantize_rows(x, kernels=self.kernels)
+        if x.data.is_cuda and (self.in_features % ALIGN or self.out_features % ALIGN):
+            wq, ws = self.padded()
+            return fp8_gemm(x, wq, ws, self.bias, out_features=self.out_features)
         return fp8_gemm(x, self.weight, self.weight_scale, self.bias)
+
+    def padded(self):
+        """The weight with zero rows and columns up to multiples of 16 (what ``_scaled_mm``
+        takes on CUDA; e.g. the 7B vision MLP's 3420), and its scales; made once."""
+        if getattr(self, "_padded", None) is None or self._padded[0].device != self.weight.device:
+            N, K = self.weight.shape
+            Np, Kp = -(-N // ALIGN) * ALIGN, -(-K // ALIGN) * ALIGN
+            w = F.pad(self.weight.view(torch.uint8), (0, Kp - K, 0, Np - N)).view(FP8)
+            ws = F.pad(self.weight_scale, (0, Np - N), value=1.0)
+            self._padded = (w, ws)
+        return self._padded
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -385,9 +408,20 @@ def convert(root: nn.Module, names, *, kernels: str = "auto") -> int:
 LLM_LINEARS = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$")
 
 
+# Qwen2.5-VL's vision blocks (qkv, proj, the gated MLP; not the patch embedding, not the
+# merger) and SigLIP's encoder layers (q/k/v/out, fc1, fc2; not the projector).
+VISION_LINEARS = re.compile(r"(^|\.)blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(gate|up|down)_proj)$"
+                            r"|(^|\.)layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])$")
+
+
 def is_llm_linear(name: str) -> bool:
     """A decoder layer's attention or MLP projection (not lm_head, not embeddings)."""
     return LLM_LINEARS.search(name) is not None
+
+
+def is_vision_linear(name: str) -> bool:
+    """A vision block's attention projection or MLP layer."""
+    return VISION_LINEARS.search(name) is not None
 
 
 # ---------------------------------------------------------------------- FP8 checkpoints

@@ -40,6 +40,10 @@ copies); with autograd on they fall back to the modules' own arithmetic. Every p
 what transformers computes up to fp32 rounding: the fp32 CPU tests compare against
 ``get_video_features``.
 
+FP8 blocks (``quantization="fp8"``: qkv, proj and the MLP as mminfer.models.fp8 layers) run
+the modules' path in the batched layout, their norms and SiLU gate as the kernels that also
+quantise per token what the FP8 GEMMs read (the attention output is quantised by its own pass).
+
 A caller streams a long video through in chunks of pairs (``pairs_per_chunk``), so the
 tower's working memory is set by the chunk, not by the video.
 """
@@ -53,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from mminfer.models import fp8
 from mminfer.models.vision_fused import KERNELS, add_rms_norm, rotary, silu_mul, use_triton
 
 # Patch tokens per tower call: enough rows to keep the matmuls at full rate, few enough that
@@ -224,6 +229,8 @@ class QwenVisionTower:
         weight = vis.patch_embed.proj.weight
         if torch.is_grad_enabled() and (pixels.requires_grad or weight.requires_grad):
             return False
+        if fp8.is_fp8(vis.blocks[0].attn.qkv):   # FP8 blocks: the modules' path (_block)
+            return False
         act = getattr(getattr(vis, "config", None), "hidden_act", "silu")
         same = vis.blocks[0].norm1.weight.dtype == weight.dtype  # norms round to x's dtype
         return act == "silu" and same and hasattr(vis.merger, "ln_q") and \
@@ -309,12 +316,18 @@ class QwenVisionTower:
     def _block(self, blk, x, lay: WindowLayout, *, full: bool):
         a = blk.attn
         P, S, C = x.shape
-        qkv = a.qkv(_rms_norm(blk.norm1, x)).view(P, S, 3, self.heads, self.head_dim)
+        if fp8.is_fp8(a.qkv):      # the norms quantise what the FP8 layers read
+            qkv = a.qkv(fp8.normed(blk.norm1, x, a.qkv))
+        else:
+            qkv = a.qkv(_rms_norm(blk.norm1, x))
+        qkv = qkv.view(P, S, 3, self.heads, self.head_dim)
         q, k, v = qkv.unbind(2)                                            # [P, S, H, d]
         q, k = _rotary(q, lay), _rotary(k, lay)
         groups = ((0, 1, S),) if full else lay.groups
         o = _attend(q, k, v, groups, a.scaling)
         x = x + a.proj(o.reshape(P, S, C))
+        if fp8.is_fp8(blk.mlp.gate_proj):
+            return x + fp8.mlp(blk.mlp, blk.norm2, x)
         return x + blk.mlp(_rms_norm(blk.norm2, x))
 
 
