@@ -215,9 +215,12 @@ def model_identity(model: str) -> str:
     return f"{p.resolve()}#{h.hexdigest()[:16]}"
 
 
-def config_of(model, attention, fps, max_frames, max_new_tokens) -> dict:
-    return {"model": model_identity(model), "attention": attention, "fps": float(fps),
-            "max_frames": int(max_frames), "max_new_tokens": int(max_new_tokens)}
+def config_of(model, attention, fps, max_frames, max_new_tokens, quantization=None) -> dict:
+    cfg = {"model": model_identity(model), "attention": attention, "fps": float(fps),
+           "max_frames": int(max_frames), "max_new_tokens": int(max_new_tokens)}
+    if quantization:              # absent for bf16: earlier files keep their fingerprint
+        cfg["quantization"] = quantization
+    return cfg
 
 
 def fingerprint(config: dict) -> str:
@@ -381,7 +384,8 @@ def load_pipeline(load_args: dict):
     return Pipeline(load_args["model"], attention=load_args["attention"],
                     device=load_args.get("device"), dtype=load_args.get("dtype"),
                     min_sparse_len=load_args.get("min_sparse_len"),
-                    tensor_parallel=load_args.get("tensor_parallel", 1))
+                    tensor_parallel=load_args.get("tensor_parallel", 1),
+                    quantization=load_args.get("quantization"))
 
 
 class _Answerer:
@@ -441,7 +445,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
               device=None, dtype=None, min_sparse_len: int | None = None, retry_errors: bool = False,
               ray_address: str | None = None, ray_workers: int | None = None,
               progress: bool = True, manifest=None, item_timeout_s: float | None = None,
-              quarantine_after: int = 2, pipe=None) -> Summary:
+              quarantine_after: int = 2, pipe=None, quantization: str | None = None) -> Summary:
     """Answer every (video, question) of ``root`` x ``questions``, or every line of
     ``manifest``, into the JSONL ``out``. ``pipe``: a model already loaded (tensor parallel:
     rank 0's ``engine.lockstep.Leader``) instead of one loaded when there is work."""
@@ -453,7 +457,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
         listed = [(v, q, item_id(v, q)) for v in scan(root, summary.ignored) for q in questions]
     for q in dict.fromkeys(q for _, q, _ in listed):
         check_request(q, fps, max_frames, max_new_tokens, None, None, attention)
-    cfg = config_of(model, attention, fps, max_frames, max_new_tokens)
+    cfg = config_of(model, attention, fps, max_frames, max_new_tokens, quantization)
     fp = fingerprint(cfg)
     results = Results(out)
     tracker = None
@@ -497,7 +501,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
         bar = tqdm(total=n, unit="answer", disable=not progress, file=sys.stderr,
                    dynamic_ncols=True, desc="batch")
         load_args = {"model": model, "attention": attention, "device": device, "dtype": dtype,
-                     "min_sparse_len": min_sparse_len}
+                     "min_sparse_len": min_sparse_len, "quantization": quantization}
 
         def record(rec):
             results.append(rec)
@@ -656,7 +660,7 @@ def run(args) -> int:
             pipe = lockstep.lead_or_follow(lambda: load_pipeline(
                 {"model": model, "attention": args.attention, "device": args.device,
                  "dtype": args.dtype, "min_sparse_len": args.min_sparse_len,
-                 "tensor_parallel": args.tensor_parallel}))
+                 "tensor_parallel": args.tensor_parallel, "quantization": args.quantization}))
         except (lockstep.LockstepBroken, RuntimeError) as e:   # RuntimeError: gloo lost rank 0
             print(f"error: tensor-parallel rank: {e}", file=sys.stderr)
             return 1
@@ -671,7 +675,7 @@ def run(args) -> int:
                             dtype=args.dtype, min_sparse_len=args.min_sparse_len,
                             retry_errors=args.retry_errors, ray_address=args.ray,
                             ray_workers=args.ray_workers, progress=not args.no_progress,
-                            pipe=pipe)
+                            pipe=pipe, quantization=args.quantization)
     except BaseException as e:
         if pipe is None or pipe.broken is None:
             raise

@@ -26,6 +26,10 @@ def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
     p.add_argument("--device", help="cuda, cpu, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: the LLM's and vision tower's linear layers as FP8 GEMMs (per-channel "
+                   "weight, per-token activation scales; sm89+ GPUs); an FP8 checkpoint "
+                   "implies it (default: the dtype's weights)")
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
                    "always dense on the CPU)")
@@ -35,4 +39,4 @@ def pipeline_options(args) -> dict:
     """How the model runs, from the flags :func:`add_model_arguments` added: the keywords
     ``Pipeline`` (and the server's ``Settings``) take besides the model."""
     return {"attention": args.attention, "device": args.device, "dtype": args.dtype,
-            "min_sparse_len": args.min_sparse_len}
+            "min_sparse_len": args.min_sparse_len, "quantization": args.quantization}

@@ -5,9 +5,9 @@ mminfer.models.base.Conversation) plus what a suffix needs to continue it (the p
 the M-RoPE offset, the prefix's ModalityIndex) and what the answer reports of the video. Its
 key (:func:`cache_key`) is the video's content hash and everything that changes the prefix's
 tokens or values: the model and its revision, dtype, the sampling (fps, max_frames, start,
-end), the pixel budget, the attention mode and its threshold, the head-pattern config, and
-the turns before the video. A changed byte, model or config is another key: a miss, never a
-stale hit.
+end), the pixel budget, the attention mode and its threshold, the head-pattern config, the
+quantization (fp8 or none), and the turns before the video. A changed byte, model or config
+is another key: a miss, never a stale hit.
 
 Tiers (vLLM's v1 KV offload, at entry granularity): entries live on the model's device within
 ``gpu_bytes`` (``--kv-cache-gb``); the least recently used spill to pinned host memory within

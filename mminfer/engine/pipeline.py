@@ -108,6 +108,8 @@ class Pipeline:
     ``hooks.auto_min_tokens`` of the device).
     ``vision_compile``: the vision tower's block through torch.compile (CUDA; None: the
     adapter's default, ``mminfer.models.vision.COMPILE_DEFAULT`` for Qwen2.5-VL).
+    ``quantization``: None (weights in ``dtype``) or "fp8" (the LLM's and the vision tower's
+    projections and MLPs as FP8 GEMMs, mminfer.models.fp8); an FP8 checkpoint implies "fp8".
     ``prefill_context``: the type of a request's ``hooks.PrefillContext`` (the lab substitutes
     a subclass to measure a setting the product does not serve)."""
 
@@ -116,7 +118,7 @@ class Pipeline:
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
                  dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1,
                  vision_compile: bool | None = None, kv_cache_gb: float | None = None,
-                 kv_host_cache_gb: float = 0.0):
+                 kv_host_cache_gb: float = 0.0, quantization: str | None = None):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
@@ -138,8 +140,16 @@ class Pipeline:
         self.min_sparse_len = int(min_sparse_len)
         path, model_id, revision = resolve_checkpoint(str(model))
         self.model_id = model_id
+        if quantization not in (None, "fp8"):
+            raise ConfigError(f"quantization must be None or 'fp8', not {quantization!r}")
         self.adapter = pick_adapter(path).from_pretrained(
-            path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision)
+            path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision,
+            **({"quantization": quantization} if quantization else {}))
+        # what runs: an FP8 checkpoint is FP8 whatever was asked
+        self.quantization = getattr(self.adapter, "quantization", None)
+        if self.quantization and self.tensor_parallel > 1:
+            raise ConfigError("quantization fp8 does not run tensor parallel (the sharded "
+                              "layers are plain nn.Linear)")
         if vision_compile is not None and hasattr(self.adapter, "set_vision_compile"):
             self.adapter.set_vision_compile(vision_compile)
         if self.tensor_parallel > 1:
@@ -165,7 +175,7 @@ class Pipeline:
             "model": model_id, "revision": getattr(ad.identity, "revision", None),
             "adapter": ad.name, "dtype": str(self.dtype), "sampling": ad.sampling,
             "frame_limit": ad.frame_limit, "min_sparse_len": self.min_sparse_len,
-            "device": self.device.type}
+            "device": self.device.type, "quantization": self.quantization}
         k = ad.text_model.layers[0].self_attn.k_proj
         # bytes of K and V per prompt token, all layers
         self.kv_bytes_per_token = (2 * len(ad.text_model.layers) * k.out_features

@@ -65,7 +65,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
             from mminfer.engine.pipeline import Pipeline
             pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
                             min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
-                            kv_host_cache_gb=s.kv_host_cache_gb)
+                            kv_host_cache_gb=s.kv_host_cache_gb,
+                            quantization=s.quantization)
             # kernels compile here, before /health says ready, not in a user's first request
             warm = pipe.warmup()
             if warm.get("ran"):

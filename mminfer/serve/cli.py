@@ -239,7 +239,8 @@ def check_port(host: str, port: int):
             raise ConfigError(f"port {port} on {host} {why}") from None
 
 
-def banner(host: str, port: int, model: str, api_key: bool) -> str:
+def banner(host: str, port: int, model: str, api_key: bool,
+           quantization: str | None = None) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     # the source tree's sample, or the current folder's (the Docker image's /app)
@@ -247,7 +248,8 @@ def banner(host: str, port: int, model: str, api_key: bool) -> str:
                   if p.is_file()), Path("video.mp4"))
     auth = ' -H "Authorization: Bearer $MMINFER_API_KEY"' if api_key else ""
     return "\n".join([
-        f"mminfer serving {model} at {url}",
+        f"mminfer serving {model} at {url}"
+        + (f" (quantization {quantization})" if quantization else ""),
         f"  report page  {url}/report",
         f"  health       {url}/health    metrics {url}/metrics",
         "try:",
@@ -314,7 +316,8 @@ def run(args) -> int:
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1]
             model = getattr(worker.pipeline, "model_id", settings.model)
-            print(banner(args.host, port, model, bool(settings.api_key)), flush=True)
+            print(banner(args.host, port, model, bool(settings.api_key),
+                         getattr(worker.pipeline, "quantization", None)), flush=True)
         await task
 
     try:

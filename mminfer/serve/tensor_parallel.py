@@ -39,7 +39,7 @@ def _pipeline(settings, n: int):
     from mminfer.engine.pipeline import Pipeline
     return Pipeline(settings.model, attention=settings.attention, device=settings.device,
                     dtype=settings.dtype, min_sparse_len=settings.min_sparse_len,
-                    tensor_parallel=n)
+                    tensor_parallel=n, quantization=settings.quantization)
 
 
 def leader_worker(settings, n: int) -> ModelWorker:
