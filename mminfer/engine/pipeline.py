@@ -194,8 +194,9 @@ class Pipeline:
         return memo[2]
 
     def attention_policy(self) -> dict:
-        """What "auto" attention does with this model, and why: for the start-up message,
-        ``/v1/models`` and ``/report``."""
+        """What "auto" attention does with this model, and why, and how its linear layers run
+        (``quantization``: None or "fp8"): for the start-up message, ``/v1/models`` and
+        ``/report``."""
         pats = self.adapter.patterns
         if pats is None:
             state, auto = "none", "dense (the model has no head-pattern config)"
@@ -208,7 +209,8 @@ class Pipeline:
                     "starting point; run `mminfer calibrate` (attention=sparse runs them now)")
         else:
             state, auto = "calibrated", f"sparse from {self.min_sparse_len} prompt tokens"
-        return {"head_patterns": state, "auto_attention": auto}
+        return {"head_patterns": state, "auto_attention": auto,
+                "quantization": getattr(self, "quantization", None)}
 
     def _frame_shards(self):
         if self.tensor_parallel == 1:

@@ -137,8 +137,6 @@ async def models(request: Request):
     ctx_len = getattr(getattr(p, "adapter", None), "max_context", None)
     ids = [svc.model_id()] + [n for n in svc.s.served_model_names[1:]]
     policy = p.attention_policy() if hasattr(p, "attention_policy") else None
-    if policy is not None:
-        policy = {**policy, "quantization": getattr(p, "quantization", None)}
     return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "mminfer",
                                         "root": svc.model_path, "max_model_len": ctx_len,
                                         **({"mminfer": policy} if policy else {})}
