@@ -115,6 +115,23 @@ def test_fp8_linear_within_e4m3_error_of_linear():
     assert 0.005 < rel < 2 ** -4, rel          # quantised (not a bf16 copy), within e4m3
     pre = fp8.quantize_rows(x)                 # an Fp8Act is used as it is
     assert torch.equal(q(pre), got)
+    # elementwise, rigorously: |Δy| <= sum_k |x_k| |w_k| ((1 + 2^-4)^2 - 1) + subnormal slack
+    bound = (x.abs() @ lin.weight.abs().t()) * ((1 + 2 ** -4) ** 2 - 1) + 1e-5
+    assert bool(((got - ref).abs() <= bound).all())
+
+
+def test_padded_weight_gives_the_same_product():
+    """CUDA's _scaled_mm needs widths that are multiples of 16: the zero-padded weight (rows
+    and columns) with the input padded by zeros gives the unpadded product exactly."""
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(40, 30)              # neither width a multiple of 16
+    q = fp8.Fp8Linear.from_linear(lin)
+    wq, ws = q.padded()
+    assert wq.shape == (32, 48) and ws.shape == (32,)
+    act = fp8.quantize_rows(torch.randn(3, 7, 40, generator=g))
+    got = fp8.fp8_gemm(act, wq, ws, q.bias, out_features=30)
+    assert got.shape == (3, 7, 30)
+    assert torch.allclose(got, q(act), rtol=1e-6, atol=1e-6)
 
 
 @needs_cuda
