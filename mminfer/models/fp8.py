@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from safetensors import safe_open
 
 from mminfer.errors import ConfigError
 from mminfer.models.vision_fused import use_triton
@@ -124,7 +125,7 @@ def _e4m3_grid(v):
 
 
 @triton.jit
-def _store_fp8(Q, S, row, cols, mask, y, amax, stride_q):
+def _store_fp8(Q, row, cols, mask, y, amax, stride_q):
     scale = tl.maximum(amax / 448.0, 1e-12)
     v = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
     tl.store(Q + row * stride_q + cols, _e4m3_grid(v).to(Q.dtype.element_ty), mask=mask)
@@ -145,7 +146,7 @@ def _quant_kernel(X, Q, S, C, stride_x, stride_q, BLOCK_C: tl.constexpr):
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         x = tl.load(X + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
-        _store_fp8(Q, S, row, cols, cols < C, x, m, stride_q)
+        _store_fp8(Q, row, cols, cols < C, x, m, stride_q)
     tl.store(S + row, scale)
 
 
@@ -167,7 +168,7 @@ def _rms_norm_quant_kernel(X, D, W, Q, S, C, stride_x, stride_d, stride_q, eps,
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     y = (n * w).to(X.dtype.element_ty).to(tl.float32)
     amax = tl.max(tl.abs(y), axis=0)
-    scale = _store_fp8(Q, S, row, cols, mask, y, amax, stride_q)
+    scale = _store_fp8(Q, row, cols, mask, y, amax, stride_q)
     tl.store(S + row, scale)
 
 
@@ -195,7 +196,7 @@ def _silu_mul_quant_kernel(G, U, Q, S, C, stride_g, stride_u, stride_q,
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         y = _silu_mul(G, U, row, cols, cols < C, stride_g, stride_u)
-        _store_fp8(Q, S, row, cols, cols < C, y, m, stride_q)
+        _store_fp8(Q, row, cols, cols < C, y, m, stride_q)
     tl.store(S + row, scale)
 
 
@@ -465,7 +466,6 @@ def load_scales(path, rename=lambda n: n) -> dict:
     """``{module name: weight_scale}`` of every quantised layer in the checkpoint ``path``'s
     safetensors files (``<layer>.weight_scale``), names through ``rename`` (the checkpoint's
     names to the model's modules). Static input scales are a ConfigError."""
-    from safetensors import safe_open        # only FP8 checkpoints read their files directly
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{path}: an FP8 checkpoint needs its weights in .safetensors files")

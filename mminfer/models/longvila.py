@@ -28,6 +28,7 @@ from einops import rearrange
 from torch import nn
 
 from mminfer.errors import ConfigError, InputError, VideoError
+from mminfer.models import fp8
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.models.base import Adapter, Prepared, PrepareOptions
 from mminfer.models.vision import device_constant, frame_chunks, to_device
@@ -243,7 +244,7 @@ class LongVILA(Adapter):
         MLPs quantised at load (mminfer.models.fp8; the projector stays as it is)."""
         from transformers import AutoTokenizer, Qwen2ForCausalLM, SiglipVisionModel
 
-        from mminfer.models import fp8, hooks
+        from mminfer.models import hooks
 
         root = Path(path)
         layout = read_layout(root)

@@ -238,6 +238,7 @@ class Qwen2_5_VLAdapter(Adapter):
         import torch
         from transformers import (AutoConfig, AutoTokenizer,
                                   Qwen2_5_VLForConditionalGeneration)
+        # torch, transformers and triton (fp8's kernels) load with the model, not the module
         from mminfer.models import fp8, hooks
 
         path, rid, rrev = resolve_checkpoint(str(path))

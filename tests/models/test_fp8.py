@@ -11,14 +11,28 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+from conftest import REPO
+from mminfer.batch import config_of
+from mminfer.cli import build_parser
+from mminfer.cli_options import pipeline_options
+from mminfer.engine import video as videolib
+from mminfer.engine.cache import cache_key
+from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import ConfigError
 from mminfer.kernels.runtime import interpreted
 from mminfer.models import fp8
+from mminfer.models.base import _new_cache
+from mminfer.models.decode import LeanDecoder
+from mminfer.models.embedded import DEFAULT_MODEL_DIR
+from mminfer.models.longvila import LongVILA
 from mminfer.models.prefill import prefill
 from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter, checkpoint_module_name
+from mminfer.serve.cli import banner, settings_from
 from lab.toy.tiny import save_tiny_qwen2_5_vl, write_qwen2_5_vl
+from lab.toy.tiny_longvila import save_tiny_longvila
 
 FP8_DYNAMIC = {
     "quant_method": "compressed-tensors", "format": "float-quantized",
@@ -50,7 +64,6 @@ def ckpt(tmp_path_factory):
     each sublayer adds about half the size of the residual stream it reads (at transformers'
     init of 0.02 the FP8 error would hide under the embeddings; at 1/fan_in the random net is
     chaotic and amplifies any perturbation, FP8's or another)."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
     base = save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("fp8") / "base", layers=3)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
@@ -140,8 +153,6 @@ def test_one_standalone_quantisation_per_layer(quant, monkeypatch):
     """In the prefill only the attention output (before o_proj) is quantised by a pass of its
     own, once per layer and chunk; q/k/v, gate/up and down read what the norm and SiLU
     kernels wrote. The lean decode step likewise: one pass per layer."""
-    from mminfer.models.base import _new_cache
-    from mminfer.models.decode import LeanDecoder
     seen = []
     orig = fp8.quantize_rows
     monkeypatch.setattr(fp8, "quantize_rows",
@@ -165,10 +176,6 @@ def test_embedded_model_fp8_answers_and_kl():
     """The trained embedded model (fp32 on the CPU): FP8 answers the samples as the plain
     model does, the greedy decode running the lean step on FP8 layers, and the last-token
     distribution after each prompt stays within the issue's KL target (0.01)."""
-    from mminfer.engine import video as videolib
-    from mminfer.engine.pipeline import Pipeline
-    from mminfer.models.embedded import DEFAULT_MODEL_DIR
-    from conftest import REPO
     if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
         pytest.skip("the embedded model is not built")
     samples = REPO / "samples" / "videos"
@@ -195,7 +202,6 @@ def write_fp8_checkpoint(src, dst, *, legacy_names=True, scale_dtype=torch.float
     each quantised layer's ``weight`` in e4m3 and its ``weight_scale`` [out, 1]; names as the
     published checkpoints have them (``model.layers``, ``visual.blocks``) unless not
     ``legacy_names``; ``quantization_config`` in config.json."""
-    from safetensors.torch import load_file
     shutil.copytree(src, dst)
     tensors = {}
     for f in sorted(dst.glob("*.safetensors")):
@@ -224,7 +230,6 @@ def test_fp8_checkpoint_loads_as_quantised_at_load(ckpt, quant, tmp_path, legacy
     """A checkpoint in the published layout loads without asking for fp8 (it implies it):
     the same e4m3 weights and scales as the model quantised at load, so the same logits and
     the same answer, through Pipeline."""
-    from mminfer.engine.pipeline import Pipeline
     path = write_fp8_checkpoint(ckpt, tmp_path / "fp8", legacy_names=legacy)
     ad = Qwen2_5_VLAdapter.from_pretrained(path, device="cpu")
     assert ad.quantization == "fp8"
@@ -279,7 +284,6 @@ def test_unsupported_layouts_are_config_errors(config, says):
 
 def test_static_input_scales_are_refused(ckpt, tmp_path):
     path = write_fp8_checkpoint(ckpt, tmp_path / "fp8")
-    from safetensors.torch import load_file
     t = load_file(path / "model.safetensors")
     t["model.layers.0.self_attn.q_proj.input_scale"] = torch.ones(1)
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -291,11 +295,6 @@ def test_static_input_scales_are_refused(ckpt, tmp_path):
 def test_quantization_in_the_cache_key_and_flags(ckpt, monkeypatch):
     """The video cache key has the quantization (a bf16 prefix is never an fp8 hit); the
     flag reaches Pipeline from answer, serve and batch; an unknown value is refused."""
-    from mminfer.cli import build_parser
-    from mminfer.cli_options import pipeline_options
-    from mminfer.engine.cache import cache_key
-    from mminfer.engine.pipeline import Pipeline
-    from mminfer.serve.cli import banner, settings_from
     a = Pipeline(str(ckpt), attention="dense", device="cpu")
     b = Pipeline(str(ckpt), attention="dense", device="cpu", quantization="fp8")
     assert a._prefix_identity["quantization"] is None
@@ -316,7 +315,6 @@ def test_quantization_in_the_cache_key_and_flags(ckpt, monkeypatch):
     assert "(quantization fp8)" in banner("127.0.0.1", 8000, "m", False, "fp8").splitlines()[0]
     assert "quantization" not in banner("127.0.0.1", 8000, "m", False).splitlines()[0]
     # batch: fp8 results never mix with bf16 ones in one file; bf16 keeps its fingerprint
-    from mminfer.batch import config_of
     assert "quantization" not in config_of("m", "auto", 2.0, 768, 32)
     assert config_of("m", "auto", 2.0, 768, 32, "fp8")["quantization"] == "fp8"
 
@@ -327,8 +325,6 @@ def test_longvila_fp8(tmp_path):
     within 2^-4 of the plain model's. (At transformers' init; with every weight ~ 1/fan_in
     and embeddings of 0.02 this random 2-layer LLM is chaotic: the plain model itself moves
     by more than e4m3's step under a 2^-4 perturbation of its weights.)"""
-    from mminfer.models.longvila import LongVILA
-    from lab.toy.tiny_longvila import save_tiny_longvila
     path = save_tiny_longvila(tmp_path / "tiny-longvila")
     quant = LongVILA.from_pretrained(path, device="cpu", quantization="fp8")
     assert quant.quantization == "fp8"
