@@ -1307,7 +1307,8 @@ def parse_args(argv=None):
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="Pipeline(quantization=): FP8 linear layers in every mode we run (the "
                    "transformers baseline stays in --dtype); run once without and once with it "
-                   "for the bf16 and FP8 rows")    p.add_argument("--max-new-tokens", type=int, default=32)
+                   "for the bf16 and FP8 rows")
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="Pipeline(min_sparse_len=) (requests name their mode explicitly)")
     p.add_argument("--warmup", choices=("full", "short", "none"), default=None,
