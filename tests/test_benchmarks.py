@@ -164,3 +164,14 @@ def test_baseline_survives_an_adapter_that_streams_its_pixels(tmp_path, model):
     _stages_complete(b, allow_none=("generate", "total"))
     assert b["tokens"]["total"] == ref["tokens"]["total"]
     assert b["timings_ms"]["vision"] > 0 and b["timings_ms"]["attention"] > 0
+
+
+def test_e2e_quantization_reaches_the_report_and_the_table():
+    """--quantization fp8 is parsed for the Pipeline and names itself in the table's title
+    (the transformers baseline row stays in the dtype)."""
+    e2e = _e2e()
+    assert e2e.parse_args(["--tiny"]).quantization is None
+    assert e2e.parse_args(["--tiny", "--quantization", "fp8"]).quantization == "fp8"
+    title = e2e.table({"quantization": "fp8", "dtype": "bfloat16", "cases": {}}).splitlines()[0]
+    assert "linear layers fp8 (transformers row: bfloat16)" in title
+    assert "fp8" not in e2e.table({"dtype": "bfloat16", "cases": {}}).splitlines()[0]

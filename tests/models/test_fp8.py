@@ -25,7 +25,7 @@ from mminfer.errors import ConfigError
 from mminfer.kernels.runtime import interpreted
 from mminfer.models import fp8
 from mminfer.models.base import _new_cache
-from mminfer.models.decode import LeanDecoder
+from mminfer.models.decode import LeanDecoder, decode_loop
 from mminfer.models.embedded import DEFAULT_MODEL_DIR
 from mminfer.models.longvila import LongVILA
 from mminfer.models.prefill import prefill
@@ -340,3 +340,27 @@ def test_longvila_fp8(tmp_path):
     want, got = _logits(plain, prep), _logits(quant, prep)
     rel = float((got - want).norm() / want.norm())
     assert 1e-4 < rel < 2 ** -4, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_on_cuda_graph_decode_and_bf16(ckpt):
+    """On the GPU (bf16, _scaled_mm with row-wise scales, the compiled kernels): the FP8
+    prefill's logits within 2^-4 of bf16's, and the decode steps replayed from CUDA graphs
+    give the eager lean step's tokens with FP8 layers inside the graphs."""
+    plain = Qwen2_5_VLAdapter.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16)
+    quant = Qwen2_5_VLAdapter.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16,
+                                              quantization="fp8")
+    prep = quant.prepare(_Video(_frames(4)), "what color is the ball ?")
+    want, got = _logits(plain, prep), _logits(quant, prep)
+    assert 1e-4 < float((got - want).norm() / want.norm()) < 2 ** -4
+    runs = {}
+    for mode in ("lean", "graph"):
+        with torch.inference_mode():
+            embeds = quant.embed(prep)
+            cache = _new_cache(quant.text_model)
+            logits = prefill(quant.text_model, embeds, cache,
+                             quant.positions(prep, 0, embeds.shape[1]), lm_head=quant.lm_head)
+        runs[mode] = decode_loop(quant, cache, [int(logits.argmax(-1))],
+                                 rope_delta=prep.rope_delta, max_new_tokens=12, mode=mode)
+    assert runs["graph"] == runs["lean"]
