@@ -30,6 +30,7 @@ from mminfer.models.embedded import DEFAULT_MODEL_DIR
 from mminfer.models.longvila import LongVILA
 from mminfer.models.prefill import prefill
 from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter, checkpoint_module_name
+from mminfer.models.vision import QwenVisionTower
 from mminfer.serve.cli import banner, settings_from
 from lab.toy.tiny import save_tiny_qwen2_5_vl, write_qwen2_5_vl
 from lab.toy.tiny_longvila import save_tiny_longvila
@@ -364,3 +365,23 @@ def test_fp8_on_cuda_graph_decode_and_bf16(ckpt):
         runs[mode] = decode_loop(quant, cache, [int(logits.argmax(-1))],
                                  rope_delta=prep.rope_delta, max_new_tokens=12, mode=mode)
     assert runs["graph"] == runs["lean"]
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not interpreted(), reason="Triton on the CPU needs TRITON_INTERPRET=1"))])
+def test_fp8_vision_tower_fused_equals_modules(plain, quant, kernels):
+    """The FP8 vision tower's fused path (gate/up stacked in e4m3 and zero-padded, the norms
+    and SiLU writing e4m3) gives what the FP8 modules give block by block, to fp32 rounding,
+    and stays within 2^-4 of the plain tower."""
+    prep = quant.prepare(_Video(_frames(4)), "what color is the ball ?")
+    t, h, w = (int(v) for v in prep.tensors["video_grid_thw"][0])
+    pixels = quant.pixel_values(prep)
+    with torch.inference_mode():
+        fused = QwenVisionTower(quant.model.model.visual, kernels=kernels)
+        assert fused._fused_applies(pixels) and fused._fp8()
+        got = fused(pixels, t, h, w)
+        ref = QwenVisionTower(quant.model.model.visual, fused=False)(pixels, t, h, w)
+        want = QwenVisionTower(plain.model.model.visual)(pixels, t, h, w)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    rel = float((got - want).norm() / want.norm())
+    assert 1e-4 < rel < 2 ** -4, rel
