@@ -144,9 +144,14 @@ class Pipeline:
             raise ConfigError(f"quantization must be None or 'fp8', not {quantization!r}")
         self.adapter = pick_adapter(path).from_pretrained(
             path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision,
-            **({"quantization": quantization} if quantization else {}))
+            **({"quantization": quantization} if quantization else {}))   # bf16: as before
         # what runs: an FP8 checkpoint is FP8 whatever was asked
         self.quantization = getattr(self.adapter, "quantization", None)
+        if self.quantization and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ConfigError("quantization fp8 needs FP8 tensor cores (compute capability "
+                              f"8.9+: Ada, Hopper); {torch.cuda.get_device_name(self.device)} "
+                              "has none")
         if self.quantization and self.tensor_parallel > 1:
             raise ConfigError("quantization fp8 does not run tensor parallel (the sharded "
                               "layers are plain nn.Linear)")
