@@ -27,9 +27,9 @@ def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="fp8: the LLM's and vision tower's linear layers as FP8 GEMMs (per-channel "
-                   "weight, per-token activation scales; sm89+ GPUs); an FP8 checkpoint "
-                   "implies it (default: the dtype's weights)")
+                   help="fp8: the LLM's and vision tower's linear layers as FP8 GEMMs "
+                   "(per-channel weight, per-token activation scales; sm89+ GPUs); an FP8 "
+                   "checkpoint implies it (default: the dtype's weights)")
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
                    "always dense on the CPU)")

@@ -406,7 +406,8 @@ def convert(root: nn.Module, names, *, kernels: str = "auto") -> int:
     return len(todo)
 
 
-LLM_LINEARS = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$")
+LLM_LINEARS = re.compile(r"(^|\.)layers\.\d+\."
+                         r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$")
 
 
 # Qwen2.5-VL's vision blocks (qkv, proj, the gated MLP; not the patch embedding, not the

@@ -304,7 +304,8 @@ def test_quantization_in_the_cache_key_and_flags(ckpt, monkeypatch):
     assert a.attention_policy()["quantization"] is None
     with pytest.raises(ConfigError, match="quantization"):
         Pipeline(str(ckpt), attention="dense", device="cpu", quantization="int8")
-    for cmd in (["answer", "v.mp4", "q?"], ["serve"], ["batch", "dir", "--question", "q?", "--out", "o.jsonl"]):
+    batch = ["batch", "dir", "--question", "q?", "--out", "o.jsonl"]
+    for cmd in (["answer", "v.mp4", "q?"], ["serve"], batch):
         argv = cmd + ["--quantization", "fp8"]
         assert pipeline_options(build_parser(argv).parse_args(argv))["quantization"] == "fp8"
         assert pipeline_options(build_parser(cmd).parse_args(cmd))["quantization"] is None
