@@ -5,6 +5,7 @@ synthetic long video files, on one GPU (issue 11, item 4).
     python benchmarks/e2e.py --out out/e2e                       # the three issue-11 cases
     python benchmarks/e2e.py --cases qwen276k --frames qwen276k=512
     python benchmarks/e2e.py --tiny --out /tmp/e2e                # CPU smoke test, < 60 s
+    python benchmarks/e2e.py --out out/e2e-fp8 --quantization fp8  # the FP8 rows (same cases)
     bash benchmarks/run_e2e_h200.sh                               # one device call (H200)
 
 Cases (issue 11 targets; ``--cases`` picks, ``--frames CASE=N`` shortens):
@@ -989,7 +990,8 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
 
     t0 = time.perf_counter()
     pipe = Pipeline(str(path), attention="auto", device=args.device, dtype=args.dtype,
-                    min_sparse_len=args.min_sparse_len, kv_cache_dtype=args.kv_cache_dtype)
+                    min_sparse_len=args.min_sparse_len, kv_cache_dtype=args.kv_cache_dtype,
+                    quantization=args.quantization)
     rec["load_s"] = round(time.perf_counter() - t0, 2)
     if args.pipeline_warmup:      # what `mminfer serve` does before it reports ready
         rec["pipeline_warmup"] = pipe.warmup()
@@ -1178,7 +1180,11 @@ def table(report: dict) -> str:
     hdr = (f"{'case':<13} {'tokens':>9} {'mode':<13} {'src':<5} " +
            " ".join(f"{s[:9]:>9}" for s in STAGES) + f" {'ttft-dec':>9} {'GPU GiB':>8} "
            f"{'RSS GiB':>8}")
-    lines += ["Stages (seconds; src: m = measured, x = extrapolated)", hdr, "-" * len(hdr)]
+    title = "Stages (seconds; src: m = measured, x = extrapolated)"
+    if report.get("quantization"):       # our rows FP8, the transformers baseline not
+        title += (f"; linear layers {report['quantization']} (transformers row: "
+                  f"{report.get('dtype')})")
+    lines += [title, hdr, "-" * len(hdr)]
     for name, rec in report["cases"].items():
         R = rec.get("requests") or {}
         if rec.get("skipped"):
@@ -1299,6 +1305,10 @@ def parse_args(argv=None):
                    help="frames per request of a case (the video is written with that many)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="Pipeline(quantization=): FP8 linear layers in every mode we run (the "
+                   "transformers baseline stays in --dtype); run once without and once with it "
+                   "for the bf16 and FP8 rows")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
                    help="Pipeline(kv_cache_dtype=): fp8 stores the KV cache in e4m3 (compare "
@@ -1367,7 +1377,7 @@ def main(argv=None) -> int:
     clock = Clock(args.deadline_s)
     report = {"benchmark": "e2e (Pipeline.answer)", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "argv": sys.argv[1:] if argv is None else list(argv), "env": environment(args),
-              "device": args.device, "dtype": args.dtype,
+              "device": args.device, "dtype": args.dtype, "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype, "question": QUESTION,
               "max_new_tokens": args.max_new_tokens, "setup": {}, "cases": {}}
     du = shutil.disk_usage(work)

@@ -27,7 +27,10 @@ pairs; then one prefill per attention mode, through mminfer's attention hook:
 * ``d=0.10`` ...: sparse with every head's pattern (its kind, boundary and regions kept)
   re-sized by ``mminfer.offline.calibrate.resize_config`` to that density of the causal
   triangle at the example's length. The measured density (logical pairs, kernel count mode)
-  is reported next to it.
+  is reported next to it;
+* ``fp8`` (``--fp8``): dense attention on the same model loaded with
+  ``quantization="fp8"`` (FP8 linear layers, its own vision tower pass): its agreement with
+  ``dense`` and KL(dense || fp8) measure what FP8 costs.
 
 The answer is the greedy first token (every answer of these tasks is one token); each
 sparse mode's last-token distribution is compared with dense's, KL(dense || mode) in nats.
@@ -143,9 +146,11 @@ def rendered(specs, workers):
 
 # ------------------------------------------------------------------------- model
 class Runner:
-    def __init__(self, model_dir, device, dtype, engine="kernel", block=None):
+    def __init__(self, model_dir, device, dtype, engine="kernel", block=None,
+                 quantization=None):
         from mminfer.engine.pipeline import Pipeline
-        self.pipe = Pipeline(str(model_dir), attention="dense", device=device, dtype=dtype)
+        self.pipe = Pipeline(str(model_dir), attention="dense", device=device, dtype=dtype,
+                             quantization=quantization)
         self.ad = self.pipe.adapter
         cuda = self.ad.device.type == "cuda"
         self.block_m, self.block_n = block or ((128, 64) if cuda else (16, 16))
@@ -452,6 +457,9 @@ def main(argv=None):
                     help="more sparse modes, one per head-pattern config file (mode "
                     "'cfg:<file stem>'), on the same rendered videos: comparing configs this "
                     "way renders each video once")
+    ap.add_argument("--fp8", action="store_true",
+                    help="add mode 'fp8': the model loaded again with quantization='fp8', "
+                    "dense (agreement with dense and last-token KL)")
     ap.add_argument("--no-density", action="store_true",
                     help="do not measure densities (saves the count-mode kernel runs)")
     ap.add_argument("--renderer", choices=("synth", "eval"), default="synth",
@@ -494,7 +502,9 @@ def main(argv=None):
     lengths, depths = sorted(args.lengths), [float(x) for x in args.depths]
     extra = extra_configs(args.configs, ad.identity)
     modes = ["dense"] + ([] if args.no_config else ["prefix", "config"]) + list(extra) + \
-        [f"d={x:.2f}" for x in args.densities]
+        [f"d={x:.2f}" for x in args.densities] + (["fp8"] if args.fp8 else [])
+    runner8 = Runner(model_dir, args.device, args.dtype, quantization="fp8") if args.fp8 \
+        else None
     specs = grid_specs(lengths, depths, args.needle_reps, args.per_task, args.tasks, args.seed0)
     for sp in specs:
         sp["renderer"] = args.renderer
@@ -537,6 +547,13 @@ def main(argv=None):
                    "visual_tokens": int(prep.visual_tokens), "modes": {}}
             dense_logp = None
             for m in modes:
+                if m == "fp8":            # the same prompt through the FP8 model, dense
+                    tok, _, _, logp = runner8.first_token(prep, runner8.embeds(prep),
+                                                          ad.patterns, False, False)
+                    rec["modes"][m] = {"answer": ad.tokenizer.decode([tok]).strip(),
+                                       "correct": tok == want, "density": None,
+                                       "sparse": False, "kl": kl_divergence(dense_logp, logp)}
+                    continue
                 if m == "prefix":
                     tok, dens, ran_sparse, logp = runner.first_token_prefix(
                         prep, emb, ad.patterns, not args.no_density)

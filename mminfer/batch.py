@@ -223,9 +223,12 @@ def model_identity(model: str) -> str:
     return f"{p.resolve()}#{h.hexdigest()[:16]}"
 
 
-def config_of(model, attention, fps, max_frames, max_new_tokens) -> dict:
-    return {"model": model_identity(model), "attention": attention, "fps": float(fps),
-            "max_frames": int(max_frames), "max_new_tokens": int(max_new_tokens)}
+def config_of(model, attention, fps, max_frames, max_new_tokens, quantization=None) -> dict:
+    cfg = {"model": model_identity(model), "attention": attention, "fps": float(fps),
+           "max_frames": int(max_frames), "max_new_tokens": int(max_new_tokens)}
+    if quantization:              # absent for bf16: earlier files keep their fingerprint
+        cfg["quantization"] = quantization
+    return cfg
 
 
 def fingerprint(config: dict) -> str:
@@ -388,7 +391,8 @@ def load_pipeline(load_args: dict):
                     device=load_args.get("device"), dtype=load_args.get("dtype"),
                     min_sparse_len=load_args.get("min_sparse_len"),
                     kv_cache_dtype=load_args.get("kv_cache_dtype", "auto"),
-                    tensor_parallel=load_args.get("tensor_parallel", 1))
+                    tensor_parallel=load_args.get("tensor_parallel", 1),
+                    quantization=load_args.get("quantization"))
 
 
 class _Answerer:
@@ -449,7 +453,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
               kv_cache_dtype: str = "auto", retry_errors: bool = False,
               ray_address: str | None = None, ray_workers: int | None = None,
               progress: bool = True, manifest=None, item_timeout_s: float | None = None,
-              quarantine_after: int = 2, pipe=None) -> Summary:
+              quarantine_after: int = 2, pipe=None, quantization: str | None = None) -> Summary:
     """Answer every (video, question) of ``root`` x ``questions``, or every line of
     ``manifest``, into the JSONL ``out``. ``pipe``: a model already loaded (tensor parallel:
     rank 0's ``engine.lockstep.Leader``) instead of one loaded when there is work."""
@@ -460,7 +464,7 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
         listed = [(v, q, item_id(v, q)) for v in scan(root, summary.ignored) for q in questions]
     for q in dict.fromkeys(q for _, q, _ in listed):
         check_request(q, fps, max_frames, max_new_tokens, None, None, attention)
-    cfg = config_of(model, attention, fps, max_frames, max_new_tokens)
+    cfg = config_of(model, attention, fps, max_frames, max_new_tokens, quantization)
     fp = fingerprint(cfg)
     results = Results(out)
     tracker = None
@@ -503,7 +507,8 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
         bar = tqdm(total=n, unit="answer", disable=not progress, file=sys.stderr,
                    dynamic_ncols=True, desc="batch")
         load_args = {"model": model, "attention": attention, "device": device, "dtype": dtype,
-                     "min_sparse_len": min_sparse_len, "kv_cache_dtype": kv_cache_dtype}
+                     "min_sparse_len": min_sparse_len, "kv_cache_dtype": kv_cache_dtype,
+                     "quantization": quantization}
 
         def record(rec):
             results.append(rec)
@@ -660,7 +665,7 @@ def run(args) -> int:
                 {"model": model, "attention": args.attention, "device": args.device,
                  "dtype": args.dtype, "min_sparse_len": args.min_sparse_len,
                  "kv_cache_dtype": args.kv_cache_dtype,
-                 "tensor_parallel": args.tensor_parallel}))
+                 "tensor_parallel": args.tensor_parallel, "quantization": args.quantization}))
         except (lockstep.LockstepBroken, RuntimeError) as e:   # RuntimeError: gloo lost rank 0
             print(f"error: tensor-parallel rank: {e}", file=sys.stderr)
             return 1
@@ -676,7 +681,7 @@ def run(args) -> int:
                             kv_cache_dtype=args.kv_cache_dtype,
                             retry_errors=args.retry_errors, ray_address=args.ray,
                             ray_workers=args.ray_workers, progress=not args.no_progress,
-                            pipe=pipe)
+                            pipe=pipe, quantization=args.quantization)
     except BaseException as e:
         if pipe is None or pipe.broken is None:
             raise

@@ -29,6 +29,10 @@ def add_model_arguments(p: argparse.ArgumentParser, model_default: str):
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
                    help="what the KV cache stores: auto the model dtype; fp8 (= fp8_e4m3) "
                    "float8 e4m3 with per-head scales, half the memory of bf16")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: the LLM's and vision tower's linear layers as FP8 GEMMs "
+                   "(per-channel weight, per-token activation scales; sm89+ GPUs); an FP8 "
+                   "checkpoint implies it (default: the dtype's weights)")
     p.add_argument("--min-sparse-len", type=int, default=None,
                    help="auto mode: shorter prefills stay dense (default: 65536 on a GPU, "
                    "always dense on the CPU)")
@@ -38,4 +42,5 @@ def pipeline_options(args) -> dict:
     """How the model runs, from the flags :func:`add_model_arguments` added: the keywords
     ``Pipeline`` (and the server's ``Settings``) take besides the model."""
     return {"attention": args.attention, "device": args.device, "dtype": args.dtype,
-            "min_sparse_len": args.min_sparse_len, "kv_cache_dtype": args.kv_cache_dtype}
+            "min_sparse_len": args.min_sparse_len, "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": args.quantization}

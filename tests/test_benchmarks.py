@@ -190,3 +190,14 @@ def test_calibrate_benchmark_runs_the_users_command_and_measures_it(tmp_path):
 def rec_layers(ckpt: Path) -> int:
     cfg = json.loads((ckpt / "config.json").read_text())
     return (cfg.get("text_config") or cfg)["num_hidden_layers"]
+
+
+def test_e2e_quantization_reaches_the_report_and_the_table():
+    """--quantization fp8 is parsed for the Pipeline and names itself in the table's title
+    (the transformers baseline row stays in the dtype)."""
+    e2e = _e2e()
+    assert e2e.parse_args(["--tiny"]).quantization is None
+    assert e2e.parse_args(["--tiny", "--quantization", "fp8"]).quantization == "fp8"
+    title = e2e.table({"quantization": "fp8", "dtype": "bfloat16", "cases": {}}).splitlines()[0]
+    assert "linear layers fp8 (transformers row: bfloat16)" in title
+    assert "fp8" not in e2e.table({"dtype": "bfloat16", "cases": {}}).splitlines()[0]

@@ -165,3 +165,16 @@ def test_more_configs_are_modes_checked_against_the_model(Q, tmp_path):
         Q.extra_configs([str(a), str(a2)], ident)
     with pytest.raises(SystemExit, match="--configs"):
         Q.extra_configs([str(a)], replace(ident, layers=3))
+
+
+def test_fp8_mode_compares_the_fp8_model_with_dense(Q, tmp_path):
+    """--fp8: the embedded model loaded again with quantization="fp8" is one more mode, dense,
+    with its agreement with dense and last-token KL(dense || fp8) in the summary."""
+    r = Q.main(["--device", "cpu", "--lengths", "64", "--depths", "0", "--per-task", "1",
+                "--tasks", "needle", "colour", "--no-config", "--densities", "--fp8",
+                "--workers", "0", "--out", str(tmp_path / "q")])
+    assert r["modes"] == ["dense", "fp8"]
+    for ex in r["examples"]:
+        m = ex["modes"]["fp8"]
+        assert m["kl"] is not None and 0 <= m["kl"] < 0.01 and not m["sparse"]
+    assert r["summary"]["agreement_with_dense"]["fp8"] == 1.0

@@ -6,10 +6,10 @@ the M-RoPE offset, the prefix's ModalityIndex) and what the answer reports of th
 key (:func:`cache_key`) is the video's content hash and everything that changes the prefix's
 tokens or values: the model and its revision, dtype, what the KV cache stores (the model's
 dtype or FP8: ``--kv-cache-dtype``), the sampling (fps, max_frames, start, end), the pixel
-budget, the attention mode and its threshold, the head-pattern config, and the turns before
-the video. A changed byte, model or config is another key: a miss, never a stale hit. An
-FP8 entry holds half of bf16's bytes (its ``nbytes``: the rows and their per-head scales) and
-moves between the tiers as it is.
+budget, the attention mode and its threshold, the head-pattern config, the quantization of
+the linear layers (fp8 or none), and the turns before the video. A changed byte, model or
+config is another key: a miss, never a stale hit. An FP8 entry holds half of bf16's bytes
+(its ``nbytes``: the rows and their per-head scales) and moves between the tiers as it is.
 
 Tiers (vLLM's v1 KV offload, at entry granularity): entries live on the model's device within
 ``gpu_bytes`` (``--kv-cache-gb``); the least recently used spill to pinned host memory within

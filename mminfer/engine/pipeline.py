@@ -118,6 +118,8 @@ class Pipeline:
     ``hooks.auto_min_tokens`` of the device).
     ``vision_compile``: the vision tower's block through torch.compile (CUDA; None: the
     adapter's default, ``mminfer.models.vision.COMPILE_DEFAULT`` for Qwen2.5-VL).
+    ``quantization``: None (weights in ``dtype``) or "fp8" (the LLM's and the vision tower's
+    projections and MLPs as FP8 GEMMs, mminfer.models.fp8); an FP8 checkpoint implies "fp8".
     ``prefill_context``: the type of a request's ``hooks.PrefillContext`` (the lab substitutes
     a subclass to measure a setting the product does not serve).
     ``kv_cache_dtype``: what a prefix's KV cache stores (vLLM's names): "auto" the model's
@@ -129,7 +131,8 @@ class Pipeline:
     def __init__(self, model: str | None = None, attention: str = "auto", device=None,
                  dtype=None, min_sparse_len: int | None = None, tensor_parallel: int = 1,
                  vision_compile: bool | None = None, kv_cache_gb: float | None = None,
-                 kv_host_cache_gb: float = 0.0, kv_cache_dtype: str = "auto"):
+                 kv_host_cache_gb: float = 0.0, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None):
         import torch
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
@@ -152,9 +155,22 @@ class Pipeline:
         self.min_sparse_len = int(min_sparse_len)
         path, model_id, revision = resolve_checkpoint(str(model))
         self.model_id = model_id
+        if quantization not in (None, "fp8"):
+            raise ConfigError(f"quantization must be None or 'fp8', not {quantization!r}")
         self.adapter = pick_adapter(path).from_pretrained(
-            path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision)
+            path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision,
+            **({"quantization": quantization} if quantization else {}))   # bf16: as before
         self.kv_cache_dtype = kv_cache_dtype
+        # what runs: an FP8 checkpoint is FP8 whatever was asked
+        self.quantization = getattr(self.adapter, "quantization", None)
+        if self.quantization and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ConfigError("quantization fp8 needs FP8 tensor cores (compute capability "
+                              f"8.9+: Ada, Hopper); {torch.cuda.get_device_name(self.device)} "
+                              "has none")
+        if self.quantization and self.tensor_parallel > 1:
+            raise ConfigError("quantization fp8 does not run tensor parallel (the sharded "
+                              "layers are plain nn.Linear)")
         if vision_compile is not None and hasattr(self.adapter, "set_vision_compile"):
             self.adapter.set_vision_compile(vision_compile)
         if self.tensor_parallel > 1:
@@ -180,7 +196,7 @@ class Pipeline:
             "model": model_id, "revision": getattr(ad.identity, "revision", None),
             "adapter": ad.name, "dtype": str(self.dtype), "sampling": ad.sampling,
             "frame_limit": ad.frame_limit, "min_sparse_len": self.min_sparse_len,
-            "device": self.device.type}
+            "device": self.device.type, "quantization": self.quantization}
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -219,8 +235,9 @@ class Pipeline:
         return memo[2]
 
     def attention_policy(self) -> dict:
-        """What "auto" attention does with this model, and why: for the start-up message,
-        ``/v1/models`` and ``/report``."""
+        """What "auto" attention does with this model, and why, and how its linear layers run
+        (``quantization``: None or "fp8"): for the start-up message, ``/v1/models`` and
+        ``/report``."""
         pats = self.adapter.patterns
         if pats is None:
             state, auto = "none", "dense (the model has no head-pattern config)"
@@ -233,7 +250,8 @@ class Pipeline:
                     "starting point; run `mminfer calibrate` (attention=sparse runs them now)")
         else:
             state, auto = "calibrated", f"sparse from {self.min_sparse_len} prompt tokens"
-        return {"head_patterns": state, "auto_attention": auto}
+        return {"head_patterns": state, "auto_attention": auto,
+                "quantization": getattr(self, "quantization", None)}
 
     def _frame_shards(self):
         if self.tensor_parallel == 1:

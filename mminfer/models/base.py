@@ -165,6 +165,7 @@ class Adapter:
     # what a prefix's KV cache stores (``--kv-cache-dtype``): None the model's dtype, or
     # torch.float8_e4m3fn (mminfer.models.kv); set by the pipeline
     kv_cache_dtype = None
+    quantization: str | None = None   # None (the dtype's weights) or "fp8" (mminfer.models.fp8)
 
     # ------------------------------------------------------------ per adapter
     @classmethod
@@ -174,11 +175,15 @@ class Adapter:
 
     @classmethod
     def from_pretrained(cls, path, *, device=None, dtype=None, model_id: str | None = None,
-                        revision: str | None = None) -> "Adapter":
+                        revision: str | None = None,
+                        quantization: str | None = None) -> "Adapter":
         """Load from checkpoint dir ``path`` (the pipeline passes a local dir, a hub snapshot
         for hub ids); ``model_id``/``revision`` name it (hub id and commit) for the
         head-pattern identity check; LLM attention goes through
-        ``mminfer.models.hooks.register()``, the vision tower stays on SDPA."""
+        ``mminfer.models.hooks.register()``, the vision tower stays on SDPA.
+        ``quantization="fp8"``: the LLM's projections and the vision tower's projections and
+        MLPs as mminfer.models.fp8 layers (a checkpoint that is FP8 already loads as it is and
+        sets it)."""
         raise NotImplementedError
 
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:

@@ -43,6 +43,7 @@ import threading
 import torch
 
 from mminfer.kernels.fp8_attention import fp8_attention
+from mminfer.models import fp8
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -70,7 +71,7 @@ class LeanDecoder:
         layer = self.layers[i]
         attn = layer.self_attn
         d = attn.head_dim
-        x = layer.input_layernorm(h)
+        x = fp8.normed(layer.input_layernorm, h, attn.q_proj, attn.k_proj, attn.v_proj)
         q = attn.q_proj(x).view(1, 1, -1, d).transpose(1, 2)
         k = attn.k_proj(x).view(1, 1, -1, d).transpose(1, 2)
         v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)
@@ -89,7 +90,7 @@ class LeanDecoder:
         """Layer ``i`` after attention: the new residual stream ``[1, 1, hidden]``."""
         layer = self.layers[i]
         h = h + layer.self_attn.o_proj(out.reshape(1, 1, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + fp8.mlp(layer.mlp, layer.post_attention_layernorm, h)
 
     def _head(self, h):
         return self.lm_head(self.text_model.norm(h)).argmax(-1)              # [1, 1]

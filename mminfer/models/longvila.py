@@ -28,6 +28,7 @@ from einops import rearrange
 from torch import nn
 
 from mminfer.errors import ConfigError, InputError, VideoError
+from mminfer.models import fp8
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.models.base import Adapter, Prepared, PrepareOptions
 from mminfer.models.vision import device_constant, frame_chunks, to_device
@@ -234,17 +235,24 @@ class LongVILA(Adapter):
     @classmethod
     def load(cls, path, *, device=None, dtype=None, model_id: str | None = None,
              revision: str | None = None, num_frames: int | None = None,
-             patterns=None) -> "LongVILA":
+             patterns=None, quantization: str | None = None) -> "LongVILA":
         """Load the checkpoint in local folder ``path``. ``num_frames`` overrides the config's
         ``num_video_frames``. ``patterns``: a head-pattern file or HeadPatternConfig (checked
         against the model identity); None takes ``mminfer_patterns.json`` next to the
-        checkpoint, else the shipped file of the real 7B shape, else a generated default."""
+        checkpoint, else the shipped file of the real 7B shape, else a generated default.
+        ``quantization="fp8"``: the LLM's projections and SigLIP's attention projections and
+        MLPs quantised at load (mminfer.models.fp8; the projector stays as it is)."""
         from transformers import AutoTokenizer, Qwen2ForCausalLM, SiglipVisionModel
 
         from mminfer.models import hooks
 
         root = Path(path)
         layout = read_layout(root)
+        quantization = fp8.check(quantization)
+        for part in ("llm", "vision_tower"):
+            if fp8.read_config(root / part).get("quantization_config"):
+                raise ConfigError(f"{root / part}: pre-quantised LongVILA checkpoints are not "
+                                  f"supported; load the bf16 one with quantization='fp8'")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -274,6 +282,9 @@ class LongVILA(Adapter):
                     dtype=dtype, attn_implementation=hooks.register())
         self.llm = llm.to(device).eval()
         self.text_model, self.lm_head = self.llm.model, self.llm.lm_head
+        self.quantization = quantization
+        if quantization == "fp8":
+            fp8.convert(self.text_model, fp8.is_llm_linear)
         lcfg = self.llm.config
         self.max_context = int(lcfg.max_position_embeddings)
         eos = {tok.eos_token_id, *_as_list(self.llm.generation_config.eos_token_id),
@@ -286,6 +297,8 @@ class LongVILA(Adapter):
         vision = _load(SiglipVisionModel.from_pretrained, root / "vision_tower",
                        "vision tower", dtype=dtype, attn_implementation="sdpa")
         self.tower = _truncate_tower(vision, layout.select_layer).to(device).eval()
+        if quantization == "fp8":
+            fp8.convert(self.tower, fp8.is_vision_linear)
         vhidden = vision.config.hidden_size
         self.image_size = layout.image_size
         self.tokens_per_frame = tokens_per_frame(layout.image_size, layout.patch_size)

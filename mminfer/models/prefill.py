@@ -13,12 +13,14 @@ Nothing is re-implemented: the modules are the model's (``input_layernorm``, ``s
 projections, ``post_attention_layernorm``, ``mlp``, ``norm``, ``rotary_emb``) and so are
 ``apply_rotary_pos_emb`` and the attention function registered under the model's
 ``_attn_implementation`` (our hook in mminfer.models.hooks: sparse or dense by the request's
-decision). k/v go through ``cache.update`` once per layer, so the cache holds the only copy and
-decode steps use it as after a one-shot prefill. Logits are computed for the last position only.
-An FP8 cache (``--kv-cache-dtype fp8``, models/kv.py) stores a quantised copy: each layer's
-attention then runs on the layer's own K/V (computed in the model dtype, dropped after it), so
-the prefill's attention is the same as with a bf16 cache and only one layer's K/V ever exist
-outside the cache.
+decision). With FP8 projections (mminfer.models.fp8) the norms and the SiLU gate before them
+run as our kernels that also quantise their output per token, so no separate quantisation
+pass reads the activation again. k/v go through ``cache.update`` once per layer, so the cache
+holds the only copy and decode steps use it as after a one-shot prefill. Logits are computed
+for the last position only. An FP8 cache (``--kv-cache-dtype fp8``, models/kv.py) stores a
+quantised copy: each layer's attention then runs on the layer's own K/V (computed in the model
+dtype, dropped after it), so the prefill's attention is the same as with a bf16 cache and only
+one layer's K/V ever exist outside the cache.
 
 The last decoder layer runs its attention and MLP for the last position alone: its other rows
 feed nothing but logits nobody reads, while the K/V that decode needs from it come from its
@@ -38,7 +40,7 @@ from contextlib import nullcontext
 
 import torch
 
-from mminfer.models import hooks
+from mminfer.models import fp8, hooks
 
 # Tokens per chunk of the token-wise work: ≥ 16K rows keeps every GEMM at full speed on an H200
 # while the MLP's temporaries stay ≈ 1.8 GB at 7B sizes (bf16), against ≈ 57 GB of KV cache at 1M.
@@ -112,7 +114,8 @@ def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
     apply_rope = _module_of(attn).apply_rotary_pos_emb
     q = k = v = None
     for (s, e), (cos, sin) in zip(spans, rope):
-        x = layer.input_layernorm(h[:, s:e])
+        # FP8 projections: the norm's kernel writes the quantised rows they read
+        x = fp8.normed(layer.input_layernorm, h[:, s:e], attn.q_proj, attn.k_proj, attn.v_proj)
         kc = attn.k_proj(x).view(1, e - s, -1, d).transpose(1, 2)        # [1, Hkv, c, d]
         vc = attn.v_proj(x).view(1, e - s, -1, d).transpose(1, 2)
         if k is None:
@@ -147,14 +150,14 @@ def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
     del q, k, v
     if last_only:
         last = h[:, -1:] + attn.o_proj(out.reshape(1, 1, -1))
-        return last + layer.mlp(layer.post_attention_layernorm(last))
+        return last + fp8.mlp(layer.mlp, layer.post_attention_layernorm, last)
     out = out.reshape(1, n, -1)                                            # [1, N, H*d]
     for s, e in spans:
         h[:, s:e] += attn.o_proj(out[:, s:e])
     del out
     for s, e in spans:
         part = h[:, s:e]
-        part += layer.mlp(layer.post_attention_layernorm(part))
+        part += fp8.mlp(layer.mlp, layer.post_attention_layernorm, part)
 
 
 def _layer_kv(layer, h, rope, spans, cache):
@@ -165,7 +168,7 @@ def _layer_kv(layer, h, rope, spans, cache):
     n = h.shape[1]
     k = v = None
     for (s, e), (cos, sin) in zip(spans, rope):
-        x = layer.input_layernorm(h[:, s:e])
+        x = fp8.normed(layer.input_layernorm, h[:, s:e], attn.k_proj, attn.v_proj)
         kc = attn.k_proj(x).view(1, e - s, -1, d).transpose(1, 2)
         vc = attn.v_proj(x).view(1, e - s, -1, d).transpose(1, 2)
         _, kc = apply_rope(kc, kc, cos, sin)

@@ -228,29 +228,52 @@ class Qwen2_5_VLAdapter(Adapter):
             return False
 
     @classmethod
-    def from_pretrained(cls, path, *, device=None, dtype=None, model_id=None, revision=None):
-        """Load a local checkpoint dir or hub id (HF_HUB_OFFLINE respected)."""
+    def from_pretrained(cls, path, *, device=None, dtype=None, model_id=None, revision=None,
+                        quantization=None):
+        """Load a local checkpoint dir or hub id (HF_HUB_OFFLINE respected).
+        ``quantization="fp8"``: the language model's projections and the vision blocks'
+        qkv/proj/MLP quantised at load (mminfer.models.fp8). A compressed-tensors FP8-Dynamic
+        checkpoint loads as it is (its layers with ``weight_scale`` become FP8, the ones it
+        left unquantised stay in ``dtype``) and implies ``quantization="fp8"``."""
         import torch
-        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-        from mminfer.models import hooks
+        from transformers import (AutoConfig, AutoTokenizer,
+                                  Qwen2_5_VLForConditionalGeneration)
+        # torch, transformers and triton (fp8's kernels) load with the model, not the module
+        from mminfer.models import fp8, hooks
 
         path, rid, rrev = resolve_checkpoint(str(path))
         model_id, revision = model_id or rid, revision or rrev
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        quantization = fp8.check(quantization)
+        stored = fp8.checkpoint_quantization(fp8.read_config(path), f"{path}/config.json")
+        extra = {}
         try:
+            if stored:
+                # transformers would hand the checkpoint to the compressed-tensors package;
+                # we load its e4m3 weights into `dtype` (exact) and apply its scales below
+                config = AutoConfig.from_pretrained(path)
+                del config.quantization_config
+                extra["config"] = config
             model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
                 path, dtype=dtype,
-                attn_implementation={"text_config": hooks.register(), "vision_config": "sdpa"})
+                attn_implementation={"text_config": hooks.register(), "vision_config": "sdpa"},
+                **extra)
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load Qwen2.5-VL checkpoint {path}: {e}") from e
         model.to(device).eval()
+        if stored:
+            fp8.apply_scales(model, fp8.load_scales(path, rename=checkpoint_module_name))
+        elif quantization == "fp8":
+            fp8.convert(model.model.language_model, fp8.is_llm_linear)
+            fp8.convert(model.model.visual, fp8.is_vision_linear)
         pre = _read_json(path / "preprocessor_config.json")
         adapter = cls(model, tokenizer, path, device=device, dtype=dtype, model_id=model_id,
                       revision=revision, video_defaults=_video_defaults(path),
                       mean=tuple(pre.get("image_mean", CLIP_MEAN)),
                       std=tuple(pre.get("image_std", CLIP_STD)))
+        adapter.quantization = stored or quantization
         adapter.patterns = load_patterns(path, adapter.identity)
         return adapter
 
@@ -426,6 +449,19 @@ ADAPTER = Qwen2_5_VLAdapter
 
 
 # ---------------------------------------------------------------------- helpers
+def checkpoint_module_name(name: str) -> str:
+    """A checkpoint's module name as the transformers 5 model names it: checkpoints saved
+    before transformers 4.52 (the published ones) have ``model.layers...`` and
+    ``visual...`` where the model has ``model.language_model.layers...`` and
+    ``model.visual...``; newer ones already match."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(("model.language_model.",
+                                                          "model.visual.")):
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
 def _frames_of(video):
     """The frames of a decoded video (a uint8 ``[T, H, W, 3]`` tensor) or the video itself
     when it is a stream (``len``, ``shape``, ``chunks``)."""

@@ -40,6 +40,13 @@ copies); with autograd on they fall back to the modules' own arithmetic. Every p
 what transformers computes up to fp32 rounding: the fp32 CPU tests compare against
 ``get_video_features``.
 
+FP8 blocks (``quantization="fp8"``: qkv, proj and the MLP as mminfer.models.fp8 layers) run
+the fused path with FP8 GEMMs (gate/up stacked and padded as above, in e4m3): the residual add
++ RMSNorm and the SiLU gate are fp8's kernels that write their output quantised per token for
+the GEMM that reads it (the attention output is quantised by its own pass before proj; the
+last norm, the merger's, stays in the dtype). They are never compiled. The modules' path
+(``fused=False``) quantises through the same kernels where a norm feeds an FP8 layer.
+
 A caller streams a long video through in chunks of pairs (``pairs_per_chunk``), so the
 tower's working memory is set by the chunk, not by the video.
 """
@@ -53,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from mminfer.models import fp8
 from mminfer.models.vision_fused import KERNELS, add_rms_norm, rotary, silu_mul, use_triton
 
 # Patch tokens per tower call: enough rows to keep the matmuls at full rate, few enough that
@@ -224,6 +232,8 @@ class QwenVisionTower:
         weight = vis.patch_embed.proj.weight
         if torch.is_grad_enabled() and (pixels.requires_grad or weight.requires_grad):
             return False
+        if self._fp8() is None:          # some layers FP8, some not: the modules' path
+            return False
         act = getattr(getattr(vis, "config", None), "hidden_act", "silu")
         same = vis.blocks[0].norm1.weight.dtype == weight.dtype  # norms round to x's dtype
         return act == "silu" and same and hasattr(vis.merger, "ln_q") and \
@@ -251,9 +261,14 @@ class QwenVisionTower:
         x = F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
         # the one permutation to tower order: every block, window or full, works in it
         x = x.view(P, S, -1)[:, lay.perm].reshape(P * S, -1)
-        tk = not self.compile and use_triton(x, self.kernels)
-        step = self._compiled_block() if self.compile else fused_block
-        _, y = add_rms_norm(x, None, blocks[0].norm1, blocks[0].eps1, triton_kernels=tk)
+        q8 = self.kernels if self._fp8() else None   # FP8 blocks: never compiled
+        compiled = self.compile and q8 is None
+        tk = not compiled and use_triton(x, self.kernels)
+        step = self._compiled_block() if compiled else fused_block
+        if q8 is not None:
+            _, y = fp8.rms_norm_quant(x, blocks[0].norm1, blocks[0].eps1, kernels=q8)
+        else:
+            _, y = add_rms_norm(x, None, blocks[0].norm1, blocks[0].eps1, triton_kernels=tk)
         ln = vis.merger.ln_q
         for i, b in enumerate(blocks):
             nxt = blocks[i + 1] if i + 1 < len(blocks) else None
@@ -263,11 +278,19 @@ class QwenVisionTower:
                         head_dim=self.head_dim,
                         groups=((0, 1, S),) if i in self.full else lay.groups,
                         scale=b.scale, eps2=b.eps2, next_eps=nxt.eps1 if nxt else _eps(ln),
-                        inter=b.inter, triton_kernels=tk)
+                        inter=b.inter, triton_kernels=tk, fp8_kernels=q8,
+                        quantise_next=nxt is not None)
             if trace is not None:
                 trace(i, x)
         merged = vis.merger.mlp(y.view(P * S // self.unit, -1)).view(P, S // self.unit, -1)
         return merged[:, lay.unit_inverse].reshape(P * S // self.unit, -1)
+
+    def _fp8(self) -> bool | None:
+        """True when every vision block's qkv, proj and MLP layers are FP8 (the fused path
+        then quantises in its norm and SiLU kernels), False when none is, None when mixed."""
+        kinds = {isinstance(m, fp8.Fp8Linear) for blk in self.visual.blocks
+                 for m in _linears(blk)}
+        return None if len(kinds) > 1 else kinds == {True}
 
     def _compiled_block(self):
         if self._compiled is None:
@@ -288,6 +311,8 @@ class QwenVisionTower:
         a, m = blk.attn, blk.mlp
         inter = m.gate_proj.out_features
         pad = -(-inter // INTER_ALIGN) * INTER_ALIGN
+        if fp8.is_fp8(a.qkv):
+            return self._fp8_block_weights(blk, inter, pad)
         W = m.gate_proj.weight
         gu_w = W.new_zeros(2 * pad, W.shape[1])
         gu_w[:inter] = W
@@ -306,34 +331,91 @@ class QwenVisionTower:
             eps2=_eps(blk.norm2), gu_w=gu_w, gu_b=gu_b, down_w=down_w,
             down_b=m.down_proj.bias, inter=pad, scale=float(a.scaling))
 
+    def _fp8_block_weights(self, blk, inter: int, pad: int) -> _BlockWeights:
+        """An FP8 block's: its qkv and proj layers as they are; gate and up stacked into one
+        FP8 layer (e4m3 rows, their scales; zero rows and bias up to ``pad`` each), down with
+        zero columns up to ``pad``. Biases live in the layers (the ``*_b`` fields are None)."""
+        a, m = blk.attn, blk.mlp
+        g, u, d = m.gate_proj, m.up_proj, m.down_proj
+        C = g.in_features
+        gu_w = torch.zeros(2 * pad, C, dtype=fp8.FP8, device=g.weight.device)
+        gu_w[:inter], gu_w[pad:pad + inter] = g.weight, u.weight
+        gu_s = torch.ones(2 * pad, device=g.weight.device)
+        gu_s[:inter], gu_s[pad:pad + inter] = g.weight_scale, u.weight_scale
+        bias = g.bias if g.bias is not None else u.bias
+        gu_b = None
+        if bias is not None:
+            gu_b = bias.new_zeros(2 * pad)
+            if g.bias is not None:
+                gu_b[:inter] = g.bias
+            if u.bias is not None:
+                gu_b[pad:pad + inter] = u.bias
+        down_w = torch.zeros(d.out_features, pad, dtype=fp8.FP8, device=d.weight.device)
+        down_w[:, :inter] = d.weight
+        return _BlockWeights(
+            norm1=blk.norm1.weight, eps1=_eps(blk.norm1), qkv_w=a.qkv, qkv_b=None,
+            proj_w=a.proj, proj_b=None, norm2=blk.norm2.weight, eps2=_eps(blk.norm2),
+            gu_w=fp8.Fp8Linear(gu_w, gu_s, gu_b, kernels=self.kernels), gu_b=None,
+            down_w=fp8.Fp8Linear(down_w, d.weight_scale, d.bias, kernels=self.kernels),
+            down_b=None, inter=pad, scale=float(a.scaling))
+
     def _block(self, blk, x, lay: WindowLayout, *, full: bool):
         a = blk.attn
         P, S, C = x.shape
-        qkv = a.qkv(_rms_norm(blk.norm1, x)).view(P, S, 3, self.heads, self.head_dim)
+        if fp8.is_fp8(a.qkv):      # the norms quantise what the FP8 layers read
+            qkv = a.qkv(fp8.normed(blk.norm1, x, a.qkv))
+        else:
+            qkv = a.qkv(_rms_norm(blk.norm1, x))
+        qkv = qkv.view(P, S, 3, self.heads, self.head_dim)
         q, k, v = qkv.unbind(2)                                            # [P, S, H, d]
         q, k = _rotary(q, lay), _rotary(k, lay)
         groups = ((0, 1, S),) if full else lay.groups
         o = _attend(q, k, v, groups, a.scaling)
         x = x + a.proj(o.reshape(P, S, C))
+        if fp8.is_fp8(blk.mlp.gate_proj):
+            return x + fp8.mlp(blk.mlp, blk.norm2, x)
         return x + blk.mlp(_rms_norm(blk.norm2, x))
 
 
 def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, down_b,
                 next_norm, cos, sin, *, P: int, S: int, heads: int, head_dim: int, groups,
                 scale: float, eps2: float, next_eps: float, inter: int,
-                triton_kernels: bool):
+                triton_kernels: bool, fp8_kernels: str | None = None,
+                quantise_next: bool = False):
     """One vision block on ``x [P*S, C]`` (the residual stream, tower order) given ``y``, its
     norm1; returns the new stream and its next norm (the next block's norm1, or the merger's
     ln_q after the last block). Tensors as arguments, shapes as ints: ``torch.compile`` makes
-    one graph for all window blocks and one for all full ones."""
+    one graph for all window blocks and one for all full ones.
+
+    ``fp8_kernels`` (FP8 blocks: the ``*_w`` are mminfer.models.fp8 layers, ``y`` is
+    quantised): the norms and the SiLU gate write their output quantised for the FP8 GEMMs
+    that read it, the next norm too when ``quantise_next`` (not the merger's); the attention
+    output is quantised by o's own pass in ``proj``."""
     tk = triton_kernels
-    q, k, v = rotary(F.linear(y, qkv_w, qkv_b), cos, sin, S, heads, head_dim,
+    q, k, v = rotary(_linear(y, qkv_w, qkv_b), cos, sin, S, heads, head_dim,
                      triton_kernels=tk)                                    # [P, S, H, d]
     o = _attend(q, k, v, groups, scale).reshape(P * S, heads * head_dim)
-    x, y = add_rms_norm(x, F.linear(o, proj_w, proj_b), norm2, eps2, triton_kernels=tk)
-    h = silu_mul(F.linear(y, gu_w, gu_b), inter, triton_kernels=tk)
-    return add_rms_norm(x, F.linear(h, down_w, down_b), next_norm, next_eps,
-                        triton_kernels=tk)
+    if fp8_kernels is None:
+        x, y = add_rms_norm(x, F.linear(o, proj_w, proj_b), norm2, eps2, triton_kernels=tk)
+        h = silu_mul(F.linear(y, gu_w, gu_b), inter, triton_kernels=tk)
+        return add_rms_norm(x, F.linear(h, down_w, down_b), next_norm, next_eps,
+                            triton_kernels=tk)
+    x, y = fp8.rms_norm_quant(x, norm2, eps2, proj_w(o), kernels=fp8_kernels)
+    gu = gu_w(y)
+    h = fp8.silu_mul_quant(gu[:, :inter], gu[:, inter:], kernels=fp8_kernels)
+    if quantise_next:
+        return fp8.rms_norm_quant(x, next_norm, next_eps, down_w(h), kernels=fp8_kernels)
+    return add_rms_norm(x, down_w(h), next_norm, next_eps, triton_kernels=tk)
+
+
+def _linear(x, w, b):
+    """``F.linear``, or an FP8 layer (its bias inside) on a plain or quantised input."""
+    return w(x) if isinstance(w, fp8.Fp8Linear) else F.linear(x, w, b)
+
+
+def _linears(blk):
+    a, m = blk.attn, blk.mlp
+    return (a.qkv, a.proj, m.gate_proj, m.up_proj, m.down_proj)
 
 
 def _autocast(x) -> bool:

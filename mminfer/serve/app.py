@@ -73,7 +73,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
             pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
                             min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
                             kv_host_cache_gb=s.kv_host_cache_gb,
-                            kv_cache_dtype=s.kv_cache_dtype)
+                            kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization)
             # kernels compile here, before /health says ready, not in a user's first request
             warm = pipe.warmup()
             if warm.get("ran"):

@@ -240,7 +240,8 @@ def check_port(host: str, port: int):
             raise ConfigError(f"port {port} on {host} {why}") from None
 
 
-def banner(host: str, port: int, model: str, api_key: bool, kv_cache_dtype: str = "auto") -> str:
+def banner(host: str, port: int, model: str, api_key: bool, *,
+           kv_cache_dtype: str = "auto", quantization: str | None = None) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     # the source tree's sample, or the current folder's (the Docker image's /app)
@@ -248,7 +249,8 @@ def banner(host: str, port: int, model: str, api_key: bool, kv_cache_dtype: str 
                   if p.is_file()), Path("video.mp4"))
     auth = ' -H "Authorization: Bearer $MMINFER_API_KEY"' if api_key else ""
     return "\n".join([
-        f"mminfer serving {model} at {url} (kv cache: {kv_cache_dtype})",
+        f"mminfer serving {model} at {url} (kv cache: {kv_cache_dtype})"
+        + (f" (quantization {quantization})" if quantization else ""),
         f"  report page  {url}/report",
         f"  health       {url}/health    metrics {url}/metrics",
         "try:",
@@ -315,7 +317,9 @@ def run(args) -> int:
             port = server.servers[0].sockets[0].getsockname()[1]
             model = getattr(worker.pipeline, "model_id", settings.model)
             kv = getattr(worker.pipeline, "kv_cache_dtype", settings.kv_cache_dtype)
-            print(banner(args.host, port, model, bool(settings.api_key), kv), flush=True)
+            print(banner(args.host, port, model, bool(settings.api_key), kv_cache_dtype=kv,
+                         quantization=getattr(worker.pipeline, "quantization", None)),
+                  flush=True)
         await task
 
     try:

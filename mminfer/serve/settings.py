@@ -15,6 +15,7 @@ class Settings:
     dtype: str | None = None
     min_sparse_len: int | None = None   # None: the pipeline's default (GPU 65536, CPU dense)
     kv_cache_dtype: str = "auto"        # "auto" (the model dtype), "fp8" / "fp8_e4m3"
+    quantization: str | None = None     # "fp8": FP8 linear layers (None: the dtype's weights)
     data_dir: str = "./mminfer-data"
     served_model_names: tuple[str, ...] = ()   # the first is the id shown; all are accepted
     api_key: str | None = field(default_factory=lambda: os.environ.get("MMINFER_API_KEY") or None)

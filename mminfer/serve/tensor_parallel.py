@@ -39,7 +39,8 @@ def is_leader(n: int) -> bool:
 def _pipeline(settings, n: int):
     return Pipeline(settings.model, attention=settings.attention, device=settings.device,
                     dtype=settings.dtype, min_sparse_len=settings.min_sparse_len,
-                    kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel=n)
+                    kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel=n,
+                    quantization=settings.quantization)
 
 
 def leader_worker(settings, n: int) -> ModelWorker:

@@ -102,7 +102,7 @@ def test_the_flag_reaches_pipeline_settings_and_batch():
             build_parser(argv[:-1] + ["int8"]).parse_args(argv[:-1] + ["int8"])
     argv = ["serve", "--kv-cache-dtype", "fp8_e4m3"]
     assert settings_from(build_parser(argv).parse_args(argv)).kv_cache_dtype == "fp8_e4m3"
-    assert "(kv cache: fp8_e4m3)" in banner("0.0.0.0", 8000, "m", False, "fp8_e4m3")
+    assert "(kv cache: fp8_e4m3)" in banner("0.0.0.0", 8000, "m", False, kv_cache_dtype="fp8_e4m3")
 
 
 def test_batch_loads_the_pipeline_with_the_dtype(monkeypatch):

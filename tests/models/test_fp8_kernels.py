@@ -1,0 +1,159 @@
+"""The FP8 building blocks (mminfer.models.fp8): every Triton kernel against its pure-PyTorch
+fp32 reference on random inputs (the CPU interpreter at small sizes, fp16/fp32; on CUDA at the
+7B's sizes in bf16), the e4m3 rounding, the scaled GEMM against the dequantised arithmetic,
+and Fp8Linear within e4m3's error of nn.Linear."""
+
+import pytest
+import torch
+
+from mminfer.kernels.runtime import interpreted
+from mminfer.models import fp8
+
+needs_interpreter = pytest.mark.skipif(not interpreted(),
+                                       reason="Triton on the CPU needs TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _same_fp8(got: fp8.Fp8Act, q, s, *, exact: bool):
+    """Scales equal (to fp32 rounding); the e4m3 values equal, or (``exact=False``: the GPU's
+    division and rsqrt approximations) at most one e4m3 step apart on a few elements."""
+    assert torch.allclose(got.scale.float(), s, rtol=1e-6 if exact else 1e-2, atol=0)
+    a, b = got.data.float(), q.float()
+    if exact:
+        assert torch.equal(a, b)
+        return
+    step = b.abs().clamp(min=2 ** -6) * 2 ** -3            # one e4m3 step at b's binade
+    assert bool(((a - b).abs() <= step + 2 ** -9).all())
+    assert (a != b).float().mean() < 0.02
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quant_kernels_match_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    N, C = 7, 300            # C > one column tile (the two-pass loop) and not a power of 2
+    x = (torch.randn(N, C, generator=g) * torch.logspace(-3, 2, N)[:, None]).to(dtype)
+    x[3] = 0                                               # a zero row: scale floor, zeros
+    got = fp8.quantize_rows(x, kernels="triton")
+    q, s = fp8.quantize_rows_ref(x)
+    _same_fp8(got, q, s, exact=True)
+    assert torch.equal(got.data[3].float(), torch.zeros(C))
+    # the amax element of every non-zero row is exactly ±448 after scaling
+    assert torch.equal(got.data.float().abs().amax(-1)[[0, 1, 2, 4, 5, 6]],
+                       torch.full((6,), 448.0))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_quant_kernel_matches_reference(dtype, add):
+    g = torch.Generator().manual_seed(1)
+    N, C = 9, 96
+    x = torch.randn(N, C, generator=g).to(dtype)
+    d = torch.randn(N, C, generator=g).to(dtype) if add else None
+    w = (torch.randn(C, generator=g) * 0.5 + 1).to(dtype)
+    xs, want_q, want_s = fp8.rms_norm_quant_ref(x.clone(), w, 1e-6, d)
+    xk = x.clone()
+    sum_k, got = fp8.rms_norm_quant(xk, w, 1e-6, d, kernels="triton")
+    _same_fp8(got, want_q, want_s, exact=True)
+    if add:
+        assert torch.equal(xk, xs) and sum_k is xk        # the sum written in place
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_quant_kernel_matches_reference(dtype):
+    g = torch.Generator().manual_seed(2)
+    N, C = 5, 2100           # two column tiles of 2048
+    gu = (torch.randn(N, 2 * C, generator=g) * 3).to(dtype)
+    gate, up = gu[:, :C], gu[:, C:]                        # views with a row stride of 2C
+    got = fp8.silu_mul_quant(gate, up, kernels="triton")
+    q, s = fp8.silu_mul_quant_ref(gate, up)
+    _same_fp8(got, q, s, exact=True)
+
+
+@needs_interpreter
+def test_e4m3_grid_rounds_like_torch_everywhere():
+    """Every rounding case of e4m3 (both sides of each binade carry, ties, subnormals, ±448)
+    through the quantisation kernel: a row whose amax is 448 keeps every value's scale 1."""
+    v = torch.cat([torch.linspace(-448, 448, 20001), torch.linspace(-0.02, 0.02, 4001),
+                   torch.tensor([448.0, 2 ** -10, 3 * 2 ** -10, 2 ** -6, 15.5, 240.0])])
+    got = fp8.quantize_rows(v[None], kernels="triton")
+    assert float(got.scale) == 1.0
+    assert torch.equal(got.data.float(), v.to(fp8.FP8).float()[None])
+
+
+def test_scaled_gemm_is_the_dequantised_arithmetic():
+    """fp8_gemm (torch._scaled_mm where it runs) = the dequantised product, bias included,
+    over a 3-D activation; e4m3 products are exact, so only fp32 summation order differs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 64, generator=g)
+    w = torch.randn(48, 64, generator=g)
+    b = torch.randn(48, generator=g)
+    act = fp8.quantize_rows(x, kernels="torch")
+    wq, ws = fp8.quantize_weight(w)
+    got = fp8.fp8_gemm(act, wq, ws, b)
+    want = fp8.scaled_mm_ref(act.data.reshape(-1, 64), act.scale.reshape(-1, 1), wq, ws, b,
+                             torch.float32).view(2, 5, 48)
+    assert got.shape == (2, 5, 48) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_linear_within_e4m3_error_of_linear():
+    """Weight and activation each carry a relative rounding error of at most 2^-4 per
+    element (e4m3 keeps 3 mantissa bits); for random data the output's error is then about
+    sqrt(2) * 2^-4 / sqrt(3) ≈ 5 % of its RMS, never the 2^-3 of a one-sided error."""
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(256, 128)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, generator=g) * 0.05)
+    x = torch.randn(32, 256, generator=g)
+    q = fp8.Fp8Linear.from_linear(lin)
+    assert (q.in_features, q.out_features) == (256, 128)
+    with torch.no_grad():
+        ref, got = lin(x), q(x)
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0.005 < rel < 2 ** -4, rel          # quantised (not a bf16 copy), within e4m3
+    pre = fp8.quantize_rows(x)                 # an Fp8Act is used as it is
+    assert torch.equal(q(pre), got)
+    # elementwise, rigorously: |Δy| <= sum_k |x_k| |w_k| ((1 + 2^-4)^2 - 1) + subnormal slack
+    bound = (x.abs() @ lin.weight.abs().t()) * ((1 + 2 ** -4) ** 2 - 1) + 1e-5
+    assert bool(((got - ref).abs() <= bound).all())
+
+
+def test_padded_weight_gives_the_same_product():
+    """CUDA's _scaled_mm needs widths that are multiples of 16: the zero-padded weight (rows
+    and columns) with the input padded by zeros gives the unpadded product exactly."""
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(40, 30)              # neither width a multiple of 16
+    q = fp8.Fp8Linear.from_linear(lin)
+    wq, ws = q.padded()
+    assert wq.shape == (32, 48) and ws.shape == (32,)
+    act = fp8.quantize_rows(torch.randn(3, 7, 40, generator=g))
+    got = fp8.fp8_gemm(act, wq, ws, q.bias, out_features=30)
+    assert got.shape == (3, 7, 30)
+    assert torch.allclose(got, q(act), rtol=1e-6, atol=1e-6)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_bf16_kernels_at_7b_sizes_on_cuda():
+    """The compiled kernels in bf16 at Qwen2-7B widths against the fp32 references (the
+    GPU's division and rsqrt may move an element one e4m3 step)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf, dev = torch.bfloat16, "cuda"
+    N, C, I = 4096, 3584, 18944
+    x = torch.randn(N, C, generator=g, device=dev).to(bf)
+    w = torch.randn(C, generator=g, device=dev).to(bf)
+    _, got = fp8.rms_norm_quant(x, w, 1e-6)
+    _, q, s = fp8.rms_norm_quant_ref(x, w, 1e-6)
+    _same_fp8(got, q, s, exact=False)
+    _same_fp8(fp8.quantize_rows(x), *fp8.quantize_rows_ref(x), exact=False)
+    gu = torch.randn(N, 2 * I, generator=g, device=dev).to(bf)
+    _same_fp8(fp8.silu_mul_quant(gu[:, :I], gu[:, I:]),
+              *fp8.silu_mul_quant_ref(gu[:, :I], gu[:, I:]), exact=False)
+    wq, ws = fp8.quantize_weight(torch.randn(I, C, generator=g, device=dev).to(bf))
+    act = fp8.quantize_rows(x)
+    got = fp8.fp8_gemm(act, wq, ws)
+    want = fp8.scaled_mm_ref(act.data, act.scale, wq, ws, None, torch.float32)
+    assert got.dtype == bf
+    assert float((got.float() - want).norm() / want.norm()) < 2 ** -7
