@@ -1184,6 +1184,8 @@ def table(report: dict) -> str:
     if report.get("quantization"):       # our rows FP8, the transformers baseline not
         title += (f"; linear layers {report['quantization']} (transformers row: "
                   f"{report.get('dtype')})")
+    if report.get("kv_cache_dtype") not in (None, "auto"):
+        title += f"; KV cache {report['kv_cache_dtype']}"
     lines += [title, hdr, "-" * len(hdr)]
     for name, rec in report["cases"].items():
         R = rec.get("requests") or {}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call: issue 34's FP8 checks and figures, bf16 and FP8 side by side in one call.
+#   1. the GPU tests of the FP8 paths (the kernels at real sizes in bf16, _scaled_mm, graph
+#      decode with FP8 layers and over an FP8 cache, the prefill's peak memory);
+#   2. benchmarks/e2e.py twice on the same case(s), videos and checkpoints (written once under
+#      /tmp/mminfer_e2e): as served today (bf16), then --quantization fp8 --kv-cache-dtype fp8;
+#      TTFT by stage, follow-ups (decode ms/token), peak GPU memory per request;
+#   3. FP8 against bf16 answers of the embedded model (quality.py --fp8: agreement, KL).
+#   E2E_COMMIT=$(git rev-parse --short HEAD) CASES="qwen276k" bash benchmarks/run_fp8_h200.sh
+# Budgets (s; 0 skips a step): TESTS_S, E2E_S (each of the two runs), QUALITY_S.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/fp8}; mkdir -p "$OUT"
+source benchmarks/device_env.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+if [ "${TESTS_S:-150}" -gt 0 ]; then
+  timeout -k 5 "${TESTS_S:-150}" python3 -m pytest -q -ra -m gpu --tb=short \
+    tests/models/test_fp8.py tests/models/test_fp8_kernels.py tests/models/test_fp8_kv.py \
+    tests/kernels/test_fp8_attention.py tests/engine/test_fp8_video_cache.py 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -15
+fi
+COMMON="--warmup short --no-baseline --no-dense --no-host-tier --follow-ups ${FOLLOW_UPS:-2} --cases ${CASES:-qwen276k}"
+if [ "${E2E_S:-200}" -gt 0 ]; then
+  for variant in bf16 fp8; do
+    extra=""; [ "$variant" = fp8 ] && extra="--quantization fp8 --kv-cache-dtype fp8"
+    echo "== e2e $variant"
+    timeout -k 10 "${E2E_S:-200}" python3 benchmarks/e2e.py --out "/tmp/e2e_$variant" \
+      --deadline-s $(( ${E2E_S:-200} - 20 )) $COMMON $extra > "$OUT/e2e_$variant.log" 2>&1
+    tail -20 "$OUT/e2e_$variant.log"
+  done
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+both = {v: json.loads(pathlib.Path(f"/tmp/e2e_{v}/e2e.json").read_text())
+        for v in ("bf16", "fp8") if pathlib.Path(f"/tmp/e2e_{v}/e2e.json").is_file()}
+(out / "e2e_bf16_fp8.json").write_text(json.dumps(both, indent=1))
+PY
+fi
+if [ "${QUALITY_S:-0}" -gt 0 ]; then
+  timeout -k 5 "$QUALITY_S" python3 benchmarks/quality.py --fp8 ${QUALITY_ARGS:---lengths 16384 \
+    --per-task 3 --depths 0 0.5 1} --max-minutes "${QUALITY_MIN:-3}" --out /tmp/quality_fp8 \
+    > "$OUT/quality_fp8.log" 2>&1; tail -30 "$OUT/quality_fp8.log"
+  cp /tmp/quality_fp8/quality.json "$OUT/quality_fp8.json" 2>/dev/null
+fi
