@@ -164,7 +164,6 @@ LAZY_IMPORTS_TODO = frozenset({
     "mminfer/engine/pipeline.py",
     "mminfer/models/base.py",
     "mminfer/models/decode.py",
-    "mminfer/models/hooks.py",
     "mminfer/models/longvila.py",
     "mminfer/models/prefill.py",
     "mminfer/models/qwen2_5_vl.py",
