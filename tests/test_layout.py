@@ -158,17 +158,6 @@ def test_the_wheel_holds_the_package_and_its_data_and_no_lab(wheel):
     assert {f"mminfer/{p.relative_to(PKG)}" for p in PKG.rglob("*.py")} <= set(names)
 
 
-# To do: the modules whose function-local imports are not yet sorted out (issue 31 item 5,
-# left to the work on these files); remove an entry once its file passes. Shrink only.
-LAZY_IMPORTS_TODO = frozenset({
-    "mminfer/cli_options.py",
-    "mminfer/engine/cache.py",
-    "mminfer/engine/pipeline.py",
-    "mminfer/models/*.py",
-    "mminfer/serve/settings.py",
-})
-
-
 def _unexplained_local_imports(path: Path) -> list[int]:
     """Lines of the imports inside a function of ``path`` that do not say why they are
     there: a ``# lazy:`` comment on the import, or a comment starting ``# lazy:`` right
@@ -197,11 +186,9 @@ def test_imports_are_at_the_top_unless_a_comment_says_why():
     """An import inside a function hides where a name comes from: one stays there only for
     a reason its ``# lazy:`` comment gives (an optional dependency, an import cycle, triton
     before TRITON_INTERPRET, the start-up of ``mminfer --help``...)."""
-    todo = {p for pattern in LAZY_IMPORTS_TODO for p in ROOT.glob(pattern)}
-    found = {f"{p.relative_to(ROOT)}:{line}" for p in sorted(PKG.rglob("*.py")) if p not in todo
+    found = {f"{p.relative_to(ROOT)}:{line}" for p in sorted(PKG.rglob("*.py"))
              for line in _unexplained_local_imports(p)}
     assert not found, "move these imports to the top, or say why not with '# lazy: ...'"
-    assert all(ROOT.glob(p) for p in LAZY_IMPORTS_TODO), "a to-do entry names no file"
 
 
 def test_an_unexplained_local_import_is_caught(tmp_path):

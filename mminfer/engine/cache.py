@@ -114,6 +114,7 @@ class Slot:
 
 class VideoCache:
     def __init__(self, device, gpu_bytes: int | None = None, host_bytes: int = 0):
+        # lazy: torch takes seconds to import, and `mminfer --help` imports this module
         import torch
         self.device = torch.device(device)
         if gpu_bytes is None:
@@ -199,10 +200,11 @@ class VideoCache:
 
     def _to_device(self, entry: Entry) -> None:
         """A host entry back on the device (room made first, within the budget)."""
-        import torch
+        import torch  # lazy: as in __init__
         with self._lock:
             entry.tier = "moving"     # its host copy is freed once it is back: not counted
             self._fit_gpu(self.gpu_budget - entry.nbytes, keep=entry)
+        # lazy: kv imports torch and transformers (seconds), as in __init__
         from mminfer.models.kv import HEADROOM
         entry.kv.move(self.device, headroom=HEADROOM)
         if self.device.type == "cuda":
@@ -246,7 +248,7 @@ class VideoCache:
     def make_room(self, need_bytes: int) -> None:
         """Before a prefill that will hold ``need_bytes`` of KV cache: spill idle entries
         until the device has that much free (plus the prefill's slack) or none is left."""
-        import torch
+        import torch  # lazy: as in __init__
         if self.device.type != "cuda":
             return
         want = int(need_bytes * (1 + PREFILL_SLACK))

@@ -21,14 +21,18 @@ and ``total`` are true elapsed times.
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.engine.cache import Entry, VideoCache, cache_key, file_digest
-from mminfer.engine.timing import PIPELINE_STAGES
-from mminfer.models.base import resolve_checkpoint
+from mminfer.engine.parallel import FrameShards, init_from_env, shard_decoder
+from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
+from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Turn,
+                                 resolve_checkpoint)
+from mminfer.models.embedded import default_model
 from mminfer.models.hooks import (MODES, PrefillContext, auto_min_tokens, sparse_refusal,
                                   sparse_unavailable)
 
@@ -63,7 +67,6 @@ class AnswerResult:
 
 
 def pick_adapter(path):
-    import importlib
     for name in ADAPTER_MODULES:
         try:
             mod = importlib.import_module(name)
@@ -79,7 +82,6 @@ def pick_adapter(path):
 
 
 def _adapter_class(mod):
-    from mminfer.models.base import Adapter
     for v in vars(mod).values():
         if isinstance(v, type) and issubclass(v, Adapter) and v is not Adapter \
                 and v.__module__ == mod.__name__:
@@ -90,7 +92,7 @@ def _adapter_class(mod):
 def _kv_cache_dtype(name):
     """The dtype a prefix's KV cache stores for ``--kv-cache-dtype`` ``name`` (None: the
     model's), or ConfigError."""
-    from mminfer.models.kv import kv_dtype
+    from mminfer.models.kv import kv_dtype  # lazy: kv imports torch, as in _dtype
     try:
         return kv_dtype(name)
     except ValueError as e:
@@ -98,6 +100,7 @@ def _kv_cache_dtype(name):
 
 
 def _dtype(dtype, device):
+    # lazy: torch takes seconds to import, and `mminfer --help` imports this module
     import torch
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -133,16 +136,14 @@ class Pipeline:
                  vision_compile: bool | None = None, kv_cache_gb: float | None = None,
                  kv_host_cache_gb: float = 0.0, kv_cache_dtype: str = "auto",
                  quantization: str | None = None):
-        import torch
+        import torch  # lazy: as in _dtype
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
         if model is None:       # the embedded default model (mminfer/models/mminfer-embedded)
-            from mminfer.models.embedded import default_model
             model = default_model()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tensor_parallel, self.rank = int(tensor_parallel), 0
         if self.tensor_parallel > 1:
-            from mminfer.engine.parallel import init_from_env
             self.rank, local = init_from_env(self.tensor_parallel, self.device.type)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", local)
@@ -174,7 +175,6 @@ class Pipeline:
         if vision_compile is not None and hasattr(self.adapter, "set_vision_compile"):
             self.adapter.set_vision_compile(vision_compile)
         if self.tensor_parallel > 1:
-            from mminfer.engine.parallel import shard_decoder
             shard_decoder(self.adapter.text_model, self.rank, self.tensor_parallel)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -211,7 +211,7 @@ class Pipeline:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per prompt token, all layers, in the dtype the cache stores."""
-        import torch
+        import torch  # lazy: as in _dtype
         ad = self.adapter
         k = ad.text_model.layers[0].self_attn.k_proj
         bits = torch.finfo(ad.kv_cache_dtype or self.dtype).bits
@@ -256,7 +256,6 @@ class Pipeline:
     def _frame_shards(self):
         if self.tensor_parallel == 1:
             return None
-        from mminfer.engine.parallel import FrameShards
         return FrameShards(self.rank, self.tensor_parallel)
 
     def warmup(self, *, force: bool = False, frames: int = 16) -> dict:
@@ -267,9 +266,10 @@ class Pipeline:
         video, two prompt lengths, one divisible by 16 and one not (Triton specialises integer
         arguments on that). On the CPU nothing is compiled, so it does nothing unless
         ``force``. Returns what it ran and how long it took."""
+        # lazy: numpy and the video module are kept out of `mminfer --help`, which imports this
+        # module (tests/test_cli.py test_help_is_light); only warmup needs them
         import numpy as np
         from mminfer.engine.video import DecodedVideo
-        from mminfer.models.base import VIDEO, Conversation, PrepareOptions, Turn
 
         if self.device.type != "cuda" and not force:
             return {"ran": False, "why": "nothing to compile on the CPU"}
@@ -331,8 +331,6 @@ class Pipeline:
         re-run of the whole prompt needs (mminfer.engine.rerun: the prompt embeddings and
         positions, at most ``shadow_max_bytes``, and the sparse last-token logits and
         answer) as ``result.shadow``, for :meth:`shadow_dense`."""
-        from mminfer.models.base import Conversation
-        from mminfer.engine.timing import StageTimer
 
         mode = attention or self.attention
         if conversation is None:
@@ -400,7 +398,7 @@ class Pipeline:
         timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
         kept = built["kept"] if built else None
         if kept is not None:
-            from mminfer.engine.rerun import finish
+            from mminfer.engine.rerun import finish  # lazy: rerun imports torch, as in _dtype
             finish(kept, ad, built["prep"], gen, (sparsity or {}).get("mean_density"))
         return AnswerResult(
             answer=gen.text, model=self.model_id,
@@ -416,8 +414,7 @@ class Pipeline:
                       keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:
         """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
         embeddings, and what the answer reports of the build."""
-        from mminfer.engine import video as videolib
-        from mminfer.models.base import PrepareOptions
+        from mminfer.engine import video as videolib  # lazy: numpy, as in warmup
 
         ad = self.adapter
         # decode -> preprocess -> vision, overlapped: the stream decodes in its own thread
@@ -455,7 +452,7 @@ class Pipeline:
                                    keep_plans=True, cancel=cancel)
         kept = None
         if keep_for_shadow and ctx.decide(P):     # before the prefill overwrites embeds
-            from mminfer.engine.rerun import keep_inputs
+            from mminfer.engine.rerun import keep_inputs  # lazy: rerun imports torch, as in _dtype
             kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
         if cached:
@@ -489,7 +486,7 @@ class Pipeline:
         gave ``result.shadow``) and up to ``max_new_tokens`` greedy tokens after it:
         an engine.rerun.DenseRerun (dense last-token logits, tokens, text). ``cancel`` is
         checked before every decoder layer and decode step (:class:`Cancelled`)."""
-        from mminfer.engine.rerun import dense_rerun
+        from mminfer.engine.rerun import dense_rerun  # lazy: rerun imports torch, as in _dtype
         return dense_rerun(self.adapter, kept, max_new_tokens=max_new_tokens, cancel=cancel)
 
 
@@ -537,6 +534,9 @@ def _sparsity(plans: dict, patterns, last_row_only: int | None = None) -> dict |
     triangle, never above 1; ``mean_tile_work``: the kernels' tile work over a dense pass's,
     what the time follows), with whether the config was calibrated and ``last_row_only``:
     the layer that made no plan (the prefix's last layer writes K/V only, models/prefill.py)."""
+    # lazy: importing mminfer.kernels imports triton, which reads TRITON_INTERPRET once,
+    # when it is imported; `mminfer --help` imports this module, and code importing it
+    # (tests, the lab) may set it later
     from mminfer.kernels import sparsity
     out = sparsity(plans)
     if out is not None:

@@ -18,12 +18,17 @@ whose ``ADAPTER.accepts(checkpoint_dir)`` is true loads the checkpoint.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
 import os
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mminfer.errors import ConfigError
+from mminfer.errors import Cancelled, ConfigError, InputError
+from mminfer.models.detokenize import IncrementalText
 
 
 class _Video:
@@ -61,7 +66,6 @@ class Conversation:
         return cls((Turn("user", (VIDEO, question)),))
 
     def validate(self) -> "Conversation":
-        from mminfer.errors import InputError
         if not self.turns:
             raise InputError("the conversation is empty")
         videos = 0
@@ -99,8 +103,6 @@ class Conversation:
     def prefix_digest(self) -> str:
         """What of the conversation the prefix's tokens depend on: the turns before the video
         (a changed system prompt or earlier turn is another prefix)."""
-        import hashlib
-        import json
         before, _ = self.split()
         blob = json.dumps([[t.role, list(t.parts)] for t in before], ensure_ascii=True)
         return hashlib.sha256(blob.encode()).hexdigest()
@@ -229,10 +231,9 @@ class Adapter:
         exists (the first right after the prefill): ``text`` is what the token adds to the
         answer ("" while a character is incomplete, and for end tokens); a last call with
         ``token_id`` None sends what is still owed. The texts add up to ``Generated.text``."""
+        # lazy: torch takes seconds to import (prefill imports it too), and `mminfer --help`
+        # imports this module
         import torch
-        from contextlib import nullcontext
-        from mminfer.errors import Cancelled
-        from mminfer.models.detokenize import IncrementalText
         from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 
         section = timer if timer is not None else (lambda name: nullcontext())
@@ -281,8 +282,8 @@ class Adapter:
         ``ctx`` is active during it (sparse or dense by its decision on the prefix's length,
         estimated from the prefix's own last queries: ``ctx.index`` is the prefix's). The
         cache stores ``self.kv_cache_dtype`` (FP8: quantised as each layer writes it)."""
+        # lazy: as in generate
         import torch
-        from contextlib import nullcontext
         from mminfer.models.kv import HEADROOM, PrefixKV
         from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 
@@ -303,10 +304,7 @@ class Adapter:
         decode steps ("generate"). The cache keeps the suffix's and answer's rows; its owner
         truncates them. ``Generated.first_token_s``: ``time.perf_counter()`` when the first
         token was known."""
-        import time
-        import torch
-        from contextlib import nullcontext
-        from mminfer.models.detokenize import IncrementalText
+        import torch  # lazy: as in generate
 
         section = timer if timer is not None else (lambda name: nullcontext())
         P, S = cache.get_seq_length(), embeds.shape[1]
@@ -323,7 +321,7 @@ class Adapter:
                     on_token(stream.push(out[0]), out[0])
                 # decode steps: mminfer.models.decode (the lean step, replayed from CUDA graphs
                 # on a GPU; self._step where it cannot run), cancel checked before every step
-                from mminfer.models.decode import decode_loop
+                from mminfer.models.decode import decode_loop  # lazy: torch, as in generate
                 decode_loop(self, cache, out, rope_delta=rope_delta,
                             max_new_tokens=max_new_tokens, cancel=cancel,
                             emit=(lambda t: on_token(stream.push(t), t)) if stream else None)
@@ -339,7 +337,7 @@ class Adapter:
     def suffix_embeds(self, conversation):
         """The embeddings of a conversation's suffix (what follows the video), ``[1, S,
         hidden]``: all a question on a cached prefix needs of the prompt."""
-        import torch
+        import torch  # lazy: as in generate
         _, suffix = self.split_prompt(conversation, 0)
         ids = torch.tensor([suffix], dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -354,7 +352,7 @@ class Adapter:
 
 
 def _new_cache(text_model):
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # lazy: transformers, as in generate
     try:
         return DynamicCache(config=text_model.config)
     except TypeError:   # older signatures take no config
@@ -388,6 +386,8 @@ def resolve_checkpoint(model: str) -> tuple[Path, str, str | None]:
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ConfigError(f"model {model!r} is neither a directory nor a hub id (owner/name)")
     try:
+        # lazy: huggingface_hub takes 0.4 s to import and only a hub id needs it; `mminfer
+        # --help` imports this module
         from huggingface_hub import snapshot_download
         local = Path(snapshot_download(repo_id=model))
     except Exception as e:   # offline, missing, gated, network: all mean "cannot get it"

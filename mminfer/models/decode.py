@@ -38,12 +38,16 @@ model whose layers the lean step does not cover (sliding-window attention) decod
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 
+from mminfer.errors import Cancelled
 from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
+from mminfer.models.hooks import decode_backends
+from mminfer.models.kv import SlabLayer
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -194,7 +198,6 @@ class StepGraphs:
                 self.attn.copy_(dec._attend(i, self.q[i], self.k[i], self.v[i], cache))
                 g[i + 1].replay()
             return self.tok
-        from mminfer.models.hooks import decode_backends
         sdpa = torch.nn.functional.scaled_dot_product_attention
         with decode_backends(self.q[0], 1):
             for i, slab in enumerate(slabs):
@@ -213,7 +216,6 @@ class StepGraphs:
         gives, bit for bit, what the attention function the step would call gives (checked
         once, on the first such cache); else None (the step goes through ``cache.update`` and
         the attention function)."""
-        from mminfer.models.kv import SlabLayer
         layers = getattr(cache, "layers", None)
         if (not layers or len(layers) != len(self.dec.layers)
                 or not all(isinstance(x, SlabLayer) and x.length > 0 for x in layers)
@@ -226,7 +228,6 @@ class StepGraphs:
         if any(x.quantized for x in layers):
             return None
         if self.direct is None:
-            from mminfer.models.hooks import decode_backends
             attn = self.dec.layers[0].self_attn
             keys, values = layers[0].keys, layers[0].values
             q = torch.randn(self.q[0].shape, device=keys.device, dtype=keys.dtype)
@@ -304,8 +305,6 @@ def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_token
 
 
 def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode):
-    from mminfer.errors import Cancelled
-
     path = choose_path(adapter, mode)
     dec = decoder_of(adapter)
     eos = adapter.eos_token_ids
@@ -334,7 +333,6 @@ def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, 
             except Exception as e:
                 if mode == "graph" or getattr(adapter, "decode_mode", "auto") == "graph":
                     raise
-                import logging
                 logging.getLogger(__name__).warning(
                     "decode steps run eagerly: CUDA graph capture failed (%s: %s)",
                     type(e).__name__, e)

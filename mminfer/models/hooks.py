@@ -14,8 +14,10 @@ variable, so concurrent requests in one process never see each other's layout.
 from __future__ import annotations
 
 import contextvars
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+
+from mminfer.errors import InputError
 
 # Never put "flash" in this name: transformers treats any such name as FlashAttention.
 ATTN_NAME = "mminfer_sparse"
@@ -76,6 +78,9 @@ def auto_min_tokens(device) -> int:
 def sparse_unavailable(device) -> str | None:
     """Why the sparse kernels cannot run on ``device``, or None. Triton needs a GPU; on the
     CPU only its interpreter runs them, and that must be chosen before triton is imported."""
+    # lazy: importing mminfer.kernels imports triton, which reads TRITON_INTERPRET once, when
+    # it is imported (this asks whether the interpreter was chosen), and `mminfer --help`
+    # imports this module
     from mminfer.kernels.runtime import interpreted
     if getattr(device, "type", str(device)) == "cpu" and not interpreted():
         return ("sparse attention runs Triton kernels: it needs a CUDA GPU, or "
@@ -97,7 +102,6 @@ def choose_attention(mode: str, n_tokens: int, *, patterns, index, min_sparse_le
     asked (an InputError when it cannot run); "auto" is sparse from ``min_sparse_len`` tokens
     where it can run and the head patterns are calibrated, dense otherwise; "dense" is
     dense."""
-    from mminfer.errors import InputError
     if mode not in MODES:
         raise InputError(f"attention must be one of {MODES}, not {mode!r}")
     if mode == "dense" or index is None:
@@ -133,6 +137,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """transformers attention function: q ``[B, H, q_len, D]``, k/v ``[B, Hkv, kv_len, D]``
     (already rotated and in the cache); returns ``([B, q_len, H, D], None)``."""
+    # lazy: torch and transformers take seconds to import, and `mminfer --help` imports this
+    # module
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -159,7 +165,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             return sdpa_attention_forward(module, query, key, value, attention_mask,
                                           scaling=scaling, dropout=dropout, **kwargs)
 
-    from mminfer.sparse.attention import layer_attention
+    from mminfer.sparse.attention import layer_attention  # lazy: torch and triton, as above
 
     B, H, N, D = query.shape
     out = torch.empty(B, N, H, D, dtype=query.dtype, device=query.device)
@@ -183,6 +189,7 @@ def continuation_attention(query, key, value, scaling=None):
     GQA by index, where the boolean mask transformers builds would force a dense
     ``[q_len, kv_len]`` mask and K/V repeated per query head (7x the cache at 28/4 heads).
     Returns ``[1, q_len, H, D]``."""
+    # lazy: as in attention_forward
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -199,8 +206,8 @@ def fp8_cache_attention(query, key, value, scaling=None, ctx=None):
     tiles and dequantises them in registers (mminfer.kernels.fp8_attention); no dequantised
     copy of the cache is made. The prefill of a prefix never gets here: it attends with the
     K/V it has just computed (models/prefill.py). Returns ``[1, q_len, H, D]``."""
-    # triton (through the kernel module) is imported on first use, as everywhere in this
-    # module: the CLI imports the hook without it
+    # lazy: triton (through the kernel module) is imported on first use, as everywhere in
+    # this module: the CLI imports the hook without it
     from mminfer.kernels.fp8_attention import fp8_attention
     timer = ctx.timer if ctx is not None else None
     if timer is not None:
@@ -215,10 +222,9 @@ def decode_backends(query, q_len: int):
     shape, about 1.3 ms of host time per layer and step (measured on the H200 at 65K tokens:
     53 ms a step against 21 ms once the shapes had been seen), while flash attention needs
     none. Prefill keeps PyTorch's choice (cuDNN, the fastest there, plans once per request)."""
-    from contextlib import nullcontext
     if q_len > 16 or not getattr(query, "is_cuda", False):
         return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # lazy: as in attention_forward
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH])
 
@@ -228,6 +234,7 @@ def register() -> str:
     SDPA's: None where ``is_causal`` covers it (a prefill on an empty cache, decode), the
     causal block otherwise (a chunk of prompt on a non-empty cache), since the dense path is
     SDPA."""
+    # lazy: as in attention_forward
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(ATTN_NAME, attention_forward)

@@ -20,18 +20,25 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from einops import rearrange
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, SiglipVisionModel
 
-from mminfer.errors import ConfigError, InputError, VideoError
-from mminfer.models import fp8
-from mminfer.sparse.modality import ModalityIndex
-from mminfer.models.base import Adapter, Prepared, PrepareOptions
+from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
+from mminfer.models import fp8, hooks
+from mminfer.models.base import VIDEO, Adapter, Conversation, Prepared, PrepareOptions
+from mminfer.models.sampling import vila_indices
 from mminfer.models.vision import device_constant, frame_chunks, to_device
+from mminfer.sparse.modality import ModalityIndex
+from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity, default_config
 
 VIDEO_TOKEN = "<vila/video>"
 MEDIA_TOKENS = ("<vila/sentinel>", "<image>", VIDEO_TOKEN)
@@ -124,7 +131,6 @@ def resolve(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
     name = str(path_or_id)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise ConfigError(f"LongVILA checkpoint {name!r}: no such folder, and not a hub id")
-    from huggingface_hub import snapshot_download
     try:
         return Path(snapshot_download(name, revision=revision))
     except Exception as e:   # offline miss, unknown repo, gated: all mean "not available here"
@@ -193,7 +199,6 @@ def _read_json(p: Path, what: str) -> dict:
 
 
 def load_projector(folder: Path, vision_hidden: int, llm_hidden: int) -> Projector:
-    from safetensors.torch import load_file
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no projector weights (*.safetensors) in {folder}")
@@ -242,10 +247,6 @@ class LongVILA(Adapter):
         checkpoint, else the shipped file of the real 7B shape, else a generated default.
         ``quantization="fp8"``: the LLM's projections and SigLIP's attention projections and
         MLPs quantised at load (mminfer.models.fp8; the projector stays as it is)."""
-        from transformers import AutoTokenizer, Qwen2ForCausalLM, SiglipVisionModel
-
-        from mminfer.models import hooks
-
         root = Path(path)
         layout = read_layout(root)
         quantization = fp8.check(quantization)
@@ -318,7 +319,6 @@ class LongVILA(Adapter):
         frames = _frames_tensor(video)                   # [T, H, W, 3] uint8, or the stream
         want = int(getattr(options, "num_frames", None) or self.num_frames)
         if len(frames) > want:   # more than the model takes (a direct caller): VILA's picks
-            from mminfer.models.sampling import vila_indices
             idx = vila_indices(0, len(frames) - 1, want)
             frames = frames.keep_samples(idx) if hasattr(frames, "chunks") \
                 else frames[torch.from_numpy(idx)]
@@ -348,9 +348,6 @@ class LongVILA(Adapter):
         through the squash, the tower and the projector ``vision_batch`` at a time, each
         chunk written straight into the embeddings. ``timer``/``cancel``/``shard`` as the
         base class."""
-        from contextlib import nullcontext
-
-        from mminfer.errors import Cancelled
         section = timer if timer is not None else (lambda name: nullcontext())
         ids = prepared.input_ids.to(self.device)                       # [1, L]
         F, P = prepared.n_frames, self.tokens_per_frame
@@ -449,7 +446,6 @@ class LongVILA(Adapter):
     def prompt_text(self, question) -> str:
         """The chat template's text of a question or Conversation, the video as
         ``<vila/video>`` where it goes."""
-        from mminfer.models.base import VIDEO, Conversation
         conv = question if isinstance(question, Conversation) else Conversation.single(question)
         msgs = [{"role": t.role,
                  "content": "".join(VIDEO_TOKEN if p is VIDEO else p for p in t.parts)}
@@ -463,7 +459,6 @@ class LongVILA(Adapter):
         return self._prompt_ids(question)
 
     def _prompt_ids(self, question) -> tuple[list[int], list[int]]:
-        from mminfer.models.base import Conversation
         conv = question if isinstance(question, Conversation) else Conversation.single(question)
         texts = [p for t in conv.turns for p in t.parts if isinstance(p, str)]
         if not conv.question:
@@ -528,7 +523,6 @@ def _frames_tensor(video):
     if hasattr(frames, "chunks"):
         return frames
     if not isinstance(frames, torch.Tensor):
-        import numpy as np
         frames = torch.from_numpy(np.ascontiguousarray(frames))
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise VideoError(f"expected frames [T, H, W, 3], got shape {tuple(frames.shape)}")
@@ -544,7 +538,6 @@ def _as_list(x):
 
 
 def _identity(model_id, revision, cfg):
-    from mminfer.sparse.patterns import ModelIdentity
     # a local folder has no revision; the file format wants a string (as the Qwen adapter)
     return ModelIdentity(id=model_id, revision=revision or "local",
                          layers=cfg.num_hidden_layers,
@@ -558,27 +551,24 @@ def _head_patterns(root: Path, patterns, identity):
     next to the checkpoint (checked in full), else the shipped config of the real 7B shape
     (checked on the shape, so a local copy, another revision or a same-shape LongVILA still
     gets it; as the Qwen2.5-VL adapter does), else the uncalibrated default for the shape."""
-    from dataclasses import replace
-
-    from mminfer.sparse import patterns as P
-    if isinstance(patterns, P.HeadPatternConfig):
+    if isinstance(patterns, HeadPatternConfig):
         if patterns.identity != identity:
             raise ConfigError(f"head patterns are for {patterns.identity}, the model is "
                               f"{identity}")
         return patterns
     if patterns is not None:
-        return P.HeadPatternConfig.load(Path(patterns), expect=identity)
+        return HeadPatternConfig.load(Path(patterns), expect=identity)
     local = root / PATTERNS_FILE
     if local.is_file():
-        return P.HeadPatternConfig.load(local, expect=identity)
+        return HeadPatternConfig.load(local, expect=identity)
     shape = (identity.layers, identity.heads, identity.kv_heads, identity.head_dim)
     shipped = REPO_CONFIGS / SHIPPED_PATTERNS.get(shape, "-")
     if shipped.is_file():
         model = _read_json(shipped, "head-pattern config").get("model", {})
         expect = replace(identity, id=model.get("id", identity.id),
                          revision=model.get("revision", identity.revision))
-        return P.HeadPatternConfig.load(shipped, expect=expect)
-    return P.default_config(identity)
+        return HeadPatternConfig.load(shipped, expect=expect)
+    return default_config(identity)
 
 
 # --------------------------------------------------------------------------- benchmark LLM
@@ -586,7 +576,6 @@ def longvila_7b_llm_config(**overrides):
     """Qwen2Config of LongVILA-7B-1M's language model (llm/config.json numbers; rope_theta
     is the ~3.58e9 of the 1M stage), for benchmarks that need the full-size LLM without
     downloading it. ``overrides`` change fields (e.g. ``num_hidden_layers=1``)."""
-    from transformers import Qwen2Config
     return Qwen2Config(**{
         "vocab_size": 151648, "hidden_size": 3584, "intermediate_size": 18944,
         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -599,9 +588,6 @@ def longvila_7b_llm_config(**overrides):
 def random_llm(config=None, *, dtype=None, device=None):
     """``Qwen2ForCausalLM`` with random weights built directly on ``device`` (default: the
     7B-1M config), its attention routed through our hook."""
-    from transformers import Qwen2ForCausalLM
-
-    from mminfer.models import hooks
     config = config or longvila_7b_llm_config()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

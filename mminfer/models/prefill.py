@@ -39,7 +39,9 @@ import sys
 from contextlib import nullcontext
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from mminfer.errors import Cancelled
 from mminfer.models import fp8, hooks
 
 # Tokens per chunk of the token-wise work: ≥ 16K rows keeps every GEMM at full speed on an H200
@@ -210,7 +212,6 @@ def _rotary(text_model, h, position_ids, spans):
 
 def _attention_function(attn):
     """The function the attention module itself would call for its config."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     impl = attn.config._attn_implementation
     return ALL_ATTENTION_FUNCTIONS.get_interface(impl, _module_of(attn).eager_attention_forward)
 
@@ -221,5 +222,4 @@ def _module_of(module):
 
 def _check_cancel(ctx, layer):
     if ctx is not None and ctx.cancel is not None and ctx.cancel():
-        from mminfer.errors import Cancelled
         raise Cancelled(f"request cancelled during the prefill (layer {layer})")

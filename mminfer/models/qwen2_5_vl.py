@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
-from mminfer.errors import ConfigError, InputError, VideoError
-from mminfer.models.base import Adapter, PrepareOptions, Prepared, resolve_checkpoint
-from mminfer.models.vision import device_constant, frame_chunks, to_device
+import torch
+from einops import rearrange
+
+from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
+from mminfer.models import fp8, hooks
+from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Prepared,
+                                 resolve_checkpoint)
+from mminfer.models.vision import (CHUNK_PATCHES, COMPILE_DEFAULT, QwenVisionTower,
+                                   device_constant, frame_chunks, to_device)
+from mminfer.sparse.modality import ModalityIndex
+from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity, default_config
 
 # qwen-vl-utils defaults (video): pixels per frame and for the whole video.
 VIDEO_MIN_PIXELS = 128 * 28 * 28
@@ -73,7 +83,6 @@ def resize_frames(frames, height: int, width: int):
     """uint8 ``[T, H, W, 3]`` -> float ``[T, 3, height, width]`` on uint8 levels (0..255,
     rounded), bicubic with antialias as torchvision does for the uint8 tensors qwen-vl-utils
     resizes."""
-    import torch
     x = frames.permute(0, 3, 1, 2).float()                          # [T, 3, H, W]
     if x.shape[-2:] != (height, width):
         x = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic",
@@ -86,7 +95,6 @@ def patchify(x, patch: int = 14, temporal: int = 2, merge: int = 2):
     ``[t*h*w, C*temporal*patch*patch]``: rows in (t, h/merge, w/merge, merge, merge) order
     (each 2x2 unit the merger joins is four consecutive rows), features (C, T, p, p) as the
     Conv3d patch embedding reads them."""
-    from einops import rearrange
     return rearrange(x, "(t tp) c (hu i p) (wu j q) -> (t hu wu i j) (c tp p q)",
                      tp=temporal, i=merge, j=merge, p=patch, q=patch)
 
@@ -107,7 +115,6 @@ def frames_to_patches(frames, size, *, mean=CLIP_MEAN, std=CLIP_STD, patch: int 
     patches ``[n/temporal * h*w, 3*temporal*patch^2]`` on ``device``: resized to ``size``
     (h, w) unless already there, normalised in fp32, patchified, then ``dtype``. Resizes
     ``RESIZE_CHUNK`` frames at a time (bounds the float copy of large frames)."""
-    import torch
     x = torch.as_tensor(frames)
     n = x.shape[0]
     if n % temporal:
@@ -135,7 +142,6 @@ def preprocess_video(frames, *, min_pixels=None, max_pixels=None, total_pixels=N
     """Decoded frames (uint8 ``[T, H, W, 3]``, numpy or torch) -> ``(pixel_values_videos
     [t*h*w, 3*temporal*patch^2], grid_thw (t, h, w), n_frames_after_padding)``, the whole
     video at once (the adapter streams it in chunks instead; same numbers)."""
-    import torch
     frames = torch.as_tensor(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] == 0:
         raise VideoError(f"expected frames [T, H, W, 3], got {tuple(frames.shape)}")
@@ -156,7 +162,6 @@ def mrope_positions(index, second_per_grid_ts, tokens_per_second: float):
     token (g, r, c) at (s + floor(g * second_per_grid_ts * tokens_per_second), s + r, s + c);
     the text after it starts at max(vision positions) + 1. Decode token i is at
     ``i + rope_delta`` on all three axes."""
-    import torch
     L = index.n
     pos = torch.empty(3, L, dtype=torch.long)
     cur, k = 0, 0
@@ -187,7 +192,6 @@ class Qwen2_5_VLAdapter(Adapter):
 
     def __init__(self, model, tokenizer, path, *, device="cpu", dtype=None, model_id=None,
                  revision=None, video_defaults=None, mean=CLIP_MEAN, std=CLIP_STD):
-        import torch
         self.model = model
         self.tokenizer = tokenizer
         self.path = Path(path)
@@ -205,14 +209,12 @@ class Qwen2_5_VLAdapter(Adapter):
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.identity = _identity(self.tcfg, model_id or self.path.resolve().name, revision)
         self.patterns = None
-        from mminfer.models.vision import CHUNK_PATCHES, COMPILE_DEFAULT
         self.vision_chunk_patches = CHUNK_PATCHES   # patches per tower call (memory bound)
         self.set_vision_compile(COMPILE_DEFAULT)
 
     def set_vision_compile(self, compile: bool):
         """The vision tower's fused block through ``torch.compile`` (CUDA only: on the CPU
         the tower stays eager), chunks padded to one shape per frame size."""
-        from mminfer.models.vision import QwenVisionTower
         on = bool(compile) and self.device.type == "cuda"
         self.tower = QwenVisionTower(self.model.model.visual, compile=on)
 
@@ -235,11 +237,10 @@ class Qwen2_5_VLAdapter(Adapter):
         qkv/proj/MLP quantised at load (mminfer.models.fp8). A compressed-tensors FP8-Dynamic
         checkpoint loads as it is (its layers with ``weight_scale`` become FP8, the ones it
         left unquantised stay in ``dtype``) and implies ``quantization="fp8"``."""
-        import torch
+        # lazy: transformers and its Qwen2.5-VL model take seconds to import, and pick_adapter
+        # imports this module for every checkpoint (LongVILA's too) to ask whether it accepts it
         from transformers import (AutoConfig, AutoTokenizer,
                                   Qwen2_5_VLForConditionalGeneration)
-        # torch, transformers and triton (fp8's kernels) load with the model, not the module
-        from mminfer.models import fp8, hooks
 
         path, rid, rrev = resolve_checkpoint(str(path))
         model_id, revision = model_id or rid, revision or rrev
@@ -292,7 +293,6 @@ class Qwen2_5_VLAdapter(Adapter):
         ends with ``<|vision_end|>``; the suffix ends with the assistant's opening. Message
         texts are tokenized as plain text: special-token strings in them stay text, so no
         message can end its turn or add a video."""
-        from mminfer.models.base import VIDEO, Conversation
         conv = conversation if isinstance(conversation, Conversation) else \
             Conversation.single(conversation)
         tok = self.tokenizer
@@ -322,9 +322,6 @@ class Qwen2_5_VLAdapter(Adapter):
         """Token layout, ModalityIndex and M-RoPE positions of ``video`` (decoded frames, or
         a ``VideoStream`` still to be decoded: it is told the frame size, and decodes while
         ``embed`` runs). No pixels are made here: ``embed`` preprocesses chunk by chunk."""
-        import torch
-        from mminfer.sparse.modality import ModalityIndex
-
         opt = options or PrepareOptions()
         pick = lambda v, key: v if v is not None else self.video_defaults.get(key)  # noqa: E731
         v = self.vcfg
@@ -365,7 +362,6 @@ class Qwen2_5_VLAdapter(Adapter):
     def pixel_values(self, prepared: Prepared):
         """The whole video's ``pixel_values_videos`` at once, as transformers' processor
         makes them (for reference paths; ``embed`` never holds them)."""
-        import torch
         frames = prepared.tensors["frames"]
         chunks = list(frame_chunks(frames, max(len(frames), 1)))
         x = torch.as_tensor(chunks[0] if len(chunks) == 1 else _cat(chunks))
@@ -385,10 +381,6 @@ class Qwen2_5_VLAdapter(Adapter):
         chunk's features written straight into the embeddings. ``timer(name)`` (a
         StageTimer) times each chunk's "preprocess" and "vision"; ``cancel()`` is checked
         between chunks; ``shard`` as the base class."""
-        import torch
-        from contextlib import nullcontext
-        from mminfer.errors import Cancelled
-
         section = timer if timer is not None else (lambda name: nullcontext())
         ids = prepared.input_ids
         tens = prepared.tensors
@@ -440,7 +432,6 @@ class Qwen2_5_VLAdapter(Adapter):
     def positions_after(self, rope_delta: int, start: int, length: int):
         """M-RoPE positions of tokens [start, start+length) after the video: text positions
         run on from the video's largest, ``i + rope_delta`` on all three axes."""
-        import torch
         p = torch.arange(start, start + length, device=self.device)
         return (p + int(rope_delta)).view(1, 1, -1).expand(3, 1, -1)
 
@@ -465,7 +456,6 @@ def checkpoint_module_name(name: str) -> str:
 def _frames_of(video):
     """The frames of a decoded video (a uint8 ``[T, H, W, 3]`` tensor) or the video itself
     when it is a stream (``len``, ``shape``, ``chunks``)."""
-    import torch
     frames = getattr(video, "frames", video)
     if hasattr(frames, "chunks"):
         return frames
@@ -476,7 +466,6 @@ def _frames_of(video):
 
 
 def _cat(chunks):
-    import torch
     return torch.cat([torch.as_tensor(c) for c in chunks])
 
 
@@ -515,7 +504,6 @@ def _eos_ids(model, tokenizer) -> tuple:
 
 
 def _identity(tcfg, model_id: str, revision):
-    from mminfer.sparse.patterns import ModelIdentity
     heads = tcfg.num_attention_heads
     head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
     return ModelIdentity(id=model_id, revision=revision or "local",
@@ -528,16 +516,14 @@ def load_patterns(path: Path, identity):
     checked in full), else the shipped config of its shape (the real 7B: checked on the
     shape, so a local copy or a same-shape fine-tune under another name still gets it), else
     an uncalibrated default for its shape."""
-    from dataclasses import replace
-    from mminfer.sparse import patterns
     local = Path(path) / PATTERNS_FILE
     if local.is_file():
-        return patterns.HeadPatternConfig.load(local, expect=identity)
+        return HeadPatternConfig.load(local, expect=identity)
     shape = (identity.layers, identity.heads, identity.kv_heads, identity.head_dim)
     name = SHIPPED_PATTERNS.get(shape)
     if name and (REPO_CONFIGS / name).is_file():
         shipped = json.loads((REPO_CONFIGS / name).read_text()).get("model", {})
         expect = replace(identity, id=shipped.get("id", identity.id),
                          revision=shipped.get("revision", identity.revision))
-        return patterns.HeadPatternConfig.load(REPO_CONFIGS / name, expect=expect)
-    return patterns.default_config(identity)
+        return HeadPatternConfig.load(REPO_CONFIGS / name, expect=expect)
+    return default_config(identity)
