@@ -39,7 +39,7 @@ import triton.language as tl
 from safetensors import safe_open
 
 from mminfer.errors import ConfigError
-from mminfer.models.vision_fused import use_triton
+from mminfer.models.vision_fused import add_rms_norm_row, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -157,16 +157,8 @@ def _rms_norm_quant_kernel(X, D, W, Q, S, C, stride_x, stride_d, stride_q, eps,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_D:
-        d = tl.load(D + row * stride_d + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(X + row * stride_x + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / C
-    n = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (n * w).to(X.dtype.element_ty).to(tl.float32)
+    y = add_rms_norm_row(X, D, W, C, row, cols, mask, stride_x, stride_d, eps, HAS_D)
+    y = y.to(X.dtype.element_ty).to(tl.float32)
     amax = tl.max(tl.abs(y), axis=0)
     scale = _store_fp8(Q, row, cols, mask, y, amax, stride_q)
     tl.store(S + row, scale)

@@ -50,11 +50,10 @@ def use_triton(x: torch.Tensor, choice: str = "auto") -> bool:
 
 # ---------------------------------------------------------------------- Triton kernels
 @triton.jit
-def _add_rms_norm_kernel(X, D, W, Y, C, stride_x, stride_d, stride_y, eps,
-                         HAS_D: tl.constexpr, BLOCK_C: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_C)
-    mask = cols < C
+def add_rms_norm_row(X, D, W, C, row, cols, mask, stride_x, stride_d, eps, HAS_D: tl.constexpr):
+    """One row: x (+= d, written back to X), then RMSNorm(x) * w as transformers rounds it (the
+    normalised row in X's dtype before the weight); fp32, in X's dtype's values. Also the
+    first half of mminfer.models.fp8's norm-and-quantise kernel."""
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_D:
         d = tl.load(D + row * stride_d + cols, mask=mask, other=0.0)
@@ -64,7 +63,17 @@ def _add_rms_norm_kernel(X, D, W, Y, C, stride_x, stride_d, stride_y, eps,
     var = tl.sum(xf * xf, axis=0) / C
     n = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (n * w).to(Y.dtype.element_ty), mask=mask)
+    return n * w
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, D, W, Y, C, stride_x, stride_d, stride_y, eps,
+                         HAS_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    y = add_rms_norm_row(X, D, W, C, row, cols, mask, stride_x, stride_d, eps, HAS_D)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
