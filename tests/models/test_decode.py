@@ -6,16 +6,13 @@ where; and on a GPU (bf16) the CUDA-graph replay against the eager lean step and
 import pytest
 import torch
 
-from lab.toy.tiny import save_tiny_qwen2_5_vl
-from lab.toy.tiny_longvila import save_tiny_longvila
-from mminfer.engine import video as videolib
-from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import Cancelled
 from mminfer.models import decode
-from mminfer.models.base import Adapter, Conversation
+from mminfer.models.base import Adapter
 from mminfer.models.kv import PrefixKV
 
 from conftest import write_video
+from tiny_cases import prepared_pair
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +24,7 @@ def mp4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, mp4):
     """kind -> (adapter, Prepared, embeds) of one question on the tiny checkpoint."""
-    root = tmp_path_factory.mktemp("ckpt")
-    out = {}
-    for kind in ("qwen", "longvila"):
-        ckpt = (save_tiny_qwen2_5_vl(root / "tiny-qwen") if kind == "qwen"
-                else save_tiny_longvila(root / "tiny-longvila"))
-        ad = Pipeline(str(ckpt), attention="dense", device="cpu").adapter
-        decoded = videolib.decode(str(mp4), sampling=ad.sampling, fps=4.0,
-                                  max_frames=min(8, ad.frame_limit or 8))
-        prep = ad.prepare(decoded, Conversation.single("where does the red square move?"))
-        out[kind] = (ad, prep, ad.embed(prep))
-    return out
+    return prepared_pair(tmp_path_factory.mktemp("ckpt"), mp4)
 
 
 def _answer(ad, prep, embeds, mode, *, headroom=None, n=14, **kw):

@@ -16,17 +16,15 @@ import pytest
 import torch
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
-from lab.toy.tiny_longvila import save_tiny_longvila
-from mminfer.engine import video as videolib
 from mminfer.engine.pipeline import Pipeline
 from mminfer.kernels.fp8_attention import dequantize
 from mminfer.models import decode
-from mminfer.models.base import Conversation
 from mminfer.models.kv import (FP8, FP8_MAX, PrefixKV, SlabLayer, head_scales, kv_dtype,
                                quantize_into, scale_of)
 from mminfer.models.prefill import prefill
 
 from conftest import write_video
+from tiny_cases import prepared_pair
 
 
 def _kv(n, heads=(0.01, 1.0, 300.0), D=16, seed=0):
@@ -141,16 +139,7 @@ def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     mp4 = write_video(root / "square.mp4", n_frames=16, fps=8.0, width=96, height=64,
                       noise=True)
-    out = {}
-    for kind in ("qwen", "longvila"):
-        ckpt = (save_tiny_qwen2_5_vl(root / "tiny-qwen") if kind == "qwen"
-                else save_tiny_longvila(root / "tiny-longvila"))
-        ad = Pipeline(str(ckpt), attention="dense", device="cpu").adapter
-        decoded = videolib.decode(str(mp4), sampling=ad.sampling, fps=4.0,
-                                  max_frames=min(8, ad.frame_limit or 8))
-        prep = ad.prepare(decoded, Conversation.single("where does the red square move?"))
-        out[kind] = (ad, prep, ad.embed(prep))
-    return out
+    return prepared_pair(root, mp4)
 
 
 def _answer(ad, prep, embeds, kv_dtype_, mode="lean", n=6, fake=False):
