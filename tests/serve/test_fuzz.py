@@ -209,7 +209,10 @@ def test_crafted_media_never_take_the_server_down(server, tmp_path):
     th = threading.Thread(target=health_latencies, args=(url, stop, base))
     th.start()
     try:
-        for _ in range(4):
+        # at least 4 answers and enough probes for a p95 (a fast machine answers 4 in 0.5 s)
+        for n in range(60):
+            if n >= 4 and len(base) >= 12:
+                break
             assert send(url, media, "upload", "needle", NEEDLE.read_bytes()).status_code == 200
     finally:
         stop.set()
@@ -245,7 +248,7 @@ def test_crafted_media_never_take_the_server_down(server, tmp_path):
           f"/health: good uploads p95 {p95(base):.3f} s worst {max(base):.3f} s; crafted "
           f"p95 {p95(lat):.3f} s worst {max(lat):.3f} s over {len(lat)} probes")
     assert len(seen.get("answered", [])) >= 3 and len(seen) >= 3, seen   # both kinds met
-    assert len(lat) > 20 and len(base) > 5
+    assert len(lat) > 20 and len(base) >= 12
     assert p95(lat) <= max(0.5, 1.5 * p95(base)), (p95(lat), p95(base))
     assert max(lat) <= max(0.5, 2.5 * max(base)), (max(lat), max(base))
     # no temp file left behind: uploads and data: URLs are deleted, and nothing in /dev/shm
