@@ -17,8 +17,8 @@ its range's normalised partial output and log-sum-exp; a second launch merges th
 through their log-sum-exp. Splitting across the length keeps the GPU busy when one query
 and 4 KV heads alone would give 4 programs.
 
-``reference`` is the pure-PyTorch fp32 oracle of the tests. ``chunked`` is the same
-attention in PyTorch a chunk of keys at a time with an online softmax (no full dequantised
+The tests hold it to a pure-PyTorch fp32 oracle (tests/kernels/test_fp8_attention.py).
+``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax (no full dequantised
 copy of a layer): where Triton cannot run (the CPU without its interpreter).
 """
 
@@ -227,20 +227,6 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
 def dequantize(x, scale, dtype=torch.float32):
     """``x`` fp8 ``[B, Hkv, n, D]`` times its per-head ``scale`` ``[Hkv]``, in ``dtype``."""
     return (x.to(torch.float32) * scale.view(1, -1, 1, 1).to(torch.float32)).to(dtype)
-
-
-def reference(q, k, v, k_scale, v_scale, scale: float | None = None) -> torch.Tensor:
-    """The oracle: K/V dequantised whole, fp32 softmax with the bottom-right causal mask,
-    K/V repeated per query head. ``[1, q_len, H, D]`` in fp32."""
-    B, H, q_len, D = q.shape
-    kv_len, G = k.shape[2], H // k.shape[1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kf = dequantize(k, k_scale).repeat_interleave(G, dim=1)
-    vf = dequantize(v, v_scale).repeat_interleave(G, dim=1)
-    s = (q.float() @ kf.transpose(-1, -2)) * scale                     # [B, H, q, kv]
-    qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-    s = s.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > qpos, float("-inf"))
-    return (s.softmax(-1) @ vf).transpose(1, 2)
 
 
 def chunked(q, k, v, k_scale, v_scale, scale: float | None = None,
