@@ -34,6 +34,7 @@ from mminfer.models.vision import QwenVisionTower
 from mminfer.serve.cli import banner, settings_from
 from lab.toy.tiny import save_tiny_qwen2_5_vl, write_qwen2_5_vl
 from lab.toy.tiny_longvila import save_tiny_longvila
+from tiny_cases import FrameVideo, random_frames
 
 FP8_DYNAMIC = {
     "quant_method": "compressed-tensors", "format": "float-quantized",
@@ -47,16 +48,6 @@ FP8_DYNAMIC = {
         "output_activations": None}},
     "ignore": ["lm_head", "re:.*merger.*", "re:.*patch_embed.*"],
 }
-
-
-def _frames(n, h=56, w=84, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, h, w, 3), dtype=torch.uint8, generator=g)
-
-
-class _Video:
-    def __init__(self, frames, fps=2.0):
-        self.frames, self.sampled_fps = frames, fps
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +123,7 @@ def test_fp8_within_e4m3_error_and_fused_equals_modules(plain, quant, kernels):
     quantised). The prefill's fused quantisation (norm / SiLU kernels writing e4m3, under the
     interpreter the Triton kernels themselves) gives what transformers' forward gives with
     the same FP8 modules quantising each input on their own, to fp32 rounding."""
-    prep = quant.prepare(_Video(_frames(4)), "what color is the ball ?")
+    prep = quant.prepare(FrameVideo(random_frames(4)), "what color is the ball ?")
     fp8_layers = [m for m in quant.model.modules() if isinstance(m, fp8.Fp8Linear)]
     for m in fp8_layers:
         m.kernels = kernels
@@ -240,7 +231,7 @@ def test_fp8_checkpoint_loads_as_quantised_at_load(ckpt, quant, tmp_path, legacy
     for n, m in mine.items():
         assert torch.equal(m.weight.view(torch.uint8), theirs[n].weight.view(torch.uint8)), n
         assert torch.equal(m.weight_scale, theirs[n].weight_scale), n
-    prep = quant.prepare(_Video(_frames(4)), "what color is the ball ?")
+    prep = quant.prepare(FrameVideo(random_frames(4)), "what color is the ball ?")
     assert torch.equal(_logits(ad, prep), _logits(quant, prep))
     pipe = Pipeline(str(path), attention="dense", device="cpu")
     assert pipe.quantization == "fp8" and pipe._prefix_identity["quantization"] == "fp8"
@@ -338,7 +329,7 @@ def test_longvila_fp8(tmp_path):
     assert not any(isinstance(m, fp8.Fp8Linear) for m in quant.projector.modules())
     assert type(quant.lm_head) is torch.nn.Linear
     plain = LongVILA.from_pretrained(path, device="cpu")
-    prep = plain.prepare(_frames(8, 40, 70), "what color ?")
+    prep = plain.prepare(random_frames(8, 40, 70), "what color ?")
     want, got = _logits(plain, prep), _logits(quant, prep)
     rel = float((got - want).norm() / want.norm())
     assert 1e-4 < rel < 2 ** -4, rel
@@ -353,7 +344,7 @@ def test_fp8_on_cuda_graph_decode_and_bf16(ckpt):
     plain = Qwen2_5_VLAdapter.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16)
     quant = Qwen2_5_VLAdapter.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16,
                                               quantization="fp8")
-    prep = quant.prepare(_Video(_frames(4)), "what color is the ball ?")
+    prep = quant.prepare(FrameVideo(random_frames(4)), "what color is the ball ?")
     want, got = _logits(plain, prep), _logits(quant, prep)
     assert 1e-4 < float((got - want).norm() / want.norm()) < 2 ** -4
     runs = {}
@@ -374,7 +365,7 @@ def test_fp8_vision_tower_fused_equals_modules(plain, quant, kernels):
     """The FP8 vision tower's fused path (gate/up stacked in e4m3 and zero-padded, the norms
     and SiLU writing e4m3) gives what the FP8 modules give block by block, to fp32 rounding,
     and stays within 2^-4 of the plain tower."""
-    prep = quant.prepare(_Video(_frames(4)), "what color is the ball ?")
+    prep = quant.prepare(FrameVideo(random_frames(4)), "what color is the ball ?")
     t, h, w = (int(v) for v in prep.tensors["video_grid_thw"][0])
     pixels = quant.pixel_values(prep)
     with torch.inference_mode():

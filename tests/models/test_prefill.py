@@ -19,6 +19,7 @@ from mminfer.models.prefill import prefill
 from mminfer.sparse import patterns as P
 from mminfer.sparse.patterns import HeadPatternConfig
 from conftest import load_script
+from tiny_cases import FrameVideo, random_frames
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -48,20 +49,10 @@ def longvila(tmp_path_factory):
     return LongVILA.from_pretrained(path, device="cpu")
 
 
-def _frames(n, h=56, w=84, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, h, w, 3), dtype=torch.uint8, generator=g)
-
-
-class _Video:
-    def __init__(self, frames, fps=2.0):
-        self.frames, self.sampled_fps = frames, fps
-
-
 def _prepared(adapter, name):
     if name == "qwen":
-        return adapter.prepare(_Video(_frames(6)), "what color is the ball now?")
-    return adapter.prepare(_frames(3, 40, 70), "Where does it go?")
+        return adapter.prepare(FrameVideo(random_frames(6)), "what color is the ball now?")
+    return adapter.prepare(random_frames(3, 40, 70), "Where does it go?")
 
 
 @pytest.fixture(params=["qwen", "longvila"])

@@ -1,5 +1,7 @@
 """One question about a small video on each tiny checkpoint (Qwen2.5-VL, LongVILA): the
 prepared prompt and its embeddings, for the decode and KV-cache tests."""
+import torch
+
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from lab.toy.tiny_longvila import save_tiny_longvila
 from mminfer.engine import video as videolib
@@ -21,3 +23,16 @@ def prepared_pair(root, mp4) -> dict:
         prep = ad.prepare(decoded, Conversation.single(QUESTION))
         out[kind] = (ad, prep, ad.embed(prep))
     return out
+
+
+def random_frames(n, h=56, w=84, seed=0):
+    """``n`` random RGB frames ``[n, h, w, 3]`` uint8 (for prepare without a video file)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, h, w, 3), dtype=torch.uint8, generator=g)
+
+
+class FrameVideo:
+    """What Qwen2.5-VL's prepare reads of a decoded video: ``frames``, ``sampled_fps``."""
+
+    def __init__(self, frames, fps=2.0):
+        self.frames, self.sampled_fps = frames, fps
