@@ -12,7 +12,7 @@ memory in use on the device (polled with ``nvidia-smi``, or ``torch.cuda.mem_get
 it) and the child's peak resident host memory (``RUSAGE_CHILDREN``), the tokens per video
 and the size of the captures on disk.
 
-    python benchmarks/calibrate.py --model qwen --frames 1024 --out out/calibrate
+    python benchmarks/calibrate.py --model qwen --frames 448 --out out/calibrate
     python benchmarks/calibrate.py --model longvila --frames 128 --out out/calibrate
     python benchmarks/calibrate.py --tiny --model qwen --out /tmp/cal     # CPU smoke test
 
@@ -41,9 +41,12 @@ sys.path.insert(0, str(ROOT))
 
 import e2e  # noqa: E402  (the checkpoint writers)
 
-# Frames of a 224 x 224 synthetic video (mminfer.offline.synthetic) for ~32K tokens each.
-DEFAULT_FRAMES = {"qwen": 1024, "longvila": 128}
+# Frames of a 224 x 224 synthetic video (mminfer.offline.synthetic) for ~32K tokens each
+# (Qwen2.5-VL: 72 tokens a frame, measured: 1024 frames gave 73,751 tokens on the H200).
+DEFAULT_FRAMES = {"qwen": 448, "longvila": 128}
 CAPTURED = re.compile(r"^captured (\S+) \((\d+) tokens\)")
+# tqdm's bar of the search ("calibrate:  41%|...| 290/700 [01:02<01:28, 4.6run/s]")
+PROGRESS = re.compile(r"^calibrate:\s+\d+%.*?(\d+)/(\d+) \[")
 
 
 class GpuPeak:
@@ -111,31 +114,59 @@ def write_checkpoint(model: str, path: Path, device: str, tiny: bool, frames: in
 
 
 def run_calibrate(ckpt: Path, videos: list[str], out: Path, device: str, extra: list[str],
-                  log) -> dict:
+                  log, deadline_s: float | None = None) -> dict:
+    """Runs the command; past ``deadline_s`` it is stopped and the record says how far the
+    search got (runs done of total), so the minutes a whole search takes can be read off."""
     cmd = [sys.executable, "-m", "mminfer", "calibrate", "--model", str(ckpt),
            "--videos", *videos, "--device", device, "--out", str(out / "heads.json"), *extra]
     log("$ " + " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    captured, t_capture = [], None
+    captured, t_capture, done, stopped = [], None, None, False
     t0 = time.perf_counter()
     with GpuPeak() as gpu:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, cwd=ROOT)
-        tail = []
-        for line in proc.stdout:
+        timer = None
+        if deadline_s:
+            def stop():
+                nonlocal stopped
+                stopped = True
+                proc.kill()
+            timer = threading.Timer(deadline_s, stop)
+            timer.start()
+        tail, last_log = [], 0.0
+        for line in proc.stdout:      # tqdm's \r updates arrive as lines (universal newlines)
             line = line.rstrip()
+            if not line:
+                continue
             tail = (tail + [line])[-40:]
+            now = time.perf_counter() - t0
             m = CAPTURED.match(line)
             if m:
                 captured.append({"path": m.group(1), "tokens": int(m.group(2))})
-                t_capture = time.perf_counter() - t0
-                log(f"{t_capture:8.1f} s  {line}")
+                t_capture = now
+                log(f"{now:8.1f} s  {line}")
+            m = PROGRESS.match(line)
+            if m:
+                done = (int(m.group(1)), int(m.group(2)), round(now, 1))
+                if now - last_log >= 15:
+                    last_log = now
+                    log(f"{now:8.1f} s  search {done[0]}/{done[1]}")
         rc = proc.wait()
+        if timer is not None:
+            timer.cancel()
     total = time.perf_counter() - t0
+    search = None
+    if done is not None and t_capture is not None:
+        runs, of, at = done
+        search = {"runs_done": runs, "runs_total": of, "at_s": at,
+                  # a stopped search: its whole length at the rate it ran
+                  "projected_search_s": round((at - t_capture) * of / max(runs, 1), 1)}
     if rc != 0:
         log("\n".join(tail))
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20   # KiB -> GiB
-    return {"rc": rc, "command": " ".join(cmd[1:]), "total_s": round(total, 1),
+    return {"rc": rc, "stopped_at_deadline": stopped, "search_progress": search,
+            "command": " ".join(cmd[1:]), "total_s": round(total, 1),
             "capture_s": None if t_capture is None else round(t_capture, 1),
             "search_s": None if t_capture is None else round(total - t_capture, 1),
             "tokens": [c["tokens"] for c in captured],
@@ -161,6 +192,8 @@ def main(argv=None) -> int:
                    help="checkpoints and captures (local disk; never under --out)")
     p.add_argument("--out", default="out/calibrate")
     p.add_argument("--keep-captures", action="store_true")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="stop the command after this long and record how far its search got")
     p.add_argument("calibrate_args", nargs="*",
                    help="more arguments for mminfer calibrate (after --)")
     a = p.parse_args(argv)
@@ -186,7 +219,8 @@ def main(argv=None) -> int:
     extra = list(a.calibrate_args)
     if not any(x.startswith("--capture-dir") for x in extra):
         extra += ["--capture-dir", str(work / f"{a.model}.captures")]
-    rec = run_calibrate(ckpt, videos, run_dir, device, extra, log)
+    rec = run_calibrate(ckpt, videos, run_dir, device, extra, log,
+                        deadline_s=a.deadline_s and max(1.0, a.deadline_s - write_s))
     rec.update(model=a.model, tiny=a.tiny, device=device, frames=frames, videos=videos,
                checkpoint_write_s=round(write_s, 1),
                commit=os.environ.get("E2E_COMMIT") or e2e._git_commit(),

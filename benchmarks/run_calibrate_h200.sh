@@ -12,9 +12,9 @@ source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 if [ "${QWEN_S:-280}" -gt 0 ]; then
   timeout -k 10 "${QWEN_S:-280}" python3 benchmarks/calibrate.py --model qwen \
-    --frames "${FRAMES_QWEN:-1024}" --out "$OUT" -- ${CAL_ARGS:-} 2>&1 | tail -6
+    --frames "${FRAMES_QWEN:-448}" --deadline-s $(( ${QWEN_S:-280} - 15 )) --out "$OUT" -- ${CAL_ARGS:-} 2>&1 | tail -12
 fi
 if [ "${LONGVILA_S:-280}" -gt 0 ]; then
   timeout -k 10 "${LONGVILA_S:-280}" python3 benchmarks/calibrate.py --model longvila \
-    --frames "${FRAMES_LONGVILA:-128}" --out "$OUT" -- ${CAL_ARGS:-} 2>&1 | tail -6
+    --frames "${FRAMES_LONGVILA:-128}" --deadline-s $(( ${LONGVILA_S:-280} - 15 )) --out "$OUT" -- ${CAL_ARGS:-} 2>&1 | tail -12
 fi
