@@ -48,6 +48,10 @@ MIN_SCALE = 1e-12
 QUANTIZATIONS = (None, "fp8")
 # torch._scaled_mm on CUDA needs both GEMM widths (in, out) to be multiples of 16.
 ALIGN = 16
+# (rows, N, K) that cuBLASLt refused with CUBLAS_STATUS_NOT_SUPPORTED: seen on the H200
+# (torch 2.11, CUDA 13) for one row at N = K = 64, while one row at the 7B's widths runs.
+# Such a GEMM takes the dequantised product from then on (the same arithmetic).
+_UNSUPPORTED: set = set()
 
 
 # ---------------------------------------------------------------------- the activation
@@ -284,9 +288,18 @@ def fp8_gemm(x: Fp8Act, wq: torch.Tensor, ws: torch.Tensor, bias=None, *,
             and n_out == N
     else:
         mm_out, fuse = out, bias is not None and bias.dtype == out and n_out == N
-    y = torch._scaled_mm(a.contiguous(), wq.t(), scale_a=sa.contiguous(),
-                         scale_b=ws.view(1, -1), bias=bias if fuse else None,
-                         out_dtype=mm_out)
+    shape = (a.shape[0], N, K)
+    if shape in _UNSUPPORTED:
+        return scaled_mm_ref(a, sa, wq, ws, bias, out)[:, :n_out].reshape(*lead, n_out)
+    try:
+        y = torch._scaled_mm(a.contiguous(), wq.t(), scale_a=sa.contiguous(),
+                             scale_b=ws.view(1, -1), bias=bias if fuse else None,
+                             out_dtype=mm_out)
+    except RuntimeError as e:   # refused before launch: nothing ran, the stream is clean
+        if "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
+            raise
+        _UNSUPPORTED.add(shape)
+        return scaled_mm_ref(a, sa, wq, ws, bias, out)[:, :n_out].reshape(*lead, n_out)
     if n_out != N:
         y = y[:, :n_out]
     if bias is not None and not fuse:

@@ -98,6 +98,35 @@ def test_scaled_gemm_is_the_dequantised_arithmetic():
     assert got.shape == (2, 5, 48) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_gemm_cublas_refuses_takes_the_dequantised_product(monkeypatch):
+    """cuBLASLt refuses some shapes (on the H200: one row at N = K = 64) with
+    CUBLAS_STATUS_NOT_SUPPORTED: that GEMM gets the dequantised product, the shape is
+    remembered (no second try), and any other error still raises."""
+    calls = []
+
+    def refuse(*a, **kw):
+        calls.append(a[0].shape)
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+
+    monkeypatch.setattr(fp8, "_UNSUPPORTED", set())
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    g = torch.Generator().manual_seed(4)
+    act = fp8.quantize_rows(torch.randn(1, 64, generator=g), kernels="torch")
+    wq, ws = fp8.quantize_weight(torch.randn(64, 64, generator=g))
+    want = fp8.scaled_mm_ref(act.data, act.scale, wq, ws, None, torch.float32)
+    for _ in range(2):
+        assert torch.equal(fp8.fp8_gemm(act, wq, ws), want)
+    assert calls == [(1, 64)] and fp8._UNSUPPORTED == {(1, 64, 64)}
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch, "_scaled_mm", broken)
+    other = fp8.quantize_rows(torch.randn(2, 64, generator=g), kernels="torch")
+    with pytest.raises(RuntimeError, match="illegal memory"):
+        fp8.fp8_gemm(other, wq, ws)
+
+
 def test_fp8_linear_within_e4m3_error_of_linear():
     """Weight and activation each carry a relative rounding error of at most 2^-4 per
     element (e4m3 keeps 3 mantissa bits); for random data the output's error is then about
