@@ -586,6 +586,33 @@ def request(pipe, case: Case, video: str, mode: str, args, *, frames: int | None
     return entry
 
 
+def profiled(fn, path: Path):
+    """``fn()`` under cProfile (Python functions, Triton's compiler included, by cumulative
+    time) and torch.profiler (ops by host time, then by CUDA time), the costliest 30 of
+    each to ``path``: where a follow-up's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch   # lazy: as everywhere in this script, torch loads after the video work
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    py = cProfile.Profile()
+    with torch.profiler.profile(activities=acts) as prof:
+        py.enable()
+        out = fn()
+        py.disable()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("cumulative").print_stats(40)
+    ka = prof.key_averages()
+    path.write_text(text.getvalue() + "\n\n" +
+                    ka.table(sort_by="cpu_time_total", row_limit=30) + "\n\n" +
+                    (ka.table(sort_by="cuda_time_total", row_limit=30)
+                     if torch.cuda.is_available() else ""))
+    return out
+
+
 def repeated_questions(pipe, case: Case, video: str, mode: str, args) -> dict:
     """Questions about one video on one Pipeline with the video cache on (8 new tokens each,
     as for multiple choice): the first builds the prefix (a miss), the follow-ups continue it
@@ -602,7 +629,12 @@ def repeated_questions(pipe, case: Case, video: str, mode: str, args) -> dict:
     if "timings_ms" not in first:
         return out
     hits = []
-    for q in FOLLOW_UPS[:max(args.follow_ups, 2)]:
+    for i, q in enumerate(FOLLOW_UPS[:max(args.follow_ups, 2)]):
+        if i == 0 and args.profile_follow_up:
+            hits.append(profiled(lambda: request(pipe, case, video, mode, args, question=q,
+                                                 use_cache=True, max_new_tokens=8),
+                                 Path(args.out) / f"profile_follow_up_{case.name}.txt"))
+            continue
         hits.append(request(pipe, case, video, mode, args, question=q, use_cache=True,
                             max_new_tokens=8))
     out["follow_ups"] = hits
@@ -1332,6 +1364,9 @@ def parse_args(argv=None):
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
     p.add_argument("--follow-ups", type=int, default=14,
                    help="repeated questions: follow-ups after the first (0: skip the step)")
+    p.add_argument("--profile-follow-up", action="store_true",
+                   help="repeated questions: the first follow-up under torch.profiler, its "
+                   "costliest ops written to OUT/profile_follow_up_CASE.txt")
     p.add_argument("--no-host-tier", dest="host_tier", action="store_false",
                    help="repeated questions: skip the follow-up from the host tier")
     p.add_argument("--no-dense", dest="dense", action="store_false",
