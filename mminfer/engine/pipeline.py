@@ -302,8 +302,20 @@ class Pipeline:
             lengths.append(prep.prefix_len)
             if len(seen) == 2:
                 break
-        return {"ran": True, "sparse": sparse, "lengths": lengths,
-                "seconds": round(time.perf_counter() - t0, 3)}
+        out = {"ran": True, "sparse": sparse, "lengths": lengths}
+        if ad.kv_cache_dtype is not None:
+            # lazy: triton, which `mminfer --help` must not import (as above)
+            from mminfer.kernels import fp8_attention
+            # a question's rows over the FP8 cache take one of several row tiles, each its
+            # own compile; the warm-up's own suffix met one of them
+            layer = kv.layers[0]
+            cfg = ad.text_model.config
+            group = cfg.num_attention_heads // cfg.num_key_value_heads
+            out["fp8_row_tiles"] = fp8_attention.warm(
+                layer.keys, layer.values, layer.k_scale, layer.v_scale,
+                group * layer.keys.shape[1], embeds.dtype)
+        out["seconds"] = round(time.perf_counter() - t0, 3)
+        return out
 
     def answer(self, video_path, question: str | None = None, *, conversation=None,
                fps: float = 2.0, max_frames: int = 768, max_new_tokens: int = 32,
