@@ -108,14 +108,24 @@ def test_a_huge_legal_json_body_does_not_hold_health(serve, shape):
     raw = json.dumps(body).encode()
     del body
     assert len(raw) <= s.app.state.settings.max_json_bytes
-    p = Prober(s.url)
-    base = p.measure(1.0)
-    with p:
-        r = httpx.post(f"{s.url}/v1/chat/completions", content=raw, timeout=120,
-                       headers={"Content-Type": "application/json"})
-    assert r.status_code == 413 and "JSON values" in r.json()["error"]["message"], r.text
-    assert len(p.times) > 5
-    assert max(p.excess) < health_bound(base), (max(p.excess), max(p.times), max(base))
+    # Two tries, the better one judged: once in a fresh-clone run of the whole suite on the
+    # 2-core machine one probe took 0.69 s over its control (the server here shares the test
+    # process with what earlier tests left running; alone it stays under 0.02 s). A parse on
+    # the event loop holds /health for seconds on every try (7.0 s before the fix).
+    seen = []
+    for _ in range(2):
+        p = Prober(s.url)
+        base = p.measure(1.0)
+        with p:
+            r = httpx.post(f"{s.url}/v1/chat/completions", content=raw, timeout=120,
+                           headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "JSON values" in r.json()["error"]["message"], r.text
+        assert len(p.times) > 5
+        seen.append((max(p.excess), max(p.times), max(base)))
+        if max(p.excess) < health_bound(base):
+            break
+    else:
+        raise AssertionError(f"/health held on both tries (excess, worst, baseline): {seen}")
 
 
 def test_the_item_bound_is_exact(serve):
