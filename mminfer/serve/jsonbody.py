@@ -21,6 +21,7 @@ import atexit
 import concurrent.futures
 import json
 import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -92,12 +93,23 @@ def parse(raw: bytes, max_items: int, max_depth: int):
     return "ok", data
 
 
-def _child_init():
+def _child_init(parent: int):
     try:
         import resource  # lazy: POSIX only
         resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
     except (ImportError, ValueError, OSError):
         pass
+    # A pool worker holds both ends of its call queue's pipe, so it never reads EOF when the
+    # server dies (SIGKILL, a crash): without this, two orphans per server stayed behind.
+    # The server's pid comes from the server: a child still starting when the server died
+    # would otherwise read its new parent's.
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int, every: float = 0.5):
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(0)
 
 
 def pool() -> concurrent.futures.ProcessPoolExecutor:
@@ -107,7 +119,7 @@ def pool() -> concurrent.futures.ProcessPoolExecutor:
         if _pool is None:
             _pool = concurrent.futures.ProcessPoolExecutor(
                 WORKERS, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_child_init)
+                initializer=_child_init, initargs=(os.getpid(),))
             atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
         return _pool
 
