@@ -18,8 +18,9 @@ through their log-sum-exp. Splitting across the length keeps the GPU busy when o
 and 4 KV heads alone would give 4 programs.
 
 The tests hold it to a pure-PyTorch fp32 oracle (tests/kernels/test_fp8_attention.py).
-``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax (no full dequantised
-copy of a layer): where Triton cannot run (the CPU without its interpreter).
+``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax
+(no full dequantised copy of a layer): where Triton cannot run (the CPU without its
+interpreter).
 """
 
 from __future__ import annotations

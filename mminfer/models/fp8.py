@@ -277,8 +277,12 @@ def fp8_gemm(x: Fp8Act, wq: torch.Tensor, ws: torch.Tensor, bias=None, *,
     N, K = wq.shape
     n_out = N if out_features is None else out_features
     out = x.dtype
-    if a.is_cuda and (K % ALIGN or N % ALIGN):
+
+    def dequantised():
         return scaled_mm_ref(a, sa, wq, ws, bias, out)[:, :n_out].reshape(*lead, n_out)
+
+    if a.is_cuda and (K % ALIGN or N % ALIGN):
+        return dequantised()
     if a.shape[1] < K:                   # zero columns of a padded weight: zero inputs
         a = F.pad(a.view(torch.uint8), (0, K - a.shape[1])).view(FP8)
     if a.is_cuda:
@@ -290,7 +294,7 @@ def fp8_gemm(x: Fp8Act, wq: torch.Tensor, ws: torch.Tensor, bias=None, *,
         mm_out, fuse = out, bias is not None and bias.dtype == out and n_out == N
     shape = (a.shape[0], N, K)
     if shape in _UNSUPPORTED:
-        return scaled_mm_ref(a, sa, wq, ws, bias, out)[:, :n_out].reshape(*lead, n_out)
+        return dequantised()
     try:
         y = torch._scaled_mm(a.contiguous(), wq.t(), scale_a=sa.contiguous(),
                              scale_b=ws.view(1, -1), bias=bias if fuse else None,
@@ -299,7 +303,7 @@ def fp8_gemm(x: Fp8Act, wq: torch.Tensor, ws: torch.Tensor, bias=None, *,
         if "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
             raise
         _UNSUPPORTED.add(shape)
-        return scaled_mm_ref(a, sa, wq, ws, bias, out)[:, :n_out].reshape(*lead, n_out)
+        return dequantised()
     if n_out != N:
         y = y[:, :n_out]
     if bias is not None and not fuse:
