@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mminfer.sparse.modality import ModalityIndex  # noqa: E402
-from mminfer.models import hooks  # noqa: E402
+from mminfer.models import fp8, hooks  # noqa: E402
 from mminfer.models.base import _new_cache  # noqa: E402
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill  # noqa: E402
 from mminfer.sparse.patterns import HeadPatternConfig  # noqa: E402
@@ -184,6 +184,24 @@ def decode_diagnosis(model, cache, pos, steps=6) -> dict:
     return out
 
 
+def profile_prefill(model, head, kind, n, patterns, chunk, path):
+    """One (warm) sparse prefill under torch.profiler: kernels by device time, top 40."""
+    from torch.profiler import ProfilerActivity, profile
+    dev = next(model.parameters()).device
+    index = layout(kind, n)
+    pos = positions(kind, index, dev)
+    ctx = hooks.PrefillContext(index=index, patterns=patterns, mode="sparse", min_sparse_len=0)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_prefill(model, head, index, pos, ctx, chunk=chunk)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    total = sum(getattr(e, "self_device_time_total", 0) for e in ka)
+    with open(path, "w") as f:
+        f.write(f"{kind} n={n}: {total / 1e3:.0f} ms of kernels\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+    print(f"profile in {path}", flush=True)
+
+
 def decode_steps_ms(model, cache, pos, steps=8):
     """Times of ``steps`` one-token decode steps (the text model's own forward, dense, as
     Adapter.generate runs them) on the KV cache the prefill wrote."""
@@ -224,6 +242,12 @@ def main():
     ap.add_argument("--dense-full-max", type=int, default=300000)
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
                     help="tokens per chunk of the prefill's token-wise work")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="fp8: the decoder layers' projections as FP8 layers (the product's "
+                    "--quantization fp8, converted from the random bf16 weights)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more sparse prefill under torch.profiler: its kernels by device "
+                    "time to OUT/prefill_profile_MODEL_N.txt")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -241,10 +265,16 @@ def main():
         cfg_path = os.path.join(ROOT, "mminfer", "models", "configs", "qwen2_5_vl_7b.json" if kind == "qwen"
                                 else "longvila_7b_1m.json")
         patterns = HeadPatternConfig.load(cfg_path)
-        print(f"{kind}: built in {time.time() - t0:.0f} s", flush=True)
+        if a.quantization == "fp8":
+            fp8.convert(model, fp8.is_llm_linear)
+        print(f"{kind}: built in {time.time() - t0:.0f} s ({a.quantization})", flush=True)
         for n in lengths:
             sp = run_one(model, head, kind, n, "sparse", patterns, a.chunk)
+            sp["quantization"] = a.quantization
             rows.append(sp)
+            if a.profile:
+                profile_prefill(model, head, kind, n, patterns, a.chunk,
+                                os.path.join(a.out, f"prefill_profile_{kind}_{n}.txt"))
             print(json.dumps({k: v for k, v in sp.items() if k != "density_per_layer"}),
                   flush=True)
             if n <= a.dense_full_max:

@@ -5,9 +5,12 @@
 #   2. benchmarks/e2e.py twice on the same case(s), videos and checkpoints (written once under
 #      /tmp/mminfer_e2e): as served today (bf16), then --quantization fp8 --kv-cache-dtype fp8;
 #      TTFT by stage, follow-ups (decode ms/token), peak GPU memory per request;
-#   3. FP8 against bf16 answers of the embedded model (quality.py --fp8: agreement, KL).
+#   3. FP8 against bf16 answers of the embedded model (quality.py --fp8: agreement, KL);
+#   4. where the time goes (BREAKDOWN_S): benchmarks/prefill.py at 276K (Qwen2.5-VL-7B text
+#      model) bf16 then FP8 and benchmarks/vision.py (fused vs fp8 tower, 384 pairs), each
+#      with its kernels by device time under torch.profiler; all in $OUT/breakdown.tgz.
 #   E2E_COMMIT=$(git rev-parse --short HEAD) CASES="qwen276k" bash benchmarks/run_fp8_h200.sh
-# Budgets (s; 0 skips a step): TESTS_S, E2E_S (each of the two runs), QUALITY_S.
+# Budgets (s; 0 skips a step): TESTS_S, E2E_S (each of the two runs), QUALITY_S, BREAKDOWN_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/fp8}; mkdir -p "$OUT"
@@ -41,4 +44,16 @@ if [ "${QUALITY_S:-0}" -gt 0 ]; then
     --per-task 3 --depths 0 0.5 1} --max-minutes "${QUALITY_MIN:-3}" --out /tmp/quality_fp8 \
     > "$OUT/quality_fp8.log" 2>&1; tail -30 "$OUT/quality_fp8.log"
   cp /tmp/quality_fp8/quality.json "$OUT/quality_fp8.json" 2>/dev/null
+fi
+if [ "${BREAKDOWN_S:-0}" -gt 0 ]; then
+  BD="$OUT/breakdown"; mkdir -p "$BD"
+  for q in none fp8; do
+    timeout -k 5 "$BREAKDOWN_S" python3 benchmarks/prefill.py --model qwen \
+      --lengths ${BD_TOKENS:-276480} --dense-full-max 0 --quantization $q --profile \
+      --out "$BD/prefill_$q" > "$BD/prefill_$q.log" 2>&1; tail -4 "$BD/prefill_$q.log"
+  done
+  timeout -k 5 "$BREAKDOWN_S" python3 benchmarks/vision.py --pairs ${BD_PAIRS:-384} \
+    --variants fused fp8 --hf-max-pairs 0 --reps 2 --no-preprocess --profile --gemms \
+    --out "$BD/vision" > "$BD/vision.log" 2>&1; tail -8 "$BD/vision.log"
+  tar czf "$OUT/breakdown.tgz" -C "$OUT" breakdown && rm -rf "$BD"
 fi

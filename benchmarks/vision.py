@@ -20,6 +20,8 @@ Variants of our tower (``--variants``; ``--compile 1`` makes the default ``compi
 * ``compiled``: the fused block's torch ops through ``torch.compile(dynamic=False)``, the last
   chunk padded to the chunk's shape. ``first_chunk_ms`` in the JSON: each variant's first
   chunk ever (Triton JIT; for ``compiled`` the compilation), timed before anything else;
+* ``fp8``: the fused block with the blocks' qkv/proj/MLP as FP8 layers (what
+  ``--quantization fp8`` serves), converted from the same bf16 weights;
 * ``name@backend`` (e.g. ``fused@cudnn``): that variant with SDPA held to one backend
   (flash, cudnn, efficient, math); without it SDPA picks.
 
@@ -49,6 +51,7 @@ transformers tower on ``--check-pairs`` pairs. JSON goes to ``--out``/vision.jso
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -58,6 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from mminfer.models import fp8  # noqa: E402
 from mminfer.models.vision import CHUNK_PATCHES, QwenVisionTower  # noqa: E402
 
 QWEN_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
@@ -91,7 +95,8 @@ def transformers_features(visual, pixels, n_pairs, h, w):
     return getattr(out, "pooler_output", out)
 
 
-VARIANTS = {"plain": dict(fused=False), "fused": dict(), "compiled": dict(compile=True)}
+VARIANTS = {"plain": dict(fused=False), "fused": dict(), "compiled": dict(compile=True),
+            "fp8": dict()}   # fp8: the fused block on a copy with FP8 layers (--quantization fp8)
 SDPA = ("flash", "cudnn", "efficient", "math")
 
 
@@ -134,6 +139,9 @@ class Ours:
 
     def __init__(self, visual, h, w, chunk_patches, variant="fused"):
         name, _, backend = variant.partition("@")
+        if name == "fp8":     # the product's conversion of the same weights
+            visual = copy.deepcopy(visual)
+            fp8.convert(visual, fp8.is_vision_linear)
         self.tower = Tower(QwenVisionTower(visual, **VARIANTS[name]), backend)
         self.variant = variant
         self.h, self.w = h, w
@@ -399,8 +407,21 @@ def gemm_rates(visual, tokens, device, dtype, reps):
             b = torch.randn(n, device=device, dtype=dtype)
             ms = timed(lambda: torch.nn.functional.linear(x, wt, b), device, max(reps, 5))[0]
             out[name] = {"k": k, "n": n, "ms": ms, "tflops": 2 * tokens * k * n / ms / 1e9}
+            fp8_txt = ""
+            if device.type == "cuda" and k % fp8.ALIGN == 0 and n % fp8.ALIGN == 0:
+                # the FP8 layer's GEMM on operands already quantised, and its own
+                # quantisation pass (what a producer kernel that quantises saves)
+                lin = fp8.Fp8Linear(*fp8.quantize_weight(wt), b)
+                xq = fp8.quantize_rows(x)
+                ms8 = timed(lambda: lin(xq), device, max(reps, 5))[0]
+                msq = timed(lambda: fp8.quantize_rows(x), device, max(reps, 5))[0]
+                out[name].update(fp8_ms=ms8, fp8_tflops=2 * tokens * k * n / ms8 / 1e9,
+                                 quantize_ms=msq)
+                fp8_txt = (f" | fp8 {ms8:8.3f} ms {out[name]['fp8_tflops']:7.1f} TFLOP/s, "
+                           f"quantise {msq:6.3f} ms")
+                del lin, xq
             print(f"  {name:<20} K={k:<5} N={n:<5} {ms:8.3f} ms {out[name]['tflops']:7.1f} "
-                  f"TFLOP/s", flush=True)
+                  f"TFLOP/s{fp8_txt}", flush=True)
             del x, wt, b
     return out
 
