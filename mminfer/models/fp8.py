@@ -52,6 +52,10 @@ ALIGN = 16
 # (torch 2.11, CUDA 13) for one row at N = K = 64, while one row at the 7B's widths runs.
 # Such a GEMM takes the dequantised product from then on (the same arithmetic).
 _UNSUPPORTED: set = set()
+# SiLU·up rows up to this (power-of-two) width are held whole by one program and read once
+# (the vision MLP's 3456); wider ones (the 7B LM's 18944) take two passes over column tiles,
+# the second mostly from L2.
+ONE_PASS_MAX = 8192
 
 
 # ---------------------------------------------------------------------- the activation
@@ -196,6 +200,17 @@ def _silu_mul_quant_kernel(G, U, Q, S, C, stride_g, stride_u, stride_q,
     tl.store(S + row, scale)
 
 
+@triton.jit
+def _silu_mul_quant_row_kernel(G, U, Q, S, C, stride_g, stride_u, stride_q,
+                               BLOCK_C: tl.constexpr):
+    # one program per row, the whole row in registers: G and U read once
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    y = _silu_mul(G, U, row, cols, cols < C, stride_g, stride_u)
+    scale = _store_fp8(Q, row, cols, cols < C, y, tl.max(tl.abs(y), axis=0), stride_q)
+    tl.store(S + row, scale)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, K]`` with unit stride along K (a view where it can be)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -258,7 +273,11 @@ def silu_mul_quant(g: torch.Tensor, u: torch.Tensor, *, kernels: str = "auto") -
     N, C = g2.shape
     q = torch.empty(N, C, dtype=FP8, device=g.device)
     s = torch.empty(N, 1, dtype=torch.float32, device=g.device)
-    if N:
+    if N and triton.next_power_of_2(C) <= ONE_PASS_MAX:
+        _silu_mul_quant_row_kernel[(N,)](g2, u2, q, s, C, g2.stride(0), u2.stride(0),
+                                         q.stride(0), BLOCK_C=triton.next_power_of_2(C),
+                                         num_warps=8)
+    elif N:
         _silu_mul_quant_kernel[(N,)](g2, u2, q, s, C, g2.stride(0), u2.stride(0), q.stride(0),
                                      BLOCK_C=_tile(C), num_warps=4)
     return Fp8Act(q.view(g.shape), s.view(*g.shape[:-1], 1), g.dtype)

@@ -42,7 +42,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mminfer.errors import Cancelled
-from mminfer.models import fp8, hooks
+from mminfer.models import fp8, hooks, rope
 
 # Tokens per chunk of the token-wise work: ≥ 16K rows keeps every GEMM at full speed on an H200
 # while the MLP's temporaries stay ≈ 1.8 GB at 7B sizes (bf16), against ≈ 57 GB of KV cache at 1M.
@@ -78,7 +78,7 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
     todo = text_model.layers if layers is None else [text_model.layers[i] for i in layers]
     with torch.inference_mode(), \
             (hooks.prefill_context(ctx) if ctx is not None else nullcontext()):
-        rope = _rotary(text_model, h, _position_ids(text_model, position_ids, n, h.device), spans)
+        cos_sin = _rotary(text_model, h, _position_ids(text_model, position_ids, n, h.device), spans)
         if ctx is not None:
             ctx.decide(n)
         # only a run of every layer ends in the rows nobody reads; a captured layer is needed whole
@@ -88,21 +88,21 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
         for i, layer in enumerate(todo):
             _check_cancel(ctx, layer.self_attn.layer_idx)
             if kv_only_last and last_only and i == len(todo) - 1:
-                _layer_kv(layer, h, rope, spans, cache)
+                _layer_kv(layer, h, cos_sin, spans, cache)
                 if ctx is not None:       # no plan: reported as the layer that made none
                     ctx.last_row_only = layer.self_attn.layer_idx
                 return None
             if last_only and i == len(todo) - 1:
-                last = _decoder_layer(layer, h, rope, spans, cache, last_only=True)
+                last = _decoder_layer(layer, h, cos_sin, spans, cache, last_only=True)
                 if ctx is not None:
                     ctx.last_row_only = layer.self_attn.layer_idx
             else:
-                _decoder_layer(layer, h, rope, spans, cache)
+                _decoder_layer(layer, h, cos_sin, spans, cache)
         last = text_model.norm(h[:, -1:] if last is None else last)
         return lm_head(last) if lm_head is not None else last
 
 
-def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
+def _decoder_layer(layer, h, cos_sin, spans, cache, last_only=False):
     """``layer`` (a transformers decoder layer) on the residual stream ``h``, in place:
     h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h)).
 
@@ -115,29 +115,26 @@ def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
     d = attn.head_dim
     apply_rope = _module_of(attn).apply_rotary_pos_emb
     q = k = v = None
-    for (s, e), (cos, sin) in zip(spans, rope):
+    for (s, e), (cos, sin) in zip(spans, cos_sin):
         # FP8 projections: the norm's kernel writes the quantised rows they read
         x = fp8.normed(layer.input_layernorm, h[:, s:e], attn.q_proj, attn.k_proj, attn.v_proj)
-        kc = attn.k_proj(x).view(1, e - s, -1, d).transpose(1, 2)        # [1, Hkv, c, d]
-        vc = attn.v_proj(x).view(1, e - s, -1, d).transpose(1, 2)
+        kp, vp = attn.k_proj(x), attn.v_proj(x)                            # [1, c, Hkv*d]
         if k is None:
-            k = kc.new_empty(1, kc.shape[1], n, d)
-            v = vc.new_empty(1, vc.shape[1], n, d)
+            k = kp.new_empty(1, kp.shape[-1] // d, n, d)
+            v = vp.new_empty(1, vp.shape[-1] // d, n, d)
+        _rope_rows(apply_rope, kp, k, s, cos, sin)
+        v[:, :, s:e] = vp.view(1, e - s, -1, d).transpose(1, 2)
+        del kp, vp
         if not last_only:
-            qc = attn.q_proj(x).view(1, e - s, -1, d).transpose(1, 2)    # [1, H, c, d]
-            qc, kc = apply_rope(qc, kc, cos, sin)
+            qp = attn.q_proj(x)                                            # [1, c, H*d]
             if q is None:
-                q = qc.new_empty(1, qc.shape[1], n, d)
-            q[:, :, s:e] = qc
-            del qc
-        else:   # rotary is elementwise per row: each of q and k can be rotated alone
-            _, kc = apply_rope(kc, kc, cos, sin)
-            if e == n:
-                q = attn.q_proj(x[:, -1:]).view(1, 1, -1, d).transpose(1, 2)
-                q, _ = apply_rope(q, q, cos[:, -1:], sin[:, -1:])
+                q = qp.new_empty(1, qp.shape[-1] // d, n, d)
+            _rope_rows(apply_rope, qp, q, s, cos, sin)
+            del qp
+        elif e == n:   # rotary is elementwise per row: the last query can be rotated alone
+            q = attn.q_proj(x[:, -1:]).view(1, 1, -1, d).transpose(1, 2)
+            q, _ = apply_rope(q, q, cos[:, -1:], sin[:, -1:])
         del x
-        k[:, :, s:e], v[:, :, s:e] = kc, vc
-        del kc, vc
     if cache is not None:
         kc, vc = cache.update(k, v, attn.layer_idx)
         # the cache's copy becomes the only one: ours is dropped here. An FP8 cache
@@ -162,24 +159,36 @@ def _decoder_layer(layer, h, rope, spans, cache, last_only=False):
         part += fp8.mlp(layer.mlp, layer.post_attention_layernorm, part)
 
 
-def _layer_kv(layer, h, rope, spans, cache):
+def _layer_kv(layer, h, cos_sin, spans, cache):
     """Only the K/V that ``layer`` writes into ``cache`` for the rows of ``h``."""
     attn = layer.self_attn
     d = attn.head_dim
     apply_rope = _module_of(attn).apply_rotary_pos_emb
     n = h.shape[1]
     k = v = None
-    for (s, e), (cos, sin) in zip(spans, rope):
+    for (s, e), (cos, sin) in zip(spans, cos_sin):
         x = fp8.normed(layer.input_layernorm, h[:, s:e], attn.k_proj, attn.v_proj)
-        kc = attn.k_proj(x).view(1, e - s, -1, d).transpose(1, 2)
-        vc = attn.v_proj(x).view(1, e - s, -1, d).transpose(1, 2)
-        _, kc = apply_rope(kc, kc, cos, sin)
+        kp, vp = attn.k_proj(x), attn.v_proj(x)
         if k is None:
-            k = kc.new_empty(1, kc.shape[1], n, d)
-            v = vc.new_empty(1, vc.shape[1], n, d)
-        k[:, :, s:e], v[:, :, s:e] = kc, vc
-        del x, kc, vc
+            k = kp.new_empty(1, kp.shape[-1] // d, n, d)
+            v = vp.new_empty(1, vp.shape[-1] // d, n, d)
+        _rope_rows(apply_rope, kp, k, s, cos, sin)
+        v[:, :, s:e] = vp.view(1, e - s, -1, d).transpose(1, 2)
+        del x, kp, vp
     cache.update(k, v, attn.layer_idx)
+
+
+def _rope_rows(apply_rope, proj, buf, s, cos, sin):
+    """``buf[0, :, s:s+c]`` (head-major ``[1, H, N, d]``) = the rotated heads of ``proj``
+    ``[1, c, H*d]`` (a projection's output): one kernel (mminfer.models.rope) where the model's
+    RoPE is transformers' standard one, else the model's own function and a copy."""
+    c, d = proj.shape[1], buf.shape[-1]
+    if rope.standard(apply_rope) and cos.dim() == 3 and cos.shape[0] == 1:
+        rope.rotate_into(buf[0, :, s:s + c], proj[0], cos[0], sin[0])
+        return
+    t = proj.view(1, c, -1, d).transpose(1, 2)
+    t, _ = apply_rope(t, t, cos, sin)
+    buf[:, :, s:s + c] = t
 
 
 def _position_ids(text_model, position_ids, n, device):

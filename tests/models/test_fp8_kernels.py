@@ -5,6 +5,7 @@ and Fp8Linear within e4m3's error of nn.Linear."""
 
 import pytest
 import torch
+import triton
 
 from mminfer.kernels.runtime import interpreted
 from mminfer.models import fp8
@@ -62,9 +63,12 @@ def test_rms_norm_quant_kernel_matches_reference(dtype, add):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_mul_quant_kernel_matches_reference(dtype):
+@pytest.mark.parametrize("C", [2100, 9000], ids=["one-pass", "two-pass"])
+def test_silu_mul_quant_kernel_matches_reference(dtype, C):
+    # 2100: the whole row in one program (<= ONE_PASS_MAX); 9000: column tiles of 2048
+    assert (triton.next_power_of_2(2100) <= fp8.ONE_PASS_MAX < triton.next_power_of_2(9000))
     g = torch.Generator().manual_seed(2)
-    N, C = 5, 2100           # two column tiles of 2048
+    N = 5
     gu = (torch.randn(N, 2 * C, generator=g) * 3).to(dtype)
     gate, up = gu[:, :C], gu[:, C:]                        # views with a row stride of 2C
     got = fp8.silu_mul_quant(gate, up, kernels="triton")
@@ -177,9 +181,10 @@ def test_bf16_kernels_at_7b_sizes_on_cuda():
     _, q, s = fp8.rms_norm_quant_ref(x, w, 1e-6)
     _same_fp8(got, q, s, exact=False)
     _same_fp8(fp8.quantize_rows(x), *fp8.quantize_rows_ref(x), exact=False)
-    gu = torch.randn(N, 2 * I, generator=g, device=dev).to(bf)
-    _same_fp8(fp8.silu_mul_quant(gu[:, :I], gu[:, I:]),
-              *fp8.silu_mul_quant_ref(gu[:, :I], gu[:, I:]), exact=False)
+    for inter in (I, 3456):          # the LM's MLP (two passes), the vision MLP's (one)
+        gu = torch.randn(N, 2 * inter, generator=g, device=dev).to(bf)
+        _same_fp8(fp8.silu_mul_quant(gu[:, :inter], gu[:, inter:]),
+                  *fp8.silu_mul_quant_ref(gu[:, :inter], gu[:, inter:]), exact=False)
     wq, ws = fp8.quantize_weight(torch.randn(I, C, generator=g, device=dev).to(bf))
     act = fp8.quantize_rows(x)
     got = fp8.fp8_gemm(act, wq, ws)
