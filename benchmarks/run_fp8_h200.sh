@@ -4,7 +4,8 @@
 #      decode with FP8 layers and over an FP8 cache, the prefill's peak memory);
 #   2. benchmarks/e2e.py twice on the same case(s), videos and checkpoints (written once under
 #      /tmp/mminfer_e2e): as served today (bf16), then --quantization fp8 --kv-cache-dtype fp8;
-#      TTFT by stage, follow-ups (decode ms/token), peak GPU memory per request;
+#      TTFT by stage, follow-ups (decode ms/token), peak GPU memory per request; each after
+#      Pipeline.warmup (--pipeline-warmup), as `mminfer serve` starts;
 #   3. FP8 against bf16 answers of the embedded model (quality.py --fp8: agreement, KL);
 #   4. where the time goes (BREAKDOWN_S): benchmarks/prefill.py at 276K (Qwen2.5-VL-7B text
 #      model) bf16 then FP8 and benchmarks/vision.py (fused vs fp8 tower, 384 pairs), each
@@ -22,7 +23,7 @@ if [ "${TESTS_S:-150}" -gt 0 ]; then
     tests/kernels/test_fp8_attention.py tests/engine/test_fp8_video_cache.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -15
 fi
-COMMON="--warmup short --no-baseline --no-dense --no-host-tier --follow-ups ${FOLLOW_UPS:-2} --cases ${CASES:-qwen276k}"
+COMMON="--pipeline-warmup --warmup short --no-baseline --no-dense --no-host-tier --follow-ups ${FOLLOW_UPS:-2} --cases ${CASES:-qwen276k}"
 if [ "${E2E_S:-200}" -gt 0 ]; then
   for variant in bf16 fp8; do
     extra=""; [ "$variant" = fp8 ] && extra="--quantization fp8 --kv-cache-dtype fp8"

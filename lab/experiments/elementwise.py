@@ -4,8 +4,9 @@
 * LM rotary: transformers' ``apply_rotary_pos_emb`` on a chunk of q (28 x 128) and k
   (4 x 128) and the copy into the head-major buffers (the prefill before
   mminfer.models.rope) against ``rope.rotate_into``;
-* vision rotary: the kernel as it was (one program per 32 tokens x one head, 64 lanes for
-  head_dim/2 = 40; kept below) against the product's (tiles of (head, f) pairs);
+* vision rotary: the product's kernel (one program per 32 tokens x one head, 64 lanes for
+  head_dim/2 = 40) against a variant over tiles of (head, f) pairs (tried, kept below:
+  slower);
 * SiLU·up → fp8: the two-pass kernel against the one-pass one at the vision MLP's width
   (3456) and the LM's (18944), which sets ``fp8.ONE_PASS_MAX``.
 
@@ -28,13 +29,16 @@ from mminfer.models import vision_fused as vf
 
 
 @triton.jit
-def _rotary_kernel_before(QKV, COS, SIN, N, S, stride_t, HALF, HEAD_D,
-                          BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+def _rotary_kernel_pairs(QKV, COS, SIN, N, S, stride_t, HALF, HEAD_D, PAIRS,
+                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    # tried: program (token tile, tile of (head, f) pairs) so no lane idles on head_dim/2 =
+    # 40 < 64; 2.6x slower on the H200 (0.51 -> 1.35 ms: a runtime // and % per element,
+    # 80-byte runs), so the product keeps one head per program
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.program_id(1)
-    f = tl.arange(0, BLOCK_F)
-    m = (toks < N)[:, None] & (f < HALF)[None, :]
-    base = QKV + toks.to(tl.int64)[:, None] * stride_t + head * HEAD_D + f[None, :]
+    p = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    f = p % HALF
+    m = (toks < N)[:, None] & (p < PAIRS)[None, :]
+    base = QKV + toks.to(tl.int64)[:, None] * stride_t + ((p // HALF) * HEAD_D + f)[None, :]
     lo = tl.load(base, mask=m, other=0.0).to(tl.float32)
     hi = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
     at = (toks % S)[:, None] * HALF + f[None, :]
@@ -44,11 +48,12 @@ def _rotary_kernel_before(QKV, COS, SIN, N, S, stride_t, HALF, HEAD_D,
     tl.store(base + HALF, (hi * c + lo * s).to(QKV.dtype.element_ty), mask=m)
 
 
-def vision_rotary_before(qkv, cos, sin, S, heads, head_dim):
-    N = qkv.shape[0]
-    _rotary_kernel_before[(triton.cdiv(N, 32), 2 * heads)](
-        qkv, cos, sin, N, S, qkv.stride(0), head_dim // 2, head_dim, BLOCK_T=32,
-        BLOCK_F=max(16, triton.next_power_of_2(head_dim // 2)), num_warps=4)
+def vision_rotary_pairs(qkv, cos, sin, S, heads, head_dim):
+    N, pairs = qkv.shape[0], heads * head_dim
+    BT, BK = 16, min(256, triton.next_power_of_2(pairs))
+    _rotary_kernel_pairs[(triton.cdiv(N, BT), triton.cdiv(pairs, BK))](
+        qkv, cos, sin, N, S, qkv.stride(0), head_dim // 2, head_dim, pairs, BLOCK_T=BT,
+        BLOCK_K=BK, num_warps=4)
 
 
 def ms(fn, reps=20):
@@ -103,14 +108,14 @@ def vision_rotary(N=63360, S=2880, heads=16, d=80):
     cos = torch.randn(S, d // 2, device="cuda", generator=g)
     sin = torch.randn(S, d // 2, device="cuda", generator=g)
     a, b = qkv.clone(), qkv.clone()
-    vision_rotary_before(a, cos, sin, S, heads, d)
-    vf.rotary(b, cos, sin, S, heads, d, triton_kernels=True)
+    vf.rotary(a, cos, sin, S, heads, d, triton_kernels=True)
+    vision_rotary_pairs(b, cos, sin, S, heads, d)
     same = bool(torch.equal(a, b))
     bytes_ = 2 * 2 * N * 2 * heads * d
-    tb = ms(lambda: vision_rotary_before(a, cos, sin, S, heads, d))
-    ta = ms(lambda: vf.rotary(b, cos, sin, S, heads, d, triton_kernels=True))
-    return {"tokens": N, "before_ms": tb, "after_ms": ta, "speedup": tb / ta, "equal": same,
-            "after_tb_s": bytes_ / ta / 1e9}
+    tp = ms(lambda: vf.rotary(a, cos, sin, S, heads, d, triton_kernels=True))
+    tt = ms(lambda: vision_rotary_pairs(b, cos, sin, S, heads, d))
+    return {"tokens": N, "product_ms": tp, "pairs_tiling_ms": tt, "equal": same,
+            "product_tb_s": bytes_ / tp / 1e9}
 
 
 def silu_quant(N, C):

@@ -29,11 +29,25 @@ STANDARD_MODULES = ("transformers.models.qwen2.modeling_qwen2",
                     "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
 
 
+# the dtypes the kernel rounds like torch (bf16: the models'; fp32); others take torch ops
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def standard(apply_rope) -> bool:
     """Whether ``apply_rope`` is transformers' plain ``apply_rotary_pos_emb`` of a model this
     module reproduces (a kernel from the hub or another model's variant is not)."""
     return (getattr(apply_rope, "__name__", None) == "apply_rotary_pos_emb"
             and getattr(apply_rope, "__module__", None) in STANDARD_MODULES)
+
+
+@triton.jit
+def _to_bf16_grid(v):
+    """fp32 ``v`` rounded to the nearest bf16 value (ties to even), kept in fp32. On the bit
+    pattern: the compiler rewrites ``v.to(bf16).to(fp32)`` feeding more arithmetic into bf16
+    FMAs (one rounding fewer, 1 ulp off torch; seen in the H200's PTX), integer ops it
+    leaves alone."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -55,12 +69,15 @@ def _rope_kernel(X, COS, SIN, OUT, C, stride_xt, stride_ct, stride_st, stride_oh
     c_hi = tl.load(c + HALF, mask=m, other=0.0).to(tl.float32)
     s_lo = tl.load(s, mask=m, other=0.0).to(tl.float32)
     s_hi = tl.load(s + HALF, mask=m, other=0.0).to(tl.float32)
-    DT = OUT.dtype.element_ty
-    out_lo = (lo * c_lo).to(DT).to(tl.float32) - (hi * s_lo).to(DT).to(tl.float32)
-    out_hi = (hi * c_hi).to(DT).to(tl.float32) + (lo * s_hi).to(DT).to(tl.float32)
+    if OUT.dtype.element_ty == tl.bfloat16:
+        out_lo = _to_bf16_grid(_to_bf16_grid(lo * c_lo) - _to_bf16_grid(hi * s_lo))
+        out_hi = _to_bf16_grid(_to_bf16_grid(hi * c_hi) + _to_bf16_grid(lo * s_hi))
+    else:   # fp32: no rounding between the steps
+        out_lo = lo * c_lo - hi * s_lo
+        out_hi = hi * c_hi + lo * s_hi
     o = OUT + h * stride_oh + t64 * stride_ot + f
-    tl.store(o, out_lo.to(DT), mask=m)
-    tl.store(o + HALF, out_hi.to(DT), mask=m)
+    tl.store(o, out_lo.to(OUT.dtype.element_ty), mask=m)
+    tl.store(o + HALF, out_hi.to(OUT.dtype.element_ty), mask=m)
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,7 +98,8 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
         raise ValueError(f"rotate_into: x {tuple(x.shape)}, cos {tuple(cos.shape)} do not fit "
                          f"out {tuple(out.shape)}")
     half = d // 2
-    if not (use_triton(x, kernels) and d % 2 == 0 and half >= 8 and half & (half - 1) == 0
+    if not (use_triton(x, kernels) and x.dtype in KERNEL_DTYPES and out.dtype == x.dtype
+            and cos.dtype == x.dtype and sin.dtype == x.dtype and d % 2 == 0 and half >= 8 and half & (half - 1) == 0
             and x.stride(-1) == 1 and out.stride(-1) == 1 and cos.stride(-1) == 1
             and sin.stride(-1) == 1):
         out.copy_(rotate_ref(x.view(c, H, d).transpose(0, 1), cos, sin))

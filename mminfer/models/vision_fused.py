@@ -77,18 +77,14 @@ def _add_rms_norm_kernel(X, D, W, Y, C, stride_x, stride_d, stride_y, eps,
 
 
 @triton.jit
-def _rotary_kernel(QKV, COS, SIN, N, S, stride_t, HALF, HEAD_D, PAIRS,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (token tile, tile of (head, f) pairs): pair p is element f < HALF of head
-    # p // HALF (q's heads, then k's, consecutive in a row) with its partner f + HALF, so a
-    # program owns both halves of what it rotates in place and the tiles need not align to
-    # heads; a row's 2 * heads * HALF pairs in a few wide tiles (head_dim 80 would waste
-    # 24 of 64 lanes in tiles of one head)
+def _rotary_kernel(QKV, COS, SIN, N, S, stride_t, HALF, HEAD_D,
+                   BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    # program (token tile, head): heads 0..H-1 are q's, H..2H-1 k's, consecutive in a row
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    p = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    f = p % HALF
-    m = (toks < N)[:, None] & (p < PAIRS)[None, :]
-    base = QKV + toks.to(tl.int64)[:, None] * stride_t + ((p // HALF) * HEAD_D + f)[None, :]
+    head = tl.program_id(1)
+    f = tl.arange(0, BLOCK_F)
+    m = (toks < N)[:, None] & (f < HALF)[None, :]
+    base = QKV + toks.to(tl.int64)[:, None] * stride_t + head * HEAD_D + f[None, :]
     lo = tl.load(base, mask=m, other=0.0).to(tl.float32)
     hi = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
     at = (toks % S)[:, None] * HALF + f[None, :]
@@ -136,11 +132,10 @@ def _rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, S: int, 
                head_dim: int) -> None:
     N = qkv.shape[0]
     if N:
-        pairs = heads * head_dim           # q's and k's heads, half a head each
-        BT, BK = 16, min(256, triton.next_power_of_2(pairs))
-        _rotary_kernel[(triton.cdiv(N, BT), triton.cdiv(pairs, BK))](
-            qkv, cos, sin, N, S, qkv.stride(0), head_dim // 2, head_dim, pairs, BLOCK_T=BT,
-            BLOCK_K=BK, num_warps=4)
+        BT = 32
+        _rotary_kernel[(triton.cdiv(N, BT), 2 * heads)](
+            qkv, cos, sin, N, S, qkv.stride(0), head_dim // 2, head_dim, BLOCK_T=BT,
+            BLOCK_F=max(16, triton.next_power_of_2(head_dim // 2)), num_warps=4)
 
 
 @_rotary_op.register_fake
