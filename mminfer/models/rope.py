@@ -56,7 +56,7 @@ def _rope_kernel(X, COS, SIN, OUT, C, stride_xt, stride_ct, stride_st, stride_oh
     # program (token tile, head): both halves of every row of the tile, each product and the
     # sum rounded to the output dtype as torch's elementwise ops round them
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)   # h * stride_oh passes 2^31 at 1M tokens x 28 heads
     f = tl.arange(0, HALF)[None, :]
     m = (t < C)[:, None]
     t64 = t.to(tl.int64)[:, None]

@@ -68,3 +68,19 @@ def test_rotate_into_refuses_shapes_that_do_not_fit():
     x, cos, sin, buf, s = _case(torch.float32, "cpu")
     with pytest.raises(ValueError):
         rope.rotate_into(buf[0, :, s:s + 5], x, cos, sin)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rotate_into_a_buffer_past_2_to_the_31_elements():
+    """The 7B's q buffer at 1M tokens (28 x 2^20 x 128 bf16 = 7.5 GB): the last head's rows
+    lie past 2^31 elements from its start (an int32 offset crashed the 1.05M prefill)."""
+    H, n, d, c = 28, 1 << 20, 128, 64
+    buf = torch.zeros(1, H, n, d, dtype=torch.bfloat16, device="cuda")
+    x, cos, sin, _, _ = _case(torch.bfloat16, "cuda", H=H, c=c, d=d)
+    s = n - c
+    rope.rotate_into(buf[0, :, s:], x, cos, sin)
+    torch.cuda.synchronize()
+    assert torch.equal(buf[0, :, s:], _transformers(modeling_qwen2, x, cos, sin, d))
+    del buf
+    torch.cuda.empty_cache()
