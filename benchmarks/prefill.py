@@ -184,6 +184,38 @@ def decode_diagnosis(model, cache, pos, steps=6) -> dict:
     return out
 
 
+def fp8_error(model, head, kind, lengths, patterns, chunk):
+    """For each length: the last logits of a sparse prefill with the bf16 model and with its
+    FP8 conversion (the product's --quantization fp8; the model is converted in place),
+    same random input: ``||fp8 - bf16|| / ||bf16||`` and whether the argmax agrees. With
+    random weights this measures the arithmetic, not answers."""
+    dev = next(model.parameters()).device
+    ref = {}
+    for n in lengths:
+        index = layout(kind, n)
+        pos = positions(kind, index, dev)
+        ctx = hooks.PrefillContext(index=index, patterns=patterns, mode="sparse",
+                                   min_sparse_len=0)
+        ref[n] = run_prefill(model, head, index, pos, ctx, chunk=chunk).float()
+    fp8.convert(model, fp8.is_llm_linear)
+    rows = []
+    for n in lengths:
+        index = layout(kind, n)
+        pos = positions(kind, index, dev)
+        ctx = hooks.PrefillContext(index=index, patterns=patterns, mode="sparse",
+                                   min_sparse_len=0)
+        got = run_prefill(model, head, index, pos, ctx, chunk=chunk).float()
+        r = ref[n]
+        row = {"model": kind, "n": index.n, "fp8_logits_rel_error":
+               float((got - r).norm() / r.norm()),
+               "fp8_logits_max_abs_error": float((got - r).abs().max()),
+               "logits_max_abs": float(r.abs().max()),
+               "argmax_agrees": bool(int(got.argmax()) == int(r.argmax()))}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def profile_prefill(model, head, kind, n, patterns, chunk, path):
     """One (warm) sparse prefill under torch.profiler: kernels by device time, top 40."""
     from torch.profiler import ProfilerActivity, profile
@@ -248,6 +280,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="one more sparse prefill under torch.profiler: its kernels by device "
                     "time to OUT/prefill_profile_MODEL_N.txt")
+    ap.add_argument("--fp8-error", action="store_true",
+                    help="instead of timing: the last position's logits of the bf16 model and "
+                    "of its FP8 conversion on the same input, their relative error")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -265,6 +300,11 @@ def main():
         cfg_path = os.path.join(ROOT, "mminfer", "models", "configs", "qwen2_5_vl_7b.json" if kind == "qwen"
                                 else "longvila_7b_1m.json")
         patterns = HeadPatternConfig.load(cfg_path)
+        if a.fp8_error:
+            rows += fp8_error(model, head, kind, a.lengths or [32768], patterns, a.chunk)
+            with open(os.path.join(a.out, "prefill_fp8_error.json"), "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            continue
         if a.quantization == "fp8":
             fp8.convert(model, fp8.is_llm_linear)
         print(f"{kind}: built in {time.time() - t0:.0f} s ({a.quantization})", flush=True)
