@@ -341,6 +341,8 @@ def main():
     print(f"{'model':>9} {'N':>8} {'mode':>6} {'TTFT ms':>10} {'index':>8} {'attn':>9} "
           f"{'other':>8} {'density':>8} {'peak GiB':>8} {'speedup':>7}")
     for r in rows:
+        if "mode" not in r:     # --fp8-error rows: printed as they came
+            continue
         print(f"{r['model']:>9} {r['n']:>8} {r['mode']:>6} {r['ttft_ms']:10.0f} "
               f"{r['index_ms']:8.0f} {r['attention_ms']:9.0f} {r['llm_other_ms']:8.0f} "
               f"{r.get('density_mean', 1.0):8.3f} {r.get('peak_gib', float('nan')):8.1f} "
