@@ -185,29 +185,32 @@ def decode_diagnosis(model, cache, pos, steps=6) -> dict:
 
 
 def fp8_error(model, head, kind, lengths, patterns, chunk):
-    """For each length: the last logits of a sparse prefill with the bf16 model and with its
-    FP8 conversion (the product's --quantization fp8; the model is converted in place),
-    same random input: ``||fp8 - bf16|| / ||bf16||`` and whether the argmax agrees. With
-    random weights this measures the arithmetic, not answers."""
+    """For each length and attention mode: the last logits of a prefill with the bf16 model
+    and with its FP8 conversion (the product's --quantization fp8; the model is converted in
+    place), same random input: ``||fp8 - bf16|| / ||bf16||`` and whether the argmax agrees.
+    Beside it, the same error between two bf16 runs that differ only in the chunk (other
+    GEMM shapes, so other bf16 roundings): how much this random network amplifies rounding
+    noise. With random weights this measures the arithmetic, not answers."""
     dev = next(model.parameters()).device
-    ref = {}
-    for n in lengths:
+
+    def logits(n, mode, c):
         index = layout(kind, n)
         pos = positions(kind, index, dev)
-        ctx = hooks.PrefillContext(index=index, patterns=patterns, mode="sparse",
-                                   min_sparse_len=0)
-        ref[n] = run_prefill(model, head, index, pos, ctx, chunk=chunk).float()
+        ctx = hooks.PrefillContext(index=index, patterns=patterns, mode=mode, min_sparse_len=0)
+        return run_prefill(model, head, index, pos, ctx, chunk=c).float()
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    todo = [(n, mode) for n in lengths for mode in ("sparse", "dense")]
+    ref = {k: logits(*k, chunk) for k in todo}
+    other = {k: logits(*k, chunk // 2) for k in todo}
     fp8.convert(model, fp8.is_llm_linear)
     rows = []
-    for n in lengths:
-        index = layout(kind, n)
-        pos = positions(kind, index, dev)
-        ctx = hooks.PrefillContext(index=index, patterns=patterns, mode="sparse",
-                                   min_sparse_len=0)
-        got = run_prefill(model, head, index, pos, ctx, chunk=chunk).float()
-        r = ref[n]
-        row = {"model": kind, "n": index.n, "fp8_logits_rel_error":
-               float((got - r).norm() / r.norm()),
+    for k in todo:
+        got, r = logits(*k, chunk), ref[k]
+        row = {"model": kind, "n": layout(kind, k[0]).n, "attention": k[1],
+               "fp8_logits_rel_error": rel(got, r),
+               "bf16_other_chunk_rel_error": rel(other[k], r),
                "fp8_logits_max_abs_error": float((got - r).abs().max()),
                "logits_max_abs": float(r.abs().max()),
                "argmax_agrees": bool(int(got.argmax()) == int(r.argmax()))}
