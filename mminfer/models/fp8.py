@@ -104,6 +104,22 @@ def silu_mul_quant_ref(g, u):
     return quantize_rows_ref(F.silu(g) * u)
 
 
+def layer_norm_quant_ref(x, weight, bias, eps: float, d=None):
+    """``nn.LayerNorm`` of ``x (+ d)`` (the sum rounded to x's dtype; fp32 statistics and
+    affine, one rounding to x's dtype), then quantised per row: ``(sum, e4m3, scale)``."""
+    if d is not None:
+        x = x + d
+    y = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+    q, s = quantize_rows_ref(y)
+    return x, q, s
+
+
+def gelu_tanh_quant_ref(h):
+    """``gelu(h, approximate="tanh")`` (SigLIP's activation; fp32, one rounding to h's dtype),
+    quantised per row."""
+    return quantize_rows_ref(F.gelu(h.float(), approximate="tanh").to(h.dtype))
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel weight quantisation: ``W [out, in]`` → ``(e4m3 [out, in], fp32
     scale [out])``."""
@@ -211,6 +227,43 @@ def _silu_mul_quant_row_kernel(G, U, Q, S, C, stride_g, stride_u, stride_q,
     tl.store(S + row, scale)
 
 
+@triton.jit
+def _layer_norm_quant_kernel(X, D, W, B, Q, S, C, stride_x, stride_d, stride_q, eps,
+                             HAS_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one program per row, the whole row in registers (SigLIP's 1152)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_D:
+        d = tl.load(D + row * stride_d + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(X + row * stride_x + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    xc = tl.where(mask, xf - tl.sum(xf, axis=0) / C, 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (xc * rstd * w + b).to(X.dtype.element_ty).to(tl.float32)
+    scale = _store_fp8(Q, row, cols, mask, y, tl.max(tl.abs(y), axis=0), stride_q)
+    tl.store(S + row, scale)
+
+
+@triton.jit
+def _gelu_tanh_quant_kernel(H, Q, S, C, stride_h, stride_q, BLOCK_C: tl.constexpr):
+    # one program per row, the whole row in registers (SigLIP's 4304); tanh(z) as
+    # 1 - 2 / (exp(2z) + 1), which saturates to +-1 without a NaN
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    z = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+    y = 0.5 * h * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+    y = y.to(H.dtype.element_ty).to(tl.float32)
+    scale = _store_fp8(Q, row, cols, mask, y, tl.max(tl.abs(y), axis=0), stride_q)
+    tl.store(S + row, scale)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``[rows, K]`` with unit stride along K (a view where it can be)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -281,6 +334,62 @@ def silu_mul_quant(g: torch.Tensor, u: torch.Tensor, *, kernels: str = "auto") -
         _silu_mul_quant_kernel[(N,)](g2, u2, q, s, C, g2.stride(0), u2.stride(0), q.stride(0),
                                      BLOCK_C=_tile(C), num_warps=4)
     return Fp8Act(q.view(g.shape), s.view(*g.shape[:-1], 1), g.dtype)
+
+
+def layer_norm_quant(x: torch.Tensor, weight, bias, eps: float, d=None, *,
+                     kernels: str = "auto"):
+    """LayerNorm of ``x (+ d)`` quantised per row → ``(sum, Fp8Act)``; with ``d`` the Triton
+    kernel writes the sum into ``x`` (contiguous rows), the torch version returns a new
+    tensor. Rows wider than ``ONE_PASS_MAX`` take the torch version."""
+    C = x.shape[-1]
+    if not use_triton(x, kernels) or triton.next_power_of_2(C) > ONE_PASS_MAX:
+        x, q, s = layer_norm_quant_ref(x, weight, bias, eps, d)
+        return x, Fp8Act(q, s, x.dtype)
+    x2 = x.view(-1, C) if d is not None else _rows(x)
+    d2 = d.reshape(-1, C) if d is not None else None
+    if x2.stride(-1) != 1 or (d2 is not None and d2.stride(-1) != 1):
+        raise ValueError("layer_norm_quant needs rows with unit stride")
+    N = x2.shape[0]
+    q = torch.empty(N, C, dtype=FP8, device=x.device)
+    s = torch.empty(N, 1, dtype=torch.float32, device=x.device)
+    if N:
+        _layer_norm_quant_kernel[(N,)](
+            x2, d2 if d2 is not None else x2, weight, bias, q, s, C, x2.stride(0),
+            d2.stride(0) if d2 is not None else 0, q.stride(0), float(eps),
+            HAS_D=d2 is not None, BLOCK_C=triton.next_power_of_2(C),
+            num_warps=4 if C <= 2048 else 8)
+    return x, Fp8Act(q.view(x.shape), s.view(*x.shape[:-1], 1), x.dtype)
+
+
+def gelu_tanh_quant(h: torch.Tensor, *, kernels: str = "auto") -> Fp8Act:
+    """``gelu(h, approximate="tanh")`` quantised per row (one read of ``h``)."""
+    C = h.shape[-1]
+    if not use_triton(h, kernels) or triton.next_power_of_2(C) > ONE_PASS_MAX:
+        q, s = gelu_tanh_quant_ref(h)
+        return Fp8Act(q, s, h.dtype)
+    h2 = _rows(h)
+    N = h2.shape[0]
+    q = torch.empty(N, C, dtype=FP8, device=h.device)
+    s = torch.empty(N, 1, dtype=torch.float32, device=h.device)
+    if N:
+        _gelu_tanh_quant_kernel[(N,)](h2, q, s, C, h2.stride(0), q.stride(0),
+                                      BLOCK_C=triton.next_power_of_2(C), num_warps=8)
+    return Fp8Act(q.view(h.shape), s.view(*h.shape[:-1], 1), h.dtype)
+
+
+def concat(*layers: "Fp8Linear") -> "Fp8Linear":
+    """One FP8 layer whose output is the given layers' outputs side by side (e.g. q, k, v:
+    one GEMM instead of three, the input read once); the layers are left as they are."""
+    w = torch.cat([m.weight.view(torch.uint8) for m in layers]).view(FP8)
+    s = torch.cat([m.weight_scale for m in layers])
+    biases = [m.bias for m in layers]
+    if all(b is None for b in biases):
+        b = None
+    else:
+        ref = next(b for b in biases if b is not None)
+        b = torch.cat([bb.detach() if bb is not None else ref.new_zeros(m.out_features)
+                       for bb, m in zip(biases, layers)])
+    return Fp8Linear(w, s, b, kernels=layers[0].kernels)
 
 
 # ---------------------------------------------------------------------- the GEMM

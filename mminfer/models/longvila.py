@@ -33,7 +33,7 @@ from torch import nn
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, SiglipVisionModel
 
 from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
-from mminfer.models import fp8, hooks
+from mminfer.models import fp8, hooks, siglip
 from mminfer.models.base import VIDEO, Adapter, Conversation, Prepared, PrepareOptions
 from mminfer.models.sampling import vila_indices
 from mminfer.models.vision import device_constant, frame_chunks, to_device
@@ -219,6 +219,7 @@ class LongVILA(Adapter):
     name = "longvila"
     sampling = "uniform"          # VILA: round(linspace(0, T-1, num_video_frames))
     vision_batch = 32             # frames per vision-tower call (bounds activation memory)
+    fp8_encoder = None            # quantization="fp8": SigLIP's layers as models/siglip.py runs them
 
     @classmethod
     def accepts(cls, path) -> bool:
@@ -300,6 +301,8 @@ class LongVILA(Adapter):
         self.tower = _truncate_tower(vision, layout.select_layer).to(device).eval()
         if quantization == "fp8":
             fp8.convert(self.tower, fp8.is_vision_linear)
+            if siglip.fusable(self.tower.encoder):   # our steps: a quantisation per producer
+                self.fp8_encoder = siglip.Fp8Encoder(self.tower.encoder)
         vhidden = vision.config.hidden_size
         self.image_size = layout.image_size
         self.tokens_per_frame = tokens_per_frame(layout.image_size, layout.patch_size)
@@ -414,7 +417,10 @@ class LongVILA(Adapter):
         """Normalised ``[f, 3, S, S]`` → ``[f, P, hidden]``: SigLIP up to ``select_layer``
         (one batched call), then the projector."""
         h = self.tower.embeddings(x)                                     # [f, N, C]
-        h = _last_hidden(self.tower.encoder(inputs_embeds=h))            # layer select_layer
+        if self.fp8_encoder is not None:
+            h = self.fp8_encoder(h)
+        else:
+            h = _last_hidden(self.tower.encoder(inputs_embeds=h))        # layer select_layer
         return self.projector(h)
 
     def _frame_size(self, height: int, width: int) -> tuple[int, int]:

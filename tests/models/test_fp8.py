@@ -329,7 +329,9 @@ def test_longvila_fp8(tmp_path):
         7 * len(quant.text_model.layers)
     assert not any(isinstance(m, fp8.Fp8Linear) for m in quant.projector.modules())
     assert type(quant.lm_head) is torch.nn.Linear
+    assert quant.fp8_encoder is not None     # SigLIP's layers as models/siglip.py runs them
     plain = LongVILA.from_pretrained(path, device="cpu")
+    assert plain.fp8_encoder is None
     prep = plain.prepare(random_frames(8, 40, 70), "what color ?")
     want, got = _logits(plain, prep), _logits(quant, prep)
     rel = float((got - want).norm() / want.norm())
