@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mminfer.models import fp8, siglip  # noqa: E402
+from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
 
 SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
               num_attention_heads=16, image_size=448, patch_size=14,
@@ -34,28 +35,21 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
 
 def tower(cfg, device, dtype):
     from transformers import SiglipVisionConfig, SiglipVisionModel
+    torch.manual_seed(0)
     with torch.device(device):
         m = SiglipVisionModel(SiglipVisionConfig(**cfg)).to(dtype).eval()
     return getattr(m, "vision_model", m)
 
 
 def timed(fn, cuda, reps):
-    fn()
     if cuda:
-        torch.cuda.synchronize()
+        return events_ms(fn, reps)
+    fn()
     out = []
     for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
     return sorted(out)[len(out) // 2]
 
 

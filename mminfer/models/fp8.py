@@ -39,7 +39,7 @@ import triton.language as tl
 from safetensors import safe_open
 
 from mminfer.errors import ConfigError
-from mminfer.models.vision_fused import add_rms_norm_row, use_triton
+from mminfer.models.vision_fused import add_rms_norm_row, load_add_row, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -234,12 +234,7 @@ def _layer_norm_quant_kernel(X, D, W, B, Q, S, C, stride_x, stride_d, stride_q, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_D:
-        d = tl.load(D + row * stride_d + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(X + row * stride_x + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+    xf = load_add_row(X, D, row, cols, mask, stride_x, stride_d, HAS_D).to(tl.float32)
     xc = tl.where(mask, xf - tl.sum(xf, axis=0) / C, 0.0)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)

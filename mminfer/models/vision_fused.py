@@ -50,15 +50,23 @@ def use_triton(x: torch.Tensor, choice: str = "auto") -> bool:
 
 # ---------------------------------------------------------------------- Triton kernels
 @triton.jit
-def add_rms_norm_row(X, D, W, C, row, cols, mask, stride_x, stride_d, eps, HAS_D: tl.constexpr):
-    """One row: x (+= d, written back to X), then RMSNorm(x) * w as transformers rounds it (the
-    normalised row in X's dtype before the weight); fp32, in X's dtype's values. Also the
-    first half of mminfer.models.fp8's norm-and-quantise kernel."""
+def load_add_row(X, D, row, cols, mask, stride_x, stride_d, HAS_D: tl.constexpr):
+    """One row of X; with HAS_D the residual add x + d (rounded to X's dtype, as the add
+    would round it), written back to X."""
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_D:
         d = tl.load(D + row * stride_d + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(X + row * stride_x + cols, x, mask=mask)
+    return x
+
+
+@triton.jit
+def add_rms_norm_row(X, D, W, C, row, cols, mask, stride_x, stride_d, eps, HAS_D: tl.constexpr):
+    """One row: x (+= d, written back to X), then RMSNorm(x) * w as transformers rounds it (the
+    normalised row in X's dtype before the weight); fp32, in X's dtype's values. Also the
+    first half of mminfer.models.fp8's norm-and-quantise kernel."""
+    x = load_add_row(X, D, row, cols, mask, stride_x, stride_d, HAS_D)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / C
     n = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32)
