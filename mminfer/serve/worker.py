@@ -21,6 +21,13 @@ Idle time: with a shadow monitor (serve/shadow.py), a sampled sparse request's i
 kept when it ends and re-run dense while nothing is queued, reserved or running; a request
 that arrives drops or stops that re-run (``preempt``) before it waits on it.
 
+The heap the model leaves: once loaded and warmed up, everything alive is moved out of the
+garbage collector's sight (``gc.freeze``). A full collection otherwise walks every object of
+the model and its libraries (370,000 for the embedded model on the CPU: 0.2-0.3 s, more on a
+busy machine) holding the interpreter lock, which stops the event loop with it: the longest
+/health stalls of ``make loadtest`` were such collections, in whatever thread allocated when
+one fell due (the model thread, in the Triton interpreter's prefill). ``stop`` gives them back.
+
 The worker dies only of what leaves the model unusable (load failure, a CUDA error that
 poisons the context, KeyboardInterrupt...). Then every queued job fails, new ones are
 refused, and ``state`` says "dead" with the reason, which ``/health`` reports as 503.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import gc
 import logging
 import math
 import os
@@ -124,6 +132,13 @@ def is_fatal(exc: BaseException) -> bool:
                                   "cuDNN error", "illegal memory access"))
 
 
+def freeze_heap():
+    """Collect once, then keep every object alive now out of later collections (see the
+    module doc): a full collection then walks only what was made since, not the model."""
+    gc.collect()
+    gc.freeze()
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
@@ -191,6 +206,7 @@ class ModelWorker:
         self.begin_shutdown()
         if self._thread is not None:
             self._thread.join(timeout)
+            gc.unfreeze()                 # what the model leaves behind is collectable again
         if self.state not in ("dead",):
             self.state = "stopped"
         self._gauges()
@@ -328,6 +344,7 @@ class ModelWorker:
                 self._die(f"loading the model failed: {getattr(e, 'message', None) or e}")
                 log.error("model load failed: %s", e)
                 return
+            freeze_heap()
             self.state = "ready"
             self._gauges()
             self._ready.set()
