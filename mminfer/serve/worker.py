@@ -36,9 +36,10 @@ Asked to, the holder lets go within the switch interval, but CPython hands the l
 whichever waiter runs first, so with two or more waiting one can lose round after round: at
 the default 5 ms a thread beside the sparse prefill and one more waiter waited up to 136 ms
 at a time (63 waits over 30 ms in two sparse answers on the 2-core machine), at 1 ms at most
-54 ms (3 such waits). While a worker runs the interval is ``SWITCH_INTERVAL_S`` (1 ms);
-``stop`` puts the previous one back. make loadtest's base phase, worst /health probe of
-three runs each: 350-414 ms before, 192-520 ms with the freeze alone, 158-187 ms with both.
+54 ms (3 such waits), at 0.5 ms none over 30 ms. While a worker runs the interval is
+``SWITCH_INTERVAL_S`` (0.5 ms); ``stop`` puts the previous one back. make loadtest's base
+phase, worst /health probe of three runs each: 350-414 ms before, 192-520 ms with the freeze
+alone, 122-247 ms (and 158-187 ms) with it at 1 ms, 33-112 ms at 0.5 ms.
 
 The worker dies only of what leaves the model unusable (load failure, a CUDA error that
 poisons the context, KeyboardInterrupt...). Then every queued job fails, new ones are
@@ -67,7 +68,7 @@ log = logging.getLogger("mminfer.serve")
 
 # The interpreter's switch interval while a worker runs (CPython's default: 5 ms); see the
 # module doc.
-SWITCH_INTERVAL_S = 0.001
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass

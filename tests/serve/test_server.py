@@ -588,19 +588,19 @@ def test_the_loaded_model_is_kept_out_of_garbage_collections():
     assert gc.get_freeze_count() == 0 and any(o is graph for o in gc.get_objects())
 
 
-def test_the_event_loop_waits_at_most_1_ms_for_the_model_thread_to_let_go():
+def test_the_event_loop_waits_at_most_half_a_ms_for_the_model_thread_to_let_go():
     """The model thread runs Python for long stretches (the Triton interpreter's sparse
     prefill on a CPU); CPython hands the interpreter lock on after the switch interval, to
     whichever waiting thread runs first. At the default 5 ms the event loop, beside two more
     waiting threads, waited over 100 ms at a time (make loadtest's base phase: /health
-    stalls); a worker runs at 1 ms and puts the previous interval back when it stops."""
+    stalls); a worker runs at 0.5 ms and puts the previous interval back when it stops."""
     import sys
     was = sys.getswitchinterval()
     w = ModelWorker(lambda: object(), queue_size=1)
     w.start()
     try:
         assert w.wait_ready(30)
-        assert sys.getswitchinterval() <= 0.001
+        assert sys.getswitchinterval() <= 0.0005
     finally:
         w.stop()
     assert sys.getswitchinterval() == was
