@@ -21,6 +21,26 @@ Idle time: with a shadow monitor (serve/shadow.py), a sampled sparse request's i
 kept when it ends and re-run dense while nothing is queued, reserved or running; a request
 that arrives drops or stops that re-run (``preempt``) before it waits on it.
 
+The heap the model leaves: once loaded and warmed up, everything alive is moved out of the
+garbage collector's sight (``gc.freeze``). A full collection otherwise walks every object of
+the model and its libraries (370,000 for the embedded model on the CPU: 0.2-0.3 s, more on a
+busy machine) holding the interpreter lock, which stops the event loop with it: in one
+``make loadtest`` base phase a 293 ms collection, in the model thread (the Triton
+interpreter's prefill allocates enough to make one fall due), was its worst /health probe
+(297 ms). ``stop`` gives the objects back to the collector.
+
+The interpreter lock: the model thread is pure Python for long stretches (the Triton
+interpreter runs the sparse kernels as Python on a CPU), and meanwhile every other thread
+(the event loop, its executor's threads) waits for the lock at each system call it makes.
+Asked to, the holder lets go within the switch interval, but CPython hands the lock to
+whichever waiter runs first, so with two or more waiting one can lose round after round: at
+the default 5 ms a thread beside the sparse prefill and one more waiter waited up to 136 ms
+at a time (63 waits over 30 ms in two sparse answers on the 2-core machine), at 1 ms at most
+54 ms (3 such waits), at 0.5 ms none over 30 ms. While a worker runs the interval is
+``SWITCH_INTERVAL_S`` (0.5 ms); ``stop`` puts the previous one back. make loadtest's base
+phase, worst /health probe of three runs each: 350-414 ms before, 192-520 ms with the freeze
+alone, 122-247 ms (and 158-187 ms) with it at 1 ms, 33-112 ms at 0.5 ms.
+
 The worker dies only of what leaves the model unusable (load failure, a CUDA error that
 poisons the context, KeyboardInterrupt...). Then every queued job fails, new ones are
 refused, and ``state`` says "dead" with the reason, which ``/health`` reports as 503.
@@ -30,10 +50,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import gc
 import logging
 import math
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +65,10 @@ from mminfer.errors import (Cancelled, MMInferError, OutOfMemory, QueueFull, Shu
                             WorkerDead)
 
 log = logging.getLogger("mminfer.serve")
+
+# The interpreter's switch interval while a worker runs (CPython's default: 5 ms); see the
+# module doc.
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -124,6 +150,13 @@ def is_fatal(exc: BaseException) -> bool:
                                   "cuDNN error", "illegal memory access"))
 
 
+def freeze_heap():
+    """Collect once, then keep every object alive now out of later collections (see the
+    module doc): a full collection then walks only what was made since, not the model."""
+    gc.collect()
+    gc.freeze()
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
@@ -155,12 +188,15 @@ class ModelWorker:
         self._ready = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._switch_was: float | None = None    # the interpreter's switch interval before
 
     # ------------------------------------------------------------------ control
     def start(self):
         if self._thread is not None:
             return
         self.state = "loading"
+        self._switch_was = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_was, SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._main, name="mminfer-model", daemon=True)
         self._thread.start()
 
@@ -191,6 +227,10 @@ class ModelWorker:
         self.begin_shutdown()
         if self._thread is not None:
             self._thread.join(timeout)
+            gc.unfreeze()                 # what the model leaves behind is collectable again
+        if self._switch_was is not None:
+            sys.setswitchinterval(self._switch_was)
+            self._switch_was = None
         if self.state not in ("dead",):
             self.state = "stopped"
         self._gauges()
@@ -328,6 +368,7 @@ class ModelWorker:
                 self._die(f"loading the model failed: {getattr(e, 'message', None) or e}")
                 log.error("model load failed: %s", e)
                 return
+            freeze_heap()
             self.state = "ready"
             self._gauges()
             self._ready.set()
