@@ -10,8 +10,14 @@
 #   4. where the time goes (BREAKDOWN_S): benchmarks/prefill.py at 276K (Qwen2.5-VL-7B text
 #      model) bf16 then FP8 and benchmarks/vision.py (fused vs fp8 tower, 384 pairs), each
 #      with its kernels by device time under torch.profiler; all in $OUT/breakdown.tgz.
+#   5. the vision tower before/after (VISION_S): benchmarks/vision.py, bf16 and FP8, each with
+#      the window layers through the rotary kernel + SDPA (@sdpa) and through
+#      mminfer.models.window_attention, side by side;
+#   6. the lab's sweeps behind issue 34's tuning (LAB_S, each): the window-attention tiles, FP8
+#      GEMM accumulation, the FP8 cache's decode tiles; logs and JSON in $OUT/lab.tgz.
 #   E2E_COMMIT=$(git rev-parse --short HEAD) CASES="qwen276k" bash benchmarks/run_fp8_h200.sh
-# Budgets (s; 0 skips a step): TESTS_S, E2E_S (each of the two runs), QUALITY_S, BREAKDOWN_S.
+# Budgets (s; 0 skips a step): TESTS_S, E2E_S (each of the two runs), QUALITY_S, BREAKDOWN_S,
+# VISION_S, LAB_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/fp8}; mkdir -p "$OUT"
@@ -20,7 +26,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 if [ "${TESTS_S:-150}" -gt 0 ]; then
   timeout -k 5 "${TESTS_S:-150}" python3 -m pytest -q -ra -m gpu --tb=short \
     tests/models/test_fp8.py tests/models/test_fp8_kernels.py tests/models/test_fp8_kv.py \
-    tests/kernels/test_fp8_attention.py tests/engine/test_fp8_video_cache.py 2>&1 \
+    tests/kernels/test_fp8_attention.py tests/engine/test_fp8_video_cache.py \
+    tests/models/test_window_attention.py tests/models/test_vision_fused.py \
+    tests/models/test_vision.py tests/models/test_siglip.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -15
 fi
 COMMON="--pipeline-warmup --warmup short --no-baseline --no-dense --no-host-tier --follow-ups ${FOLLOW_UPS:-2} --cases ${CASES:-qwen276k}"
@@ -57,4 +65,18 @@ if [ "${BREAKDOWN_S:-0}" -gt 0 ]; then
     --variants fused fp8 --hf-max-pairs 0 --reps 2 --no-preprocess --profile --gemms \
     --out "$BD/vision" > "$BD/vision.log" 2>&1; tail -8 "$BD/vision.log"
   tar czf "$OUT/breakdown.tgz" -C "$OUT" breakdown && rm -rf "$BD"
+fi
+if [ "${VISION_S:-0}" -gt 0 ]; then
+  timeout -k 5 "$VISION_S" python3 benchmarks/vision.py --pairs ${VISION_PAIRS:-384} \
+    --variants fused@sdpa fused fp8@sdpa fp8 --hf-max-pairs 0 --reps ${VISION_REPS:-3} \
+    --no-preprocess --out "$OUT/vision" > "$OUT/vision.log" 2>&1; tail -8 "$OUT/vision.log"
+fi
+if [ "${LAB_S:-0}" -gt 0 ]; then
+  mkdir -p "$OUT/lab"
+  for x in ${LAB:-window_attention fp8_gemm_accum fp8_decode_tiles}; do
+    echo "== lab $x"
+    timeout -k 5 "$LAB_S" python3 "lab/experiments/$x.py" --out "$OUT/lab" \
+      > "$OUT/lab/$x.log" 2>&1; tail -30 "$OUT/lab/$x.log"
+  done
+  tar czf "$OUT/lab.tgz" -C "$OUT" lab && rm -rf "$OUT/lab"
 fi

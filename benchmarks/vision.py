@@ -22,8 +22,10 @@ Variants of our tower (``--variants``; ``--compile 1`` makes the default ``compi
   chunk ever (Triton JIT; for ``compiled`` the compilation), timed before anything else;
 * ``fp8``: the fused block with the blocks' qkv/proj/MLP as FP8 layers (what
   ``--quantization fp8`` serves), converted from the same bf16 weights;
-* ``name@backend`` (e.g. ``fused@cudnn``): that variant with SDPA held to one backend
-  (flash, cudnn, efficient, math); without it SDPA picks.
+* ``name@backend`` (e.g. ``fused@cudnn``): that variant with every layer's attention through
+  SDPA held to one backend (flash, cudnn, efficient, math), or ``@sdpa``: SDPA as it picks;
+  both without the window-attention kernel (mminfer.models.window_attention), i.e. the tower
+  before it, to measure against.
 
 Rows per size N (pairs):
 
@@ -61,7 +63,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mminfer.models import fp8  # noqa: E402
+from mminfer.models import fp8, window_attention  # noqa: E402
 from mminfer.models.vision import CHUNK_PATCHES, QwenVisionTower  # noqa: E402
 
 QWEN_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
@@ -97,7 +99,9 @@ def transformers_features(visual, pixels, n_pairs, h, w):
 
 VARIANTS = {"plain": dict(fused=False), "fused": dict(), "compiled": dict(compile=True),
             "fp8": dict()}   # fp8: the fused block on a copy with FP8 layers (--quantization fp8)
-SDPA = ("flash", "cudnn", "efficient", "math")
+# ``@sdpa``: the window layers as before mminfer.models.window_attention (rotary kernel,
+# then SDPA as it picks); a named SDPA backend also runs every layer through SDPA
+SDPA = ("flash", "cudnn", "efficient", "math", "sdpa")
 
 
 def variant_name(v: str) -> str:
@@ -111,7 +115,7 @@ def variant_name(v: str) -> str:
 
 def _sdpa_context(backend):
     import contextlib
-    if not backend:
+    if backend in ("", "sdpa"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
@@ -127,8 +131,15 @@ class Tower:
         self.tower, self.backend = tower, backend
 
     def __call__(self, *args, **kw):
-        with _sdpa_context(self.backend):
+        if not self.backend:
             return self.tower(*args, **kw)
+        keep = window_attention.MAX_WINDOW
+        window_attention.MAX_WINDOW = 0          # every layer through rotary + SDPA
+        try:
+            with _sdpa_context(self.backend):
+                return self.tower(*args, **kw)
+        finally:
+            window_attention.MAX_WINDOW = keep
 
     def __getattr__(self, name):
         return getattr(self.tower, name)
@@ -528,6 +539,15 @@ class _OpLog:
         name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
         schema = getattr(func, "_schema", None)
         if schema is None or name in _FREE:
+            return
+        if name == "vision_window_attention":     # reads q, k, v once, writes o once
+            qkv, groups, S, heads, d = args[0], args[3], args[4], args[5], args[6]
+            P = qkv.shape[0] // S
+            gflop = sum(4 * P * n * L * L * d * heads for n, L in
+                        zip(groups[1::3], groups[2::3])) / 1e9
+            self.ops.append({"op": name, "shape": [qkv.shape[0], heads * d],
+                             "read_mb": _touched(qkv) / 1e6, "write_mb": _touched(out) / 1e6,
+                             "gflop": gflop, "kind": "attention"})
             return
         rets = schema.returns
         if any(r.alias_info is not None and not r.alias_info.is_write for r in rets):

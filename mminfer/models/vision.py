@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from mminfer.models import fp8
+from mminfer.models import fp8, window_attention
 from mminfer.models.vision_fused import KERNELS, add_rms_norm, rotary, silu_mul, use_triton
 
 # Patch tokens per tower call: enough rows to keep the matmuls at full rate, few enough that
@@ -392,9 +392,14 @@ def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, d
     that read it, the next norm too when ``quantise_next`` (not the merger's); the attention
     output is quantised by o's own pass in ``proj``."""
     tk = triton_kernels
-    q, k, v = rotary(_linear(y, qkv_w, qkv_b), cos, sin, S, heads, head_dim,
-                     triton_kernels=tk)                                    # [P, S, H, d]
-    o = _attend(q, k, v, groups, scale).reshape(P * S, heads * head_dim)
+    qkv = _linear(y, qkv_w, qkv_b)
+    if tk and max(L for _, _, L in groups) <= window_attention.MAX_WINDOW:
+        # window layers: rotary and attention in one kernel reading the qkv GEMM's output
+        o = window_attention.window_attention(qkv, cos, sin, groups, S, heads, head_dim,
+                                              scale)
+    else:
+        q, k, v = rotary(qkv, cos, sin, S, heads, head_dim, triton_kernels=tk)  # [P,S,H,d]
+        o = _attend(q, k, v, groups, scale).reshape(P * S, heads * head_dim)
     if fp8_kernels is None:
         x, y = add_rms_norm(x, F.linear(o, proj_w, proj_b), norm2, eps2, triton_kernels=tk)
         h = silu_mul(F.linear(y, gu_w, gu_b), inter, triton_kernels=tk)

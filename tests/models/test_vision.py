@@ -250,11 +250,16 @@ def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
     assert ops["pairs"] == 22 and ops["tokens"] == 22 * 2880
     plain, fused = ops["variants"]["plain"], ops["variants"]["fused"]
     names = [o["op"] for o in fused["window_block"]]
-    assert names.count("addmm") == 4 and names.count("sdpa(flash)") == 1
+    # a window block: rotary and attention in one kernel (mminfer.models.window_attention)
+    assert names.count("addmm") == 4 and names.count("sdpa(flash)") == 0
     assert sorted(n for n in names if n.startswith("vision_")) == [
-        "vision_add_rms_norm", "vision_add_rms_norm", "vision_rotary_", "vision_silu_mul"]
+        "vision_add_rms_norm", "vision_add_rms_norm", "vision_silu_mul",
+        "vision_window_attention"]
+    full_names = [o["op"] for o in fused["full_block"]]     # a full block: rotary + SDPA
+    assert full_names.count("sdpa(flash)") == 1 and "vision_rotary_" in full_names
     pw, fw = plain["per_block"]["window"], fused["per_block"]["window"]
-    assert fw["elementwise_ops"] == 4 and pw["elementwise_ops"] > 20
+    assert fw["elementwise_ops"] == 3 and pw["elementwise_ops"] > 20
+    assert fw["attention_ops"] == 1 and fw["attention_gb"] < 0.7     # q, k, v in; o out
     assert fw["elementwise_gb"] < 0.45 * pw["elementwise_gb"]
     # the same GEMM work up to the 1 % of the padded MLP width (3420 -> 3456)
     assert 1.0 < fused["whole_tower"]["gemm_tflop"] / plain["whole_tower"]["gemm_tflop"] < 1.011
