@@ -75,7 +75,7 @@ def sweep(n, q_len, H=28, Hkv=4, D=128, grid=((64, 128), (4, 8), (2, 3, 4), (1, 
             def tiles(rows_, gpu, _c=(bm, bn, warps, stages)):
                 return _c
 
-            def plan(kv_len, programs, *, gpu, block_n, sms=132, _w=waves):
+            def plan(kv_len, programs, *, gpu, block_n, sms=132, waves=None, _w=waves):
                 want_ = max(1, min(fa.MAX_SPLITS, -(-_w * sms // max(programs, 1))))
                 split_len = max(-(-kv_len // want_), fa.MIN_SPLIT_GPU if gpu else block_n)
                 split_len = -(-split_len // block_n) * block_n

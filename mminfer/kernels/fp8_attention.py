@@ -152,12 +152,12 @@ def _sm_count(device) -> int:
 
 
 def split_plan(kv_len: int, programs: int, *, gpu: bool, block_n: int,
-               sms: int = 132) -> tuple[int, int]:
+               sms: int = 132, waves: int = 2) -> tuple[int, int]:
     """``(split_len, n_splits)``: key ranges (multiples of ``block_n``) so that ``programs``
-    (KV heads x row blocks) times the splits fill about two waves of ``sms`` programs, no
-    range shorter than MIN_SPLIT_GPU keys on a GPU (one tile on the CPU), at most
+    (KV heads x row blocks) times the splits fill about ``waves`` waves of ``sms`` programs,
+    no range shorter than MIN_SPLIT_GPU keys on a GPU (one tile on the CPU), at most
     MAX_SPLITS."""
-    want = max(1, min(MAX_SPLITS, -(-2 * sms // max(programs, 1))))
+    want = max(1, min(MAX_SPLITS, -(-waves * sms // max(programs, 1))))
     least = MIN_SPLIT_GPU if gpu else block_n
     split_len = max(-(-kv_len // want), least)
     split_len = -(-split_len // block_n) * block_n
@@ -166,11 +166,21 @@ def split_plan(kv_len: int, programs: int, *, gpu: bool, block_n: int,
 
 def tiles(rows: int, gpu: bool) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for ``rows`` = queries x group size.
-    Each BLOCK_M is a kernel Triton compiles on first use (:func:`warm`)."""
-    if gpu:    # not tuned on a device yet: a first choice (rows >= 16 for tl.dot)
+    Each BLOCK_M is a kernel Triton compiles on first use (:func:`warm`). On the GPU, from
+    the sweep on the H200 (lab/experiments/fp8_decode_tiles.py, 276K and 1.05M keys, 28/4
+    heads of 128): 128-key tiles, 3 stages; a decode step (7 rows) 4 warps, 0.184 -> 0.155 ms
+    at 276K and 0.599 -> 0.494 ms at 1.05M; 16 queries (112 rows) 8 warps, 0.51 -> 0.36 and
+    1.45 -> 1.10 ms (with :func:`waves`). 32 and 64 rows were not swept (4 warps)."""
+    if gpu:    # rows >= 16 for tl.dot
         block_m = 16 if rows <= 16 else (32 if rows <= 32 else (64 if rows <= 64 else 128))
-        return block_m, 64, 4 if block_m <= 64 else 8, 2
+        return block_m, 128, 4 if block_m <= 64 else 8, 3
     return 16, 16, 4, 1
+
+
+def waves(block_m: int) -> int:
+    """Waves of programs the key splits aim at: two for a few rows (more splits hide the
+    merge), one for 128-row blocks, whose programs are long enough (the same sweep)."""
+    return 1 if block_m >= 128 else 2
 
 
 def warm_lengths(group: int, gpu: bool) -> list[int]:
@@ -239,7 +249,7 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     m_blocks = -(-R // block_m)
     if n_splits is None:
         split_len, n_splits = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
-                                         sms=_sm_count(q.device))
+                                         sms=_sm_count(q.device), waves=waves(block_m))
     else:
         split_len = -(-kv_len // n_splits)
         n_splits = -(-kv_len // split_len)

@@ -56,6 +56,13 @@ _UNSUPPORTED: set = set()
 # (the vision MLP's 3456); wider ones (the 7B LM's 18944) take two passes over column tiles,
 # the second mostly from L2.
 ONE_PASS_MAX = 8192
+# Hopper's FP8 MMAs accumulate in reduced precision; cuBLAS promotes to fp32 every few MMAs
+# unless asked for fast accumulation (what vLLM's CUTLASS FP8 kernels run). Measured on the
+# H200 (lab/experiments/fp8_gemm_accum.py): up to K = 3584 fast accumulation is 1.11-1.29x
+# faster with the relative error vs an fp32 product of the same operands 1.7e-3 -> 1.8-2.1e-3
+# (bf16 output rounding is most of it); at the LM's down projection (K = 18944) it is slower
+# (1.78 -> 2.20 ms) and doubles the error, so long reductions keep the promotion.
+FAST_ACCUM_MAX_K = 4096
 
 
 # ---------------------------------------------------------------------- the activation
@@ -421,7 +428,7 @@ def fp8_gemm(x: Fp8Act, wq: torch.Tensor, ws: torch.Tensor, bias=None, *,
     try:
         y = torch._scaled_mm(a.contiguous(), wq.t(), scale_a=sa.contiguous(),
                              scale_b=ws.view(1, -1), bias=bias if fuse else None,
-                             out_dtype=mm_out)
+                             out_dtype=mm_out, use_fast_accum=K <= FAST_ACCUM_MAX_K)
     except RuntimeError as e:   # refused before launch: nothing ran, the stream is clean
         if "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
             raise

@@ -393,7 +393,7 @@ def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, d
     output is quantised by o's own pass in ``proj``."""
     tk = triton_kernels
     qkv = _linear(y, qkv_w, qkv_b)
-    if tk and max(L for _, _, L in groups) <= window_attention.MAX_WINDOW:
+    if tk and window_attention.applies(qkv, groups):
         # window layers: rotary and attention in one kernel reading the qkv GEMM's output
         o = window_attention.window_attention(qkv, cos, sin, groups, S, heads, head_dim,
                                               scale)

@@ -85,9 +85,10 @@ def _add_rms_norm_kernel(X, D, W, Y, C, stride_x, stride_d, stride_y, eps,
 
 
 @triton.jit
-def _rotary_kernel(QKV, COS, SIN, N, S, stride_t, HALF, HEAD_D,
+def _rotary_kernel(QKV, COS, SIN, N, S, stride_t, HALF: tl.constexpr, HEAD_D: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    # program (token tile, head): heads 0..H-1 are q's, H..2H-1 k's, consecutive in a row
+    # program (token tile, head): heads 0..H-1 are q's, H..2H-1 k's, consecutive in a row;
+    # HALF and HEAD_D as constants, so a half-row (40 bf16 on the 7B) loads as vectors
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     f = tl.arange(0, BLOCK_F)

@@ -39,24 +39,29 @@ MAX_WINDOW = 256
 
 
 @triton.jit
-def _rotated(base, pos, COS, SIN, rows_mask, f, HALF, DT: tl.constexpr):
-    """Rows ``base`` (pointers to each row's head start) rotated at positions ``pos``:
-    ``(lo * cos - hi * sin, hi * cos + lo * sin)`` in fp32, rounded to DT."""
+def _halves(base, rows_mask, f, HALF: tl.constexpr):
+    """The two rotary halves of each row at ``base`` (pointers to each row's head), fp32."""
     m = rows_mask[:, None] & (f < HALF)[None, :]
     lo = tl.load(base[:, None] + f[None, :], mask=m, other=0.0).to(tl.float32)
     hi = tl.load(base[:, None] + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _angles(COS, SIN, pos, rows_mask, f, HALF: tl.constexpr):
+    m = rows_mask[:, None] & (f < HALF)[None, :]
     at = pos[:, None] * HALF + f[None, :]
-    c = tl.load(COS + at, mask=m, other=0.0)
-    s = tl.load(SIN + at, mask=m, other=0.0)
-    return (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+    return tl.load(COS + at, mask=m, other=0.0), tl.load(SIN + at, mask=m, other=0.0)
 
 
 @triton.jit
 def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_win, L,
-                             m_blocks, HALF, qk_scale,
-                             H: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+                             m_blocks, qk_scale, H: tl.constexpr, HEAD_D: tl.constexpr,
+                             HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_F: tl.constexpr, ONE_TILE: tl.constexpr,
                              IEEE: tl.constexpr):
+    # HALF and HEAD_D are constants: with them known (40, 80 on the 7B: 16-byte multiples) the
+    # loads of each half-row are vector loads, not element by element
     # heads vary fastest: the programs of one window run together and share its rows in L2
     h = tl.program_id(0)
     pid = tl.program_id(1)
@@ -69,8 +74,10 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
     fmask = f < HALF
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < L
-    q_base = QKV + (tok0 + rows) * stride_t + h * HEAD_D
-    q_lo, q_hi = _rotated(q_base, pos0 + rows, COS, SIN, rmask, f, HALF, DT)
+    c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
+    lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
+    # rotated in fp32 and rounded to the input dtype, as transformers rounds q and k
+    q_lo, q_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_lo = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
@@ -79,8 +86,10 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
         keys = n0 + tl.arange(0, BLOCK_N)
         kmask = keys < L
         row_at = (tok0 + keys) * stride_t
-        k_lo, k_hi = _rotated(QKV + row_at + (H + h) * HEAD_D, pos0 + keys, COS, SIN, kmask,
-                              f, HALF, DT)
+        if not ONE_TILE:               # a window in one tile: the keys are the rows
+            c, s = _angles(COS, SIN, pos0 + keys, kmask, f, HALF)
+        lo, hi = _halves(QKV + row_at + (H + h) * HEAD_D, kmask, f, HALF)
+        k_lo, k_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
         if IEEE:
             qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")
@@ -109,6 +118,15 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
     o_at = O + (tok0 + rows)[:, None] * stride_o + h * HEAD_D + f[None, :]
     tl.store(o_at, (acc_lo * inv[:, None]).to(O.dtype.element_ty), mask=om)
     tl.store(o_at + HALF, (acc_hi * inv[:, None]).to(O.dtype.element_ty), mask=om)
+
+
+def applies(qkv: torch.Tensor, groups) -> bool:
+    """Whether the product runs a layer with these ``groups`` here: windows up to
+    ``MAX_WINDOW`` tokens, in fp16/bf16 on a GPU (an fp32 tower there, a reference, keeps
+    rotary + SDPA: fp32 tiles do not fit shared memory) or any dtype under the interpreter."""
+    if max(L for _, _, L in groups) > MAX_WINDOW:
+        return False
+    return not (qkv.is_cuda and qkv.dtype == torch.float32)
 
 
 def tiles(L: int) -> tuple[int, int, int]:
@@ -158,9 +176,10 @@ def _window_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         if P * n == 0:
             continue
         _window_attention_kernel[(heads, P * n * mb)](
-            qkv, cos, sin, out, qkv.stride(0), out.stride(0), S, start, n, L, mb, half,
-            scale * LOG2E, H=heads, HEAD_D=head_dim, BLOCK_M=BM, BLOCK_N=BN, BLOCK_F=BF,
-            IEEE=qkv.dtype == torch.float32, num_warps=warps)
+            qkv, cos, sin, out, qkv.stride(0), out.stride(0), S, start, n, L, mb,
+            scale * LOG2E, H=heads, HEAD_D=head_dim, HALF=half, BLOCK_M=BM, BLOCK_N=BN,
+            BLOCK_F=BF, ONE_TILE=L <= BM and BM == BN, IEEE=qkv.dtype == torch.float32,
+            num_warps=warps)
     return out
 
 

@@ -81,6 +81,10 @@ def test_split_plan_covers_the_keys():
     # one query on 4 KV heads at 1M keys: enough programs for two waves of 132 SMs
     split, count = F.split_plan(1 << 20, 4, gpu=True, block_n=64)
     assert 4 * count >= 2 * 132
+    # 16 queries (one 128-row block per KV head): one wave, half the splits of two
+    one = F.split_plan(1 << 20, 4, gpu=True, block_n=128, waves=F.waves(128))[1]
+    two = F.split_plan(1 << 20, 4, gpu=True, block_n=128, waves=F.waves(16))[1]
+    assert 4 * one >= 132 and 2 * one == two
 
 
 def test_warm_lengths_cover_every_row_tile():

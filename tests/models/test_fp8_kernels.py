@@ -102,6 +102,27 @@ def test_scaled_gemm_is_the_dequantised_arithmetic():
     assert got.shape == (2, 5, 48) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fast_accumulation_only_for_short_reductions(monkeypatch):
+    """_scaled_mm runs with fast accumulation up to K = FAST_ACCUM_MAX_K (measured faster and
+    as accurate there) and with fp32 promotion above it (slower and 2x the error at the LM's
+    K = 18944); the product is the dequantised one either way."""
+    seen, real = [], torch._scaled_mm
+
+    def spy(*a, **kw):
+        seen.append((a[0].shape[1], kw.get("use_fast_accum")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(fp8, "FAST_ACCUM_MAX_K", 64)
+    g = torch.Generator().manual_seed(5)
+    for K in (64, 80):
+        act = fp8.quantize_rows(torch.randn(3, K, generator=g), kernels="torch")
+        wq, ws = fp8.quantize_weight(torch.randn(32, K, generator=g))
+        want = fp8.scaled_mm_ref(act.data, act.scale, wq, ws, None, torch.float32)
+        assert torch.allclose(fp8.fp8_gemm(act, wq, ws), want, rtol=1e-5, atol=1e-5)
+    assert seen == [(64, True), (80, False)]
+
+
 def test_a_gemm_cublas_refuses_takes_the_dequantised_product(monkeypatch):
     """cuBLASLt refuses some shapes (on the H200: one row at N = K = 64) with
     CUBLAS_STATUS_NOT_SUPPORTED: that GEMM gets the dequantised product, the shape is
