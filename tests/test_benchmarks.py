@@ -201,3 +201,37 @@ def test_e2e_quantization_reaches_the_report_and_the_table():
     title = e2e.table({"quantization": "fp8", "dtype": "bfloat16", "cases": {}}).splitlines()[0]
     assert "linear layers fp8 (transformers row: bfloat16)" in title
     assert "fp8" not in e2e.table({"dtype": "bfloat16", "cases": {}}).splitlines()[0]
+
+
+def test_siglip_benchmark_runs_the_e2e_vision_stage(tmp_path):
+    """benchmarks/siglip.py --tiny: the adapter's tower (3 layers cut to 2 as LongVILA's -2
+    feature layer), its batch and the e2e's tiny video, each variant through LongVILA.embed;
+    and at full size the shapes the 1.05M case runs (26 layers, 448 px, 32 frames, 128
+    batches for 4096 frames, 1,052,672 visual rows)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "siglip.py"), "--tiny",
+                           "--frames", "8", "--reps", "1", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((out / "siglip.json").read_text())
+    assert rep["layers"] == 2 and rep["input"] == "video" and rep["frames"] == 8
+    assert rep["video"] == {"case": "tiny-longvila", "frames": 16, "batches": 2, "height": 112,
+                            "width": 112, "source": "video"}
+    assert len(rep["rows"]) == 3
+    for r in rep["rows"].values():
+        assert r["ms"] > 0 and r["stage_ms"] > 0 and r["video_vision_ms"] > 0
+        assert r["rel_error_vs_bf16"] < 0.2
+    assert "per video (tiny-longvila: 16 frames = 2 batches of 8" in proc.stdout
+
+    import torch
+    bench = load_script("benchmarks/siglip.py", "siglip_bench")
+    with torch.device("meta"):
+        ad = bench.adapter(bench.SO400M, bench.LLM_HIDDEN, bench.LongVILA.vision_batch,
+                           "meta", torch.bfloat16)
+    case = bench.e2e.full_cases()["longvila1m"]
+    assert len(ad.tower.encoder.layers) == 26 and ad.tower.config._attn_implementation == "sdpa"
+    assert ad.image_size == 448 and ad.tower.embeddings.num_patches == 1024
+    assert ad.vision_batch == 32 and case.frames // ad.vision_batch == 128
+    # the e2e JSON's visual tokens: 256 projected rows + the newline per frame
+    assert case.frames * (ad.tokens_per_frame + 1) == 1052672
