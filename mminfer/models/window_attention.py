@@ -86,10 +86,12 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
         keys = n0 + tl.arange(0, BLOCK_N)
         kmask = keys < L
         row_at = (tok0 + keys) * stride_t
-        if not ONE_TILE:               # a window in one tile: the keys are the rows
-            c, s = _angles(COS, SIN, pos0 + keys, kmask, f, HALF)
+        if ONE_TILE:                   # a window in one tile: the keys are the rows
+            ck, sk = c, s
+        else:
+            ck, sk = _angles(COS, SIN, pos0 + keys, kmask, f, HALF)
         lo, hi = _halves(QKV + row_at + (H + h) * HEAD_D, kmask, f, HALF)
-        k_lo, k_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+        k_lo, k_hi = (lo * ck - hi * sk).to(DT), (hi * ck + lo * sk).to(DT)
         if IEEE:
             qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
             qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")

@@ -98,3 +98,17 @@ def test_bf16_7b_shapes_as_close_as_rotary_and_sdpa(hm, wm):
     err, err_old = float((got.float() - ref).abs().max()), float((old.float() - ref).abs().max())
     print(f"{hm}x{wm}: kernel {err:.3e}, rotary+SDPA {err_old:.3e}")
     assert err <= 1.5 * err_old + 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("tile", [(16, 32, 4), (32, 16, 4)])
+def test_row_and_key_tiles_of_different_sizes(monkeypatch, tile):
+    """A run longer than a tile with row and key tiles of different sizes (the sweep's
+    shapes): each key tile rotates with its own angles."""
+    import mminfer.models.window_attention as wa
+    monkeypatch.setattr(wa, "tiles", lambda L: tile)
+    S, heads, d = 40, 2, 16
+    qkv, cos, sin = _case(2, S, heads, d, torch.float32, seed=7)
+    got = window_attention(qkv, cos, sin, ((0, 1, S),), S, heads, d, 0.25)
+    ref = reference(qkv, cos, sin, ((0, 1, S),), S, heads, d, 0.25)
+    assert float((got - ref).abs().max()) < 2e-6
