@@ -8,7 +8,10 @@
   head_dim/2 = 40) against a variant over tiles of (head, f) pairs (tried, kept below:
   slower);
 * SiLU·up → fp8: the two-pass kernel against the one-pass one at the vision MLP's width
-  (3456) and the LM's (18944), which sets ``fp8.ONE_PASS_MAX``.
+  (3456) and the LM's (18944), which sets ``fp8.ONE_PASS_MAX``;
+* the standalone quantiser (attention outputs): one row per program in two passes against
+  several rows per program in one read, at the vision tower's 1280 and the LM's 3584, which
+  sets ``fp8.QUANT_BLOCK``.
 
     python lab/experiments/elementwise.py --out $OUT
 """
@@ -148,6 +151,39 @@ def silu_quant(N, C):
             **{f"{k}_tb_s": v["tb_s"] for k, v in out.items()}}
 
 
+def quant(N, C):
+    """The standalone per-row quantiser (the attention output before its projection): the
+    two-pass, one-row-per-program kernel against the one-read multi-row kernel at a sweep of
+    (elements per program, warps); equal bits required."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(N, C, device="cuda", generator=g).to(torch.bfloat16)
+    q0 = torch.empty(N, C, dtype=fp8.FP8, device="cuda")
+    s0 = torch.empty(N, 1, dtype=torch.float32, device="cuda")
+
+    def two_pass():
+        fp8._quant_kernel[(N,)](x, q0, s0, C, x.stride(0), q0.stride(0),
+                                BLOCK_C=fp8._tile(C), num_warps=4)
+
+    out = {"rows": N, "width": C, "two_pass_ms": ms(two_pass), "multi_row": []}
+    B = triton.next_power_of_2(C)
+    for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16)):
+        R = max(1, block // B)
+        q = torch.empty_like(q0)
+        s = torch.empty_like(s0)
+
+        def fn():
+            fp8._quant_rows_kernel[(triton.cdiv(N, R),)](x, q, s, N, C, x.stride(0),
+                                                         q.stride(0), BLOCK_R=R, BLOCK_C=B,
+                                                         num_warps=warps)
+        t = ms(fn)
+        equal = bool(torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+                     and torch.equal(s, s0))
+        out["multi_row"].append({"block": block, "rows": R, "warps": warps, "ms": t,
+                                 "equal": equal, "tb_s": N * C * 3 / t / 1e9})
+    out["product"] = {"block": fp8.QUANT_BLOCK, "warps": 8}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,7 +192,8 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "lm_rope": lm_rope(), "vision_rotary": vision_rotary(),
            "silu_quant_vision": silu_quant(63360, 3456),
-           "silu_quant_lm": silu_quant(16384, 18944)}
+           "silu_quant_lm": silu_quant(16384, 18944),
+           "quant_vision": quant(63360, 1280), "quant_lm": quant(16384, 3584)}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "elementwise.json"), "w") as f:
         json.dump(res, f, indent=1)
