@@ -5,10 +5,13 @@ and full layers (2880 tokens a pair).
 
 * ``before``: the rotary kernel in place in the qkv buffer (mminfer.models.vision_fused),
   then SDPA per window shape (cuDNN's flash kernel on the H200), as the fused tower ran;
-* ``kernel``: the one-pass kernel, at its product tiles and at a sweep of
-  (BLOCK_M, BLOCK_N, warps), which sets ``window_attention.tiles`` and ``MAX_WINDOW``.
+* the one-pass kernel in its two layouts: one head per program, or every head of a window in
+  one program (``HEADS_MAX_L``), 4 or 8 warps (``HEADS_WARPS``), the latter also writing o
+  in e4m3 for the FP8 tower's proj (against ``before`` plus fp8's quantisation pass).
 
-Each kernel run is checked against ``before`` (max abs difference, bf16).
+Each kernel run is checked against ``before`` (max abs difference; FP8 dequantised). The
+first sweep (tiles of the one-head layout, and that layout on the full layers: 5-14x slower
+than SDPA, so full layers keep it) is in lab/NOTES.md §9.
 
     python lab/experiments/window_attention.py --out $OUT
 """
@@ -57,47 +60,53 @@ def main():
     scale = d ** -0.5
     res = {"device": torch.cuda.get_device_name(), "pairs": P, "tokens": P * S,
            "heads": heads, "head_dim": d, "rows": []}
-    product_tiles = wa.tiles
-    for name, groups in cases.items():
-        work = qkv.clone()
+    from mminfer.models import fp8
+    groups = cases["window"]
+    work = qkv.clone()
 
-        def before():
-            q, k, v = vf.rotary(work, cos, sin, S, heads, d, triton_kernels=True)
-            return _attend(q, k, v, groups, scale)
-
-        def rotary_only():
-            vf.rotary(work, cos, sin, S, heads, d, triton_kernels=True)
-
-        t_rot = ms(rotary_only)
-        t_before = ms(before)
-        work.copy_(qkv)
+    def before():
         q, k, v = vf.rotary(work, cos, sin, S, heads, d, triton_kernels=True)
-        want = _attend(q, k, v, groups, scale).reshape(P * S, heads * d).float()
-        L = groups[0][2]
-        sweep = [(64, 64, 4), (64, 64, 2), (64, 64, 8), (32, 64, 4), (64, 32, 4)] \
-            if L <= 64 else [(64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4),
-                             (128, 128, 8), (128, 32, 4)]
-        row = {"layer": name, "window_tokens": L, "rotary_ms": t_rot, "before_ms": t_before,
-               "kernel": []}
-        print(f"{name} layer (windows of {L}): rotary {t_rot:.3f} ms, rotary + SDPA "
-              f"{t_before:.3f} ms", flush=True)
-        for bm, bn, warps in sweep:
-            wa.tiles = lambda _L, t=(bm, bn, warps): t
-            try:
-                out = wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale)
-                err = float((out.float() - want).abs().max())
-                t = ms(lambda: wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale))
-            except Exception as e:               # a tile that does not compile or fit
-                print(f"  {bm}x{bn} w{warps}: failed {type(e).__name__}: {e}"[:200])
-                continue
-            finally:
-                wa.tiles = product_tiles
-            row["kernel"].append({"block_m": bm, "block_n": bn, "warps": warps, "ms": t,
-                                  "max_abs_diff": err})
-            print(f"  kernel {bm}x{bn} w{warps}: {t:.3f} ms ({t_before / t:.2f}x), "
-                  f"max|diff| {err:.2e}", flush=True)
-        row["product_tiles"] = list(product_tiles(L))
-        res["rows"].append(row)
+        return _attend(q, k, v, groups, scale)
+
+    work.copy_(qkv)
+    want = before().reshape(P * S, heads * d).float()
+    t_rot = ms(lambda: vf.rotary(work, cos, sin, S, heads, d, triton_kernels=True))
+    t_before = ms(before)
+    o_bf = want.to(torch.bfloat16)
+    t_quant = ms(lambda: fp8.quantize_rows(o_bf))
+    row = {"layer": "window", "window_tokens": 64, "rotary_ms": t_rot, "before_ms": t_before,
+           "quant_pass_ms": t_quant, "variants": []}
+    print(f"window layer: rotary {t_rot:.3f} ms, rotary + SDPA {t_before:.3f} ms; the FP8 "
+          f"tower's quantisation of o {t_quant:.3f} ms", flush=True)
+    keep = (wa.HEADS_MAX_L, wa.HEADS_WARPS)
+    # (layout, warps, FP8 output): one head per program (HEADS_MAX_L = 0), or every head of
+    # a window in one program, writing bf16 or e4m3
+    for layout, warps, q8 in (("head", 4, False), ("window", 4, False), ("window", 8, False),
+                              ("window", 4, True), ("window", 8, True)):
+        wa.HEADS_MAX_L, wa.HEADS_WARPS = (0 if layout == "head" else 64), warps
+        try:
+            def fn():
+                return wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale,
+                                           quantize=q8)
+            out = fn()
+            got = out.dequantize().float() if q8 else out.float()
+            err = float((got - want).abs().max())
+            t = ms(fn)
+        except Exception as e:                   # a layout that does not compile or fit
+            print(f"  {layout} w{warps} fp8={q8}: failed {type(e).__name__}: {e}"[:300])
+            continue
+        finally:
+            wa.HEADS_MAX_L, wa.HEADS_WARPS = keep
+        row["variants"].append({"layout": layout, "warps": warps, "fp8_out": q8, "ms": t,
+                                "max_abs_diff": err})
+        print(f"  {layout:6s} w{warps} {'fp8 ' if q8 else 'bf16'}: {t:.3f} ms "
+              f"({t_before / t:.2f}x rotary + SDPA), max|diff| {err:.2e}", flush=True)
+    row["product"] = {"heads_max_l": wa.HEADS_MAX_L, "warps": wa.HEADS_WARPS}
+    res["rows"].append(row)
+    # full layers (2880 tokens a pair) stay on rotary + SDPA: measured 2.67 ms against
+    # 12.7-37 ms for the one-head-per-program kernel at 64-128 tiles (lab/NOTES.md §9)
+    res["full_layer_before_ms"] = ms(lambda: _attend(
+        *vf.rotary(work, cos, sin, S, heads, d, triton_kernels=True), cases["full"], scale))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "window_attention.json"), "w") as f:
         json.dump(res, f, indent=1)

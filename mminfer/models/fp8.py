@@ -56,10 +56,6 @@ _UNSUPPORTED: set = set()
 # (the vision MLP's 3456); wider ones (the 7B LM's 18944) take two passes over column tiles,
 # the second mostly from L2.
 ONE_PASS_MAX = 8192
-# The standalone quantiser (an attention output before its projection): rows up to this width
-# in one read, several per program (QUANT_BLOCK elements); wider rows, two passes per row.
-QUANT_ONE_PASS_MAX = 8192
-QUANT_BLOCK = 8192
 # Hopper's FP8 MMAs accumulate in reduced precision; cuBLAS promotes to fp32 every few MMAs
 # unless asked for fast accumulation (what vLLM's CUTLASS FP8 kernels run). Measured on the
 # H200 (lab/experiments/fp8_gemm_accum.py): up to K = 3584 fast accumulation is 1.11-1.29x
@@ -186,24 +182,6 @@ def _quant_kernel(X, Q, S, C, stride_x, stride_q, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(X, Q, S, N, C, stride_x, stride_q, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
-    # BLOCK_R whole rows per program, read once: a 1280-wide row alone is too little work
-    # for a program (the vision tower's attention output, 63K rows a chunk)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
-    mask = (rows < N)[:, None] & (cols < C)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.maximum(amax / 448.0, 1e-12)
-    v = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
-    tl.store(Q + rows[:, None] * stride_q + cols[None, :], _e4m3_grid(v).to(Q.dtype.element_ty),
-             mask=mask)
-    tl.store(S + rows, scale, mask=rows < N)
-
-
-@triton.jit
 def _rms_norm_quant_kernel(X, D, W, Q, S, C, stride_x, stride_d, stride_q, eps,
                            HAS_D: tl.constexpr, BLOCK_C: tl.constexpr):
     # one program per row, the whole row in registers (C <= 8192 for the models served)
@@ -308,12 +286,7 @@ def quantize_rows(x: torch.Tensor, *, kernels: str = "auto") -> Fp8Act:
     N, C = x2.shape
     q = torch.empty(N, C, dtype=FP8, device=x.device)
     s = torch.empty(N, 1, dtype=torch.float32, device=x.device)
-    if N and C <= QUANT_ONE_PASS_MAX:
-        B = triton.next_power_of_2(max(C, 16))
-        R = max(1, QUANT_BLOCK // B)
-        _quant_rows_kernel[(triton.cdiv(N, R),)](x2, q, s, N, C, x2.stride(0), q.stride(0),
-                                                 BLOCK_R=R, BLOCK_C=B, num_warps=8)
-    elif N:
+    if N:
         _quant_kernel[(N,)](x2, q, s, C, x2.stride(0), q.stride(0), BLOCK_C=_tile(C),
                             num_warps=4)
     return Fp8Act(q.view(x.shape), s.view(*x.shape[:-1], 1), x.dtype)

@@ -8,13 +8,20 @@ rewriting q and k inside the qkv GEMM's output (0.57 ms a layer at a 22-pair chu
 H200) and cuDNN's SDPA over ``[P * windows, heads, 64, 80]`` (~0.5 ms), against ~0.14 ms to
 read q, k, v and write o once at the H200's bandwidth.
 
-Here one program takes one head of one block of rows of one window (a window layer: the
-whole 64-token window): it loads its q rows and the window's k rows straight from the qkv
-GEMM's output, rotates them in registers (fp32, rounded to the input dtype, as
-transformers' ``apply_rotary_pos_emb_vision`` rounds them), runs the softmax online over
-key tiles and writes o in ``[tokens, heads * head_dim]``, what the output projection reads.
-The head dim is handled as its two rotary halves (40 + 40 on the 7B, each padded to a
-16-multiple tile), so no lane computes on padding beyond a half's.
+Here a window's q, k and v are read straight from the qkv GEMM's output, q and k rotated in
+registers (fp32, rounded to the input dtype, as transformers' ``apply_rotary_pos_emb_vision``
+rounds them), the softmax taken in fp32 and o written in ``[tokens, heads * head_dim]``, what
+the output projection reads. The head dim is handled as its two rotary halves (40 + 40 on the
+7B, each padded to a 16-multiple tile). Two layouts:
+
+* a window of up to ``HEADS_MAX_L`` tokens is one program over every head in turn (its
+  angles loaded once). For the FP8 tower it writes o in e4m3 for the FP8 proj, which
+  otherwise needs a quantisation pass of its own: an output row is a convex combination of
+  the window's v rows, so the window's max |v| over every head bounds every o element, and
+  that bound / 448 is each of its rows' scale (e4m3 is floating point: a scale above the
+  row's own amax costs no relative precision unless an element falls below 2^-6 of it);
+* a longer run (64 < L <= ``MAX_WINDOW``) is one program per head and 64-row block, an
+  online softmax over 64-key tiles.
 
 Windows of one shape are contiguous runs of the tower order (mminfer.models.vision), so a
 launch covers a ``(first token, windows, tokens per window)`` group of every pair of a chunk;
@@ -32,10 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
+from mminfer.models.fp8 import FP8, Fp8Act, _e4m3_grid
+
 LOG2E = 1.4426950408889634
 # The longest window the product runs here (the rest: rotary kernel + SDPA). Measured on the
 # H200 at a 22-pair 560x1008 chunk (lab/experiments/window_attention.py).
 MAX_WINDOW = 256
+# Windows up to this length run every head in one program (_window_heads_kernel; the only
+# layout that can write o in FP8), longer runs one head per program.
+HEADS_MAX_L = 64
+HEADS_WARPS = 4
 
 
 @triton.jit
@@ -122,6 +135,74 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
     tl.store(o_at + HALF, (acc_hi * inv[:, None]).to(O.dtype.element_ty), mask=om)
 
 
+@triton.jit
+def _window_heads_kernel(QKV, COS, SIN, O, OS, stride_t, stride_o, S, start, n_win, L,
+                         qk_scale, H: tl.constexpr, HEAD_D: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr,
+                         IEEE: tl.constexpr):
+    # one program per window (up to BLOCK_L tokens), every head in turn: the window's angles
+    # are loaded once for all heads, q and k; with QUANT, o is written in e4m3 with one
+    # scale for the window's rows (below)
+    win = tl.program_id(0)
+    pos0 = start + (win % n_win) * L
+    tok0 = (win // n_win).to(tl.int64) * S + pos0
+    DT = QKV.dtype.element_ty
+    f = tl.arange(0, BLOCK_F)
+    fmask = f < HALF
+    rows = tl.arange(0, BLOCK_L)
+    rmask = rows < L
+    m2 = rmask[:, None] & fmask[None, :]
+    c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
+    row_at = QKV + (tok0 + rows)[:, None] * stride_t + f[None, :]
+    o_at = O + (tok0 + rows)[:, None] * stride_o + f[None, :]
+    scale = 1.0
+    if QUANT:
+        # an attention output row is a convex combination of the window's v rows, so
+        # |o| <= max |v| over the window: that bound, over every head, is the rows' scale
+        # (e4m3 is floating point: a loose scale costs no relative precision above 2^-6 of
+        # it, and it needs no second pass over o)
+        amax = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
+        for h in range(H):
+            v_at = row_at + (2 * H + h) * HEAD_D
+            amax = tl.maximum(amax, tl.abs(tl.load(v_at, mask=m2, other=0.0).to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(tl.load(v_at + HALF, mask=m2, other=0.0)
+                                           .to(tl.float32)))
+        scale = tl.maximum(tl.max(tl.max(amax, 1), 0) / 448.0, 1e-12)
+        tl.store(OS + tok0 + rows, tl.zeros([BLOCK_L], tl.float32) + scale, mask=rmask)
+    for h in range(H):
+        lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
+        q_lo, q_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+        lo, hi = _halves(QKV + (tok0 + rows) * stride_t + (H + h) * HEAD_D, rmask, f, HALF)
+        k_lo, k_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+        if IEEE:
+            qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+            qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")
+        else:
+            qk = tl.dot(q_lo, tl.trans(k_lo))
+            qk = tl.dot(q_hi, tl.trans(k_hi), qk)
+        qk = tl.where(rmask[None, :], qk * qk_scale, float("-inf"))
+        m = tl.max(qk, 1)
+        p = tl.math.exp2(qk - m[:, None])
+        inv = 1.0 / tl.sum(p, 1)
+        v_at = row_at + (2 * H + h) * HEAD_D
+        v_lo = tl.load(v_at, mask=m2, other=0.0)
+        v_hi = tl.load(v_at + HALF, mask=m2, other=0.0)
+        p = p.to(DT)
+        if IEEE:
+            o_lo = tl.dot(p, v_lo, input_precision="ieee")
+            o_hi = tl.dot(p, v_hi, input_precision="ieee")
+        else:
+            o_lo = tl.dot(p, v_lo)
+            o_hi = tl.dot(p, v_hi)
+        o_lo = o_lo * inv[:, None]
+        o_hi = o_hi * inv[:, None]
+        if QUANT:
+            o_lo = _e4m3_grid(tl.minimum(tl.maximum(o_lo / scale, -448.0), 448.0))
+            o_hi = _e4m3_grid(tl.minimum(tl.maximum(o_hi / scale, -448.0), 448.0))
+        tl.store(o_at + h * HEAD_D, o_lo.to(O.dtype.element_ty), mask=m2)
+        tl.store(o_at + h * HEAD_D + HALF, o_hi.to(O.dtype.element_ty), mask=m2)
+
+
 def applies(qkv: torch.Tensor, groups) -> bool:
     """Whether the product runs a layer with these ``groups`` here: windows up to
     ``MAX_WINDOW`` tokens, in fp16/bf16 on a GPU (an fp32 tower there, a reference, keeps
@@ -141,13 +222,16 @@ def tiles(L: int) -> tuple[int, int, int]:
 
 
 def window_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups, S: int,
-                     heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                     heads: int, head_dim: int, scale: float, *, quantize: bool = False):
     """Non-causal attention inside the windows ``groups`` (``(first token, windows, tokens
     per window)`` of each S-token pair) of ``qkv [P*S, 3*heads*head_dim]`` (q, k, v of
     each token; q and k *not yet rotated*), with token i of a pair at rotary position i:
     ``cos``/``sin`` ``[S, head_dim/2]`` fp32. Returns ``o [P*S, heads*head_dim]`` in qkv's
-    dtype; tokens outside every group are left unwritten. A torch custom op, so meta
-    tensors (``benchmarks/vision.py --ops``) and ``torch.compile`` see one op."""
+    dtype; with ``quantize`` (windows up to ``HEADS_MAX_L`` only) an
+    :class:`~mminfer.models.fp8.Fp8Act`: e4m3 rows, one scale per row (the window's max
+    |v| / 448), what an FP8 output projection reads. Tokens outside every group are left
+    unwritten. A torch custom op, so meta tensors (``benchmarks/vision.py --ops``) and
+    ``torch.compile`` see one op."""
     N, W = qkv.shape
     if head_dim % 2 or W != 3 * heads * head_dim or N % S or qkv.stride(-1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} (stride {qkv.stride()}) is not "
@@ -158,36 +242,54 @@ def window_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gr
     for start, n, L in groups:
         if start < 0 or n < 0 or L < 1 or start + n * L > S:
             raise ValueError(f"group ({start}, {n}, {L}) is not inside a pair of {S} tokens")
+    if quantize and not quantizes(groups):
+        raise ValueError(f"an FP8 output needs windows of at most {HEADS_MAX_L} tokens")
     flat = [int(v) for g in groups for v in g]
-    return _window_attention_op(qkv, cos.contiguous(), sin.contiguous(), flat, S, heads,
-                                head_dim, float(scale))
+    out, scales = _window_attention_op(qkv, cos.contiguous(), sin.contiguous(), flat, S,
+                                       heads, head_dim, float(scale), bool(quantize))
+    return Fp8Act(out, scales, qkv.dtype) if quantize else out
+
+
+def quantizes(groups) -> bool:
+    """Whether :func:`window_attention` can write these windows' output in FP8 (each window in
+    one program, so its v bound is known before o is written)."""
+    return max(L for _, _, L in groups) <= HEADS_MAX_L
 
 
 @torch.library.custom_op("mminfer::vision_window_attention", mutates_args=())
 def _window_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          groups: list[int], S: int, heads: int, head_dim: int,
-                         scale: float) -> torch.Tensor:
+                         scale: float, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     N = qkv.shape[0]
     P, half = N // S, head_dim // 2
-    out = qkv.new_empty(N, heads * head_dim)
+    out = qkv.new_empty(N, heads * head_dim, dtype=FP8 if quantize else qkv.dtype)
+    scales = qkv.new_empty(N if quantize else 0, 1, dtype=torch.float32)
     BF = max(16, triton.next_power_of_2(half))
+    ieee = qkv.dtype == torch.float32
     for i in range(0, len(groups), 3):
         start, n, L = groups[i:i + 3]
-        BM, BN, warps = tiles(L)
-        mb = triton.cdiv(L, BM)
         if P * n == 0:
             continue
+        if L <= HEADS_MAX_L:
+            _window_heads_kernel[(P * n,)](
+                qkv, cos, sin, out, scales, qkv.stride(0), out.stride(0), S, start, n, L,
+                scale * LOG2E, H=heads, HEAD_D=head_dim, HALF=half,
+                BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_F=BF, QUANT=quantize,
+                IEEE=ieee, num_warps=HEADS_WARPS)
+            continue
+        BM, BN, warps = tiles(L)
+        mb = triton.cdiv(L, BM)
         _window_attention_kernel[(heads, P * n * mb)](
             qkv, cos, sin, out, qkv.stride(0), out.stride(0), S, start, n, L, mb,
             scale * LOG2E, H=heads, HEAD_D=head_dim, HALF=half, BLOCK_M=BM, BLOCK_N=BN,
-            BLOCK_F=BF, ONE_TILE=L <= BM and BM == BN, IEEE=qkv.dtype == torch.float32,
-            num_warps=warps)
-    return out
+            BLOCK_F=BF, ONE_TILE=L <= BM and BM == BN, IEEE=ieee, num_warps=warps)
+    return out, scales
 
 
 @_window_attention_op.register_fake
-def _(qkv, cos, sin, groups, S, heads, head_dim, scale):
-    return qkv.new_empty(qkv.shape[0], heads * head_dim)
+def _(qkv, cos, sin, groups, S, heads, head_dim, scale, quantize):
+    out = qkv.new_empty(qkv.shape[0], heads * head_dim, dtype=FP8 if quantize else qkv.dtype)
+    return out, qkv.new_empty(qkv.shape[0] if quantize else 0, 1, dtype=torch.float32)
 
 
 def reference(qkv, cos, sin, groups, S: int, heads: int, head_dim: int, scale: float):

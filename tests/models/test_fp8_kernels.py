@@ -30,12 +30,7 @@ def _same_fp8(got: fp8.Fp8Act, q, s, *, exact: bool):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_quant_kernels_match_reference(monkeypatch, dtype, one_pass):
-    """Both standalone quantisers: several rows per program in one read (rows up to
-    QUANT_ONE_PASS_MAX wide; 7 rows, a part of one 16-row block) and two passes a row."""
-    if not one_pass:
-        monkeypatch.setattr(fp8, "QUANT_ONE_PASS_MAX", 0)
+def test_quant_kernels_match_reference(dtype):
     g = torch.Generator().manual_seed(0)
     N, C = 7, 300            # C not a power of 2
     x = (torch.randn(N, C, generator=g) * torch.logspace(-3, 2, N)[:, None]).to(dtype)
