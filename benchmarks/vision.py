@@ -546,8 +546,7 @@ class _OpLog:
             gflop = sum(4 * P * n * L * L * d * heads for n, L in
                         zip(groups[1::3], groups[2::3])) / 1e9
             self.ops.append({"op": name, "shape": [qkv.shape[0], heads * d],
-                             "read_mb": _touched(qkv) / 1e6,
-                             "write_mb": sum(_touched(t) for t in out) / 1e6,
+                             "read_mb": _touched(qkv) / 1e6, "write_mb": _touched(out) / 1e6,
                              "gflop": gflop, "kind": "attention"})
             return
         rets = schema.returns

@@ -390,16 +390,13 @@ def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, d
     ``fp8_kernels`` (FP8 blocks: the ``*_w`` are mminfer.models.fp8 layers, ``y`` is
     quantised): the norms and the SiLU gate write their output quantised for the FP8 GEMMs
     that read it, the next norm too when ``quantise_next`` (not the merger's); the attention
-    output is quantised by the window-attention kernel (window layers) or by o's own pass in
-    ``proj`` (full layers)."""
+    output is quantised by o's own pass in ``proj``."""
     tk = triton_kernels
     qkv = _linear(y, qkv_w, qkv_b)
     if tk and window_attention.applies(qkv, groups):
-        # window layers: rotary and attention in one kernel reading the qkv GEMM's output;
-        # FP8 blocks get o already quantised for proj (no pass of its own)
-        o = window_attention.window_attention(
-            qkv, cos, sin, groups, S, heads, head_dim, scale,
-            quantize=fp8_kernels is not None and window_attention.quantizes(groups))
+        # window layers: rotary and attention in one kernel reading the qkv GEMM's output
+        o = window_attention.window_attention(qkv, cos, sin, groups, S, heads, head_dim,
+                                              scale)
     else:
         q, k, v = rotary(qkv, cos, sin, S, heads, head_dim, triton_kernels=tk)  # [P,S,H,d]
         o = _attend(q, k, v, groups, scale).reshape(P * S, heads * head_dim)

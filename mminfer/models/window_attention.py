@@ -15,11 +15,8 @@ the output projection reads. The head dim is handled as its two rotary halves (4
 7B, each padded to a 16-multiple tile). Two layouts:
 
 * a window of up to ``HEADS_MAX_L`` tokens is one program over every head in turn (its
-  angles loaded once). For the FP8 tower it writes o in e4m3 for the FP8 proj, which
-  otherwise needs a quantisation pass of its own: an output row is a convex combination of
-  the window's v rows, so the window's max |v| over every head bounds every o element, and
-  that bound / 448 is each of its rows' scale (e4m3 is floating point: a scale above the
-  row's own amax costs no relative precision unless an element falls below 2^-6 of it);
+  angles loaded once for q, k and every head): 0.357 -> 0.318 ms against one program per
+  head on the 7B's window layer (lab/experiments/window_attention.py);
 * a longer run (64 < L <= ``MAX_WINDOW``) is one program per head and 64-row block, an
   online softmax over 64-key tiles.
 
@@ -39,14 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mminfer.models.fp8 import FP8, Fp8Act, _e4m3_grid
-
 LOG2E = 1.4426950408889634
 # The longest window the product runs here (the rest: rotary kernel + SDPA). Measured on the
 # H200 at a 22-pair 560x1008 chunk (lab/experiments/window_attention.py).
 MAX_WINDOW = 256
-# Windows up to this length run every head in one program (_window_heads_kernel; the only
-# layout that can write o in FP8), longer runs one head per program.
+# Windows up to this length run every head in one program (_window_heads_kernel), longer
+# runs one head per program (measured: lab/experiments/window_attention.py).
 HEADS_MAX_L = 64
 HEADS_WARPS = 4
 
@@ -136,13 +131,11 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
 
 
 @triton.jit
-def _window_heads_kernel(QKV, COS, SIN, O, OS, stride_t, stride_o, S, start, n_win, L,
+def _window_heads_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_win, L,
                          qk_scale, H: tl.constexpr, HEAD_D: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr, IEEE: tl.constexpr):
     # one program per window (up to BLOCK_L tokens), every head in turn: the window's angles
-    # are loaded once for all heads, q and k; with QUANT, o is written in e4m3 with one
-    # scale for the window's rows (below)
+    # are loaded once for all heads, q and k
     win = tl.program_id(0)
     pos0 = start + (win % n_win) * L
     tok0 = (win // n_win).to(tl.int64) * S + pos0
@@ -155,20 +148,6 @@ def _window_heads_kernel(QKV, COS, SIN, O, OS, stride_t, stride_o, S, start, n_w
     c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
     row_at = QKV + (tok0 + rows)[:, None] * stride_t + f[None, :]
     o_at = O + (tok0 + rows)[:, None] * stride_o + f[None, :]
-    scale = 1.0
-    if QUANT:
-        # an attention output row is a convex combination of the window's v rows, so
-        # |o| <= max |v| over the window: that bound, over every head, is the rows' scale
-        # (e4m3 is floating point: a loose scale costs no relative precision above 2^-6 of
-        # it, and it needs no second pass over o)
-        amax = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
-        for h in range(H):
-            v_at = row_at + (2 * H + h) * HEAD_D
-            amax = tl.maximum(amax, tl.abs(tl.load(v_at, mask=m2, other=0.0).to(tl.float32)))
-            amax = tl.maximum(amax, tl.abs(tl.load(v_at + HALF, mask=m2, other=0.0)
-                                           .to(tl.float32)))
-        scale = tl.maximum(tl.max(tl.max(amax, 1), 0) / 448.0, 1e-12)
-        tl.store(OS + tok0 + rows, tl.zeros([BLOCK_L], tl.float32) + scale, mask=rmask)
     for h in range(H):
         lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
         q_lo, q_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
@@ -196,9 +175,6 @@ def _window_heads_kernel(QKV, COS, SIN, O, OS, stride_t, stride_o, S, start, n_w
             o_hi = tl.dot(p, v_hi)
         o_lo = o_lo * inv[:, None]
         o_hi = o_hi * inv[:, None]
-        if QUANT:
-            o_lo = _e4m3_grid(tl.minimum(tl.maximum(o_lo / scale, -448.0), 448.0))
-            o_hi = _e4m3_grid(tl.minimum(tl.maximum(o_hi / scale, -448.0), 448.0))
         tl.store(o_at + h * HEAD_D, o_lo.to(O.dtype.element_ty), mask=m2)
         tl.store(o_at + h * HEAD_D + HALF, o_hi.to(O.dtype.element_ty), mask=m2)
 
@@ -222,16 +198,13 @@ def tiles(L: int) -> tuple[int, int, int]:
 
 
 def window_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups, S: int,
-                     heads: int, head_dim: int, scale: float, *, quantize: bool = False):
+                     heads: int, head_dim: int, scale: float) -> torch.Tensor:
     """Non-causal attention inside the windows ``groups`` (``(first token, windows, tokens
     per window)`` of each S-token pair) of ``qkv [P*S, 3*heads*head_dim]`` (q, k, v of
     each token; q and k *not yet rotated*), with token i of a pair at rotary position i:
     ``cos``/``sin`` ``[S, head_dim/2]`` fp32. Returns ``o [P*S, heads*head_dim]`` in qkv's
-    dtype; with ``quantize`` (windows up to ``HEADS_MAX_L`` only) an
-    :class:`~mminfer.models.fp8.Fp8Act`: e4m3 rows, one scale per row (the window's max
-    |v| / 448), what an FP8 output projection reads. Tokens outside every group are left
-    unwritten. A torch custom op, so meta tensors (``benchmarks/vision.py --ops``) and
-    ``torch.compile`` see one op."""
+    dtype; tokens outside every group are left unwritten. A torch custom op, so meta
+    tensors (``benchmarks/vision.py --ops``) and ``torch.compile`` see one op."""
     N, W = qkv.shape
     if head_dim % 2 or W != 3 * heads * head_dim or N % S or qkv.stride(-1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} (stride {qkv.stride()}) is not "
@@ -242,28 +215,18 @@ def window_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gr
     for start, n, L in groups:
         if start < 0 or n < 0 or L < 1 or start + n * L > S:
             raise ValueError(f"group ({start}, {n}, {L}) is not inside a pair of {S} tokens")
-    if quantize and not quantizes(groups):
-        raise ValueError(f"an FP8 output needs windows of at most {HEADS_MAX_L} tokens")
     flat = [int(v) for g in groups for v in g]
-    out, scales = _window_attention_op(qkv, cos.contiguous(), sin.contiguous(), flat, S,
-                                       heads, head_dim, float(scale), bool(quantize))
-    return Fp8Act(out, scales, qkv.dtype) if quantize else out
-
-
-def quantizes(groups) -> bool:
-    """Whether :func:`window_attention` can write these windows' output in FP8 (each window in
-    one program, so its v bound is known before o is written)."""
-    return max(L for _, _, L in groups) <= HEADS_MAX_L
+    return _window_attention_op(qkv, cos.contiguous(), sin.contiguous(), flat, S, heads,
+                                head_dim, float(scale))
 
 
 @torch.library.custom_op("mminfer::vision_window_attention", mutates_args=())
 def _window_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          groups: list[int], S: int, heads: int, head_dim: int,
-                         scale: float, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float) -> torch.Tensor:
     N = qkv.shape[0]
     P, half = N // S, head_dim // 2
-    out = qkv.new_empty(N, heads * head_dim, dtype=FP8 if quantize else qkv.dtype)
-    scales = qkv.new_empty(N if quantize else 0, 1, dtype=torch.float32)
+    out = qkv.new_empty(N, heads * head_dim)
     BF = max(16, triton.next_power_of_2(half))
     ieee = qkv.dtype == torch.float32
     for i in range(0, len(groups), 3):
@@ -272,10 +235,10 @@ def _window_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             continue
         if L <= HEADS_MAX_L:
             _window_heads_kernel[(P * n,)](
-                qkv, cos, sin, out, scales, qkv.stride(0), out.stride(0), S, start, n, L,
+                qkv, cos, sin, out, qkv.stride(0), out.stride(0), S, start, n, L,
                 scale * LOG2E, H=heads, HEAD_D=head_dim, HALF=half,
-                BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_F=BF, QUANT=quantize,
-                IEEE=ieee, num_warps=HEADS_WARPS)
+                BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_F=BF, IEEE=ieee,
+                num_warps=HEADS_WARPS)
             continue
         BM, BN, warps = tiles(L)
         mb = triton.cdiv(L, BM)
@@ -283,13 +246,12 @@ def _window_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             qkv, cos, sin, out, qkv.stride(0), out.stride(0), S, start, n, L, mb,
             scale * LOG2E, H=heads, HEAD_D=head_dim, HALF=half, BLOCK_M=BM, BLOCK_N=BN,
             BLOCK_F=BF, ONE_TILE=L <= BM and BM == BN, IEEE=ieee, num_warps=warps)
-    return out, scales
+    return out
 
 
 @_window_attention_op.register_fake
-def _(qkv, cos, sin, groups, S, heads, head_dim, scale, quantize):
-    out = qkv.new_empty(qkv.shape[0], heads * head_dim, dtype=FP8 if quantize else qkv.dtype)
-    return out, qkv.new_empty(qkv.shape[0] if quantize else 0, 1, dtype=torch.float32)
+def _(qkv, cos, sin, groups, S, heads, head_dim, scale):
+    return qkv.new_empty(qkv.shape[0], heads * head_dim)
 
 
 def reference(qkv, cos, sin, groups, S: int, heads: int, head_dim: int, scale: float):
