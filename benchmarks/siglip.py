@@ -16,13 +16,15 @@ Per variant, CUDA events, median of ``--reps`` after a warm-up:
     frames (default the 1.05M case's 4096: 128 batches back to back), timed by the
     pipeline's own StageTimer: the e2e's "vision" and "preprocess" stages for that video.
 
-The input matters: the H200's matrix units draw less power, and keep higher clocks, on
-smooth data than on noise (KINDS.md: 894 against 788 TFLOP/s for zeros against random
-bf16). ``--input video`` (default) feeds the frames of the e2e's video
+Inputs (``--input``): ``video`` (default) the frames of the e2e's video
 (``e2e.synthetic_frames``, 640x360, before its H.264 round trip) through the adapter's squash
-and normalisation, as the pipeline does; ``--input noise`` uniform random uint8 frames (what
-e2e.py's transformers baseline feeds its tower); ``--input randn`` the N(0, 1) tower input
-this script fed before (encoder rows; its video run then uses noise frames).
+and normalisation, as the pipeline does; ``noise`` uniform random uint8 frames (what e2e.py's
+transformers baseline feeds its tower); ``randn`` the N(0, 1) encoder input this script fed
+before (its video run then uses noise frames). Measured on the H200 (2026-12-04,
+``benchmarks/results/2026-12-04-fp8-vision/siglip_*.log``): video and noise frames time within
+1 % of each other (bf16 stage 67.8 / 68.3 ms a batch, 8.68 / 8.74 s a video, against the e2e's
+8.76 s): this script now reconciles with the e2e. The earlier 84.5 ms a batch came from the
+old script (``randn`` input, its own tower construction; not re-run), not from the stage.
 
     python benchmarks/siglip.py --out $OUT                      # on the GPU
     python benchmarks/siglip.py --input randn --video-frames 0  # the old measurement
