@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qmod
 
+from lab.experiments.timing import ms
 from mminfer.models import fp8, rope
 from mminfer.models import vision_fused as vf
 
@@ -57,20 +58,6 @@ def vision_rotary_pairs(qkv, cos, sin, S, heads, head_dim):
     _rotary_kernel_pairs[(triton.cdiv(N, BT), triton.cdiv(pairs, BK))](
         qkv, cos, sin, N, S, qkv.stride(0), head_dim // 2, head_dim, pairs, BLOCK_T=BT,
         BLOCK_K=BK, num_warps=4)
-
-
-def ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    return t[len(t) // 2]
 
 
 def lm_rope(c=16384, n=32768, H=28, Hkv=4, d=128):

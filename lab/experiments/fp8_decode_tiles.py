@@ -20,33 +20,15 @@ import argparse
 import itertools
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
+from lab.experiments.timing import ms
 from mminfer.kernels import fp8_attention as fa
 
 
 DEV = "cuda"
-
-
-def ms(fn, reps=30):
-    fn()
-    if DEV != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    return t[len(t) // 2]
 
 
 def cache(n, Hkv=4, D=128, seed=0):

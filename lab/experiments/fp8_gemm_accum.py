@@ -26,6 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from lab.experiments.timing import ms
 from mminfer.models import fp8
 
 # (name, M, K, N): the Qwen2.5-VL-7B vision block's GEMMs at a 22-pair chunk (63,360 rows;
@@ -40,20 +41,6 @@ SHAPES = [
     ("lm gate+up", 16384, 3584, 37888),
     ("lm down", 16384, 18944, 3584),
 ]
-
-
-def ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    return t[len(t) // 2]
 
 
 def main():

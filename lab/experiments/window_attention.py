@@ -32,7 +32,8 @@ from mminfer.models import vision_fused as vf
 from mminfer.models import window_attention as wa
 from mminfer.models.fp8 import _e4m3_grid
 from mminfer.models.vision import _attend, window_units
-from mminfer.models.window_attention import _angles, _halves
+from lab.experiments.timing import ms
+from mminfer.models.window_attention import _angles, _halves, _pv, _rotate, _scores
 
 
 @triton.jit
@@ -71,15 +72,10 @@ def _window_heads_fp8_kernel(QKV, COS, SIN, O, OS, stride_t, stride_o, S, start,
         tl.store(OS + tok0 + rows, tl.zeros([BLOCK_L], tl.float32) + scale, mask=rmask)
     for h in range(H):
         lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
-        q_lo, q_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+        q_lo, q_hi = _rotate(lo, hi, c, s, DT)
         lo, hi = _halves(QKV + (tok0 + rows) * stride_t + (H + h) * HEAD_D, rmask, f, HALF)
-        k_lo, k_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
-        if IEEE:
-            qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-            qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")
-        else:
-            qk = tl.dot(q_lo, tl.trans(k_lo))
-            qk = tl.dot(q_hi, tl.trans(k_hi), qk)
+        k_lo, k_hi = _rotate(lo, hi, c, s, DT)
+        qk = _scores(q_lo, q_hi, k_lo, k_hi, IEEE)
         qk = tl.where(rmask[None, :], qk * qk_scale, float("-inf"))
         m = tl.max(qk, 1)
         p = tl.math.exp2(qk - m[:, None])
@@ -88,14 +84,9 @@ def _window_heads_fp8_kernel(QKV, COS, SIN, O, OS, stride_t, stride_o, S, start,
         v_lo = tl.load(v_at, mask=m2, other=0.0)
         v_hi = tl.load(v_at + HALF, mask=m2, other=0.0)
         p = p.to(DT)
-        if IEEE:
-            o_lo = tl.dot(p, v_lo, input_precision="ieee")
-            o_hi = tl.dot(p, v_hi, input_precision="ieee")
-        else:
-            o_lo = tl.dot(p, v_lo)
-            o_hi = tl.dot(p, v_hi)
-        o_lo = o_lo * inv[:, None]
-        o_hi = o_hi * inv[:, None]
+        zero = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
+        o_lo = _pv(p, v_lo, zero, IEEE) * inv[:, None]
+        o_hi = _pv(p, v_hi, zero, IEEE) * inv[:, None]
         if QUANT:
             o_lo = _e4m3_grid(tl.minimum(tl.maximum(o_lo / scale, -448.0), 448.0))
             o_hi = _e4m3_grid(tl.minimum(tl.maximum(o_hi / scale, -448.0), 448.0))
@@ -117,20 +108,6 @@ def window_attention_fp8(qkv, cos, sin, groups, S, heads, head_dim, scale, warps
             BLOCK_F=max(16, triton.next_power_of_2(half)), QUANT=True,
             IEEE=qkv.dtype == torch.float32, num_warps=warps)
     return fp8.Fp8Act(out, scales, qkv.dtype)
-
-
-def ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    t = sorted(a.elapsed_time(b) for a, b in ev)
-    return t[len(t) // 2]
 
 
 def main():

@@ -63,6 +63,28 @@ def _angles(COS, SIN, pos, rows_mask, f, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rotate(lo, hi, c, s, DT: tl.constexpr):
+    """Rotary halves in fp32, rounded to DT, as transformers rounds q and k."""
+    return (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+
+
+@triton.jit
+def _scores(q_lo, q_hi, k_lo, k_hi, IEEE: tl.constexpr):
+    """q kᵀ over the two halves of the head dim, fp32."""
+    if IEEE:
+        qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
+        return tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")
+    return tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+
+
+@triton.jit
+def _pv(p, v, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(p, v, acc, input_precision="ieee")
+    return tl.dot(p, v, acc)
+
+
+@triton.jit
 def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_win, L,
                              m_blocks, qk_scale, H: tl.constexpr, HEAD_D: tl.constexpr,
                              HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -84,8 +106,7 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
     rmask = rows < L
     c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
     lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
-    # rotated in fp32 and rounded to the input dtype, as transformers rounds q and k
-    q_lo, q_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+    q_lo, q_hi = _rotate(lo, hi, c, s, DT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_lo = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
@@ -99,13 +120,8 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
         else:
             ck, sk = _angles(COS, SIN, pos0 + keys, kmask, f, HALF)
         lo, hi = _halves(QKV + row_at + (H + h) * HEAD_D, kmask, f, HALF)
-        k_lo, k_hi = (lo * ck - hi * sk).to(DT), (hi * ck + lo * sk).to(DT)
-        if IEEE:
-            qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-            qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")
-        else:
-            qk = tl.dot(q_lo, tl.trans(k_lo))
-            qk = tl.dot(q_hi, tl.trans(k_hi), qk)
+        k_lo, k_hi = _rotate(lo, hi, ck, sk, DT)
+        qk = _scores(q_lo, q_hi, k_lo, k_hi, IEEE)
         qk = tl.where(kmask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -116,12 +132,8 @@ def _window_attention_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_w
         v_lo = tl.load(v_at, mask=vm, other=0.0)
         v_hi = tl.load(v_at + HALF, mask=vm, other=0.0)
         p = p.to(DT)
-        if IEEE:
-            acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None], input_precision="ieee")
-            acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None], input_precision="ieee")
-        else:
-            acc_lo = tl.dot(p, v_lo, acc_lo * alpha[:, None])
-            acc_hi = tl.dot(p, v_hi, acc_hi * alpha[:, None])
+        acc_lo = _pv(p, v_lo, acc_lo * alpha[:, None], IEEE)
+        acc_hi = _pv(p, v_hi, acc_hi * alpha[:, None], IEEE)
         m_i = m_new
     inv = 1.0 / l_i
     om = rmask[:, None] & fmask[None, :]
@@ -150,15 +162,10 @@ def _window_heads_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_win, 
     o_at = O + (tok0 + rows)[:, None] * stride_o + f[None, :]
     for h in range(H):
         lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
-        q_lo, q_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+        q_lo, q_hi = _rotate(lo, hi, c, s, DT)
         lo, hi = _halves(QKV + (tok0 + rows) * stride_t + (H + h) * HEAD_D, rmask, f, HALF)
-        k_lo, k_hi = (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
-        if IEEE:
-            qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-            qk = tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")
-        else:
-            qk = tl.dot(q_lo, tl.trans(k_lo))
-            qk = tl.dot(q_hi, tl.trans(k_hi), qk)
+        k_lo, k_hi = _rotate(lo, hi, c, s, DT)
+        qk = _scores(q_lo, q_hi, k_lo, k_hi, IEEE)
         qk = tl.where(rmask[None, :], qk * qk_scale, float("-inf"))
         m = tl.max(qk, 1)
         p = tl.math.exp2(qk - m[:, None])
@@ -167,14 +174,9 @@ def _window_heads_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_win, 
         v_lo = tl.load(v_at, mask=m2, other=0.0)
         v_hi = tl.load(v_at + HALF, mask=m2, other=0.0)
         p = p.to(DT)
-        if IEEE:
-            o_lo = tl.dot(p, v_lo, input_precision="ieee")
-            o_hi = tl.dot(p, v_hi, input_precision="ieee")
-        else:
-            o_lo = tl.dot(p, v_lo)
-            o_hi = tl.dot(p, v_hi)
-        o_lo = o_lo * inv[:, None]
-        o_hi = o_hi * inv[:, None]
+        zero = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
+        o_lo = _pv(p, v_lo, zero, IEEE) * inv[:, None]
+        o_hi = _pv(p, v_hi, zero, IEEE) * inv[:, None]
         tl.store(o_at + h * HEAD_D, o_lo.to(O.dtype.element_ty), mask=m2)
         tl.store(o_at + h * HEAD_D + HALF, o_hi.to(O.dtype.element_ty), mask=m2)
 
