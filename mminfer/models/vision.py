@@ -19,14 +19,16 @@ So a chunk of P pairs runs here as a batch:
 * the merger runs in that order too (it merges 2x2 units, which stay together) and its
   output goes back to the processor's order with one gather.
 
-The fused path (the default where no gradient is wanted) runs each block as four GEMMs,
-SDPA and four one-pass elementwise kernels (:mod:`mminfer.models.vision_fused`; Triton on
-CUDA): the residual add and the next RMSNorm in one (the last block's with the merger's
-norm), q and k rotated in place in the qkv GEMM's output (q, k, v stay views of it for SDPA),
-the SiLU gate reading the output of one gate/up GEMM. ``benchmarks/vision.py --ops`` lists
-the ops: per block of a 22-pair chunk, 4 kernels and 3.3 GB of non-GEMM traffic against 26
-and 8.3 GB before. The MLP width (3420 on the 7B) is padded with zeros to a multiple of
-``INTER_ALIGN``: rows of 3420 bf16 values are 6840 bytes, not a multiple of 16, which cuBLAS
+The fused path (the default where no gradient is wanted) runs each block as four GEMMs, its
+attention and three one-pass elementwise kernels (:mod:`mminfer.models.vision_fused`; Triton
+on CUDA): the residual add and the next RMSNorm in one (the last block's with the merger's
+norm), the SiLU gate reading the output of one gate/up GEMM. A window layer's rotary and
+attention are one kernel reading the qkv GEMM's output
+(:mod:`mminfer.models.window_attention`); a full layer rotates q and k in place there (q, k,
+v stay views of it) and calls SDPA. ``benchmarks/vision.py --ops`` lists the ops: per window
+block of a 22-pair chunk, 3 elementwise kernels and 2.6 GB of non-GEMM traffic plus 0.65 GB
+for attention, against 26 kernels and 8.3 GB before the fused path. The MLP width (3420 on
+the 7B) is padded with zeros to a multiple of ``INTER_ALIGN``: rows of 3420 bf16 values are 6840 bytes, not a multiple of 16, which cuBLAS
 needs for its fastest (TMA, 16-byte vector) kernels on the three MLP GEMMs, two thirds of the
 tower's FLOPs; zero weight rows and columns add exact zeros. The weights are transformers'
 own tensors except the stacked, padded gate/up and down copies (0.85 GB on the 7B tower),
