@@ -29,10 +29,11 @@ v stay views of it) and calls SDPA. ``benchmarks/vision.py --ops`` lists the ops
 block of a 22-pair chunk, 3 elementwise kernels and 2.6 GB of non-GEMM traffic plus 0.65 GB
 for attention, against 26 kernels and 8.3 GB before the fused path. The MLP width (3420 on
 the 7B) is padded with zeros to a multiple of ``INTER_ALIGN``: rows of 3420 bf16 values are
-6840 bytes, not a multiple of 16, which cuBLAS needs for its fastest (TMA, 16-byte vector) kernels on the three MLP GEMMs, two thirds of the
-tower's FLOPs; zero weight rows and columns add exact zeros. The weights are transformers'
-own tensors except the stacked, padded gate/up and down copies (0.85 GB on the 7B tower),
-rebuilt when a source parameter changes.
+6840 bytes, not a multiple of 16, which cuBLAS needs for its fastest (TMA, 16-byte vector)
+kernels on the three MLP GEMMs, two thirds of the tower's FLOPs; zero weight rows and
+columns add exact zeros. The weights are transformers' own tensors except the stacked,
+padded gate/up and down copies (0.85 GB on the 7B tower), rebuilt when a source parameter
+changes.
 
 With autograd on (training), ``fused=False``, or autocast, the blocks are transformers'
 modules in the batched layout, two elementwise steps written out: the RMSNorm (its fp32
