@@ -5,15 +5,16 @@ and full layers (2880 tokens a pair).
 
 * ``before``: the rotary kernel in place in the qkv buffer (mminfer.models.vision_fused),
   then SDPA per window shape (cuDNN's flash kernel on the H200), as the fused tower ran;
-* the one-pass kernel in its two layouts: one head per program, or every head of a window in
-  one program (``HEADS_MAX_L``), 4 or 8 warps (``HEADS_WARPS``); and that layout writing o
-  in e4m3 for the FP8 tower's proj (tried, dropped: slower than the bf16 kernel plus fp8's
-  quantisation pass); and a candidate, not yet measured: the bf16 kernel quantising the
-  window's o rows in the same program after a barrier (bit-equal to the product's pass).
+* the product's kernel (every head of a window in one program) at 4 and 8 warps
+  (``window_attention.WARPS``), checked against ``before`` (max abs difference);
+* a candidate for the FP8 tower, not yet measured: that kernel quantising its window's o
+  rows in the same program after a barrier, against the kernel + fp8.quantize_rows (which it
+  must equal bit for bit).
 
-Each kernel run is checked against ``before`` (max abs difference; FP8 dequantised). The
-first sweep (tiles of the one-head layout, and that layout on the full layers: 5-14x slower
-than SDPA, so full layers keep it) is in lab/NOTES.md §9.
+Dropped after earlier runs of this script (lab/NOTES.md §9; the code is in git at d1b0416):
+one program per (head, window), 0.357 ms against 0.318; that layout flash-style on the full
+layers, 5-14x slower than SDPA; the window kernel writing o in e4m3 at the window's max|v|
+scale, 0.57-0.60 ms against 0.318 + 0.131.
 
     python lab/experiments/window_attention.py --out $OUT
 """
@@ -34,65 +35,7 @@ from mminfer.models import window_attention as wa
 from mminfer.models.fp8 import _e4m3_grid
 from mminfer.models.vision import _attend, window_units
 from lab.experiments.timing import ms
-from mminfer.models.window_attention import _angles, _halves, _pv, _rotate, _scores
-
-
-@triton.jit
-def _window_heads_fp8_kernel(QKV, COS, SIN, O, OS, stride_t, stride_o, S, start, n_win, L,
-                         qk_scale, H: tl.constexpr, HEAD_D: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr,
-                         IEEE: tl.constexpr):
-    # tried and dropped: the product's one-program-per-window kernel writing o in e4m3 for
-    # the FP8 proj (QUANT), so the FP8 tower needs no quantisation pass of its own; measured
-    # 0.57-0.60 ms against 0.318 + 0.131 (kernel + pass) on the 7B's window layer
-    win = tl.program_id(0)
-    pos0 = start + (win % n_win) * L
-    tok0 = (win // n_win).to(tl.int64) * S + pos0
-    DT = QKV.dtype.element_ty
-    f = tl.arange(0, BLOCK_F)
-    fmask = f < HALF
-    rows = tl.arange(0, BLOCK_L)
-    rmask = rows < L
-    m2 = rmask[:, None] & fmask[None, :]
-    c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
-    row_at = QKV + (tok0 + rows)[:, None] * stride_t + f[None, :]
-    o_at = O + (tok0 + rows)[:, None] * stride_o + f[None, :]
-    scale = 1.0
-    if QUANT:
-        # an attention output row is a convex combination of the window's v rows, so
-        # |o| <= max |v| over the window: that bound, over every head, is the rows' scale
-        # (e4m3 is floating point: a loose scale costs no relative precision above 2^-6 of
-        # it, and it needs no second pass over o)
-        amax = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
-        for h in range(H):
-            v_at = row_at + (2 * H + h) * HEAD_D
-            amax = tl.maximum(amax, tl.abs(tl.load(v_at, mask=m2, other=0.0).to(tl.float32)))
-            amax = tl.maximum(amax, tl.abs(tl.load(v_at + HALF, mask=m2, other=0.0)
-                                           .to(tl.float32)))
-        scale = tl.maximum(tl.max(tl.max(amax, 1), 0) / 448.0, 1e-12)
-        tl.store(OS + tok0 + rows, tl.zeros([BLOCK_L], tl.float32) + scale, mask=rmask)
-    for h in range(H):
-        lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
-        q_lo, q_hi = _rotate(lo, hi, c, s, DT)
-        lo, hi = _halves(QKV + (tok0 + rows) * stride_t + (H + h) * HEAD_D, rmask, f, HALF)
-        k_lo, k_hi = _rotate(lo, hi, c, s, DT)
-        qk = _scores(q_lo, q_hi, k_lo, k_hi, IEEE)
-        qk = tl.where(rmask[None, :], qk * qk_scale, float("-inf"))
-        m = tl.max(qk, 1)
-        p = tl.math.exp2(qk - m[:, None])
-        inv = 1.0 / tl.sum(p, 1)
-        v_at = row_at + (2 * H + h) * HEAD_D
-        v_lo = tl.load(v_at, mask=m2, other=0.0)
-        v_hi = tl.load(v_at + HALF, mask=m2, other=0.0)
-        p = p.to(DT)
-        zero = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
-        o_lo = _pv(p, v_lo, zero, IEEE) * inv[:, None]
-        o_hi = _pv(p, v_hi, zero, IEEE) * inv[:, None]
-        if QUANT:
-            o_lo = _e4m3_grid(tl.minimum(tl.maximum(o_lo / scale, -448.0), 448.0))
-            o_hi = _e4m3_grid(tl.minimum(tl.maximum(o_hi / scale, -448.0), 448.0))
-        tl.store(o_at + h * HEAD_D, o_lo.to(O.dtype.element_ty), mask=m2)
-        tl.store(o_at + h * HEAD_D + HALF, o_hi.to(O.dtype.element_ty), mask=m2)
+from mminfer.models.window_attention import _angles, _head
 
 
 @triton.jit
@@ -101,7 +44,7 @@ def _window_heads_requant_kernel(QKV, COS, SIN, O, Q, QS, stride_t, stride_o, st
                                  HEAD_D: tl.constexpr, HALF: tl.constexpr,
                                  BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr,
                                  IEEE: tl.constexpr):
-    # candidate, not yet measured: the product's per-window kernel, then the window's rows
+    # candidate, not yet measured: the product's kernel, then the window's rows
     # quantised per row in the same program (each row's amax over every head is known once
     # the head loop is done): o written in bf16 as now, read back after a barrier (from L1/L2,
     # the program wrote it) and written in e4m3: bit-equal to fp8.quantize_rows(o), without
@@ -115,24 +58,12 @@ def _window_heads_requant_kernel(QKV, COS, SIN, O, Q, QS, stride_t, stride_o, st
     rmask = rows < L
     m2 = rmask[:, None] & (f < HALF)[None, :]
     c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
-    row_at = QKV + (tok0 + rows)[:, None] * stride_t + f[None, :]
     o_at = O + (tok0 + rows)[:, None] * stride_o + f[None, :]
     amax = tl.zeros([BLOCK_L], tl.float32)
     for h in range(H):
-        lo, hi = _halves(QKV + (tok0 + rows) * stride_t + h * HEAD_D, rmask, f, HALF)
-        q_lo, q_hi = _rotate(lo, hi, c, s, DT)
-        lo, hi = _halves(QKV + (tok0 + rows) * stride_t + (H + h) * HEAD_D, rmask, f, HALF)
-        k_lo, k_hi = _rotate(lo, hi, c, s, DT)
-        qk = tl.where(rmask[None, :], _scores(q_lo, q_hi, k_lo, k_hi, IEEE) * qk_scale,
-                      float("-inf"))
-        p = tl.math.exp2(qk - tl.max(qk, 1)[:, None])
-        inv = 1.0 / tl.sum(p, 1)
-        v_at = row_at + (2 * H + h) * HEAD_D
-        p = p.to(DT)
-        zero = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
-        o_lo = (_pv(p, tl.load(v_at, mask=m2, other=0.0), zero, IEEE) * inv[:, None]).to(DT)
-        o_hi = (_pv(p, tl.load(v_at + HALF, mask=m2, other=0.0), zero, IEEE)
-                * inv[:, None]).to(DT)
+        o_lo, o_hi = _head(QKV, tok0, rows, rmask, f, c, s, h, stride_t, qk_scale, H, HEAD_D,
+                           HALF, BLOCK_L, BLOCK_F, IEEE)
+        o_lo, o_hi = o_lo.to(DT), o_hi.to(DT)
         tl.store(o_at + h * HEAD_D, o_lo, mask=m2)
         tl.store(o_at + h * HEAD_D + HALF, o_hi, mask=m2)
         amax = tl.maximum(amax, tl.max(tl.abs(o_lo.to(tl.float32)), 1))
@@ -163,22 +94,6 @@ def window_attention_requant(qkv, cos, sin, groups, S, heads, head_dim, scale, w
             BLOCK_F=max(16, triton.next_power_of_2(half)), IEEE=qkv.dtype == torch.float32,
             num_warps=warps)
     return o, fp8.Fp8Act(q, qs, qkv.dtype)
-
-
-def window_attention_fp8(qkv, cos, sin, groups, S, heads, head_dim, scale, warps=4):
-    """The dropped variant: o in e4m3 (one scale per row: the window's max |v| over every
-    head / 448, an upper bound on |o|, as o rows are convex combinations of v rows)."""
-    N, half = qkv.shape[0], head_dim // 2
-    out = torch.empty(N, heads * head_dim, dtype=fp8.FP8, device=qkv.device)
-    scales = torch.empty(N, 1, dtype=torch.float32, device=qkv.device)
-    for start, n, L in groups:
-        _window_heads_fp8_kernel[(N // S * n,)](
-            qkv, cos, sin, out, scales, qkv.stride(0), out.stride(0), S, start, n, L,
-            scale * wa.LOG2E, H=heads, HEAD_D=head_dim, HALF=half,
-            BLOCK_L=max(16, triton.next_power_of_2(L)),
-            BLOCK_F=max(16, triton.next_power_of_2(half)), QUANT=True,
-            IEEE=qkv.dtype == torch.float32, num_warps=warps)
-    return fp8.Fp8Act(out, scales, qkv.dtype)
 
 
 def main():
@@ -215,31 +130,20 @@ def main():
            "quant_pass_ms": t_quant, "variants": []}
     print(f"window layer: rotary {t_rot:.3f} ms, rotary + SDPA {t_before:.3f} ms; the FP8 "
           f"tower's quantisation of o {t_quant:.3f} ms", flush=True)
-    keep = (wa.HEADS_MAX_L, wa.HEADS_WARPS)
-    # (layout, warps, FP8 output): one head per program (HEADS_MAX_L = 0), or every head of
-    # a window in one program, writing bf16 or e4m3
-    for layout, warps, q8 in (("head", 4, False), ("window", 4, False), ("window", 8, False),
-                              ("window", 4, True), ("window", 8, True)):
-        wa.HEADS_MAX_L, wa.HEADS_WARPS = (0 if layout == "head" else 64), warps
+    keep = wa.WARPS
+    for warps in (4, 8):
+        wa.WARPS = warps
         try:
             def fn():
-                if q8:
-                    return window_attention_fp8(qkv, cos, sin, groups, S, heads, d, scale,
-                                                warps)
                 return wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale)
-            out = fn()
-            got = out.dequantize().float() if q8 else out.float()
-            err = float((got - want).abs().max())
+            err = float((fn().float() - want).abs().max())
             t = ms(fn)
-        except Exception as e:                   # a layout that does not compile or fit
-            print(f"  {layout} w{warps} fp8={q8}: failed {type(e).__name__}: {e}"[:300])
-            continue
         finally:
-            wa.HEADS_MAX_L, wa.HEADS_WARPS = keep
-        row["variants"].append({"layout": layout, "warps": warps, "fp8_out": q8, "ms": t,
+            wa.WARPS = keep
+        row["variants"].append({"kernel": "product", "warps": warps, "ms": t,
                                 "max_abs_diff": err})
-        print(f"  {layout:6s} w{warps} {'fp8 ' if q8 else 'bf16'}: {t:.3f} ms "
-              f"({t_before / t:.2f}x rotary + SDPA), max|diff| {err:.2e}", flush=True)
+        print(f"  kernel w{warps}: {t:.3f} ms ({t_before / t:.2f}x rotary + SDPA), "
+              f"max|diff| {err:.2e}", flush=True)
     # the candidate against the product's FP8 path (kernel, then fp8.quantize_rows of o)
     o_prod = wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale)
     t_prod = ms(lambda: fp8.quantize_rows(wa.window_attention(qkv, cos, sin, groups, S,
@@ -251,14 +155,13 @@ def main():
                      and torch.equal(q2.data.view(torch.uint8), want_q.data.view(torch.uint8)))
         t = ms(lambda: window_attention_requant(qkv, cos, sin, groups, S, heads, d, scale,
                                                 warps))
-        row["variants"].append({"layout": "window+requant", "warps": warps, "fp8_out": True,
+        row["variants"].append({"kernel": "requant", "warps": warps,
                                 "ms": t, "product_fp8_ms": t_prod, "bit_equal": equal})
-        print(f"  window+requant w{warps}: {t:.3f} ms against kernel + quantize_rows "
+        print(f"  requant w{warps}: {t:.3f} ms against kernel + quantize_rows "
               f"{t_prod:.3f} ms, bit-equal {equal}", flush=True)
-    row["product"] = {"heads_max_l": wa.HEADS_MAX_L, "warps": wa.HEADS_WARPS}
+    row["product_warps"] = wa.WARPS
     res["rows"].append(row)
-    # full layers (2880 tokens a pair) stay on rotary + SDPA: measured 2.67 ms against
-    # 12.7-37 ms for the one-head-per-program kernel at 64-128 tiles (lab/NOTES.md §9)
+    # full layers (2880 tokens a pair) stay on rotary + SDPA (lab/NOTES.md §9)
     res["full_layer_before_ms"] = ms(lambda: _attend(
         *vf.rotary(work, cos, sin, S, heads, d, triton_kernels=True), cases["full"], scale))
     os.makedirs(a.out, exist_ok=True)
