@@ -18,9 +18,9 @@ producer of ours exists (the attention output before ``o_proj``, transformers' o
 ``Fp8Linear`` quantises a plain tensor with a one-pass Triton kernel (CUDA), or torch ops.
 
 Every kernel rounds to e4m3 the way ``tensor.to(torch.float8_e4m3fn)`` does (round to
-nearest even): the value is first rounded onto the e4m3 grid in fp32 arithmetic
-(:func:`_e4m3_grid`), so the final cast is exact. That also makes the CPU interpreter, whose
-fp8 cast carries wrongly into the next binade, compute what the GPU computes. The torch
+nearest even): compiled, with Triton's cast (:func:`_to_e4m3`); under the CPU interpreter,
+whose fp8 cast carries wrongly into the next binade, by rounding onto the e4m3 grid in fp32
+arithmetic first (:func:`_e4m3_grid`), so its final cast is exact. The torch
 functions ``*_ref`` are the fp32 references the kernels are tested against.
 """
 
@@ -39,6 +39,7 @@ import triton.language as tl
 from safetensors import safe_open
 
 from mminfer.errors import ConfigError
+from mminfer.kernels.runtime import interpreted
 from mminfer.models.vision_fused import add_rms_norm_row, load_add_row, use_triton
 
 FP8 = torch.float8_e4m3fn
@@ -56,6 +57,12 @@ _UNSUPPORTED: set = set()
 # (the vision MLP's 3456); wider ones (the 7B LM's 18944) take two passes over column tiles,
 # the second mostly from L2.
 ONE_PASS_MAX = 8192
+# The standalone quantiser reads rows up to this (power-of-two) width once, QUANT_BLOCK
+# elements (whole rows) a program, 4 warps: 0.131 -> 0.070 ms on the vision tower's 63K rows
+# of 1280 with the compiled e4m3 cast (H200, lab/experiments/elementwise.py, 2026-12-04;
+# 8192 a program 0.068, 16384 0.080); wider rows take two passes.
+QUANT_ONE_PASS_MAX = 8192
+QUANT_BLOCK = 4096
 # Hopper's FP8 MMAs accumulate in reduced precision; cuBLAS promotes to fp32 every few MMAs
 # unless asked for fast accumulation (what vLLM's CUTLASS FP8 kernels run). Measured on the
 # H200 (lab/experiments/fp8_gemm_accum.py): up to K = 3584 fast accumulation is 1.11-1.29x
@@ -155,11 +162,29 @@ def _e4m3_grid(v):
     return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
+# Compiled, the kernels convert with Triton's own fp32 -> e4m3 cast: round to nearest even,
+# torch's cast bit for bit on all 1.24M values checked on the H200, -0 included (the grid
+# above gives +0 where a small negative value rounds to zero; equal as numbers). The grid
+# costs ~10 ALU operations an element, which made the FP8 vision tower's quantising kernels
+# ALU-bound (lab/experiments/elementwise.py, 2026-12-04: the standalone quantiser 0.115 ->
+# 0.070 ms, SiLU·up 0.341 -> 0.268; the hardware's cvt.rn.satfinite by inline PTX, one value
+# an instruction, 0.081 and 0.282). The interpreter's cast is wrong: there, the grid first.
+_CAST_E4M3 = tl.constexpr(not interpreted())
+
+
+@triton.jit
+def _to_e4m3(v, DT: tl.constexpr):
+    """fp32 ``v`` on e4m3's range as ``DT`` (float8e4nv), rounded as torch rounds."""
+    if _CAST_E4M3:
+        return v.to(DT)
+    return _e4m3_grid(v).to(DT)
+
+
 @triton.jit
 def _store_fp8(Q, row, cols, mask, y, amax, stride_q):
     scale = tl.maximum(amax / 448.0, 1e-12)
     v = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-    tl.store(Q + row * stride_q + cols, _e4m3_grid(v).to(Q.dtype.element_ty), mask=mask)
+    tl.store(Q + row * stride_q + cols, _to_e4m3(v, Q.dtype.element_ty), mask=mask)
     return scale
 
 
@@ -179,6 +204,23 @@ def _quant_kernel(X, Q, S, C, stride_x, stride_q, BLOCK_C: tl.constexpr):
         x = tl.load(X + row * stride_x + cols, mask=cols < C, other=0.0).to(tl.float32)
         _store_fp8(Q, row, cols, cols < C, x, m, stride_q)
     tl.store(S + row, scale)
+
+
+@triton.jit
+def _quant_rows_kernel(X, Q, S, N, C, stride_x, stride_q, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    # BLOCK_R whole rows a program, read once: a 1280-wide row alone is too little work for a
+    # program (the vision tower's attention output, 63K rows a chunk)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < N)[:, None] & (cols < C)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
+    v = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], _to_e4m3(v, Q.dtype.element_ty),
+             mask=mask)
+    tl.store(S + rows, scale, mask=rows < N)
 
 
 @triton.jit
@@ -286,7 +328,12 @@ def quantize_rows(x: torch.Tensor, *, kernels: str = "auto") -> Fp8Act:
     N, C = x2.shape
     q = torch.empty(N, C, dtype=FP8, device=x.device)
     s = torch.empty(N, 1, dtype=torch.float32, device=x.device)
-    if N:
+    B = triton.next_power_of_2(max(C, 16))
+    if N and B <= QUANT_ONE_PASS_MAX:
+        R = max(1, QUANT_BLOCK // B)
+        _quant_rows_kernel[(triton.cdiv(N, R),)](x2, q, s, N, C, x2.stride(0), q.stride(0),
+                                                 BLOCK_R=R, BLOCK_C=B, num_warps=4)
+    elif N:
         _quant_kernel[(N,)](x2, q, s, C, x2.stride(0), q.stride(0), BLOCK_C=_tile(C),
                             num_warps=4)
     return Fp8Act(q.view(x.shape), s.view(*x.shape[:-1], 1), x.dtype)
@@ -328,10 +375,13 @@ def silu_mul_quant(g: torch.Tensor, u: torch.Tensor, *, kernels: str = "auto") -
     N, C = g2.shape
     q = torch.empty(N, C, dtype=FP8, device=g.device)
     s = torch.empty(N, 1, dtype=torch.float32, device=g.device)
-    if N and triton.next_power_of_2(C) <= ONE_PASS_MAX:
+    B = triton.next_power_of_2(C)
+    if N and B <= ONE_PASS_MAX:
+        # 4 warps up to 4096 wide: 0.268 ms against 0.282 at 8 on the vision MLP's 63K rows
+        # of 3456 (H200, lab/experiments/elementwise.py; several rows a program: no faster)
         _silu_mul_quant_row_kernel[(N,)](g2, u2, q, s, C, g2.stride(0), u2.stride(0),
-                                         q.stride(0), BLOCK_C=triton.next_power_of_2(C),
-                                         num_warps=8)
+                                         q.stride(0), BLOCK_C=B,
+                                         num_warps=4 if B <= 4096 else 8)
     elif N:
         _silu_mul_quant_kernel[(N,)](g2, u2, q, s, C, g2.stride(0), u2.stride(0), q.stride(0),
                                      BLOCK_C=_tile(C), num_warps=4)

@@ -3,6 +3,12 @@ fp32 reference on random inputs (the CPU interpreter at small sizes, fp16/fp32; 
 7B's sizes in bf16), the e4m3 rounding, the scaled GEMM against the dequantised arithmetic,
 and Fp8Linear within e4m3's error of nn.Linear."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -30,7 +36,12 @@ def _same_fp8(got: fp8.Fp8Act, q, s, *, exact: bool):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_quant_kernels_match_reference(dtype):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["rows", "two-pass"])
+def test_quant_kernels_match_reference(monkeypatch, dtype, one_pass):
+    """Both standalone quantisers: whole rows read once, several a program (rows up to
+    QUANT_ONE_PASS_MAX wide; 7 rows, part of one 8-row block), and two passes a row."""
+    if not one_pass:
+        monkeypatch.setattr(fp8, "QUANT_ONE_PASS_MAX", 0)
     g = torch.Generator().manual_seed(0)
     N, C = 7, 300            # C not a power of 2
     x = (torch.randn(N, C, generator=g) * torch.logspace(-3, 2, N)[:, None]).to(dtype)
@@ -85,6 +96,50 @@ def test_e4m3_grid_rounds_like_torch_everywhere():
     got = fp8.quantize_rows(v[None], kernels="triton")
     assert float(got.scale) == 1.0
     assert torch.equal(got.data.float(), v.to(fp8.FP8).float()[None])
+
+
+def _rounding_cases():
+    return torch.cat([torch.linspace(-448, 448, 20001), torch.linspace(-0.02, 0.02, 4001),
+                      torch.tensor([448.0, 2 ** -10, 3 * 2 ** -10, 2 ** -6, 15.5, 240.0]),
+                      torch.randn(100_000) * 30])
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_pass", [True, False], ids=["rows", "two-pass"])
+def test_gpu_conversion_rounds_like_torch_everywhere(monkeypatch, one_pass):
+    """The compiled kernels' e4m3 conversion (the hardware's cvt.rn.satfinite) is torch's
+    cast on every rounding case and 100K random values: rows of 4000 (each holding 448, so
+    every scale is 1 and the quotient is the value) through the one-read kernel, and one
+    row of them all through the two-pass kernel."""
+    v = _rounding_cases().clamp(-448, 448)
+    v = torch.cat([v, v.new_zeros(-len(v) % 3999)]).view(-1, 3999)
+    v = torch.cat([v, v.new_full((len(v), 1), 448.0)], 1).cuda()
+    if not one_pass:
+        monkeypatch.setattr(fp8, "QUANT_ONE_PASS_MAX", 0)
+        v = v.reshape(1, -1)
+    got = fp8.quantize_rows(v)
+    assert torch.equal(got.scale, torch.ones_like(got.scale))
+    assert torch.equal(got.data.view(torch.uint8), v.to(fp8.FP8).view(torch.uint8))
+
+
+def test_compiled_kernels_convert_with_the_hardware_instruction():
+    """Without a GPU: every FP8 quantising kernel, compiled ahead of time for sm_90 by the
+    Triton wheel's ptxas (what the H200 runs), builds, converts with cvt.rn.satfinite.e4m3x2
+    and no longer rounds onto the e4m3 grid first (the interpreter's path, ALU-bound on the
+    GPU); a control kernel that does round on the grid shows the check can see it."""
+    script = Path(__file__).with_name("_fp8_compile_sm90.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["kernel"]: r for r in map(json.loads, out.stdout.splitlines())}
+    control = rows.pop("_grid_control_kernel")
+    assert control["grid_mark"] > 0 and control["cvt_e4m3"] > 0
+    assert len(rows) == 7
+    for name, r in rows.items():
+        assert r["cubin_bytes"] > 0 and r["cvt_e4m3"] > 0, name
+        assert r["grid_mark"] == 0, name
 
 
 def test_scaled_gemm_is_the_dequantised_arithmetic():
