@@ -14,10 +14,12 @@
 #      the window layers through the rotary kernel + SDPA (@sdpa) and through
 #      mminfer.models.window_attention, side by side;
 #   6. the lab's sweeps behind issue 34's tuning (LAB_S, each): the window-attention tiles, FP8
-#      GEMM accumulation, the FP8 cache's decode tiles; logs and JSON in $OUT/lab.tgz.
+#      GEMM accumulation, the FP8 cache's decode tiles; logs and JSON in $OUT/lab.tgz;
+#   7. LongVILA's SigLIP tower (SIGLIP_S): benchmarks/siglip.py, bf16 / FP8 / FP8 fused, one
+#      encoder call of each profiled, and the 1.05M video's vision stage (SIGLIP_FRAMES).
 #   E2E_COMMIT=$(git rev-parse --short HEAD) CASES="qwen276k" bash benchmarks/run_fp8_h200.sh
 # Budgets (s; 0 skips a step): TESTS_S, E2E_S (each of the two runs), QUALITY_S, BREAKDOWN_S,
-# VISION_S, LAB_S.
+# VISION_S, LAB_S, SIGLIP_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/fp8}; mkdir -p "$OUT"
@@ -79,4 +81,10 @@ if [ "${LAB_S:-0}" -gt 0 ]; then
       > "$OUT/lab/$x.log" 2>&1; tail -30 "$OUT/lab/$x.log"
   done
   tar czf "$OUT/lab.tgz" -C "$OUT" lab && rm -rf "$OUT/lab"
+fi
+if [ "${SIGLIP_S:-0}" -gt 0 ]; then
+  timeout -k 5 "$SIGLIP_S" python3 benchmarks/siglip.py --profile \
+    --video-frames ${SIGLIP_FRAMES:-4096} --out "$OUT/siglip" > "$OUT/siglip.log" 2>&1
+  tail -6 "$OUT/siglip.log"
+  tar czf "$OUT/siglip.tgz" -C "$OUT" siglip && rm -rf "$OUT/siglip"
 fi

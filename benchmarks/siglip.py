@@ -56,7 +56,7 @@ from mminfer.models import fp8, siglip  # noqa: E402
 from mminfer.models.base import Prepared  # noqa: E402
 from mminfer.models.longvila import (Layout, LongVILA, Projector, _truncate_tower,  # noqa: E402
                                      longvila_7b_llm_config, tokens_per_frame)
-from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
+from cuda_events import events_ms, kernels_table  # noqa: E402  (benchmarks/: the script folder)
 import e2e  # noqa: E402  (the e2e's tower config, video and cases: one source)
 
 SELECT_LAYER = -2                  # lab/toy/tiny_longvila.write_longvila's, LongVILA's own
@@ -224,6 +224,9 @@ def main():
                          "tiny-longvila's 16 with --tiny; 0 skips it)")
     ap.add_argument("--variants", nargs="+", choices=("bf16", "fp8", "fused"),
                     default=["bf16", "fp8", "fused"])
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one encoder call of each variant: its kernels by "
+                         "device time (torch.profiler), tables in --out/siglip_profile.txt")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.tiny
@@ -242,7 +245,7 @@ def main():
     else:   # the first batch of the video, squashed and normalised as embed does
         chunk = next(Frames(frame_kind, a.frames, case.height, case.width).chunks(a.frames))
         x = base._normalise(base._squash(torch.as_tensor(chunk)))
-    rows = {}
+    rows, profiles = {}, []
     with torch.inference_mode():
         h = base.tower.embeddings(x)
         ref = base.tower.encoder(inputs_embeds=h).last_hidden_state.float()
@@ -260,6 +263,14 @@ def main():
                   f"{stage:9.2f} ms  rel err vs bf16 {rows[name]['rel_error_vs_bf16']:.4f}",
                   flush=True)
             del out
+            if a.profile:
+                profiles.append(f"== {name}: one encoder call of {a.frames} frames ==\n"
+                                + kernels_table(enc))
+    if profiles:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "siglip_profile.txt"), "w") as f:
+            f.write("\n\n".join(profiles) + "\n")
+        print("\n\n".join(profiles), flush=True)
     batches = -(-n_video // a.frames) if n_video else 0
     if n_video:
         for name, ad in runs.items():

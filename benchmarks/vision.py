@@ -65,6 +65,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mminfer.models import fp8, window_attention  # noqa: E402
 from mminfer.models.vision import CHUNK_PATCHES, QwenVisionTower  # noqa: E402
+from cuda_events import kernels_table  # noqa: E402  (benchmarks/ is the script's folder)
 
 QWEN_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
                       out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
@@ -439,22 +440,10 @@ def gemm_rates(visual, tokens, device, dtype, reps):
 
 def profile_chunk(ours, S, width, device, dtype):
     """One chunk of a (warm) variant under torch.profiler: its kernels by device time."""
-    from torch.profiler import ProfilerActivity, profile
     pix = random_patches(0, ours.per_chunk, S, width, device, dtype)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
-        ours.tower(pix, ours.per_chunk, ours.h, ours.w, pad_to=ours.per_chunk)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
-            ours.tower(pix, ours.per_chunk, ours.h, ours.w, pad_to=ours.per_chunk)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    try:
-        table = prof.key_averages().table(sort_by=key, row_limit=25)
-    except (AttributeError, KeyError):          # newer profilers: "self_device_time_total"
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
+        table = kernels_table(lambda: ours.tower(pix, ours.per_chunk, ours.h, ours.w,
+                                                 pad_to=ours.per_chunk))
     text = f"== {ours.variant}: one chunk of {ours.per_chunk} pairs ==\n{table}"
     print(text, flush=True)
     return text

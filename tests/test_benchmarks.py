@@ -211,10 +211,12 @@ def test_siglip_benchmark_runs_the_e2e_vision_stage(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "siglip.py"), "--tiny",
-                           "--frames", "8", "--reps", "1", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--frames", "8", "--reps", "1", "--profile", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads((out / "siglip.json").read_text())
+    prof = (out / "siglip_profile.txt").read_text()        # one table a variant
+    assert prof.count("one encoder call of 8 frames ==") == 3 and "aten::" in prof
     assert rep["layers"] == 2 and rep["input"] == "video" and rep["frames"] == 8
     assert rep["video"] == {"case": "tiny-longvila", "frames": 16, "batches": 2, "height": 112,
                             "width": 112, "source": "video"}
