@@ -8,10 +8,18 @@
   head_dim/2 = 40) against a variant over tiles of (head, f) pairs (tried, kept below:
   slower);
 * SiLU·up → fp8: the two-pass kernel against the one-pass one at the vision MLP's width
-  (3456) and the LM's (18944), which sets ``fp8.ONE_PASS_MAX``;
-* the standalone quantiser (attention outputs): one row per program in two passes against
-  several rows per program in one read, at the vision tower's 1280 and the LM's 3584, which
-  sets ``fp8.QUANT_BLOCK``.
+  (3456) and the LM's (18944), which sets ``fp8.ONE_PASS_MAX``; at 3456 also several rows
+  a program (``_silu_mul_quant_rows_kernel`` below) at a sweep of warps, with each e4m3
+  conversion (``_fp8_of``: the fp32 grid, Triton's cast, the hardware's cvt.rn.satfinite),
+  against the bf16 tower's SiLU·up;
+* the e4m3 conversions against torch's cast on every rounding case and 1M random values;
+* the standalone quantiser (attention outputs): the product's one row per program in two
+  passes against several rows per program in one read (``_quant_rows_kernel`` below, each
+  conversion), at 1280 and the LM's 3584: it sets ``fp8.QUANT_BLOCK``;
+* residual add + RMSNorm -> fp8 (the FP8 vision tower's norms, 1280 wide): the product's one
+  row per program at 2 and 4 (product) warps and several rows per program
+  (``_rms_norm_quant_rows_kernel`` below, grid or cvt), against the bf16 tower's add +
+  RMSNorm kernel.
 
     python lab/experiments/elementwise.py --out $OUT
 """
@@ -30,6 +38,108 @@ from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qmod
 from lab.experiments.timing import ms
 from mminfer.models import fp8, rope
 from mminfer.models import vision_fused as vf
+from mminfer.models.fp8 import _e4m3_grid
+
+
+@triton.jit
+def _cvt_e4m3(v):
+    """e4m3 codes (uint8) of fp32 ``v`` by the hardware's cvt.rn.satfinite.e4m3x2.f32, one
+    value an instruction (it packs cvt(a) into the high byte of d, cvt(b) into the low)."""
+    pair = tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $1, $1;", "=h,r", [v],
+                                     dtype=tl.int16, is_pure=True, pack=1)
+    return (pair & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_of(v, DT: tl.constexpr, HW: tl.constexpr):
+    # v on e4m3's range -> DT: HW 0 rounds onto the e4m3 grid in fp32 first (the product
+    # before 2026-12-04, and under the interpreter), 1 is Triton's own fp32 -> fp8 cast (the
+    # product since), 2 the hardware's cvt.rn.satfinite by inline PTX
+    if HW == 2:
+        return _cvt_e4m3(v).to(DT, bitcast=True)
+    if HW == 1:
+        return v.to(DT)
+    return _e4m3_grid(v).to(DT)
+
+
+@triton.jit
+def _cast_kernel(X, Q, N, HW: tl.constexpr, BLOCK: tl.constexpr):
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + at, mask=at < N, other=0.0)
+    tl.store(Q + at, _fp8_of(x, Q.dtype.element_ty, HW), mask=at < N)
+
+
+def casts():
+    """How many values each e4m3 conversion rounds unlike torch's cast: every rounding case
+    (a fine grid over the range and the subnormals, ties) and 1M random values."""
+    x = torch.cat([torch.linspace(-448, 448, 200001), torch.linspace(-0.02, 0.02, 40001),
+                   (torch.randn(1_000_000) * 30).clamp(-448, 448)]).cuda()
+    want = x.to(fp8.FP8).view(torch.uint8)
+    out = {"values": len(x)}
+    for hw, name in ((0, "grid"), (1, "triton_cast"), (2, "cvt_rn_satfinite")):
+        q = torch.empty_like(want).view(fp8.FP8)
+        _cast_kernel[(triton.cdiv(len(x), 1024),)](x, q, len(x), HW=hw, BLOCK=1024)
+        out[f"{name}_differ"] = int((q.view(torch.uint8) != want).sum())
+    print(f"e4m3 conversions against torch's cast: {out}", flush=True)
+    return out
+
+
+@triton.jit
+def _store_rows(Q, S, rows, cols, mask, N, stride_q, y, HW: tl.constexpr):
+    # rows of fp32 y quantised per row: the scale, the e4m3 values by conversion HW
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1) / 448.0, 1e-12)
+    v = tl.minimum(tl.maximum(y / scale[:, None], -448.0), 448.0)
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], _fp8_of(v, Q.dtype.element_ty, HW),
+             mask=mask)
+    tl.store(S + rows, scale, mask=rows < N)
+
+
+@triton.jit
+def _quant_rows_kernel(X, Q, S, N, C, stride_x, stride_q, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr, HW: tl.constexpr = 0):
+    # fp8.quantize_rows's one-read kernel with a choice of conversion
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < N)[:, None] & (cols < C)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    _store_rows(Q, S, rows, cols, mask, N, stride_q, x.to(tl.float32), HW)
+
+
+@triton.jit
+def _silu_mul_quant_rows_kernel(G, U, Q, S, N, C, stride_g, stride_u, stride_q,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                HW: tl.constexpr):
+    # candidate: fp8.silu_mul_quant's one-pass kernel on BLOCK_R rows a program
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < N)[:, None] & (cols < C)[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(G.dtype.element_ty).to(tl.float32)
+    y = (a * u.to(tl.float32)).to(G.dtype.element_ty).to(tl.float32)
+    _store_rows(Q, S, rows, cols, mask, N, stride_q, y, HW)
+
+
+@triton.jit
+def _rms_norm_quant_rows_kernel(X, D, W, Q, S, N, C, stride_x, stride_d, stride_q, eps,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                HW: tl.constexpr):
+    # candidate: fp8.rms_norm_quant's kernel (with the residual add) on BLOCK_R rows a program
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < N)[:, None] & (cols < C)[None, :]
+    x_at = X + rows[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_at, mask=mask, other=0.0)
+    d = tl.load(D + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
+    x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
+    tl.store(x_at, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / C
+    n = (xf * tl.rsqrt(var + eps)[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < C, other=0.0).to(tl.float32)
+    y = (n * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+    _store_rows(Q, S, rows, cols, mask, N, stride_q, y, HW)
 
 
 @triton.jit
@@ -108,40 +218,67 @@ def vision_rotary(N=63360, S=2880, heads=16, d=80):
             "product_tb_s": bytes_ / tp / 1e9}
 
 
-def silu_quant(N, C):
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _codes_off(a, b) -> float:
+    """The fraction of e4m3 codes that differ (a norm's sum order may move a rounding)."""
+    return float((a[1] != b[1]).float().mean())
+
+
+def silu_quant(N, C, sweep=False):
+    """SiLU(gate) * up -> fp8: the product's two-pass and one-pass kernels; with ``sweep``
+    the multi-row candidate at (rows, warps) and each e4m3 conversion (``_fp8_of``), each
+    required bit-equal to the product's, and the bf16 tower's SiLU * up kernel beside them."""
     g = torch.Generator(device="cuda").manual_seed(2)
     gu = torch.randn(N, 2 * C, device="cuda", generator=g).to(torch.bfloat16)
     gate, up = gu[:, :C], gu[:, C:]
-    out = {}
-    for name in ("two_pass", "one_pass"):
+    B = triton.next_power_of_2(C)
+    res = {"rows": N, "width": C, "variants": []}
+
+    def run(name, launch, **kw):
         q = torch.empty(N, C, dtype=fp8.FP8, device="cuda")
         s = torch.empty(N, 1, dtype=torch.float32, device="cuda")
-        if name == "two_pass":
-            def fn():
-                fp8._silu_mul_quant_kernel[(N,)](gate, up, q, s, C, gate.stride(0),
-                                                 up.stride(0), q.stride(0),
-                                                 BLOCK_C=fp8._tile(C), num_warps=4)
-        else:
-            B = triton.next_power_of_2(C)
 
-            def fn():
-                fp8._silu_mul_quant_row_kernel[(N,)](gate, up, q, s, C, gate.stride(0),
-                                                     up.stride(0), q.stride(0), BLOCK_C=B,
-                                                     num_warps=max(8, min(32, B // 1024)))
+        def fn():
+            launch(q, s)
+        fn()
+        got = (q.view(torch.uint8).clone(), s.clone())
         t = ms(fn)
-        out[name] = {"ms": t, "tb_s": N * C * 5 / t / 1e9, "q": q.view(torch.uint8).clone(),
-                     "s": s.clone()}
-    same = bool(torch.equal(out["two_pass"]["q"], out["one_pass"]["q"])
-                and torch.equal(out["two_pass"]["s"], out["one_pass"]["s"]))
-    return {"rows": N, "width": C, "equal": same,
-            **{f"{k}_ms": v["ms"] for k, v in out.items()},
-            **{f"{k}_tb_s": v["tb_s"] for k, v in out.items()}}
+        ref = res.setdefault("_ref", got)
+        row = {"kernel": name, **kw, "ms": t, "equal": _same(got, ref),
+               "tb_s": N * C * 5 / t / 1e9}
+        res["variants"].append(row)
+        print(f"silu+quant {C}: {row}", flush=True)
+        return t
+
+    res["two_pass_ms"] = run("two_pass", lambda q, s: fp8._silu_mul_quant_kernel[(N,)](
+        gate, up, q, s, C, gate.stride(0), up.stride(0), q.stride(0), BLOCK_C=fp8._tile(C),
+        num_warps=4))
+    res["one_pass_ms"] = run("one_pass", lambda q, s: fp8._silu_mul_quant_row_kernel[(N,)](
+        gate, up, q, s, C, gate.stride(0), up.stride(0), q.stride(0), BLOCK_C=B,
+        num_warps=max(8, min(32, B // 1024))))
+    if sweep:
+        o = torch.empty(N, C, dtype=torch.bfloat16, device="cuda")
+        res["bf16_silu_mul_ms"] = ms(lambda: vf._silu_mul_kernel[(triton.cdiv(N, 8),
+                                                                  triton.cdiv(C, 256))](
+            gu, o, N, C, gu.stride(0), o.stride(0), BLOCK_R=8, BLOCK_C=256, num_warps=4))
+        for hw, R, warps in ((0, 1, 4), (1, 1, 4), (2, 1, 4), (2, 1, 8), (2, 2, 8)):
+            run("rows", lambda q, s, R=R, warps=warps, hw=hw:
+                _silu_mul_quant_rows_kernel[(triton.cdiv(N, R),)](
+                    gate, up, q, s, N, C, gate.stride(0), up.stride(0), q.stride(0),
+                    BLOCK_R=R, BLOCK_C=B, HW=hw, num_warps=warps),
+                rows_per_program=R, warps=warps, conversion=hw)
+    res.pop("_ref")
+    return res
 
 
 def quant(N, C):
     """The standalone per-row quantiser (the attention output before its projection): the
-    two-pass, one-row-per-program kernel against the one-read multi-row kernel at a sweep of
-    (elements per program, warps); equal bits required."""
+    product's two-pass, one-row-per-program kernel against the one-read multi-row candidate
+    at (elements per program, warps) and each e4m3 conversion (``_fp8_of``); equal bits
+    required (the product's kernels convert with cvt.rn.satfinite on the GPU)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(N, C, device="cuda", generator=g).to(torch.bfloat16)
     q0 = torch.empty(N, C, dtype=fp8.FP8, device="cuda")
@@ -153,21 +290,71 @@ def quant(N, C):
 
     out = {"rows": N, "width": C, "two_pass_ms": ms(two_pass), "multi_row": []}
     B = triton.next_power_of_2(C)
-    for block, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16)):
+    for hw, block, warps in ((0, 4096, 4), (1, 4096, 4), (2, 4096, 4), (2, 8192, 4),
+                             (2, 8192, 8)):
         R = max(1, block // B)
         q = torch.empty_like(q0)
         s = torch.empty_like(s0)
 
         def fn():
-            fp8._quant_rows_kernel[(triton.cdiv(N, R),)](x, q, s, N, C, x.stride(0),
-                                                         q.stride(0), BLOCK_R=R, BLOCK_C=B,
-                                                         num_warps=warps)
+            _quant_rows_kernel[(triton.cdiv(N, R),)](x, q, s, N, C, x.stride(0),
+                                                     q.stride(0), BLOCK_R=R, BLOCK_C=B,
+                                                     HW=hw, num_warps=warps)
         t = ms(fn)
         equal = bool(torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
                      and torch.equal(s, s0))
-        out["multi_row"].append({"block": block, "rows": R, "warps": warps, "ms": t,
-                                 "equal": equal, "tb_s": N * C * 3 / t / 1e9})
-    out["product"] = {"block": fp8.QUANT_BLOCK, "warps": 8}
+        out["multi_row"].append({"block": block, "rows": R, "warps": warps,
+                                 "conversion": hw, "ms": t, "equal": equal,
+                                 "tb_s": N * C * 3 / t / 1e9})
+        print(f"quant {C}: {out['multi_row'][-1]}", flush=True)
+    return out
+
+
+def norm_quant(N, C, eps=1e-6):
+    """x += d, RMSNorm(x) * w -> fp8 rows (the FP8 vision tower's norms): the product's kernel
+    at 2 and 4 (product) warps and the multi-row candidate with the e4m3 grid or the
+    hardware's conversion; the fraction of codes that differ from the product's (a sum's
+    order moves a rounding now and then); the bf16 tower's add + RMSNorm kernel beside them."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x0 = torch.randn(N, C, device="cuda", generator=g).to(torch.bfloat16)
+    d = torch.randn(N, C, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(C, device="cuda", generator=g).to(torch.bfloat16)
+    B = triton.next_power_of_2(C)
+    ref = None
+    out = {"rows": N, "width": C, "variants": []}
+    x = x0.clone()
+    y = torch.empty_like(x)
+    out["bf16_add_rms_norm_ms"] = ms(lambda: vf._add_rms_norm_kernel[(N,)](
+        x, d, w, y, C, x.stride(0), d.stride(0), y.stride(0), eps, HAS_D=True, BLOCK_C=B,
+        num_warps=4))
+    # "row" is the product's kernel, converting as the product does (conversion None)
+    for kind, R, warps, hw in (("row", 1, 4, None), ("row", 1, 2, None), ("rows", 1, 4, 0),
+                               ("rows", 1, 4, 2), ("rows", 2, 4, 0), ("rows", 2, 4, 2),
+                               ("rows", 4, 8, 2)):
+        q = torch.empty(N, C, dtype=fp8.FP8, device="cuda")
+        s = torch.empty(N, 1, dtype=torch.float32, device="cuda")
+
+        def fn(x):
+            if kind == "row":
+                fp8._rms_norm_quant_kernel[(N,)](x, d, w, q, s, C, x.stride(0), d.stride(0),
+                                                 q.stride(0), eps, HAS_D=True, BLOCK_C=B,
+                                                 num_warps=warps)
+            else:
+                _rms_norm_quant_rows_kernel[(triton.cdiv(N, R),)](
+                    x, d, w, q, s, N, C, x.stride(0), d.stride(0), q.stride(0), eps,
+                    BLOCK_R=R, BLOCK_C=B, HW=hw, num_warps=warps)
+        xc = x0.clone()
+        fn(xc)
+        got = (xc, q.view(torch.uint8).clone(), s.clone())
+        if ref is None:
+            ref = got
+        xt = x0.clone()
+        t = ms(lambda: fn(xt))
+        out["variants"].append({"kernel": kind, "rows": R, "warps": warps, "conversion": hw,
+                                "ms": t, "codes_off": _codes_off(got, ref),
+                                "tb_s": N * C * 7 / t / 1e9})
+        print(f"norm+quant: {out['variants'][-1]} (bf16 add+norm "
+              f"{out['bf16_add_rms_norm_ms']:.3f})", flush=True)
     return out
 
 
@@ -177,10 +364,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "casts": casts(),
            "lm_rope": lm_rope(), "vision_rotary": vision_rotary(),
-           "silu_quant_vision": silu_quant(63360, 3456),
+           "silu_quant_vision": silu_quant(63360, 3456, sweep=True),
            "silu_quant_lm": silu_quant(16384, 18944),
-           "quant_vision": quant(63360, 1280), "quant_lm": quant(16384, 3584)}
+           "quant_vision": quant(63360, 1280), "quant_lm": quant(16384, 3584),
+           "norm_quant_vision": norm_quant(63360, 1280)}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "elementwise.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -40,16 +40,25 @@ SHAPES = [
     ("lm o", 16384, 3584, 3584),
     ("lm gate+up", 16384, 3584, 37888),
     ("lm down", 16384, 18944, 3584),
+    # LongVILA's SigLIP (so400m at 448 px: 1024 patches a frame) at its 32-frame batch; fc2's
+    # K = 4304 is just over fp8.FAST_ACCUM_MAX_K, which only the shapes above set
+    ("siglip qkv", 32768, 1152, 3456),
+    ("siglip out", 32768, 1152, 1152),
+    ("siglip fc1", 32768, 1152, 4304),
+    ("siglip fc2", 32768, 4304, 1152),
 ]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
+    ap.add_argument("--only", default="", help="run the shapes whose name starts with this")
     a = ap.parse_args()
     torch.manual_seed(0)
     rows = []
     for name, M, K, N in SHAPES:
+        if not name.startswith(a.only):
+            continue
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
         xq = fp8.quantize_rows(x)

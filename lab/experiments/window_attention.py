@@ -7,14 +7,16 @@ and full layers (2880 tokens a pair).
   then SDPA per window shape (cuDNN's flash kernel on the H200), as the fused tower ran;
 * the product's kernel (every head of a window in one program) at 4 and 8 warps
   (``window_attention.WARPS``), checked against ``before`` (max abs difference);
-* a candidate for the FP8 tower, not yet measured: that kernel quantising its window's o
-  rows in the same program after a barrier, against the kernel + fp8.quantize_rows (which it
-  must equal bit for bit).
+* the FP8 tower's path after it, the kernel + fp8.quantize_rows of o;
+* what the output projection (1280 x 1280) costs on o: bf16 ``F.linear``, the FP8 layer as
+  the tower runs it (quantisation pass + scaled GEMM), the scaled GEMM alone on o quantised.
 
-Dropped after earlier runs of this script (lab/NOTES.md §9; the code is in git at d1b0416):
-one program per (head, window), 0.357 ms against 0.318; that layout flash-style on the full
-layers, 5-14x slower than SDPA; the window kernel writing o in e4m3 at the window's max|v|
-scale, 0.57-0.60 ms against 0.318 + 0.131.
+Dropped after earlier runs of this script (lab/NOTES.md §9, §10): one program per (head,
+window), 0.357 ms against 0.318; that layout flash-style on the full layers, 5-14x slower than
+SDPA; the window kernel writing o in e4m3 at the window's max|v| scale, 0.57-0.60 ms against
+0.318 + 0.131 (code in git at d1b0416); the kernel quantising its window's o rows itself
+after a barrier, bit-equal but 0.557-0.599 ms against 0.446 for the kernel + the
+quantisation pass (code in git at 08b42af).
 
     python lab/experiments/window_attention.py --out $OUT
 """
@@ -26,74 +28,13 @@ import json
 import os
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 
 from mminfer.models import fp8
 from mminfer.models import vision_fused as vf
 from mminfer.models import window_attention as wa
-from mminfer.models.fp8 import _e4m3_grid
 from mminfer.models.vision import _attend, window_units
 from lab.experiments.timing import ms
-from mminfer.models.window_attention import _angles, _head
-
-
-@triton.jit
-def _window_heads_requant_kernel(QKV, COS, SIN, O, Q, QS, stride_t, stride_o, stride_q, S,
-                                 start, n_win, L, qk_scale, H: tl.constexpr,
-                                 HEAD_D: tl.constexpr, HALF: tl.constexpr,
-                                 BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr,
-                                 IEEE: tl.constexpr):
-    # candidate, not yet measured: the product's kernel, then the window's rows
-    # quantised per row in the same program (each row's amax over every head is known once
-    # the head loop is done): o written in bf16 as now, read back after a barrier (from L1/L2,
-    # the program wrote it) and written in e4m3: bit-equal to fp8.quantize_rows(o), without
-    # that pass's launch and its read of o from DRAM
-    win = tl.program_id(0)
-    pos0 = start + (win % n_win) * L
-    tok0 = (win // n_win).to(tl.int64) * S + pos0
-    DT = QKV.dtype.element_ty
-    f = tl.arange(0, BLOCK_F)
-    rows = tl.arange(0, BLOCK_L)
-    rmask = rows < L
-    m2 = rmask[:, None] & (f < HALF)[None, :]
-    c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
-    o_at = O + (tok0 + rows)[:, None] * stride_o + f[None, :]
-    amax = tl.zeros([BLOCK_L], tl.float32)
-    for h in range(H):
-        o_lo, o_hi = _head(QKV, tok0, rows, rmask, f, c, s, h, stride_t, qk_scale, H, HEAD_D,
-                           HALF, BLOCK_L, BLOCK_F, IEEE)
-        o_lo, o_hi = o_lo.to(DT), o_hi.to(DT)
-        tl.store(o_at + h * HEAD_D, o_lo, mask=m2)
-        tl.store(o_at + h * HEAD_D + HALF, o_hi, mask=m2)
-        amax = tl.maximum(amax, tl.max(tl.abs(o_lo.to(tl.float32)), 1))
-        amax = tl.maximum(amax, tl.max(tl.abs(o_hi.to(tl.float32)), 1))
-    scale = tl.maximum(amax / 448.0, 1e-12)
-    tl.debug_barrier()                       # every head's o rows stored before they are read
-    q_at = Q + (tok0 + rows)[:, None] * stride_q + f[None, :]
-    for h in range(H):
-        for part in range(2):
-            x = tl.load(o_at + h * HEAD_D + part * HALF, mask=m2, other=0.0).to(tl.float32)
-            v = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
-            tl.store(q_at + h * HEAD_D + part * HALF, _e4m3_grid(v).to(Q.dtype.element_ty),
-                     mask=m2)
-    tl.store(QS + tok0 + rows, scale, mask=rmask)
-
-
-def window_attention_requant(qkv, cos, sin, groups, S, heads, head_dim, scale, warps=4):
-    """The candidate: ``(o in bf16, Fp8Act of o)`` from one launch per window shape."""
-    N, half = qkv.shape[0], head_dim // 2
-    o = qkv.new_empty(N, heads * head_dim)
-    q = torch.empty(N, heads * head_dim, dtype=fp8.FP8, device=qkv.device)
-    qs = torch.empty(N, 1, dtype=torch.float32, device=qkv.device)
-    for start, n, L in groups:
-        _window_heads_requant_kernel[(N // S * n,)](
-            qkv, cos, sin, o, q, qs, qkv.stride(0), o.stride(0), q.stride(0), S, start, n, L,
-            scale * wa.LOG2E, H=heads, HEAD_D=head_dim, HALF=half,
-            BLOCK_L=max(16, triton.next_power_of_2(L)),
-            BLOCK_F=max(16, triton.next_power_of_2(half)), IEEE=qkv.dtype == torch.float32,
-            num_warps=warps)
-    return o, fp8.Fp8Act(q, qs, qkv.dtype)
 
 
 def main():
@@ -144,21 +85,19 @@ def main():
                                 "max_abs_diff": err})
         print(f"  kernel w{warps}: {t:.3f} ms ({t_before / t:.2f}x rotary + SDPA), "
               f"max|diff| {err:.2e}", flush=True)
-    # the candidate against the product's FP8 path (kernel, then fp8.quantize_rows of o)
+    # the FP8 tower's path: the kernel, then the quantisation pass over o
     o_prod = wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale)
-    t_prod = ms(lambda: fp8.quantize_rows(wa.window_attention(qkv, cos, sin, groups, S,
-                                                              heads, d, scale)))
-    want_q = fp8.quantize_rows(o_prod)
-    for warps in (4, 8):
-        o2, q2 = window_attention_requant(qkv, cos, sin, groups, S, heads, d, scale, warps)
-        equal = bool(torch.equal(o2, o_prod) and torch.equal(q2.scale, want_q.scale)
-                     and torch.equal(q2.data.view(torch.uint8), want_q.data.view(torch.uint8)))
-        t = ms(lambda: window_attention_requant(qkv, cos, sin, groups, S, heads, d, scale,
-                                                warps))
-        row["variants"].append({"kernel": "requant", "warps": warps,
-                                "ms": t, "product_fp8_ms": t_prod, "bit_equal": equal})
-        print(f"  requant w{warps}: {t:.3f} ms against kernel + quantize_rows "
-              f"{t_prod:.3f} ms, bit-equal {equal}", flush=True)
+    row["product_fp8_ms"] = ms(lambda: fp8.quantize_rows(
+        wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale)))
+    print(f"  kernel + quantize_rows: {row['product_fp8_ms']:.3f} ms", flush=True)
+    # the output projection that reads o, in each precision
+    lin = torch.nn.Linear(heads * d, heads * d, device="cuda", dtype=torch.bfloat16)
+    f8 = fp8.Fp8Linear.from_linear(lin)
+    o_q = fp8.quantize_rows(o_prod)
+    row["proj"] = {"bf16_ms": ms(lambda: F.linear(o_prod, lin.weight, lin.bias)),
+                   "fp8_with_quant_pass_ms": ms(lambda: f8(o_prod)),
+                   "fp8_gemm_only_ms": ms(lambda: f8(o_q))}
+    print("  proj: " + ", ".join(f"{k} {v:.3f}" for k, v in row["proj"].items()), flush=True)
     row["product_warps"] = wa.WARPS
     res["rows"].append(row)
     # full layers (2880 tokens a pair) stay on rotary + SDPA (lab/NOTES.md §9)
