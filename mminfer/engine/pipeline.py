@@ -409,7 +409,8 @@ class Pipeline:
             _check(check, "before the question's prefill")
             gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
                                  max_new_tokens=max_new_tokens, cancel=decode_check,
-                                 on_token=on_token, timer=timer)
+                                 on_token=on_token, timer=timer,
+                                 stepper=self._stepper(turn))
             status, restore_ms = slot.status, slot.restore_ms
         # after the last token (never in the time to first token) and inside the total: the
         # stages add up to it; wall clock, as the count ends on host reads
@@ -444,6 +445,19 @@ class Pipeline:
                     "prefix": entry.length, "generated": len(gen.token_ids),
                     "cached": entry.length if built is None else 0},
             sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status)
+
+    def _stepper(self, turn):
+        """Decode steps through the scheduler, batched with the other answers decoding at the
+        same time (None for a request that has the model to itself: its own loop)."""
+        if isinstance(turn, Solo):
+            return None
+        from mminfer.models.decode import step_batch  # lazy: torch, as in _dtype
+        ad = self.adapter
+
+        def run(items):
+            return step_batch(ad, items)
+
+        return lambda token, pos, cache: turn.decode((token, pos, cache), run)
 
     def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
                       keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:

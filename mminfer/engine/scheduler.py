@@ -29,6 +29,13 @@ then decode steps for up to ``decode_share`` of the time (in proportion to the p
 step), then the prefill resumes. An ``IDLE`` class (the shadow monitor's dense re-runs) runs
 only when nothing else waits and yields to anything.
 
+Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
+steps and gives the turn up; whichever of them is granted the turn first waits a moment for
+the other answers in their decode phase to join (they come back within microseconds of their
+last token), runs every pending step as one batched step (the caller's ``run``: one pass of
+the decoder layers over all of them, attention per answer over its own cache), hands each its
+result and gives the turn back. A batch of one is an answer decoding alone, on its own path.
+
 Time spent waiting for others before the first token is reported as a stage of its own
 (``wait``): the turn records a gap in the request's StageTimer, which subtracts it from the
 sections that were open (on CUDA, events recorded on the stream where the request left off and
@@ -55,11 +62,17 @@ class Scheduler:
     get while an admitted long prefill waits to resume (FIRST work is not limited: it is
     bounded by what arrived before the prefill paused)."""
 
-    def __init__(self, decode_share: float = 0.25, poll_s: float = 0.05):
+    def __init__(self, decode_share: float = 0.25, poll_s: float = 0.05,
+                 gather_s: float = 0.002, max_batch: int = 64):
         if not 0.0 <= decode_share < 1.0:
             raise ValueError(f"decode_share must be in [0, 1), not {decode_share}")
         self.decode_share = decode_share
         self.poll_s = poll_s
+        self.gather_s = gather_s                 # how long a batch waits for its answers
+        self.max_batch = max_batch
+        self._pending: dict[Turn, int] = {}      # decode steps waiting for a batch -> seq
+        self.batches = 0                         # batched decode steps run
+        self.batched_steps = 0                   # answers' steps in them
         self._cv = threading.Condition()
         self._holder: Turn | None = None
         self._granted_at = 0.0
@@ -90,7 +103,9 @@ class Scheduler:
                 "paused": paused,
                 "decoding": sum(1 for t in turns if t.kind == DECODE),
                 "waiting_admission": len(self._admission),
-                "switches": self.switches}
+                "switches": self.switches,
+                "decode_batches": self.batches,
+                "decode_batched_steps": self.batched_steps}
 
     def wake(self):
         """Someone was asked to stop: let waiting threads look."""
@@ -203,6 +218,7 @@ class Turn:
         self.wait_s = 0.0                   # waited for others, before its first token
         self.waits = 0
         self._first_token = False
+        self._item, self._result, self._error = None, _NONE, None
         with sched._cv:
             sched._turns.add(self)
 
@@ -332,11 +348,95 @@ class Turn:
         self.kind = DECODE
         self.first_token()
 
+    def decode(self, item, run):
+        """One decode step of this answer, batched with the other answers' pending steps:
+        ``run(items) -> results`` (one per item, in order) runs a batch. Returns this answer's
+        result; raises what ``run`` raised, or Cancelled when asked to stop while waiting."""
+        s = self.sched
+        gap = self._gap_start()
+        with s._cv:
+            self.kind = DECODE
+            self._first_token = True
+            self._item, self._result, self._error = item, _NONE, None
+            now = time.perf_counter()
+            if self.held and s._holder is self:
+                s._step_done(self, now)
+                s._leave_holder(self, now)
+                self.held = False
+            s._pending[self] = next(s._seq)
+            s._waiting[self] = s._pending[self]
+            if s._holder is None:
+                s._grant()
+            while True:
+                if self._result is not _NONE or self._error is not None:
+                    break
+                if s._holder is self:
+                    break
+                if self.stopping():
+                    s._pending.pop(self, None)
+                    s._waiting.pop(self, None)
+                    if s._holder is None:
+                        s._grant()
+                    self._gap_end(gap)
+                    raise Cancelled("request cancelled while waiting for its decode step")
+                s._cv.wait(s.poll_s)
+            if s._holder is self and self._result is _NONE and self._error is None:
+                batch = self._gather()
+            else:
+                batch = None
+        if batch is not None:
+            self.held = True
+            error, results = None, None
+            try:
+                results = run([t._item for t in batch])
+            except BaseException as e:     # noqa: BLE001 - each answer raises it
+                error = e
+            with s._cv:
+                s.batches += 1
+                s.batched_steps += len(batch)
+                for i, t in enumerate(batch):
+                    if error is not None:
+                        t._error = error
+                    else:
+                        t._result = results[i]
+                now = time.perf_counter()
+                s._leave_holder(self, now)
+                s.switches += 1
+                self.held = False
+                s._grant()
+                s._cv.notify_all()
+        self._gap_end(gap)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _gather(self) -> list:
+        """(Under the lock, holding the turn.) The batch: every pending decode step, after
+        waiting up to ``gather_s`` for the answers in their decode phase to be pending."""
+        s = self.sched
+        end = time.perf_counter() + s.gather_s
+        while True:
+            decoding = [t for t in s._turns if t.kind == DECODE and not t.closed]
+            if all(t in s._pending for t in decoding) or len(s._pending) >= s.max_batch:
+                break
+            left = end - time.perf_counter()
+            if left <= 0:
+                break
+            s._cv.wait(left)
+        batch = sorted(s._pending, key=s._pending.get)[:s.max_batch]
+        if self not in batch:
+            batch = [self] + batch[:-1]
+        for t in batch:
+            s._pending.pop(t, None)
+            s._waiting.pop(t, None)
+        return batch
+
     def close(self):
         """The request is done (answered, failed or stopped): give everything back."""
         s = self.sched
         with s._cv:
             self.closed = True
+            s._pending.pop(self, None)
             s._waiting.pop(self, None)
             if self in s._admission:
                 s._admission.remove(self)
@@ -362,6 +462,9 @@ class Turn:
             return
         self.waits += 1
         self.wait_s += self.timer.gap(start)
+
+
+_NONE = object()
 
 
 class _Phase:
@@ -404,6 +507,9 @@ class Solo:
 
     def decoding(self):
         pass
+
+    def decode(self, item, run):
+        return run([item])[0]
 
     def first_token(self):
         pass

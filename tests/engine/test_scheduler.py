@@ -276,3 +276,71 @@ def test_solo_turn_never_waits():
 def test_bad_share():
     with pytest.raises(ValueError):
         Scheduler(decode_share=1.0)
+
+
+def test_decode_steps_of_answers_in_progress_go_together():
+    """Four answers decoding at once: their steps run as batches of several (one call of
+    ``run`` per batch), each gets its own result, in its own order."""
+    s = Scheduler(gather_s=0.05)
+    calls = []
+    lock = threading.Lock()
+
+    def run(items):
+        with lock:
+            calls.append(len(items))
+        time.sleep(0.003)
+        return [(name, i + 1) for name, i in items]
+
+    got = {}
+
+    def answer(name):
+        t = s.turn(name)
+        try:
+            assert t.acquire()
+            t.decoding()
+            seq = []
+            i = 0
+            for _ in range(10):
+                out = t.decode((name, i), run)
+                assert out[0] == name
+                i = out[1]
+                seq.append(i)
+            got[name] = seq
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer, args=(f"a{k}",)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert all(got[f"a{k}"] == list(range(1, 11)) for k in range(4))
+    assert sum(calls) == 40
+    assert max(calls) == 4 and len(calls) < 20, calls      # batched, not one by one
+    assert s.batches == len(calls) and s.state()["active"] == 0
+
+
+def test_a_decode_batch_error_reaches_every_answer_in_it():
+    s = Scheduler(gather_s=0.05)
+    errors = []
+
+    def run(items):
+        raise MemoryError("no room")
+
+    def answer():
+        t = s.turn()
+        try:
+            assert t.acquire()
+            t.decoding()
+            t.decode(1, run)
+        except MemoryError as e:
+            errors.append(e)
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert len(errors) == 2 and s.state()["active"] == 0
