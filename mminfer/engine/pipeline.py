@@ -365,7 +365,7 @@ class Pipeline:
         ad = self.adapter
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
-        turn = turn if turn is not None else Solo(cancel)
+        turn = turn if turn is not None else Solo()
         turn.timer = timer
 
         def check():            # a step boundary: others may run, then: asked to stop?
