@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.engine.cache import Entry, VideoCache, cache_key, file_digest
 from mminfer.engine.parallel import FrameShards, init_from_env, shard_decoder
+from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
 from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Turn,
                                  resolve_checkpoint)
@@ -322,7 +323,7 @@ class Pipeline:
                start: float | None = None, end: float | None = None,
                attention: str | None = None, options=None, cancel=None,
                keep_for_shadow: bool = False, shadow_max_bytes: int | None = None,
-               on_token=None, use_cache: bool = True) -> AnswerResult:
+               on_token=None, use_cache: bool = True, turn=None) -> AnswerResult:
         """The answer to ``question`` (or the last user turn of ``conversation``, a
         mminfer.models.base.Conversation holding the video) about the video at
         ``video_path``.
@@ -342,7 +343,13 @@ class Pipeline:
         ``keep_for_shadow``: when the prefix is built sparse, keep on the CPU what a dense
         re-run of the whole prompt needs (mminfer.engine.rerun: the prompt embeddings and
         positions, at most ``shadow_max_bytes``, and the sparse last-token logits and
-        answer) as ``result.shadow``, for :meth:`shadow_dense`."""
+        answer) as ``result.shadow``, for :meth:`shadow_dense`.
+
+        ``turn``: the request's mminfer.engine.scheduler.Turn when several requests share the
+        model (the server): taken before the model is touched, handed to others at every step
+        boundary as the scheduler decides (the time waiting for them is the ``wait`` stage),
+        and left held or not on return — its owner closes it. None: the model is this call's
+        alone."""
 
         mode = attention or self.attention
         if conversation is None:
@@ -358,6 +365,17 @@ class Pipeline:
         ad = self.adapter
         timer = StageTimer(self.device)
         t0 = time.perf_counter()
+        turn = turn if turn is not None else Solo()
+        turn.timer = timer
+
+        def check():            # a step boundary: others may run, then: asked to stop?
+            return turn.checkpoint() or (cancel is not None and bool(cancel()))
+
+        def decode_check():     # the same before each decode step, as decode work
+            if turn.kind != DECODE:
+                turn.decoding()
+            return check()
+
         digest = key = None
         try:
             digest = file_digest(video_path)
@@ -371,22 +389,28 @@ class Pipeline:
                             options=asdict(options) if options is not None else None,
                             turns=conv.prefix_digest())
         sampling = dict(fps=fps, max_frames=max_frames, start=start, end=end)
+        if not turn.acquire():
+            raise Cancelled("request cancelled while waiting for the model")
         with self.video_cache.use(key) as slot:
             built = None
             if slot.entry is None:
-                built = self._build_prefix(video_path, conv, sampling, mode, options, timer,
-                                           cancel, keep_for_shadow, shadow_max_bytes,
-                                           max_new_tokens, cached=key is not None)
+                # building the prefix is the long work the scheduler admits one at a time
+                with turn.long():
+                    built = self._build_prefix(video_path, conv, sampling, mode, options,
+                                               timer, check, keep_for_shadow,
+                                               shadow_max_bytes, max_new_tokens,
+                                               cached=key is not None)
                 built["entry"].facts["video"]["sha256"] = digest
                 slot.store(built["entry"])
             entry = slot.entry
             suffix = built["suffix"] if built else ad.suffix_embeds(conv)
             n = entry.length + suffix.shape[1]
             _check_context(n, entry.facts["visual_tokens"], max_new_tokens, ad.max_context)
-            _check(cancel, "before the question's prefill")
+            _check(check, "before the question's prefill")
             gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
-                                 max_new_tokens=max_new_tokens, cancel=cancel,
-                                 on_token=on_token, timer=timer)
+                                 max_new_tokens=max_new_tokens, cancel=decode_check,
+                                 on_token=on_token, timer=timer,
+                                 stepper=self._stepper(turn))
             status, restore_ms = slot.status, slot.restore_ms
         # after the last token (never in the time to first token) and inside the total: the
         # stages add up to it; wall clock, as the count ends on host reads
@@ -421,6 +445,19 @@ class Pipeline:
                     "prefix": entry.length, "generated": len(gen.token_ids),
                     "cached": entry.length if built is None else 0},
             sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status)
+
+    def _stepper(self, turn):
+        """Decode steps through the scheduler, batched with the other answers decoding at the
+        same time (None for a request that has the model to itself: its own loop)."""
+        if isinstance(turn, Solo):
+            return None
+        from mminfer.models.decode import step_batch  # lazy: torch, as in _dtype
+        ad = self.adapter
+
+        def run(items):
+            return step_batch(ad, items)
+
+        return lambda token, pos, cache: turn.decode((token, pos, cache), run)
 
     def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
                       keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:

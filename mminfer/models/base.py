@@ -297,13 +297,14 @@ class Adapter:
         return kv
 
     def continue_on(self, cache, embeds, *, rope_delta: int = 0, max_new_tokens: int = 32,
-                    cancel=None, on_token=None, timer=None) -> Generated:
+                    cancel=None, on_token=None, timer=None, stepper=None) -> Generated:
         """Greedy answer of the suffix ``embeds`` ``[1, S, hidden]`` continuing ``cache``
         (a prefix's PrefixKV): the suffix's rows in one pass over every cached key (dense,
         causal among themselves: hooks.continuation_attention), timed as "suffix", then the
         decode steps ("generate"). The cache keeps the suffix's and answer's rows; its owner
         truncates them. ``Generated.first_token_s``: ``time.perf_counter()`` when the first
-        token was known."""
+        token was known. ``stepper``: who runs each decode step (mminfer.models.decode
+        ``decode_loop``; the server batches the steps of answers decoding together)."""
         import torch  # lazy: as in generate
 
         section = timer if timer is not None else (lambda name: nullcontext())
@@ -324,7 +325,8 @@ class Adapter:
                 from mminfer.models.decode import decode_loop  # lazy: torch, as in generate
                 decode_loop(self, cache, out, rope_delta=rope_delta,
                             max_new_tokens=max_new_tokens, cancel=cancel,
-                            emit=(lambda t: on_token(stream.push(t), t)) if stream else None)
+                            emit=(lambda t: on_token(stream.push(t), t)) if stream else None,
+                            stepper=stepper)
         answer = [t for t in out if t not in self.eos_token_ids]
         text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
         if stream is not None:

@@ -71,14 +71,15 @@ class LeanDecoder:
         return self.text_model.rotary_emb(h, position_ids)
 
     def _pre(self, i, h, cos, sin):
-        """Layer ``i`` up to attention: q ``[1, H, 1, d]``, k/v ``[1, Hkv, 1, d]`` (rotated)."""
+        """Layer ``i`` up to attention: q ``[B, H, 1, d]``, k/v ``[B, Hkv, 1, d]`` (rotated)."""
         layer = self.layers[i]
         attn = layer.self_attn
         d = attn.head_dim
+        b = h.shape[0]          # 1, or the answers of a batched step (step_many)
         x = fp8.normed(layer.input_layernorm, h, attn.q_proj, attn.k_proj, attn.v_proj)
-        q = attn.q_proj(x).view(1, 1, -1, d).transpose(1, 2)
-        k = attn.k_proj(x).view(1, 1, -1, d).transpose(1, 2)
-        v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)
+        q = attn.q_proj(x).view(b, 1, -1, d).transpose(1, 2)
+        k = attn.k_proj(x).view(b, 1, -1, d).transpose(1, 2)
+        v = attn.v_proj(x).view(b, 1, -1, d).transpose(1, 2)
         q, k = _module_of(attn).apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
@@ -91,9 +92,9 @@ class LeanDecoder:
         return out
 
     def _post(self, i, h, out):
-        """Layer ``i`` after attention: the new residual stream ``[1, 1, hidden]``."""
+        """Layer ``i`` after attention: the new residual stream ``[B, 1, hidden]``."""
         layer = self.layers[i]
-        h = h + layer.self_attn.o_proj(out.reshape(1, 1, -1))
+        h = h + layer.self_attn.o_proj(out.reshape(h.shape[0], 1, -1))
         return h + fp8.mlp(layer.mlp, layer.post_attention_layernorm, h)
 
     def _head(self, h):
@@ -110,6 +111,30 @@ class LeanDecoder:
             q, k, v = self._pre(i, h, cos, sin)
             h = self._post(i, h, self._attend(i, q, k, v, cache))
         return self._head(h)
+
+    def step_many(self, tokens, position_ids, caches):
+        """One greedy step of several answers at once, each over its own cache (lengths, dtypes
+        and prefixes differ): ``tokens`` (ints), ``position_ids`` (each what ``step`` takes)
+        and ``caches`` side by side → the last-position logits ``[B, vocab]``.
+
+        Everything token-wise (embedding, norms, the q/k/v/o projections, rotary, MLP,
+        lm_head) runs once over the B rows, so the weights are read once for all answers — what
+        a decode step's time is made of; attention runs per answer over its own cache (the
+        function the attention module calls, as in ``step``). Row b's arithmetic is that of
+        ``step`` on answer b alone except where a GEMM of B rows sums in another order than
+        one of 1 row."""
+        b = len(tokens)
+        dev = self.embed.weight.device
+        h = self.embed(torch.tensor(tokens, device=dev).view(b, 1))          # [B, 1, hidden]
+        # [3, 1, 1] (M-RoPE) or [1, 1] per answer -> [3, B, 1] or [B, 1]
+        pos = torch.cat([self.position_ids(p, c) for p, c in zip(position_ids, caches)], -2)
+        cos, sin = self._rope(h, pos)
+        for i in range(len(self.layers)):
+            q, k, v = self._pre(i, h, cos, sin)
+            out = torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
+                             for j, cache in enumerate(caches)])
+            h = self._post(i, h, out)
+        return self.lm_head(self.text_model.norm(h))[:, -1]                  # [B, vocab]
 
     def position_ids(self, position_ids, cache):
         if position_ids is None:     # the model's default: counted from the cache's length
@@ -294,14 +319,68 @@ def choose_path(adapter, mode: str | None = None) -> str:
     return "lean" if why else "graph"
 
 
+def step_batch(adapter, items) -> list:
+    """One greedy decode step of each answer in ``items`` — ``(token id, position_ids,
+    cache)`` each, the caches all different — as one batched step (``LeanDecoder.step_many``);
+    a batch of one takes the path a lone answer takes (the CUDA graphs where they run: its
+    token and position are written into their buffers first, as another answer may have
+    replayed them since), so an answer decoding alone is as fast as without batching.
+    Returns the next token ids, in order."""
+    with torch.inference_mode():
+        dec = decoder_of(adapter)
+        if len(items) > 1 and dec.unsupported is None:
+            tokens, pos, caches = zip(*items)
+            return dec.step_many(list(tokens), list(pos), list(caches)).argmax(-1).tolist()
+        return [_step_one(adapter, dec, *item) for item in items]
+
+
+def _step_one(adapter, dec, token: int, pos, cache) -> int:
+    path = choose_path(adapter)
+    if path == "graph" and dec._lock.acquire(blocking=False):
+        try:
+            graphs = dec.graphs(dec.position_ids(pos, cache))
+            graphs.tok.fill_(token)
+            graphs.pos.copy_(dec.position_ids(pos, cache))
+            return int(graphs.step(cache, graphs.direct_slabs(cache)))
+        except Exception as e:     # capture refused: eager from here, as in decode_loop
+            logging.getLogger(__name__).warning(
+                "decode steps run eagerly: CUDA graph capture failed (%s: %s)",
+                type(e).__name__, e)
+        finally:
+            dec._lock.release()
+    t = torch.tensor([[token]], device=dec.embed.weight.device)
+    if path == "step":
+        hidden = adapter._step(adapter.text_model.get_input_embeddings()(t), pos, cache)
+        return int(adapter.lm_head(hidden[:, -1:]).argmax(-1))
+    return int(dec.step(t, pos, cache))
+
+
 def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_tokens: int = 32,
-                cancel=None, emit=None, mode: str | None = None) -> list:
+                cancel=None, emit=None, mode: str | None = None, stepper=None) -> list:
     """Greedy decode steps on ``cache`` after the tokens in ``out`` (``out[-1]`` is the token
     to feed; its position is the cache's length): appends each new token to ``out`` until
     ``max_new_tokens`` tokens or an end token, calling ``emit(token_id)`` after each and
-    ``cancel()`` before each step (raises mminfer.errors.Cancelled). Returns ``out``."""
+    ``cancel()`` before each step (raises mminfer.errors.Cancelled). Returns ``out``.
+    ``stepper(token, position_ids, cache) -> next token``: who runs each step (the server's
+    scheduler batches the steps of answers decoding at the same time, ``step_batch``);
+    None: this loop, on this thread."""
     with torch.inference_mode():
+        if stepper is not None:
+            return _stepped_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit,
+                                 stepper)
         return _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode)
+
+
+def _stepped_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, stepper):
+    eos = adapter.eos_token_ids
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        if cancel is not None and cancel():
+            raise Cancelled(f"request cancelled after {len(out)} answer tokens")
+        pos = adapter.positions_after(rope_delta, cache.get_seq_length(), 1)
+        out.append(int(stepper(out[-1], pos, cache)))
+        if emit is not None:
+            emit(out[-1])
+    return out
 
 
 def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode):

@@ -79,7 +79,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
             if warm.get("ran"):
                 log.info("warm-up: %s", warm)
             return pipe
-        worker = ModelWorker(load, queue_size=s.queue_size, metrics=metrics)
+        worker = ModelWorker(load, queue_size=s.queue_size, metrics=metrics,
+                             max_active=s.max_num_seqs, decode_share=s.decode_share)
     else:
         worker.metrics = metrics
     # the shadow-dense monitor: its rows live in the latency store's file, same retention

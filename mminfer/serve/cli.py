@@ -58,6 +58,15 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--queue-size", type=int, default=d.queue_size,
                    help="requests waiting for the model (or still uploading) at most; more "
                         "get 503 before their body is read")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="requests in progress at once, taking turns on the model: a cache "
+                        "hit's question and decode steps pass a long prefill between its "
+                        "layers (one long prefill computes at a time); 1 answers one request "
+                        "after the other")
+    g.add_argument("--decode-share", type=float, default=d.decode_share,
+                   help="while a long prefill waits to resume, the share of the model's time "
+                        "that decode steps of answers in progress get (questions' first "
+                        "tokens always pass first)")
     g.add_argument("--timeout-s", type=float, default=d.timeout_s,
                    help="a request not answered this long after queueing gets 504 and is "
                         "stopped")
@@ -171,8 +180,11 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def settings_from(args):
-    if args.queue_size < 1 or (args.max_concurrent_uploads or 1) < 1:
-        raise ConfigError("--queue-size and --max-concurrent-uploads must be at least 1")
+    if args.queue_size < 1 or (args.max_concurrent_uploads or 1) < 1 or args.max_num_seqs < 1:
+        raise ConfigError("--queue-size, --max-num-seqs and --max-concurrent-uploads must be "
+                          "at least 1")
+    if not 0 <= args.decode_share < 1:
+        raise ConfigError(f"--decode-share must be in [0, 1), not {args.decode_share}")
     for name in ("max_upload_mb", "max_data_url_mb", "timeout_s", "upload_deadline_s",
                  "max_fps", "max_decode_mb", "media_fetch_deadline_s", "decode_memory_mb",
                  "decode_timeout_s"):
@@ -191,7 +203,8 @@ def settings_from(args):
         model=args.model, **pipeline_options(args), data_dir=args.data_dir,
         served_model_names=tuple(args.served_model_name), fps=args.fps,
         max_frames=args.max_frames, max_new_tokens=args.max_new_tokens,
-        queue_size=args.queue_size, timeout_s=args.timeout_s,
+        queue_size=args.queue_size, max_num_seqs=args.max_num_seqs,
+        decode_share=args.decode_share, timeout_s=args.timeout_s,
         max_upload_mb=args.max_upload_mb, max_data_url_mb=args.max_data_url_mb,
         max_concurrent_uploads=args.max_concurrent_uploads,
         upload_deadline_s=args.upload_deadline_s, min_upload_kbps=args.min_upload_kbps,

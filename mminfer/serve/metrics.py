@@ -86,7 +86,18 @@ class Metrics:
         self.generation_tokens = Counter("mminfer:generation_tokens",
                                          "Answer tokens generated", m, registry=r).labels(model)
         self.waiting = gauge("mminfer:num_requests_waiting", "Requests queued for the worker")
-        self.running = gauge("mminfer:num_requests_running", "Requests the worker is running")
+        self.running = gauge("mminfer:num_requests_running",
+                             "Requests in progress (computing, paused or decoding)")
+        self.prefilling = gauge("mminfer:num_requests_prefilling",
+                                "Requests building a video's prefix (admitted or waiting to be)")
+        self.paused = gauge("mminfer:num_requests_paused",
+                            "Long prefills paused at a layer boundary while short work runs")
+        self.decoding = gauge("mminfer:num_requests_decoding", "Answers in their decode steps")
+        self.turn_switches = gauge("mminfer:scheduler_switches",
+                                   "Times the model was handed from one request to another")
+        self.wait = hist("mminfer:request_wait_time_seconds",
+                         "Time a request in progress waited for others' steps before its first "
+                         "token (the wait stage)")
         self.worker_up = gauge("mminfer:worker_up", "1 when the model worker is alive and loaded")
         gauge("mminfer:model_info", "The served model").set(1)
         self.cache_answers = Counter(
@@ -117,11 +128,19 @@ class Metrics:
             "over --shadow-max-mb), busy (a request came first), interrupted (one came during "
             "the re-run), error", m + ["reason"], registry=r)
 
+    def progress(self, state: dict):
+        """The scheduler's counts (mminfer.engine.scheduler.Scheduler.state)."""
+        self.prefilling.set(state.get("prefilling", 0) + state.get("waiting_admission", 0))
+        self.paused.set(state.get("paused", 0))
+        self.decoding.set(state.get("decoding", 0))
+        self.turn_switches.set(state.get("switches", 0))
+
     def observe_success(self, timings_ms: dict, tokens: int, generated: int, density: float):
         s = lambda k: timings_ms.get(k, 0.0) / 1e3     # noqa: E731
         self.ttft.observe(s("ttft"))
         self.e2e.observe(s("total"))
         self.queue.observe(s("queue"))
+        self.wait.observe(s("wait"))
         self.prefill.observe(sum(s(k) for k in PREFILL_STAGES))
         self.decode.observe(s("generate"))
         if generated >= 2:

@@ -70,11 +70,16 @@ async def health(request: Request):
     svc = request.app.state.service
     w = svc.worker
     job = w.running_job()
+    progress = w.progress()
     body = {"status": w.state, "model": svc.model_id(), "queue": w.waiting,
             "reserved": w.reserved, "running": w.running, "queue_size": w.queue_size,
+            "max_active": w.max_active, "prefilling": progress["prefilling"],
+            "waiting_admission": progress["waiting_admission"],
+            "paused": progress["paused"], "decoding": progress["decoding"],
             "uploads": svc.intake.active}
     if not svc.s.api_key:       # /health is open: with a key set, no client's request id
         body["running_request_id"] = job.request_id if job is not None else None
+        body["running_request_ids"] = [j.request_id for j in w.active_jobs()]
     if w.alive and svc.storage.full():
         free = svc.storage.free_bytes()
         return JSONResponse({**body, "status": "storage_full", "error": "no space left under "
@@ -93,6 +98,8 @@ async def health(request: Request):
 async def prometheus(request: Request):
     svc = request.app.state.service
     svc.metrics.waiting.set(svc.worker.waiting)
+    svc.metrics.running.set(svc.worker.running)
+    svc.metrics.progress(svc.worker.progress())
     svc.metrics.worker_up.set(1 if svc.worker.alive else 0)
     return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 

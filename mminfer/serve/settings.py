@@ -27,6 +27,11 @@ class Settings:
 
     # the queue and time
     queue_size: int = 8                # waiting (or uploading) requests; more get 503
+    # requests in progress at once, taking turns on the model (engine/scheduler.py; vLLM's
+    # name); 1 answers them one after the other
+    max_num_seqs: int = 8
+    # the share of the GPU's time decode steps get while a long prefill waits to resume
+    decode_share: float = 0.25
     timeout_s: float = 600.0           # from arrival to answer; then 504 and the job stops
     retry_after_max_s: int = 120       # Retry-After never says more than this
 

@@ -53,7 +53,9 @@ def leader_worker(settings, n: int) -> ModelWorker:
             log.info("warm-up: %s", warm)
         return leader
 
-    return ModelWorker(load, queue_size=settings.queue_size, interrupt_after_s=None)
+    # every rank replays the leader's calls in order: one request at a time
+    return ModelWorker(load, queue_size=settings.queue_size, interrupt_after_s=None,
+                       max_active=1)
 
 
 def _shut_down():

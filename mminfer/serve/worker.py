@@ -1,13 +1,18 @@
-"""The one thread that owns the model (and its GPU), with a bounded queue in front of it.
+"""The model's requests: a bounded queue in front, and up to ``max_active`` of them in progress,
+taking turns on the model (mminfer.engine.scheduler).
 
-A GPU runs one long prefill at a time well and two badly, so requests are serialized here and
-the HTTP layer only waits. Jobs carry a ``concurrent.futures.Future``: the event loop awaits it
-(``asyncio.wrap_future``).
+Each admitted job runs ``Pipeline.answer`` in a thread of its own holding a scheduler Turn: a
+cache hit's question or a decode step passes a long prefill between two of its layers instead
+of waiting for the whole of it, and the prefill resumes where it stopped. One long prefill
+computes at a time (the scheduler admits them in arrival order). The HTTP layer only waits:
+jobs carry a ``concurrent.futures.Future`` that the event loop awaits
+(``asyncio.wrap_future``). ``max_active=1`` runs them one after the other (tensor parallelism,
+where every rank must make the same calls in the same order).
 
 Slots: a request reserves a queue slot when it arrives (``reserve``), before its body is
 read, so a full queue answers 503 at once instead of after a 500 MB upload; the slot becomes
 the job's place in the queue (``submit``) or is given back. ``queue_size`` bounds waiting plus
-reserved requests; the running job is not counted.
+reserved requests; jobs in progress are not counted.
 
 Stopping a job: one not yet started leaves the queue at once (``Future.cancel`` and
 ``set_running_or_notify_cancel`` settle the race with the worker picking it up). A running
@@ -18,8 +23,9 @@ interrupted (mminfer.engine.interrupt). Its answer is the reason it was stopped 
 gone, deadline, shutdown).
 
 Idle time: with a shadow monitor (serve/shadow.py), a sampled sparse request's inputs are
-kept when it ends and re-run dense while nothing is queued, reserved or running; a request
-that arrives drops or stops that re-run (``preempt``) before it waits on it.
+kept when it ends and re-run dense (on the dispatching thread) while nothing is queued,
+reserved or in progress; a request that arrives drops or stops that re-run (``preempt``)
+before it waits on it.
 
 The heap the model leaves: once loaded and warmed up, everything alive is moved out of the
 garbage collector's sight (``gc.freeze``). A full collection otherwise walks every object of
@@ -29,7 +35,7 @@ busy machine) holding the interpreter lock, which stops the event loop with it: 
 interpreter's prefill allocates enough to make one fall due), was its worst /health probe
 (297 ms). ``stop`` gives the objects back to the collector.
 
-The interpreter lock: the model thread is pure Python for long stretches (the Triton
+The interpreter lock: the thread holding the model's turn is pure Python for long stretches (the Triton
 interpreter runs the sparse kernels as Python on a CPU), and meanwhile every other thread
 (the event loop, its executor's threads) waits for the lock at each system call it makes.
 Asked to, the holder lets go within the switch interval, but CPython hands the lock to
@@ -42,8 +48,9 @@ phase, worst /health probe of three runs each: 350-414 ms before, 192-520 ms wit
 alone, 122-247 ms (and 158-187 ms) with it at 1 ms, 33-112 ms at 0.5 ms.
 
 The worker dies only of what leaves the model unusable (load failure, a CUDA error that
-poisons the context, KeyboardInterrupt...). Then every queued job fails, new ones are
-refused, and ``state`` says "dead" with the reason, which ``/health`` reports as 503.
+poisons the context, KeyboardInterrupt...). Then every queued job fails, the ones in progress
+are stopped, new ones are refused, and ``state`` says "dead" with the reason, which
+``/health`` reports as 503.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import time
 from dataclasses import dataclass, field
 
 from mminfer.engine.interrupt import Guard, Interrupted
+from mminfer.engine.scheduler import Scheduler
 from mminfer.errors import (Cancelled, MMInferError, OutOfMemory, QueueFull, ShuttingDown,
                             WorkerDead)
 
@@ -90,6 +98,7 @@ class Job:
     guard: Guard = field(default_factory=Guard)
     shadow_sampled: bool = False          # the shadow monitor asked it to keep its inputs
     on_token: object = None               # Pipeline.answer's on_token (a streamed answer)
+    turn: object = None                   # its mminfer.engine.scheduler.Turn while in progress
 
     def cancel(self, reason: MMInferError | None = None) -> bool:
         """Stop the job: dropped at once if it has not started (True), else asked to stop
@@ -163,18 +172,25 @@ def _is_oom(exc: BaseException) -> bool:
 
 class ModelWorker:
     """``load()`` returns the object with ``answer(video_path, question, **params)`` (a
-    Pipeline); it runs on the worker thread, so the model lives on that thread from the start.
+    Pipeline); it runs on the dispatching thread. ``max_active``: requests in progress at once
+    (each in its own thread, taking turns on the model through ``scheduler``); 1 runs them one
+    after the other (and passes no ``turn`` to ``answer``). ``decode_share``: see
+    mminfer.engine.scheduler.Scheduler.
     """
 
     def __init__(self, load, queue_size: int = 8, metrics=None, interrupt_after_s: float = 0.5,
-                 shadow=None):
+                 shadow=None, max_active: int = 8, decode_share: float = 0.25):
         if queue_size < 1:
             raise ValueError("queue_size must be >= 1")
+        if max_active < 1:
+            raise ValueError("max_active must be >= 1")
         self._load = load
         self.queue_size = queue_size
+        self.max_active = max_active
         self.metrics = metrics
         self.interrupt_after_s = interrupt_after_s
         self.shadow = shadow             # serve/shadow.ShadowMonitor, or None
+        self.scheduler = Scheduler(decode_share)
         self.pipeline = None
         self.state = "new"               # new -> loading -> ready -> dead | stopped
         self.error: str | None = None
@@ -183,12 +199,13 @@ class ModelWorker:
         self.recent_s: collections.deque[float] = collections.deque(maxlen=32)
         self._queue: collections.deque[Job] = collections.deque()
         self._reserved = 0
-        self._running: Job | None = None
+        self._active: list[Job] = []     # in progress, oldest first
         self._cv = threading.Condition()
         self._ready = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._switch_was: float | None = None    # the interpreter's switch interval before
+        self._fatal: BaseException | None = None
 
     # ------------------------------------------------------------------ control
     def start(self):
@@ -206,21 +223,20 @@ class ModelWorker:
         return self.state == "ready"
 
     def begin_shutdown(self):
-        """Refuse new jobs, answer the queued ones 503 and stop the running one, at once:
+        """Refuse new jobs, answer the queued ones 503 and stop the ones in progress, at once:
         the HTTP server's graceful wait then sees every request answered in JSON."""
         with self._cv:
             self._stopping = True
             pending = list(self._queue)
             self._queue.clear()
-            running = self._running
+            active = list(self._active)
             self._cv.notify_all()
         self._preempt_shadow()
         for job in pending:
             self._fail(job, ShuttingDown("the server is shutting down; retry on another "
                                          "instance or after it restarts"))
-        if running is not None:
-            running.cancel(ShuttingDown("the server is shutting down; the request was "
-                                        "stopped"))
+        for job in active:
+            job.cancel(ShuttingDown("the server is shutting down; the request was stopped"))
         self._gauges()
 
     def stop(self, timeout: float = 10.0):
@@ -249,10 +265,20 @@ class ModelWorker:
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        """Jobs in progress (computing, paused or decoding)."""
+        return len(self._active)
 
     def running_job(self) -> Job | None:
-        return self._running
+        """The oldest job in progress."""
+        active = self._active
+        return active[0] if active else None
+
+    def active_jobs(self) -> list:
+        return list(self._active)
+
+    def progress(self) -> dict:
+        """What the jobs in progress are doing (mminfer.engine.scheduler.Scheduler.state)."""
+        return self.scheduler.state()
 
     def retry_after(self, cap: int = 120) -> int:
         """Seconds until a slot is likely free: the median of recent job times (a few old
@@ -303,7 +329,7 @@ class ModelWorker:
             job.enqueued = time.monotonic()
             job.worker = self
             self._queue.append(job)
-            self._cv.notify()
+            self._cv.notify_all()
         self._preempt_shadow()
         self._gauges()
         return job
@@ -326,12 +352,16 @@ class ModelWorker:
         """(Under the lock.) A shadow job waits and nothing else does; one that would be in a
         request's way is dropped here."""
         return self.shadow is not None and self.shadow.ready(
-            busy=bool(self._queue or self._reserved or self._stopping))
+            busy=bool(self._queue or self._reserved or self._active or self._stopping))
 
     def _gauges(self):
         if self.metrics is not None:
             self.metrics.waiting.set(len(self._queue))
+            self.metrics.running.set(len(self._active))
             self.metrics.worker_up.set(1 if self.state == "ready" else 0)
+            progress = getattr(self.metrics, "progress", None)
+            if progress is not None:
+                progress(self.scheduler.state())
 
     def _fail(self, job: Job, exc: BaseException):
         if job.future.set_running_or_notify_cancel():
@@ -340,6 +370,7 @@ class ModelWorker:
 
     # ------------------------------------------------------------------ stopping a job
     def _stop_running(self, job: Job):
+        self.scheduler.wake()             # a job paused at a step boundary looks at once
         if self.interrupt_after_s is None:
             return
         t = threading.Timer(self.interrupt_after_s, self._interrupt, args=(job,))
@@ -356,10 +387,12 @@ class ModelWorker:
             raise Cancelled("the request was cancelled before it started")
         params = job.params if self.shadow is None else self.shadow.params(job, self.pipeline)
         extra = {} if job.on_token is None else {"on_token": job.on_token}
+        if job.turn is not None:
+            extra["turn"] = job.turn
         return job.guard.run(self.pipeline.answer, job.video_path, job.question,
                              cancel=job.should_stop, **params, **extra)
 
-    # ------------------------------------------------------------------ thread
+    # ------------------------------------------------------------------ threads
     def _main(self):
         try:
             try:
@@ -372,7 +405,7 @@ class ModelWorker:
             self.state = "ready"
             self._gauges()
             self._ready.set()
-            self._loop()
+            self._dispatch()
         except BaseException as e:        # noqa: BLE001 - the loop itself must not vanish
             self._die(f"{type(e).__name__}: {e}")
             log.exception("model worker died")
@@ -381,27 +414,51 @@ class ModelWorker:
             if self.metrics is not None:
                 self.metrics.running.set(0)
 
-    def _loop(self):
+    def _dispatch(self):
+        """Start queued jobs while fewer than ``max_active`` are in progress; run the shadow
+        monitor's re-runs when nothing else is there."""
         while True:
             with self._cv:
-                while not self._queue and not self._stopping and not self._shadow_due():
+                while not self._stopping and self._fatal is None and not (
+                        self._queue and len(self._active) < self.max_active) \
+                        and not self._shadow_due():
                     self._cv.wait()
+                if self._fatal is not None:
+                    raise self._fatal
                 if self._stopping:
-                    return
-                job = None if self._shadow_due() else self._queue.popleft()
-                if job is not None and not job.future.set_running_or_notify_cancel():
-                    job.remove_file()          # cancelled while queued
-                    continue
-                self._running = job
-            if job is None:                    # idle: the shadow re-run (serve/shadow.py)
+                    break
+                job = None
+                if self._queue and len(self._active) < self.max_active:
+                    job = self._queue.popleft()
+                    if not job.future.set_running_or_notify_cancel():
+                        job.remove_file()          # cancelled while queued
+                        continue
+                    self._active.append(job)
+            if job is None:                        # idle: the shadow re-run (serve/shadow.py)
                 self.shadow.run_pending(self.pipeline)
                 continue
-            self._gauges()
             job.started = time.monotonic()
             job.queue_ms = (job.started - job.enqueued) * 1e3
-            if self.metrics is not None:
-                self.metrics.running.set(1)
-            result, error, fatal = None, None, None
+            if self.max_active > 1:
+                job.turn = self.scheduler.turn(job.request_id or "", stop=job.should_stop)
+            self._gauges()
+            if self.max_active == 1:
+                self._serve(job)                   # one at a time: on this thread
+                if self._fatal is not None:
+                    raise self._fatal
+            else:
+                threading.Thread(target=self._serve, args=(job,), daemon=True,
+                                 name=f"mminfer-request-{job.request_id or ''}"[:40]).start()
+        # shutting down: wait for the jobs in progress to unwind (they were asked to stop)
+        deadline = time.monotonic() + 10.0
+        with self._cv:
+            while self._active and time.monotonic() < deadline:
+                self._cv.wait(0.1)
+
+    def _serve(self, job: Job):
+        """One job, start to end (on its own thread unless ``max_active`` is 1)."""
+        result, error, fatal = None, None, None
+        try:
             try:
                 try:
                     result = self._run(job)
@@ -420,29 +477,35 @@ class ModelWorker:
                 else:
                     log.exception("request failed")
                     error = e
-            if job.stop is not None:       # asked to stop: that is its answer
-                result, error = None, job.stop
-                self.stopped += 1
-            if self.shadow is not None and result is not None:
-                self.shadow.offer(job, result)     # takes the kept inputs off the answer
-            # Book-keeping first, so whoever the answer wakes sees the file gone and the
-            # job counted.
-            job.finished = time.monotonic()
-            self.served += 1
-            self.recent_s.append(job.finished - job.started)
-            job.remove_file()
-            with self._cv:
-                self._running = None
-            if self.metrics is not None:
-                self.metrics.running.set(0)
-                if job.stop_at is not None:
-                    self.metrics.stop_latency.observe(job.finished - job.stop_at)
-            if error is None:
-                job.future.set_result(result)
-            else:
-                job.future.set_exception(error)
-            if fatal is not None:
-                raise fatal
+        finally:
+            if job.turn is not None:
+                job.turn.close()
+        if job.stop is not None:           # asked to stop: that is its answer
+            result, error = None, job.stop
+            self.stopped += 1
+        if self.shadow is not None and result is not None:
+            self.shadow.offer(job, result)     # takes the kept inputs off the answer
+        # Book-keeping first, so whoever the answer wakes sees the file gone and the
+        # job counted.
+        job.finished = time.monotonic()
+        self.served += 1
+        self.recent_s.append(job.finished - job.started)
+        job.remove_file()
+        with self._cv:
+            try:
+                self._active.remove(job)
+            except ValueError:
+                pass
+            if fatal is not None and self._fatal is None:
+                self._fatal = fatal
+            self._cv.notify_all()
+        self._gauges()
+        if self.metrics is not None and job.stop_at is not None:
+            self.metrics.stop_latency.observe(job.finished - job.stop_at)
+        if error is None:
+            job.future.set_result(result)
+        else:
+            job.future.set_exception(error)
 
     def _free_memory(self):
         try:
@@ -459,6 +522,9 @@ class ModelWorker:
             self.error = reason
             pending = list(self._queue)
             self._queue.clear()
+            active = list(self._active)
         for job in pending:
             self._fail(job, WorkerDead(f"the model worker is dead: {reason}"))
+        for job in active:
+            job.cancel(WorkerDead(f"the model worker is dead: {reason}"))
         self._gauges()

@@ -322,3 +322,49 @@ def test_benchmark_tiny_run(tmp_path):
         # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
         assert r["splitk_max_abs_err"] < 1e-5, r
     assert "same tokens" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_batched_step_gives_each_answer_its_own_tokens(kind, prepared):
+    """step_many over three answers whose caches differ in length and content (different
+    prefixes: the suffix prefilled or not, several decode steps ahead) gives each answer the
+    logits and greedy tokens of ``step`` on that answer alone, and writes the same cache rows."""
+    ad, prep, embeds = prepared[kind]
+    P = prep.prefix_len
+    suffix = embeds[:, P:]
+    S = suffix.shape[1]
+    dec = decode.decoder_of(ad)
+
+    def caches():
+        out = []
+        with torch.inference_mode():
+            for extra in (0, 1, 4):              # 0: the prefix alone; else suffix + steps
+                kv = ad.prefill_prefix(prep, embeds.clone())
+                if extra:
+                    ad._step(suffix, ad.positions_after(prep.rope_delta, P, S), kv)
+                    tok = torch.tensor([[3]])
+                    for _ in range(extra - 1):
+                        n = kv.get_seq_length()
+                        tok = dec.step(tok, ad.positions_after(prep.rope_delta, n, 1), kv)
+                out.append(kv)
+        return out
+
+    alone, batched = caches(), caches()
+    tokens = [5, 11, 17]
+    with torch.inference_mode():
+        for _ in range(4):
+            pos = [ad.positions_after(prep.rope_delta, c.get_seq_length(), 1) for c in alone]
+            want = [int(dec.step(torch.tensor([[t]]), p, c)) for t, p, c in
+                    zip(tokens, pos, alone)]
+            logits = dec.step_many(tokens, pos, batched)
+            assert logits.shape[0] == 3
+            got = logits.argmax(-1).tolist()
+            assert got == want
+            tokens = got
+    assert len({c.get_seq_length() for c in batched}) == 3
+    for a, b in zip(alone, batched):
+        assert a.get_seq_length() == b.get_seq_length()
+        for la, lb in zip(a.layers, b.layers):
+            n = a.get_seq_length()
+            torch.testing.assert_close(la.keys[..., :n, :], lb.keys[..., :n, :], atol=1e-5,
+                                       rtol=1e-5)

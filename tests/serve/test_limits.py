@@ -112,7 +112,9 @@ def gated_server(ckpt, tmp_path, live_server, **settings):
 
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
                               api_key=None, **settings),
-                     worker=ModelWorker(load, queue_size=settings.get("queue_size", 8)))
+                     # one job held at the gate, the rest queued behind it: one at a time
+                     worker=ModelWorker(load, queue_size=settings.get("queue_size", 8),
+                                        max_active=1))
     s = live_server(app)
     assert app.state.worker.wait_ready(60)
     return s, app, holder["p"]
@@ -437,7 +439,7 @@ def test_sigterm_answers_queued_and_running_requests_with_json_503(slow_ckpt, tm
     p = subprocess.Popen([sys.executable, "-m", "mminfer.cli", "serve", "--model",
                           str(slow_ckpt), "--port", "0", "--data-dir", str(tmp_path),
                           "--device", "cpu", "--log-level", "warning",
-                          "--graceful-shutdown-s", "10"],
+                          "--graceful-shutdown-s", "10", "--max-num-seqs", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = None

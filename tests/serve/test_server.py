@@ -467,7 +467,8 @@ def test_disconnected_client_is_dropped_from_the_queue(ckpt, tmp_path, live_serv
     # The model is held at a gate, so the requests ahead stay queued for as long as the test
     # needs, however slow the machine (racing a real prefill against uploads was flaky).
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
-                              queue_size=16, timeout_s=120, max_uploads_per_client=0))
+                              queue_size=16, timeout_s=120, max_uploads_per_client=0,
+                              max_num_seqs=1))      # one held at the gate, the rest queued
     s = live_server(app)
     worker = app.state.worker
     assert worker.wait_ready(120)

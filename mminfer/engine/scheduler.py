@@ -1,0 +1,526 @@
+"""Turns on the model for many requests at once: short work passes a long prefill between its
+layers, and a paused prefill resumes exactly where it stopped.
+
+Every request runs ``Pipeline.answer`` in a thread of its own, and holds a :class:`Turn`. Only
+the thread holding the scheduler's one turn touches the model (the GPU, the video cache's
+bookkeeping, the Triton interpreter). Work has natural boundaries where a request checks for
+cancellation anyway — before every decoder layer of a prefill, between chunks of frames in the
+vision tower, before the question's rows, before every decode step — and there
+(``Turn.checkpoint``) the holder may hand the turn to someone else and wait to get it back.
+A paused prefill keeps its Python frame, its residual stream, its plans and the K/V written so
+far; nothing is copied or recomputed, and it resumes with the same operations in the same
+order, so its answer is bit for bit the one it gives alone.
+
+Work comes in three classes:
+
+* ``FIRST``: a request's work up to its first token that is not a long prefill — the cache
+  lookup, a restore from the host tier, the question's rows over a cached prefix. Short, and
+  what a user waits on: it goes first, oldest first.
+* ``DECODE``: a decode step of an answer in progress.
+* ``LONG``: building a video's prefix (decode, vision, the prefix's prefill). One request at a
+  time is *admitted* to do this (two halve each other on one GPU, and a paused one keeps its
+  memory: a second would need room for both); the others wait for admission in arrival order.
+
+The policy, between steps: with no long prefill waiting to resume, FIRST work runs first, then
+decode steps (round robin). When the admitted long prefill pauses at a layer boundary, the FIRST
+work that was already waiting when it paused runs (work arriving later waits for the next
+boundary — so the prefill is never starved, and a cache hit waits at most one layer of it),
+then decode steps for up to ``decode_share`` of the time (in proportion to the prefill's last
+step), then the prefill resumes. An ``IDLE`` class (the shadow monitor's dense re-runs) runs
+only when nothing else waits and yields to anything.
+
+Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
+steps and gives the turn up; whichever of them is granted the turn first waits a moment for
+the other answers in their decode phase to join (they come back within microseconds of their
+last token), runs every pending step as one batched step (the caller's ``run``: one pass of
+the decoder layers over all of them, attention per answer over its own cache), hands each its
+result and gives the turn back. A batch of one is an answer decoding alone, on its own path.
+
+Time spent waiting for others before the first token is reported as a stage of its own
+(``wait``): the turn records a gap in the request's StageTimer, which subtracts it from the
+sections that were open (on CUDA, events recorded on the stream where the request left off and
+where it resumed measure the others' work in between).
+
+A request asked to stop while it waits returns at once, without the turn: it unwinds (freeing
+its tensors, leaving the cache) while another request may run, which touches nothing shared
+but the cache, whose bookkeeping has its own lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+from mminfer.errors import Cancelled
+
+FIRST, DECODE, LONG, IDLE = "first", "decode", "long", "idle"
+
+
+class Scheduler:
+    """The one turn on the model. ``decode_share``: the fraction of the GPU's time decode steps
+    get while an admitted long prefill waits to resume (FIRST work is not limited: it is
+    bounded by what arrived before the prefill paused)."""
+
+    def __init__(self, decode_share: float = 0.25, poll_s: float = 0.05,
+                 gather_s: float = 0.002, max_batch: int = 64):
+        if not 0.0 <= decode_share < 1.0:
+            raise ValueError(f"decode_share must be in [0, 1), not {decode_share}")
+        self.decode_share = decode_share
+        self.poll_s = poll_s
+        self.gather_s = gather_s                 # how long a batch waits for its answers
+        self.max_batch = max_batch
+        self._pending: dict[Turn, int] = {}      # decode steps waiting for a batch -> seq
+        self.batches = 0                         # batched decode steps run
+        self.batched_steps = 0                   # answers' steps in them
+        self._cv = threading.Condition()
+        self._holder: Turn | None = None
+        self._granted_at = 0.0
+        self._waiting: dict[Turn, int] = {}      # turn -> seq when it began to wait
+        self._long: Turn | None = None           # the admitted long prefill
+        self._admission: list[Turn] = []         # waiting to be admitted, arrival order
+        self._turns: set[Turn] = set()
+        self._seq = itertools.count()
+        self._round = 0                          # FIRST work older than this runs before LONG
+        self._short_used = 0.0
+        self._short_allow = 0.0
+        self.switches = 0                        # turns handed from one request to another
+
+    # ------------------------------------------------------------ requests
+    def turn(self, name: str = "", stop=None) -> "Turn":
+        """A new request's turn (not yet holding it: ``acquire`` first). ``stop()`` (True:
+        the request was asked to stop) is checked while it waits."""
+        return Turn(self, name, stop)
+
+    def state(self) -> dict:
+        """Counts for /health and /metrics."""
+        with self._cv:
+            turns = list(self._turns)
+            held = self._holder
+        paused = sum(1 for t in turns if t.kind == LONG and t is not held)
+        return {"active": len(turns),
+                "prefilling": sum(1 for t in turns if t.kind == LONG),
+                "paused": paused,
+                "decoding": sum(1 for t in turns if t.kind == DECODE),
+                "waiting_admission": len(self._admission),
+                "switches": self.switches,
+                "decode_batches": self.batches,
+                "decode_batched_steps": self.batched_steps}
+
+    def wake(self):
+        """Someone was asked to stop: let waiting threads look."""
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ the choice (under the lock)
+    def _pick(self) -> "Turn | None":
+        w = self._waiting
+        if not w:
+            return None
+        long = self._long if self._long in w else None
+        first = [t for t in w if t.kind == FIRST]
+        decode = [t for t in w if t.kind == DECODE]
+        if long is not None:
+            due = [t for t in first if t.arrival < self._round]
+            if due:
+                return min(due, key=lambda t: t.arrival)
+            if decode and self._short_used < self._short_allow:
+                return min(decode, key=w.get)
+            return long
+        if first:
+            return min(first, key=lambda t: t.arrival)
+        if decode:
+            return min(decode, key=w.get)
+        idle = [t for t in w if t.kind == IDLE]
+        return min(idle, key=w.get) if idle else None
+
+    def _grant(self):
+        """(Under the lock, nobody holding.) Give the turn to the next one, if any."""
+        t = self._pick()
+        if t is None:
+            return
+        del self._waiting[t]
+        self._holder = t
+        self._granted_at = time.perf_counter()
+        self._cv.notify_all()
+
+    def _step_done(self, t: "Turn", now: float):
+        """(Under the lock, ``t`` holding.) ``t`` reached a step boundary: when it is the long
+        prefill, the FIRST work waiting now is due before it goes on, and decode steps get
+        their share of the step it just ran; other work's time is counted against that
+        share."""
+        if t is self._long:
+            held = now - self._granted_at
+            self._round = next(self._seq)
+            self._short_used = 0.0
+            share = self.decode_share
+            self._short_allow = held * share / (1.0 - share) if share else 0.0
+        elif self._long is not None:        # short work's time counts while it goes on
+            self._short_used += now - self._granted_at
+        self._granted_at = now
+
+    def _leave_holder(self, t: "Turn", now: float):
+        """(Under the lock.) ``t`` stops holding: account for its time."""
+        if t is not self._long and self._long is not None:
+            self._short_used += now - self._granted_at
+        self._holder = None
+
+    def _admit(self):
+        """(Under the lock.) The next long prefill, if none is admitted."""
+        while self._long is None and self._admission:
+            t = self._admission.pop(0)
+            if t.closed:
+                continue
+            self._long = t
+            self._new_round()
+            self._cv.notify_all()
+
+    def _new_round(self):
+        """(Under the lock.) A prefill was admitted: the FIRST work waiting now goes before its
+        first step; decode gets its share once the prefill has run a step."""
+        self._round = next(self._seq)
+        self._short_used = 0.0
+        self._short_allow = 0.0
+
+    def _wait_for_turn(self, t: "Turn") -> bool:
+        """(Under the lock, ``t`` in the waiting set.) Block until ``t`` holds the turn (True),
+        or it is asked to stop (False: it left the set)."""
+        while self._holder is not t:
+            if t.stopping():
+                self._waiting.pop(t, None)
+                if self._holder is None:
+                    self._grant()
+                return False
+            if self._holder is None:
+                self._grant()
+                continue
+            self._cv.wait(self.poll_s)
+        return True
+
+
+class Turn:
+    """One request's place with the scheduler. Not thread-safe: used by its request's thread.
+
+    ``acquire()`` (as FIRST work) before touching the model; ``checkpoint()`` at every step
+    boundary; ``long()`` around building a prefix; ``decoding()`` before the decode steps;
+    ``close()`` at the end (any state). ``timer``: the request's StageTimer, for ``wait``."""
+
+    def __init__(self, sched: Scheduler, name: str = "", stop=None):
+        self.sched = sched
+        self.name = name
+        self._stop = stop
+        self.kind = FIRST
+        self.arrival = next(sched._seq)
+        self.held = False
+        self.held_since: float | None = None
+        self.closed = False
+        self.timer = None
+        self.wait_s = 0.0                   # waited for others, before its first token
+        self.waits = 0
+        self._first_token = False
+        self._item, self._result, self._error = None, _NONE, None
+        with sched._cv:
+            sched._turns.add(self)
+
+    # ------------------------------------------------------------ state
+    def stopping(self) -> bool:
+        return self._stop is not None and bool(self._stop())
+
+    def first_token(self):
+        """Waits from now on are part of generating the answer, not of its first token."""
+        self._first_token = True
+
+    # ------------------------------------------------------------ taking and giving
+    def acquire(self) -> bool:
+        """Wait for the turn as FIRST work; False if asked to stop meanwhile."""
+        return self._enter(FIRST)
+
+    def _enter(self, kind: str) -> bool:
+        s = self.sched
+        gap = self._gap_start()
+        with s._cv:
+            self.kind = kind
+            s._waiting[self] = next(s._seq)
+            if s._holder is None:
+                s._grant()
+            ok = s._wait_for_turn(self)
+        self.held = ok
+        self.held_since = time.perf_counter() if ok else None
+        self._gap_end(gap)
+        return ok
+
+    def _leave(self):
+        """Give the turn up (holding it)."""
+        s = self.sched
+        with s._cv:
+            if s._holder is self:
+                s._leave_holder(self, time.perf_counter())
+                s.switches += 1
+            self.held = False
+            s._grant()
+
+    def checkpoint(self) -> bool:
+        """A step boundary: hand the turn over if the policy says so, and wait to get it back.
+        Returns True when the request was asked to stop (then it may not hold the turn)."""
+        if self.stopping():
+            return True
+        if not self.held:
+            return False
+        s = self.sched
+        with s._cv:
+            now = time.perf_counter()
+            s._step_done(self, now)
+            if not s._waiting:
+                return False
+            s._waiting[self] = next(s._seq)
+            # would the policy pick someone else?
+            nxt = s._pick()
+            if nxt is self:
+                del s._waiting[self]
+                return False
+            s._leave_holder(self, now)
+            s.switches += 1
+            self.held = False
+            gap = self._gap_start()
+            s._grant()
+            ok = s._wait_for_turn(self)
+        self.held = ok
+        self.held_since = time.perf_counter() if ok else None
+        self._gap_end(gap)
+        return not ok
+
+    def long(self) -> "_Phase":
+        """``with turn.long():`` — building a prefix: admitted as the one long prefill (waiting
+        for the one before to finish), paused at its checkpoints by the policy; afterwards FIRST
+        work again (its question's rows come right after)."""
+        return _Phase(self)
+
+    def _begin_long(self) -> bool:
+        s = self.sched
+        with s._cv:
+            if s._long is None and not s._admission:
+                s._long = self
+                s._new_round()
+                self.kind = LONG
+                return True
+            s._admission.append(self)
+            s._admit()
+        if s._long is self:
+            self.kind = LONG
+            return True
+        # another prefill is admitted: give the turn up until this one is
+        gap = self._gap_start()
+        with s._cv:
+            if s._holder is self:
+                s._leave_holder(self, time.perf_counter())
+                s.switches += 1
+            self.held = False
+            s._grant()
+            while s._long is not self:
+                if self.stopping():
+                    if self in s._admission:
+                        s._admission.remove(self)
+                    self._gap_end(gap)
+                    return False
+                s._cv.wait(s.poll_s)
+            self.kind = LONG
+            s._waiting[self] = next(s._seq)
+            if s._holder is None:
+                s._grant()
+            ok = s._wait_for_turn(self)
+        self.held = ok
+        self.held_since = time.perf_counter() if ok else None
+        self._gap_end(gap)
+        return ok
+
+    def _end_long(self):
+        s = self.sched
+        with s._cv:
+            if s._long is self:
+                s._long = None
+                s._admit()
+            if self.kind == LONG:
+                self.kind = FIRST
+            s._cv.notify_all()
+
+    def decoding(self):
+        """From here on, the request's steps are decode steps."""
+        self.kind = DECODE
+        self.first_token()
+
+    def decode(self, item, run):
+        """One decode step of this answer, batched with the other answers' pending steps:
+        ``run(items) -> results`` (one per item, in order) runs a batch. Returns this answer's
+        result; raises what ``run`` raised, or Cancelled when asked to stop while waiting."""
+        s = self.sched
+        gap = self._gap_start()
+        with s._cv:
+            self.kind = DECODE
+            self._first_token = True
+            self._item, self._result, self._error = item, _NONE, None
+            now = time.perf_counter()
+            if self.held and s._holder is self:
+                s._step_done(self, now)
+                s._leave_holder(self, now)
+                self.held = False
+            s._pending[self] = next(s._seq)
+            s._waiting[self] = s._pending[self]
+            if s._holder is None:
+                s._grant()
+            while True:
+                if self._result is not _NONE or self._error is not None:
+                    break
+                if s._holder is self:
+                    break
+                if self.stopping():
+                    s._pending.pop(self, None)
+                    s._waiting.pop(self, None)
+                    if s._holder is None:
+                        s._grant()
+                    self._gap_end(gap)
+                    raise Cancelled("request cancelled while waiting for its decode step")
+                s._cv.wait(s.poll_s)
+            if s._holder is self and self._result is _NONE and self._error is None:
+                batch = self._gather()
+            else:
+                batch = None
+        if batch is not None:
+            self.held = True
+            error, results = None, None
+            try:
+                results = run([t._item for t in batch])
+            except BaseException as e:     # noqa: BLE001 - each answer raises it
+                error = e
+            with s._cv:
+                s.batches += 1
+                s.batched_steps += len(batch)
+                for i, t in enumerate(batch):
+                    if error is not None:
+                        t._error = error
+                    else:
+                        t._result = results[i]
+                now = time.perf_counter()
+                s._leave_holder(self, now)
+                s.switches += 1
+                self.held = False
+                s._grant()
+                s._cv.notify_all()
+        self._gap_end(gap)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _gather(self) -> list:
+        """(Under the lock, holding the turn.) The batch: every pending decode step, after
+        waiting up to ``gather_s`` for the answers in their decode phase to be pending."""
+        s = self.sched
+        end = time.perf_counter() + s.gather_s
+        while True:
+            decoding = [t for t in s._turns if t.kind == DECODE and not t.closed]
+            if all(t in s._pending for t in decoding) or len(s._pending) >= s.max_batch:
+                break
+            left = end - time.perf_counter()
+            if left <= 0:
+                break
+            s._cv.wait(left)
+        batch = sorted(s._pending, key=s._pending.get)[:s.max_batch]
+        if self not in batch:
+            batch = [self] + batch[:-1]
+        for t in batch:
+            s._pending.pop(t, None)
+            s._waiting.pop(t, None)
+        return batch
+
+    def close(self):
+        """The request is done (answered, failed or stopped): give everything back."""
+        s = self.sched
+        with s._cv:
+            self.closed = True
+            s._pending.pop(self, None)
+            s._waiting.pop(self, None)
+            if self in s._admission:
+                s._admission.remove(self)
+            if s._long is self:
+                s._long = None
+                s._admit()
+            if s._holder is self:
+                s._leave_holder(self, time.perf_counter())
+            self.held = False
+            s._turns.discard(self)
+            if s._holder is None:
+                s._grant()
+            s._cv.notify_all()
+
+    # ------------------------------------------------------------ the wait stage
+    def _gap_start(self):
+        if self._first_token or self.timer is None:
+            return None
+        return self.timer.mark()
+
+    def _gap_end(self, start):
+        if start is None:
+            return
+        self.waits += 1
+        self.wait_s += self.timer.gap(start)
+
+
+_NONE = object()
+
+
+class _Phase:
+    def __init__(self, turn: Turn):
+        self.turn = turn
+
+    def __enter__(self):
+        if not self.turn._begin_long():
+            raise Cancelled("request cancelled while waiting to build its video's prefix")
+        return self.turn
+
+    def __exit__(self, *exc):
+        self.turn._end_long()
+        return False
+
+
+class Solo:
+    """The turn of a request that has the model to itself (the CLI, the batch job, benchmarks):
+    every call is free and nothing is ever handed over."""
+    kind = FIRST
+    timer = None
+    held = True
+    wait_s = 0.0
+    waits = 0
+
+    def __init__(self, stop=None):
+        self._stop = stop
+
+    def stopping(self) -> bool:
+        return self._stop is not None and bool(self._stop())
+
+    def acquire(self) -> bool:
+        return True
+
+    def checkpoint(self) -> bool:
+        return self.stopping()
+
+    def long(self):
+        return _SoloPhase()
+
+    def decoding(self):
+        pass
+
+    def decode(self, item, run):
+        return run([item])[0]
+
+    def first_token(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class _SoloPhase:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

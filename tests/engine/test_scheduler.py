@@ -1,0 +1,346 @@
+"""The scheduler's policy, on threads that stand for requests (mminfer.engine.scheduler).
+
+Each fake request records what it did in one shared log, in the order it happened; the
+assertions read the order, never absolute times (the machine may be busy).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mminfer.engine.scheduler import Scheduler, Solo
+from mminfer.engine.timing import StageTimer
+from mminfer.errors import Cancelled
+
+
+def _wait_for(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+class Log:
+    def __init__(self):
+        self.items = []
+        self.lock = threading.Lock()
+
+    def add(self, *item):
+        with self.lock:
+            self.items.append(item)
+
+    def index(self, item):
+        return self.items.index(item)
+
+
+def long_request(s, log, name, layers=6, step_s=0.02, started=None, stop=None):
+    t = s.turn(name, stop=stop)
+    try:
+        assert t.acquire()
+        with t.long():
+            if started is not None:
+                started.set()
+            for i in range(layers):
+                if t.checkpoint():
+                    log.add(name, "stopped", i)
+                    raise Cancelled("stopped")
+                log.add(name, "layer", i)
+                time.sleep(step_s)
+        log.add(name, "built")
+    except Cancelled:
+        pass
+    finally:
+        t.close()
+
+
+def hit_request(s, log, name, tokens=3, step_s=0.002):
+    t = s.turn(name)
+    try:
+        assert t.acquire()
+        t.checkpoint()
+        log.add(name, "suffix")
+        t.decoding()
+        for i in range(tokens):
+            t.checkpoint()
+            log.add(name, "token", i)
+            time.sleep(step_s)
+    finally:
+        t.close()
+
+
+def test_a_hit_passes_a_long_prefill_at_its_next_layer():
+    s, log, started = Scheduler(decode_share=0.5), Log(), threading.Event()
+    a = threading.Thread(target=long_request, args=(s, log, "long"),
+                         kwargs=dict(layers=8, started=started))
+    a.start()
+    started.wait(10)
+    _wait_for(lambda: ("long", "layer", 1) in log.items)
+    b = threading.Thread(target=hit_request, args=(s, log, "hit"))
+    b.start()
+    a.join(10), b.join(10)
+    # the hit's question ran between two layers of the prefill, long before it ended
+    assert log.index(("hit", "suffix")) < log.index(("long", "layer", 7))
+    assert log.index(("hit", "suffix")) < log.index(("long", "built"))
+    layers = [x[2] for x in log.items if x[:2] == ("long", "layer")]
+    assert layers == list(range(8))                  # resumed where it stopped, in order
+    assert s.state()["active"] == 0 and s.switches >= 1
+
+
+def test_the_long_prefill_is_not_starved_by_a_stream_of_hits():
+    """Work arriving after the prefill paused waits for its next boundary: the prefill runs
+    a layer between every batch of hits."""
+    s, log, started = Scheduler(decode_share=0.0), Log(), threading.Event()
+    a = threading.Thread(target=long_request, args=(s, log, "long"),
+                         kwargs=dict(layers=5, step_s=0.03, started=started))
+    a.start()
+    started.wait(10)
+    hits = []
+    end = time.monotonic() + 30
+    while a.is_alive() and time.monotonic() < end:
+        h = threading.Thread(target=hit_request, args=(s, log, f"h{len(hits)}"),
+                             kwargs=dict(tokens=1, step_s=0.001))
+        h.start()
+        hits.append(h)
+        time.sleep(0.004)
+    a.join(10)
+    for h in hits:
+        h.join(10)
+    assert not a.is_alive() and ("long", "built") in log.items
+    assert len(hits) > 5
+
+
+def test_decode_waits_for_the_prefill_when_its_share_is_zero():
+    s, log, started = Scheduler(decode_share=0.0), Log(), threading.Event()
+    # an answer already decoding
+    dec_go = threading.Event()
+
+    def decoder():
+        t = s.turn("dec")
+        try:
+            assert t.acquire()
+            t.decoding()
+            dec_go.set()
+            for i in range(40):
+                t.checkpoint()
+                log.add("dec", "token", i)
+                time.sleep(0.002)
+        finally:
+            t.close()
+
+    d = threading.Thread(target=decoder)
+    d.start()
+    dec_go.wait(10)
+    a = threading.Thread(target=long_request, args=(s, log, "long"),
+                         kwargs=dict(layers=4, step_s=0.01, started=started))
+    a.start()
+    a.join(20), d.join(20)
+    # once the prefill was admitted and ran, no decode step ran until it was built
+    first = log.index(("long", "layer", 0))
+    built = log.index(("long", "built"))
+    assert not [x for x in log.items[first:built] if x[0] == "dec"]
+
+
+def test_decode_gets_its_share_between_layers():
+    s, log, started = Scheduler(decode_share=0.5), Log(), threading.Event()
+    dec_go = threading.Event()
+
+    def decoder():
+        t = s.turn("dec")
+        try:
+            assert t.acquire()
+            t.decoding()
+            dec_go.set()
+            for i in range(400):
+                t.checkpoint()
+                log.add("dec", "token", i)
+                time.sleep(0.001)
+        finally:
+            t.close()
+
+    d = threading.Thread(target=decoder)
+    d.start()
+    dec_go.wait(10)
+    a = threading.Thread(target=long_request, args=(s, log, "long"),
+                         kwargs=dict(layers=6, step_s=0.02, started=started))
+    a.start()
+    a.join(30), d.join(30)
+    first = log.index(("long", "layer", 0))
+    built = log.index(("long", "built"))
+    between = [x for x in log.items[first:built] if x[0] == "dec"]
+    assert between, "decode steps ran between the prefill's layers"
+
+
+def test_one_long_prefill_at_a_time():
+    s, log = Scheduler(), Log()
+    started = threading.Event()
+    a = threading.Thread(target=long_request, args=(s, log, "a"),
+                         kwargs=dict(layers=4, started=started))
+    a.start()
+    started.wait(10)
+    b = threading.Thread(target=long_request, args=(s, log, "b"), kwargs=dict(layers=4))
+    b.start()
+    _wait_for(lambda: s.state()["waiting_admission"] == 1)
+    a.join(10), b.join(10)
+    # b began only after a was built: never two prefixes in memory half-built
+    assert log.index(("a", "built")) < log.index(("b", "layer", 0))
+
+
+def test_a_paused_prefill_asked_to_stop_leaves_at_once():
+    s, log, started = Scheduler(decode_share=0.0), Log(), threading.Event()
+    stop = threading.Event()
+    a = threading.Thread(target=long_request, args=(s, log, "long"),
+                         kwargs=dict(layers=50, step_s=0.01, started=started,
+                                     stop=stop.is_set))
+    hold = threading.Event()
+    release = threading.Event()
+
+    def hog():                      # FIRST work that holds the turn while "long" is paused
+        t = s.turn("hog")
+        try:
+            assert t.acquire()
+            hold.set()
+            release.wait(10)
+        finally:
+            t.close()
+
+    a.start()
+    started.wait(10)
+    h = threading.Thread(target=hog)
+    h.start()
+    hold.wait(10)                   # the prefill is paused now (the hog holds the turn)
+    assert s.state()["paused"] == 1
+    stop.set()
+    s.wake()
+    a.join(5)
+    assert not a.is_alive(), "the paused prefill left while someone else held the turn"
+    assert any(x[:2] == ("long", "stopped") for x in log.items)
+    # and its admission is free for the next prefill
+    release.set()
+    h.join(5)
+    b = threading.Thread(target=long_request, args=(s, log, "b"), kwargs=dict(layers=1))
+    b.start()
+    b.join(5)
+    assert ("b", "built") in log.items and s.state()["active"] == 0
+
+
+def test_waits_are_cut_out_of_the_open_sections_and_reported():
+    s, started = Scheduler(decode_share=0.0), threading.Event()
+    timer = StageTimer("cpu")
+    done = threading.Event()
+
+    def long_timed():
+        t = s.turn("long")
+        t.timer = timer
+        try:
+            assert t.acquire()
+            with t.long(), timer("prefill"):
+                started.set()
+                for _ in range(3):
+                    t.checkpoint()
+                    time.sleep(0.01)
+        finally:
+            t.close()
+            done.set()
+
+    def hog():
+        t = s.turn("hog")
+        try:
+            assert t.acquire()
+            time.sleep(0.3)
+        finally:
+            t.close()
+
+    a = threading.Thread(target=long_timed)
+    a.start()
+    started.wait(10)
+    h = threading.Thread(target=hog)
+    h.start()
+    a.join(10), h.join(10)
+    ms = timer.totals_ms()
+    assert ms["wait"] >= 250            # the hog's 0.3 s
+    assert ms["prefill"] < ms["wait"]   # 3 x 10 ms of its own, the wait cut out
+
+
+def test_solo_turn_never_waits():
+    stop = threading.Event()
+    t = Solo(stop.is_set)
+    assert t.acquire() and not t.checkpoint()
+    with t.long():
+        pass
+    stop.set()
+    assert t.checkpoint()
+
+
+def test_bad_share():
+    with pytest.raises(ValueError):
+        Scheduler(decode_share=1.0)
+
+
+def test_decode_steps_of_answers_in_progress_go_together():
+    """Four answers decoding at once: their steps run as batches of several (one call of
+    ``run`` per batch), each gets its own result, in its own order."""
+    s = Scheduler(gather_s=0.05)
+    calls = []
+    lock = threading.Lock()
+
+    def run(items):
+        with lock:
+            calls.append(len(items))
+        time.sleep(0.003)
+        return [(name, i + 1) for name, i in items]
+
+    got = {}
+
+    def answer(name):
+        t = s.turn(name)
+        try:
+            assert t.acquire()
+            t.decoding()
+            seq = []
+            i = 0
+            for _ in range(10):
+                out = t.decode((name, i), run)
+                assert out[0] == name
+                i = out[1]
+                seq.append(i)
+            got[name] = seq
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer, args=(f"a{k}",)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert all(got[f"a{k}"] == list(range(1, 11)) for k in range(4))
+    assert sum(calls) == 40
+    assert max(calls) == 4 and len(calls) < 20, calls      # batched, not one by one
+    assert s.batches == len(calls) and s.state()["active"] == 0
+
+
+def test_a_decode_batch_error_reaches_every_answer_in_it():
+    s = Scheduler(gather_s=0.05)
+    errors = []
+
+    def run(items):
+        raise MemoryError("no room")
+
+    def answer():
+        t = s.turn()
+        try:
+            assert t.acquire()
+            t.decoding()
+            t.decode(1, run)
+        except MemoryError as e:
+            errors.append(e)
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert len(errors) == 2 and s.state()["active"] == 0

@@ -1,0 +1,150 @@
+"""Many users at once, on a real server with the embedded model (CPU, Triton interpreter): a
+cache hit passes someone else's long sparse prefill, the prefill's answer is the one it gives
+alone, answers decoding at the same time decode together with their own tokens, and a
+shutdown answers requests paused or decoding with JSON 503.
+
+Order and counts are asserted, never absolute times (the machine may be busy)."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mminfer.serve.app import Settings, create_app
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
+NEEDLE, LONG = SAMPLES / "needle_0.mp4", SAMPLES / "needle_long.mp4"
+QUESTION = "What number appears in the video?"
+
+
+def ask(url, clip: Path, question=QUESTION, **data):
+    r = httpx.post(f"{url}/v1/answer", timeout=900, data={"question": question, **{
+        k: str(v) for k, v in data.items()}},
+                   files={"video": (clip.name, clip.read_bytes(), "video/mp4")})
+    return r
+
+
+def wait_until(cond, timeout=120.0, step=0.05):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(step)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from conftest import LiveServer
+    app = create_app(Settings(device="cpu", api_key=None, shadow_rate=0.0,
+                              data_dir=str(tmp_path_factory.mktemp("data")), timeout_s=900))
+    with LiveServer(app) as s:
+        assert app.state.worker.wait_ready(120)
+        yield s
+
+
+@pytest.mark.slow
+def test_a_cache_hit_passes_a_long_sparse_prefill(server):
+    url, w = server.url, server.app.state.worker
+    first = ask(url, NEEDLE, max_new_tokens=4)
+    assert first.status_code == 200 and first.json()["cache"] == "miss"
+    # the long request alone (frames capped so the interpreter's prefill takes seconds, not
+    # minutes); then the same prefill again — another key (max_frames), the same frames —
+    # while a hit comes in
+    long_args = dict(attention="sparse", max_frames=24, max_new_tokens=4)
+    alone = ask(url, LONG, **long_args)
+    assert alone.status_code == 200, alone.text
+    alone = alone.json()
+    assert alone["attention"] == "sparse" and alone["video"]["frames"] == 24
+
+    done = {}
+
+    def long_request():
+        r = ask(url, LONG, **{**long_args, "max_frames": 25})
+        done["long"] = (time.monotonic(), r)
+
+    th = threading.Thread(target=long_request)
+    th.start()
+    # it is building its prefix: the prefill is admitted
+    wait_until(lambda: w.progress()["prefilling"] == 1)
+    wait_until(lambda: server.app.state.worker.active_jobs()[0].turn.kind == "long")
+    time.sleep(0.5)
+    hit = ask(url, NEEDLE, max_new_tokens=4)
+    hit_done = time.monotonic()
+    th.join(900)
+    assert hit.status_code == 200 and hit.json()["cache"] == "hit"
+    assert hit.json()["answer"] == first.json()["answer"]
+    t_long, long = done["long"]
+    assert long.status_code == 200, long.text
+    assert hit_done < t_long, "the hit waited for the whole prefill"
+    long = long.json()
+    # the paused prefill's answer is the one it gives alone, computed the same
+    assert long["video"]["frames"] == 24 and long["cache"] == "miss"
+    assert long["answer"] == alone["answer"]
+    assert long["tokens"] == alone["tokens"]
+    assert long["sparsity"]["mean_density"] == alone["sparsity"]["mean_density"]
+    # it waited for the hit, and said so as a stage of its own
+    assert long["timings_ms"]["wait"] > 0
+    assert w.scheduler.switches > 0
+    # the stages before generate still add up to the time to first token
+    t = long["timings_ms"]
+    before = sum(v for k, v in t.items() if k not in ("generate", "density", "ttft", "total"))
+    assert before == pytest.approx(t["ttft"], rel=0.1, abs=50)
+
+
+def test_answers_decoding_together_keep_their_own_tokens(server):
+    url, w = server.url, server.app.state.worker
+    clips = [SAMPLES / f"{n}.mp4" for n in ("needle_1", "needle_2", "colour_0", "count_0")]
+    questions = [QUESTION, QUESTION, "What color is the ball?", "How many red flashes are there?"]
+    alone = []
+    for clip, q in zip(clips, questions):       # one by one: misses, each decoding alone
+        r = ask(url, clip, q, max_new_tokens=8)
+        assert r.status_code == 200, r.text
+        alone.append(r.json()["answer"])
+    batches, steps = w.scheduler.batches, w.scheduler.batched_steps
+    out = [None] * 4
+
+    def go(i):
+        out[i] = ask(url, clips[i], questions[i], max_new_tokens=8)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    assert [r.status_code for r in out] == [200] * 4
+    assert [r.json()["cache"] for r in out] == ["hit"] * 4
+    assert [r.json()["answer"] for r in out] == alone
+    # their steps went through the scheduler's batches, several answers in some of them
+    assert w.scheduler.batched_steps - steps > w.scheduler.batches - batches
+    m = httpx.get(f"{url}/metrics").text
+    assert "mminfer:num_requests_decoding" in m and "mminfer:request_wait_time_seconds" in m
+    h = httpx.get(f"{url}/health").json()
+    assert {"prefilling", "paused", "decoding", "max_active"} <= set(h)
+
+
+def test_shutdown_answers_a_paused_prefill_and_a_hit_with_json_503(tmp_path, live_server):
+    app = create_app(Settings(device="cpu", api_key=None, shadow_rate=0.0,
+                              data_dir=str(tmp_path), timeout_s=600))
+    s = live_server(app)
+    w = app.state.worker
+    assert w.wait_ready(120)
+    assert ask(s.url, NEEDLE, max_new_tokens=2).status_code == 200
+    out = {}
+
+    def long_request():
+        out["long"] = ask(s.url, LONG, attention="sparse", max_frames=24, max_new_tokens=2)
+
+    th = threading.Thread(target=long_request)
+    th.start()
+    wait_until(lambda: w.progress()["prefilling"] == 1)
+    wait_until(lambda: w.active_jobs() and w.active_jobs()[0].turn is not None
+               and w.active_jobs()[0].turn.kind == "long")
+    w.begin_shutdown()
+    th.join(120)
+    r = out["long"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+    wait_until(lambda: w.running == 0, timeout=30)
+    # nothing is admitted any more and nothing holds the model
+    assert w.progress()["active"] == 0
