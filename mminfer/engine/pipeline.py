@@ -269,7 +269,7 @@ class Pipeline:
         # lazy: numpy and the video module are kept out of `mminfer --help`, which imports this
         # module (tests/test_cli.py test_help_is_light); only warmup needs them
         import numpy as np
-        from mminfer.engine.video import DecodedVideo
+        from mminfer.video import DecodedVideo
 
         if self.device.type != "cuda" and not force:
             return {"ran": False, "why": "nothing to compile on the CPU"}
@@ -426,7 +426,7 @@ class Pipeline:
                       keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:
         """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
         embeddings, and what the answer reports of the build."""
-        from mminfer.engine import video as videolib  # lazy: numpy, as in warmup
+        from mminfer import video as videolib  # lazy: numpy, as in warmup
 
         ad = self.adapter
         # decode -> preprocess -> vision, overlapped: the stream decodes in its own thread

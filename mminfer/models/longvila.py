@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, SiglipVis
 from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
 from mminfer.models import fp8, hooks, siglip
 from mminfer.models.base import VIDEO, Adapter, Conversation, Prepared, PrepareOptions
-from mminfer.models.sampling import vila_indices
+from mminfer.video.sampling import vila_indices
 from mminfer.models.vision import device_constant, frame_chunks, to_device
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity, default_config

@@ -8,7 +8,7 @@ sample, pixels per frame, the decoded RGB bytes, the visual tokens the model wou
 question's tokens) and a request over any budget is answered 413 with the limit it passed,
 before it takes the worker's time or memory.
 
-The header is read in a decode worker process (mminfer.engine.decode_worker, set up here from
+The header is read in a decode worker process (mminfer.video.sandbox, set up here from
 the server's settings): a file that crashes, starves or hangs the parser is refused with 422
 (``UndecodableVideo``) and the server goes on.
 """
@@ -19,10 +19,10 @@ import copy
 import math
 import threading
 
-from mminfer.engine import decode_worker
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.pipeline import check_request
 from mminfer.errors import Forbidden, InputError, OverBudget
+from mminfer.video import sandbox
 
 
 def request_params(s, *, fps, max_frames, max_new_tokens, attention, question) -> tuple[str, dict]:
@@ -125,12 +125,12 @@ class Budget:
 def configure_decoding(settings) -> None:
     """The decode sandbox's limits from the server's settings, and its workers started in the
     background (the first request does not wait for one)."""
-    decode_worker.configure(
+    sandbox.configure(
         memory_mb=float(getattr(settings, "decode_memory_mb", 1024.0)),
         timeout_s=float(getattr(settings, "decode_timeout_s", 30.0)),
         workers=int(getattr(settings, "decode_workers", 2)))
-    if decode_worker.config().sandbox:
-        decode_worker.pool().warm()
+    if sandbox.config().sandbox:
+        sandbox.pool().warm()
 
 
 def visual_tokens(adapter, n_frames: int, height: int, width: int) -> int | None:
