@@ -432,10 +432,8 @@ class Pipeline:
         # decode -> preprocess -> vision, overlapped: the stream decodes in its own thread
         # while earlier chunks of frames are preprocessed and go through the vision tower
         # sampled once, here: at most the frames the model takes, by its own rule
-        max_frames = sampling["max_frames"]
-        stream = videolib.open_stream(str(video_path), sampling=ad.sampling,
-                                      fps=sampling["fps"],
-                                      max_frames=min(max_frames, ad.frame_limit or max_frames),
+        stream = videolib.open_stream(str(video_path),
+                                      **ad.sampling_args(sampling["fps"], sampling["max_frames"]),
                                       start=sampling["start"], end=sampling["end"])
         try:
             _check(cancel, "after opening the video")

@@ -28,7 +28,6 @@ import pytest
 from conftest import LiveServer, read_response
 
 from mminfer.serve.app import Settings, create_app
-from mminfer.serve.budget import visual_tokens
 from mminfer.serve.store import LatencyStore, percentile
 from mminfer.serve.worker import ModelWorker
 from lab.toy.tiny import save_tiny_qwen2_5_vl
@@ -193,19 +192,6 @@ def test_each_budget_exactly(ckpt, tmp_path, live_server):
     # the refusals never reached the model: 1 + the at-limit requests + the capped one
     assert app.state.worker.served == served + len(cases) + 1
     assert uploads_left(app) == []
-
-
-def test_visual_token_estimate_is_what_prepare_makes(ckpt, make_video):
-    """The budget's token count (before decoding) equals the adapter's (after), across
-    frame counts and sizes (odd frames padded, big frames shrunk, small ones grown)."""
-    from mminfer import video as videolib
-    from mminfer.engine.pipeline import Pipeline
-    pipe = Pipeline(str(ckpt), device="cpu")
-    for n, w, h in ((8, 64, 48), (7, 320, 180), (12, 900, 500), (30, 28, 28)):
-        path = make_video(f"v{n}_{w}.mp4", n_frames=n, fps=10.0, width=w, height=h)
-        d = videolib.decode(str(path), fps=10.0, max_frames=64)
-        prep = pipe.adapter.prepare(d, "what?")
-        assert visual_tokens(pipe.adapter, len(d.frames), h, w) == prep.visual_tokens, (n, w, h)
 
 
 # ----------------------------------------------------------------------- the queue bound
