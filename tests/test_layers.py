@@ -72,14 +72,13 @@ def test_cycles_in_a_graph_are_found_and_spelled_out():
 
 
 def test_module_level_import_cycles_are_found(tmp_path, monkeypatch):
-    """Two modules importing each other at the top (the old engine/video <-> decode_worker
-    circle, had its import not been hidden in a function) fail it; lazy imports and
-    ``if TYPE_CHECKING:`` do not run on import, and importing a module of a package runs
-    the package's ``__init__`` first."""
+    """Two modules importing each other at the top make a cycle; lazy imports and ``if
+    TYPE_CHECKING:`` do not run on import, and importing a module of a package runs the
+    package's ``__init__`` first."""
     L = _layers()
     pkg = _package(tmp_path, {
-        "engine/video.py": "from mminfer.engine import decode_worker\n",
-        "engine/decode_worker.py": "from mminfer.engine.video import Session\n",
+        "engine/frames.py": "from mminfer.engine import sandbox\n",
+        "engine/sandbox.py": "from mminfer.engine.frames import Session\n",
         "engine/lazy.py": "def f():\n    from mminfer.engine import other\n",
         "engine/other.py": "from typing import TYPE_CHECKING\nfrom mminfer.engine import lazy\n"
                            "if TYPE_CHECKING:\n    from mminfer.engine import typed\n",
@@ -91,16 +90,15 @@ def test_module_level_import_cycles_are_found(tmp_path, monkeypatch):
     })
     monkeypatch.setattr(L, "PKG", pkg)
     assert L.cycles() == [
-        ["mminfer.engine.decode_worker", "mminfer.engine.video", "mminfer.engine.decode_worker"],
+        ["mminfer.engine.frames", "mminfer.engine.sandbox", "mminfer.engine.frames"],
         ["mminfer.models.m", "mminfer.video", "mminfer.video.stream", "mminfer.models.m"]]
 
 
 def test_the_script_fails_on_a_cycle_alone(tmp_path, monkeypatch, capsys):
     L = _layers()
-    pkg = _package(tmp_path, {"engine/video.py": "from mminfer.engine import decode_worker\n",
-                              "engine/decode_worker.py": "from .video import Session\n"})
+    pkg = _package(tmp_path, {"video/stream.py": "from mminfer.video import remote\n",
+                              "video/remote.py": "from .stream import VideoStream\n"})
     monkeypatch.setattr(L, "PKG", pkg)
     assert L.violations() == [] and L.main() == 1
     out = capsys.readouterr().out
-    assert "CYCLE mminfer.engine.decode_worker -> mminfer.engine.video -> " \
-           "mminfer.engine.decode_worker" in out
+    assert "CYCLE mminfer.video.remote -> mminfer.video.stream -> mminfer.video.remote" in out
