@@ -137,6 +137,5 @@ def main(fd: int, nice: int = 0) -> None:
             return
 
 
-
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)
