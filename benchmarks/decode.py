@@ -1,5 +1,5 @@
 """What does decoding in the sandbox cost? The decode stage of a long video, in-process
-against in a decode worker process (mminfer.engine.decode_worker: frames through shared
+against in a decode worker process (mminfer.video.sandbox: frames through shared
 memory), in the same run.
 
     python benchmarks/decode.py                       # the longvila1m case of e2e.py
@@ -41,7 +41,7 @@ def _e2e():
 
 
 def run_once(path: str, frames: int, chunk: int) -> dict:
-    from mminfer.engine import video
+    from mminfer import video
     t0 = time.perf_counter()
     with video.open_stream(path, sampling="uniform", fps=2.0, max_frames=frames) as s:
         n, touched = 0, 0
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                          "shared with other work, 0 measures the mechanism alone)")
     args = ap.parse_args(argv)
 
-    from mminfer.engine import decode_worker
+    from mminfer.video import sandbox
     e2e = _e2e()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -79,26 +79,26 @@ def main(argv=None) -> int:
         e2e.write_video(path, args.frames, args.height, args.width, 2.0)
         print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    decode_worker.configure(sandbox=True)
+    sandbox.configure(sandbox=True)
     if args.nice is not None:
-        decode_worker.configure(nice=args.nice)
+        sandbox.configure(nice=args.nice)
     t0 = time.perf_counter()
-    w = decode_worker.pool().acquire()
+    w = sandbox.pool().acquire()
     w.wait_ready()
-    decode_worker.pool().release(w, True)
+    sandbox.pool().release(w, True)
     start_ms = (time.perf_counter() - t0) * 1e3
 
     runs = {"in_process": [], "sandbox": []}
     for r in range(args.repeats + 1):            # the first round warms the page cache
         for mode in (("in_process", "sandbox") if r % 2 else ("sandbox", "in_process")):
-            decode_worker.configure(sandbox=mode == "sandbox")
+            sandbox.configure(sandbox=mode == "sandbox")
             res = run_once(str(path), args.frames, args.chunk)
             if r:
                 runs[mode].append(res)
             print(f"round {r} {mode:10s} {res['frames']} frames decode "
                   f"{res['decode_ms']:9.1f} ms  wall {res['wall_ms']:9.1f} ms "
                   f"({res['backend']})", flush=True)
-    decode_worker.configure(sandbox=True)
+    sandbox.configure(sandbox=True)
 
     rows = {}
     for mode, rs in runs.items():
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                         "height": args.height, "bytes": path.stat().st_size},
               "chunk": args.chunk, "repeats": args.repeats, "rows": rows,
               "sandbox_overhead_pct": round(100 * over, 2), "target_pct": 5.0,
-              "worker_start_ms": round(start_ms, 1), "worker_nice": decode_worker.config().nice,
+              "worker_start_ms": round(start_ms, 1), "worker_nice": sandbox.config().nice,
               "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
                        "python": platform.python_version(),
                        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}}
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         print(f"{mode:12s} {row['decode_ms']:10.1f} {row['frames_per_s']:9.1f} "
               f"{row['wall_ms']:9.1f}")
     print(f"sandbox overhead on the decode stage: {100 * over:+.2f} % (target <= 5 %); "
-          f"worker start {start_ms:.0f} ms (once), nice {decode_worker.config().nice}, "
+          f"worker start {start_ms:.0f} ms (once), nice {sandbox.config().nice}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

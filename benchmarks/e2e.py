@@ -737,7 +737,7 @@ def baseline(pipe, case: Case, video: str, args, *, run_prefill: bool, vision_fr
     LongVILA request decodes and encodes only ``vision_frames`` frames (its tokens per frame
     are fixed) and takes decode and preprocess from the sparse request (the same code)."""
     import torch
-    from mminfer.engine import video as videolib
+    from mminfer import video as videolib
 
     ad = pipe.adapter
     dev = pipe.device

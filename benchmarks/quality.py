@@ -158,7 +158,7 @@ class Runner:
         self.answer_ids = E.answer_ids(self.ad.tokenizer)
 
     def prepare(self, frames, question):
-        from mminfer.engine.video import DecodedVideo
+        from mminfer.video import DecodedVideo
         return self.ad.prepare(DecodedVideo.from_frames(frames), question)
 
     @torch.inference_mode()

@@ -30,7 +30,7 @@ class VideoError(MMInferError):
 class UndecodableVideo(VideoError):
     """The decoder crashed, ran out of its memory limit or its time limit on the file
     (``reason``: crashed, memory, timeout, error): a crafted or corrupt file, refused
-    without harm to the service (mminfer.engine.decode_worker)."""
+    without harm to the service (mminfer.video.sandbox)."""
     http_status = 422
 
 

@@ -2,10 +2,11 @@
 
 Every module of the ``mminfer`` package is used by the product: imported by another module of
 the package, or an entry point (the ``mminfer`` command, ``python -m mminfer``, the modules
-named in ``cli.SUBCOMMANDS``, the adapters named in ``engine.pipeline.ADAPTER_MODULES``). A
-module that only tests, benchmarks or the lab import belongs with them. The package never
-imports the lab. And the built wheel holds the package and its data (head-pattern configs, the
-embedded model), and nothing of the lab: no fonts, renderers or training code.
+named in ``cli.SUBCOMMANDS``, the adapters named in ``engine.pipeline.ADAPTER_MODULES``, the
+decode worker's ``video.sandbox.WORKER_MODULE``). A module that only tests, benchmarks or the
+lab import belongs with them. The package never imports the lab. And the built wheel holds the
+package and its data (head-pattern configs, the embedded model), and nothing of the lab: no
+fonts, renderers or training code.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from mminfer.cli import SUBCOMMANDS
 from mminfer.engine.pipeline import ADAPTER_MODULES
+from mminfer.video.sandbox import WORKER_MODULE
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mminfer"
@@ -26,7 +28,7 @@ ENTRY_POINTS = {"mminfer", "mminfer.__main__", "mminfer.cli"}
 
 
 def _modules(pkg=PKG) -> dict[str, Path]:
-    """``mminfer.engine.video`` -> its file; a package by its ``__init__.py``."""
+    """``mminfer.video.stream`` -> its file; a package by its ``__init__.py``."""
     out = {}
     for p in sorted(pkg.rglob("*.py")):
         parts = list(p.relative_to(pkg.parent).with_suffix("").parts)
@@ -87,7 +89,7 @@ def unused_modules(pkg=PKG, entry_points=()) -> list[str]:
 
 
 def test_every_package_module_is_used_by_the_product():
-    entry = {m for m, _ in SUBCOMMANDS.values()} | set(ADAPTER_MODULES)
+    entry = {m for m, _ in SUBCOMMANDS.values()} | set(ADAPTER_MODULES) | {WORKER_MODULE}
     assert unused_modules(entry_points=entry) == [], (
         "imported only by tests, benchmarks or the lab: move them there (or import them "
         "from the product)")

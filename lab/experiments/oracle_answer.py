@@ -178,7 +178,7 @@ def load_video(spec: str):
     """``eval:TASK:FRAMES:SEED[:DEPTH]`` (the held-out renderer; a needle at DEPTH, as
     quality.py draws it) or ``synth:TASK:FRAMES:SEED[:DEPTH]`` (calibration's renderer, at
     its 224 x 224) -> (DecodedVideo at 2 fps, question, answer)."""
-    from mminfer.engine.video import DecodedVideo
+    from mminfer.video import DecodedVideo
     renderer, task, frames, seed, *depth = spec.split(":")
     kw = {"depth": float(depth[0])} if depth else {}
     if renderer == "eval":

@@ -270,7 +270,7 @@ class Pipeline:
         # lazy: numpy and the video module are kept out of `mminfer --help`, which imports this
         # module (tests/test_cli.py test_help_is_light); only warmup needs them
         import numpy as np
-        from mminfer.engine.video import DecodedVideo
+        from mminfer.video import DecodedVideo
 
         if self.device.type != "cuda" and not force:
             return {"ran": False, "why": "nothing to compile on the CPU"}
@@ -463,16 +463,14 @@ class Pipeline:
                       keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:
         """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
         embeddings, and what the answer reports of the build."""
-        from mminfer.engine import video as videolib  # lazy: numpy, as in warmup
+        from mminfer import video as videolib  # lazy: numpy, as in warmup
 
         ad = self.adapter
         # decode -> preprocess -> vision, overlapped: the stream decodes in its own thread
         # while earlier chunks of frames are preprocessed and go through the vision tower
         # sampled once, here: at most the frames the model takes, by its own rule
-        max_frames = sampling["max_frames"]
-        stream = videolib.open_stream(str(video_path), sampling=ad.sampling,
-                                      fps=sampling["fps"],
-                                      max_frames=min(max_frames, ad.frame_limit or max_frames),
+        stream = videolib.open_stream(str(video_path),
+                                      **ad.sampling_args(sampling["fps"], sampling["max_frames"]),
                                       start=sampling["start"], end=sampling["end"])
         try:
             _check(cancel, "after opening the video")

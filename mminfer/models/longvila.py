@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, SiglipVis
 from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
 from mminfer.models import fp8, hooks, siglip
 from mminfer.models.base import VIDEO, Adapter, Conversation, Prepared, PrepareOptions
-from mminfer.models.sampling import vila_indices
+from mminfer.video.sampling import vila_indices
 from mminfer.models.vision import device_constant, frame_chunks, to_device
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity, default_config
@@ -320,7 +320,7 @@ class LongVILA(Adapter):
         The frames are kept as they are (a stream is told which samples and what size to
         decode); ``embed`` squashes them to S×S chunk by chunk."""
         frames = _frames_tensor(video)                   # [T, H, W, 3] uint8, or the stream
-        want = int(getattr(options, "num_frames", None) or self.num_frames)
+        want = self._frames_taken(options)
         if len(frames) > want:   # more than the model takes (a direct caller): VILA's picks
             idx = vila_indices(0, len(frames) - 1, want)
             frames = frames.keep_samples(idx) if hasattr(frames, "chunks") \
@@ -344,6 +344,15 @@ class LongVILA(Adapter):
                         prefix_len=len(prefix) + len(video_ids),
                         prefix_index=ModalityIndex.longvila(len(prefix), n_frames, P, 0),
                         tensors={"frames": frames, "resized": (self.image_size,) * 2})
+
+    def visual_tokens(self, n_frames: int, height: int, width: int,
+                      options: PrepareOptions | None = None) -> int:
+        # every frame is squashed to one size: its tokens, then a newline
+        return min(n_frames, self._frames_taken(options)) * (self.tokens_per_frame + 1)
+
+    def _frames_taken(self, options) -> int:
+        """Frames the model sees at most (more are picked down by VILA's rule)."""
+        return int(getattr(options, "num_frames", None) or self.num_frames)
 
     def embed(self, prepared: Prepared, *, timer=None, cancel=None,
               shard=None) -> torch.Tensor:

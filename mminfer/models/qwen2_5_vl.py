@@ -322,16 +322,10 @@ class Qwen2_5_VLAdapter(Adapter):
         """Token layout, ModalityIndex and M-RoPE positions of ``video`` (decoded frames, or
         a ``VideoStream`` still to be decoded: it is told the frame size, and decodes while
         ``embed`` runs). No pixels are made here: ``embed`` preprocesses chunk by chunk."""
-        opt = options or PrepareOptions()
-        pick = lambda v, key: v if v is not None else self.video_defaults.get(key)  # noqa: E731
         v = self.vcfg
         frames = _frames_of(video)
         T, H, W, _ = frames.shape
-        (rh, rw), (t, h, w), n_frames = video_grid(
-            T, H, W, min_pixels=pick(opt.min_pixels, "min_pixels"),
-            max_pixels=pick(opt.max_pixels, "max_pixels"),
-            total_pixels=pick(opt.total_pixels, "total_pixels"), patch=v.patch_size,
-            temporal=v.temporal_patch_size, merge=v.spatial_merge_size)
+        (rh, rw), (t, h, w), n_frames = self._grid(T, H, W, options)
         if hasattr(frames, "request_size"):
             frames.request_size(rh, rw)
         merge = v.spatial_merge_size
@@ -358,6 +352,24 @@ class Qwen2_5_VLAdapter(Adapter):
                      "rope_delta": delta,
                      "mm_token_type_ids": (input_ids == self.video_token_id).long() * 2,
                      "resized": (rh, rw)})
+
+    def visual_tokens(self, n_frames: int, height: int, width: int,
+                      options: PrepareOptions | None = None) -> int:
+        _, (t, h, w), _ = self._grid(n_frames, height, width, options)
+        merge = self.vcfg.spatial_merge_size
+        return t * (h // merge) * (w // merge)
+
+    def _grid(self, n_frames: int, height: int, width: int, options: PrepareOptions | None):
+        """:func:`video_grid` of the frames with the request's pixel options, the
+        checkpoint's preprocessor defaults where it leaves them out."""
+        opt = options or PrepareOptions()
+        pick = lambda v, key: v if v is not None else self.video_defaults.get(key)  # noqa: E731
+        v = self.vcfg
+        return video_grid(
+            n_frames, height, width, min_pixels=pick(opt.min_pixels, "min_pixels"),
+            max_pixels=pick(opt.max_pixels, "max_pixels"),
+            total_pixels=pick(opt.total_pixels, "total_pixels"), patch=v.patch_size,
+            temporal=v.temporal_patch_size, merge=v.spatial_merge_size)
 
     def pixel_values(self, prepared: Prepared):
         """The whole video's ``pixel_values_videos`` at once, as transformers' processor

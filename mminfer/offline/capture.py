@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import InputError
 from mminfer.models.base import PrepareOptions

@@ -8,7 +8,7 @@ sample, pixels per frame, the decoded RGB bytes, the visual tokens the model wou
 question's tokens) and a request over any budget is answered 413 with the limit it passed,
 before it takes the worker's time or memory.
 
-The header is read in a decode worker process (mminfer.engine.decode_worker, set up here from
+The header is read in a decode worker process (mminfer.video.sandbox, set up here from
 the server's settings): a file that crashes, starves or hangs the parser is refused with 422
 (``UndecodableVideo``) and the server goes on.
 """
@@ -16,13 +16,12 @@ the server's settings): a file that crashes, starves or hangs the parser is refu
 from __future__ import annotations
 
 import copy
-import math
 import threading
 
-from mminfer.engine import decode_worker
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.pipeline import check_request
 from mminfer.errors import Forbidden, InputError, OverBudget
+from mminfer.video import sandbox
 
 
 def request_params(s, *, fps, max_frames, max_new_tokens, attention, question) -> tuple[str, dict]:
@@ -77,12 +76,11 @@ class Budget:
         ``adapter`` None (a stand-in model without one): the frame and pixel budgets only."""
         s = self.s
         info = videolib.probe(path)         # in a decode worker: UndecodableVideo (422)
-        # the frames the pipeline decodes: at most the model's own limit (LongVILA's)
-        max_frames = min(params["max_frames"],
-                         getattr(adapter, "frame_limit", None) or params["max_frames"])
-        frames = len(videolib.sample_indices(info.frames, info.fps,
-                                             sampling=getattr(adapter, "sampling", "qwen"),
-                                             fps=params["fps"], max_frames=max_frames,
+        # the frames the pipeline decodes: the model's rule and limit (the default rule
+        # without a model)
+        sampling = adapter.sampling_args(params["fps"], params["max_frames"]) \
+            if adapter is not None else {"fps": params["fps"], "max_frames": params["max_frames"]}
+        frames = len(videolib.sample_indices(info.frames, info.fps, **sampling,
                                              timestamps=info.timestamps))
         pixels = info.width * info.height
         if pixels > s.max_frame_pixels:
@@ -104,7 +102,7 @@ class Budget:
             raise OverBudget(f"the question is {q_tokens} tokens, over this server's limit of "
                              f"{s.max_question_tokens}", limit=s.max_question_tokens,
                              field="question")
-        visual = visual_tokens(adapter, frames, info.height, info.width)
+        visual = adapter.visual_tokens(frames, info.height, info.width)
         if visual is not None and s.max_visual_tokens is not None \
                 and visual > s.max_visual_tokens:
             raise OverBudget(f"the video would be {visual} visual tokens ({frames} frames), "
@@ -125,29 +123,10 @@ class Budget:
 def configure_decoding(settings) -> None:
     """The decode sandbox's limits from the server's settings, and its workers started in the
     background (the first request does not wait for one)."""
-    decode_worker.configure(
+    sandbox.configure(
         memory_mb=float(getattr(settings, "decode_memory_mb", 1024.0)),
         timeout_s=float(getattr(settings, "decode_timeout_s", 30.0)),
         workers=int(getattr(settings, "decode_workers", 2)))
-    if decode_worker.config().sandbox:
-        decode_worker.pool().warm()
+    if sandbox.config().sandbox:
+        sandbox.pool().warm()
 
-
-def visual_tokens(adapter, n_frames: int, height: int, width: int) -> int | None:
-    """The visual tokens ``adapter.prepare`` makes of ``n_frames`` decoded frames of
-    height x width (tests/serve pins this against prepare); None for an adapter whose
-    layout is not known here (the pipeline's own context check still applies)."""
-    if adapter.name == "qwen2_5_vl":
-        # lazy: the adapter imports torch and transformers (seconds), and `mminfer serve
-        # --help` imports this module
-        from mminfer.models.qwen2_5_vl import frame_pixel_range, smart_resize
-        v, d = adapter.vcfg, adapter.video_defaults
-        patch, temporal, merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
-        lo, hi = frame_pixel_range(n_frames, d.get("min_pixels"), d.get("max_pixels"),
-                                   d.get("total_pixels"))
-        rh, rw = smart_resize(height, width, patch * merge, lo, hi)
-        t = math.ceil(n_frames / temporal)
-        return t * (rh // patch // merge) * (rw // patch // merge)
-    if adapter.name == "longvila":
-        return min(n_frames, adapter.num_frames) * (adapter.tokens_per_frame + 1)
-    return None

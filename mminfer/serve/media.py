@@ -24,7 +24,7 @@ from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
-from mminfer.engine.video import sniff
+from mminfer.video import sniff
 from mminfer.errors import (Forbidden, InputError, MissingField, MMInferError, RemoteRefused,
                             RemoteTimeout, TooLarge, UnsupportedMedia, VideoError)
 

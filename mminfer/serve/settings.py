@@ -64,7 +64,7 @@ class Settings:
     max_question_tokens: int = 2048
     allow_client_sparse: bool = True   # may a request ask for attention=sparse?
 
-    # the decode sandbox (engine/decode_worker.py): probes and decodes run in worker processes
+    # the decode sandbox (video/sandbox.py): probes and decodes run in worker processes
     decode_memory_mb: float = 1024.0   # a worker's memory beyond its footprint and frames
     decode_timeout_s: float = 30.0     # to open a file, and for each batch of frames
     decode_workers: int = 2            # workers kept started

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.pipeline import Pipeline
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from test_pipeline import write_mp4      # one copy of the moving-square clip (tests/engine)

@@ -47,7 +47,7 @@ def assert_cancels_after_two_layers(ad, kept):
 
 
 def test_dense_rerun_is_the_dense_answer_and_stops_between_layers():
-    from mminfer.engine import video as videolib
+    from mminfer import video as videolib
     from mminfer.engine.pipeline import Pipeline
 
     pipe = Pipeline(None, device="cpu")
@@ -88,7 +88,7 @@ def test_kept_inputs_and_rerun_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from mminfer.engine.pipeline import Pipeline
-    from mminfer.engine.video import DecodedVideo
+    from mminfer.video import DecodedVideo
     from mminfer.models.hooks import PrefillContext
     from mminfer.sparse.patterns import HeadPatternConfig
     from mminfer.offline import synthetic as synth

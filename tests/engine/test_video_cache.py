@@ -9,7 +9,7 @@ import torch
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from lab.toy.tiny_longvila import save_tiny_longvila
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.cache import Entry, VideoCache, cache_key, file_digest
 from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import Cancelled, InputError

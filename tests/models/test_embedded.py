@@ -80,7 +80,7 @@ def test_default_model_answers_the_samples_sparse(default_pipe):
     import torch
     if default_pipe.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("sparse attention on CPU needs TRITON_INTERPRET=1")
-    from mminfer.engine import video as videolib
+    from mminfer import video as videolib
     from mminfer.offline.calibrate import resize_config
     from mminfer.models.hooks import PrefillContext
 

@@ -18,7 +18,7 @@ from conftest import REPO
 from mminfer.batch import config_of
 from mminfer.cli import build_parser
 from mminfer.cli_options import pipeline_options
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.cache import cache_key
 from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import ConfigError

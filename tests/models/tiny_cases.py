@@ -4,7 +4,7 @@ import torch
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from lab.toy.tiny_longvila import save_tiny_longvila
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.pipeline import Pipeline
 from mminfer.models.base import Conversation
 

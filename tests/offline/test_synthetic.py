@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mminfer.offline import synthetic as synth
-from mminfer.engine.video import decode, probe
+from mminfer.video import decode, probe
 
 SEEDS = range(12)
 

@@ -1,4 +1,4 @@
-"""The decode sandbox (mminfer.engine.decode_worker): a file that crashes, starves or hangs
+"""The decode sandbox (mminfer.video.sandbox): a file that crashes, starves or hangs
 the C/C++ parsers costs one worker process, never the caller; the caller gets
 UndecodableVideo (422) naming the file, the next video decodes, the worker is replaced; frames
 come back through shared memory, equal to in-process decoding."""
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from conftest import write_video
 
-from mminfer.engine import decode_worker, video
+from mminfer import video
 from mminfer.errors import UndecodableVideo, VideoError
+from mminfer.video import remote, sandbox
 
 NEEDLE = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
 
@@ -31,9 +32,9 @@ def crafted_stts(path: Path, count=2**31 - 1) -> Path:
 @pytest.fixture
 def limits():
     """Restore the sandbox's settings after a test changes them."""
-    before = decode_worker.config()
-    yield decode_worker.configure
-    decode_worker.configure(**{f: getattr(before, f) for f in before.__dataclass_fields__})
+    before = sandbox.config()
+    yield sandbox.configure
+    sandbox.configure(**{f: getattr(before, f) for f in before.__dataclass_fields__})
 
 
 def test_the_crafted_stts_file_kills_an_unsandboxed_process(tmp_path):
@@ -42,7 +43,7 @@ def test_the_crafted_stts_file_kills_an_unsandboxed_process(tmp_path):
     import subprocess
     import sys
     bad = crafted_stts(tmp_path / "c.mp4")
-    code = f"from mminfer.engine import video; video.probe({str(bad)!r}); print('survived')"
+    code = f"from mminfer import video; video.probe({str(bad)!r}); print('survived')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "MMINFER_DECODE_SANDBOX": "0",
                             "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
@@ -51,7 +52,7 @@ def test_the_crafted_stts_file_kills_an_unsandboxed_process(tmp_path):
 
 def test_a_crashing_file_is_refused_and_the_next_video_decodes(tmp_path):
     bad = crafted_stts(tmp_path / "c.mp4")
-    pool = decode_worker.pool()
+    pool = sandbox.pool()
     retired = pool.retired
     for fn in (video.probe, video.decode, lambda p: list(video.open_stream(p).chunks(4))):
         t0 = time.perf_counter()
@@ -71,7 +72,7 @@ def test_a_crashing_file_is_refused_and_the_next_video_decodes(tmp_path):
 def test_a_worker_killed_mid_stream_fails_that_stream_only(tmp_path):
     path = write_video(tmp_path / "long.mp4", n_frames=240, fps=30, width=320, height=240,
                        noise=True)
-    pool = decode_worker.pool()
+    pool = sandbox.pool()
     retired = pool.retired
     with video.open_stream(path, fps=30, max_frames=240) as s:
         chunks = s.chunks(8)
@@ -133,7 +134,7 @@ def test_the_memory_limit_is_enforced(tmp_path, limits):
 
 def test_an_ordinary_bad_file_is_a_video_error_and_keeps_the_worker(tmp_path):
     (tmp_path / "random.mp4").write_bytes(np.random.default_rng(0).bytes(20000))
-    pool = decode_worker.pool()
+    pool = sandbox.pool()
     video.probe(NEEDLE)
     retired = pool.retired
     with pytest.raises(VideoError) as e:
@@ -164,12 +165,12 @@ def test_frames_come_through_shared_memory_and_equal_in_process_decoding(tmp_pat
 
 
 def test_workers_are_fresh_interpreters_not_forks():
-    s = decode_worker.session()
+    s = remote.session()
     s.probe(str(NEEDLE), ("decord", "pyav"), "mp4")
-    pids = decode_worker.pool().idle_pids()
+    pids = sandbox.pool().idle_pids()
     assert pids
     cmd = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
-    assert b"mminfer.engine.decode_worker" in cmd, cmd
+    assert b"mminfer.video.worker" in cmd, cmd
 
 
 def test_batch_records_a_crashing_file_as_bad_video_at_once(tmp_path):
