@@ -30,6 +30,7 @@ import array
 import collections
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import pickle
@@ -50,6 +51,7 @@ import mminfer
 from mminfer.engine.video import Session
 from mminfer.errors import UndecodableVideo, VideoError
 
+log = logging.getLogger("mminfer.decode")
 
 @dataclass(frozen=True)
 class Config:
@@ -354,7 +356,10 @@ class Worker:
             raise _Failed("memory", f"the decoder needed more memory than its limit "
                           f"({_config.memory_mb:g} MiB over the frames in flight)")
         if kind == "error":
-            raise _Failed("error", f"the decoder failed: {msg[1]}")
+            # an exception the decoding library raised without meaning to (its type and
+            # text are Python internals): the server's log has them, the client a sentence
+            log.warning("the decode worker failed on a file: %s", msg[1])
+            raise _Failed("error", "the decoding library failed on it")
         return msg
 
     def _death(self) -> _Failed:
