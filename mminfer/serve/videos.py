@@ -21,6 +21,13 @@ after their upload: an expired id is deleted when it is next looked up and by th
 sweep. A request answering about an id holds a lease on its file, so deleting or expiring the
 id while the request runs or waits removes the id at once and the file when the last lease
 ends.
+
+Every id belongs to a tenant (serve/tenants.py): another tenant's id is not found, as an
+unknown one. A tenant's quota is charged the size of each distinct content among its ids, so
+the same bytes stored by two tenants are one file on disk and count for each. An upload takes
+the upload places and per-address share an /v1/answer body does (no queue place: storing runs
+no model), is probed and has its first and last frames decoded before it is stored, and a
+failed write (a full disk: 507) leaves neither an id nor a file.
 """
 
 from __future__ import annotations
