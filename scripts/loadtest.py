@@ -16,14 +16,21 @@ Then, one attack at a time (issue 32), /health probed throughout each:
   * JSON bodies: three 59 MB chat bodies of 2M text parts at once, then one of 1M messages
     (legal JSON under the size limit; each 413 over the item count, parsed off the server
     process);
-  * slow clients: 8 sockets from 127.0.0.2 send a chat body at 1 byte/s, reconnecting when
-    cut off, while a client at 127.0.0.1 asks a chat question every second: how many of its
-    tries are answered;
+  * slow clients: 8 sockets from 127.0.0.2 send a chat body at 1 byte/s, half of them a
+    /v1/videos upload instead (the store's uploads keep the same share), reconnecting when
+    cut off, while a client at 127.0.0.1 asks a chat question every second and stores the
+    video and asks about it by id every other: how many of its tries are answered;
   * slow headers: 400 connections from 127.0.0.3 send their headers a byte a second: how
     long the server holds them (its header deadline) and how many file descriptors it has;
   * a keyless flood, on a second server started with MMINFER_API_KEY and
     --report-max-rows 1000: one answered request, then 2,100 keyless POSTs; the answered
-    request's record must survive (401s are counted in metrics, not stored).
+    request's record must survive (401s are counted in metrics, not stored);
+  * tenants, on that server with two more keys (MMINFER_API_KEY_ALICE, _BOB): alice stores
+    the sample and asks about it by id (/v1/answer, then chat with mminfer://videos/{id}: a
+    hit); bob cannot list, get, ask about or delete alice's video (404 each) and his question
+    about the same bytes is a miss (no cross-tenant cache hit); then bob holds 12 slow
+    /v1/videos bodies from four addresses while alice uploads and asks every second: his
+    bodies past his tenant's share get 429, every try of alice's is answered.
 
 It prints one JSON summary (the figures of each phase) and exits 1 unless every check holds;
 /health's bound is 0.5 s plus the worst probe of an idle server measured first, in the same
@@ -174,27 +181,42 @@ class Server:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
+PHASES = ("load", "json_bodies", "slow_clients", "slow_headers", "keyless_flood", "tenants")
+
+
 async def main(args) -> dict:
     video = SAMPLE.read_bytes()
+    want = set(args.only or PHASES)
+    summary: dict = {"checks": {}}
+    attacks: dict = {}
     async with Server(args) as srv:
         async with Health(srv.port) as idle:     # what this machine adds by itself, now
             await asyncio.sleep(2.0)
         bound = HEALTH_BUDGET_MS + max(idle.ms)
-        async with Health(srv.port) as health:
-            summary = await run_load(args, srv.port, video, srv.data_dir)
-        summary["health_ms"] = health.figures()
+        if "load" in want:
+            async with Health(srv.port) as health:
+                summary = await run_load(args, srv.port, video, srv.data_dir)
+            summary["health_ms"] = health.figures()
+            summary["checks"]["health within its bound"] = health.figures()["max_ms"] < bound
+            summary["checks"].pop("health under 0.5 s")
         summary["health_idle_baseline_ms"] = idle.figures()
         summary["health_bound_ms"] = round(bound, 1)
-        summary["checks"]["health within its bound"] = health.figures()["max_ms"] < bound
-        summary["checks"].pop("health under 0.5 s")
-        attacks = {
-            "json_bodies": await json_bodies(srv.port, bound),
-            "slow_clients": await slow_clients(srv.port, video, bound, args.queue_size),
-            "slow_headers": await slow_headers(srv, bound),
-        }
+        if "json_bodies" in want:
+            attacks["json_bodies"] = await json_bodies(srv.port, bound)
+        if "slow_clients" in want:
+            attacks["slow_clients"] = await slow_clients(srv.port, video, bound,
+                                                         args.queue_size)
+        if "slow_headers" in want:
+            attacks["slow_headers"] = await slow_headers(srv, bound)
     key = "loadtest-key"
-    async with Server(args, ["--report-max-rows", "1000"], {"MMINFER_API_KEY": key}) as srv:
-        attacks["keyless_flood"] = await keyless_flood(srv.port, video, key, bound)
+    if want & {"keyless_flood", "tenants"}:
+        async with Server(args, ["--report-max-rows", "1000"],
+                          {"MMINFER_API_KEY": key, **{f"MMINFER_API_KEY_{t.upper()}": k
+                                                      for t, k in TENANT_KEYS.items()}}) as srv:
+            if "keyless_flood" in want:
+                attacks["keyless_flood"] = await keyless_flood(srv.port, video, key, bound)
+            if "tenants" in want:
+                attacks["tenants"] = await tenants(srv.port, video, bound)
     summary["attacks"] = attacks
     for name, a in attacks.items():
         for check, ok in a.pop("checks").items():
@@ -293,55 +315,89 @@ async def json_bodies(port: int, bound: float) -> dict:
     return out
 
 
+VIDEOS_HEAD = (b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+               b"boundary=BB\r\nContent-Length: 100000\r\n")
+VIDEOS_PART = (b"\r\n--BB\r\nContent-Disposition: form-data; name=\"file\"; "
+               b"filename=\"v.mp4\"\r\nContent-Type: video/mp4\r\n\r\n")
+CHAT_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+             b"application/json\r\nContent-Length: 100000\r\n")
+
+
+async def trickle(port: int, source: str, head: bytes, first: bytes, stop: asyncio.Event,
+                  tally: dict):
+    """Reconnect and send a body at 1 byte/s from ``source`` until ``stop``; ``tally``
+    counts the connections and the statuses the server answered."""
+    while not stop.is_set():
+        tally["connections"] += 1
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                           local_addr=(source, 0))
+        except OSError:
+            await asyncio.sleep(0.5)
+            continue
+        writer.write(head + b"\r\n" + first)
+        reply = asyncio.create_task(reader.readline())
+        try:
+            while not stop.is_set() and not reply.done():
+                writer.write(b" " if not first else b"\0")
+                await writer.drain()
+                await asyncio.wait({reply}, timeout=1.0)
+            if reply.done() and reply.result():
+                st = reply.result().split()[1].decode()
+                tally["statuses"][st] = tally["statuses"].get(st, 0) + 1
+        except (ConnectionError, IndexError):
+            pass
+        finally:
+            reply.cancel()
+            writer.close()
+
+
+def chat_by_url(url: str) -> dict:
+    return {"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}},
+        {"type": "text", "text": QUESTION}]}], "max_tokens": 2}
+
+
 async def slow_clients(port: int, video: bytes, bound: float, n: int = 8,
                        seconds: float = 30.0) -> dict:
-    """``n`` sockets from 127.0.0.2 (as many as the queue has slots) trickle a chat body at
-    1 byte/s, reconnecting when cut off; a client at 127.0.0.1 asks a question every second
-    meanwhile."""
+    """``n`` sockets from 127.0.0.2 (as many as the queue has slots) trickle a chat body, or
+    (every other one) a /v1/videos upload, at 1 byte/s, reconnecting when cut off; a client
+    at 127.0.0.1 asks a question every second meanwhile, and every other second stores the
+    video and asks about it by id."""
     import base64
     import httpx
     stop = asyncio.Event()
     attacker = {"connections": 0, "statuses": {}}
-
-    async def trickler():
-        while not stop.is_set():
-            attacker["connections"] += 1
-            try:
-                reader, writer = await asyncio.open_connection(
-                    "127.0.0.1", port, local_addr=("127.0.0.2", 0))
-            except OSError:
-                await asyncio.sleep(0.5)
-                continue
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                         b"application/json\r\nContent-Length: 100000\r\n\r\n")
-            reply = asyncio.create_task(reader.readline())
-            try:
-                while not stop.is_set() and not reply.done():
-                    writer.write(b" ")
-                    await writer.drain()
-                    await asyncio.wait({reply}, timeout=1.0)
-                if reply.done() and reply.result():
-                    st = reply.result().split()[1].decode()
-                    attacker["statuses"][st] = attacker["statuses"].get(st, 0) + 1
-            except (ConnectionError, IndexError):
-                pass
-            finally:
-                reply.cancel()
-                writer.close()
-
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," +
-                                            base64.b64encode(video).decode()}},
-        {"type": "text", "text": QUESTION}]}], "max_tokens": 2}
+    body = chat_by_url("data:video/mp4;base64," + base64.b64encode(video).decode())
     tries: dict = {}
+
+    def count(what, status):
+        tries[f"{what} {status}"] = tries.get(f"{what} {status}", 0) + 1
+
     async with Health(port) as health:
-        attackers = [asyncio.create_task(trickler()) for _ in range(n)]
+        attackers = [asyncio.create_task(
+            trickle(port, "127.0.0.2", *((CHAT_HEAD, b"") if i % 2 else
+                                         (VIDEOS_HEAD, VIDEOS_PART)), stop, attacker))
+            for i in range(n)]
         await asyncio.sleep(1.0)                    # let them take what they can
         t_end = time.monotonic() + seconds
+        base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=120) as c:
+            i = 0
             while time.monotonic() < t_end:
-                r = await c.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
-                tries[str(r.status_code)] = tries.get(str(r.status_code), 0) + 1
+                r = await c.post(f"{base}/v1/chat/completions", json=body)
+                count("chat", r.status_code)
+                if i % 2 == 0:
+                    up = await c.post(f"{base}/v1/videos",
+                                      files={"file": ("v.mp4", video, "video/mp4")})
+                    count("store", up.status_code)
+                    if up.status_code == 200:
+                        vid = up.json()["id"]
+                        r = await c.post(f"{base}/v1/chat/completions",
+                                         json=chat_by_url(f"mminfer://videos/{vid}"))
+                        count("chat by id", r.status_code)
+                        count("delete", (await c.delete(f"{base}/v1/videos/{vid}")).status_code)
+                i += 1
                 await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*attackers)
@@ -351,7 +407,8 @@ async def slow_clients(port: int, video: bytes, bound: float, n: int = 8,
            "attacker_connections": attacker["connections"],
            "attacker_statuses": attacker["statuses"], "health": health.figures()}
     out["checks"] = {"the legitimate client is answered":
-                     tries.get("200", 0) == n_tries and n_tries > 0,
+                     all(k.endswith(" 200") for k in tries) and n_tries > 0
+                     and "chat by id 200" in tries,
                      "health within its bound": out["health"]["max_ms"] < bound}
     return out
 
@@ -442,7 +499,7 @@ async def keyless_flood(port: int, video: bytes, key: str, bound: float,
                 statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
         flood_s = time.monotonic() - t0
         report = (await c.get(f"{base}/v1/latency-report", headers=auth)).json()
-        metrics = (await c.get(f"{base}/metrics")).text
+        metrics = (await c.get(f"{base}/metrics", headers=auth)).text     # the admin's
     refused = sum(x.value for fam in text_string_to_metric_families(metrics)
                   for x in fam.samples if x.name == "mminfer:refused_connections_total"
                   and x.labels.get("reason") == "unauthorized")
@@ -454,6 +511,80 @@ async def keyless_flood(port: int, video: bytes, key: str, bound: float,
         "every keyless POST 401": statuses == {"401": n},
         "the answered record survives": ok.status_code == 200 and report["succeeded"] == 1,
         "401s counted, not stored": refused == n and report["requests"] == 1,
+        "health within its bound": out["health"]["max_ms"] < bound}
+    return out
+
+
+TENANT_KEYS = {"alice": "loadtest-alice-key", "bob": "loadtest-bob-key"}
+
+
+async def tenants(port: int, video: bytes, bound: float, seconds: float = 20.0) -> dict:
+    """Two tenants on one server: what one stores is not the other's (404 to list, get, ask
+    about, delete; no cache hit on the other's bytes), and one tenant's slow uploads from
+    four addresses leave the other answered."""
+    import httpx
+    base = f"http://127.0.0.1:{port}"
+    alice = {"Authorization": f"Bearer {TENANT_KEYS['alice']}"}
+    bob = {"Authorization": f"Bearer {TENANT_KEYS['bob']}"}
+    form = {"question": QUESTION, "max_new_tokens": "2"}
+    no_file = {"none": ("", b"", "application/octet-stream")}   # a multipart form by id
+    out: dict = {}
+    async with Health(port) as health, httpx.AsyncClient(timeout=120) as c:
+        up = await c.post(f"{base}/v1/videos", headers=alice,
+                          files={"file": ("v.mp4", video, "video/mp4")})
+        vid = up.json().get("id") if up.status_code == 200 else None
+        by_id = await c.post(f"{base}/v1/answer", headers=alice, data={**form, "video_id": vid},
+                             files=no_file)
+        chat = await c.post(f"{base}/v1/chat/completions", headers=alice,
+                            json=chat_by_url(f"mminfer://videos/{vid}"))
+        out["alice"] = {"upload": up.status_code, "answer_by_id": by_id.status_code,
+                        "answer_cache": by_id.json().get("cache"),
+                        "chat_by_id": chat.status_code,
+                        "chat_cache": chat.json().get("mminfer", {}).get("cache")}
+        cross = {
+            "list": len((await c.get(f"{base}/v1/videos", headers=bob)).json()["data"]),
+            "get": (await c.get(f"{base}/v1/videos/{vid}", headers=bob)).status_code,
+            "answer": (await c.post(f"{base}/v1/answer", headers=bob, files=no_file,
+                                    data={**form, "video_id": vid})).status_code,
+            "chat": (await c.post(f"{base}/v1/chat/completions", headers=bob,
+                                  json=chat_by_url(f"mminfer://videos/{vid}"))).status_code,
+            "delete": (await c.delete(f"{base}/v1/videos/{vid}", headers=bob)).status_code}
+        same = await c.post(f"{base}/v1/answer", headers=bob, data=form,
+                            files={"video": ("v.mp4", video, "video/mp4")})
+        cross["same_bytes_cache"] = same.json().get("cache")
+        out["bob_on_alices_video"] = cross
+
+        stop = asyncio.Event()
+        attacker = {"connections": 0, "statuses": {}}
+        head = VIDEOS_HEAD + f"Authorization: Bearer {TENANT_KEYS['bob']}\r\n".encode()
+        attackers = [asyncio.create_task(trickle(port, f"127.0.0.{10 + i % 4}", head,
+                                                 VIDEOS_PART, stop, attacker))
+                     for i in range(12)]
+        await asyncio.sleep(1.0)
+        tries: dict = {}
+        t_end = time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            for what, send in (
+                    ("store", c.post(f"{base}/v1/videos", headers=alice,
+                                     files={"file": ("w.mp4", video, "video/mp4")})),
+                    ("chat by id", c.post(f"{base}/v1/chat/completions", headers=alice,
+                                          json=chat_by_url(f"mminfer://videos/{vid}")))):
+                r = await send
+                tries[f"{what} {r.status_code}"] = tries.get(f"{what} {r.status_code}", 0) + 1
+            await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*attackers)
+    out.update({"bob_slow_uploads": attacker, "alice_tries": tries,
+                "health": health.figures()})
+    out["checks"] = {
+        "alice stores and asks by id (a hit on chat)":
+            out["alice"] == {"upload": 200, "answer_by_id": 200, "answer_cache": "miss",
+                             "chat_by_id": 200, "chat_cache": "hit"},
+        "bob cannot see or touch alice's video": cross == {
+            "list": 0, "get": 404, "answer": 404, "chat": 404, "delete": 404,
+            "same_bytes_cache": "miss"},
+        "bob's bodies past his share get 429": attacker["statuses"].get("429", 0) > 0,
+        "alice is answered throughout": bool(tries) and all(k.endswith(" 200") for k in tries),
         "health within its bound": out["health"]["max_ms"] < bound}
     return out
 
@@ -598,6 +729,8 @@ if __name__ == "__main__":
     ap.add_argument("--abandon-after-s", type=float, default=3.0,
                     help="how long the worker runs a sparse request before its client leaves")
     ap.add_argument("--budget-s", type=float, default=900.0, help="give up after this long")
+    ap.add_argument("--only", nargs="+", choices=PHASES,
+                    help="run these phases alone (default: all)")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1" and a.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"     # sparse on the CPU runs under the interpreter

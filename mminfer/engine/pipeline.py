@@ -323,7 +323,8 @@ class Pipeline:
                start: float | None = None, end: float | None = None,
                attention: str | None = None, options=None, cancel=None,
                keep_for_shadow: bool = False, shadow_max_bytes: int | None = None,
-               on_token=None, use_cache: bool = True, turn=None) -> AnswerResult:
+               on_token=None, use_cache: bool = True, cache_salt: str | None = None,
+               turn=None) -> AnswerResult:
         """The answer to ``question`` (or the last user turn of ``conversation``, a
         mminfer.models.base.Conversation holding the video) about the video at
         ``video_path``.
@@ -334,6 +335,8 @@ class Pipeline:
         "host" from the host tier), else decoded, encoded and prefilled ("miss") and kept
         (``use_cache=False``: not looked up nor kept, "off"). The suffix (the question, later
         turns) is prefilled densely over the prefix's cache, then the answer is decoded.
+        ``cache_salt`` (vLLM's): part of the cache key, so only requests with the same salt
+        share an entry (the server salts with the tenant).
 
         ``cancel``: a callable checked between stages, before every decoder layer of the
         prefill and before every decode step; when it returns True the request stops with
@@ -387,7 +390,8 @@ class Pipeline:
                             video=digest, fps=float(fps),
                             max_frames=int(max_frames), start=start, end=end, mode=mode,
                             options=asdict(options) if options is not None else None,
-                            turns=conv.prefix_digest())
+                            turns=conv.prefix_digest(),
+                            salt=cache_salt)
         sampling = dict(fps=fps, max_frames=max_frames, start=start, end=end)
         if not turn.acquire():
             raise Cancelled("request cancelled while waiting for the model")

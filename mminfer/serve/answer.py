@@ -19,7 +19,8 @@ from mminfer.errors import InputError, MissingField
 from . import media
 from .budget import request_params
 from .errors import validate
-from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention, Integer, Number
+from .schemas import (ATTENTION_DOC, CACHE_SALT_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention,
+                      Integer, Number)
 from .service import video_facts
 
 router = APIRouter()
@@ -37,6 +38,8 @@ class AnswerFields(BaseModel):
     max_new_tokens: Integer | None = Field(
         None, description="answer length cap in tokens (default: the server's)")
     attention: Attention | None = Field(None, description=ATTENTION_DOC)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description=CACHE_SALT_DOC)
 
     @model_validator(mode="before")
     @classmethod
@@ -76,6 +79,7 @@ async def _answer(svc, req):
     fields = {k: media.text_field(up, k) for k in AnswerFields.model_fields if k in up.fields}
     form = validate(AnswerFields, fields,
                     missing=lambda field: f"the form field `{field}` is missing")
+    req.cache_salt = form.cache_salt
     if form.video_id and req.path is not None:
         raise InputError("the form has both a `video` file and a `video_id`; send one of them")
     filename = up.filename

@@ -9,6 +9,7 @@
                                 ``mminfer://videos/{id}`` video_url)            videos.py
     GET  /v1/models                                                             openai.py
     GET  /v1/latency-report (JSON), /report (page), /health, /metrics            reads.py
+    GET/POST /login, /logout    a session cookie from an API key, for the report page  login.py
     GET  /docs, /openapi.json   both POST bodies documented from their schemas
 
 One request's life (auth, queue slot, timed intake, budgets, the job, its record) is
@@ -17,8 +18,9 @@ worker.py. Timings (ms) of a request: ``upload`` (receiving the body, decoding a
 fetching a URL), ``queue`` (waiting for the model worker), the pipeline stages, ``ttft``
 (arrival to the first answer token) and ``total`` (arrival to answer).
 
-Bearer auth (``MMINFER_API_KEY``) guards the /v1 routes and the report page, as vLLM's
-``--api-key`` does; /health and /metrics stay open for probes and scrapers.
+Bearer auth (``MMINFER_API_KEY``, as vLLM's ``--api-key``; more keys, each naming a tenant,
+in tenants.py) guards the /v1 routes, the report page (or a /login session) and /metrics
+(the admin's key or ``--metrics-token``); /health stays open for probes.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     # `mminfer serve --help` imports this module
     from fastapi import FastAPI
 
-    from . import answer, openai, reads, videos  # lazy: they import FastAPI
+    from . import answer, login, openai, reads, videos  # lazy: they import FastAPI
 
     s = settings or Settings()
     model_path = resolve_model(s.model)
@@ -111,15 +113,18 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         store.close()
         shadow_store.close()
 
+    # redirect_slashes off: Starlette's redirect of "/v1/videos/{id}/" names the Host the
+    # client sent (an open redirect); such a path is a 404
     app = FastAPI(title="mminfer", version=_version(), lifespan=lifespan, docs_url="/docs",
-                  redoc_url=None, description="Answers about long videos, with where the "
+                  redoc_url=None, redirect_slashes=False, description="Answers about long videos, with where the "
                                               "time went (see the README).")
     service = Service(s, worker, store, metrics, model_path, upload_dir, video_store)
+    service.sessions = login.Sessions(s.session_ttl_s)
     app.state.settings, app.state.worker, app.state.store = s, worker, store
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
     app.state.shadow = worker.shadow
     errors.install(app)
-    for module in (answer, openai, videos, reads):
+    for module in (answer, openai, videos, reads, login):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, (answer.AnswerForm, *openai.SCHEMAS))
     return app

@@ -21,6 +21,7 @@ import threading
 from mminfer import video as videolib
 from mminfer.engine.pipeline import check_request
 from mminfer.errors import Forbidden, InputError, OverBudget
+from mminfer.models.base import Conversation
 from mminfer.video import sandbox
 
 
@@ -57,18 +58,26 @@ class Budget:
         self._lock = threading.Lock()
         configure_decoding(settings)
 
-    def _tokenizer(self, adapter):
-        # A copy of its own: the worker thread encodes with the model's tokenizer at the
-        # same time, and a fast tokenizer is not meant to be shared across threads.
+    def _templater(self, adapter):
+        # The adapter with a tokenizer of its own: the worker thread encodes with the
+        # model's tokenizer at the same time, and a fast tokenizer is not meant to be shared
+        # across threads. A shallow copy: the model's weights are shared, never used here.
         with self._lock:
             if self._tok_of is not adapter:
-                self._tok, self._tok_of = copy.deepcopy(adapter.tokenizer), adapter
+                mine = copy.copy(adapter)
+                mine.tokenizer = copy.deepcopy(adapter.tokenizer)
+                self._tok, self._tok_of = mine, adapter
             return self._tok
 
-    def question_tokens(self, adapter, question: str) -> int:
-        tok = self._tokenizer(adapter)
+    def question_tokens(self, adapter, question: str, conversation=None) -> int:
+        """The prompt's text tokens as the model's chat template lays them out: every
+        turn's text and the template's own tokens around each turn (so empty turns count),
+        the default system prompt included; the video's tokens not."""
+        conv = conversation if conversation is not None else Conversation.single(question)
+        mine = self._templater(adapter)
         with self._lock:
-            return len(tok(question, add_special_tokens=False)["input_ids"])
+            prefix, suffix = mine.split_prompt(conv, 0)
+        return len(prefix) + len(suffix)
 
     def check_video(self, path: str, question: str, params: dict, adapter) -> dict:
         """Raise OverBudget (413) or the context error (400) for a request the server will
@@ -97,10 +106,15 @@ class Budget:
         facts = {"frames": frames, "width": info.width, "height": info.height}
         if adapter is None:
             return facts
-        q_tokens = self.question_tokens(adapter, question)
+        conv = params.get("conversation")
+        q_tokens = self.question_tokens(adapter, question, conv)
         if q_tokens > s.max_question_tokens:
-            raise OverBudget(f"the question is {q_tokens} tokens, over this server's limit of "
-                             f"{s.max_question_tokens}", limit=s.max_question_tokens,
+            what = (f"the conversation ({len(conv.turns)} turns)" if conv is not None
+                    else "the question")
+            raise OverBudget(f"{what} is {q_tokens} tokens in the model's chat template (its "
+                             f"text and the template's tokens around each turn), over this "
+                             f"server's limit of {s.max_question_tokens}",
+                             limit=s.max_question_tokens, tokens_counted=q_tokens,
                              field="question")
         visual = adapter.visual_tokens(frames, info.height, info.width)
         if visual is not None and s.max_visual_tokens is not None \

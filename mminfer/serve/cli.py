@@ -161,6 +161,36 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--video-ttl-s", type=float, default=d.video_ttl_s,
                    help="a stored video is deleted this long after its upload (0: never)")
 
+    g = p.add_argument_group("API keys and tenants (each key names a tenant: its videos, history "
+                             "and cached prefixes are its own)")
+    g.add_argument("--api-key", help="the operator's key: tenant `default`, admin (default: "
+                                     "$MMINFER_API_KEY; more keys: $MMINFER_API_KEY_<TENANT>)")
+    g.add_argument("--api-keys-file", metavar="FILE",
+                   help="lines `<key> <tenant> [admin] [quota=value ...]` (quotas: max_videos, "
+                        "max_video_gb, max_uploads, max_queue), or a JSON list of {key, "
+                        "tenant, admin, quotas}")
+    g.add_argument("--share-cache-across-tenants", action="store_true",
+                   help="let a tenant's request reuse a video prefix another tenant's built "
+                        "(off: each tenant's cache entries are its own)")
+    g.add_argument("--tenant-max-videos", type=int, default=d.tenant_max_videos,
+                   help="stored videos per tenant (default: an equal share of "
+                        "--video-store-max)")
+    g.add_argument("--tenant-max-video-gb", type=float, default=d.tenant_max_video_gb,
+                   help="stored bytes per tenant, GiB (default: an equal share of "
+                        "--video-store-gb)")
+    g.add_argument("--tenant-max-uploads", type=int, default=d.tenant_max_uploads,
+                   help="request bodies one tenant sends at once; more get 429 (default: half "
+                        "the upload places with two tenants or more; 0: no limit)")
+    g.add_argument("--tenant-max-queue", type=int, default=d.tenant_max_queue,
+                   help="requests one tenant has waiting, uploading or running at once; more "
+                        "get 429 (default: half the queue with two tenants or more; 0: no "
+                        "limit)")
+    g.add_argument("--metrics-token",
+                   help="a bearer token for /metrics alone, for a scraper (default: "
+                        "$MMINFER_METRICS_TOKEN; with keys, the admin's key works too)")
+    g.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s,
+                   help="a /login session (the report page in a browser) lasts this long")
+
     g = p.add_argument_group("latency store")
     g.add_argument("--report-retention-days", type=float, default=d.report_retention_days,
                    help="latency records older than this are deleted")
@@ -199,7 +229,19 @@ def settings_from(args):
     if not (args.video_store_gb > 0 and args.video_store_max >= 1 and args.video_ttl_s >= 0):
         raise ConfigError("--video-store-gb must be positive, --video-store-max at least 1 "
                           "and --video-ttl-s >= 0")
+    for name in ("tenant_max_videos", "tenant_max_video_gb", "tenant_max_uploads",
+                 "tenant_max_queue"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    keys = {"api_key": args.api_key} if args.api_key else {}
+    if args.metrics_token:
+        keys["metrics_token"] = args.metrics_token
     return Settings(
+        **keys, api_keys_file=args.api_keys_file,
+        share_cache_across_tenants=args.share_cache_across_tenants,
+        tenant_max_videos=args.tenant_max_videos, tenant_max_video_gb=args.tenant_max_video_gb,
+        tenant_max_uploads=args.tenant_max_uploads, tenant_max_queue=args.tenant_max_queue,
+        session_ttl_s=args.session_ttl_s,
         model=args.model, **pipeline_options(args), data_dir=args.data_dir,
         served_model_names=tuple(args.served_model_name), fps=args.fps,
         max_frames=args.max_frames, max_new_tokens=args.max_new_tokens,
@@ -312,7 +354,7 @@ def run(args) -> int:
     if policy and policy["head_patterns"] == "uncalibrated":
         print(f"warning: head patterns uncalibrated for this model; attention auto is "
               f"{policy['auto_attention']}", flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not app.state.service.keys.enabled:
         print("warning: listening beyond loopback without MMINFER_API_KEY: anyone who can "
               "reach this port can use the model", flush=True)
 
@@ -330,7 +372,8 @@ def run(args) -> int:
             port = server.servers[0].sockets[0].getsockname()[1]
             model = getattr(worker.pipeline, "model_id", settings.model)
             kv = getattr(worker.pipeline, "kv_cache_dtype", settings.kv_cache_dtype)
-            print(banner(args.host, port, model, bool(settings.api_key), kv_cache_dtype=kv,
+            print(banner(args.host, port, model, app.state.service.keys.enabled,
+                         kv_cache_dtype=kv,
                          quantization=getattr(worker.pipeline, "quantization", None)),
                   flush=True)
         await task

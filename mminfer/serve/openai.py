@@ -35,7 +35,7 @@ from mminfer.models.base import VIDEO, Conversation, Turn
 from . import jsonbody, media
 from .budget import request_params
 from .errors import validate
-from .schemas import ATTENTION_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention
+from .schemas import ATTENTION_DOC, CACHE_SALT_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention
 from .schemas import JsonBool as Bool
 from .schemas import JsonInteger as Integer
 from .schemas import JsonNumber as Number
@@ -114,6 +114,8 @@ class ChatCompletionRequest(_Open):
                                         " (mminfer extension)")
     mm_processor_kwargs: MMProcessorKwargs | None = Field(
         None, description="vLLM's place for fps and max_frames")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256,
+                                   description=CACHE_SALT_DOC)
 
 
 REQUEST_BODY = {"required": True, "content": {"application/json": {
@@ -140,7 +142,7 @@ async def models(request: Request):
     policy = p.attention_policy() if hasattr(p, "attention_policy") else None
     kv = getattr(p, "kv_cache_dtype", None)          # "auto" | "fp8_e4m3"
     return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "mminfer",
-                                        "root": svc.model_path, "max_model_len": ctx_len,
+                                        "root": svc.model_id(), "max_model_len": ctx_len,
                                         **({"kv_cache_dtype": kv} if kv else {}),
                                         **({"mminfer": policy} if policy else {})}
                                        for i in ids]}
@@ -188,6 +190,7 @@ async def _chat(svc, req):
         max_frames=body.max_frames if body.max_frames is not None else mm.max_frames,
         max_new_tokens=max_tokens, attention=body.attention, question=conversation_text(conv))
     params["conversation"] = conv
+    req.cache_salt = body.cache_salt
     stream = body.stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     del data, body

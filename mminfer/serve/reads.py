@@ -1,19 +1,27 @@
 """The GET routes: ``/health`` (probes), ``/metrics`` (Prometheus), ``/v1/latency-report``
-(JSON) and ``/report`` (the page). With ``MMINFER_API_KEY`` set, the latency report and
-its page need the key as the /v1 routes do; /health and /metrics stay open for probes and
-scrapers."""
+(JSON) and ``/report`` (the page).
+
+With API keys set (serve/tenants.py), the latency report and its page need a key as the /v1
+routes do, or a /login session's cookie (login.py; a browser without one is sent to
+/login): a tenant reads its own requests' history, the admin every tenant's (``?tenant=``:
+one of them) and the shadow monitor's figures. ``/metrics`` is the whole server's: it takes
+the admin's key (or session) or ``--metrics-token`` as a bearer token, for a scraper
+(``--metrics-token`` alone, without keys, guards it too). /health stays open for probes."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from mminfer.errors import InputError
+from mminfer.errors import Forbidden, InputError, Unauthorized
 
+from .login import login_redirect, wants_html
 from .report import render
+from .service import bearer
 from .store import parse_time
 
 router = APIRouter()
@@ -27,27 +35,49 @@ def _window(request):
         raise InputError(f"bad time window: {e}") from None
 
 
+def _scope(request, tenant) -> str | None:
+    """Whose history a report reads: a tenant's own; the admin's, every tenant's (None) or
+    the one ``?tenant=`` names."""
+    asked = request.query_params.get("tenant") or None
+    if not tenant.admin:
+        if asked not in (None, tenant.name):
+            raise Forbidden("a tenant's key reads its own history only")
+        return tenant.name
+    return asked
+
+
 @router.get("/v1/latency-report", summary="Latency per stage and prompt length (JSON)")
 async def latency_report(request: Request):
     svc = request.app.state.service
-    svc.check_auth(request)
+    tenant = svc.check_auth(request, cookie=True)
     since, until = _window(request)
-    rep = await asyncio.to_thread(svc.store.report, since, until)
+    scope = _scope(request, tenant)
+    rep = await asyncio.to_thread(svc.store.report, since, until, scope)
     rep["model"] = svc.model_id()
+    rep["tenant"] = scope
     rep["policy"] = _policy(svc)
-    rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
+    rep["shadow"] = (await asyncio.to_thread(_shadow_report, request, since, until)
+                     if tenant.admin else None)
     return rep
 
 
 @router.get("/report", response_class=HTMLResponse, summary="The latency report page")
 async def report_page(request: Request):
     svc = request.app.state.service
-    svc.check_auth(request)
+    try:
+        tenant = svc.check_auth(request, cookie=True)
+    except Unauthorized:
+        if wants_html(request):       # a browser: sign in first, then come back
+            return login_redirect(request)
+        raise
     since, until = _window(request)
-    rep = await asyncio.to_thread(svc.store.report, since, until)
-    rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
-    rows = await asyncio.to_thread(svc.store.rows, since, until, 1000)
+    scope = _scope(request, tenant)
+    rep = await asyncio.to_thread(svc.store.report, since, until, scope)
+    rep["shadow"] = (await asyncio.to_thread(_shadow_report, request, since, until)
+                     if tenant.admin else None)
+    rows = await asyncio.to_thread(svc.store.rows, since, until, 1000, scope)
     rep["policy"] = _policy(svc)
+    rep["tenant"] = scope
     return HTMLResponse(render(rep, rows, svc.model_id()))
 
 
@@ -77,7 +107,7 @@ async def health(request: Request):
             "waiting_admission": progress["waiting_admission"],
             "paused": progress["paused"], "decoding": progress["decoding"],
             "uploads": svc.intake.active}
-    if not svc.s.api_key:       # /health is open: with a key set, no client's request id
+    if not svc.keys.enabled:    # /health is open: with keys set, no client's request id
         body["running_request_id"] = job.request_id if job is not None else None
         body["running_request_ids"] = [j.request_id for j in w.active_jobs()]
     if w.alive and svc.storage.full():
@@ -94,9 +124,28 @@ async def health(request: Request):
     return JSONResponse(body, status_code=503)
 
 
+def check_metrics_access(svc, request):
+    """The admin's key or session, or the metrics token; 401 without, 403 for a tenant's."""
+    token = svc.s.metrics_token
+    if token is not None:
+        got = bearer(request)
+        if got is not None and hmac.compare_digest(got.encode(), token.encode()):
+            return
+        if not svc.keys.enabled:
+            raise Unauthorized("the metrics need this server's metrics token: send "
+                               "`Authorization: Bearer <token>`")
+    if not svc.keys.enabled:
+        return
+    tenant = svc.check_auth(request, cookie=True)
+    if not tenant.admin:
+        raise Forbidden("the metrics are the whole server's: scrape them with the admin's key "
+                        "or the server's --metrics-token")
+
+
 @router.get("/metrics", summary="Prometheus metrics")
 async def prometheus(request: Request):
     svc = request.app.state.service
+    check_metrics_access(svc, request)
     svc.metrics.waiting.set(svc.worker.waiting)
     svc.metrics.running.set(svc.worker.running)
     svc.metrics.progress(svc.worker.progress())
@@ -108,4 +157,5 @@ async def prometheus(request: Request):
 async def root(request: Request):
     return {"service": "mminfer", "model": request.app.state.service.model_id(),
             "endpoints": ["/v1/answer", "/v1/chat/completions", "/v1/videos", "/v1/models",
-                          "/v1/latency-report", "/report", "/health", "/metrics", "/docs"]}
+                          "/v1/latency-report", "/report", "/login", "/health", "/metrics",
+                          "/docs"]}

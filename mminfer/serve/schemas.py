@@ -28,3 +28,5 @@ FPS_DOC = "frames sampled per second (default: the server's --fps; at most its -
 MAX_FRAMES_DOC = "at most this many frames (capped at the server's --max-frames-limit)"
 ATTENTION_DOC = ("prefill attention: auto (the server decides by prompt length), sparse "
                  "(if the server allows clients to ask for it) or dense")
+CACHE_SALT_DOC = ("vLLM's cache_salt: only requests with the same salt (and the same API key's "
+                  "tenant, unless the server shares the cache) share a cached video prefix")

@@ -18,7 +18,6 @@ the request, a file still owned is removed.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from mminfer.errors import ClientGone, MMInferError, Timeout, Unauthorized, WorkerDead
 
-from . import guard, media
+from . import guard, media, tenants
 from .budget import Budget
 from .errors import describe, error_body, json_response
 from .intake import Intake
@@ -54,6 +53,10 @@ class Request:
     client_upload: object = None          # guard.ClientUpload
     deadline: float | None = None         # time.monotonic() by which the job must be done
     lease: object = None                  # videos.Lease of a stored video, until the job has it
+    tenant: tenants.Tenant = tenants.ANONYMOUS   # whose request it is (its API key's)
+    tenant_upload: object = None          # tenants.Place among the tenant's bodies in flight
+    tenant_place: object = None           # tenants.Place among the tenant's requests
+    cache_salt: str | None = None         # the request's own (vLLM's cache_salt field)
 
     def body(self, intake: Intake):
         """The request body as timed chunks."""
@@ -65,9 +68,13 @@ class Request:
             self.upload.end()
         if self.client_upload is not None:
             self.client_upload.end()
+        if self.tenant_upload is not None:
+            self.tenant_upload.end()
 
     def release(self):
         self.received()
+        if self.tenant_place is not None:
+            self.tenant_place.end()
         if self.slot is not None:
             self.slot.release()
         if self.own:
@@ -78,8 +85,9 @@ class Request:
             self.lease = None
 
     def use_stored(self, store, video_id: str):
-        """The stored video ``video_id`` is this request's (404 when there is none)."""
-        self.lease = store.acquire(video_id)
+        """The stored video ``video_id`` of this request's tenant is this request's (404 when
+        there is none)."""
+        self.lease = store.acquire(video_id, self.tenant.name)
         self.path, self.own = self.lease.path, False
         self.label = f"the stored video {video_id!r}"
 
@@ -100,6 +108,10 @@ class Service:
         self.budget = Budget(settings)
         self.clients = guard.ClientUploads(settings.uploads_per_client)
         self.storage = guard.Storage(upload_dir, 64 * 2**20)
+        self.keys = tenants.load(settings)
+        self.tenant_uploads = tenants.Places("request bodies arriving", "max_uploads")
+        self.tenant_requests = tenants.Places("requests waiting or running", "max_queue")
+        self.sessions = None                # login.Sessions, set by the app
 
     # ------------------------------------------------------------ names and keys
     def model_id(self) -> str:
@@ -115,14 +127,32 @@ class Service:
                               Path(self.model_path).name) if n}
         return names
 
-    def check_auth(self, request):
-        if not self.s.api_key:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.s.api_key.encode()):
-            raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>`")
+    def check_auth(self, request, *, cookie: bool = False) -> tenants.Tenant:
+        """The request's tenant, from its bearer key (or, where ``cookie``, a /login
+        session's cookie); 401 without a valid one when the server has keys."""
+        if not self.keys.enabled:
+            return tenants.ANONYMOUS
+        token = bearer(request)
+        tenant = self.keys.lookup(token) if token else None
+        if tenant is None and cookie and self.sessions is not None:
+            tenant = self.sessions.tenant(request)
+        if tenant is None:
+            raise Unauthorized("missing or wrong API key: send `Authorization: Bearer <key>`"
+                               + (" (or log in at /login)" if cookie else ""))
+        return tenant
+
+    def quota(self, tenant: tenants.Tenant) -> tenants.Quota:
+        return self.keys.quota(tenant, self.s)
+
+    def tenant_share(self, req: Request):
+        """The request's tenant's upload place (429 past its quota)."""
+        req.tenant_upload = self.tenant_uploads.begin(req.tenant.name,
+                                                      self.quota(req.tenant).max_uploads)
+
+    def cache_salt(self, req: Request) -> str | None:
+        return tenants.cache_salt(req.tenant, req.cache_salt,
+                                  self.s.share_cache_across_tenants,
+                                  len(self.keys.tenants()) == 1)
 
     # ------------------------------------------------------------ the request
     async def handle(self, http, endpoint: str, impl):
@@ -139,12 +169,15 @@ class Service:
         info: dict = {}
         stream = None
         try:
-            self.check_auth(http)
+            req.tenant = self.check_auth(http)
+            req.tenant_place = self.tenant_requests.begin(req.tenant.name,
+                                                          self.quota(req.tenant).max_queue)
             # Refused here, the 503 goes out before a byte of the body is read (no 100
             # Continue either); the server drops whatever the client still sends.
             req.slot = self.worker.reserve()
             req.upload = self.intake.begin()
             req.client_upload = self.clients.begin(guard.client_host(http))
+            self.tenant_share(req)
             body, info = await impl(req)
             status = 200
             if isinstance(body, StreamReply):
@@ -184,15 +217,17 @@ class Service:
             self.metrics.count(status, info.get("code"))
             self.metrics.refuse("unauthorized")
             return json_response(status, body, headers)
-        self.finish(rid, endpoint, status, info, arrival)
+        self.finish(rid, endpoint, status, info, arrival, tenant=req.tenant)
         return json_response(status, body, headers)
 
-    def finish(self, rid, endpoint, status, info, arrival):
-        """A request's outcome in the metrics and the latency store."""
+    def finish(self, rid, endpoint, status, info, arrival, tenant=None):
+        """A request's outcome in the metrics and the latency store (``tenant``'s
+        history)."""
         self.metrics.count(status, info.get("code"))
-        self.record(rid, endpoint, status, info, arrival)
+        self.record(rid, endpoint, status, info, arrival, tenant)
 
-    def record(self, rid, endpoint, status, info, arrival):
+    def record(self, rid, endpoint, status, info, arrival, tenant=None):
+        name = tenant.name if tenant is not None else None
         result = info.get("result")
         try:
             if result is not None:
@@ -205,10 +240,10 @@ class Service:
                                tokens=result.tokens["total"],
                                visual_tokens=result.tokens["visual"],
                                generated=result.tokens["generated"], density=density,
-                               timings=info["timings"])
+                               timings=info["timings"], tenant=name)
             else:
                 self.store.add(id=rid, endpoint=endpoint, status=status, code=info.get("code"),
-                               model=self.model_id(), timings={
+                               model=self.model_id(), tenant=name, timings={
                                    "total": round((time.monotonic() - arrival) * 1e3, 3)})
         except Exception:       # noqa: BLE001 - a full disk must not turn answers into errors
             log.exception("could not record request %s", rid)
@@ -236,6 +271,9 @@ class Service:
         """The job, queued in the request's slot, and its future on this loop; the request's
         deadline starts now. ``question`` None: ``params`` holds the ``conversation``."""
         params = {**params, "use_cache": self.s.video_cache}
+        salt = self.cache_salt(req)
+        if salt is not None:
+            params["cache_salt"] = salt
         job = Job(video_path=req.path, question=question, params=params,
                   cleanup=req.path if req.own else None, request_id=req.id, on_token=on_token,
                   release=req.lease.release if req.lease is not None else None)
@@ -281,6 +319,12 @@ class Service:
                "ttft": upload_ms + job.queue_ms + pipeline_ttft,
                "total": (time.monotonic() - arrival) * 1e3}
         return {k: round(float(v), 3) for k, v in out.items()}
+
+
+def bearer(request) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, else None."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 def video_facts(result, label, video_id: str | None = None) -> dict:

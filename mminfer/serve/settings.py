@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .tenants import env_keys
+
 
 @dataclass
 class Settings:
@@ -19,6 +21,18 @@ class Settings:
     data_dir: str = "./mminfer-data"
     served_model_names: tuple[str, ...] = ()   # the first is the id shown; all are accepted
     api_key: str | None = field(default_factory=lambda: os.environ.get("MMINFER_API_KEY") or None)
+
+    # tenants (serve/tenants.py): more keys, each naming a tenant, and what a tenant may hold
+    api_keys: tuple[tuple[str, str], ...] = field(default_factory=env_keys)  # (tenant, key)
+    api_keys_file: str | None = None   # lines `<key> <tenant> [admin] [quota=value ...]`, or JSON
+    share_cache_across_tenants: bool = False   # one tenant's cached prefix serves another's
+    tenant_max_videos: int | None = None       # None: an equal share of --video-store-max
+    tenant_max_video_gb: float | None = None   # None: an equal share of --video-store-gb
+    tenant_max_uploads: int | None = None      # None: half the upload places (one tenant: all)
+    tenant_max_queue: int | None = None        # None: half the queue (one tenant: all)
+    metrics_token: str | None = field(
+        default_factory=lambda: os.environ.get("MMINFER_METRICS_TOKEN") or None)
+    session_ttl_s: float = 12 * 3600.0  # a /login session cookie lasts this long
 
     # request defaults
     fps: float = 2.0

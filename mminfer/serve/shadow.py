@@ -116,8 +116,12 @@ class ShadowMonitor:
         as the pending shadow job, replacing any older one."""
         kept, result.shadow = getattr(result, "shadow", None), None
         if kept is None:
-            if job.shadow_sampled and getattr(result, "attention", None) == "sparse":
-                self._skip("too_large")        # sparse ran, its inputs were over the cap
+            # too large: this request built its prefix sparse and kept nothing. A prefix
+            # from the video cache ("hit", "host") was not built here: nothing to compare,
+            # and no skip to count
+            if job.shadow_sampled and getattr(result, "attention", None) == "sparse" \
+                    and getattr(result, "cache", None) not in ("hit", "host"):
+                self._skip("too_large")
             return
         with self._lock:
             replaced, self._pending = self._pending, ShadowJob(

@@ -44,8 +44,9 @@ CREATE TABLE IF NOT EXISTS requests (
     generated INTEGER,
     density REAL,                  -- mean attention density (1.0 for dense)
     timings TEXT NOT NULL,         -- JSON {stage: ms}
-    cache TEXT                     -- the video's prefix: miss | hit | host | off (NULL: before
+    cache TEXT,                    -- the video's prefix: miss | hit | host | off (NULL: before
                                    -- the video cache, or an error)
+    tenant TEXT                    -- the API key's tenant (serve/tenants.py)
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 -- One row per stage of each successful request: what the report reads. The covering index
@@ -58,7 +59,8 @@ CREATE TABLE IF NOT EXISTS stage_times (
     ts REAL NOT NULL,
     density REAL,
     attention TEXT,                -- the request's: a report group, as the bucket is
-    cache TEXT                     -- the request's (hits and misses are reported apart)
+    cache TEXT,                    -- the request's (hits and misses are reported apart)
+    tenant TEXT                    -- the request's: a tenant's report reads its own rows
 );
 """
 # Created after any migration (a store from before the attention column has the table
@@ -70,6 +72,10 @@ CREATE INDEX IF NOT EXISTS stage_times_group ON stage_times
 CREATE INDEX IF NOT EXISTS stage_times_req ON stage_times (req);
 CREATE INDEX IF NOT EXISTS stage_times_ts ON stage_times (ts);
 CREATE INDEX IF NOT EXISTS stage_times_cache ON stage_times (stage, cache, ms, ts);
+CREATE INDEX IF NOT EXISTS stage_times_tenant ON stage_times
+    (tenant, stage, b, attention, ms, ts, density);
+CREATE INDEX IF NOT EXISTS stage_times_tenant_cache ON stage_times (tenant, stage, cache, ms, ts);
+CREATE INDEX IF NOT EXISTS requests_tenant ON requests (tenant, ts);
 """
 CACHE_ORDER = ("miss", "hit", "host", "off")   # report order of the cache outcomes
 ATTENTION_ORDER = ("dense", "sparse")     # report order; any other value (or none) after
@@ -115,10 +121,15 @@ def parse_time(value: str | None) -> float | None:
     return x
 
 
-def time_window(since: float | None, until: float | None) -> tuple[str, list]:
-    """``AND ts >= ? AND ts < ?`` for the bounds given (either may be None), and its
-    arguments: the report queries' one time filter."""
+def time_window(since: float | None, until: float | None,
+                tenant: str | None = None) -> tuple[str, list]:
+    """``AND ts >= ? AND ts < ?`` for the bounds given (either may be None), and
+    ``AND tenant = ?`` for a tenant's own rows (None: every tenant's), and its arguments:
+    the report queries' one filter."""
     sql, args = "", []
+    if tenant is not None:
+        sql += " AND tenant = ?"
+        args.append(tenant)
     if since is not None:
         sql += " AND ts >= ?"
         args.append(since)
@@ -224,9 +235,12 @@ class LatencyStore(RetainedTable):
             self._db.execute("UPDATE stage_times SET attention = (SELECT r.attention FROM "
                              "requests r WHERE r.rowid = stage_times.req)")
         # a store written before the video cache: its rows have no cache outcome (NULL)
+        # ... or before tenants: its rows have no tenant (NULL: the admin's report alone
+        # reads them)
         for table in ("requests", "stage_times"):
-            if "cache" not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN cache TEXT")
+            for col in ("cache", "tenant"):
+                if col not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {col} TEXT")
         if self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM stage_times) AND EXISTS "
                             "(SELECT 1 FROM requests)").fetchone()[0]:
             self._fill_stage_times()       # a store written before stage_times existed
@@ -236,7 +250,8 @@ class LatencyStore(RetainedTable):
         whens = " ".join(f"WHEN r.tokens < {e} THEN {i}" for i, e in enumerate(BUCKET_EDGES))
         self._db.execute(
             f"INSERT INTO stage_times SELECT r.rowid, j.key, CASE {whens} ELSE "
-            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density, r.attention, r.cache FROM "
+            f"{len(BUCKET_EDGES)} END, j.value, r.ts, r.density, r.attention, r.cache, "
+            f"r.tenant FROM "
             f"requests r, "
             f"json_each(r.timings) j WHERE r.status = 200 AND r.tokens IS NOT NULL AND "
             f"j.type IN ('integer', 'real')")
@@ -245,28 +260,30 @@ class LatencyStore(RetainedTable):
             model: str | None = None, attention: str | None = None, tokens: int | None = None,
             visual_tokens: int | None = None, generated: int | None = None,
             density: float | None = None, timings: dict | None = None, ts: float | None = None,
-            cache: str | None = None):
+            cache: str | None = None, tenant: str | None = None):
         row = (id, time.time() if ts is None else ts, endpoint, int(status), code, model,
                attention, tokens, visual_tokens, generated, density,
-               json.dumps(timings or {}), cache)
+               json.dumps(timings or {}), cache, tenant)
         stages = [(k, float(v)) for k, v in (timings or {}).items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
         def statements(db):
             cur = db.execute("INSERT INTO requests (id, ts, endpoint, status, code, model, "
                              "attention, tokens, visual_tokens, generated, density, timings, "
-                             "cache) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+                             "cache, tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             row)
             if int(status) == 200 and tokens is not None:
                 b = bucket_index(tokens)
                 db.executemany("INSERT INTO stage_times (req, stage, b, ms, ts, density, "
-                               "attention, cache) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                               [(cur.lastrowid, k, b, ms, row[1], density, attention, cache)
-                                for k, ms in stages])
+                               "attention, cache, tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                               [(cur.lastrowid, k, b, ms, row[1], density, attention, cache,
+                                 tenant) for k, ms in stages])
         self._write(statements)
 
     def rows(self, since: float | None = None, until: float | None = None,
-             limit: int | None = None) -> list[dict]:
-        """Records in the window [since, until), oldest first (the newest ``limit``)."""
-        window, args = time_window(since, until)
+             limit: int | None = None, tenant: str | None = None) -> list[dict]:
+        """Records in the window [since, until), oldest first (the newest ``limit``); a
+        tenant's own (None: every tenant's)."""
+        window, args = time_window(since, until, tenant)
         sql = "SELECT * FROM requests WHERE 1=1" + window + " ORDER BY ts DESC"
         if limit is not None:
             sql += " LIMIT ?"
@@ -280,8 +297,11 @@ class LatencyStore(RetainedTable):
         out.reverse()
         return out
 
-    def report(self, since: float | None = None, until: float | None = None) -> dict:
-        window, args = time_window(since, until)
+    def report(self, since: float | None = None, until: float | None = None,
+               tenant: str | None = None) -> dict:
+        """The report of the window [since, until): a tenant's own requests (None: every
+        tenant's)."""
+        window, args = time_window(since, until, tenant)
         with self._lock:
             groups = self._db.execute(
                 "SELECT stage, b, attention, COUNT(*), AVG(ms), AVG(density), MIN(ts) FROM "

@@ -166,7 +166,8 @@ class StreamReply:
             self.outcome = (499, {"code": "client_disconnected"})
         self.req.release()
         status, info = self.outcome
-        self.svc.finish(self.req.id, self.endpoint, status, info, self.req.arrival)
+        self.svc.finish(self.req.id, self.endpoint, status, info, self.req.arrival,
+                        tenant=self.req.tenant)
 
 
 def stop_job(job, fut, reason: MMInferError):

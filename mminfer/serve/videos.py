@@ -21,6 +21,13 @@ after their upload: an expired id is deleted when it is next looked up and by th
 sweep. A request answering about an id holds a lease on its file, so deleting or expiring the
 id while the request runs or waits removes the id at once and the file when the last lease
 ends.
+
+Every id belongs to a tenant (serve/tenants.py): another tenant's id is not found, as an
+unknown one. A tenant's quota is charged the size of each distinct content among its ids, so
+the same bytes stored by two tenants are one file on disk and count for each. An upload takes
+the upload places and per-address share an /v1/answer body does (no queue place: storing runs
+no model), is probed and has its first and last frames decoded before it is stored, and a
+failed write (a full disk: 507) leaves neither an id nor a file.
 """
 
 from __future__ import annotations
@@ -38,11 +45,13 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from starlette.requests import ClientDisconnect
 
+from mminfer import video as videolib
 from mminfer.engine.cache import file_digest
 from mminfer.errors import InputError, MMInferError, MissingField, TooLarge
 
-from . import media
+from . import guard, media
 from .errors import describe, error_body, json_response
+from .tenants import DEFAULT as DEFAULT_TENANT
 
 log = logging.getLogger("mminfer.serve")
 
@@ -65,6 +74,12 @@ class StoreFull(MMInferError):
     http_status = 507
 
 
+class QuotaFull(StoreFull):
+    """The tenant's share of the video store is spent (its own videos; others' are not
+    counted)."""
+    code = "video_quota_exceeded"
+
+
 @dataclass
 class StoredVideo:
     id: str
@@ -73,10 +88,12 @@ class StoredVideo:
     expires_at: int | None           # unix seconds; None: never
     filename: str | None
     sha256: str
+    tenant: str = DEFAULT_TENANT     # whose it is (ids of an index from before tenants: the
+                                     # default tenant's)
 
     def public(self) -> dict:
         return {"id": self.id, "object": "video", **{k: v for k, v in asdict(self).items()
-                                                     if k != "id"}}
+                                                     if k not in ("id", "tenant")}}
 
 
 def sha256_of(path) -> str:
@@ -141,10 +158,16 @@ class VideoStore:
         self._save()
 
     def _save(self):
+        """Write the index (atomically: a failed write, ENOSPC included, leaves the old one
+        and raises)."""
         tmp = self.folder / (INDEX + ".tmp")
-        tmp.write_text(json.dumps([asdict(v) for v in self._videos.values()]),
-                       encoding="utf-8")
-        os.replace(tmp, self.folder / INDEX)
+        try:
+            tmp.write_text(json.dumps([asdict(v) for v in self._videos.values()]),
+                           encoding="utf-8")
+            os.replace(tmp, self.folder / INDEX)
+        except BaseException:
+            media.remove(str(tmp))
+            raise
 
     def _drop_blob_if_unused(self, sha: str):
         if self._pins.get(sha, 0) == 0 and not any(v.sha256 == sha
@@ -164,6 +187,13 @@ class VideoStore:
             return {"videos": len(self._videos), "bytes": self.used_bytes(),
                     "max_bytes": self.max_bytes, "max_videos": self.max_count}
 
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(ids, bytes) a tenant is charged: its ids, and the size of each distinct content
+        among them (the same bytes stored by two tenants count for each)."""
+        with self._lock:
+            mine = [v for v in self._videos.values() if v.tenant == tenant]
+            return len(mine), sum({v.sha256: v.bytes for v in mine}.values())
+
     def sweep(self) -> int:
         """Delete the expired ids; returns how many."""
         now = self.clock()
@@ -179,18 +209,26 @@ class VideoStore:
         return len(gone)
 
     # ------------------------------------------------------------ ids
-    def add(self, temp_path: str, filename: str | None, sha: str) -> StoredVideo:
+    def add(self, temp_path: str, filename: str | None, sha: str, tenant: str = DEFAULT_TENANT,
+            max_videos: int | None = None, max_bytes: int | None = None) -> StoredVideo:
         """Store the file at ``temp_path`` (taken: moved in, or deleted when the same bytes
-        are already stored) under a new id; TooLarge (413) or StoreFull (507) when it does not
-        fit the budget once expired ids are gone."""
+        are already stored) under a new id of ``tenant``; TooLarge (413) or StoreFull (507)
+        when it does not fit the store's budget, or the tenant's quota (``max_videos`` ids,
+        ``max_bytes``), once expired ids are gone. A failed write (a full disk) leaves
+        neither an id nor a file behind."""
         try:
             size = os.path.getsize(temp_path)
             if size > self.max_bytes:
                 raise TooLarge(f"the video ({size} bytes) is larger than this server's whole "
                                f"video store ({self.max_bytes} bytes, --video-store-gb)",
                                limit_bytes=self.max_bytes)
+            if max_bytes is not None and size > max_bytes:
+                raise TooLarge(f"the video ({size} bytes) is larger than your share of this "
+                               f"server's video store ({max_bytes} bytes)",
+                               limit_bytes=max_bytes)
             with self._lock:
                 self.sweep()
+                self._check_quota(tenant, sha, size, max_videos, max_bytes)
                 if len(self._videos) >= self.max_count:
                     raise StoreFull(f"the video store holds {len(self._videos)} videos, this "
                                     f"server's limit (--video-store-max); delete some "
@@ -210,41 +248,70 @@ class VideoStore:
                 v = StoredVideo(id=ID_PREFIX + secrets.token_hex(12), bytes=size,
                                 created_at=int(now),
                                 expires_at=int(now + self.ttl_s) if self.ttl_s else None,
-                                filename=filename, sha256=sha)
+                                filename=filename, sha256=sha, tenant=tenant)
                 self._videos[v.id] = v
-                self._save()
+                try:
+                    self._save()
+                except BaseException:       # not in the index: no id, and no file for it
+                    del self._videos[v.id]
+                    self._drop_blob_if_unused(sha)
+                    raise
             return v
         finally:
             media.remove(temp_path)         # gone already when it was moved in
 
-    def get(self, vid: str) -> StoredVideo:
+    def _check_quota(self, tenant, sha, size, max_videos, max_bytes):
+        n, used = self.usage(tenant)
+        if max_videos is not None and n >= max_videos:
+            raise QuotaFull(f"you have {n} stored videos, your limit on this server; delete "
+                            f"some (DELETE /v1/videos/{{id}}) or wait for them to expire",
+                            limit=max_videos)
+        mine = any(v.sha256 == sha and v.tenant == tenant for v in self._videos.values())
+        if max_bytes is not None and not mine and used + size > max_bytes:
+            raise QuotaFull(f"your stored videos take {used} of your {max_bytes} bytes on "
+                            f"this server and this one is {size}; delete some (DELETE "
+                            f"/v1/videos/{{id}}) or wait for them to expire",
+                            limit_bytes=max_bytes, used_bytes=used)
+
+    def get(self, vid: str, tenant: str | None = None) -> StoredVideo:
+        """The id's video; ``tenant``'s alone (another tenant's id is not found, as an
+        unknown one), None: anyone's."""
         with self._lock:
             v = self._videos.get(vid)
             if v is not None and v.expires_at is not None and v.expires_at <= self.clock():
                 self.sweep()
+                v = None
+            if v is not None and tenant is not None and v.tenant != tenant:
                 v = None
         if v is None:
             raise VideoNotFound(f"no video {vid!r} on this server (unknown, deleted or "
                                 f"expired); upload it again with POST /v1/videos", id=vid)
         return v
 
-    def list(self) -> list[StoredVideo]:
+    def list(self, tenant: str | None = None) -> list[StoredVideo]:
+        """``tenant``'s videos (None: everyone's), newest first."""
         self.sweep()
         with self._lock:
-            return sorted(self._videos.values(), key=lambda v: (-v.created_at, v.id))
+            return sorted((v for v in self._videos.values()
+                           if tenant is None or v.tenant == tenant),
+                          key=lambda v: (-v.created_at, v.id))
 
-    def delete(self, vid: str) -> StoredVideo:
+    def delete(self, vid: str, tenant: str | None = None) -> StoredVideo:
         with self._lock:
-            v = self.get(vid)
+            v = self.get(vid, tenant)
             del self._videos[vid]
+            try:
+                self._save()
+            except BaseException:
+                self._videos[vid] = v
+                raise
             self._drop_blob_if_unused(v.sha256)
-            self._save()
         return v
 
-    def acquire(self, vid: str) -> Lease:
+    def acquire(self, vid: str, tenant: str | None = None) -> Lease:
         """The id's file, kept until the lease is released even if the id goes meanwhile."""
         with self._lock:
-            v = self.get(vid)
+            v = self.get(vid, tenant)
             self._pins[v.sha256] = self._pins.get(v.sha256, 0) + 1
             return Lease(self, v)
 
@@ -259,12 +326,14 @@ class VideoStore:
 
 
 def video_id_of(url: str) -> str | None:
-    """The id of a ``mminfer://videos/{id}`` URL, None for any other URL."""
-    if not url.lower().startswith(SCHEME):
+    """The id of a ``mminfer://videos/{id}`` URL, None for a URL of another scheme; any
+    other ``mminfer:`` URL is a 400 saying what the URL must be."""
+    if not url[:8].lower() == "mminfer:":
         return None
-    vid = url[len(SCHEME):]
-    if not vid or "/" in vid:
-        raise InputError(f"a stored video's URL is {SCHEME}{{id}}, not {url[:80]!r}")
+    vid = url[len(SCHEME):] if url.lower().startswith(SCHEME) else ""
+    if not vid or "/" in vid or "?" in vid or "#" in vid:
+        raise InputError(f"a stored video's URL is {SCHEME}{{id}} with the id POST "
+                         f"/v1/videos gave (video-...), not {url[:80]!r}", field="video_url")
     return vid
 
 
@@ -290,14 +359,19 @@ UPLOAD_BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
              summary="Store a video once; ask about it by id (video_id, mminfer://videos/{id})")
 async def upload(request: Request):
     svc = request.app.state.service
-    path, upload_place, status, label = None, None, 200, "the uploaded video"
+    path, places, status, label = None, [], 200, "the uploaded video"
     try:
-        svc.check_auth(request)
-        upload_place = svc.intake.begin()
+        tenant = svc.check_auth(request)
+        # the places an /v1/answer body takes, but the queue's: storing runs no model.
+        # Refused here, the 503/429 goes out before a byte of the body is read.
+        places.append(svc.intake.begin())
+        places.append(svc.clients.begin(guard.client_host(request)))
+        places.append(svc.tenant_uploads.begin(tenant.name, svc.quota(tenant).max_uploads))
         up = await media.read_multipart(request, svc.intake.timed(request.stream()),
                                         svc.upload_dir, svc.s.max_upload_bytes,
                                         file_field="file")
-        upload_place.end()
+        for place in places:
+            place.end()
         path = up.video
         if up.filename:
             label = f"the uploaded video {up.filename!r}"
@@ -307,9 +381,13 @@ async def upload(request: Request):
         await asyncio.to_thread(svc.budget.check_video, path, "",
                                 {"fps": svc.s.fps, "max_frames": svc.s.max_frames,
                                  "max_new_tokens": svc.s.max_new_tokens}, None)
+        await asyncio.to_thread(check_decodable, path)
         sha = await asyncio.to_thread(sha256_of, path)
-        video = await asyncio.to_thread(svc.videos.add, path, up.filename, sha)
+        quota = svc.quota(tenant)
+        video = await asyncio.to_thread(svc.videos.add, path, up.filename, sha, tenant.name,
+                                        quota.max_videos, quota.max_video_bytes)
         path = None
+        svc.storage.ok()
         # the move gave the file a new identity: hash it under its stored one now, so the
         # first question about it does not
         try:
@@ -325,40 +403,54 @@ async def upload(request: Request):
         status, code, body = describe(e, path, label)
         svc.metrics.count(status, code)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        if status == 503:
+        if status in (503, 429):
             headers = {"Retry-After": "1"}
         return json_response(status, body, headers)
     except Exception as e:  # noqa: BLE001 - a bug, not bad input: the service lives on
-        log.exception("storing a video failed")
-        svc.metrics.count(500, "internal")
-        return json_response(500, error_body("internal", f"internal error: "
-                                             f"{type(e).__name__}: {e}", 500))
+        full = svc.storage.failed(e)
+        if full is not None:            # a full disk is not a bug: 507, /health says so
+            log.warning("storing a video: no space left under the data folder")
+            status, code, body = describe(full)
+        else:                           # the log has the exception, not the client
+            log.exception("storing a video failed")
+            status, code = 500, "internal"
+            body = error_body("internal", f"internal error ({type(e).__name__}); the server "
+                              f"log has the details", 500)
+        svc.metrics.count(status, code)
+        return json_response(status, body)
     finally:
-        if upload_place is not None:
-            upload_place.end()
+        for place in places:
+            place.end()
         media.remove(path)
     svc.metrics.count(status)
     return json_response(status, body)
 
 
-@router.get("/v1/videos", summary="The stored videos, newest first")
+def check_decodable(path: str):
+    """Decode the first and the last frame, so a file whose header reads well but whose
+    frames no question could decode (a chunk offset of 0, say) is refused at upload, not at
+    every question; VideoError (in the decode sandbox: UndecodableVideo) when they fail."""
+    videolib.decode(path, num_frames=2, size=(64, 64))
+
+
+@router.get("/v1/videos", summary="Your stored videos, newest first")
 async def list_videos(request: Request):
     svc = request.app.state.service
-    svc.check_auth(request)
-    videos = await asyncio.to_thread(svc.videos.list)
+    tenant = svc.check_auth(request)
+    videos = await asyncio.to_thread(svc.videos.list, tenant.name)
     return {"object": "list", "data": [v.public() for v in videos]}
 
 
-@router.get("/v1/videos/{video_id}", summary="A stored video")
+@router.get("/v1/videos/{video_id}", summary="A stored video of yours")
 async def get_video(request: Request, video_id: str):
     svc = request.app.state.service
-    svc.check_auth(request)
-    return svc.videos.get(video_id).public()
+    tenant = svc.check_auth(request)
+    return svc.videos.get(video_id, tenant.name).public()
 
 
-@router.delete("/v1/videos/{video_id}", summary="Delete a stored video")
+@router.delete("/v1/videos/{video_id}", summary="Delete a stored video of yours")
 async def delete_video(request: Request, video_id: str):
     svc = request.app.state.service
-    svc.check_auth(request)
-    v = await asyncio.to_thread(svc.videos.delete, video_id)
+    tenant = svc.check_auth(request)
+    v = await asyncio.to_thread(svc.videos.delete, video_id, tenant.name)
     return {"id": v.id, "object": "video", "deleted": True}

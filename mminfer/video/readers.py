@@ -56,6 +56,9 @@ def probe_av(path: str, kind: str | None) -> dict | None:
             raise VideoError(f"{path} has no video stream ({what})", path=path)
         s = container.streams.video[0]
         cc = s.codec_context
+        if cc is None:                  # a stream the demuxer found but no decoder takes
+            raise VideoError(f"{path} has a video stream with no decodable codec (its "
+                             f"headers are corrupt or the codec is unsupported)", path=path)
         rate = s.average_rate or s.guessed_rate or s.base_rate
         fps = float(rate) if rate else 0.0
         start = float(s.start_time * s.time_base) if s.start_time is not None else 0.0

@@ -28,6 +28,7 @@ instead (benchmarks/decode.py measures the difference).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field, replace
 import mminfer
 from mminfer.errors import VideoError
 from mminfer.video import wire
+
+log = logging.getLogger("mminfer.decode")
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,10 @@ class Worker:
             raise WorkerFailed("memory", f"the decoder needed more memory than its limit "
                                f"({_config.memory_mb:g} MiB over the frames in flight)")
         if kind == "error":
-            raise WorkerFailed("error", f"the decoder failed: {msg[1]}")
+            # an exception the decoding library raised without meaning to (its type and
+            # text are Python internals): the server's log has them, the client a sentence
+            log.warning("the decode worker failed on a file: %s", msg[1])
+            raise WorkerFailed("error", "the decoding library failed on it")
         return msg
 
     def _death(self) -> WorkerFailed:

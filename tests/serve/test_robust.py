@@ -247,7 +247,7 @@ def test_refusals_before_authentication_are_counted_not_stored(serve):
             assert c.post(f"{s.url}/v1/chat/completions", json={}).status_code == 401
     rows = s.app.state.store.rows()
     assert [r["status"] for r in rows] == [200], rows
-    metrics = httpx.get(f"{s.url}/metrics").text
+    metrics = httpx.get(f"{s.url}/metrics", headers=auth).text    # the admin's key
     samples = [x for fam in text_string_to_metric_families(metrics) for x in fam.samples]
     assert any(x.name == "mminfer:refused_connections_total" and
                x.labels["reason"] == "unauthorized" and x.value == 30 for x in samples)

@@ -189,6 +189,11 @@ def test_monitor_keeps_one_job_and_drops_it_for_a_request():
     # sparse ran but its inputs were over the cap: counted, nothing pending
     mon.offer(job, SimpleNamespace(attention="sparse", shadow=None, model="m"))
     assert mon.skipped["too_large"] == 1 and not mon.pending
+    # a sampled request whose prefix came from the video cache built nothing: not too large,
+    # not counted at all
+    for cache in ("hit", "host"):
+        mon.offer(job, SimpleNamespace(attention="sparse", shadow=None, model="m", cache=cache))
+    assert mon.skipped["too_large"] == 1 and not mon.pending
     result = SimpleNamespace(attention="sparse", shadow=object(), model="m")
     mon.offer(job, result)
     assert mon.pending and result.shadow is None       # the answer keeps no reference
