@@ -93,10 +93,11 @@ def probe_layers(text_model, n_tokens: int, *, layers: int = 1, repeats: int = 3
     the same shape. ``kv_dtype`` / ``headroom`` / ``chunk`` / ``context``: what the request
     uses (``Adapter.kv_cache_dtype``, the suffix and answer rows, ``Adapter.prefill_chunk``,
     ``Pipeline.prefill_context``); ``cache``: a callable making the empty cache instead of
-    the prefix's ``PrefixKV`` (``Adapter.generate`` prefills a ``DynamicCache``). Per-layer medians in ms: ``layer_ms`` (the whole call),
-    ``attention_ms`` (the hook's attention section), ``rest_ms`` (projections, rotary, MLP,
-    cache writes); ``attention_total_ms`` is the dense prefix's ``attention_calls`` x
-    ``attention_ms``; ``first_call`` is the untimed call's figures."""
+    the prefix's ``PrefixKV`` (``Adapter.generate`` prefills a ``DynamicCache``). Per-layer
+    medians in ms: ``layer_ms`` (the whole call), ``attention_ms`` (the hook's attention
+    section), ``rest_ms`` (projections, rotary, MLP, cache writes); ``attention_total_ms`` is
+    the dense prefix's ``attention_calls`` x ``attention_ms``; ``first_call`` is the untimed
+    call's figures."""
     p = next(text_model.parameters())
     dev, dt = p.device, p.dtype
     cuda = dev.type == "cuda"

@@ -150,7 +150,8 @@ def test_extrapolation_arithmetic_validation_and_marking():
     e2e = _e2e()
     dp = load_script("benchmarks/dense_probe.py", "dense_probe")
     assert dp.spread_layers(28, 4) == [0, 9, 18, 27] and dp.spread_layers(28, 1) == [0]
-    assert dp.timed_calls([0], 3) == [0, 0, 0] and dp.timed_calls([0, 9, 18, 27], 3) == [0, 9, 18, 27]
+    assert dp.timed_calls([0], 3) == [0, 0, 0]
+    assert dp.timed_calls([0, 9, 18, 27], 3) == [0, 9, 18, 27]
 
     sparse, probe, dense = _fake_case()
     x = e2e.extrapolated_dense(sparse, probe)
@@ -445,10 +446,10 @@ def _cell_number(cell: str) -> float:
 
 def test_readme_headline_quotes_the_committed_runs():
     """README's headline figures are the runs kept in benchmarks/results, rounded as printed:
-    each TTFT of the table from its run's JSON (the first request of each mode) (e2e A at 767efc9 for 115K and 276K, C at
-    659a489 for 1.05M), a figure marked extrapolated exactly where its row was not measured,
-    the kernels' TFLOP/s range over every pattern, and the FP8 sentence from one call at a
-    commit that landed; BENCHMARKS quotes the same."""
+    each TTFT of the table from its run's JSON (the first request of each mode; e2e A at
+    767efc9 for 115K and 276K, C at 659a489 for 1.05M), a figure marked extrapolated exactly
+    where its row was not measured, the kernels' TFLOP/s range over every pattern, and the FP8
+    sentence from one call at a commit that landed; BENCHMARKS quotes the same."""
     res = ROOT / "benchmarks" / "results"
     readme = (ROOT / "README.md").read_text()
     bench = (ROOT / "BENCHMARKS.md").read_text()
