@@ -37,9 +37,14 @@ What each case does, in one process, on one Pipeline per checkpoint:
      from ``AnswerResult.timings_ms`` (decode, preprocess, vision, index, attention, llm_other,
      generate, ttft, total), peak GPU memory (``torch.cuda.max_memory_allocated``, reset per
      request) and peak host RSS (sampled every 10 ms during the request);
-  3. a dense-attention probe: one layer's prefill attention at the case's length through
-     transformers' own ``sdpa_attention_forward`` on the model's first attention module (all
-     heads up to ``--probe-full-max`` tokens, else one KV group of heads, x KV heads);
+  3. a dense probe (benchmarks/dense_probe.py): decoder layers of the product's dense
+     prefill (``prefill(..., layers=[i])``, the call a dense request makes: all heads, the
+     attention hook's SDPA call and backend, the request's cache, headroom and precision) at
+     the request's prefix length, one untimed call at that shape first, then CUDA-event timed
+     calls (``--dense-layers`` layers spread over the model, or one layer
+     ``--probe-repeats`` times; medians); on a GPU up to ``--cudnn-max-tokens``, a
+     standalone cuDNN SDPA call at the same shape beside it (TFLOP/s over the causal
+     triangle, target: ours within 5 % of cuDNN);
   4. the baseline, **transformers' default path**: our decode and preprocessing, then the
      transformers vision tower with ``sdpa`` attention over the whole video in one call
      (Qwen: ``get_video_features``; LongVILA: the SigLIP tower and projector 32 frames per
@@ -49,45 +54,37 @@ What each case does, in one process, on one Pipeline per checkpoint:
 
 Where a run does not fit (length over ``--dense-max-tokens`` / ``--baseline-max-tokens``, or
 an out-of-memory error), its TTFT is **extrapolated** and marked so (``"measured": false``):
-dense = the sparse request's decode + preprocess + vision + llm_other + layers x the probe's
-dense layer; the baseline likewise, with its vision measured on ``--baseline-vision-frames``
-frames and scaled per frame. Ratios are taken within the one run; the table at the end
-prints them side by side, the JSON (``--out``/e2e.json, rewritten after every step) has
-everything.
+dense = the sparse request's TTFT with its index and attention stages replaced by the dense
+prefix's attention calls (the layers but the last, which writes K/V only) x the probe's
+layer; the baseline = its measured decode, preprocess and vision (``--baseline-vision-frames``
+frames, scaled per frame) + the sparse request's llm_other + layers x the probe's layer.
+Where the dense request is measured, the probe is validated against it in the same run
+(``probe_validation``: measured / probe attention, within 5 % or not); with ``--probe-factor
+auto`` the run's longest validated case that disagrees corrects every extrapolated row by its
+factor (marked, the uncorrected figure kept). Our rows run in ``--dtype`` or, with
+``--quantization fp8`` / ``--kv-cache-dtype fp8``, FP8 for sparse and dense alike; the
+transformers baseline stays in ``--dtype``: every row names its precision, and a ratio of
+rows in different precisions is marked. Ratios are taken within the one run; the table at
+the end prints them side by side, the JSON (``--out``/e2e.json, rewritten after every step)
+has everything.
 
-Device time on one H200, estimated on paper (16 cores; "today" = the code at e08440d: the
-sdpa vision tower, the one-shot prefill; "after" = issue 11's vision and prefill targets met).
-Sources: issue 11's Pipeline measurements (vision 56-70 ms per 720-token frame pair; 106K:
-18.8 s sparse / 19.0 s dense, tower 10.5-13 s; 276K: 36.7 s sparse / 62.6 s dense, tower
-25 s, decode 1.7 s; LongVILA SigLIP 2.2 s per 1024 frames), BENCHMARKS.md section 2 (LLM
-prefill: dense 9.4 s at 130K, 33 s at 262K; sparse 9.7 s at 262K, 38.5 s at 1M; one dense
-cuDNN layer 0.97 s at 262K, 15.8 s at 1M) and timings taken here (2 shared cores: video
-frames 9 ms each at 1120x840, x264 ultrafast 27 ms per frame; save_pretrained 0.3 GB/s):
+Device time on one H200, from the committed runs (benchmarks/results: 767efc9, the three
+cases with ``--warmup short``, 329 s; 659a489, 1.05M with two sparse requests, 142 s) and one
+dense layer's call there (~0.25 s at 115K, ~1.1 s at 276K, 15-20 s at 1.05M; the probe makes
+1 + max(``--probe-repeats``, ``--dense-layers``) of them, cuDNN's comparison 1 + repeats):
 
-  setup        wheel install + imports ~10 s. The videos (768 x 1120x840, 768 x 1008x560,
-               4096 x 640x360) are encoded by child processes while the Qwen checkpoint is
-               written: ~10-25 s of CPU each on 16 cores, hidden. Qwen checkpoint (8.29 B
-               params, 16.6 GB bf16): init on the GPU ~5 s + save_pretrained 15-55 s (0.3 GB/s
-               here to ~1.5 GB/s). Each Pipeline load (16.6 GB, page cache -> host -> GPU):
-               10-20 s; two Qwen loads (the long-context folder is a second checkpoint).
-  qwen115k     ~115.2K tokens. Decode ~3 s per request (1120x840 H.264). Warm-up (sparse, full
-               length, kernel compilation ~15 s) 25-35 s; sparse ~19 s today / ~8 s after;
-               dense ~21 s / ~12 s; probe (all heads, 115K) 0.2 s; transformers baseline
-               ~22 s. Case with load: ~110 s today / ~80 s after.
-  qwen276k     ~276.5K tokens. Load 10-20 s; warm-up ~37 s / ~17 s (kernels already built);
-               sparse 36.7 s today / ~16 s after; dense 62.6 s / ~41 s; probe ~1 s; baseline
-               ~62 s (one-shot, fits: ~70 GiB). Case: ~215 s today / ~150 s after.
-  longvila1m   ~1.0527M tokens. Checkpoint (8.07 B params, 16.1 GB) 15-55 s; load 10-20 s;
-               warm-up ``short`` (512 frames, 131K) ~15 s; sparse: decode ~5 s + SigLIP ~9 s
-               + prefill ~40 s + generate ~2 s = ~57 s after; today the one-shot prefill runs
-               out of memory after ~15 s (recorded; dense and baseline then skipped). Dense
-               and baseline are extrapolated: probe (one KV group, 1M) ~4 s, baseline SigLIP
-               on 512 frames ~1 s. Case: ~80 s today / ~130 s after.
-  total        ~7.5 min today, ~6.8 min after, plus the machine's start (1-2 min): one call
-               within the 10-minute command limit. Without longvila1m ~5.5 / ~4.5 min.
-               ``--deadline-s`` skips (and marks) a step that would not end in time, and a
-               TERM signal still writes the table, so the JSON and the table always come
-               back; ``--warmup short`` saves ~20 s per Qwen case.
+  setup        Qwen checkpoint ~27 s, LongVILA's 21-30 s (videos written meanwhile by child
+               processes); each Pipeline load ~3 s.
+  qwen115k     first request (compiles the kernels) ~22 s, sparse ~7 s, probe and cuDNN ~3 s,
+               dense ~10 s, transformers ~25 s: ~70 s.
+  qwen276k     first request ~9 s, sparse ~13 s, probe and cuDNN ~12 s, dense ~42 s,
+               transformers ~64 s: ~145 s.
+  longvila1m   first request ~9 s, sparse 44-58 s, probe of 4 layers 75-100 s (dense and the
+               baseline's prefill extrapolated), baseline vision on 512 frames ~3 s: ~170 s.
+  total        ~7.5 min with ``--follow-ups 0`` (the repeated-questions step adds 20-90 s a
+               case: the 1.05M host-tier offload alone took 68 s). ``--deadline-s`` skips
+               (and marks) a step that would not end in time, and a TERM signal still writes
+               the table, so the JSON and the table always come back.
 """
 
 from __future__ import annotations
@@ -109,6 +106,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))      # dense_probe, when a probe runs
 
 STAGES = ("restore", "decode", "preprocess", "vision", "index", "attention", "llm_other",
           "suffix", "generate",
@@ -561,7 +559,8 @@ def request(pipe, case: Case, video: str, mode: str, args, *, frames: int | None
             max_new_tokens: int | None = None) -> dict:
     """One ``Pipeline.answer``: its stages, tokens, sparsity and peak memory. The video cache
     is off unless ``use_cache`` (each first-question figure builds its prefix)."""
-    entry = {"mode": mode, "measured": True, "path": "Pipeline.answer"}
+    entry = {"mode": mode, "measured": True, "path": "Pipeline.answer",
+             "precision": precision(args)}
     t0 = time.perf_counter()
     try:
         with RssPeak() as rss, GpuPeak(pipe.device) as gpu:
@@ -742,7 +741,8 @@ def baseline(pipe, case: Case, video: str, args, *, run_prefill: bool, vision_fr
     ad = pipe.adapter
     dev = pipe.device
     entry = {"mode": "transformers", "path": "transformers default (sdpa tower, one-shot "
-             "sdpa prefill)", "measured": True, "extrapolated": []}
+             "sdpa prefill)", "measured": True, "extrapolated": [],
+             "precision": precision(args, ours=False)}
     if not run_prefill and _extrapolated_prefill(sparse, probe) is None:
         entry["error"] = "prefill not run and nothing to extrapolate it from (no sparse " \
                          "request or probe)"
@@ -804,9 +804,10 @@ def baseline(pipe, case: Case, video: str, args, *, run_prefill: bool, vision_fr
         t["attention"] = ms.get("attention", 0.0)
         t["llm_other"] = max(ms["prefill"] - t["attention"], 0.0)
     else:
-        t.update(_extrapolated_prefill(sparse, probe))
-        entry["extrapolated"] += ["attention (probe x layers)", "llm_other (the sparse "
-                                  "request's)"]
+        # the one-shot prefill attends over the whole prompt in every layer
+        t.update(_extrapolated_prefill(sparse, probe, probe["layers"]))
+        entry["extrapolated"] += ["attention (our dense probe's layer x layers)",
+                                  "llm_other (the sparse request's)"]
     entry["measured"] = not entry["extrapolated"]
     t["ttft"] = sum(t[k] for k in ("decode", "preprocess", "vision", "attention", "llm_other"))
     entry.update(timings_ms={k: _num(t.get(k)) for k in STAGES},
@@ -922,76 +923,160 @@ def _longvila_vision(ad, prep, ev, need_embeds: bool):
 
 
 # ---------------------------------------------------------------- dense attention probe
-def probe_dense_layer(pipe, n_tokens: int, full_max: int) -> dict:
-    """One layer of dense prefill attention at ``n_tokens`` through transformers'
-    ``sdpa_attention_forward`` on the model's first attention module (causal, GQA): all
-    heads up to ``full_max`` tokens, else one KV group of query heads, scaled by the number
-    of KV heads (the per-head cost is the same for every head). Random bf16 q, k, v."""
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _dense_probe():
+    import dense_probe    # benchmarks/dense_probe.py; imports torch, so loaded when used
+    return dense_probe
 
+
+def precision(args, ours: bool = True) -> str:
+    """What a row computes in: our rows follow --quantization / --kv-cache-dtype, the
+    transformers baseline stays in --dtype."""
+    p = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(
+        args.dtype, args.dtype or "default dtype")
+    if ours and args.quantization:
+        p = f"{args.quantization} linear"
+    if ours and args.kv_cache_dtype not in (None, "auto"):
+        p += " + fp8 KV"
+    return p
+
+
+def probe_dense(pipe, entry: dict, args) -> dict:
+    """Our dense prefill's cost per layer at ``entry``'s length (a request of this case), on
+    the call a dense request makes (benchmarks/dense_probe.py): the prefix's length, the
+    request's cache, headroom and precision, ``--dense-layers`` layers spread over the model
+    (each timed once; one layer ``--probe-repeats`` times) after one untimed call at that
+    shape. On a GPU up to ``--cudnn-max-tokens``, a standalone cuDNN SDPA call at the same
+    shape beside it."""
+    dp = _dense_probe()
+    tok = entry.get("tokens") or {}
+    n = int(tok.get("prefix") or tok["total"])
+    # the Pipeline's headroom: the question's rows and the answer's
+    headroom = max(int(tok["total"]) - n + args.max_new_tokens, 64)
     ad = pipe.adapter
-    idt = ad.identity
-    Hq, Hkv, D = idt.heads, idt.kv_heads, idt.head_dim
-    full = n_tokens <= full_max
-    hq, hkv = (Hq, Hkv) if full else (Hq // Hkv, 1)
-    module = ad.text_model.layers[0].self_attn
-    dev, dt = pipe.device, pipe.dtype
-    g = torch.Generator(device=dev).manual_seed(0)
     try:
-        q = torch.randn(1, hq, n_tokens, D, device=dev, dtype=dt, generator=g)
-        k = torch.randn(1, hkv, n_tokens, D, device=dev, dtype=dt, generator=g)
-        v = torch.randn(1, hkv, n_tokens, D, device=dev, dtype=dt, generator=g)
-        ev = Events(dev.type == "cuda")
-        with torch.inference_mode():
-            small = min(n_tokens, 4096)   # loads the kernels; the timed call is the first at N
-            sdpa_attention_forward(module, q[:, :, :small], k[:, :, :small], v[:, :, :small],
-                                   None, scaling=D ** -0.5)
-            with ev("probe"):
-                sdpa_attention_forward(module, q, k, v, None, scaling=D ** -0.5)
-        ms = ev.ms()["probe"]
+        out = dp.probe_layers(ad.text_model, n, layers=args.dense_layers,
+                              repeats=args.probe_repeats, chunk=ad.prefill_chunk,
+                              kv_dtype=ad.kv_cache_dtype, headroom=headroom,
+                              context=pipe.prefill_context)
     except Exception as e:
-        failed = {"tokens": n_tokens, **_error(e)}
-    else:
-        failed = None
-    q = k = v = None
+        out = {"tokens": n, **_error(e)}
     free_memory()
-    if failed:
-        return failed
-    scale = 1 if full else Hkv
-    return {"tokens": n_tokens, "heads_timed": hq, "kv_heads_timed": hkv, "ms": round(ms, 3),
-            "layer_ms": round(ms * scale, 3), "layers": len(ad.text_model.layers),
-            "all_layers_ms": round(ms * scale * len(ad.text_model.layers), 3)}
+    out["precision"] = precision(args)
+    if "error" in out or pipe.device.type != "cuda" or n > args.cudnn_max_tokens:
+        return out
+    ref = dp.cudnn_reference(n, out["heads"], out["kv_heads"], out["head_dim"],
+                             device=pipe.device, dtype=pipe.dtype,
+                             scale=ad.text_model.layers[0].self_attn.scaling,
+                             repeats=args.probe_repeats)
+    out["cudnn"] = ref
+    out["versus_cudnn"] = dp.versus_cudnn(out, ref)
+    free_memory()
+    return out
 
 
-def _extrapolated_prefill(sparse: dict | None, probe: dict | None) -> dict | None:
-    """Dense prefill from measured parts: the sparse request's llm_other (the same
-    projections and MLPs) + layers x the probe's dense layer."""
-    if not sparse or "timings_ms" not in sparse or not probe or "all_layers_ms" not in probe:
+def _extrapolated_prefill(sparse: dict | None, probe: dict | None,
+                          calls: int | None = None) -> dict | None:
+    """A dense prefill from measured parts: ``calls`` attention calls (default: a dense
+    prefix's, the model's layers but the last) x the probe's per-layer attention, and the
+    sparse request's llm_other (the same projections, MLPs and cache writes, measured in
+    full)."""
+    if not sparse or "timings_ms" not in sparse or not probe or "attention_ms" not in probe:
         return None
-    return {"attention": probe["all_layers_ms"],
+    calls = probe["attention_calls"] if calls is None else calls
+    return {"attention": round(probe["attention_ms"] * calls, 3),
             "llm_other": sparse["timings_ms"]["llm_other"] or 0.0}
 
 
 def extrapolated_dense(sparse: dict | None, probe: dict | None) -> dict:
+    """The dense request's row from the sparse request's and the probe: the sparse TTFT with
+    its index and attention stages replaced by the dense prefix's attention calls x the
+    probe's layer (every other stage, decoding's overlap with vision included, is the same
+    code in both modes)."""
     x = _extrapolated_prefill(sparse, probe)
     entry = {"mode": "dense", "measured": False, "path": "extrapolated",
-             "extrapolated": ["attention", "llm_other", "decode", "preprocess", "vision"],
-             "how": "the sparse request's decode + preprocess + vision + llm_other + layers x "
-                    "the probe's dense layer"}
+             "extrapolated": ["attention", "llm_other", "decode", "preprocess", "vision"]}
     if x is None:
         entry["error"] = "no sparse request or probe to extrapolate from"
         return entry
+    entry["how"] = (f"the sparse request's TTFT - its index and attention + "
+                    f"{probe['attention_calls']} attention calls x the probe's layer "
+                    f"({len(probe['layers_timed'])} of {probe['layers']} layers measured in "
+                    f"full through the product's dense prefill)")
+    entry["layers_measured"] = probe["layers_timed"]
+    entry["precision"] = sparse.get("precision")
     s = sparse["timings_ms"]
-    t = {k: s.get(k) for k in ("decode", "preprocess", "vision")}
-    t.update(index=0.0, generate=s.get("generate"), **x)
-    t["ttft"] = sum((t[k] or 0.0) for k in ("decode", "preprocess", "vision", "attention",
-                                             "llm_other"))
-    t["total"] = t["ttft"] + (t["generate"] or 0.0)
+    t = {k: s.get(k) for k in STAGES}
+    t.update(index=0.0, **x)
+    t["ttft"] = (s["ttft"] - (s.get("index") or 0.0) - (s.get("attention") or 0.0)
+                 + x["attention"] + x["llm_other"] - (s.get("llm_other") or 0.0))
+    t["total"] = t["ttft"] + ((s.get("total") or s["ttft"]) - s["ttft"])
     entry.update(timings_ms={k: _num(t.get(k)) for k in STAGES},
                  ttft_excl_decode_ms=_num(t["ttft"] - (t["decode"] or 0.0)),
                  tokens=sparse.get("tokens"))
     return entry
+
+
+def validate_probe(dense: dict | None, sparse: dict | None, probe: dict | None) -> dict | None:
+    """The probe's dense row against the dense request measured in the same run: their
+    attention stages' ratio (``factor`` = measured / probe; agreement within 5 %) and
+    TTFTs'."""
+    if not dense or "timings_ms" not in dense or not dense.get("measured", True):
+        return None
+    x = extrapolated_dense(sparse, probe)
+    if "timings_ms" not in x:
+        return None
+    m, e = dense["timings_ms"], x["timings_ms"]
+    if not m.get("attention") or not e.get("attention"):
+        return None
+    f = m["attention"] / e["attention"]
+    within = _dense_probe().WITHIN
+    return {"tokens": probe["tokens"], "measured_attention_ms": m["attention"],
+            "probe_attention_ms": e["attention"], "factor": round(f, 4),
+            "within": abs(f - 1) <= within, "tolerance": within,
+            "measured_ttft_ms": m["ttft"], "probe_ttft_ms": e["ttft"],
+            "ttft_factor": round(m["ttft"] / e["ttft"], 4),
+            "measured_llm_other_ms": m.get("llm_other"),
+            "sparse_llm_other_ms": sparse["timings_ms"].get("llm_other"),
+            "probe_rest_x_layers_ms": _num(probe["rest_ms"] * probe["layers"])}
+
+
+def probe_correction(report: dict, setting) -> dict | None:
+    """The factor extrapolated rows are multiplied by: ``--probe-factor X``; ``auto`` (the
+    default): the validation of this run's longest case whose probe and measured dense run
+    disagree by more than 5 %, nothing when they agree or none ran; ``none``: never."""
+    if setting in (None, "none"):
+        return None
+    if setting != "auto":
+        return {"factor": float(setting), "from": "--probe-factor"}
+    vals = [(v["tokens"], name, v) for name, rec in report["cases"].items()
+            if (v := rec.get("probe_validation"))]
+    if not vals:
+        return None
+    _, name, v = max(vals, key=lambda x: x[0])
+    if v["within"]:
+        return None
+    return {"factor": v["factor"], "from": f"{name} in this run (measured / probe)"}
+
+
+def correct_extrapolated(R: dict, corr: dict | None) -> None:
+    """Multiply the probe-derived attention of every extrapolated row by ``corr``'s factor
+    (once), keeping the uncorrected figure and saying so in the row."""
+    if not corr:
+        return
+    for e in R.values():
+        if e.get("measured", True) or "timings_ms" not in e or "probe_factor" in e:
+            continue
+        t = e["timings_ms"]
+        if t.get("attention") is None:
+            continue
+        d = t["attention"] * (corr["factor"] - 1)
+        e["attention_uncorrected_ms"] = t["attention"]
+        for k in ("attention", "ttft", "total"):
+            if t.get(k) is not None:
+                t[k] = _num(t[k] + d)
+        if e.get("ttft_excl_decode_ms") is not None:
+            e["ttft_excl_decode_ms"] = _num(e["ttft_excl_decode_ms"] + d)
+        e["probe_factor"] = corr
 
 
 # ============================================================================ one case
@@ -1056,7 +1141,8 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
         n = _tokens(R) or 0
         probe = None
         if n:
-            probe = rec["probe"] = probe_dense_layer(pipe, n, args.probe_full_max)
+            probe = rec["probe"] = timed_step(clock, probe_estimate_s(case, args),
+                                              lambda: probe_dense(pipe, _token_entry(R), args))
             progress(clock, case, "probe", probe)
             save()
         if not n and not sparse_ok:      # dense is the only mode here: it gives the length
@@ -1082,6 +1168,13 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
                 R["dense"] = extrapolated_dense(R.get("sparse"), probe)
                 R["dense"]["why"], R["dense"]["failed_run"] = "out of memory", measured
         progress(clock, case, "dense", R["dense"])
+        v = validate_probe(R.get("dense"), R.get("sparse"), probe)
+        if v:
+            rec["probe_validation"] = v
+            print(f"[{clock.elapsed():6.0f} s] {case.name} probe vs measured dense: attention "
+                  f"{_s(v['probe_attention_ms'])} vs {_s(v['measured_attention_ms'])} s, "
+                  f"measured / probe {v['factor']:.3f}"
+                  f"{'' if v['within'] else ' (outside 5 %)'}", flush=True)
         save()
         if args.follow_ups and n:
             mode = "sparse" if sparse_ok else "dense"
@@ -1120,7 +1213,7 @@ def run_case(case: Case, args, work: Path, videos: VideoJobs, ckpts: dict, clock
     finally:
         pipe = None     # the requests' closures hold the name, not the object
         free_memory()
-    rec["summary"] = summarise(case, R)
+    rec["summary"] = summarise(case, R, rec.get("probe"), rec.get("probe_validation"))
     save()
 
 
@@ -1135,8 +1228,14 @@ def progress(clock: Clock, case: Case, label: str, e: dict | None):
         what = (f"ttft {_s(t.get('ttft'))} s ({parts}) tokens {(e.get('tokens') or {}).get('total')}"
                 f" GPU {_g(e.get('peak_gpu_gib'))} GiB RSS {_g(e.get('peak_rss_gib'))} GiB"
                 + ("" if e.get("measured", True) else " [extrapolated]"))
-    elif "all_layers_ms" in e:
-        what = f"dense layer {e['layer_ms'] / 1e3:.2f} s x {e['layers']} at {e['tokens']} tokens"
+    elif "attention_ms" in e:
+        vc = e.get("versus_cudnn") or {}
+        what = (f"dense layers {e['layers_timed']} at {e['tokens']} tokens: attention "
+                f"{e['attention_ms'] / 1e3:.3f} s a layer (first call "
+                f"{e['first_call']['attention_ms'] / 1e3:.3f} s), rest {e['rest_ms'] / 1e3:.3f} s;"
+                f" x {e['attention_calls']} = {e['attention_total_ms'] / 1e3:.2f} s; SDPA backend "
+                f"{(e.get('sdpa') or {}).get('backend')}"
+                + (f"; {vc['ours_tflops']} vs cuDNN {vc['cudnn_tflops']} TFLOP/s" if vc else ""))
     else:
         what = str(e.get("skipped") or e.get("error"))[:200]
     print(f"[{clock.elapsed():6.0f} s] {case.name} {label}: {what}", flush=True)
@@ -1149,26 +1248,47 @@ def timed_step(clock: Clock, estimate_s, fn) -> dict:
     return fn()
 
 
-def _tokens(R: dict) -> int | None:
+def _token_entry(R: dict) -> dict | None:
+    """The request of the case's full length that says how many tokens it has."""
     for key in ("sparse", "first_request", "dense"):
-        tok = (R.get(key) or {}).get("tokens")
-        if tok:
-            if key == "first_request" and not R[key].get("full_length"):
-                continue
-            return int(tok["total"])
+        e = R.get(key) or {}
+        if e.get("tokens") and (key != "first_request" or e.get("full_length")):
+            return e
     return None
 
 
+def _tokens(R: dict) -> int | None:
+    e = _token_entry(R)
+    return int(e["tokens"]["total"]) if e else None
+
+
 # Paper estimates (seconds, after issue 11's targets, with margin) for the deadline check.
+# "layer": one dense layer's call (its attention dominates) at the case's "tokens", for the
+# probe's estimate.
 CASE_ESTIMATES_S = {
-    "qwen115k": {"setup": 60, "sparse": 25, "dense": 25, "transformers": 30},
-    "qwen276k": {"setup": 25, "sparse": 40, "dense": 70, "transformers": 70},
-    "longvila1m": {"setup": 75, "sparse": 75, "dense": 0, "transformers": 15},
+    "qwen115k": {"setup": 60, "sparse": 25, "dense": 25, "transformers": 30, "layer": 0.4,
+                 "tokens": 115_223},
+    "qwen276k": {"setup": 25, "sparse": 40, "dense": 70, "transformers": 70, "layer": 1.8,
+                 "tokens": 276_503},
+    "longvila1m": {"setup": 75, "sparse": 75, "dense": 0, "transformers": 15, "layer": 22,
+                   "tokens": 1_052_758},
 }
 
 
+def probe_estimate_s(case: Case, args) -> float | None:
+    """The probe's calls (one untimed, then the timed ones) and, up to --cudnn-max-tokens,
+    cuDNN's (one untimed, then --probe-repeats)."""
+    est = CASE_ESTIMATES_S.get(case.name, {})
+    if "layer" not in est:
+        return None
+    calls = 1 + max(args.probe_repeats, args.dense_layers)
+    cudnn = 1 + args.probe_repeats if est["tokens"] <= args.cudnn_max_tokens else 0
+    return est["layer"] * (calls + cudnn)
+
+
 # ============================================================================ report
-def summarise(case: Case, R: dict) -> dict:
+def summarise(case: Case, R: dict, probe: dict | None = None,
+              validation: dict | None = None) -> dict:
     rows = {}
     for m in ("sparse", "dense", "transformers"):
         runs = [e for k, e in R.items() if (k == m or k.startswith(m + "_"))
@@ -1181,7 +1301,8 @@ def summarise(case: Case, R: dict) -> dict:
                           "ttft_excl_decode_ms": e["ttft_excl_decode_ms"],
                           "measured": e.get("measured", True),
                           "peak_gpu_gib": e.get("peak_gpu_gib"),
-                          "peak_rss_gib": e.get("peak_rss_gib")}
+                          "peak_rss_gib": e.get("peak_rss_gib"),
+                          "precision": e.get("precision")}
 
     def ratio(a, b, key):
         ra, rb = out["rows"].get(a), out["rows"].get(b)
@@ -1189,9 +1310,13 @@ def summarise(case: Case, R: dict) -> dict:
             return float(f"{ra[key] / rb[key]:.4g}")      # 4 significant digits, any size
         return None
 
+    out["same_precision"] = {}
     for a, b in (("dense", "sparse"), ("transformers", "sparse"), ("transformers", "dense")):
         out["ratios"][f"{a}_over_{b}"] = ratio(a, b, "ttft_ms")
         out["ratios"][f"{a}_over_{b}_excl_decode"] = ratio(a, b, "ttft_excl_decode_ms")
+        if a in out["rows"] and b in out["rows"]:
+            out["same_precision"][f"{a}_over_{b}"] = \
+                out["rows"][a]["precision"] == out["rows"][b]["precision"]
     for name, want in case.targets.items():
         if name == "peak_gpu_gib_max":
             got = (out["rows"].get("sparse") or {}).get("peak_gpu_gib")
@@ -1200,6 +1325,17 @@ def summarise(case: Case, R: dict) -> dict:
             got = out["ratios"].get(name)
             ok = None if got is None else got >= want
         out["targets"][name] = {"want": want, "got": got, "met": ok}
+    # assertions on the dense baseline itself: its attention at cuDNN's speed, and the probe
+    # that extrapolates it within 5 % of a measured run
+    vc = (probe or {}).get("versus_cudnn")
+    if vc:
+        tol = 1 - _dense_probe().WITHIN
+        out["targets"]["dense_attention_over_cudnn"] = {
+            "want": tol, "got": vc["ours_over_cudnn"], "met": vc["ours_over_cudnn"] >= tol}
+    if validation:
+        out["targets"]["probe_over_measured_dense"] = {
+            "want": f"1 +- {validation['tolerance']}", "got": validation["factor"],
+            "met": validation["within"]}
     fr = R.get("first_request") or {}
     if "timings_ms" in fr:
         out["first_request_ttft_ms"] = fr["timings_ms"]["ttft"]
@@ -1209,7 +1345,7 @@ def summarise(case: Case, R: dict) -> dict:
 
 def table(report: dict) -> str:
     lines = []
-    hdr = (f"{'case':<13} {'tokens':>9} {'mode':<13} {'src':<5} " +
+    hdr = (f"{'case':<13} {'tokens':>9} {'mode':<13} {'src':<5} {'precision':<17} " +
            " ".join(f"{s[:9]:>9}" for s in STAGES) + f" {'ttft-dec':>9} {'GPU GiB':>8} "
            f"{'RSS GiB':>8}")
     title = "Stages (seconds; src: m = measured, x = extrapolated)"
@@ -1231,12 +1367,13 @@ def table(report: dict) -> str:
             label = "first(warm)" if m == "first_request" else m
             if "timings_ms" not in e:
                 why = e.get("skipped") or e.get("error", "")
-                lines.append(f"{name:<13} {'':>9} {label:<13} {'-':<5} {why[:90]}")
+                lines.append(f"{name:<13} {'':>9} {label:<13} {'-':<5} {'':<17} {why[:90]}")
                 continue
             tok = (e.get("tokens") or {}).get("total")
             src = "m" if e.get("measured", True) else "x"
             cells = " ".join(f"{_s(e['timings_ms'].get(s)):>9}" for s in STAGES)
-            lines.append(f"{name:<13} {tok or '':>9} {label:<13} {src:<5} {cells} "
+            lines.append(f"{name:<13} {tok or '':>9} {label:<13} {src:<5} "
+                         f"{e.get('precision') or '':<17} {cells} "
                          f"{_s(e.get('ttft_excl_decode_ms')):>9} "
                          f"{_g(e.get('peak_gpu_gib')):>8} {_g(e.get('peak_rss_gib')):>8}")
     rep = [(n, r["repeated"]) for n, r in report["cases"].items() if r.get("repeated")]
@@ -1259,7 +1396,7 @@ def table(report: dict) -> str:
                 f"{(r.get('first') or {}).get('cache')}/{','.join(sorted(set(r.get('cache_statuses') or [])))}"
                 f"/{(r.get('host') or {}).get('cache')}")
     lines += ["", "TTFT ratios, one run (excl. decode = all stages after decode; "
-              "* = extrapolated)"]
+              "* = extrapolated; + = rows of different precision)"]
     hdr2 = (f"{'case':<13} {'tokens':>9} {'sparse s':>9} {'dense s':>9} {'transf. s':>9} "
             f"{'dense/sp':>9} {'tf/sp':>9} {'tf/dense':>9} | {'excl. decode:':<13} "
             f"{'dense/sp':>9} {'tf/sp':>9} {'tf/dense':>9}  targets")
@@ -1274,17 +1411,69 @@ def table(report: dict) -> str:
             row = rows.get(m)
             return "-" if not row else _s(row["ttft_ms"]) + ("" if row["measured"] else "*")
 
+        def x(key):
+            same = (s.get("same_precision") or {}).get(key.replace("_excl_decode", ""), True)
+            return _x(r[key]) + ("" if same or r[key] is None else "+")
+
         tg = "; ".join(f"{k} {v['got']} vs {v['want']}: "
                        f"{'met' if v['met'] else 'missed' if v['met'] is False else '?'}"
                        for k, v in s["targets"].items())
         lines.append(
             f"{name:<13} {s['tokens'] or '':>9} {t('sparse'):>9} {t('dense'):>9} "
-            f"{t('transformers'):>9} {_x(r['dense_over_sparse']):>9} "
-            f"{_x(r['transformers_over_sparse']):>9} {_x(r['transformers_over_dense']):>9} | "
-            f"{'':<13} {_x(r['dense_over_sparse_excl_decode']):>9} "
-            f"{_x(r['transformers_over_sparse_excl_decode']):>9} "
-            f"{_x(r['transformers_over_dense_excl_decode']):>9}  {tg}")
+            f"{t('transformers'):>9} {x('dense_over_sparse'):>9} "
+            f"{x('transformers_over_sparse'):>9} {x('transformers_over_dense'):>9} | "
+            f"{'':<13} {x('dense_over_sparse_excl_decode'):>9} "
+            f"{x('transformers_over_sparse_excl_decode'):>9} "
+            f"{x('transformers_over_dense_excl_decode'):>9}  {tg}")
+    lines += probe_table(report)
     return "\n".join(lines)
+
+
+def probe_table(report: dict) -> list[str]:
+    """The dense probe of each case against its measured dense run and cuDNN, and how each
+    extrapolated row was made."""
+    probes = [(n, r) for n, r in report["cases"].items()
+              if (r.get("probe") or {}).get("attention_ms") is not None]
+    if not probes:
+        return []
+    lines = ["", "Dense probe: the product's dense prefill layer by layer (one untimed call at "
+             "the shape first; medians; attention s per layer x the dense prefix's attention "
+             "calls), against the dense request measured in the same run"]
+    hdr = (f"{'case':<13} {'tokens':>9} {'layers timed':<14} {'first':>7} {'attn':>7} "
+           f"{'rest':>7} {'calls':>5} {'x calls':>8} {'measured':>9} {'meas/probe':>10}  "
+           f"SDPA backend")
+    lines += [hdr, "-" * len(hdr)]
+    for name, rec in probes:
+        p, v = rec["probe"], rec.get("probe_validation") or {}
+        layers = ",".join(str(i) for i in p["layers_timed"])
+        f = "-" if not v else f"{v['factor']:.3f}" + ("" if v["within"] else " !")
+        lines.append(
+            f"{name:<13} {p['tokens']:>9} {layers:<14} "
+            f"{_s(p['first_call']['attention_ms']):>7} {p['attention_ms'] / 1e3:>7.3f} "
+            f"{p['rest_ms'] / 1e3:>7.3f} {p['attention_calls']:>5} "
+            f"{_s(p['attention_total_ms']):>8} {_s(v.get('measured_attention_ms')):>9} "
+            f"{f:>10}  {(p.get('sdpa') or {}).get('backend')}")
+    vcs = [(n, r["probe"]["versus_cudnn"]) for n, r in probes if r["probe"].get("versus_cudnn")]
+    if vcs:
+        lines += ["", "Dense attention, one layer at the case's length: our dense prefill's "
+                  "call against a standalone cuDNN SDPA call (TFLOP/s over the causal "
+                  "triangle)"]
+        hdr = (f"{'case':<13} {'tokens':>9} {'ours ms':>9} {'TFLOP/s':>8} {'cuDNN ms':>9} "
+               f"{'TFLOP/s':>8} {'ours/cuDNN':>10}  cuDNN's GQA")
+        lines += [hdr, "-" * len(hdr)]
+        for name, vc in vcs:
+            lines.append(f"{name:<13} {vc['tokens']:>9} {vc['ours_ms']:>9.1f} "
+                         f"{vc['ours_tflops']:>8.1f} {vc['cudnn_ms']:>9.1f} "
+                         f"{vc['cudnn_tflops']:>8.1f} {vc['ours_over_cudnn']:>10.3f}  "
+                         f"{vc['cudnn_gqa']}")
+    for name, rec in report["cases"].items():
+        for m, e in (rec.get("requests") or {}).items():
+            if e.get("measured", True) or "timings_ms" not in e:
+                continue
+            lines.append(f"{name} {m} extrapolated: {e.get('how') or '; '.join(e['extrapolated'])}"
+                         + (f"; attention x {e['probe_factor']['factor']} "
+                            f"({e['probe_factor']['from']})" if e.get("probe_factor") else ""))
+    return lines
 
 
 def _s(ms):
@@ -1371,8 +1560,18 @@ def parse_args(argv=None):
                    help="repeated questions: skip the follow-up from the host tier")
     p.add_argument("--no-dense", dest="dense", action="store_false",
                    help="extrapolate dense from the probe instead of running it")
-    p.add_argument("--probe-full-max", type=int, default=400_000,
-                   help="up to this many tokens the dense probe times all heads of a layer")
+    p.add_argument("--dense-layers", type=int, default=1,
+                   help="decoder layers the dense probe runs in full through the product's "
+                   "dense prefill, spread over the model (4: layers 0, 9, 18, 27 of 28)")
+    p.add_argument("--probe-repeats", type=int, default=3,
+                   help="timed calls of the probe's layer when it runs one (and of cuDNN's)")
+    p.add_argument("--cudnn-max-tokens", type=int, default=400_000,
+                   help="up to this length the probe's attention is compared with a "
+                   "standalone cuDNN SDPA call at the same shape (GPU only)")
+    p.add_argument("--probe-factor", default="auto", metavar="auto|none|X",
+                   help="extrapolated rows' attention x this factor: auto = measured / probe "
+                   "of this run's longest validated case where they differ by more than 5 %%; "
+                   "X: a factor from another run")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="skip steps estimated not to end within this many seconds of start")
     p.add_argument("--no-background-videos", dest="background_videos", action="store_false")
@@ -1456,10 +1655,16 @@ def main(argv=None) -> int:
         report["interrupted"] = str(e)
         rc = 130
     finally:
-        for case in chosen:    # a case cut short still gets its rows and ratios
+        # every case's extrapolated rows take the run's probe correction, then the rows
+        # and ratios are summed up (a case cut short gets them too)
+        corr = probe_correction(report, args.probe_factor)
+        report["probe_correction"] = corr
+        for case in chosen:
             rec = report["cases"].get(case.name)
-            if rec and rec.get("requests") and "summary" not in rec:
-                rec["summary"] = summarise(case, rec["requests"])
+            if rec and rec.get("requests"):
+                correct_extrapolated(rec["requests"], corr)
+                rec["summary"] = summarise(case, rec["requests"], rec.get("probe"),
+                                           rec.get("probe_validation"))
         videos.close(wait=rc == 0)
         report["setup"]["checkpoints"] = ckpts
         report["setup"]["videos"] = videos.info

@@ -1,5 +1,6 @@
-"""End-to-end prefill benchmark on one GPU: time to first token, dense (cuDNN SDPA) against
-sparse (our estimation + kernels), for the full-size Qwen2.5-VL-7B and LongVILA-7B language
+"""End-to-end prefill benchmark on one GPU: time to first token, dense (our dense prefill: the
+attention hook's SDPA call, the backend PyTorch picks for it) against sparse (our estimation +
+kernels), for the full-size Qwen2.5-VL-7B and LongVILA-7B language
 models built from their configs with random weights (no download), on video-shaped inputs
 with the real ModalityIndex layout.
 
@@ -13,8 +14,8 @@ logits computed. Peak memory therefore includes the KV cache (≈ 57 GB at 1M to
 7B shapes). Stages: ``index`` (online estimation + plan), ``attention`` (kernels),
 ``llm_other`` (projections, norms, RoPE, MLP, cache writes, logits) from CUDA events with one
 synchronisation per run. Dense runs longer than ``--dense-full-max`` tokens are extrapolated
-from one measured layer of dense attention plus the measured non-attention time, and marked
-as such.
+from one layer of the same dense prefill (benchmarks/dense_probe.py: the engine's own call,
+timed warm, median of 3) plus the measured non-attention time, and marked as such.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from mminfer.models.base import _new_cache  # noqa: E402
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill  # noqa: E402
 from mminfer.sparse.patterns import HeadPatternConfig  # noqa: E402
 from mminfer.engine.timing import StageTimer  # noqa: E402
-from cuda_events import events_ms  # noqa: E402  (benchmarks/ is the script's folder)
+import dense_probe  # noqa: E402  (benchmarks/ is the script's folder)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -258,15 +259,10 @@ def decode_steps_ms(model, cache, pos, steps=8):
     return out
 
 
-def dense_one_layer_ms(model, kind, n):
-    """cuDNN dense causal attention of one layer at n tokens (28/4 heads, d 128)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    q = torch.randn(1, 28, n, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        return events_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True), reps=1)
+def dense_layer(model, n, chunk):
+    """One decoder layer of the dense prefill ``run_one`` times, at ``n`` tokens, into the
+    same kind of cache (dense_probe: warm, median of 3 CUDA-event timed calls)."""
+    return dense_probe.probe_layers(model, n, chunk=chunk, cache=lambda: _new_cache(model))
 
 
 def main():
@@ -288,7 +284,6 @@ def main():
                     "of its FP8 conversion on the same input, their relative error")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     a = ap.parse_args()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     todo = []
     if a.model in ("qwen", "both"):
         todo.append(("qwen", a.lengths or [65536, 131072, 262144]))
@@ -321,17 +316,17 @@ def main():
             print(json.dumps({k: v for k, v in sp.items() if k != "density_per_layer"}),
                   flush=True)
             if n <= a.dense_full_max:
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-                    de = run_one(model, head, kind, n, "dense", patterns, a.chunk)
+                de = run_one(model, head, kind, n, "dense", patterns, a.chunk)
                 de["extrapolated"] = False
             else:
-                layer_ms = dense_one_layer_ms(model, kind, sp["n"])
-                n_layers = len(model.layers)
+                pr = dense_layer(model, sp["n"], a.chunk)
                 de = {"model": kind, "n": sp["n"], "mode": "dense", "extrapolated": True,
-                      "attention_ms": layer_ms * n_layers, "index_ms": 0.0,
+                      "attention_ms": pr["attention_total_ms"], "index_ms": 0.0,
                       "llm_other_ms": sp["llm_other_ms"],
-                      "ttft_ms": layer_ms * n_layers + sp["llm_other_ms"],
-                      "dense_layer_ms": layer_ms}
+                      "ttft_ms": pr["attention_total_ms"] + sp["llm_other_ms"],
+                      "dense_layer_ms": pr["attention_ms"],
+                      "probe": {k: pr[k] for k in ("layers_timed", "calls", "first_call",
+                                                   "attention_calls", "sdpa")}}
             de["speedup"] = de["ttft_ms"] / sp["ttft_ms"]
             rows.append(de)
             print(json.dumps(de), flush=True)

@@ -2,17 +2,32 @@
 # One device call: the end-to-end benchmark through Pipeline.answer (benchmarks/e2e.py) on one
 # H200. Writes the random-weight checkpoints and the videos under /tmp/mminfer_e2e (local
 # disk, never under $OUT); e2e.json, table.txt, e2e.log and device.txt come back in $OUT.
-# Carry .whl (decord and PyAV wheels, BENCHMARKS.md section 5 says how to fetch them): the GPU
-# machine has neither; without them the pipeline cannot decode a file.
-#   bash benchmarks/run_e2e_h200.sh                          # all three cases (~7-8 min)
-#   bash benchmarks/run_e2e_h200.sh --cases qwen115k qwen276k
-# Arguments go to e2e.py. DEADLINE (s, default 540) makes e2e.py skip steps that would not
-# end in time; TIMEOUT (default 585) stops it (it still writes the table) inside the
-# device tool's 600 s limit.
+# Carry .whl (decord and PyAV wheels, docs/development.md "Device runs" says how to fetch
+# them): the GPU machine has neither; without them the pipeline cannot decode a file.
+#
+# Without arguments it runs the dense baselines' check, one call (~7-7.5 min estimated from
+# the committed runs; see e2e.py's docstring): qwen276k, longvila1m, qwen115k, in that order
+# (the deadline drops the last steps first), --warmup short, no follow-up questions, and
+#   - sparse and dense measured at 276K and 115K, beside the transformers baseline;
+#   - the dense probe (4 of the 28 layers, each run in full through the product's dense
+#     prefill) at each length, validated against the measured dense rows (measured / probe,
+#     5 % tolerance; the "Dense probe" table);
+#   - our dense prefill's attention TFLOP/s beside a standalone cuDNN SDPA call at 276K and
+#     115K (the "Dense attention" table; target ours/cuDNN >= 0.95);
+#   - the 1.05M dense and baseline rows from those 4 measured layers (marked x; corrected by
+#     the 276K factor where the probe and the measured run disagree by more than 5 %).
+#   bash benchmarks/run_e2e_h200.sh                          # the above
+#   bash benchmarks/run_e2e_h200.sh --cases qwen115k qwen276k --warmup short
+# Arguments replace those defaults and go to e2e.py as they are. DEADLINE (s, default 540)
+# makes e2e.py skip steps that would not end in time; TIMEOUT (default 585) stops it (it
+# still writes the table) inside the device tool's 600 s limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/e2e}; mkdir -p "$OUT"
 source benchmarks/device_env.sh       # PYTHONPATH, the .whl wheels
+if [ "$#" -eq 0 ]; then
+  set -- --cases qwen276k longvila1m qwen115k --warmup short --follow-ups 0 --dense-layers 4
+fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   echo "cores $(nproc)"; free -g | head -2; df -h /tmp | tail -1
