@@ -111,8 +111,20 @@ def test_a_host_entry_being_restored_is_never_evicted():
     _consistent(cache)
 
 
-class Boom(Exception):
-    pass
+def test_a_move_is_all_or_nothing(monkeypatch):
+    """PrefixKV.move fills every layer's new buffers before any layer takes them: a failure
+    copying the second layer leaves the first where it was."""
+    kv = _entry().kv
+    before = [(layer.k_buf, layer.v_buf) for layer in kv.layers]
+
+    def fail(*a, **kw):
+        raise MemoryError
+
+    monkeypatch.setattr(kv.layers[1], "_copied", fail)
+    with pytest.raises(MemoryError):
+        kv.move("cpu", headroom=0)
+    assert all(layer.k_buf is k and layer.v_buf is v
+               for layer, (k, v) in zip(kv.layers, before))
 
 
 @pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
