@@ -72,9 +72,11 @@ CPU_DEFAULT_BYTES = 2 << 30
 PREFILL_SLACK = 0.25
 # Room an entry keeps on the device past its prefix, in rows: a quarter of the prefix, at
 # least ROOM_MIN and at most ROOM_MAX rows (a question and a short answer: 0.9% of a
-# 115K-token prefix). A follow-up that fits appends in place; one that does not regrows the
-# slab, a copy of the prefix (at 276K tokens of a 7B model, 16 GB: ~9 ms on an H200 beside a
-# 35 ms follow-up), and is trimmed back after.
+# 115K-token prefix), charged to it. A follow-up that fits appends in place; one that does
+# not regrows the slab, a copy of the prefix one layer at a time, and is trimmed back after
+# (another copy). Estimated, not measured: 16 GB at 276K tokens of a 7B model, read and
+# written at H200 bandwidth, ~7 ms each, beside a 35 ms follow-up; so the room is kept
+# rather than trimmed after every question.
 ROOM_MIN, ROOM_MAX = 64, 1024
 # how often a plain wait looks up from its event (an interrupt lands within this)
 WAIT_POLL_S = 0.1
