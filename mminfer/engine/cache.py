@@ -181,7 +181,7 @@ class Entry:
     sparsity: dict | None = None
     tier: Tier = Tier.GPU
     nbytes: int = 0                    # what it is charged: kv.held_bytes, kept current
-    readers: set = field(default_factory=set, repr=False)       # leases pinning it
+    readers: set[Lease] = field(default_factory=set, repr=False)     # leases pinning it
     holder: Lease | None = field(default=None, repr=False)      # the lease whose turn it is
     free: threading.Event = field(default_factory=_free, repr=False)  # set: no holder
 
@@ -231,10 +231,17 @@ class VideoCache:
         self.host_budget = max(int(host_bytes), 0)
         self._entries: OrderedDict[str, Entry] = OrderedDict()   # LRU first
         self._pending: dict[str, PendingBuild] = {}
-        self._reserved = 0          # device bytes of prefixes being built or restored
+        # leases holding device room for a prefix they built or restore (a set: releasing is
+        # idempotent, whatever interrupts it)
+        self._reserving: set[Lease] = set()
         self._lock = threading.RLock()
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
                            evictions_host=0, inserted=0, rejected=0, build_waits=0)
+
+    @property
+    def _reserved(self) -> int:
+        """Device bytes reserved for prefixes being built or restored."""
+        return sum(lease.reserved for lease in self._reserving)
 
     # ------------------------------------------------------------ waiting
     def wait(self, event: threading.Event) -> None:
@@ -310,8 +317,8 @@ class VideoCache:
         while True:                            # one question at a time appends after it
             with self._lock:
                 if entry.holder is None:
-                    entry.holder = lease
                     entry.free.clear()
+                    entry.holder = lease
                     break
             self.wait_for_turn(entry)
         lease.wait_ms = (time.perf_counter() - t0) * 1e3
@@ -342,7 +349,7 @@ class VideoCache:
                             entry.tier is Tier.GPU:
                         entry.nbytes = entry.kv.held_bytes     # a question may have grown it
                 finally:
-                    self._reserved -= lease.reserved
+                    self._reserving.discard(lease)
                     lease.reserved = 0
                     if entry is not None:
                         entry.readers.discard(lease)
@@ -361,14 +368,14 @@ class VideoCache:
     def _reserve_built(self, lease: Lease, entry: Entry) -> None:
         """A built prefix's room on the device, made now (it is kept when its lease ends)."""
         with self._lock:
-            entry.holder = lease                  # its builder's turn until then
-            entry.free.clear()
+            entry.free.clear()                    # its builder's turn until then
+            entry.holder = lease
             kv = entry.kv            # charged once kept: its rows and the room it keeps
             need = kv.bytes_at(min(kv.capacity, entry.length + room_rows(entry.length)))
             if need > self.gpu_budget:
                 return                            # served, never kept: _keep says so
-            lease.reserved += need
-            self._reserved += need
+            lease.reserved = need
+            self._reserving.add(lease)
             self._fit_gpu(self.gpu_budget)
 
     def _keep(self, lease: Lease) -> None:
@@ -395,14 +402,14 @@ class VideoCache:
         room = room_rows(entry.length)
         need = entry.kv.bytes_at(entry.length + room)
         with self._lock:
-            lease.reserved += need
-            self._reserved += need
+            lease.reserved = need
+            self._reserving.add(lease)
             self._fit_gpu(self.gpu_budget)
         entry.kv.move(self.device, headroom=room)
         with self._lock:
             entry.tier, entry.nbytes = Tier.GPU, entry.kv.held_bytes
-            self._reserved -= need
-            lease.reserved -= need
+            self._reserving.discard(lease)
+            lease.reserved = 0
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
