@@ -3,33 +3,64 @@
 An entry is the KV cache of a prompt's prefix (everything up to and including the video:
 mminfer.models.base.Conversation) plus what a suffix needs to continue it (the prefix length,
 the M-RoPE offset, the prefix's ModalityIndex) and what the answer reports of the video. Its
-key (:func:`cache_key`) is the video's content hash and everything that changes the prefix's
+key (:class:`PrefixKey`) is the video's content hash and everything that changes the prefix's
 tokens or values: the model and its revision, dtype, what the KV cache stores (the model's
 dtype or FP8: ``--kv-cache-dtype``), the sampling (fps, max_frames, start, end), the pixel
 budget, the attention mode and its threshold, the head-pattern config, the quantization of
 the linear layers (fp8 or none), and the turns before the video. A changed byte, model or
 config is another key: a miss, never a stale hit. An FP8 entry holds half of bf16's bytes
-(its ``nbytes``: the rows and their per-head scales) and moves between the tiers as it is.
+and moves between the tiers as it is.
+
+Memory: an entry is charged every byte it keeps (``PrefixKV.held_bytes``: its rows, the room
+past them, the FP8 scales). On the device it keeps :func:`room_rows` rows of room past the
+prefix, so the next question's suffix and answer usually append in place; a question that
+needs more grows the slab (a copy of the prefix, one layer at a time) and, when its lease
+ends, the slab is trimmed back to that room and the entry charged again. A host copy holds
+the rows alone. So the tensors of idle entries stay within ``gpu_bytes`` and ``host_bytes``;
+a request being answered holds its own question's and answer's rows on top until it ends, and
+a prefix being built or restored has its room reserved (other entries spilled) before it is
+kept or moved in.
 
 Tiers (vLLM's v1 KV offload, at entry granularity): entries live on the model's device within
 ``gpu_bytes`` (``--kv-cache-gb``); the least recently used spill to pinned host memory within
 ``host_bytes`` (``--kv-host-cache-gb``; 0: no host tier, they are dropped) and come back on a
-hit. An entry being read is pinned (never moved or evicted); a request that reads one holds
-its lock, so two questions on one video run one after the other (each appends its own rows
-after the prefix). A prefill that needs the memory asks :meth:`VideoCache.make_room` first.
-Only a finished prefix is inserted: a cancelled or failed prefill leaves nothing behind.
+hit. A move is all or nothing (``PrefixKV.move``): a restore that fails (out of memory, an
+interrupt) leaves the entry on the host, counted and evictable, for a later hit to restore;
+a spill that fails for want of host memory drops the entry, and one that is interrupted
+leaves it on the device.
+
+Requests (threads): every lookup holds a :class:`Lease` for the block of :meth:`VideoCache.use`.
+An entry being read is pinned (never moved or evicted); one lease at a time holds its turn
+(appends its question's rows after the prefix), so two questions on one video run one after
+the other. A miss registers a :class:`PendingBuild`; another request for the key waits for it
+(:meth:`VideoCache.wait_for_build`) and then reads the kept entry, or builds it itself if the
+first build failed, was cancelled or was not kept: ten first requests for one video cost one
+prefill. Every wait goes through :meth:`VideoCache.wait`, which a scheduler overrides to give
+its GPU turn away while it waits. One lock guards the bookkeeping; no lock is held while a
+prefix is built, restored from the host or trimmed (a spill, which makes room for whoever
+asked, copies under it). A prefill that needs the memory asks :meth:`VideoCache.make_room`
+first. Only a finished prefix is kept: a cancelled or failed prefill leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:      # both import torch: `mminfer --help` imports this module
+    from mminfer.models.kv import PrefixKV
+    from mminfer.sparse.modality import ModalityIndex
+
+log = logging.getLogger(__name__)
 
 # Default GPU budget: this share of the device's memory (H200: 70 of 141 GB, room for one
 # 1M-token LongVILA-7B prefix, 60 GB, beside the 16 GB of weights; a new long prefill first
@@ -39,6 +70,16 @@ CPU_DEFAULT_BYTES = 2 << 30
 # Free memory kept for a new prefill on top of its KV cache: activations of its chunked
 # prefill (models/prefill.py: the MLP's chunk temporaries, q and the attention output).
 PREFILL_SLACK = 0.25
+# Room an entry keeps on the device past its prefix, in rows: a quarter of the prefix, at
+# least ROOM_MIN and at most ROOM_MAX rows (a question and a short answer: 0.9% of a
+# 115K-token prefix), charged to it. A follow-up that fits appends in place; one that does
+# not regrows the slab, a copy of the prefix one layer at a time, and is trimmed back after
+# (another copy). Estimated, not measured: 16 GB at 276K tokens of a 7B model, read and
+# written at H200 bandwidth, ~7 ms each, beside a 35 ms follow-up; so the room is kept
+# rather than trimmed after every question.
+ROOM_MIN, ROOM_MAX = 64, 1024
+# how often a plain wait looks up from its event (an interrupt lands within this)
+WAIT_POLL_S = 0.1
 
 _digests: dict = {}
 _digest_lock = threading.Lock()
@@ -73,43 +114,108 @@ def cache_key(**parts) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-@dataclass
+def room_rows(length: int) -> int:
+    """Rows of room an entry of ``length`` prefix rows keeps on the device (see ROOM_MIN)."""
+    return min(ROOM_MAX, max(ROOM_MIN, int(length) // 4))
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """Everything a prefix's KV cache depends on: its :meth:`digest` is the cache's key. A
+    field that changes the prefix's tokens or values and is missing here is a stale hit."""
+    # the pipeline
+    model: str
+    revision: str | None
+    adapter: str
+    dtype: str                  # the model's
+    kv_cache: str               # what the cache stores: the model's dtype or FP8
+    quantization: str | None    # of the linear layers
+    device: str
+    sampling: str               # the adapter's frame-sampling rule
+    frame_limit: int | None     # frames the model takes at most
+    patterns: str | None        # digest of the head-pattern config (and its calibrated flag)
+    min_sparse_len: int         # where "auto" goes sparse
+    # the request
+    video: str                  # sha256 of the bytes
+    fps: float
+    max_frames: int
+    start: float | None
+    end: float | None
+    mode: str                   # attention: auto | sparse | dense
+    options: dict               # PrepareOptions: the pixel budget
+    turns: str                  # digest of the turns before the video
+    # the tenant's or request's cache_salt (vLLM's): entries are shared only under one salt
+    salt: str | None = None
+
+    def digest(self) -> str:
+        return cache_key(**asdict(self))
+
+
+class Tier(str, enum.Enum):
+    GPU = "gpu"       # the model's device (its memory: the GPU's, or the CPU's on a CPU)
+    HOST = "host"     # pinned host memory, brought back to the device on a hit
+
+
+@dataclass(frozen=True)
+class PrefixFacts:
+    """What an answer reports of the prefix it continued, known once it is built."""
+    attention: str              # what its prefill ran: "sparse" or "dense"
+    visual_tokens: int
+    video: dict                 # frames, sampled_fps, fps, duration, width, height, sha256, ...
+
+
+def _free() -> threading.Event:
+    e = threading.Event()
+    e.set()
+    return e
+
+
+@dataclass(eq=False)
 class Entry:
-    """A prefix ready to be continued: ``kv`` (models.kv.PrefixKV) holds ``length`` rows."""
-    kv: object
+    """A prefix ready to be continued: ``kv`` holds ``length`` rows (and room past them)."""
+    kv: PrefixKV | None                # None once evicted
     length: int                        # prefix tokens
-    rope_delta: int = 0                # position of token i after the video: i + rope_delta
-    index: object = None               # ModalityIndex of the prefix
-    facts: dict = field(default_factory=dict)   # video facts, sparsity, the build's timings
-    tier: str = "gpu"                  # "gpu" | "host"
-    nbytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    readers: int = 0
+    rope_delta: int                    # position of token i after the video: i + rope_delta
+    index: ModalityIndex               # of the prefix
+    facts: PrefixFacts
+    # its sparse prefill's density, counted by its builder after its answer (never in the
+    # time to first token) and before it is kept
+    sparsity: dict | None = None
+    tier: Tier = Tier.GPU
+    nbytes: int = 0                    # what it is charged: kv.held_bytes, kept current
+    readers: set[Lease] = field(default_factory=set, repr=False)     # leases pinning it
+    holder: Lease | None = field(default=None, repr=False)      # the lease whose turn it is
+    free: threading.Event = field(default_factory=_free, repr=False)  # set: no holder
 
 
-class Slot:
-    """What :meth:`VideoCache.use` yields: ``entry`` (None on a miss), ``status`` ("hit",
-    "host", "miss" or "off"), ``restore_ms``; on a miss :meth:`store` inserts the built entry
-    (kept pinned until the block ends)."""
+@dataclass(eq=False)
+class PendingBuild:
+    """A prefix one request is building; ``done`` is set when its lease ends (``kept``: the
+    entry is in the cache now; else a waiter builds it itself)."""
+    key: str
+    done: threading.Event = field(default_factory=threading.Event)
+    kept: bool = False
 
-    def __init__(self, cache, key, entry, status, restore_ms=0.0):
-        self.cache, self.key, self.entry, self.status = cache, key, entry, status
-        self.restore_ms = restore_ms
+
+class Lease:
+    """What :meth:`VideoCache.use` yields, for its block: ``entry`` (None on a miss until
+    :meth:`store`), ``status`` ("hit", "host", "miss" or "off"), ``restore_ms`` and
+    ``wait_ms`` (waiting for another request's build of this prefix, or for its turn)."""
+
+    def __init__(self, cache: VideoCache | None, key: str | None, status: str = "off"):
+        self.cache, self.key, self.status = cache, key, status
+        self.entry: Entry | None = None
+        self.built = False                    # store()d: kept when the block ends
+        self.pending: PendingBuild | None = None
+        self.restore_ms = self.wait_ms = 0.0
+        self.reserved = 0                     # device bytes reserved for this lease's entry
 
     def store(self, entry: Entry) -> None:
-        entry.lock.acquire()             # the request that built it reads it now
-        entry.readers += 1
-        self.entry = entry
-        if self.cache is not None and self.key is not None:
-            self.cache._insert(self.key, entry)
-
-    def _release_built(self) -> None:
-        e = self.entry
-        if e is not None:
-            if e.kv is not None:
-                e.kv.truncate(e.length)
-            e.readers -= 1
-            e.lock.release()
+        """The prefix this request built: it continues it now, and it is kept under the key
+        when the block ends (within the budget; its room is made now)."""
+        self.entry, self.built = entry, True
+        if self.cache is not None:
+            self.cache._reserve_built(self, entry)
 
 
 class VideoCache:
@@ -126,9 +232,37 @@ class VideoCache:
         self.gpu_budget = max(int(gpu_bytes), 0)
         self.host_budget = max(int(host_bytes), 0)
         self._entries: OrderedDict[str, Entry] = OrderedDict()   # LRU first
+        self._pending: dict[str, PendingBuild] = {}
+        # leases holding device room for a prefix they built or restore (a set: releasing is
+        # idempotent, whatever interrupts it)
+        self._reserving: set[Lease] = set()
         self._lock = threading.RLock()
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
-                           evictions_host=0, inserted=0, rejected=0)
+                           evictions_host=0, inserted=0, rejected=0, build_waits=0)
+
+    @property
+    def _reserved(self) -> int:
+        """Device bytes reserved for prefixes being built or restored."""
+        return sum(lease.reserved for lease in self._reserving)
+
+    # ------------------------------------------------------------ waiting
+    def wait(self, event: threading.Event) -> None:
+        """Block until ``event`` is set: every wait of the cache (for another request's build
+        of a prefix, for the turn on an entry another request reads) goes through here. A
+        plain ``Event.wait`` loop; a scheduler whose requests take turns on the GPU overrides
+        it to give its turn away while it waits (else the request it waits for cannot run).
+        It may raise (a cancelled request): the lease is then released as on any error."""
+        while not event.wait(WAIT_POLL_S):
+            pass
+
+    def wait_for_build(self, pending: PendingBuild) -> None:
+        """Until the build of ``pending.key`` another request runs has ended (kept or not)."""
+        self.wait(pending.done)
+
+    def wait_for_turn(self, entry: Entry) -> None:
+        """Until no other request holds ``entry``'s turn (it may be taken again before this
+        one looks: the caller loops)."""
+        self.wait(entry.free)
 
     # ------------------------------------------------------------ reading
     @property
@@ -137,113 +271,193 @@ class VideoCache:
 
     @contextmanager
     def use(self, key: str | None):
-        """The entry under ``key`` for the duration of the block, pinned and locked (back on
-        the device if it was on the host); a miss yields an empty slot to :meth:`Slot.store`
-        into. ``key`` None: the cache is off for this request."""
+        """The entry under ``key`` for the duration of the block, pinned and its turn held
+        (back on the device if it was on the host); a miss yields a lease to
+        :meth:`Lease.store` into. ``key`` None: the cache is off for this request."""
         if key is None or not self.enabled:
-            slot = Slot(None, None, None, "off")
+            lease = Lease(None, None, "off")
             try:
-                yield slot
+                yield lease
             finally:
-                slot._release_built()
+                if lease.entry is not None and lease.entry.kv is not None:
+                    lease.entry.kv.truncate(lease.entry.length)
             return
+        lease = Lease(self, key)
+        try:
+            self._open(lease)
+            yield lease
+        finally:
+            self._close(lease)
+
+    def _open(self, lease: Lease) -> None:
+        t0 = time.perf_counter()
         with self._lock:
             self.counts["queries"] += 1
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.readers += 1
-                self._entries.move_to_end(key)
-        if entry is None:
+        waited = False
+        while True:
             with self._lock:
-                self.counts["misses"] += 1
-            slot = Slot(self, key, None, "miss")
-            try:
-                yield slot
-            finally:
-                with self._lock:
-                    slot._release_built()
-            return
+                entry = self._entries.get(lease.key)
+                if entry is not None:
+                    # a set of leases, not a count: releasing is idempotent, so an interrupt
+                    # anywhere in here leaves no pin behind (_close discards it)
+                    lease.entry = entry
+                    entry.readers.add(lease)
+                    self._entries.move_to_end(lease.key)
+                    break
+                pending = self._pending.get(lease.key)
+                if pending is None:            # nobody builds it: this request does
+                    lease.pending = PendingBuild(lease.key)
+                    self._pending[lease.key] = lease.pending
+                    lease.status = "miss"
+                    self.counts["misses"] += 1
+                    lease.wait_ms = (time.perf_counter() - t0) * 1e3
+                    return
+                if not waited:
+                    self.counts["build_waits"] += 1
+                    waited = True
+            self.wait_for_build(pending)
+        while True:                            # one question at a time appends after it
+            with self._lock:
+                if entry.holder is None:
+                    entry.free.clear()
+                    entry.holder = lease
+                    break
+            self.wait_for_turn(entry)
+        lease.wait_ms = (time.perf_counter() - t0) * 1e3
+        status = "hit"
+        if entry.tier is Tier.HOST:
+            t1 = time.perf_counter()
+            self._restore(lease, entry)
+            lease.restore_ms = (time.perf_counter() - t1) * 1e3
+            status = "host"
+        with self._lock:
+            self.counts["hits"] += 1
+            self.counts["host_hits"] += status == "host"
+        lease.status = status
+
+    def _close(self, lease: Lease) -> None:
+        entry = lease.entry
         try:
-            entry.lock.acquire()          # one question at a time appends after the prefix
-            try:
-                status, restore_ms = "hit", 0.0
-                if entry.tier == "host":
-                    t0 = time.perf_counter()
-                    self._to_device(entry)
-                    restore_ms = (time.perf_counter() - t0) * 1e3
-                    status = "host"
-                with self._lock:
-                    self.counts["hits"] += 1
-                    self.counts["host_hits"] += status == "host"
-                slot = Slot(self, key, entry, status, restore_ms)
-                yield slot
-            finally:
+            if entry is not None and entry.holder is lease and entry.kv is not None:
                 entry.kv.truncate(entry.length)   # the question's rows go, the prefix stays
-                entry.lock.release()
+                if entry.tier is Tier.GPU:        # and the room past it, to what it keeps
+                    entry.kv.trim(room_rows(entry.length))
         finally:
             with self._lock:
-                entry.readers -= 1
+                try:
+                    if lease.built:
+                        self._keep(lease)
+                    elif entry is not None and entry.kv is not None and \
+                            entry.tier is Tier.GPU:
+                        entry.nbytes = entry.kv.held_bytes     # a question may have grown it
+                finally:
+                    self._reserving.discard(lease)
+                    lease.reserved = 0
+                    if entry is not None:
+                        entry.readers.discard(lease)
+                        if entry.holder is lease:
+                            entry.holder = None
+                            entry.free.set()
+                    if lease.pending is not None:
+                        if self._pending.get(lease.key) is lease.pending:
+                            del self._pending[lease.key]
+                        lease.pending.done.set()
+                # a prefix just kept stays (the most recently used) even while the
+                # entries still over the budget are pinned: they go when their leases end
+                self._fit_gpu(self.gpu_budget, keep=entry if lease.built else None)
 
     # ------------------------------------------------------------ tiers
-    def _insert(self, key: str, entry: Entry) -> None:
-        entry.nbytes = entry.kv.nbytes
+    def _reserve_built(self, lease: Lease, entry: Entry) -> None:
+        """A built prefix's room on the device, made now (it is kept when its lease ends)."""
         with self._lock:
-            if entry.nbytes > self.gpu_budget:
-                self.counts["rejected"] += 1       # served, never kept: over the budget
-                return
-            old = self._entries.pop(key, None)
-            if old is not None and old.readers == 0:
-                old.kv = None
-            self._entries[key] = entry
-            self.counts["inserted"] += 1
+            entry.free.clear()                    # its builder's turn until then
+            entry.holder = lease
+            kv = entry.kv            # charged once kept: its rows and the room it keeps
+            need = kv.bytes_at(min(kv.capacity, entry.length + room_rows(entry.length)))
+            if need > self.gpu_budget:
+                return                            # served, never kept: _keep says so
+            lease.reserved = need
+            self._reserving.add(lease)
             self._fit_gpu(self.gpu_budget)
 
-    def _to_device(self, entry: Entry) -> None:
-        """A host entry back on the device (room made first, within the budget)."""
+    def _keep(self, lease: Lease) -> None:
+        """A built entry into the cache (lock held)."""
+        entry = lease.entry
+        if entry.kv is None:
+            return
+        entry.tier, entry.nbytes = Tier.GPU, entry.kv.held_bytes
+        if entry.nbytes > self.gpu_budget:
+            self.counts["rejected"] += 1          # served, never kept: over the budget
+            return
+        old = self._entries.pop(lease.key, None)
+        if old is not None and old is not entry and not old.readers:
+            old.kv = None
+        self._entries[lease.key] = entry
+        self.counts["inserted"] += 1
+        if lease.pending is not None:
+            lease.pending.kept = True
+
+    def _restore(self, lease: Lease, entry: Entry) -> None:
+        """A host entry back on the device, its room made first. All or nothing: if the move
+        raises, the entry is still on the host, counted there."""
         import torch  # lazy: as in __init__
+        room = room_rows(entry.length)
+        need = entry.kv.bytes_at(entry.length + room)
         with self._lock:
-            entry.tier = "moving"     # its host copy is freed once it is back: not counted
-            self._fit_gpu(self.gpu_budget - entry.nbytes, keep=entry)
-        # lazy: kv imports torch and transformers (seconds), as in __init__
-        from mminfer.models.kv import HEADROOM
-        entry.kv.move(self.device, headroom=HEADROOM)
+            lease.reserved = need
+            self._reserving.add(lease)
+            self._fit_gpu(self.gpu_budget)
+        entry.kv.move(self.device, headroom=room)
+        with self._lock:
+            entry.tier, entry.nbytes = Tier.GPU, entry.kv.held_bytes
+            self._reserving.discard(lease)
+            lease.reserved = 0
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        entry.tier = "gpu"
 
     def _fit_gpu(self, budget: int, keep: Entry | None = None) -> None:
-        """Spill idle GPU entries, least recently used first, until those on the GPU hold at
-        most ``budget`` bytes."""
+        """Spill idle device entries (but ``keep``), least recently used first, until they
+        and the room reserved for builds and restores hold at most ``budget`` bytes (lock
+        held)."""
         for key, e in list(self._entries.items()):
-            if self._bytes("gpu") <= budget:
+            if self._bytes(Tier.GPU) + self._reserved <= budget:
                 break
-            if e.tier != "gpu" or e.readers or e is keep:
-                continue
-            self._spill(key, e)
+            if e.tier is Tier.GPU and not e.readers and e is not keep:
+                self._spill(key, e)
 
     def _spill(self, key: str, e: Entry) -> None:
+        """An idle device entry to the host tier (room made there, least recently used host
+        entries first), else dropped (lock held)."""
+        need = e.kv.bytes_at(e.length)            # the host copy holds the rows alone
+        if need <= self.host_budget:
+            self._fit_host(self.host_budget - need)
+            if self._bytes(Tier.HOST) + need <= self.host_budget:
+                try:
+                    e.kv.move("cpu", pin=self.device.type == "cuda")
+                except Exception as err:      # no host memory for it: dropped instead
+                    log.warning("video cache: spilling %d bytes to the host failed (%s); "
+                                "the entry is dropped", need, err)
+                else:
+                    e.tier, e.nbytes = Tier.HOST, e.kv.held_bytes
+                    self.counts["evictions_gpu"] += 1
+                    return
+        self._drop(key, e)
         self.counts["evictions_gpu"] += 1
-        if e.nbytes <= self.host_budget:
-            self._fit_host(self.host_budget - e.nbytes)
-            if self._bytes("host") + e.nbytes <= self.host_budget:
-                pin = self.device.type == "cuda"
-                e.kv.move("cpu", pin=pin)
-                e.tier = "host"
-                return
-        del self._entries[key]
-        e.kv = None
 
     def _fit_host(self, budget: int) -> None:
         for key, e in list(self._entries.items()):
-            if self._bytes("host") <= budget:
+            if self._bytes(Tier.HOST) <= budget:
                 break
-            if e.tier == "host" and not e.readers:
-                del self._entries[key]
-                e.kv = None
+            if e.tier is Tier.HOST and not e.readers:
+                self._drop(key, e)
                 self.counts["evictions_host"] += 1
 
-    def _bytes(self, tier: str) -> int:
-        return sum(e.nbytes for e in self._entries.values() if e.tier == tier)
+    def _drop(self, key: str, e: Entry) -> None:
+        del self._entries[key]
+        e.kv = None
+
+    def _bytes(self, tier: Tier) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.tier is tier)
 
     def make_room(self, need_bytes: int) -> None:
         """Before a prefill that will hold ``need_bytes`` of KV cache: spill idle entries
@@ -257,7 +471,7 @@ class VideoCache:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 if free >= want:
                     break
-                if e.tier == "gpu" and not e.readers:
+                if e.tier is Tier.GPU and not e.readers:
                     self._spill(key, e)
                     torch.cuda.empty_cache()
 
@@ -267,22 +481,22 @@ class VideoCache:
         moved = 0
         with self._lock:
             for key, e in list(self._entries.items()):
-                if e.tier == "gpu" and not e.readers and e.nbytes <= self.host_budget:
+                if e.tier is Tier.GPU and not e.readers and \
+                        e.kv.bytes_at(e.length) <= self.host_budget:
                     self._spill(key, e)
-                    moved += e.tier == "host"
+                    moved += e.tier is Tier.HOST
         return moved
 
     def clear(self) -> None:
         with self._lock:
             for key, e in list(self._entries.items()):
                 if not e.readers:
-                    del self._entries[key]
-                    e.kv = None
+                    self._drop(key, e)
 
     def stats(self) -> dict:
         with self._lock:
             tiers = [e.tier for e in self._entries.values()]
             return {**self.counts,
-                    "gpu_entries": tiers.count("gpu"), "host_entries": tiers.count("host"),
-                    "gpu_bytes": self._bytes("gpu"), "host_bytes": self._bytes("host"),
+                    "gpu_entries": tiers.count(Tier.GPU), "host_entries": tiers.count(Tier.HOST),
+                    "gpu_bytes": self._bytes(Tier.GPU), "host_bytes": self._bytes(Tier.HOST),
                     "gpu_budget_bytes": self.gpu_budget, "host_budget_bytes": self.host_budget}

@@ -21,13 +21,15 @@ and ``total`` are true elapsed times.
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 from mminfer.errors import Cancelled, ConfigError, InputError
-from mminfer.engine.cache import Entry, VideoCache, cache_key, file_digest
+from mminfer.engine.cache import (Entry, PrefixFacts, PrefixKey, VideoCache, cache_key,
+                                  file_digest, room_rows)
 from mminfer.engine.parallel import FrameShards, init_from_env, shard_decoder
 from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
@@ -42,6 +44,20 @@ ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
 MAX_FPS = 60.0
 MAX_NEW_TOKENS = 4096
 STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engine.timing)
+# the scheduler turn of the request this thread runs (Pipeline.answer), for the cache's waits
+_current_turn: contextvars.ContextVar = contextvars.ContextVar("mminfer_turn", default=None)
+
+
+def _cache_wait(event) -> None:
+    """The video cache's wait (for another request's build of a prefix, or for its question
+    on an entry): the request's turn on the model is given to others meanwhile, else the
+    request waited for could never run."""
+    turn = _current_turn.get()
+    if turn is None:
+        while not event.wait(0.05):
+            pass
+        return
+    turn.wait_for(event)
 
 
 @dataclass
@@ -65,6 +81,20 @@ class AnswerResult:
         d = asdict(replace(self, shadow=None))
         del d["shadow"]
         return d
+
+
+@dataclass
+class BuiltPrefix:
+    """What :meth:`Pipeline._build_prefix` made: the prefix's entry (its KV cache holds the
+    prefix), the suffix's embeddings (the question's rows to prefill over it), the prefill's
+    context (its plans: the density), the prepared inputs, the inputs kept for a dense shadow
+    re-run (None unless asked for) and how long decoding the video took (ms)."""
+    entry: Entry
+    suffix: object                # [1, S, hidden]
+    ctx: PrefillContext
+    prep: object                  # models.base.Prepared
+    kept: object                  # engine.rerun.ShadowInputs | None
+    decode_ms: float
 
 
 def pick_adapter(path):
@@ -190,14 +220,7 @@ class Pipeline:
             gpu_bytes = 0
         self.video_cache = VideoCache(self.device, gpu_bytes,
                                       int(float(kv_host_cache_gb or 0) * 2**30))
-        ad = self.adapter
-        # what every cached prefix of this pipeline depends on besides the request (and its
-        # head patterns: _patterns_key, read per request, as a caller may swap them)
-        self._prefix_identity = {
-            "model": model_id, "revision": getattr(ad.identity, "revision", None),
-            "adapter": ad.name, "dtype": str(self.dtype), "sampling": ad.sampling,
-            "frame_limit": ad.frame_limit, "min_sparse_len": self.min_sparse_len,
-            "device": self.device.type, "quantization": self.quantization}
+        self.video_cache.wait = _cache_wait
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -222,6 +245,25 @@ class Pipeline:
         """What the prefix's cache stores, for its key (read per request: an FP8 prefix is
         never a hit for a bf16 request, nor the other way)."""
         return str(self.adapter.kv_cache_dtype or self.dtype)
+
+    def _prefix_key(self, digest: str, conv, sampling: dict, mode: str, options,
+                    salt: str | None = None) -> PrefixKey:
+        """The video cache's key of a request's prefix. Read per request, from what the
+        prefix's build reads (a caller may swap the head patterns, the KV cache's dtype or
+        ``min_sparse_len``): never a stale hit."""
+        ad = self.adapter
+        start, end = sampling["start"], sampling["end"]
+        return PrefixKey(
+            model=self.model_id, revision=getattr(ad.identity, "revision", None),
+            adapter=ad.name, dtype=str(self.dtype), kv_cache=self._kv_key(),
+            quantization=self.quantization, device=self.device.type, sampling=ad.sampling,
+            frame_limit=ad.frame_limit, patterns=self._patterns_key(),
+            min_sparse_len=int(self.min_sparse_len),
+            video=digest, fps=float(sampling["fps"]), max_frames=int(sampling["max_frames"]),
+            start=None if start is None else float(start),
+            end=None if end is None else float(end), mode=mode,
+            options=asdict(options or PrepareOptions()), turns=conv.prefix_digest(),
+            salt=salt)
 
     def _patterns_key(self) -> str | None:
         """A digest of the head-pattern config the prefix would be built with: a swapped
@@ -384,47 +426,48 @@ class Pipeline:
             digest = file_digest(video_path)
         except OSError:
             pass                              # the decoder says what is wrong with the path
-        if use_cache and digest is not None and self.video_cache.enabled:
-            key = cache_key(**self._prefix_identity, patterns=self._patterns_key(),
-                            kv_cache=self._kv_key(),
-                            video=digest, fps=float(fps),
-                            max_frames=int(max_frames), start=start, end=end, mode=mode,
-                            options=asdict(options) if options is not None else None,
-                            turns=conv.prefix_digest(),
-                            salt=cache_salt)
         sampling = dict(fps=fps, max_frames=max_frames, start=start, end=end)
+        if use_cache and digest is not None and self.video_cache.enabled:
+            key = self._prefix_key(digest, conv, sampling, mode, options,
+                                   cache_salt).digest()
         if not turn.acquire():
             raise Cancelled("request cancelled while waiting for the model")
-        with self.video_cache.use(key) as slot:
-            built = None
-            if slot.entry is None:
-                # building the prefix is the long work the scheduler admits one at a time
-                with turn.long():
-                    built = self._build_prefix(video_path, conv, sampling, mode, options,
-                                               timer, check, keep_for_shadow,
-                                               shadow_max_bytes, max_new_tokens,
-                                               cached=key is not None)
-                built["entry"].facts["video"]["sha256"] = digest
-                slot.store(built["entry"])
-            entry = slot.entry
-            suffix = built["suffix"] if built else ad.suffix_embeds(conv)
-            n = entry.length + suffix.shape[1]
-            _check_context(n, entry.facts["visual_tokens"], max_new_tokens, ad.max_context)
-            _check(check, "before the question's prefill")
-            gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
-                                 max_new_tokens=max_new_tokens, cancel=decode_check,
-                                 on_token=on_token, timer=timer,
-                                 stepper=self._stepper(turn))
-            status, restore_ms = slot.status, slot.restore_ms
-        # after the last token (never in the time to first token) and inside the total: the
-        # stages add up to it; wall clock, as the count ends on host reads
-        t_density = time.perf_counter()
-        if built is not None:
-            ctx = built["ctx"]
-            entry.facts["sparsity"] = _sparsity(ctx.densities, ad.patterns, ctx.last_row_only)
-            ctx.densities.clear()                      # the plans are not needed any more
-        sparsity = entry.facts.get("sparsity")
-        timer.add_ms("density", (time.perf_counter() - t_density) * 1e3)
+        # the cache's waits (another request's build of this prefix, or its question on this
+        # entry) give the turn away meanwhile: _cache_wait reads the request's turn here
+        token = _current_turn.set(turn)
+        try:
+            with self.video_cache.use(key) as lease:
+                built = None
+                if lease.entry is None:
+                    # building the prefix is the long work the scheduler admits one at a time
+                    with turn.long():
+                        built = self._build_prefix(video_path, conv, sampling, mode, options,
+                                                   timer, check, keep_for_shadow,
+                                                   shadow_max_bytes, max_new_tokens,
+                                                   cached=key is not None, digest=digest)
+                    lease.store(built.entry)
+                entry = lease.entry
+                suffix = built.suffix if built else ad.suffix_embeds(conv)
+                n = entry.length + suffix.shape[1]
+                _check_context(n, entry.facts.visual_tokens, max_new_tokens, ad.max_context)
+                _check(check, "before the question's prefill")
+                gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
+                                     max_new_tokens=max_new_tokens, cancel=decode_check,
+                                     on_token=on_token, timer=timer,
+                                     stepper=self._stepper(turn))
+                status, restore_ms = lease.status, lease.restore_ms
+                # after the last token (never in the time to first token) and inside the
+                # total: the stages add up to it; wall clock, as the count ends on host reads.
+                # Before the lease ends: the entry is kept filled
+                t_density = time.perf_counter()
+                if built is not None:
+                    ctx = built.ctx
+                    entry.sparsity = _sparsity(ctx.densities, ad.patterns, ctx.last_row_only)
+                    ctx.densities.clear()              # the plans are not needed any more
+                sparsity = entry.sparsity
+                timer.add_ms("density", (time.perf_counter() - t_density) * 1e3)
+        finally:
+            _current_turn.reset(token)
         total_ms = (time.perf_counter() - t0) * 1e3    # generate ends on a host sync
 
         ms = timer.totals_ms()
@@ -432,20 +475,21 @@ class Pipeline:
         ms["llm_other"] = max(prefill - ms.get("index", 0.0) - ms.get("attention", 0.0), 0.0)
         ms["restore"] = restore_ms
         if built is not None:
-            ms["decode"] = built["decode_ms"]
+            ms["decode"] = built.decode_ms
         ms["ttft"] = (gen.first_token_s - t0) * 1e3
         ms["total"] = total_ms
         timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
-        kept = built["kept"] if built else None
+        kept = built.kept if built else None
         if kept is not None:
             from mminfer.engine.rerun import finish  # lazy: rerun imports torch, as in _dtype
-            finish(kept, ad, built["prep"], gen, (sparsity or {}).get("mean_density"))
+            finish(kept, ad, built.prep, gen, (sparsity or {}).get("mean_density"))
+        facts = entry.facts
         return AnswerResult(
             answer=gen.text, model=self.model_id,
-            attention=entry.facts["attention"], attention_requested=mode,
-            video={**entry.facts["video"], "path": str(video_path)},
-            tokens={"total": n, "visual": entry.facts["visual_tokens"],
-                    "text": n - entry.facts["visual_tokens"],
+            attention=facts.attention, attention_requested=mode,
+            video={**facts.video, "path": str(video_path)},
+            tokens={"total": n, "visual": facts.visual_tokens,
+                    "text": n - facts.visual_tokens,
                     "prefix": entry.length, "generated": len(gen.token_ids),
                     "cached": entry.length if built is None else 0},
             sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status)
@@ -464,9 +508,11 @@ class Pipeline:
         return lambda token, pos, cache: turn.decode((token, pos, cache), run)
 
     def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
-                      keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:
+                      keep_for_shadow, shadow_max_bytes, max_new_tokens, cached,
+                      digest=None) -> BuiltPrefix:
         """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
-        embeddings, and what the answer reports of the build."""
+        embeddings, and what the answer reports of the build. ``digest``: the video's
+        sha256, which the answer reports."""
         from mminfer import video as videolib  # lazy: numpy, as in warmup
 
         ad = self.adapter
@@ -506,31 +552,33 @@ class Pipeline:
             from mminfer.engine.rerun import keep_inputs  # lazy: rerun imports torch, as in _dtype
             kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
+        # room for this question and its answer, and at least what a kept entry keeps for
+        # the next question (so the entry is not trimmed after a short answer)
+        room = max(suffix.shape[1] + max_new_tokens, room_rows(P))
         if cached:
-            self.video_cache.make_room(P * self.kv_bytes_per_token)
-        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer,
-                               headroom=max(suffix.shape[1] + max_new_tokens, 64))
+            self.video_cache.make_room((P + room) * self.kv_bytes_per_token)
+        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=room)
         del embeds
         resized = prep.tensors.get("resized")
-        facts = {
-            "attention": "sparse" if ctx.sparse else "dense",
-            "visual_tokens": prep.visual_tokens,
-            "video": {"frames": len(stream),
-                      "model_frames": prep.n_frames, "sampled_fps": float(stream.sampled_fps),
-                      "fps": float(stream.fps), "duration": float(stream.duration),
-                      "width": stream.width, "height": stream.height,
-                      "resized": list(resized) if resized else None,
-                      "decoded": list(stream.frame_size), "backend": stream.backend,
-                      # decoding runs in its own thread alongside preprocess and vision: how
-                      # long the vision loop waited for frames, and the decoding hidden
-                      # behind it
-                      "decode_wait_ms": round(stream.wait_ms, 3),
-                      "decode_hidden_ms": round(max(stream.decode_ms - stream.wait_ms, 0.0),
-                                                3)}}
+        facts = PrefixFacts(
+            attention="sparse" if ctx.sparse else "dense",
+            visual_tokens=prep.visual_tokens,
+            video={"frames": len(stream),
+                   "model_frames": prep.n_frames, "sampled_fps": float(stream.sampled_fps),
+                   "fps": float(stream.fps), "duration": float(stream.duration),
+                   "width": stream.width, "height": stream.height,
+                   "resized": list(resized) if resized else None,
+                   "decoded": list(stream.frame_size), "backend": stream.backend,
+                   # decoding runs in its own thread alongside preprocess and vision: how
+                   # long the vision loop waited for frames, and the decoding hidden
+                   # behind it
+                   "decode_wait_ms": round(stream.wait_ms, 3),
+                   "decode_hidden_ms": round(max(stream.decode_ms - stream.wait_ms, 0.0), 3),
+                   "sha256": digest})
         entry = Entry(kv=kv, length=P, rope_delta=prep.rope_delta, index=prep.prefix_index,
                       facts=facts)
-        return {"entry": entry, "suffix": suffix, "ctx": ctx, "prep": prep, "kept": kept,
-                "decode_ms": stream.decode_ms}
+        return BuiltPrefix(entry=entry, suffix=suffix, ctx=ctx, prep=prep, kept=kept,
+                           decode_ms=stream.decode_ms)
 
     def shadow_dense(self, kept, *, max_new_tokens: int = 8, cancel=None):
         """The dense prefill of a sparse answer's kept inputs (``answer(keep_for_shadow=True)``

@@ -431,6 +431,37 @@ class Turn:
             s._waiting.pop(t, None)
         return batch
 
+    def wait_for(self, event) -> None:
+        """Wait for ``event`` (another request's work: the build of the prefix this one needs,
+        its question on the entry this one reads) with the turn given to others meanwhile;
+        holds the turn again on return. Raises Cancelled when asked to stop meanwhile."""
+        s = self.sched
+        gap = self._gap_start()
+        with s._cv:
+            if s._holder is self:
+                now = time.perf_counter()
+                s._step_done(self, now)
+                s._leave_holder(self, now)
+                s.switches += 1
+                s._grant()
+            self.held = False
+        try:
+            while not event.wait(s.poll_s):
+                if self.stopping():
+                    raise Cancelled("request cancelled while waiting for another request's "
+                                    "work on its video")
+            with s._cv:
+                s._waiting[self] = next(s._seq)
+                if s._holder is None:
+                    s._grant()
+                ok = s._wait_for_turn(self)
+            if not ok:
+                raise Cancelled("request cancelled while waiting for the model")
+            self.held = True
+            self.held_since = time.perf_counter()
+        finally:
+            self._gap_end(gap)
+
     def close(self):
         """The request is done (answered, failed or stopped): give everything back."""
         s = self.sched
@@ -510,6 +541,11 @@ class Solo:
 
     def decode(self, item, run):
         return run([item])[0]
+
+    def wait_for(self, event):
+        while not event.wait(0.05):
+            if self.stopping():
+                raise Cancelled("request cancelled while waiting")
 
     def first_token(self):
         pass

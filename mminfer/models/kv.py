@@ -153,20 +153,44 @@ class SlabLayer(DynamicLayer):
         self.is_initialized = False
 
     @property
+    def capacity(self) -> int:
+        """Rows the buffers have room for (the rows held and the room past them)."""
+        return 0 if self.k_buf is None else self.k_buf.shape[-2]
+
+    def _row_bytes(self) -> int:
+        return (self.k_buf[..., :1, :].numel() * self.k_buf.element_size()
+                + self.v_buf[..., :1, :].numel() * self.v_buf.element_size())
+
+    def _scale_bytes(self) -> int:
+        return sum(s.untyped_storage().nbytes() for s in (self.k_scale, self.v_scale)
+                   if s is not None)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the rows held (not the headroom), and the FP8 scales."""
+        """Bytes of the rows held (not the room past them), and the FP8 scales: what a pass
+        over the cache reads."""
         if self.k_buf is None:
             return 0
-        per_row = self.k_buf[..., :1, :].numel() * self.k_buf.element_size()
-        per_row += self.v_buf[..., :1, :].numel() * self.v_buf.element_size()
-        scales = sum(s.numel() * s.element_size() for s in (self.k_scale, self.v_scale)
-                     if s is not None)
-        return per_row * self.length + scales
+        return self._row_bytes() * self.length + self._scale_bytes()
 
-    def move(self, device, *, pin: bool = False, headroom: int = 0) -> None:
-        """The held rows to ``device`` (pinned host memory with ``pin``), with ``headroom``
-        rows of room; the old buffers are dropped. FP8 rows move as they are, with their
-        scales."""
+    @property
+    def held_bytes(self) -> int:
+        """Every byte the layer keeps: its buffers' storage (the room past the rows too) and
+        the FP8 scales."""
+        if self.k_buf is None:
+            return 0
+        return (self.k_buf.untyped_storage().nbytes() + self.v_buf.untyped_storage().nbytes()
+                + self._scale_bytes())
+
+    def bytes_at(self, rows: int) -> int:
+        """:attr:`held_bytes` once the buffers have room for ``rows`` rows."""
+        if self.k_buf is None:
+            return 0
+        return self._row_bytes() * rows + self._scale_bytes()
+
+    def _copied(self, device, pin: bool, headroom: int) -> tuple:
+        """New buffers on ``device`` holding the rows, with ``headroom`` rows of room, and the
+        scales there; the layer itself is not changed."""
         n = self.length
         k, v = self.k_buf[..., :n, :], self.v_buf[..., :n, :]
         shape_k = (*k.shape[:2], n + headroom, k.shape[-1])
@@ -175,11 +199,26 @@ class SlabLayer(DynamicLayer):
         v_new = torch.empty(shape_v, dtype=v.dtype, device=device, pin_memory=pin)
         k_new[..., :n, :].copy_(k, non_blocking=True)
         v_new[..., :n, :].copy_(v, non_blocking=True)
-        self.k_buf, self.v_buf, self.device = k_new, v_new, torch.device(device)
+        scales = (None, None)
         if self.k_scale is not None:
-            self.k_scale = self.k_scale.to(device, non_blocking=True)
-            self.v_scale = self.v_scale.to(device, non_blocking=True)
-        self._set_length(n)
+            scales = (self.k_scale.to(device, non_blocking=True),
+                      self.v_scale.to(device, non_blocking=True))
+        return k_new, v_new, *scales
+
+    def _adopt(self, device, copied: tuple) -> None:
+        self.k_buf, self.v_buf, k_scale, v_scale = copied
+        if k_scale is not None:
+            self.k_scale, self.v_scale = k_scale, v_scale
+        self.device = torch.device(device)
+        self._set_length(self.length)
+
+    def move(self, device, *, pin: bool = False, headroom: int = 0) -> None:
+        """The held rows to ``device`` (pinned host memory with ``pin``), with ``headroom``
+        rows of room; the old buffers are dropped. FP8 rows move as they are, with their
+        scales. Moving to the device the layer is on resizes its room (one copy of the
+        rows)."""
+        if self.k_buf is not None:
+            self._adopt(device, self._copied(device, pin, headroom))
 
 
 class PrefixKV(DynamicCache):
@@ -207,13 +246,43 @@ class PrefixKV(DynamicCache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rows held and the FP8 scales (what a pass over the cache reads)."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def held_bytes(self) -> int:
+        """Every byte the cache keeps: the buffers' storage, room past the rows included, and
+        the scales (what the video cache charges an entry)."""
+        return sum(layer.held_bytes for layer in self.layers)
+
+    @property
+    def capacity(self) -> int:
+        """Rows the largest layer buffer has room for."""
+        return max((layer.capacity for layer in self.layers), default=0)
+
+    def bytes_at(self, rows: int) -> int:
+        """:attr:`held_bytes` once every layer has room for ``rows`` rows."""
+        return sum(layer.bytes_at(rows) for layer in self.layers)
 
     def truncate(self, n: int) -> None:
         """Back to the first ``n`` rows (a question's rows after its prefix are dropped)."""
         for layer in self.layers:
             layer.crop(n)
 
-    def move(self, device, *, pin: bool = False, headroom: int = 0) -> None:
+    def trim(self, room: int) -> None:
+        """Leave at most ``room`` rows of room past the rows held: a layer with more is copied
+        into a smaller buffer, one layer at a time (one layer's rows of extra memory while it
+        runs; a failure part way leaves every layer whole)."""
         for layer in self.layers:
-            layer.move(device, pin=pin, headroom=headroom)
+            if layer.capacity > layer.length + room:
+                layer.move(layer.device, headroom=room)
+
+    def move(self, device, *, pin: bool = False, headroom: int = 0) -> None:
+        """Every layer to ``device`` (see :meth:`SlabLayer.move`), all or nothing: the new
+        buffers are allocated and filled for every layer before any layer takes them, so an
+        error while copying (out of memory, an interrupt) leaves the cache where it was."""
+        copied = [layer._copied(device, pin, headroom) if layer.k_buf is not None else None
+                  for layer in self.layers]
+        for layer, c in zip(self.layers, copied):
+            if c is not None:
+                layer._adopt(device, c)

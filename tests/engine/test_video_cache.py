@@ -10,12 +10,13 @@ import torch
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from lab.toy.tiny_longvila import save_tiny_longvila
 from mminfer import video as videolib
-from mminfer.engine.cache import Entry, VideoCache, cache_key, file_digest
+from mminfer.engine.cache import Entry, PrefixFacts, VideoCache, cache_key, file_digest
 from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import Cancelled, InputError
 from mminfer.models.base import VIDEO, Conversation, Turn
 from mminfer.models.hooks import PrefillContext
 from mminfer.models.kv import PrefixKV
+from mminfer.sparse.modality import ModalityIndex
 
 from conftest import write_video
 
@@ -194,7 +195,9 @@ def _entry(n_tokens):
     kv = PrefixKV(2, headroom=0)
     for layer in range(2):
         kv.update(torch.randn(1, 2, n_tokens, 8), torch.randn(1, 2, n_tokens, 8), layer)
-    return Entry(kv=kv, length=n_tokens)
+    return Entry(kv=kv, length=n_tokens, rope_delta=0,
+                 index=ModalityIndex.from_segments([("text", n_tokens)]),
+                 facts=PrefixFacts(attention="dense", visual_tokens=0, video={}))
 
 
 def test_an_entry_in_use_is_never_evicted():

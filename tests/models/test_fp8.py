@@ -8,6 +8,7 @@ refuse, and the flag's way to Pipeline, the video cache key and the server."""
 import json
 import math
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,12 +20,11 @@ from mminfer.batch import config_of
 from mminfer.cli import build_parser
 from mminfer.cli_options import pipeline_options
 from mminfer import video as videolib
-from mminfer.engine.cache import cache_key
 from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import ConfigError
 from mminfer.kernels.runtime import interpreted
 from mminfer.models import fp8
-from mminfer.models.base import _new_cache
+from mminfer.models.base import Conversation, _new_cache
 from mminfer.models.decode import LeanDecoder, decode_loop
 from mminfer.models.embedded import DEFAULT_MODEL_DIR
 from mminfer.models.longvila import LongVILA
@@ -233,7 +233,7 @@ def test_fp8_checkpoint_loads_as_quantised_at_load(ckpt, quant, tmp_path, legacy
     prep = quant.prepare(FrameVideo(random_frames(4)), "what color is the ball ?")
     assert torch.equal(_logits(ad, prep), _logits(quant, prep))
     pipe = Pipeline(str(path), attention="dense", device="cpu")
-    assert pipe.quantization == "fp8" and pipe._prefix_identity["quantization"] == "fp8"
+    assert pipe.quantization == "fp8" and _key(pipe).quantization == "fp8"
 
 
 def test_checkpoint_names_map_to_modules():
@@ -283,14 +283,19 @@ def test_static_input_scales_are_refused(ckpt, tmp_path):
 
 
 # ---------------------------------------------------------------------- plumbing
+def _key(pipe):
+    """The video cache's key of one request's prefix on ``pipe``."""
+    return pipe._prefix_key("0" * 64, Conversation.single("q?"),
+                            dict(fps=2.0, max_frames=8, start=None, end=None), "dense", None)
+
+
 def test_quantization_in_the_cache_key_and_flags(ckpt, monkeypatch):
     """The video cache key has the quantization (a bf16 prefix is never an fp8 hit); the
     flag reaches Pipeline from answer, serve and batch; an unknown value is refused."""
     a = Pipeline(str(ckpt), attention="dense", device="cpu")
     b = Pipeline(str(ckpt), attention="dense", device="cpu", quantization="fp8")
-    assert a._prefix_identity["quantization"] is None
-    assert cache_key(**a._prefix_identity) != cache_key(**b._prefix_identity)
-    assert {**a._prefix_identity, "quantization": "fp8"} == b._prefix_identity
+    assert _key(a).quantization is None and _key(a).digest() != _key(b).digest()
+    assert replace(_key(a), quantization="fp8") == _key(b)
     assert a.attention_policy()["quantization"] is None
     with pytest.raises(ConfigError, match="quantization"):
         Pipeline(str(ckpt), attention="dense", device="cpu", quantization="int8")

@@ -1,0 +1,332 @@
+"""The video cache's tiers and leases under failure and concurrency: a tier move that raises
+(out of memory, an interrupt) leaves the entry in one tier, counted, unpinned and evictable,
+and a later request restores or rebuilds it; a host entry being restored is never evicted;
+the host tier evicts its least recently used entry; an interrupted wait pins nothing;
+concurrent first requests for one prefix share one build (and a failed build is rebuilt)."""
+
+import threading
+
+import pytest
+import torch
+
+from lab.toy.tiny import save_tiny_qwen2_5_vl
+from mminfer.engine.cache import (Entry, PrefixFacts, Tier, VideoCache, cache_key,
+                                  room_rows)
+from mminfer.engine.pipeline import Pipeline
+from mminfer.errors import Cancelled
+from mminfer.models.kv import PrefixKV
+from mminfer.sparse.modality import ModalityIndex
+
+from conftest import write_video
+
+ROWS = 16
+
+
+def _entry(rows=ROWS):
+    """A prefix of ``rows`` random rows (2 layers), with the room a kept entry keeps."""
+    kv = PrefixKV(2, headroom=room_rows(rows))
+    for layer in range(2):
+        kv.update(torch.randn(1, 2, rows, 8), torch.randn(1, 2, rows, 8), layer)
+    return Entry(kv=kv, length=rows, rope_delta=0,
+                 index=ModalityIndex.from_segments([("text", rows)]),
+                 facts=PrefixFacts(attention="dense", visual_tokens=0, video={}))
+
+
+DEVICE_BYTES = _entry().kv.held_bytes          # an entry on the device: rows and room
+HOST_BYTES = _entry().kv.nbytes                # on the host: its rows alone
+K = [cache_key(v=i) for i in range(8)]
+
+
+def _cache(n_device, n_host):
+    """Room for ``n_device`` entries on the device and ``n_host`` on the host (and a half)."""
+    return VideoCache("cpu", gpu_bytes=int(DEVICE_BYTES * (n_device + 0.5)),
+                      host_bytes=int(HOST_BYTES * (n_host + 0.5)))
+
+
+def _put(cache, key):
+    with cache.use(key) as lease:
+        assert lease.status == "miss"
+        lease.store(_entry())
+    return cache._entries.get(key)
+
+
+def _tiers(cache):
+    return {k: e.tier for k, e in cache._entries.items()}
+
+
+def _consistent(cache):
+    """Counts are the entries' bytes per tier, nothing pinned, nothing reserved or pending,
+    and every kept entry holds what it is charged."""
+    s = cache.stats()
+    for tier in Tier:
+        mine = [e for e in cache._entries.values() if e.tier is tier]
+        assert s[f"{tier.value}_entries"] == len(mine)
+        assert s[f"{tier.value}_bytes"] == sum(e.kv.held_bytes for e in mine)
+    assert all(not e.readers and e.holder is None and e.free.is_set()
+               for e in cache._entries.values())
+    assert cache._reserved == 0 and not cache._pending
+
+
+def _rows(entry):
+    return [layer.keys.clone() for layer in entry.kv.layers]
+
+
+def _same_rows(entry, rows):
+    return all(torch.equal(layer.keys, r) for layer, r in zip(entry.kv.layers, rows))
+
+
+# ------------------------------------------------------------------ tiers
+
+
+def test_a_spill_evicts_the_least_recently_used_host_entry():
+    cache = _cache(1, 2)
+    for k in K[:4]:
+        _put(cache, k)
+    assert _tiers(cache) == {K[1]: Tier.HOST, K[2]: Tier.HOST, K[3]: Tier.GPU}
+    assert cache.stats()["evictions_host"] == 1
+    # K[1] back: K[3] spills, and the host evicts its least recently used entry, K[2] (K[1]
+    # is pinned by its restore)
+    with cache.use(K[1]) as lease:
+        assert lease.status == "host"
+    assert _tiers(cache) == {K[3]: Tier.HOST, K[1]: Tier.GPU}
+    _put(cache, K[4])
+    assert _tiers(cache) == {K[3]: Tier.HOST, K[1]: Tier.HOST, K[4]: Tier.GPU}
+    assert cache.stats()["evictions_host"] == 2
+    _consistent(cache)
+
+
+def test_a_host_entry_being_restored_is_never_evicted():
+    """Device and host full: bringing K[0] back spills K[1], for which the host has room
+    only if it evicts K[0] itself, which is pinned by its restore: K[1] is dropped."""
+    cache = _cache(1, 1)
+    first = _put(cache, K[0])
+    rows = _rows(first)
+    _put(cache, K[1])
+    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.GPU}
+    with cache.use(K[0]) as lease:
+        assert lease.status == "host" and lease.entry is first
+        assert _same_rows(first, rows)
+    assert _tiers(cache) == {K[0]: Tier.GPU}
+    assert cache.stats()["evictions_host"] == 0 and cache.stats()["evictions_gpu"] == 2
+    _consistent(cache)
+
+
+def test_a_move_is_all_or_nothing(monkeypatch):
+    """PrefixKV.move fills every layer's new buffers before any layer takes them: a failure
+    copying the second layer leaves the first where it was."""
+    kv = _entry().kv
+    before = [(layer.k_buf, layer.v_buf) for layer in kv.layers]
+
+    def fail(*a, **kw):
+        raise MemoryError
+
+    monkeypatch.setattr(kv.layers[1], "_copied", fail)
+    with pytest.raises(MemoryError):
+        kv.move("cpu", headroom=0)
+    assert all(layer.k_buf is k and layer.v_buf is v
+               for layer, (k, v) in zip(kv.layers, before))
+
+
+@pytest.mark.parametrize("error", [MemoryError, KeyboardInterrupt])
+def test_a_failed_restore_leaves_the_entry_on_the_host(error, monkeypatch):
+    cache = _cache(1, 2)
+    first = _put(cache, K[0])
+    rows = _rows(first)
+    _put(cache, K[1])
+    assert first.tier is Tier.HOST
+
+    def fail(*a, **kw):
+        raise error("no memory for it")
+
+    monkeypatch.setattr(first.kv, "move", fail)
+    with pytest.raises(error):
+        with cache.use(K[0]):
+            pass
+    assert first.tier is Tier.HOST and first.kv is not None and _same_rows(first, rows)
+    assert cache.stats()["host_bytes"] >= first.nbytes == first.kv.held_bytes
+    _consistent(cache)
+    monkeypatch.undo()
+    # a later request restores it properly
+    with cache.use(K[0]) as lease:
+        assert lease.status == "host" and _same_rows(lease.entry, rows)
+    assert first.tier is Tier.GPU
+    _consistent(cache)
+    # and it is evictable like any other entry
+    for k in K[2:6]:
+        _put(cache, k)
+    assert K[0] not in cache._entries and first.kv is None
+    _consistent(cache)
+
+
+def test_a_spill_that_fails_for_memory_drops_the_entry(monkeypatch):
+    cache = _cache(1, 2)
+    first = _put(cache, K[0])
+    monkeypatch.setattr(first.kv, "move", lambda *a, **kw: (_ for _ in ()).throw(
+        MemoryError("no pinned memory")))
+    _put(cache, K[1])                          # K[0] cannot go to the host: dropped
+    assert _tiers(cache) == {K[1]: Tier.GPU} and first.kv is None
+    assert cache.stats()["evictions_gpu"] == 1
+    _consistent(cache)
+    monkeypatch.undo()
+    with cache.use(K[0]) as lease:             # a later request rebuilds it
+        assert lease.status == "miss"
+        lease.store(_entry())
+    assert _tiers(cache) == {K[1]: Tier.HOST, K[0]: Tier.GPU}
+    _consistent(cache)
+
+
+def test_an_interrupted_spill_leaves_the_entry_on_the_device(monkeypatch):
+    cache = _cache(1, 2)
+    first = _put(cache, K[0])
+    rows = _rows(first)
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(first.kv, "move", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _put(cache, K[1])
+    # K[1] was built: kept; K[0] is whole on the device, counted, and nothing is pinned
+    assert _tiers(cache) == {K[0]: Tier.GPU, K[1]: Tier.GPU} and _same_rows(first, rows)
+    _consistent(cache)
+    monkeypatch.undo()
+    with cache.use(K[0]) as lease:             # a hit; its end brings the budget back
+        assert lease.status == "hit"
+    assert _tiers(cache) == {K[1]: Tier.HOST, K[0]: Tier.GPU}
+    assert cache.stats()["gpu_bytes"] <= cache.gpu_budget
+    _consistent(cache)
+
+
+def test_an_interrupted_wait_pins_nothing(monkeypatch):
+    cache = _cache(1, 1)
+    first = _put(cache, K[0])
+
+    def interrupt(*a, **kw):
+        raise KeyboardInterrupt
+
+    with cache.use(K[0]) as reading:
+        monkeypatch.setattr(cache, "wait_for_turn", interrupt)
+        with pytest.raises(KeyboardInterrupt):      # pinned, then interrupted waiting
+            with cache.use(K[0]):
+                pass
+        assert first.readers == {reading} and first.holder is reading
+    _consistent(cache)
+    _put(cache, K[1])                          # K[0] is evictable again
+    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.GPU}
+
+
+def test_an_entry_is_charged_its_room_and_a_grown_one_is_trimmed():
+    cache = _cache(2, 1)
+    entry = _put(cache, K[0])
+    assert entry.nbytes == DEVICE_BYTES == entry.kv.bytes_at(ROWS + room_rows(ROWS))
+    with cache.use(K[0]) as lease:             # a long question grows the slab
+        for layer in range(2):
+            entry.kv.update(torch.randn(1, 2, 500, 8), torch.randn(1, 2, 500, 8), layer)
+        assert entry.kv.held_bytes > 5 * DEVICE_BYTES
+    assert entry.kv.length == ROWS and entry.kv.capacity == ROWS + room_rows(ROWS)
+    assert entry.nbytes == entry.kv.held_bytes == DEVICE_BYTES
+    _consistent(cache)
+
+
+# ------------------------------------------------------------------ one build, many waiters
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiers") / "tiny-qwen")
+
+
+@pytest.fixture(scope="module")
+def mp4(tmp_path_factory):
+    return write_video(tmp_path_factory.mktemp("vid") / "square.mp4", n_frames=16, fps=8.0,
+                       width=96, height=64, noise=True)
+
+
+def _count_builds(pipe, before=None):
+    """Count the prefix prefills (``before``: called first, in the building thread)."""
+    real, builds = pipe.adapter.prefill_prefix, []
+
+    def counted(*a, **kw):
+        builds.append(threading.current_thread().name)
+        if before is not None:
+            before()
+        return real(*a, **kw)
+
+    pipe.adapter.prefill_prefix = counted
+    return builds
+
+
+def test_ten_first_requests_cost_one_prefill(qwen, mp4):
+    pipe = Pipeline(str(qwen), attention="dense", device="cpu")
+    cache = pipe.video_cache
+    n = 10
+
+    def all_waiting():              # the build goes on once the nine others wait for it
+        for _ in range(600):
+            if cache.stats()["build_waits"] == n - 1:
+                return
+            threading.Event().wait(0.05)
+
+    builds = _count_builds(pipe, before=all_waiting)
+    start, results, errors = threading.Barrier(n), [None] * n, []
+
+    def ask(i):
+        try:
+            start.wait()
+            results[i] = pipe.answer(mp4, "where does the red square move?", fps=4.0,
+                                     max_new_tokens=4)
+        except BaseException as e:          # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,), name=f"ask{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(builds) == 1
+    assert sorted(r.cache for r in results) == ["hit"] * (n - 1) + ["miss"]
+    assert len({r.answer for r in results}) == 1
+    s = cache.stats()
+    assert (s["misses"], s["hits"], s["build_waits"], s["gpu_entries"]) == (1, n - 1, n - 1, 1)
+    _consistent(cache)
+
+
+def test_a_cancelled_build_is_built_again_by_its_waiter(qwen, mp4, monkeypatch):
+    pipe = Pipeline(str(qwen), attention="dense", device="cpu")
+    cache = pipe.video_cache
+    builds = _count_builds(pipe)
+    started, waiting, out = threading.Event(), threading.Event(), {}
+    real_wait = cache.wait_for_build
+
+    def wait_for_build(pending):         # the hook a scheduler overrides
+        waiting.set()
+        real_wait(pending)
+
+    monkeypatch.setattr(cache, "wait_for_build", wait_for_build)
+
+    def cancel():                        # the first request: cancelled once the second waits
+        started.set()
+        return waiting.wait(60)
+
+    def first():
+        try:
+            pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2, cancel=cancel)
+        except Cancelled as e:
+            out["first"] = e
+
+    def second():
+        out["second"] = pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2)
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert started.wait(60)
+    b = threading.Thread(target=second)
+    b.start()
+    a.join(120)
+    b.join(120)
+    assert isinstance(out.get("first"), Cancelled) and out["second"].cache == "miss"
+    assert len(builds) == 1          # the first was cancelled before its prefill
+    s = cache.stats()
+    assert (s["misses"], s["build_waits"], s["gpu_entries"]) == (2, 1, 1)
+    _consistent(cache)
+    assert pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2).cache == "hit"
