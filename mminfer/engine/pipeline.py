@@ -56,6 +56,8 @@ class AnswerResult:
     # the video cache: "miss" (the prefix was built, and kept), "hit" (continued a kept
     # prefix on the device), "host" (brought back from the host tier first), "off"
     cache: str = "off"
+    finish_reason: str = "length"  # "stop" (an end token or a stop string) | "length"
+    logprobs: list | None = None   # with sampling_params.logprobs (mminfer.models.base.Generated)
     # answer(keep_for_shadow=True) of a sparse prefill: engine.rerun.ShadowInputs (CPU
     # tensors) for Pipeline.shadow_dense; never part of to_dict
     shadow: object = field(default=None, repr=False, compare=False)
@@ -322,7 +324,8 @@ class Pipeline:
                start: float | None = None, end: float | None = None,
                attention: str | None = None, options=None, cancel=None,
                keep_for_shadow: bool = False, shadow_max_bytes: int | None = None,
-               on_token=None, use_cache: bool = True) -> AnswerResult:
+               on_token=None, use_cache: bool = True,
+               sampling_params=None) -> AnswerResult:
         """The answer to ``question`` (or the last user turn of ``conversation``, a
         mminfer.models.base.Conversation holding the video) about the video at
         ``video_path``.
@@ -342,7 +345,9 @@ class Pipeline:
         ``keep_for_shadow``: when the prefix is built sparse, keep on the CPU what a dense
         re-run of the whole prompt needs (mminfer.engine.rerun: the prompt embeddings and
         positions, at most ``shadow_max_bytes``, and the sparse last-token logits and
-        answer) as ``result.shadow``, for :meth:`shadow_dense`."""
+        answer) as ``result.shadow``, for :meth:`shadow_dense`. ``sampling_params``
+        (mminfer.models.sampler.SamplingParams; None: greedy): how the answer's tokens are
+        chosen, its stop strings and logprobs."""
 
         mode = attention or self.attention
         if conversation is None:
@@ -386,7 +391,8 @@ class Pipeline:
             _check(cancel, "before the question's prefill")
             gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
                                  max_new_tokens=max_new_tokens, cancel=cancel,
-                                 on_token=on_token, timer=timer)
+                                 on_token=on_token, timer=timer,
+                                 sampling_params=sampling_params)
             status, restore_ms = slot.status, slot.restore_ms
         # after the last token (never in the time to first token) and inside the total: the
         # stages add up to it; wall clock, as the count ends on host reads
@@ -420,7 +426,8 @@ class Pipeline:
                     "text": n - entry.facts["visual_tokens"],
                     "prefix": entry.length, "generated": len(gen.token_ids),
                     "cached": entry.length if built is None else 0},
-            sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status)
+            sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status,
+            finish_reason=gen.finish_reason, logprobs=gen.logprobs)
 
     def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
                       keep_for_shadow, shadow_max_bytes, max_new_tokens, cached) -> dict:

@@ -12,7 +12,7 @@ and what the decode loop calls with each logits row.
   fewest most likely tokens whose mass reaches ``top_p``), by inverse CDF with one uniform
   number per step from the row's own CPU generator. A seed gives the same draws on every
   device and whatever else is batched with it, so the same seed gives the same answer (on the
-  same logits: the same model, dtype and kernels).
+  same logits: the same model, dtype and kernels); without one, a seed is drawn.
 * Logprobs are the model's own log-softmax (temperature 1, no nucleus: what evaluation
   harnesses score), of the chosen token and of the ``top_logprobs`` most likely ones.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,7 +43,7 @@ class SamplingParams:
     string and no logprobs."""
     temperature: float = 0.0           # 0: greedy
     top_p: float = 1.0                 # nucleus mass in (0, 1]; 1: every token
-    seed: int | None = None            # None: a fresh random stream (sampling only)
+    seed: int | None = None            # sampling without one: a random seed, drawn here
     stop: tuple[str, ...] = ()         # the answer ends before the first of these
     logprobs: bool = False             # report the chosen tokens' logprobs
     top_logprobs: int = 0              # and this many most likely alternatives (logprobs)
@@ -74,6 +75,10 @@ class SamplingParams:
                              field="top_logprobs")
         if k and not self.logprobs:
             raise InputError("top_logprobs needs logprobs=true", field="top_logprobs")
+        if self.seed is None and not self.greedy:
+            # drawn once, here: every copy of the params (tensor-parallel ranks) samples
+            # alike, and the answer can say which seed it used
+            object.__setattr__(self, "seed", secrets.randbits(63))
 
     @property
     def greedy(self) -> bool:
