@@ -20,6 +20,7 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mminfer.engine.pipeline import MAX_FPS, MAX_NEW_TOKENS
 from mminfer.errors import InputError, MissingField
 from mminfer.models.sampler import MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -37,13 +38,16 @@ class AnswerFields(BaseModel):
     default, and none can be null)."""
     model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(description="the question about the video")
-    video_id: str = Field(None, description="instead of a `video` file: the id of a video "
-                                            "stored with POST /v1/videos")
-    fps: Number = Field(None, gt=0, description=FPS_DOC)
+    question: str = Field(description="the question about the video",
+                          json_schema_extra={"pattern": r"\S"})   # not blank: the server says so
+    video_id: str = Field(None, min_length=1, description="instead of a `video` file: the id "
+                                                          "of a video stored with POST "
+                                                          "/v1/videos")
+    fps: Number = Field(None, gt=0, le=MAX_FPS, description=FPS_DOC)
     max_frames: Integer = Field(None, ge=1, description=MAX_FRAMES_DOC)
     max_new_tokens: Integer = Field(
-        None, ge=1, description="answer length cap in tokens (default: the server's)")
+        None, ge=1, le=MAX_NEW_TOKENS,
+        description="answer length cap in tokens (default: the server's)")
     attention: Attention = Field(None, description=ATTENTION_DOC)
     temperature: Number = Field(0.0, ge=0, le=MAX_TEMPERATURE,
                                 description="0: greedy; above 0: sampled")
@@ -66,6 +70,8 @@ class AnswerFields(BaseModel):
 
 class AnswerForm(AnswerFields):
     """multipart/form-data: the video file (or a `video_id`) and the fields."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["video"]},
+                                                           {"required": ["video_id"]}]})
     video: bytes = Field(None, description="the video file (mp4, webm, mkv, ...); required "
                                            "unless `video_id` is given")
 
