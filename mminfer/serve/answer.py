@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mminfer.engine.pipeline import MAX_FPS, MAX_NEW_TOKENS
 from mminfer.errors import InputError, MissingField
-from mminfer.models.sampler import MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingParams
+from mminfer.models.sampler import (MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+                                    SamplingParams)
 
 from . import media
 from .budget import request_params
