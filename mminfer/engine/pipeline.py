@@ -65,6 +65,8 @@ class AnswerResult:
     def to_dict(self) -> dict:
         d = asdict(replace(self, shadow=None))
         del d["shadow"]
+        if d["logprobs"] is None:      # asked for only
+            del d["logprobs"]
         return d
 
 
