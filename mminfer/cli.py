@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
     p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above 0: sampled (with --top-p, --seed)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling")
+    p.add_argument("--seed", type=int, help="the same seed gives the same sampled answer")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the answer before TEXT (may be given more than once)")
     p.add_argument("--start", type=float, help="clip start (seconds)")
     p.add_argument("--end", type=float, help="clip end (seconds)")
     p.add_argument("--json", action="store_true", help="print the full record as JSON")
@@ -58,11 +64,14 @@ def run(args) -> int:
     # bad arguments fail before the model loads
     check_request(args.question, args.fps, args.max_frames, args.max_new_tokens, args.start,
                   args.end, args.attention)
+    from mminfer.models.sampler import SamplingParams  # lazy: torch, as transformers above
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                              stop=tuple(args.stop))
     hf_logging.disable_progress_bar()
     pipe = Pipeline(args.model, **pipeline_options(args), tensor_parallel=args.tensor_parallel)
     res = pipe.answer(args.video, args.question, fps=args.fps, max_frames=args.max_frames,
                       max_new_tokens=args.max_new_tokens, start=args.start, end=args.end,
-                      use_cache=not args.no_video_cache)
+                      use_cache=not args.no_video_cache, sampling_params=sampling)
     if pipe.rank != 0:       # tensor parallel: every rank computes the answer, one prints it
         return 0
     if args.json:

@@ -53,8 +53,9 @@ def test_answer_json(ckpt, mp4, capsys):
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     assert set(d) == {"answer", "model", "attention", "attention_requested", "video", "tokens",
-                      "sparsity", "timings_ms", "cache"}
+                      "sparsity", "timings_ms", "cache", "finish_reason"}
     assert d["cache"] == "miss" and d["tokens"]["cached"] == 0
+    assert d["finish_reason"] == ("length" if d["tokens"]["generated"] == 3 else "stop")
     assert isinstance(d["answer"], str) and d["attention"] == "dense" and d["sparsity"] is None
     assert {"frames", "fps", "sampled_fps", "duration", "width", "height"} <= set(d["video"])
     assert d["video"]["frames"] == 6 and d["video"]["width"] == 64
@@ -62,6 +63,25 @@ def test_answer_json(ckpt, mp4, capsys):
     assert set(d["timings_ms"]) == {"restore", "decode", "preprocess", "vision", "index",
                                     "attention", "llm_other", "suffix", "generate", "density",
                                     "ttft", "total"}
+
+
+def test_answer_samples_with_a_seed_and_stops(ckpt, mp4, capsys):
+    def ask(*flags):
+        assert main(["answer", str(mp4), "what?", "--model", str(ckpt), "--json", "--attention",
+                     "dense", "--max-new-tokens", "8", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    greedy = ask()
+    a, b = ask("--temperature", "1.5", "--seed", "4"), ask("--temperature", "1.5", "--seed", "4")
+    assert a["answer"] == b["answer"]
+    assert len({ask("--temperature", "1.5", "--seed", str(s))["answer"]
+                for s in (5, 6, 7)} | {a["answer"], greedy["answer"]}) > 2
+    stop = greedy["answer"][2:4]
+    cut = ask("--stop", stop, "--stop", "never")
+    assert cut["answer"] == greedy["answer"][:greedy["answer"].find(stop)].strip()
+    assert cut["finish_reason"] == "stop"
+    assert main(["answer", str(mp4), "what?", "--model", str(ckpt), "--temperature", "3"]) == 2
+    assert "temperature" in capsys.readouterr().err
 
 
 def test_answer_without_the_video_cache(ckpt, mp4, capsys):

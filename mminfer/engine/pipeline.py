@@ -73,6 +73,8 @@ class AnswerResult:
     # the video cache: "miss" (the prefix was built, and kept), "hit" (continued a kept
     # prefix on the device), "host" (brought back from the host tier first), "off"
     cache: str = "off"
+    finish_reason: str = "length"  # "stop" (an end token or a stop string) | "length"
+    logprobs: list | None = None   # with sampling_params.logprobs (mminfer.models.base.Generated)
     # answer(keep_for_shadow=True) of a sparse prefill: engine.rerun.ShadowInputs (CPU
     # tensors) for Pipeline.shadow_dense; never part of to_dict
     shadow: object = field(default=None, repr=False, compare=False)
@@ -80,6 +82,8 @@ class AnswerResult:
     def to_dict(self) -> dict:
         d = asdict(replace(self, shadow=None))
         del d["shadow"]
+        if d["logprobs"] is None:      # asked for only
+            del d["logprobs"]
         return d
 
 
@@ -366,7 +370,7 @@ class Pipeline:
                attention: str | None = None, options=None, cancel=None,
                keep_for_shadow: bool = False, shadow_max_bytes: int | None = None,
                on_token=None, use_cache: bool = True, cache_salt: str | None = None,
-               turn=None) -> AnswerResult:
+               sampling_params=None, turn=None) -> AnswerResult:
         """The answer to ``question`` (or the last user turn of ``conversation``, a
         mminfer.models.base.Conversation holding the video) about the video at
         ``video_path``.
@@ -394,7 +398,9 @@ class Pipeline:
         model (the server): taken before the model is touched, handed to others at every step
         boundary as the scheduler decides (the time waiting for them is the ``wait`` stage),
         and left held or not on return — its owner closes it. None: the model is this call's
-        alone."""
+        alone. ``sampling_params``
+        (mminfer.models.sampler.SamplingParams; None: greedy): how the answer's tokens are
+        chosen, its stop strings and logprobs."""
 
         mode = attention or self.attention
         if conversation is None:
@@ -454,6 +460,7 @@ class Pipeline:
                 gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
                                      max_new_tokens=max_new_tokens, cancel=decode_check,
                                      on_token=on_token, timer=timer,
+                                     sampling_params=sampling_params,
                                      stepper=self._stepper(turn))
                 status, restore_ms = lease.status, lease.restore_ms
                 # after the last token (never in the time to first token) and inside the
@@ -492,7 +499,8 @@ class Pipeline:
                     "text": n - facts.visual_tokens,
                     "prefix": entry.length, "generated": len(gen.token_ids),
                     "cached": entry.length if built is None else 0},
-            sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status)
+            sparsity=sparsity, timings_ms=timings, shadow=kept, cache=status,
+            finish_reason=gen.finish_reason, logprobs=gen.logprobs)
 
     def _stepper(self, turn):
         """Decode steps through the scheduler, batched with the other answers decoding at the
@@ -505,7 +513,7 @@ class Pipeline:
         def run(items):
             return step_batch(ad, items)
 
-        return lambda token, pos, cache: turn.decode((token, pos, cache), run)
+        return lambda token, pos, cache, logits: turn.decode((token, pos, cache, logits), run)
 
     def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
                       keep_for_shadow, shadow_max_bytes, max_new_tokens, cached,

@@ -1,11 +1,12 @@
-"""What every model adapter gives the pipeline, and the greedy prefill/decode loop they share.
+"""What every model adapter gives the pipeline, and the prefill/decode loop they share.
 
 An adapter owns one loaded checkpoint. ``prepare`` turns decoded frames and a question into
 model inputs plus the ModalityIndex (from the token layout it built, never from values);
 ``embed`` runs the vision tower and splices its output into the text embeddings; the shared
 ``generate`` then runs the language model: the prefill engine (mminfer.models.prefill, our
-attention hook inside it, sparse or dense by the PrefillContext's decision), then dense greedy
-decode over the KV cache it wrote.
+attention hook inside it, sparse or dense by the PrefillContext's decision), then dense decode
+over the KV cache it wrote (greedy, or as a mminfer.models.sampler.SamplingParams says) —
+the decode loop ``continue_on`` runs after a cached prefix too.
 
 An adapter implements: ``accepts`` and ``from_pretrained`` (classmethods), ``name``, ``identity``,
 ``patterns``, ``max_context``, ``sampling``, ``tokenizer``, ``text_model`` (the decoder stack:
@@ -149,11 +150,15 @@ class Generated:
     prefill_tokens: int
     prefill_logits: object = None       # [vocab] logits of the prompt's last position
     first_token_s: float | None = None  # time.perf_counter() when the first token was known
+    finish_reason: str = "length"       # "stop" (an end token or a stop string) | "length"
+    # with SamplingParams.logprobs: per answer token, OpenAI's {token, logprob, bytes,
+    # top_logprobs} (mminfer.models.sampler.openai_logprobs)
+    logprobs: list | None = None
 
 
 class Adapter:
     name: str = "base"
-    sampling: str = "qwen"     # mminfer.video sampling rule this model was trained with
+    sampling: str = "qwen"     # mminfer.engine.video.decode sampling rule this model was trained with
     identity = None            # mminfer.sparse.patterns.ModelIdentity
     patterns = None            # mminfer.sparse.patterns.HeadPatternConfig (None: dense only)
     max_context: int = 0       # tokens the LLM takes (prompt + answer)
@@ -191,14 +196,6 @@ class Adapter:
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
         raise NotImplementedError
 
-    def visual_tokens(self, n_frames: int, height: int, width: int,
-                      options: PrepareOptions | None = None) -> int | None:
-        """The visual tokens ``prepare`` makes of ``n_frames`` decoded frames of ``height x
-        width``, known before decoding (the server refuses a request over its budget with
-        it); None where the adapter cannot tell (the pipeline's own context check still
-        applies)."""
-        return None
-
     def embed(self, prepared: Prepared, *, timer=None, cancel=None, shard=None):
         """Run the vision tower; return inputs_embeds ``[1, L, hidden]`` in the model dtype.
         ``timer(name)`` times the "preprocess" and "vision" work it does; ``cancel()`` is
@@ -226,32 +223,23 @@ class Adapter:
     # ------------------------------------------------------------ shared
     prefill_chunk: int | None = None   # tokens per chunk of the prefill (None: its default)
 
-    def sampling_args(self, fps: float, max_frames: int) -> dict:
-        """Keyword arguments of mminfer.video's samplers (``sample_indices``,
-        ``open_stream``) for a request's ``fps`` and ``max_frames``: the model's own rule, and
-        no more frames than the model takes (its ``frame_limit``)."""
-        return {"sampling": self.sampling, "fps": fps,
-                "max_frames": min(max_frames, self.frame_limit or max_frames)}
-
     def generate(self, prepared: Prepared, *, max_new_tokens: int = 32, ctx=None,
-                 timer=None, embeds=None, on_token=None) -> Generated:
-        """Greedy answer: the prefill engine (mminfer.models.prefill: layer by layer, chunked,
-        into the KV cache) then dense decode steps through the text model on that cache.
-        ``ctx`` (hooks.PrefillContext) is active during the prefill only, so decode-step
-        attention is neither sparse nor counted as prefill attention; its ``cancel`` is also
-        checked before every decode step. Sections timed: vision (unless ``embeds`` from
-        ``embed`` are given), prefill, generate (the decode steps after the first token).
-
-        ``on_token(text, token_id)``, if given, is called on this thread as each token
-        exists (the first right after the prefill): ``text`` is what the token adds to the
-        answer ("" while a character is incomplete, and for end tokens); a last call with
-        ``token_id`` None sends what is still owed. The texts add up to ``Generated.text``."""
+                 timer=None, embeds=None, on_token=None, sampling_params=None) -> Generated:
+        """The answer of the whole prompt at once: the prefill engine (mminfer.models.prefill:
+        layer by layer, chunked, into a new cache) then the decode steps of
+        :meth:`continue_on`. ``ctx`` (hooks.PrefillContext) is active during the prefill only,
+        so decode-step attention is neither sparse nor counted as prefill attention; its
+        ``cancel`` is also checked before every decode step. Sections timed: vision (unless
+        ``embeds`` from ``embed`` are given), prefill, generate (the decode steps after the
+        first token). ``on_token`` and ``sampling_params``: as in :meth:`continue_on`."""
         # lazy: torch takes seconds to import (prefill imports it too), and `mminfer --help`
         # imports this module
         import torch
         from mminfer.models.prefill import DEFAULT_CHUNK, prefill
+        from mminfer.models.sampler import Sampler
 
         section = timer if timer is not None else (lambda name: nullcontext())
+        sampler = Sampler(sampling_params)
         L = prepared.input_ids.shape[1]
         with torch.inference_mode():
             if embeds is None:
@@ -262,32 +250,12 @@ class Adapter:
                 logits = prefill(self.text_model, embeds, cache, self.positions(prepared, 0, L),
                                  chunk=self.prefill_chunk or DEFAULT_CHUNK, ctx=ctx,
                                  lm_head=self.lm_head)
-                token = logits.argmax(-1)                         # [1, 1]
+                first = sampler(logits) if sampler.needs_logits else logits.argmax(-1)
             del embeds                                            # the prefill's residual
-            out = [int(token)]
-            stream = IncrementalText(self.tokenizer, self.eos_token_ids) if on_token else None
-            cancel = getattr(ctx, "cancel", None)
-            with section("generate"):
-                if stream is not None:
-                    on_token(stream.push(out[0]), out[0])
-                embed_tokens = self.text_model.get_input_embeddings()
-                while len(out) < max_new_tokens and out[-1] not in self.eos_token_ids:
-                    if cancel is not None and cancel():
-                        raise Cancelled(f"request cancelled after {len(out)} answer tokens")
-                    pos = self.positions(prepared, L + len(out) - 1, 1)
-                    hidden = self._step(embed_tokens(token), pos, cache)
-                    token = self.lm_head(hidden[:, -1:]).argmax(-1)
-                    out.append(int(token))
-                    if stream is not None:
-                        on_token(stream.push(out[-1]), out[-1])
-        answer = [t for t in out if t not in self.eos_token_ids]
-        text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
-        if stream is not None:
-            rest = stream.finish(text)
-            if rest:
-                on_token(rest, None)
-        return Generated(text=text, token_ids=out, prefill_tokens=L,
-                         prefill_logits=logits[0, -1])
+        return self._answer(logits, first, sampler, cache, rope_delta=prepared.rope_delta,
+                            prefill_tokens=L, max_new_tokens=max_new_tokens,
+                            cancel=getattr(ctx, "cancel", None), on_token=on_token,
+                            section=section)
 
     def prefill_prefix(self, prepared: Prepared, embeds, *, ctx=None, timer=None,
                        headroom: int | None = None):
@@ -312,44 +280,82 @@ class Adapter:
         return kv
 
     def continue_on(self, cache, embeds, *, rope_delta: int = 0, max_new_tokens: int = 32,
-                    cancel=None, on_token=None, timer=None, stepper=None) -> Generated:
-        """Greedy answer of the suffix ``embeds`` ``[1, S, hidden]`` continuing ``cache``
-        (a prefix's PrefixKV): the suffix's rows in one pass over every cached key (dense,
+                    cancel=None, on_token=None, timer=None, sampling_params=None,
+                    stepper=None) -> Generated:
+        """The answer of the suffix ``embeds`` ``[1, S, hidden]`` continuing ``cache`` (a
+        prefix's PrefixKV): the suffix's rows in one pass over every cached key (dense,
         causal among themselves: hooks.continuation_attention), timed as "suffix", then the
         decode steps ("generate"). The cache keeps the suffix's and answer's rows; its owner
         truncates them. ``Generated.first_token_s``: ``time.perf_counter()`` when the first
-        token was known. ``stepper``: who runs each decode step (mminfer.models.decode
-        ``decode_loop``; the server batches the steps of answers decoding together)."""
+        token was known.
+
+        ``sampling_params`` (mminfer.models.sampler.SamplingParams; None: greedy) chooses the
+        tokens, ends the answer before a stop string, and asks for logprobs
+        (``Generated.logprobs``).
+        ``on_token(text, token_id)``, if given, is called on this thread as each token
+        exists (the first right after the suffix): ``text`` is what the token adds to the
+        answer ("" while a character is incomplete or may begin a stop string, and for end
+        tokens); a last call with ``token_id`` None sends what is still owed. The texts add up
+        to ``Generated.text``. ``stepper``: who runs each decode step
+        (mminfer.models.decode ``decode_loop``; the server batches the steps of the answers
+        decoding together)."""
         import torch  # lazy: as in generate
+        from mminfer.models.sampler import Sampler  # lazy: torch, as in generate
 
         section = timer if timer is not None else (lambda name: nullcontext())
+        sampler = Sampler(sampling_params)
         P, S = cache.get_seq_length(), embeds.shape[1]
-        with torch.inference_mode():
-            with section("suffix"):
-                hidden = self._step(embeds, self.positions_after(rope_delta, P, S), cache)
-                logits = self.lm_head(hidden[:, -1:])
-                token = logits.argmax(-1)                         # [1, 1]
-            out = [int(token)]
-            first_token_s = time.perf_counter()
-            stream = IncrementalText(self.tokenizer, self.eos_token_ids) if on_token else None
-            with section("generate"):
-                if stream is not None:
-                    on_token(stream.push(out[0]), out[0])
-                # decode steps: mminfer.models.decode (the lean step, replayed from CUDA graphs
-                # on a GPU; self._step where it cannot run), cancel checked before every step
-                from mminfer.models.decode import decode_loop  # lazy: torch, as in generate
+        with torch.inference_mode(), section("suffix"):
+            hidden = self._step(embeds, self.positions_after(rope_delta, P, S), cache)
+            logits = self.lm_head(hidden[:, -1:])
+            first = sampler(logits) if sampler.needs_logits else logits.argmax(-1)
+        return self._answer(logits, first, sampler, cache, rope_delta=rope_delta,
+                            prefill_tokens=P + S, max_new_tokens=max_new_tokens, cancel=cancel,
+                            on_token=on_token, section=section, stepper=stepper)
+
+    def _answer(self, logits, first, sampler, cache, *, rope_delta, prefill_tokens,
+                max_new_tokens, cancel, on_token, section, stepper=None) -> Generated:
+        """The answer after the prompt whose last logits are ``logits`` ``[1, 1, vocab]`` and
+        first token ``first`` (chosen by ``sampler``, a mminfer.models.sampler.Sampler), then
+        the decode steps on ``cache`` (mminfer.models.decode: the lean step, replayed from CUDA
+        graphs on a GPU; ``self._step`` where it cannot run), the cut at a stop string, the
+        text."""
+        from mminfer.models.decode import decode_loop  # lazy: torch, as in generate
+        from mminfer.models.sampler import openai_logprobs  # lazy: torch, as in generate
+
+        params = sampler.params
+        out = [int(first)]
+        first_token_s = time.perf_counter()
+        text = (IncrementalText(self.tokenizer, self.eos_token_ids, params.stop)
+                if on_token is not None or params.stop else None)
+
+        def emit(token_id) -> bool:
+            piece = text.push(token_id)
+            if on_token is not None:
+                on_token(piece, token_id)
+            return text.stopped
+
+        with section("generate"):
+            if text is None or not emit(out[0]):
                 decode_loop(self, cache, out, rope_delta=rope_delta,
                             max_new_tokens=max_new_tokens, cancel=cancel,
-                            emit=(lambda t: on_token(stream.push(t), t)) if stream else None,
+                            emit=emit if text is not None else None, sampler=sampler,
                             stepper=stepper)
-        answer = [t for t in out if t not in self.eos_token_ids]
-        text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
-        if stream is not None:
-            rest = stream.finish(text)
-            if rest:
-                on_token(rest, None)
-        return Generated(text=text, token_ids=out, prefill_tokens=P + S,
-                         prefill_logits=logits[0, -1], first_token_s=first_token_s)
+        if text is None:
+            answer = [t for t in out if t not in self.eos_token_ids]
+            full = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+        else:
+            full = text.text()
+            if on_token is not None:
+                rest = text.finish(full)
+                if rest:
+                    on_token(rest, None)
+        stopped = out[-1] in self.eos_token_ids or (text is not None and text.stopped)
+        return Generated(text=full, token_ids=out, prefill_tokens=prefill_tokens,
+                         prefill_logits=logits[0, -1], first_token_s=first_token_s,
+                         finish_reason="stop" if stopped else "length",
+                         logprobs=(openai_logprobs(self.tokenizer, sampler.logprobs)
+                                   if params.logprobs else None))
 
     def suffix_embeds(self, conversation):
         """The embeddings of a conversation's suffix (what follows the video), ``[1, S,

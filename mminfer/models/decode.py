@@ -1,5 +1,5 @@
-"""Greedy decode steps without transformers' forward: the lean step, and the same step replayed
-from CUDA graphs.
+"""Decode steps without transformers' forward: the lean step, and the same step replayed from
+CUDA graphs; greedy, or each token chosen by a mminfer.models.sampler.Sampler from the logits.
 
 A decode step through the text model's forward (``Adapter._step``) spends most of its time on
 the host: the mask machinery, the output wrappers, and 28 layers × ~15 small kernels launched
@@ -34,6 +34,13 @@ the modules, rotary embeddings that rescale with the position) the lean step run
 model whose layers the lean step does not cover (sliding-window attention) decodes through
 ``Adapter._step``. ``adapter.decode_mode`` ("auto" | "graph" | "lean" | "step") forces one path
 (benchmarks, tests).
+
+Greedy decoding without logprobs takes each step's own ``argmax`` (on a GPU the last graph's,
+read as one integer): the fast path, untouched by sampling. A sampled answer, or one that
+reports logprobs, needs the whole logits row: the last graph keeps its logits in a static
+buffer (the tensor its ``argmax`` reads, held instead of freed: the same kernels, so greedy
+replays are unchanged), which the sampler reads between replays before feeding its own choice
+back as the next token; the eager paths hand the logits over instead of their ``argmax``.
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ MODES = ("auto", "graph", "lean", "step")
 
 class LeanDecoder:
     """The decode step of one text model (a transformers Qwen2 / Qwen2.5-VL decoder stack) and
-    its ``lm_head``. ``step(token, position_ids, cache)`` → the next greedy token ``[1, 1]``."""
+    its ``lm_head``. ``step(token, position_ids, cache)`` → the next greedy token ``[1, 1]``;
+    ``logits(...)`` → the logits ``[1, 1, vocab]`` it is the argmax of."""
 
     def __init__(self, text_model, lm_head):
         self.text_model, self.lm_head = text_model, lm_head
@@ -97,25 +105,35 @@ class LeanDecoder:
         h = h + layer.self_attn.o_proj(out.reshape(h.shape[0], 1, -1))
         return h + fp8.mlp(layer.mlp, layer.post_attention_layernorm, h)
 
+    def _logits(self, h):
+        return self.lm_head(self.text_model.norm(h))                         # [1, 1, vocab]
+
     def _head(self, h):
-        return self.lm_head(self.text_model.norm(h)).argmax(-1)              # [1, 1]
+        return self._logits(h).argmax(-1)                                    # [1, 1]
 
     # ------------------------------------------------------------ eager
     def step(self, token, position_ids, cache):
         """One greedy step, eagerly: ``token`` ``[1, 1]`` at ``position_ids`` (what the model's
         forward takes; None: the cache's length) → the next token ``[1, 1]``."""
+        return self._head(self._hidden(token, position_ids, cache))
+
+    def logits(self, token, position_ids, cache):
+        """The step of :meth:`step`, its logits ``[1, 1, vocab]`` instead of their argmax."""
+        return self._logits(self._hidden(token, position_ids, cache))
+
+    def _hidden(self, token, position_ids, cache):
         h = self.embed(token)
         pos = self.position_ids(position_ids, cache)
         cos, sin = self._rope(h, pos)
         for i in range(len(self.layers)):
             q, k, v = self._pre(i, h, cos, sin)
             h = self._post(i, h, self._attend(i, q, k, v, cache))
-        return self._head(h)
+        return h
 
     def step_many(self, tokens, position_ids, caches):
-        """One greedy step of several answers at once, each over its own cache (lengths, dtypes
-        and prefixes differ): ``tokens`` (ints), ``position_ids`` (each what ``step`` takes)
-        and ``caches`` side by side → the last-position logits ``[B, vocab]``.
+        """One step of several answers at once, each over its own cache (lengths, dtypes and
+        prefixes differ): ``tokens`` (ints), ``position_ids`` (each what ``step`` takes) and
+        ``caches`` side by side → the last-position logits ``[B, vocab]``.
 
         Everything token-wise (embedding, norms, the q/k/v/o projections, rotary, MLP,
         lm_head) runs once over the B rows, so the weights are read once for all answers — what
@@ -134,7 +152,7 @@ class LeanDecoder:
             out = torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
                              for j, cache in enumerate(caches)])
             h = self._post(i, h, out)
-        return self.lm_head(self.text_model.norm(h))[:, -1]                  # [B, vocab]
+        return self._logits(h)[:, -1]                                        # [B, vocab]
 
     def position_ids(self, position_ids, cache):
         if position_ids is None:     # the model's default: counted from the cache's length
@@ -172,8 +190,9 @@ class LeanDecoder:
 
 class StepGraphs:
     """The lean step's segments captured in CUDA graphs over static buffers: ``tok`` (the
-    token fed, then the one produced), ``pos`` (its position ids, advanced by one per step);
-    between the replays the host writes K/V and runs attention (``LeanDecoder._attend``)."""
+    token fed, then the one produced), ``pos`` (its position ids, advanced by one per step),
+    ``logits`` (the last segment's, valid until the next replay); between the replays the
+    host writes K/V and runs attention (``LeanDecoder._attend``)."""
 
     def __init__(self, dec: LeanDecoder, position_ids, warmup: int = 2):
         self.dec = dec
@@ -189,6 +208,7 @@ class StepGraphs:
         self.q, self.k, self.v = [None] * L, [None] * L, [None] * L
         self.h = None
         self.next = None
+        self.logits = None
         self.scale = attn0.scaling
         self.direct = None                 # direct_slabs' check, made on the first cache
 
@@ -202,7 +222,11 @@ class StepGraphs:
             if j < L:
                 self.q[j], self.k[j], self.v[j] = dec._pre(j, h, self.cos, self.sin)
             else:
-                self.next = dec._head(h)
+                # the logits a sampler reads stay referenced (the graph's output buffer, in
+                # the shared pool: read before the next replay of the first segment); the
+                # argmax is the one _head computes, so greedy replays are unchanged
+                self.logits = dec._logits(h)
+                self.next = self.logits.argmax(-1)
                 self.tok.copy_(self.next)
                 self.pos.add_(1)
 
@@ -320,28 +344,32 @@ def choose_path(adapter, mode: str | None = None) -> str:
 
 
 def step_batch(adapter, items) -> list:
-    """One greedy decode step of each answer in ``items`` — ``(token id, position_ids,
-    cache)`` each, the caches all different — as one batched step (``LeanDecoder.step_many``);
-    a batch of one takes the path a lone answer takes (the CUDA graphs where they run: its
-    token and position are written into their buffers first, as another answer may have
-    replayed them since), so an answer decoding alone is as fast as without batching.
-    Returns the next token ids, in order."""
+    """One decode step of each answer in ``items`` — ``(token id, position_ids, cache,
+    logits?)`` each, the caches all different — as one batched step
+    (``LeanDecoder.step_many``); a batch of one takes the path a lone answer takes (the CUDA
+    graphs where they run: its token and position are written into their buffers first, as
+    another answer may have replayed them since), so an answer decoding alone is as fast as
+    without batching. Returns, in order, the next greedy token id, or the step's logits
+    ``[1, 1, vocab]`` (a copy) where an item asks for them (its sampler chooses)."""
     with torch.inference_mode():
         dec = decoder_of(adapter)
         if len(items) > 1 and dec.unsupported is None:
-            tokens, pos, caches = zip(*items)
-            return dec.step_many(list(tokens), list(pos), list(caches)).argmax(-1).tolist()
+            tokens, pos, caches, want = zip(*items)
+            logits = dec.step_many(list(tokens), list(pos), list(caches))
+            top = logits.argmax(-1).tolist()
+            return [logits[j].view(1, 1, -1) if w else top[j] for j, w in enumerate(want)]
         return [_step_one(adapter, dec, *item) for item in items]
 
 
-def _step_one(adapter, dec, token: int, pos, cache) -> int:
+def _step_one(adapter, dec, token: int, pos, cache, want_logits: bool):
     path = choose_path(adapter)
     if path == "graph" and dec._lock.acquire(blocking=False):
         try:
             graphs = dec.graphs(dec.position_ids(pos, cache))
             graphs.tok.fill_(token)
             graphs.pos.copy_(dec.position_ids(pos, cache))
-            return int(graphs.step(cache, graphs.direct_slabs(cache)))
+            tok = graphs.step(cache, graphs.direct_slabs(cache))
+            return graphs.logits.clone() if want_logits else int(tok)
         except Exception as e:     # capture refused: eager from here, as in decode_loop
             logging.getLogger(__name__).warning(
                 "decode steps run eagerly: CUDA graph capture failed (%s: %s)",
@@ -351,55 +379,65 @@ def _step_one(adapter, dec, token: int, pos, cache) -> int:
     t = torch.tensor([[token]], device=dec.embed.weight.device)
     if path == "step":
         hidden = adapter._step(adapter.text_model.get_input_embeddings()(t), pos, cache)
-        return int(adapter.lm_head(hidden[:, -1:]).argmax(-1))
-    return int(dec.step(t, pos, cache))
+        logits = adapter.lm_head(hidden[:, -1:])
+        return logits if want_logits else int(logits.argmax(-1))
+    return dec.logits(t, pos, cache) if want_logits else int(dec.step(t, pos, cache))
 
 
 def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_tokens: int = 32,
-                cancel=None, emit=None, mode: str | None = None, stepper=None) -> list:
-    """Greedy decode steps on ``cache`` after the tokens in ``out`` (``out[-1]`` is the token
-    to feed; its position is the cache's length): appends each new token to ``out`` until
-    ``max_new_tokens`` tokens or an end token, calling ``emit(token_id)`` after each and
-    ``cancel()`` before each step (raises mminfer.errors.Cancelled). Returns ``out``.
-    ``stepper(token, position_ids, cache) -> next token``: who runs each step (the server's
-    scheduler batches the steps of answers decoding at the same time, ``step_batch``);
-    None: this loop, on this thread."""
+                cancel=None, emit=None, mode: str | None = None, sampler=None,
+                stepper=None) -> list:
+    """Decode steps on ``cache`` after the tokens in ``out`` (``out[-1]`` is the token to feed;
+    its position is the cache's length): appends each new token to ``out`` until
+    ``max_new_tokens`` tokens, an end token, or ``emit(token_id)`` (called after each) returns
+    True (a stop string), calling ``cancel()`` before each step (raises
+    mminfer.errors.Cancelled). ``sampler`` (mminfer.models.sampler.Sampler) chooses each token
+    from the step's logits where it needs them; else the step's argmax. Returns ``out``.
+    ``stepper(token, position_ids, cache, logits?)``: who runs each step (the server's
+    scheduler batches the steps of answers decoding at the same time: ``step_batch``); None:
+    this loop, on this thread."""
+    choose = sampler if sampler is not None and sampler.needs_logits else None
     with torch.inference_mode():
         if stepper is not None:
             return _stepped_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit,
-                                 stepper)
-        return _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode)
+                                 choose, stepper)
+        return _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode,
+                            choose)
 
 
-def _stepped_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, stepper):
+def _stepped_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, choose,
+                  stepper):
     eos = adapter.eos_token_ids
     while len(out) < max_new_tokens and out[-1] not in eos:
         if cancel is not None and cancel():
             raise Cancelled(f"request cancelled after {len(out)} answer tokens")
         pos = adapter.positions_after(rope_delta, cache.get_seq_length(), 1)
-        out.append(int(stepper(out[-1], pos, cache)))
-        if emit is not None:
-            emit(out[-1])
+        got = stepper(out[-1], pos, cache, choose is not None)
+        out.append(int(got) if choose is None else choose(got))
+        if emit is not None and emit(out[-1]):
+            break
     return out
 
 
-def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode):
+def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, mode, choose):
     path = choose_path(adapter, mode)
     dec = decoder_of(adapter)
     eos = adapter.eos_token_ids
     device = dec.embed.weight.device
+    stopped = False
 
     def more():
-        if len(out) >= max_new_tokens or out[-1] in eos:
+        if stopped or len(out) >= max_new_tokens or out[-1] in eos:
             return False
         if cancel is not None and cancel():
             raise Cancelled(f"request cancelled after {len(out)} answer tokens")
         return True
 
     def push(t):
+        nonlocal stopped
         out.append(t)
-        if emit is not None:
-            emit(t)
+        if emit is not None and emit(t):
+            stopped = True
 
     if not more():
         return out
@@ -421,7 +459,13 @@ def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, 
                 graphs.pos.copy_(dec.position_ids(pos0, cache))
                 slabs = graphs.direct_slabs(cache)
                 while True:
-                    push(int(graphs.step(cache, slabs)))
+                    tok = graphs.step(cache, slabs)
+                    if choose is None:
+                        push(int(tok))
+                    else:                      # the sampler's token is the next one fed
+                        t = choose(graphs.logits)
+                        tok.fill_(t)
+                        push(t)
                     if not more():
                         return out
         finally:
@@ -433,10 +477,12 @@ def _decode_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, 
         pos = adapter.positions_after(rope_delta, cache.get_seq_length(), 1)
         if path == "step":
             hidden = adapter._step(embed(token), pos, cache)
-            nxt = adapter.lm_head(hidden[:, -1:]).argmax(-1)
+            logits = adapter.lm_head(hidden[:, -1:])
+            push(int(logits.argmax(-1)) if choose is None else choose(logits))
+        elif choose is None:
+            push(int(dec.step(token, pos, cache)))
         else:
-            nxt = dec.step(token, pos, cache)
-        push(int(nxt))
+            push(choose(dec.logits(token, pos, cache)))
         if not more():
             return out
 

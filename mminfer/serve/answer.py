@@ -4,7 +4,13 @@ whether the video's prefix came from the video cache (``cache``), and where the 
 
 The body is parsed as it streams (``media.read_multipart``) rather than by FastAPI, so an
 upload over the limit is refused while it arrives; the form's schema (``AnswerForm``) still
-validates the fields and is what /openapi.json documents.
+validates the fields and is what /openapi.json documents. A field it does not name is refused
+(400), never ignored.
+
+Sampling works as on chat completions (``temperature``, ``top_p``, ``seed``; ``stop``: one
+stop string per form); with ``logprobs=true`` the answer has ``logprobs``: per answer token
+the entry OpenAI's chat ``choices[0].logprobs.content`` has (``token``, ``logprob``,
+``bytes``, ``top_logprobs``), and ``finish_reason`` says why it ended.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import time
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mminfer.engine.pipeline import MAX_FPS, MAX_NEW_TOKENS
 from mminfer.errors import InputError, MissingField
+from mminfer.models.sampler import (MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+                                    SamplingParams)
 
 from . import media
 from .budget import request_params
@@ -27,19 +36,31 @@ router = APIRouter()
 
 
 class AnswerFields(BaseModel):
-    """The form fields of an answer request (all text, as forms are)."""
-    model_config = ConfigDict(extra="ignore")
+    """The form fields of an answer request (all text, as forms are: a field left out is the
+    default, and none can be null)."""
+    model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(description="the question about the video")
-    video_id: str | None = Field(None, description="instead of a `video` file: the id of a "
-                                                   "video stored with POST /v1/videos")
-    fps: Number | None = Field(None, description=FPS_DOC)
-    max_frames: Integer | None = Field(None, description=MAX_FRAMES_DOC)
-    max_new_tokens: Integer | None = Field(
-        None, description="answer length cap in tokens (default: the server's)")
-    attention: Attention | None = Field(None, description=ATTENTION_DOC)
-    cache_salt: str | None = Field(None, min_length=1, max_length=256,
-                                   description=CACHE_SALT_DOC)
+    question: str = Field(description="the question about the video",
+                          json_schema_extra={"pattern": r"\S"})   # not blank: the server says so
+    video_id: str = Field(None, min_length=1, description="instead of a `video` file: the id "
+                                                          "of a video stored with POST "
+                                                          "/v1/videos")
+    fps: Number = Field(None, gt=0, le=MAX_FPS, description=FPS_DOC)
+    max_frames: Integer = Field(None, ge=1, description=MAX_FRAMES_DOC)
+    max_new_tokens: Integer = Field(
+        None, ge=1, le=MAX_NEW_TOKENS,
+        description="answer length cap in tokens (default: the server's)")
+    attention: Attention = Field(None, description=ATTENTION_DOC)
+    temperature: Number = Field(0.0, ge=0, le=MAX_TEMPERATURE,
+                                description="0: greedy; above 0: sampled")
+    top_p: Number = Field(1.0, gt=0, le=1, description="nucleus mass (with temperature)")
+    seed: Integer = Field(None, description="the same seed gives the same answer")
+    stop: str = Field(None, min_length=1, max_length=MAX_STOP_CHARS,
+                      description="the answer ends before this string")
+    logprobs: bool = Field(False, description="each answer token's logprob in `logprobs`")
+    top_logprobs: Integer = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                                  description="with logprobs: that many likeliest tokens")
+    cache_salt: str = Field(None, min_length=1, max_length=256, description=CACHE_SALT_DOC)
 
     @model_validator(mode="before")
     @classmethod
@@ -52,6 +73,8 @@ class AnswerFields(BaseModel):
 
 class AnswerForm(AnswerFields):
     """multipart/form-data: the video file (or a `video_id`) and the fields."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["video"]},
+                                                           {"required": ["video_id"]}]})
     video: bytes = Field(None, description="the video file (mp4, webm, mkv, ...); required "
                                            "unless `video_id` is given")
 
@@ -76,10 +99,17 @@ async def _answer(svc, req):
     req.received()
     if up.filename:
         req.label = f"the uploaded video {up.filename!r}"
+    unknown = sorted(set(up.fields) - set(AnswerFields.model_fields))
+    if unknown:
+        raise InputError(f"unknown form field `{unknown[0][:40]}`: this form takes "
+                         f"{', '.join(AnswerForm.model_fields)}", field=unknown[0][:40])
     fields = {k: media.text_field(up, k) for k in AnswerFields.model_fields if k in up.fields}
     form = validate(AnswerFields, fields,
                     missing=lambda field: f"the form field `{field}` is missing")
     req.cache_salt = form.cache_salt
+    sampling = SamplingParams(temperature=form.temperature, top_p=form.top_p, seed=form.seed,
+                              stop=(form.stop,) if form.stop else (), logprobs=form.logprobs,
+                              top_logprobs=form.top_logprobs)
     if form.video_id and req.path is not None:
         raise InputError("the form has both a `video` file and a `video_id`; send one of them")
     filename = up.filename
@@ -92,6 +122,7 @@ async def _answer(svc, req):
     question, params = request_params(s, fps=form.fps, max_frames=form.max_frames,
                                       max_new_tokens=form.max_new_tokens,
                                       attention=form.attention, question=form.question)
+    params["sampling_params"] = sampling
     media.check_file(req.path, req.label)
     await svc.check_budget(req, question, params)
     upload_ms = (time.monotonic() - req.arrival) * 1e3
@@ -101,5 +132,11 @@ async def _answer(svc, req):
             "attention": result.attention,
             "attention_requested": result.attention_requested, "cache": result.cache,
             "video": video_facts(result, filename, form.video_id), "tokens": result.tokens,
-            "sparsity": result.sparsity, "timings_ms": timings}
+            "sparsity": result.sparsity, "timings_ms": timings,
+            "finish_reason": result.finish_reason}
+    if sampling.logprobs:
+        body["logprobs"] = result.logprobs
+    if not sampling.greedy:
+        body["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                            "seed": sampling.seed}
     return body, {"result": result, "timings": timings}

@@ -141,18 +141,80 @@ def model_name(model_path: str) -> str:
         return Path(model_path).name
 
 
+# What each route answers besides its 200, every one in the one error shape
+# (errors.ErrorResponse). The connection layer's refusals (protocol.py: 400 bad_http, 408
+# header_timeout, 431, 503 too_many_connections) can come before any route, and are not listed.
+_ASK = (400, 401, 403, 404, 408, 413, 415, 422, 429, 500, 503, 504, 507)
+ERROR_RESPONSES = {
+    ("post", "/v1/answer"): _ASK,
+    ("post", "/v1/chat/completions"): _ASK,
+    ("post", "/v1/videos"): (400, 401, 408, 413, 415, 422, 500, 503, 507),
+    ("get", "/v1/videos"): (401,),
+    ("get", "/v1/videos/{video_id}"): (401, 404),
+    ("delete", "/v1/videos/{video_id}"): (401, 404),
+    ("get", "/v1/models"): (401,),
+    ("get", "/v1/latency-report"): (400, 401),
+    ("get", "/report"): (400, 401),
+    ("get", "/health"): (),
+    ("get", "/metrics"): (),
+}
+STATUS_DOCS = {
+    400: "a wrong value (`field` names it) or a malformed body",
+    401: "no or a wrong API key (`Authorization: Bearer`, when the server has one)",
+    403: "not allowed here (attention=sparse where the server decides, a local path outside "
+         "the allowed folder)",
+    404: "an unknown model name or video id",
+    408: "the body arrived too slowly",
+    413: "over a size or budget limit (`limit` says it)",
+    415: "not a video, or not the body type the route reads",
+    422: "a missing field or file part, or a video its decoder cannot read (`reason`)",
+    429: "this client's share of upload slots is taken (Retry-After)",
+    500: "a bug: the log has it under the answer's request id",
+    503: "full, loading, the model worker gone, or shutting down (Retry-After)",
+    504: "not answered within the server's --timeout-s",
+    507: "the server's disk or its video store is full",
+}
+# 200s that are not JSON
+CONTENT = {
+    ("get", "/metrics"): {"text/plain": {"schema": {"type": "string"}}},
+    ("post", "/v1/chat/completions"): {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": {"schema": {"type": "string"},
+                              "description": "with stream=true: chat.completion.chunk events"}},
+}
+
+
 def _openapi(app, models) -> dict:
     """FastAPI's schema plus the request bodies the POST routes read themselves (they stream
-    and limit the body, so FastAPI never sees a parameter to document)."""
+    and limit the body, so FastAPI never sees a parameter to document), and every error each
+    route answers (ERROR_RESPONSES) in the one error shape: a contract clients are generated
+    from, checked by a schema-driven fuzz run (tests/serve/test_openapi_contract.py)."""
     if app.openapi_schema:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi  # lazy: as in create_app
 
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)
-    _, defs = models_json_schema([(m, "validation") for m in models],
+    _, defs = models_json_schema([(m, "validation") for m in (*models, errors.ErrorResponse)],
                                  ref_template="#/components/schemas/{model}")
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(defs["$defs"])
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            out = op["responses"]
+            out.pop("422", None)            # FastAPI's own shape: ours answers instead
+            for status in ERROR_RESPONSES.get((method, path), (401,)):
+                out[str(status)] = {"description": STATUS_DOCS[status],
+                                    "content": {"application/json": {"schema": ref}}}
+            if (method, path) in CONTENT:
+                out["200"]["content"] = CONTENT[(method, path)]
+    health = schema["paths"]["/health"]["get"]["responses"]
+    health["503"] = {"description": "loading, the model worker gone, or the data folder full "
+                                    "(`status` says which)",
+                     "content": {"application/json": {"schema": {"type": "object"}}}}
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
     app.openapi_schema = schema
     return schema
 

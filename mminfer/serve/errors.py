@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mminfer.errors import InputError, MMInferError, MissingField
 
@@ -21,6 +22,23 @@ log = logging.getLogger("mminfer.serve")
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong; details of the error (``field``, ``limit``, ``reason``, ...) beside."""
+    model_config = ConfigDict(extra="allow")
+
+    code: str = Field(description="machine-readable: bad_input, missing_field, too_large, "
+                                  "over_limit, bad_video, queue_full, timeout, ...")
+    message: str = Field(description="what was wrong, for a person")
+    type: str = Field(description="OpenAI's error type: invalid_request_error, "
+                                  "authentication_error, not_found_error, rate_limit_error, "
+                                  "server_error, ...")
+
+
+class ErrorResponse(BaseModel):
+    """Every error the service answers, whatever the route and status."""
+    error: ErrorDetail
 
 
 def error_type(status: int) -> str:
@@ -75,9 +93,14 @@ def install(app):
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # every method the path has (Starlette names only the first route that matched)
+            methods = allowed_methods(app, request.url.path)
+            if methods:
+                headers["Allow"] = ", ".join(methods)
         return json_response(exc.status_code, error_body(code, str(exc.detail),
-                                                         exc.status_code),
-                             getattr(exc, "headers", None))
+                                                         exc.status_code), headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):
@@ -94,6 +117,18 @@ def install(app):
         log.exception("unhandled error")
         return json_response(500, error_body("internal",
                                              f"internal error: {type(exc).__name__}", 500))
+
+
+def allowed_methods(app, path: str) -> list[str]:
+    """The methods /openapi.json documents at ``path`` (HEAD too where GET is: Starlette
+    answers it), sorted; empty for a path it does not document."""
+    methods: set[str] = set()
+    for template, ops in app.openapi().get("paths", {}).items():
+        if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), path):
+            methods |= {m.upper() for m in ops}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
 
 
 def _loc(loc) -> str:

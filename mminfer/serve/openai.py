@@ -9,8 +9,12 @@ the video reuses the video's cached prefix (``mminfer.cache`` says ``hit``).
 
 The body is read by the service (size-limited and timed as it arrives), parsed off the event
 loop (a 400 for anything the JSON parser rejects, deep nesting included), then validated by
-``ChatCompletionRequest``, the schema /openapi.json documents. Sampling fields OpenAI clients
-send (temperature, top_p, ...) are accepted and ignored: answers are greedy.
+``ChatCompletionRequest``, the schema /openapi.json documents. Of OpenAI's parameters, the
+sampling ones a video QA client needs work (``temperature``, ``top_p``, ``seed``, ``stop``,
+``logprobs``/``top_logprobs``; mminfer.models.sampler); every other one (penalties,
+``response_format``, tools, ``logit_bias``...) is refused with a 400 naming it unless it has the
+value that changes nothing (``presence_penalty: 0``), and so is a parameter nobody defined: a
+client never gets an answer that silently ignored what it asked for.
 
 ``stream: true`` answers with server-sent events (stream.py) once the first token exists:
 a ``chat.completion.chunk`` with the role, one per piece of answer text, one with the
@@ -24,13 +28,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from mminfer.errors import InputError, ModelNotFound, UnsupportedMedia
 from mminfer.models.base import VIDEO, Conversation, Turn
+from mminfer.models.sampler import (MAX_STOP, MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+                                    SamplingParams)
 
 from . import jsonbody, media
 from .budget import request_params
@@ -95,8 +101,27 @@ class StreamOptions(_Open):
                                                    "(prompt and completion tokens)")
 
 
-class ChatCompletionRequest(_Open):
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+# OpenAI's and vLLM's parameters this server does not implement, each accepted only at the
+# values that change nothing (and null); any other value is a 400 naming it
+NEUTRAL: dict[str, tuple] = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "top_k": (-1, 0), "min_p": (0,), "best_of": (1,),
+    "min_tokens": (0,), "echo": (False,), "ignore_eos": (False,), "stop_token_ids": ([],),
+    "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
+    "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (),
+}
+
+
+class _ChatRequest(BaseModel):
     """OpenAI's chat completion request, as far as a video question needs it."""
+    model_config = ConfigDict(extra="forbid")
+
     model: str | None = Field(None, description="a name this server serves (GET /v1/models); "
                                                 "empty: the served model")
     messages: list[Message] = Field(min_length=1)
@@ -116,6 +141,78 @@ class ChatCompletionRequest(_Open):
         None, description="vLLM's place for fps and max_frames")
     cache_salt: str | None = Field(None, min_length=1, max_length=256,
                                    description=CACHE_SALT_DOC)
+    temperature: Number | None = Field(
+        None, ge=0, le=MAX_TEMPERATURE,
+        description="0 or absent: greedy (the most likely token); above 0: sampled from "
+                    "softmax(logits / temperature)")
+    top_p: Number | None = Field(None, gt=0, le=1, description="sample only from the most "
+                                 "likely tokens whose mass reaches top_p (with temperature)")
+    seed: Integer | None = Field(None, description="the same seed (and request) gives the "
+                                 "same answer; absent: a fresh one (mminfer.sampling.seed "
+                                 "says which)")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = Field(
+        None, description="the answer ends before the first of these strings "
+                          "(finish_reason stop)")
+    logprobs: Bool | None = Field(False, description="choices[0].logprobs.content: each "
+                                  "answer token's logprob (the model's own distribution)")
+    top_logprobs: Integer | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                         description="with logprobs: that many most likely "
+                                                     "tokens at each position")
+    user: str | None = Field(None, description="the end user's id (not used)")
+
+
+def _neutral_doc(values: tuple) -> str:
+    said = [json.dumps(v) for v in values]
+    return ("not supported: accepted only as " + " or ".join([*said, "null"])
+            + (" (which changes nothing)" if said else ""))
+
+
+ChatCompletionRequest = create_model(
+    "ChatCompletionRequest", __base__=_ChatRequest, __doc__=_ChatRequest.__doc__,
+    **{name: (Any, Field(None, description=_neutral_doc(values),
+                         json_schema_extra={"enum": [*values, None]}))
+       for name, values in NEUTRAL.items()})
+
+
+def _same(a, b) -> bool:
+    """JSON equality: 0 and 0.0 are equal, false and 0 are not (Python says they are)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def refuse_unsupported(data: dict) -> None:
+    """A 400 naming the first parameter that this server would otherwise ignore: one it does
+    not implement sent at a value that would change the answer, or one nobody defined."""
+    for name, value in data.items():
+        if name in NEUTRAL:
+            if value is not None and not any(_same(value, v) for v in NEUTRAL[name]):
+                raise InputError(f"{name} is not supported by this server; "
+                                 f"{_neutral_doc(NEUTRAL[name]).split(': ', 1)[1]}, not "
+                                 f"{_shown(value)}", field=name)
+        elif name not in ChatCompletionRequest.model_fields:
+            raise InputError(f"unknown parameter `{_shown(name, 40)}`: this server's chat "
+                             f"completions take {', '.join(sorted(_ChatRequest.model_fields))}",
+                             field=name)
+
+
+def _shown(value, n: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def sampling_of(body) -> SamplingParams:
+    stop = body.stop
+    return SamplingParams(temperature=body.temperature or 0.0,
+                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                          stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+                          logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
 
 
 REQUEST_BODY = {"required": True, "content": {"application/json": {
@@ -148,18 +245,6 @@ async def models(request: Request):
                                        for i in ids]}
 
 
-def parse_json(raw: bytes):
-    """The body as JSON; InputError (400) for anything the parser rejects."""
-    try:
-        return json.loads(raw)
-    except UnicodeDecodeError:
-        raise InputError("the request body is not valid UTF-8 JSON") from None
-    except RecursionError:
-        raise InputError("the request body is not valid JSON: nested too deeply") from None
-    except ValueError as e:
-        raise InputError(f"the request body is not valid JSON: {e}") from None
-
-
 async def _chat(svc, req):
     s = svc.s
     ctype = req.http.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -172,6 +257,7 @@ async def _chat(svc, req):
     del raw
     if not isinstance(data, dict):
         raise InputError("the request body must be a JSON object")
+    refuse_unsupported(data)
     body = await asyncio.to_thread(validate, ChatCompletionRequest, data)
     if body.model not in (None, "") and body.model not in svc.model_names():
         raise ModelNotFound(f"the model {body.model!r} is not served here; this server serves "
@@ -180,6 +266,10 @@ async def _chat(svc, req):
         raise InputError("stream_options is only allowed with stream=true")
     if body.n != 1:
         raise InputError("n must be 1")
+    sampling = sampling_of(body)
+    if sampling.logprobs and body.stream:
+        raise InputError("logprobs are not streamed by this server: ask with stream=false",
+                         field="logprobs")
     url, conv = conversation_of(body.messages)
     mm = body.mm_processor_kwargs or MMProcessorKwargs()
     max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
@@ -191,6 +281,7 @@ async def _chat(svc, req):
         max_new_tokens=max_tokens, attention=body.attention, question=conversation_text(conv))
     params["conversation"] = conv
     req.cache_salt = body.cache_salt
+    params["sampling_params"] = sampling
     stream = body.stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     del data, body
@@ -204,7 +295,7 @@ async def _chat(svc, req):
         job, fut = svc.submit(req, None, params, on_token=feed)
         if await svc.wait(req, job, fut, until=feed.first):
             fut.result()                # failed before its first token: a JSON error
-        chunks = ChatChunks(svc, req.id, params["max_new_tokens"], include_usage)
+        chunks = ChatChunks(svc, req.id, sampling, include_usage)
         return StreamReply(svc, req, "chat", job, fut, feed, chunks, upload_ms), {}
     result, job = await svc.run_job(req, None, params)
     timings = svc.timings(result, job, upload_ms, req.arrival)
@@ -212,17 +303,14 @@ async def _chat(svc, req):
         "id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": int(time.time()),
         "model": svc.model_id(),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result.answer},
-                     "logprobs": None,
-                     "finish_reason": finish_reason(result, params["max_new_tokens"])}],
+                     "logprobs": ({"content": result.logprobs}
+                                  if result.logprobs is not None else None),
+                     "finish_reason": result.finish_reason}],
         "usage": usage(result),
         "timings": timings,
-        "mminfer": extension(result),
+        "mminfer": extension(result, sampling),
     }
     return answer, {"result": result, "timings": timings}
-
-
-def finish_reason(result, max_new_tokens: int) -> str:
-    return "length" if result.tokens["generated"] >= max_new_tokens else "stop"
 
 
 def usage(result) -> dict:
@@ -235,20 +323,24 @@ def usage(result) -> dict:
                                       "cached_tokens": result.tokens.get("cached", 0)}}
 
 
-def extension(result) -> dict:
-    return {"attention": result.attention, "cache": result.cache,
-            "tokens": {"cached": result.tokens.get("cached", 0)},
-            "sparsity": result.sparsity, "video": video_facts(result, None)}
+def extension(result, sampling: SamplingParams) -> dict:
+    out = {"attention": result.attention, "cache": result.cache,
+           "tokens": {"cached": result.tokens.get("cached", 0)},
+           "sparsity": result.sparsity, "video": video_facts(result, None)}
+    if not sampling.greedy:        # the seed drawn when none was sent: to ask again alike
+        out["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                           "seed": sampling.seed}
+    return out
 
 
 class ChatChunks:
     """The ``chat.completion.chunk`` events of one streamed answer, as OpenAI sends them
     (with ``include_usage``, every chunk carries ``usage: null`` but the last)."""
 
-    def __init__(self, svc, rid: str, max_new_tokens: int, include_usage: bool):
+    def __init__(self, svc, rid: str, sampling: SamplingParams, include_usage: bool):
         self.head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
                      "created": int(time.time()), "model": svc.model_id()}
-        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
         self.include_usage = include_usage
 
     def _chunk(self, delta: dict, finish=None, **extra) -> dict:
@@ -265,8 +357,8 @@ class ChatChunks:
         return self._chunk({"content": text})
 
     def end(self, result, timings: dict) -> list[dict]:
-        out = [self._chunk({}, finish_reason(result, self.max_new_tokens), timings=timings,
-                           mminfer=extension(result))]
+        out = [self._chunk({}, result.finish_reason, timings=timings,
+                           mminfer=extension(result, self.sampling))]
         if self.include_usage:
             out.append({**self.head, "choices": [], "usage": usage(result)})
         return out

@@ -103,7 +103,9 @@ class ShadowMonitor:
         """A job's Pipeline.answer keywords, with keep_for_shadow when this one is sampled
         (``job.shadow_sampled`` says so afterwards)."""
         params = job.params
+        sampling = params.get("sampling_params")
         if (self.rate <= 0 or params.get("attention") == "dense"
+                or (sampling is not None and not sampling.greedy)   # compared with greedy
                 or not hasattr(pipeline, "shadow_dense")
                 or getattr(pipeline, "tensor_parallel", 1) > 1   # the re-run is one rank's
                 or self._rng.random() >= self.rate):

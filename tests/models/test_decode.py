@@ -10,6 +10,7 @@ from mminfer.errors import Cancelled
 from mminfer.models import decode
 from mminfer.models.base import Adapter
 from mminfer.models.kv import PrefixKV
+from mminfer.models.sampler import SamplingParams
 
 from conftest import write_video
 from tiny_cases import prepared_pair
@@ -185,6 +186,66 @@ def test_graph_plumbing_replayed_on_the_cpu(kind, prepared, monkeypatch):
             torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
     finally:
         ad._lean_decoder = None
+
+
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_sampling_and_logprobs_on_every_path(kind, prepared, monkeypatch):
+    """Every decode path hands the sampler its logits: greedy with logprobs keeps the greedy
+    tokens, a seed gives the same sampled tokens on each path (the graph path feeds the
+    sampler's token back, not its own argmax), and ``generate`` (one-shot prefill) samples
+    through the same loop as ``continue_on``."""
+    ad, prep, embeds = prepared[kind]
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
+    ad._lean_decoder = None
+    lp = SamplingParams(logprobs=True, top_logprobs=2)
+    hot = SamplingParams(temperature=1.5, seed=99)
+    try:
+        runs = {}
+        for mode in ("step", "lean", "graph"):
+            _, greedy = _answer(ad, prep, embeds, mode)
+            kv, logged = _answer(ad, prep, embeds, mode, sampling_params=lp)
+            _, sampled = _answer(ad, prep, embeds, mode, sampling_params=hot)
+            _, again = _answer(ad, prep, embeds, mode, sampling_params=hot)
+            assert logged.token_ids == greedy.token_ids and greedy.logprobs is None
+            assert len(logged.logprobs) == len(logged.token_ids) == 14
+            for entry in logged.logprobs:         # greedy: the chosen token is the top one
+                assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+                assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+            assert sampled.token_ids == again.token_ids != greedy.token_ids
+            runs[mode] = (greedy, logged, sampled)
+        assert decode.decoder_of(ad)._graphs is not None
+        for mode in ("lean", "graph"):
+            assert runs[mode][0].token_ids == runs["step"][0].token_ids
+            assert runs[mode][2].token_ids == runs["step"][2].token_ids
+            for a, b in zip(runs[mode][1].logprobs, runs["step"][1].logprobs):
+                assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        # the one-shot prefill answers through the same loop and sampler
+        ad.decode_mode, eos, ad.eos_token_ids = "lean", ad.eos_token_ids, ()
+        try:
+            whole = ad.generate(prep, embeds=embeds.clone(), max_new_tokens=14,
+                                sampling_params=hot)
+        finally:
+            ad.decode_mode, ad.eos_token_ids = "auto", eos
+        assert whole.token_ids == runs["lean"][2].token_ids
+    finally:
+        ad._lean_decoder = None
+
+
+def test_a_stop_string_ends_the_answer(prepared):
+    ad, prep, embeds = prepared["qwen"]
+    _, full = _answer(ad, prep, embeds, "lean", n=24)
+    assert full.finish_reason == "length" and len(full.text) > 6
+    stop = full.text[3:5]                    # from inside the answer, across tokens or not
+    texts = []
+    _, cut = _answer(ad, prep, embeds, "lean", n=24, on_token=lambda t, i: texts.append(t),
+                     sampling_params=SamplingParams(stop=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.find(stop)].strip()
+    assert "".join(texts) == cut.text and stop not in cut.text
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
+    assert len(cut.token_ids) < len(full.token_ids)    # decoding ended there
 
 
 def test_a_failed_capture_decodes_eagerly(prepared, monkeypatch, caplog):

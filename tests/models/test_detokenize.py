@@ -49,3 +49,38 @@ def test_embedded_model_tokenizer():
     pieces, rest, whole = stream(tok, ids)
     assert "".join(pieces) + rest == whole == "the number is 99, the red ball"
     assert len([p for p in pieces if p]) > 5          # streamed in many pieces, not at the end
+
+
+def stop_stream(tok, text, stop):
+    inc = IncrementalText(tok, (), stop)
+    pieces, stopped_at = [], None
+    for n, i in enumerate(tok(text, add_special_tokens=False)["input_ids"]):
+        pieces.append(inc.push(i))
+        if inc.stopped:
+            stopped_at = n
+            break
+    return pieces, inc, stopped_at
+
+
+def test_a_stop_string_across_tokens_ends_the_answer_before_it():
+    tok = tiny_tokenizer()                  # one token per byte: "99" spans two tokens
+    pieces, inc, at = stop_stream(tok, "The answer is 99, sure", ["99"])
+    assert at == len("The answer is 99") - 1         # the token that completes it
+    assert "".join(pieces) + inc.finish() == inc.text() == "The answer is"
+    assert all("9" not in p for p in pieces)         # never a piece of the stop string
+    # the first of several, wherever it starts; a stop string of whitespace
+    _, inc, _ = stop_stream(tok, "a, b. c", [".", ","])
+    assert inc.text() == "a"
+    _, inc, _ = stop_stream(tok, "  line one\nline two", ["\n"])
+    assert inc.text() == "line one" and inc.stopped
+
+
+def test_a_held_back_prefix_that_is_no_stop_string_is_sent():
+    tok = tiny_tokenizer()
+    pieces, inc, at = stop_stream(tok, "x ab abc", ["abd"])
+    assert at is None and not inc.stopped
+    # "ab" waited while it could begin "abd"
+    assert "".join(pieces) == "x ab abc" and inc.finish() == ""
+    assert pieces[2:5] == ["", "", " ab"]        # "a", "ab" held back, sent with the space
+    _, inc, at = stop_stream(tok, "stop at once", ["stop"])
+    assert at == 3 and inc.text() == ""

@@ -164,7 +164,7 @@ def server(tmp_path_factory):
 
 
 def send(url, media: Path, how: str, name: str, raw: bytes) -> httpx.Response:
-    q = {"max_new_tokens": 1}
+    q = {"max_tokens": 1}
     if how == "upload":
         return httpx.post(f"{url}/v1/answer", timeout=120, data={"question": "what?",
                           "max_new_tokens": "1"}, files={"video": ("v.mp4", raw, "video/mp4")})

@@ -115,7 +115,8 @@ def test_upload_round_trip(srv):
     d = r.json()
     assert r.headers["x-request-id"] == d["request_id"] == "abc-1"
     assert set(d) == {"request_id", "answer", "model", "attention", "attention_requested",
-                      "cache", "video", "tokens", "sparsity", "timings_ms"}
+                      "cache", "video", "tokens", "sparsity", "timings_ms", "finish_reason"}
+    assert d["finish_reason"] == ("length" if d["tokens"]["generated"] == 6 else "stop")
     assert d["cache"] in ("miss", "hit")          # an earlier test may have asked about it
     assert isinstance(d["answer"], str) and d["model"] == "tiny-qwen"
     assert d["attention"] == "dense" and d["attention_requested"] == "dense"
