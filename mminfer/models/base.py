@@ -158,7 +158,7 @@ class Generated:
 
 class Adapter:
     name: str = "base"
-    sampling: str = "qwen"     # mminfer.engine.video.decode sampling rule this model was trained with
+    sampling: str = "qwen"     # mminfer.video sampling rule this model was trained with
     identity = None            # mminfer.sparse.patterns.ModelIdentity
     patterns = None            # mminfer.sparse.patterns.HeadPatternConfig (None: dense only)
     max_context: int = 0       # tokens the LLM takes (prompt + answer)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
-from mminfer.engine import video as videolib
+from mminfer import video as videolib
 from mminfer.engine.cache import PrefixKey
 from mminfer.engine.pipeline import Pipeline
 from mminfer.models.base import VIDEO, Conversation, PrepareOptions, Turn
