@@ -482,3 +482,29 @@ def test_readme_headline_quotes_the_committed_runs():
         for ln in text.splitlines():
             if "7.47" in ln or "10.90" in ln:
                 assert "89a3ba8" in ln or "lost" in ln, ln
+
+
+@pytest.mark.slow
+def test_load_benchmark_drives_both_server_modes(tmp_path):
+    """benchmarks/load.py on the CPU at a tiny scale: both modes run through the real server,
+    every request answered, the hits hit, the report written."""
+    videos = ROOT / "samples" / "videos"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"),
+         "--new-video", str(videos / "needle_2.mp4"), "--cached-video",
+         str(videos / "needle_0.mp4"), "--cached-video", str(videos / "needle_1.mp4"),
+         "--duration-s", "6", "--hit-rate", "2", "--max-frames", "12", "--max-new-tokens", "3",
+         "--alone", "--serve-arg=--device", "--serve-arg=cpu", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((tmp_path / "load.json").read_text())
+    assert set(rep["modes"]) == {"serial", "scheduler"}
+    for mode in rep["modes"].values():
+        new, hit = mode["new_video"], mode["hit"]
+        assert new["count"] >= 1 and hit["count"] >= 6
+        assert new["errors"] == hit["errors"] == 0
+        assert set(hit["cache"]) == {"hit"} and set(new["cache"]) == {"miss"}
+        assert hit["ttft_ms"]["p99"] is not None and new["per_minute"] > 0
+    assert "--max-num-seqs" in " ".join(rep["modes"]["serial"]["serve_args"])
+    assert "serial" in proc.stdout and "scheduler" in proc.stdout

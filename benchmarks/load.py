@@ -1,0 +1,230 @@
+"""Many users at once, through the real server: new long videos arriving back to back while
+questions about already-cached videos arrive at a steady rate, with the scheduler (requests
+taking turns on the model) against the serial worker (``--max-num-seqs 1``) in the same run.
+
+    python benchmarks/load.py --model CKPT --new-video long.mp4 --cached-video a.mp4 \
+        --cached-video b.mp4 ... --duration-s 300 --hit-rate 2 --out results/load
+
+For each server mode it starts ``mminfer serve`` (loopback, a fresh data folder), asks each
+cached video once (its prefix is then in the video cache), then for ``--duration-s``:
+
+* a *new-video* client sends the new video back to back, each time under another cache key
+  (``max_frames`` = the video's frame cap + i: the same frames, the same work, never a hit);
+* a *hit* client sends a question about one of the cached videos every 1/``--hit-rate`` s
+  (round robin), each in its own connection, without waiting for the previous one.
+
+Reported per mode and class: count, errors (no request may be lost: every one answered 200),
+time to first token percentiles (the server's ``timings_ms.ttft``, arrival to first token),
+the ``wait`` stage, client latency; new videos per minute; and the ratio of the new videos'
+TTFT against one asked alone (``--alone`` runs it once before the load, on the same server).
+Writes ``load.json`` under ``--out`` and prints a table. Timings on a GPU: run it there with a
+real or random-weight checkpoint (benchmarks/run_load_h200.sh); on a CPU, the embedded model
+exercises the same path (tests/test_benchmarks.py runs it briefly).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 3)
+
+
+def summary(rows):
+    ok = [r for r in rows if r["status"] == 200]
+    ttft = [r["ttft_ms"] for r in ok]
+    return {"count": len(rows), "ok": len(ok), "errors": len(rows) - len(ok),
+            "ttft_ms": {"p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9), "p99": pct(ttft, 0.99),
+                        "max": max(ttft) if ttft else None},
+            "wait_ms": {"p50": pct([r["wait_ms"] for r in ok], 0.5),
+                        "p99": pct([r["wait_ms"] for r in ok], 0.99)},
+            "latency_ms": {"p50": pct([r["latency_ms"] for r in ok], 0.5),
+                           "p99": pct([r["latency_ms"] for r in ok], 0.99)},
+            "cache": {c: sum(1 for r in ok if r["cache"] == c)
+                      for c in sorted({r["cache"] for r in ok})}}
+
+
+class Server:
+    """``mminfer serve`` in a subprocess on a free loopback port."""
+
+    def __init__(self, args: list[str], env: dict):
+        self.data = tempfile.TemporaryDirectory(prefix="mminfer-load-")
+        cmd = [sys.executable, "-m", "mminfer.cli", "serve", "--port", "0", "--data-dir",
+               self.data.name, "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        self.url = None
+        deadline = time.monotonic() + 600
+        lines = []
+        while self.url is None and time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError("the server did not start:\n" + "".join(lines[-30:]))
+            lines.append(line)
+            if " at http://" in line:
+                self.url = line.split(" at ", 1)[1].split()[0]
+        if self.url is None:
+            raise RuntimeError("the server did not start in time")
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        for _ in self.proc.stdout:
+            pass
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.data.cleanup()
+
+
+def ask(url, video: Path, question: str, data: dict, timeout: float) -> dict:
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(f"{url}/v1/answer", timeout=timeout,
+                       data={"question": question, **{k: str(v) for k, v in data.items()}},
+                       files={"video": (video.name, video.read_bytes(), "video/mp4")})
+        body = r.json()
+    except Exception as e:  # noqa: BLE001 - a lost request is a result, counted as one
+        return {"status": 0, "error": f"{type(e).__name__}: {e}", "start": t0,
+                "latency_ms": (time.monotonic() - t0) * 1e3}
+    t = body.get("timings_ms", {}) if r.status_code == 200 else {}
+    return {"status": r.status_code, "start": t0, "end": time.monotonic(),
+            "latency_ms": round((time.monotonic() - t0) * 1e3, 3),
+            "ttft_ms": t.get("ttft"), "wait_ms": t.get("wait", 0.0), "cache": body.get("cache"),
+            "tokens": (body.get("tokens") or {}).get("total"),
+            "error": None if r.status_code == 200 else body.get("error")}
+
+
+def run_mode(name, serve_args, a, env) -> dict:
+    srv = Server(serve_args, env)
+    try:
+        q = a.question
+        base = dict(max_new_tokens=a.max_new_tokens, attention=a.attention)
+        for v in a.cached_video:                     # their prefixes are cached now
+            r = ask(srv.url, Path(v), q, base, a.timeout_s)
+            if r["status"] != 200:
+                raise RuntimeError(f"{name}: caching {v} failed: {r}")
+        alone = None
+        if a.alone:
+            alone = ask(srv.url, Path(a.new_video), q, {**base, "max_frames": a.max_frames - 1},
+                        a.timeout_s)
+        new_rows, hit_rows = [], []
+        lock = threading.Lock()
+        stop_at = time.monotonic() + a.duration_s
+
+        def new_client():
+            i = 0
+            while time.monotonic() < stop_at:
+                r = ask(srv.url, Path(a.new_video), q, {**base, "max_frames": a.max_frames + i},
+                        a.timeout_s)
+                i += 1
+                with lock:
+                    new_rows.append(r)
+
+        def one_hit(v):
+            r = ask(srv.url, Path(v), q, base, a.timeout_s)
+            with lock:
+                hit_rows.append(r)
+
+        t_new = threading.Thread(target=new_client)
+        t_new.start()
+        hits = []
+        k = 0
+        next_at = time.monotonic() + 1.0 / a.hit_rate
+        while time.monotonic() < stop_at:
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            th = threading.Thread(target=one_hit,
+                                  args=(a.cached_video[k % len(a.cached_video)],))
+            th.start()
+            hits.append(th)
+            k += 1
+            next_at += 1.0 / a.hit_rate
+        t_new.join()
+        for th in hits:
+            th.join()
+        elapsed = max([r.get("end", r["start"]) for r in new_rows + hit_rows] +
+                      [stop_at]) - (stop_at - a.duration_s)
+        new = summary(new_rows)
+        done_new = sum(1 for r in new_rows if r["status"] == 200)
+        new["per_minute"] = round(done_new / elapsed * 60, 3)
+        if alone is not None and alone["status"] == 200 and new["ttft_ms"]["p50"]:
+            new["alone_ttft_ms"] = alone["ttft_ms"]
+            new["ttft_vs_alone_p50"] = round(new["ttft_ms"]["p50"] / alone["ttft_ms"], 3)
+            new["ttft_vs_alone_max"] = round(new["ttft_ms"]["max"] / alone["ttft_ms"], 3)
+        health = httpx.get(f"{srv.url}/health", timeout=30).json()
+        return {"mode": name, "serve_args": serve_args, "elapsed_s": round(elapsed, 3),
+                "new_video": new, "hit": summary(hit_rows), "health_after": health}
+    finally:
+        srv.close()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    p.add_argument("--new-video", required=True, help="the long video sent back to back")
+    p.add_argument("--cached-video", action="append", required=True,
+                   help="a video cached before the load; questions about it arrive at "
+                        "--hit-rate (repeatable)")
+    p.add_argument("--question", default="What number appears in the video?")
+    p.add_argument("--duration-s", type=float, default=120.0)
+    p.add_argument("--hit-rate", type=float, default=2.0, help="cache-hit questions a second")
+    p.add_argument("--max-frames", type=int, default=768,
+                   help="the new video's frame cap (its key varies above it)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--alone", action="store_true",
+                   help="ask the new video once alone first (the TTFT ratio's baseline)")
+    p.add_argument("--modes", default="serial,scheduler",
+                   help="serial (--max-num-seqs 1) and/or scheduler (the default server)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="one more argument for `mminfer serve` (repeatable)")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    common = (["--model", a.model] if a.model else []) + a.serve_arg + [
+        "--queue-size", "256", "--timeout-s", str(a.timeout_s), "--shadow-rate", "0"]
+    modes = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
+    out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
+    for name in a.modes.split(","):
+        out["modes"][name] = run_mode(name, modes[name], a, env)
+    print(f"{'mode':<10} {'class':<6} {'n':>4} {'err':>4} {'ttft p50':>10} {'p99':>10} "
+          f"{'max':>10} {'wait p99':>10} {'new/min':>8}")
+    for name, m in out["modes"].items():
+        for cls in ("new_video", "hit"):
+            s = m[cls]
+            t = s["ttft_ms"]
+            print(f"{name:<10} {cls[:6]:<6} {s['count']:>4} {s['errors']:>4} "
+                  f"{t['p50'] or 0:>10.1f} {t['p99'] or 0:>10.1f} {t['max'] or 0:>10.1f} "
+                  f"{s['wait_ms']['p99'] or 0:>10.1f} {s.get('per_minute', ''):>8}")
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "load.json").write_text(json.dumps(out, indent=1))
+    lost = sum(m[c]["errors"] for m in out["modes"].values() for c in ("new_video", "hit"))
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
