@@ -196,6 +196,14 @@ class Adapter:
     def prepare(self, video, question: str, options: PrepareOptions | None = None) -> Prepared:
         raise NotImplementedError
 
+    def visual_tokens(self, n_frames: int, height: int, width: int,
+                      options: PrepareOptions | None = None) -> int | None:
+        """The visual tokens ``prepare`` makes of ``n_frames`` decoded frames of ``height x
+        width``, known before decoding (the server refuses a request over its budget with
+        it); None where the adapter cannot tell (the pipeline's own context check still
+        applies)."""
+        return None
+
     def embed(self, prepared: Prepared, *, timer=None, cancel=None, shard=None):
         """Run the vision tower; return inputs_embeds ``[1, L, hidden]`` in the model dtype.
         ``timer(name)`` times the "preprocess" and "vision" work it does; ``cancel()`` is
@@ -222,6 +230,13 @@ class Adapter:
 
     # ------------------------------------------------------------ shared
     prefill_chunk: int | None = None   # tokens per chunk of the prefill (None: its default)
+
+    def sampling_args(self, fps: float, max_frames: int) -> dict:
+        """Keyword arguments of mminfer.video's samplers (``sample_indices``,
+        ``open_stream``) for a request's ``fps`` and ``max_frames``: the model's own rule, and
+        no more frames than the model takes (its ``frame_limit``)."""
+        return {"sampling": self.sampling, "fps": fps,
+                "max_frames": min(max_frames, self.frame_limit or max_frames)}
 
     def generate(self, prepared: Prepared, *, max_new_tokens: int = 32, ctx=None,
                  timer=None, embeds=None, on_token=None, sampling_params=None) -> Generated:
