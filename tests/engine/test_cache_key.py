@@ -22,7 +22,7 @@ from conftest import write_video
 # one must come with its own change below.
 FIELDS = {"model", "revision", "adapter", "dtype", "kv_cache", "quantization", "device",
           "sampling", "frame_limit", "patterns", "min_sparse_len", "video", "fps",
-          "max_frames", "start", "end", "mode", "options", "turns"}
+          "max_frames", "start", "end", "mode", "options", "turns", "salt"}
 Q = "where does the red square move?"
 
 
@@ -53,7 +53,7 @@ def test_every_field_of_the_key_changes_it():
                  kv_cache="torch.float8_e4m3fn", quantization="fp8", device="cuda",
                  sampling="uniform", frame_limit=64, patterns="p2", min_sparse_len=0,
                  video="b" * 64, fps=1.0, max_frames=8, start=1.0, end=2.0, mode="sparse",
-                 options={**base.options, "max_pixels": 50176}, turns="t2")
+                 options={**base.options, "max_pixels": 50176}, turns="t2", salt="tenant-b")
     assert {f.name for f in fields(PrefixKey)} == FIELDS == set(other)
     digests = {base.digest()}
     for name, value in other.items():
@@ -96,13 +96,14 @@ CHANGES = {
     "options": lambda m, p, r: r.update(options=PrepareOptions(max_pixels=64 * 28 * 28)),
     "turns": lambda m, p, r: r.update(conv=Conversation(
         (Turn("system", ("Be terse.",)), Turn("user", (VIDEO, Q))))),
+    "salt": lambda m, p, r: r.update(salt="tenant-b"),
 }
 
 
 def _request():
     return dict(digest="e" * 64, conv=Conversation.single(Q),
                 sampling=dict(fps=2.0, max_frames=768, start=None, end=None), mode="dense",
-                options=None)
+                options=None, salt=None)
 
 
 def test_the_pipeline_fills_every_field_from_what_the_build_reads(pipe, monkeypatch):
