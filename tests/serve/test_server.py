@@ -456,9 +456,11 @@ def test_concurrent_uploads_against_a_small_queue(ckpt, tmp_path, live_server):
 def test_timeout_answers_504_and_cleans_up(ckpt, tmp_path, live_server):
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
                               timeout_s=0.001))
-    s = live_server(app)
+    s = live_server(app)                 # loaded: the 504 is the request's own timeout
+    assert app.state.worker.state == "ready"
     r = post_answer(s.url, NEEDLE.read_bytes())
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert "loading" not in r.json()["error"]["message"], r.text
     assert wait_no_uploads(app) == []
     assert httpx.get(f"{s.url}/health").status_code == 200
 
