@@ -33,8 +33,8 @@ from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
 from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Turn,
                                  resolve_checkpoint)
 from mminfer.models.embedded import default_model
-from mminfer.models.hooks import (MODES, PrefillContext, auto_min_tokens, sparse_refusal,
-                                  sparse_unavailable)
+from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
+                                  sparse_refusal, sparse_unavailable)
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
 ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
@@ -248,8 +248,13 @@ class Pipeline:
             state = "uncalibrated"
             auto = ("dense until calibrated: the shipped head patterns are an uncalibrated "
                     "starting point; run `mminfer calibrate` (attention=sparse runs them now)")
+        elif self.min_sparse_len >= AUTO_NEVER:
+            state = "calibrated"
+            auto = ("dense on the CPU (the Triton interpreter is for tests, not speed; "
+                    "attention=sparse runs the kernels here)" if self.device.type == "cpu"
+                    else "dense (--min-sparse-len is longer than any prompt)")
         else:
-            state, auto = "calibrated", f"sparse from {self.min_sparse_len} prompt tokens"
+            state, auto = "calibrated", f"sparse from {self.min_sparse_len:,} prompt tokens"
         return {"head_patterns": state, "auto_attention": auto,
                 "quantization": getattr(self, "quantization", None)}
 
