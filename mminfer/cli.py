@@ -160,7 +160,11 @@ def _main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()           # a reader gone away shows here, not in the teardown
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
     except MMInferError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
@@ -172,6 +176,16 @@ def _main(argv=None) -> int:
         print(f"error: internal: {type(e).__name__}: {e} (MMINFER_DEBUG=1 for the traceback)",
               file=sys.stderr)
         return 1
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``mminfer answer ... | head -1``): end quietly, as a
+    Unix tool killed by SIGPIPE does (status 128 + 13), without a message about it. stdout is
+    pointed at /dev/null so that the interpreter's last flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":

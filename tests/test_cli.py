@@ -94,6 +94,9 @@ def test_answer_human(ckpt, mp4, capsys):
     (["answer", "{mp4}", " ", "--model", "{ckpt}"], "question is empty"),
     (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--fps", "0"], "fps"),
     (["answer", "{mp4}", "what?", "--model", "{tmp}"], "not a checkpoint"),
+    # a CPU build of torch, or a GPU that is not there: said, not an internal AssertionError
+    (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--device", "cuda:64"], "'cuda:64'"),
+    (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--device", "gpu"], "not a device"),
 ])
 def test_errors_are_one_line_exit_2(ckpt, mp4, tmp_path, capsys, monkeypatch, argv, needle):
     from mminfer.models import embedded
@@ -112,6 +115,20 @@ def test_no_traceback_from_the_console(mp4, tmp_path):
     r = subprocess.run([sys.executable, "-m", "mminfer.cli", "answer", str(mp4), "what?"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--model" in r.stderr
+
+
+def test_a_closed_stdout_ends_quietly(ckpt, mp4):
+    """`mminfer answer ... | head -1`: the reader is gone before the answer is written; the
+    command ends as a Unix tool does on SIGPIPE, saying nothing."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "mminfer.cli", "answer", str(mp4), "what?",
+                            "--model", str(ckpt), "--attention", "dense", "--max-new-tokens",
+                            "2"], stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert r.returncode == 141 and r.stderr == "", r.stderr
 
 
 def test_make_run_passes_server_flags():

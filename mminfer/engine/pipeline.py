@@ -114,6 +114,33 @@ def _dtype(dtype, device):
     return dtype
 
 
+def _device(device):
+    """The torch device to run on: ``device`` (None: CUDA where there is a GPU, else the CPU);
+    a ConfigError, before anything loads, for one this machine does not have."""
+    import torch  # lazy: as in _dtype
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {device!r}: not a device (cuda, cpu, cuda:1 ...)") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ConfigError(f"device {device!r}: mminfer runs on cuda or cpu")
+    if dev.type == "cuda":
+        if torch.version.cuda is None:
+            raise ConfigError(f"device {device!r}: this torch ({torch.__version__}) is a "
+                              "CPU build, without CUDA; use --device cpu, or install a CUDA "
+                              "build of torch")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError(f"device {device!r}: no CUDA GPU is visible here (check the "
+                              "driver and CUDA_VISIBLE_DEVICES); use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device {device!r}: this machine has {count} CUDA GPU"
+                              f"{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})")
+    return dev
+
+
 class Pipeline:
     """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
     embedded default model (``mminfer/models/mminfer-embedded``). ``attention`` is the default mode of its
@@ -141,7 +168,7 @@ class Pipeline:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
         if model is None:       # the embedded default model (mminfer/models/mminfer-embedded)
             model = default_model()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = _device(device)
         self.tensor_parallel, self.rank = int(tensor_parallel), 0
         if self.tensor_parallel > 1:
             self.rank, local = init_from_env(self.tensor_parallel, self.device.type)
