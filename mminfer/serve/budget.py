@@ -9,8 +9,8 @@ question's tokens) and a request over any budget is answered 413 with the limit 
 before it takes the worker's time or memory.
 
 The header is read in a decode worker process (mminfer.engine.decode_worker, set up here from
-the server's settings): a file that crashes, starves or hangs the parser is refused with 422
-(``UndecodableVideo``) and the server goes on.
+the server's settings): a file that crashes, starves or hangs the parser is refused with 400
+``bad_video`` (``UndecodableVideo``, with its ``reason``) and the server goes on.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Budget:
         not run; return what was found. Blocking (reads the file header): run in a thread.
         ``adapter`` None (a stand-in model without one): the frame and pixel budgets only."""
         s = self.s
-        info = videolib.probe(path)         # in a decode worker: UndecodableVideo (422)
+        info = videolib.probe(path)         # in a decode worker: UndecodableVideo (400)
         # the frames the pipeline decodes: at most the model's own limit (LongVILA's)
         max_frames = min(params["max_frames"],
                          getattr(adapter, "frame_limit", None) or params["max_frames"])

@@ -109,10 +109,10 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="longest question (tokens)")
     g.add_argument("--decode-memory-mb", type=float, default=d.decode_memory_mb,
                    help="memory a decode worker may take beyond its own footprint and the "
-                        "frames it is decoding (over: the video is refused, 422)")
+                        "frames it is decoding (over: the video is refused, 400 bad_video)")
     g.add_argument("--decode-timeout-s", type=float, default=d.decode_timeout_s,
                    help="a decode worker must open a video, and decode each batch of its "
-                        "frames, within this (else the video is refused, 422)")
+                        "frames, within this (else the video is refused, 400 bad_video)")
     g.add_argument("--decode-workers", type=int, default=d.decode_workers,
                    help="decode worker processes kept started")
     g.add_argument("--no-client-sparse", action="store_true",

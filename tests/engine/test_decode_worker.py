@@ -59,7 +59,7 @@ def test_a_crashing_file_is_refused_and_the_next_video_decodes(tmp_path):
             fn(bad)
         took = time.perf_counter() - t0
         assert str(bad) in str(e.value) and "cannot be decoded" in str(e.value)
-        assert e.value.http_status == 422 and e.value.code == "bad_video"
+        assert e.value.http_status == 400 and e.value.code == "bad_video"
         assert e.value.details["reason"] in ("crashed", "memory"), e.value.details
         assert took < 30, took
     assert pool.retired >= retired + 3

@@ -358,6 +358,8 @@ BAD = {
             {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}]}]})),
     "chat_image_data_url": (415, "unsupported_media_type", "image", lambda s, t: httpx.post(
         f"{s.url}/v1/chat/completions", json=chat_body(data_url(png, "image/png")))),
+    "chat_corrupt": (400, "bad_video", "", lambda s, t: httpx.post(
+        f"{s.url}/v1/chat/completions", json=chat_body(data_url(os.urandom(4096))))),
     "chat_bad_base64": (400, "bad_input", "base64", lambda s, t: httpx.post(
         f"{s.url}/v1/chat/completions", json=chat_body("data:video/mp4;base64,@@@!"))),
     "chat_unknown_model": (404, "model_not_found", "tiny-qwen", lambda s, t: httpx.post(
@@ -385,6 +387,8 @@ def test_bad_input_gets_a_4xx_with_a_reason(srv, name, tmp_path, media_dir):
     assert str(srv.data) not in json.dumps(body)            # no server path leaks
     if code == "context_length_exceeded":
         assert err["tokens"] > CONTEXT and err["limit"] == CONTEXT
+    if code == "bad_video":          # one status and shape on every route (docs/serving.md)
+        assert err["reason"] == "invalid", err
     assert httpx.get(f"{srv.url}/health").status_code == 200
     assert wait_no_uploads(srv.app) == []
 

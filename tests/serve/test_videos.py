@@ -223,6 +223,7 @@ def test_videos_life_cycle(ckpt, tmp_path, live_server):
     assert png.status_code == 415
     broken = upload(srv.url, b"\x00\x00\x00\x18ftypmp42" + b"\x01" * 500)   # the probe
     assert broken.status_code == 400 and broken.json()["error"]["code"] == "bad_video"
+    assert broken.json()["error"]["reason"] == "invalid"
     assert "/" not in broken.json()["error"]["message"]                     # no server path
     nofile = httpx.post(f"{srv.url}/v1/videos", files={"video": ("a.mp4", raw, "video/mp4")})
     assert nofile.status_code == 422 and nofile.json()["error"]["field"] == "file"
