@@ -141,6 +141,29 @@ def test_make_run_passes_server_flags():
     assert line.rstrip().endswith("--model /m --allowed-local-media-path /v --max-upload-mb 64")
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-frames", "100000000"], "--max-frames-limit (1024)"),
+    (["--max-frames", "2048", "--max-frames-limit", "1024"], "--max-frames-limit (1024)"),
+    (["--fps", "30"], "--max-fps (8)"),
+])
+def test_serve_refuses_request_defaults_over_its_own_limits(tmp_path, capsys, flags, needle):
+    """A default no request could ask for is refused at start, not capped in silence."""
+    rc = main(["serve", "--data-dir", str(tmp_path), "--port", "0", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and needle in err, err
+
+
+def test_serve_help_says_max_frames_over_the_limit_is_refused():
+    out = subprocess.run([sys.executable, "-m", "mminfer.cli", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    flat = " ".join(out.split())
+    assert "capped" not in flat
+    described = flat.split(" --max-frames-limit MAX_FRAMES_LIMIT ")[1]
+    assert described.startswith("highest max_frames a request may ask")
+    budgets = flat.split("budgets (")[1].split("):")[0]
+    assert "over: 413" in budgets
+
+
 def test_serve_help_shows_defaults():
     out = subprocess.run([sys.executable, "-m", "mminfer.cli", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout

@@ -2,7 +2,7 @@
 
 A client chooses fps, max_frames, the question and the attention mode; the server decides
 what it will spend. Request numbers are checked first (``request_params``: 400 for a wrong
-value, 413 over a server limit, max_frames capped at the server's); once the video is on
+value, 413 over a server limit); once the video is on
 disk, its header is read off the event loop (``check_video``: frames the decoder would
 sample, pixels per frame, the decoded RGB bytes, the visual tokens the model would see, the
 question's tokens) and a request over any budget is answered 413 with the limit it passed,
@@ -40,10 +40,13 @@ def request_params(s, *, fps, max_frames, max_new_tokens, attention, question) -
     if fps > s.max_fps:
         raise OverBudget(f"fps {fps:g} is over this server's limit of {s.max_fps:g}",
                          limit=s.max_fps, field="fps")
+    if max_frames > s.max_frames_limit:
+        raise OverBudget(f"max_frames {max_frames} is over this server's limit of "
+                         f"{s.max_frames_limit}", limit=s.max_frames_limit, field="max_frames")
     if attention == "sparse" and not s.allow_client_sparse:
         raise Forbidden("this server does not let requests choose attention=sparse (it decides "
                         "dense or sparse itself: leave attention out or send auto)")
-    return q, {"fps": float(fps), "max_frames": min(max_frames, s.max_frames_limit),
+    return q, {"fps": float(fps), "max_frames": max_frames,
                "max_new_tokens": max_new_tokens, "attention": attention}
 
 

@@ -25,6 +25,6 @@ JsonInteger = Annotated[int, BeforeValidator(_no_bool), Strict()]
 JsonBool = StrictBool
 
 FPS_DOC = "frames sampled per second (default: the server's --fps; at most its --max-fps)"
-MAX_FRAMES_DOC = "at most this many frames (capped at the server's --max-frames-limit)"
+MAX_FRAMES_DOC = "at most this many frames (over the server's --max-frames-limit: 413)"
 ATTENTION_DOC = ("prefill attention: auto (the server decides by prompt length), sparse "
                  "(if the server allows clients to ask for it) or dense")
