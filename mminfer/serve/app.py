@@ -9,7 +9,8 @@
                                 ``mminfer://videos/{id}`` video_url)            videos.py
     GET  /v1/models                                                             openai.py
     GET  /v1/latency-report (JSON), /report (page), /health, /metrics            reads.py
-    GET  /docs, /openapi.json   both POST bodies documented from their schemas
+    GET  /docs, /openapi.json   both POST bodies documented from their schemas; the
+                                page's Swagger UI served from here, not a CDN   apidocs.py
 
 One request's life (auth, queue slot, timed intake, budgets, the job, its record) is
 service.py; errors become JSON answers in errors.py; the model thread and its queue are
@@ -37,7 +38,7 @@ from mminfer.errors import ConfigError
 from mminfer.models.base import resolve_checkpoint
 from mminfer.models.embedded import resolve_model
 
-from . import errors, jsonbody, media
+from . import apidocs, errors, jsonbody, media
 from .metrics import Metrics
 from .service import Service
 from .settings import Settings
@@ -110,7 +111,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         store.close()
         shadow_store.close()
 
-    app = FastAPI(title="mminfer", version=_version(), lifespan=lifespan, docs_url="/docs",
+    app = FastAPI(title="mminfer", version=_version(), lifespan=lifespan, docs_url=None,
                   redoc_url=None, description="Answers about long videos, with where the "
                                               "time went (see the README).")
     service = Service(s, worker, store, metrics, model_path, upload_dir, video_store)
@@ -118,7 +119,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
     app.state.shadow = worker.shadow
     errors.install(app)
-    for module in (answer, openai, videos, reads):
+    for module in (answer, openai, videos, reads, apidocs):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, (answer.AnswerForm, *openai.SCHEMAS))
     return app

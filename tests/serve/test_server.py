@@ -771,8 +771,25 @@ def test_openapi_documents_both_post_bodies(srv):
     parts = schemas["Message"]["properties"]["content"]["anyOf"][1]["items"]
     assert set(parts["discriminator"]["mapping"]) >= {"text", "video_url", "image_url"}
     assert "url" in schemas["VideoURL"]["properties"]
+
+
+def test_the_docs_page_needs_no_other_host(srv):
+    """/docs works on a machine without internet access: every script, style sheet and icon
+    it names is served by this server, and Swagger UI's online validator is off."""
+    import re
     docs = httpx.get(f"{srv.url}/docs")
-    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert docs.status_code == 200 and "SwaggerUIBundle" in docs.text
+    assert not re.search(r"https?://", docs.text), docs.text
+    assert '"validatorUrl": null' in docs.text
+    refs = re.findall(r'(?:src|href)="([^"]+)"', docs.text) + re.findall(r"url: '([^']+)'",
+                                                                        docs.text)
+    assert len(refs) == 4, refs                  # script, style sheet, icon, the schema
+    for ref in refs:
+        r = httpx.get(f"{srv.url}{ref}")
+        assert r.status_code == 200 and len(r.content) > 100, ref
+    assert "SwaggerUIBundle" in httpx.get(f"{srv.url}/docs/assets/swagger-ui-bundle.js").text
+    nope = httpx.get(f"{srv.url}/docs/assets/..%2Fcore.py")
+    assert nope.status_code == 404 and nope.json()["error"]["code"] == "not_found"
 
 
 def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
