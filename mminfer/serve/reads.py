@@ -35,6 +35,7 @@ async def latency_report(request: Request):
     rep = await asyncio.to_thread(svc.store.report, since, until)
     rep["model"] = svc.model_id()
     rep["policy"] = _policy(svc)
+    rep["device"] = _device(svc)
     rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
     return rep
 
@@ -48,6 +49,7 @@ async def report_page(request: Request):
     rep["shadow"] = await asyncio.to_thread(_shadow_report, request, since, until)
     rows = await asyncio.to_thread(svc.store.rows, since, until, 1000)
     rep["policy"] = _policy(svc)
+    rep["device"] = _device(svc)
     return HTMLResponse(render(rep, rows, svc.model_id()))
 
 
@@ -55,6 +57,12 @@ def _policy(svc) -> dict | None:
     """The served model's head-pattern state and what "auto" attention does with it."""
     p = getattr(svc.worker, "pipeline", None)
     return p.attention_policy() if hasattr(p, "attention_policy") else None
+
+
+def _device(svc) -> str | None:
+    """The served model's device type ("cuda", "cpu"): where a cache hit's prefix is kept."""
+    device = getattr(getattr(svc.worker, "pipeline", None), "device", None)
+    return getattr(device, "type", None)
 
 
 def _shadow_report(request, since, until) -> dict | None:
