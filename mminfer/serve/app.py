@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         yield
         sweep.cancel()
         await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(jsonbody.stop)
         store.close()
         shadow_store.close()
 

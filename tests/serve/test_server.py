@@ -750,6 +750,48 @@ def test_serve_command_starts_and_prints_a_curl_line(ckpt, tmp_path):
     assert bad.returncode == 2 and "nope" in bad.stderr
 
 
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_serve_stops_without_leaks_or_tracebacks(ckpt, tmp_path, how):
+    """A process manager's SIGTERM, or Ctrl-C in a terminal (SIGINT to the whole process
+    group: the server and its JSON-parsing and decoding children): the server shuts down
+    and nothing reports a leaked semaphore or prints a traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MMINFER_API_KEY", None)
+    p = subprocess.Popen([sys.executable, "-m", "mminfer.cli", "serve", "--model", str(ckpt),
+                          "--port", "0", "--data-dir", str(tmp_path), "--device", "cpu"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    out = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()
+            out.append(line)
+            if not line or line.strip().startswith("curl"):
+                break
+        url = "".join(out).split(" at ", 1)[1].split()[0]
+        # a body big enough to be parsed by the parsing processes (its answer does not matter)
+        big = chat_body(data_url(NEEDLE.read_bytes()), text="what? " + " " * 300_000)
+        r = httpx.post(f"{url}/v1/chat/completions", json=big, timeout=120)
+        assert r.status_code < 500, r.text
+        if how == "sigterm":
+            p.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(p.pid, signal.SIGINT)
+        rest, _ = p.communicate(timeout=120)      # until every child has let go of the pipe
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    log = "".join(out) + rest
+    assert "Application shutdown complete" in log, log[-3000:]
+    assert "leaked" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_openapi_documents_both_post_bodies(srv):
     spec = httpx.get(f"{srv.url}/openapi.json").json()
     schemas = spec["components"]["schemas"]
