@@ -444,10 +444,13 @@ class Pipeline:
         if kept is not None:
             from mminfer.engine.rerun import finish  # lazy: rerun imports torch, as in _dtype
             finish(kept, ad, built["prep"], gen, (sparsity or {}).get("mean_density"))
+        video = {**entry.facts["video"], "path": str(video_path)}
+        if built is None:                  # a hit decoded nothing: no decoding to report
+            video.update(decode_wait_ms=0.0, decode_hidden_ms=0.0)
         return AnswerResult(
             answer=gen.text, model=self.model_id,
             attention=entry.facts["attention"], attention_requested=mode,
-            video={**entry.facts["video"], "path": str(video_path)},
+            video=video,
             tokens={"total": n, "visual": entry.facts["visual_tokens"],
                     "text": n - entry.facts["visual_tokens"],
                     "prefix": entry.length, "generated": len(gen.token_ids),

@@ -54,6 +54,7 @@ class Request:
     client_upload: object = None          # guard.ClientUpload
     deadline: float | None = None         # time.monotonic() by which the job must be done
     lease: object = None                  # videos.Lease of a stored video, until the job has it
+    stored: object = None                 # videos.StoredVideo asked by id (its name, for answers)
 
     def body(self, intake: Intake):
         """The request body as timed chunks."""
@@ -80,6 +81,7 @@ class Request:
     def use_stored(self, store, video_id: str):
         """The stored video ``video_id`` is this request's (404 when there is none)."""
         self.lease = store.acquire(video_id)
+        self.stored = self.lease.video
         self.path, self.own = self.lease.path, False
         self.label = f"the stored video {video_id!r}"
 
@@ -284,6 +286,8 @@ class Service:
 
 
 def video_facts(result, label, video_id: str | None = None) -> dict:
+    """The answer's ``video``: the engine's facts (no server path), the file's name as the
+    client gave it and, for a stored video, its id."""
     v = {k: val for k, val in result.video.items() if k != "path"}
     v["filename"] = label
     if video_id is not None:

@@ -839,8 +839,8 @@ def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
                               served_model_names=("video-qa", "vqa"), api_key=None))
     s = live_server(app)
     ids = [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]]
-    assert ids == ["video-qa", "vqa"]
-    for name in ("video-qa", "vqa", "tiny-qwen"):     # the checkpoint's own name still works
+    assert ids == ["video-qa", "vqa", "default"]      # every listed name is answered
+    for name in ("video-qa", "vqa", "default", "tiny-qwen"):   # and the checkpoint's own
         r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json=chat_body(
             data_url(NEEDLE.read_bytes()), model=name, max_tokens=2))
         assert r.status_code == 200 and r.json()["model"] == "video-qa", r.text
@@ -849,7 +849,7 @@ def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
     assert r.status_code == 404 and "video-qa" in r.json()["error"]["message"]
     assert post_answer(s.url, NEEDLE.read_bytes(), max_new_tokens=2).json()["model"] == "video-qa"
     m = httpx.get(f"{s.url}/metrics").text
-    assert metric_values(m, "mminfer:requests_total", "video-qa")[(("status", "200"),)] == 4
+    assert metric_values(m, "mminfer:requests_total", "video-qa")[(("status", "200"),)] == 5
 
 
 def test_an_uncalibrated_config_is_said_in_models_and_report(srv):
