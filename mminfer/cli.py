@@ -65,10 +65,10 @@ def run(args) -> int:
                       use_cache=not args.no_video_cache)
     if pipe.rank != 0:       # tensor parallel: every rank computes the answer, one prints it
         return 0
-    if args.json:
-        print(json.dumps(res.to_dict(), indent=2))
-    else:
-        print(format_result(res.to_dict()))
+    # how the model ran, which the answer's own record does not carry
+    d = {**res.to_dict(), "quantization": pipe.quantization,
+         "kv_cache_dtype": pipe.kv_cache_dtype}
+    print(json.dumps(d, indent=2) if args.json else format_result(d))
     return 0
 
 
@@ -90,6 +90,12 @@ def format_result(d: dict) -> str:
     attn = d["attention"]
     if d.get("sparsity"):
         attn += f" (density {d['sparsity']['mean_density']:.3f})"
+    running = [f"model  {d['model']}"]
+    if d.get("quantization") == "fp8":
+        running.append("FP8 linear layers (--quantization fp8)")
+    if d.get("kv_cache_dtype") == "fp8_e4m3":
+        running.append("FP8 KV cache (--kv-cache-dtype fp8)")
+    lines.append(", ".join(running))
     lines.append(f"video  {v['frames']} frames at {v['sampled_fps']:.2f} fps of "
                  f"{v['duration']:.1f} s, {v['width']}x{v['height']}")
     lines.append(f"tokens {t['total']} ({t['visual']} visual, {t['text']} text), "

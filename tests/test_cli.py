@@ -53,7 +53,8 @@ def test_answer_json(ckpt, mp4, capsys):
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     assert set(d) == {"answer", "model", "attention", "attention_requested", "video", "tokens",
-                      "sparsity", "timings_ms", "cache"}
+                      "sparsity", "timings_ms", "cache", "quantization", "kv_cache_dtype"}
+    assert (d["quantization"], d["kv_cache_dtype"]) == (None, "auto")
     assert d["cache"] == "miss" and d["tokens"]["cached"] == 0
     assert isinstance(d["answer"], str) and d["attention"] == "dense" and d["sparsity"] is None
     assert {"frames", "fps", "sampled_fps", "duration", "width", "height"} <= set(d["video"])
@@ -84,8 +85,18 @@ def test_answer_human(ckpt, mp4, capsys):
                  "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "tokens" in out and "attention dense" in out
+    assert "model  tiny-qwen\n" in out and "FP8" not in out
     lines = out.splitlines()
     assert any(line.strip().startswith("ttft") and line.endswith(" ms") for line in lines)
+
+
+def test_answer_says_when_fp8_is_on(ckpt, mp4, capsys):
+    assert main(["answer", str(mp4), "what?", "--model", str(ckpt), "--attention", "dense",
+                 "--max-new-tokens", "2", "--quantization", "fp8",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert ("model  tiny-qwen, FP8 linear layers (--quantization fp8), FP8 KV cache "
+            "(--kv-cache-dtype fp8)") in out
 
 
 @pytest.mark.parametrize("argv,needle", [
