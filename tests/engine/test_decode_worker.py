@@ -1,6 +1,6 @@
 """The decode sandbox (mminfer.engine.decode_worker): a file that crashes, starves or hangs
 the C/C++ parsers costs one worker process, never the caller; the caller gets
-UndecodableVideo (422) naming the file, the next video decodes, the worker is replaced; frames
+UndecodableVideo (400 bad_video) naming the file, the next video decodes, the worker is replaced; frames
 come back through shared memory, equal to in-process decoding."""
 
 import os
