@@ -1,15 +1,25 @@
-# `make test` bootstraps .venv (idempotent: the stamp file names the pyproject hash,
-# so a second run only runs the tests) and runs the test suite on the CPU, with the
-# Triton kernels under the interpreter.
+# `make run` bootstraps .venv with the runtime alone and serves; `make test` adds the test
+# extras (pytest, Ray) and runs the test suite on the CPU, with the Triton kernels under the
+# interpreter. Both are idempotent: a stamp file per install names the pyproject hash, so a
+# second run installs nothing, `make run` after `make test` installs nothing, and `make test`
+# after `make run` adds only the test extras.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+HASH   := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP      := $(VENV)/.installed-$(HASH)
+STAMP_TEST := $(VENV)/.installed-test-$(HASH)
 
 # The CPU set-up's versions (scripts/check_deps.py reads them from here).
 TORCH_CPU       := 2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TRITON          := 3.6.0
+# A machine with an NVIDIA GPU (its driver lists one) gets the Dockerfile's CUDA torch from
+# PyPI instead, and its kernels compiled; GPU=1 or GPU= overrides the guess.
+TORCH_CUDA      := 2.11.0
+ifndef GPU
+GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
+endif
 
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -23,25 +33,38 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first, from PyTorch's CPU index, so that nothing pulls a CUDA
 	# build (PyPI's Linux torch is the CUDA one); no torchvision. Then Triton for the kernel
-	# interpreter, and the package (torch's own dependencies come with it, from PyPI). The
-	# versions: pyproject.toml's "one torch story".
+	# interpreter, and the package's runtime (torch's own dependencies come with it, from
+	# PyPI). On a GPU machine torch's CUDA wheel, which brings its Triton. The versions:
+	# pyproject.toml's "one torch story".
+ifeq ($(GPU),1)
+	$(PY) -m pip install -q 'torch==$(TORCH_CUDA)'
+else
 	$(PY) -m pip install -q --no-deps 'torch==$(TORCH_CPU)' --extra-index-url $(TORCH_CPU_INDEX)
-	$(PY) -m pip install -q 'triton==$(TRITON)' -e '.[test]'
+endif
+	$(PY) -m pip install -q 'triton==$(TRITON)' -e .
 	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+# The test extras (pytest, Ray for `mminfer batch --ray`) on top of the runtime.
+$(STAMP_TEST): $(STAMP)
+	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
 # The main job: the service on loopback with the embedded default model (mminfer/models/mminfer-embedded), or
 # MODEL=<checkpoint dir or hub id>; ARGS passes any other server flag, e.g.
 #   make run ARGS="--allowed-local-media-path $$PWD/samples/videos --max-upload-mb 64"
-# (`.venv/bin/mminfer serve --help` lists them with their defaults).
+# (`.venv/bin/mminfer serve --help` lists them with their defaults). The embedded model is
+# served offline (HF_HUB_OFFLINE=1); a MODEL is fetched from the hub unless the environment
+# says HF_HUB_OFFLINE=1. Without a GPU the Triton kernels run under the interpreter (the
+# only way they run on a CPU); on a GPU they are compiled, unless TRITON_INTERPRET=1 is set.
 MODEL ?=
 ARGS  ?=
 run: $(STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} TRITON_INTERPRET=$${TRITON_INTERPRET:-1} \
+	$(if $(MODEL),,HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1}) $(if $(GPU),,TRITON_INTERPRET=$${TRITON_INTERPRET:-1}) \
 	  $(VENV)/bin/mminfer serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 # Build the Docker image and answer the sample inside it (skips where no Docker engine runs).
-docker-check:
+docker-check: $(STAMP_TEST)
 	$(PY) -m pytest -q -ra tests/test_docker.py
 
 # Headless Chromium for the report-page test (Debian): installed with apt-get, as root only,
@@ -56,7 +79,7 @@ system-deps:
 check-deps:
 	$(PYTHON) scripts/check_deps.py
 
-test: $(STAMP) system-deps
+test: $(STAMP_TEST) system-deps
 	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra
 
 # On a CUDA machine: the same tests compiled for the GPU, bf16 included.

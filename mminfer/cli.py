@@ -74,10 +74,10 @@ def run(args) -> int:
                       use_cache=not args.no_video_cache, sampling_params=sampling)
     if pipe.rank != 0:       # tensor parallel: every rank computes the answer, one prints it
         return 0
-    if args.json:
-        print(json.dumps(res.to_dict(), indent=2))
-    else:
-        print(format_result(res.to_dict()))
+    # how the model ran, which the answer's own record does not carry
+    d = {**res.to_dict(), "quantization": pipe.quantization,
+         "kv_cache_dtype": pipe.kv_cache_dtype}
+    print(json.dumps(d, indent=2) if args.json else format_result(d))
     return 0
 
 
@@ -99,6 +99,12 @@ def format_result(d: dict) -> str:
     attn = d["attention"]
     if d.get("sparsity"):
         attn += f" (density {d['sparsity']['mean_density']:.3f})"
+    running = [f"model  {d['model']}"]
+    if d.get("quantization") == "fp8":
+        running.append("FP8 linear layers (--quantization fp8)")
+    if d.get("kv_cache_dtype") == "fp8_e4m3":
+        running.append("FP8 KV cache (--kv-cache-dtype fp8)")
+    lines.append(", ".join(running))
     lines.append(f"video  {v['frames']} frames at {v['sampled_fps']:.2f} fps of "
                  f"{v['duration']:.1f} s, {v['width']}x{v['height']}")
     lines.append(f"tokens {t['total']} ({t['visual']} visual, {t['text']} text), "
@@ -169,7 +175,11 @@ def _main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()           # a reader gone away shows here, not in the teardown
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
     except MMInferError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
@@ -181,6 +191,16 @@ def _main(argv=None) -> int:
         print(f"error: internal: {type(e).__name__}: {e} (MMINFER_DEBUG=1 for the traceback)",
               file=sys.stderr)
         return 1
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``mminfer answer ... | head -1``): end quietly, as a
+    Unix tool killed by SIGPIPE does (status 128 + 13), without a message about it. stdout is
+    pointed at /dev/null so that the interpreter's last flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":

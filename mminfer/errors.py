@@ -23,15 +23,20 @@ class MMInferError(Exception):
 # ------------------------------------------------------------------- the request (4xx)
 
 class VideoError(MMInferError):
-    """The video cannot be used: unreadable, truncated, empty, no video stream, an image..."""
+    """The video cannot be used: unreadable, truncated, empty, no video stream, an image...
+    A 400, as OpenAI and vLLM answer media they cannot use, whichever route it came by, with
+    a ``reason``: "invalid" (the file itself; the message says what is wrong with it),
+    "fetch" (a video URL could not be fetched), or the decoder's own (UndecodableVideo)."""
     code = "bad_video"
+
+    def __init__(self, message: str, reason: str = "invalid", **details):
+        super().__init__(message, reason=reason, **details)
 
 
 class UndecodableVideo(VideoError):
     """The decoder crashed, ran out of its memory limit or its time limit on the file
     (``reason``: crashed, memory, timeout, error): a crafted or corrupt file, refused
     without harm to the service (mminfer.video.sandbox)."""
-    http_status = 422
 
 
 class InputError(MMInferError):

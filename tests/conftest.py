@@ -116,8 +116,14 @@ def read_response(sock, timeout=30.0) -> tuple[int, dict, dict]:
     return int(lines[0].split(b" ")[1]), headers, json.loads(rest[:n] or b"{}")
 
 
+LOAD_TIMEOUT_S = 300      # the tiny test models load in seconds; a loaded 2-core machine
+
+
 class LiveServer:
-    """A real uvicorn server for an app, on a free loopback port, in a background thread."""
+    """A real uvicorn server for an app, on a free loopback port, in a background thread,
+    returned once its model worker has finished loading (or failed to): the model loads in
+    the background after uvicorn starts, and until then /health and /v1/models answer 503,
+    so a test that asked them at once would race the load on a busy machine."""
 
     def __init__(self, app):
         import threading
@@ -142,6 +148,10 @@ class LiveServer:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
+        worker = getattr(self.app.state, "worker", None)
+        loaded = worker is None or worker.wait_ready(LOAD_TIMEOUT_S)
+        if not loaded and worker.state == "loading":
+            raise RuntimeError(f"the model did not load within {LOAD_TIMEOUT_S} s")
         return self
 
     def __exit__(self, *exc):

@@ -53,7 +53,9 @@ def test_answer_json(ckpt, mp4, capsys):
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
     assert set(d) == {"answer", "model", "attention", "attention_requested", "video", "tokens",
-                      "sparsity", "timings_ms", "cache", "finish_reason"}
+                      "sparsity", "timings_ms", "cache", "finish_reason", "quantization",
+                      "kv_cache_dtype"}
+    assert (d["quantization"], d["kv_cache_dtype"]) == (None, "auto")
     assert d["cache"] == "miss" and d["tokens"]["cached"] == 0
     assert d["finish_reason"] == ("length" if d["tokens"]["generated"] == 3 else "stop")
     assert isinstance(d["answer"], str) and d["attention"] == "dense" and d["sparsity"] is None
@@ -104,8 +106,18 @@ def test_answer_human(ckpt, mp4, capsys):
                  "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "tokens" in out and "attention dense" in out
+    assert "model  tiny-qwen\n" in out and "FP8" not in out
     lines = out.splitlines()
     assert any(line.strip().startswith("ttft") and line.endswith(" ms") for line in lines)
+
+
+def test_answer_says_when_fp8_is_on(ckpt, mp4, capsys):
+    assert main(["answer", str(mp4), "what?", "--model", str(ckpt), "--attention", "dense",
+                 "--max-new-tokens", "2", "--quantization", "fp8",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert ("model  tiny-qwen, FP8 linear layers (--quantization fp8), FP8 KV cache "
+            "(--kv-cache-dtype fp8)") in out
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -114,6 +126,9 @@ def test_answer_human(ckpt, mp4, capsys):
     (["answer", "{mp4}", " ", "--model", "{ckpt}"], "question is empty"),
     (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--fps", "0"], "fps"),
     (["answer", "{mp4}", "what?", "--model", "{tmp}"], "not a checkpoint"),
+    # a CPU build of torch, or a GPU that is not there: said, not an internal AssertionError
+    (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--device", "cuda:64"], "'cuda:64'"),
+    (["answer", "{mp4}", "what?", "--model", "{ckpt}", "--device", "gpu"], "not a device"),
 ])
 def test_errors_are_one_line_exit_2(ckpt, mp4, tmp_path, capsys, monkeypatch, argv, needle):
     from mminfer.models import embedded
@@ -134,6 +149,20 @@ def test_no_traceback_from_the_console(mp4, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--model" in r.stderr
 
 
+def test_a_closed_stdout_ends_quietly(ckpt, mp4):
+    """`mminfer answer ... | head -1`: the reader is gone before the answer is written; the
+    command ends as a Unix tool does on SIGPIPE, saying nothing."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "mminfer.cli", "answer", str(mp4), "what?",
+                            "--model", str(ckpt), "--attention", "dense", "--max-new-tokens",
+                            "2"], stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert r.returncode == 141 and r.stderr == "", r.stderr
+
+
 def test_make_run_passes_server_flags():
     """`make run ARGS=...` reaches `mminfer serve` (as the README's path/file:// examples need)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +171,29 @@ def test_make_run_passes_server_flags():
     assert r.returncode == 0, r.stderr
     line = [ln for ln in r.stdout.splitlines() if "mminfer serve" in ln][-1]
     assert line.rstrip().endswith("--model /m --allowed-local-media-path /v --max-upload-mb 64")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-frames", "100000000"], "--max-frames-limit (1024)"),
+    (["--max-frames", "2048", "--max-frames-limit", "1024"], "--max-frames-limit (1024)"),
+    (["--fps", "30"], "--max-fps (8)"),
+])
+def test_serve_refuses_request_defaults_over_its_own_limits(tmp_path, capsys, flags, needle):
+    """A default no request could ask for is refused at start, not capped in silence."""
+    rc = main(["serve", "--data-dir", str(tmp_path), "--port", "0", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and needle in err, err
+
+
+def test_serve_help_says_max_frames_over_the_limit_is_refused():
+    out = subprocess.run([sys.executable, "-m", "mminfer.cli", "serve", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    flat = " ".join(out.split())
+    assert "capped" not in flat
+    described = flat.split(" --max-frames-limit MAX_FRAMES_LIMIT ")[1]
+    assert described.startswith("highest max_frames a request may ask")
+    budgets = flat.split("budgets (")[1].split("):")[0]
+    assert "over: 413" in budgets
 
 
 def test_serve_help_shows_defaults():

@@ -233,3 +233,23 @@ def test_readme_sparse_answer_on_the_cpu_skips_work():
     assert r.stdout.splitlines()[0] == expected
     density = float(re.search(r"attention sparse \(density ([0-9.]+)\)", r.stdout).group(1))
     assert density < 0.8, r.stdout
+    # and it is the density the README says it prints
+    said = re.search(r"attention sparse \(density ([0-9.]+)\)", (ROOT / "README.md").read_text())
+    assert said and abs(float(said.group(1)) - density) <= 0.002, (said, density)
+
+
+def test_readme_upload_once_example_shows_a_miss_first():
+    """Followed in order, the README's first upload to /v1/videos is of bytes no earlier
+    command asked about, so its first question is the miss the text promises."""
+    asked = []
+    for where, argv in commands():
+        if not where.startswith("README"):
+            continue
+        files = [a.split("=@", 1)[1] for a in argv if "=@" in a]
+        files += [a for a in argv if a.endswith(".mp4") and "=@" not in a]
+        if argv[0] == "curl" and any(u.endswith("/v1/videos") for u in argv):
+            (uploaded,) = files
+            assert Path(uploaded).name not in asked, (uploaded, asked)
+            return
+        asked += [Path(f).name for f in files]
+    raise AssertionError("the README uploads no video to /v1/videos")

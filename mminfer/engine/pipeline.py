@@ -36,8 +36,8 @@ from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
 from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Turn,
                                  resolve_checkpoint)
 from mminfer.models.embedded import default_model
-from mminfer.models.hooks import (MODES, PrefillContext, auto_min_tokens, sparse_refusal,
-                                  sparse_unavailable)
+from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
+                                  sparse_refusal, sparse_unavailable)
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
 ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
@@ -149,6 +149,33 @@ def _dtype(dtype, device):
     return dtype
 
 
+def _device(device):
+    """The torch device to run on: ``device`` (None: CUDA where there is a GPU, else the CPU);
+    a ConfigError, before anything loads, for one this machine does not have."""
+    import torch  # lazy: as in _dtype
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {device!r}: not a device (cuda, cpu, cuda:1 ...)") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ConfigError(f"device {device!r}: mminfer runs on cuda or cpu")
+    if dev.type == "cuda":
+        if torch.version.cuda is None:
+            raise ConfigError(f"device {device!r}: this torch ({torch.__version__}) is a "
+                              "CPU build, without CUDA; use --device cpu, or install a CUDA "
+                              "build of torch")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError(f"device {device!r}: no CUDA GPU is visible here (check the "
+                              "driver and CUDA_VISIBLE_DEVICES); use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device {device!r}: this machine has {count} CUDA GPU"
+                              f"{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})")
+    return dev
+
+
 class Pipeline:
     """A loaded model ready to answer. ``model``: checkpoint dir or hub id; None, the
     embedded default model (``mminfer/models/mminfer-embedded``). ``attention`` is the default mode of its
@@ -176,7 +203,7 @@ class Pipeline:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
         if model is None:       # the embedded default model (mminfer/models/mminfer-embedded)
             model = default_model()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = _device(device)
         self.tensor_parallel, self.rank = int(tensor_parallel), 0
         if self.tensor_parallel > 1:
             self.rank, local = init_from_env(self.tensor_parallel, self.device.type)
@@ -295,8 +322,13 @@ class Pipeline:
             state = "uncalibrated"
             auto = ("dense until calibrated: the shipped head patterns are an uncalibrated "
                     "starting point; run `mminfer calibrate` (attention=sparse runs them now)")
+        elif self.min_sparse_len >= AUTO_NEVER:
+            state = "calibrated"
+            auto = ("dense on the CPU (the Triton interpreter is for tests, not speed; "
+                    "attention=sparse runs the kernels here)" if self.device.type == "cpu"
+                    else "dense (--min-sparse-len is longer than any prompt)")
         else:
-            state, auto = "calibrated", f"sparse from {self.min_sparse_len} prompt tokens"
+            state, auto = "calibrated", f"sparse from {self.min_sparse_len:,} prompt tokens"
         return {"head_patterns": state, "auto_attention": auto,
                 "quantization": getattr(self, "quantization", None)}
 
@@ -491,10 +523,13 @@ class Pipeline:
             from mminfer.engine.rerun import finish  # lazy: rerun imports torch, as in _dtype
             finish(kept, ad, built.prep, gen, (sparsity or {}).get("mean_density"))
         facts = entry.facts
+        video = {**facts.video, "path": str(video_path)}
+        if built is None:                  # a hit decoded nothing: no decoding to report
+            video.update(decode_wait_ms=0.0, decode_hidden_ms=0.0)
         return AnswerResult(
             answer=gen.text, model=self.model_id,
             attention=facts.attention, attention_requested=mode,
-            video={**facts.video, "path": str(video_path)},
+            video=video,
             tokens={"total": n, "visual": facts.visual_tokens,
                     "text": n - facts.visual_tokens,
                     "prefix": entry.length, "generated": len(gen.token_ids),

@@ -27,6 +27,8 @@ MODES = ("auto", "sparse", "dense")
 # already wins at 128K; below 64K estimation is not yet amortised). On the CPU "auto" stays
 # dense (auto_min_tokens): the Triton interpreter there is for tests, not speed.
 AUTO_SPARSE_MIN_TOKENS = 65536
+# The CPU's "auto" threshold: longer than any prompt, so "auto" never goes sparse there.
+AUTO_NEVER = 1 << 62
 
 _current: contextvars.ContextVar = contextvars.ContextVar("mminfer_prefill", default=None)
 
@@ -72,7 +74,7 @@ class PrefillContext:
 def auto_min_tokens(device) -> int:
     """The length from which "auto" prefills sparse on ``device``: AUTO_SPARSE_MIN_TOKENS on
     a GPU, never on the CPU."""
-    return AUTO_SPARSE_MIN_TOKENS if getattr(device, "type", str(device)) == "cuda" else 1 << 62
+    return AUTO_SPARSE_MIN_TOKENS if getattr(device, "type", str(device)) == "cuda" else AUTO_NEVER
 
 
 def sparse_unavailable(device) -> str | None:

@@ -10,7 +10,8 @@
     GET  /v1/models                                                             openai.py
     GET  /v1/latency-report (JSON), /report (page), /health, /metrics            reads.py
     GET/POST /login, /logout    a session cookie from an API key, for the report page  login.py
-    GET  /docs, /openapi.json   both POST bodies documented from their schemas
+    GET  /docs, /openapi.json   both POST bodies documented from their schemas; the
+                                page's Swagger UI served from here, not a CDN   apidocs.py
 
 One request's life (auth, queue slot, timed intake, budgets, the job, its record) is
 service.py; errors become JSON answers in errors.py; the model thread and its queue are
@@ -39,7 +40,7 @@ from mminfer.errors import ConfigError
 from mminfer.models.base import resolve_checkpoint
 from mminfer.models.embedded import resolve_model
 
-from . import errors, jsonbody, media
+from . import apidocs, errors, jsonbody, media
 from .metrics import Metrics
 from .service import Service
 from .settings import Settings
@@ -110,12 +111,13 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         yield
         sweep.cancel()
         await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(jsonbody.stop)
         store.close()
         shadow_store.close()
 
     # redirect_slashes off: Starlette's redirect of "/v1/videos/{id}/" names the Host the
     # client sent (an open redirect); such a path is a 404
-    app = FastAPI(title="mminfer", version=_version(), lifespan=lifespan, docs_url="/docs",
+    app = FastAPI(title="mminfer", version=_version(), lifespan=lifespan, docs_url=None,
                   redoc_url=None, redirect_slashes=False, description="Answers about long videos, with where the "
                                               "time went (see the README).")
     service = Service(s, worker, store, metrics, model_path, upload_dir, video_store)
@@ -124,7 +126,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
     app.state.shadow = worker.shadow
     errors.install(app)
-    for module in (answer, openai, videos, reads, login):
+    for module in (answer, openai, videos, reads, login, apidocs):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, (answer.AnswerForm, *openai.SCHEMAS))
     return app

@@ -2,15 +2,15 @@
 
 A client chooses fps, max_frames, the question and the attention mode; the server decides
 what it will spend. Request numbers are checked first (``request_params``: 400 for a wrong
-value, 413 over a server limit, max_frames capped at the server's); once the video is on
+value, 413 over a server limit); once the video is on
 disk, its header is read off the event loop (``check_video``: frames the decoder would
 sample, pixels per frame, the decoded RGB bytes, the visual tokens the model would see, the
 question's tokens) and a request over any budget is answered 413 with the limit it passed,
 before it takes the worker's time or memory.
 
 The header is read in a decode worker process (mminfer.video.sandbox, set up here from
-the server's settings): a file that crashes, starves or hangs the parser is refused with 422
-(``UndecodableVideo``) and the server goes on.
+the server's settings): a file that crashes, starves or hangs the parser is refused with 400
+``bad_video`` (``UndecodableVideo``, with its ``reason``) and the server goes on.
 """
 
 from __future__ import annotations
@@ -40,10 +40,13 @@ def request_params(s, *, fps, max_frames, max_new_tokens, attention, question) -
     if fps > s.max_fps:
         raise OverBudget(f"fps {fps:g} is over this server's limit of {s.max_fps:g}",
                          limit=s.max_fps, field="fps")
+    if max_frames > s.max_frames_limit:
+        raise OverBudget(f"max_frames {max_frames} is over this server's limit of "
+                         f"{s.max_frames_limit}", limit=s.max_frames_limit, field="max_frames")
     if attention == "sparse" and not s.allow_client_sparse:
         raise Forbidden("this server does not let requests choose attention=sparse (it decides "
                         "dense or sparse itself: leave attention out or send auto)")
-    return q, {"fps": float(fps), "max_frames": min(max_frames, s.max_frames_limit),
+    return q, {"fps": float(fps), "max_frames": max_frames,
                "max_new_tokens": max_new_tokens, "attention": attention}
 
 
@@ -84,7 +87,7 @@ class Budget:
         not run; return what was found. Blocking (reads the file header): run in a thread.
         ``adapter`` None (a stand-in model without one): the frame and pixel budgets only."""
         s = self.s
-        info = videolib.probe(path)         # in a decode worker: UndecodableVideo (422)
+        info = videolib.probe(path)         # in a decode worker: UndecodableVideo (400)
         # the frames the pipeline decodes: the model's rule and limit (the default rule
         # without a model)
         sampling = adapter.sampling_args(params["fps"], params["max_frames"]) \

@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser):
 
     g = p.add_argument_group("request defaults")
     g.add_argument("--fps", type=float, default=d.fps, help="frames sampled per second")
-    g.add_argument("--max-frames", type=int, default=d.max_frames, help="at most this many frames")
+    g.add_argument("--max-frames", type=int, default=d.max_frames,
+                   help="at most this many frames (at most --max-frames-limit)")
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help="answer length cap")
 
@@ -105,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser):
     g = p.add_argument_group("budgets (per request, checked before queueing; over: 413)")
     g.add_argument("--max-fps", type=float, default=d.max_fps, help="highest fps a request may ask")
     g.add_argument("--max-frames-limit", type=int, default=d.max_frames_limit,
-                   help="a request's max_frames is capped at this")
+                   help="highest max_frames a request may ask")
     g.add_argument("--max-frame-pixels", type=int, default=d.max_frame_pixels,
                    help="largest frame (width x height) accepted")
     g.add_argument("--max-decode-mb", type=float, default=d.max_decode_mb,
@@ -118,10 +119,10 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="longest question (tokens)")
     g.add_argument("--decode-memory-mb", type=float, default=d.decode_memory_mb,
                    help="memory a decode worker may take beyond its own footprint and the "
-                        "frames it is decoding (over: the video is refused, 422)")
+                        "frames it is decoding (over: the video is refused, 400 bad_video)")
     g.add_argument("--decode-timeout-s", type=float, default=d.decode_timeout_s,
                    help="a decode worker must open a video, and decode each batch of its "
-                        "frames, within this (else the video is refused, 422)")
+                        "frames, within this (else the video is refused, 400 bad_video)")
     g.add_argument("--decode-workers", type=int, default=d.decode_workers,
                    help="decode worker processes kept started")
     g.add_argument("--no-client-sparse", action="store_true",
@@ -226,6 +227,12 @@ def settings_from(args):
                           "--shadow-max-new-tokens >= 1")
     if args.kv_cache_gb is not None and args.kv_cache_gb < 0 or args.kv_host_cache_gb < 0:
         raise ConfigError("--kv-cache-gb and --kv-host-cache-gb must be >= 0")
+    if not 1 <= args.max_frames <= args.max_frames_limit:
+        raise ConfigError(f"--max-frames ({args.max_frames}) must be in [1, --max-frames-limit "
+                          f"({args.max_frames_limit})]: requests without max_frames ask for it")
+    if not 0 < args.fps <= args.max_fps:
+        raise ConfigError(f"--fps ({args.fps:g}) must be in (0, --max-fps ({args.max_fps:g})]: "
+                          "requests without fps ask for it")
     if not (args.video_store_gb > 0 and args.video_store_max >= 1 and args.video_ttl_s >= 0):
         raise ConfigError("--video-store-gb must be positive, --video-store-max at least 1 "
                           "and --video-ttl-s >= 0")

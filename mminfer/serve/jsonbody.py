@@ -22,6 +22,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -34,6 +35,7 @@ CHILD_MEMORY_BYTES = 6 * 2**30    # address space of a parsing child (a bad body
 
 _pool: concurrent.futures.ProcessPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_users = 0                        # servers of this process between start() and stop()
 
 
 def check(data, max_items: int, max_depth: int):
@@ -94,6 +96,9 @@ def parse(raw: bytes, max_items: int, max_depth: int):
 
 
 def _child_init(parent: int):
+    # Ctrl-C in a terminal reaches the whole process group: the server shuts its children
+    # down itself, and a child's KeyboardInterrupt traceback would only be noise
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import resource  # lazy: POSIX only
         resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
@@ -127,9 +132,28 @@ def pool() -> concurrent.futures.ProcessPoolExecutor:
 def start():
     """Spawn every parsing process now (at server start), not in a client's request: the
     pool spawns a process on a submit that finds none idle, so ``WORKERS`` busy ones."""
+    global _users
+    with _pool_lock:
+        _users += 1
     p = pool()
     for _ in range(WORKERS):
         p.submit(time.sleep, 0.5)
+
+
+def stop():
+    """At server shutdown (after start()): the last server of this process ends the parsing
+    processes and frees their queues. Not left to atexit: uvicorn ends a server stopped by
+    SIGTERM by raising the signal again once it has shut down, which kills the process
+    before atexit runs, and the resource tracker then reports the queues' semaphores as
+    leaked."""
+    global _pool, _users
+    with _pool_lock:
+        _users = max(_users - 1, 0)
+        if _users:
+            return
+        p, _pool = _pool, None
+    if p is not None:
+        p.shutdown(wait=True, cancel_futures=True)
 
 
 def _reset(broken):

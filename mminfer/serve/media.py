@@ -386,7 +386,7 @@ async def _resolve(host: str, port: int, allow_private: bool) -> str:
                                                              type=socket.SOCK_STREAM)
     except OSError as e:
         raise VideoError(f"the media host {host!r} cannot be resolved ({e.strerror or e})",
-                         host=host) from None
+                         reason="fetch", host=host) from None
     addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
     if not allow_private:
         for ip in addrs:
@@ -431,7 +431,8 @@ async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeou
             async with client.stream("GET", pinned, headers=headers,
                                      extensions={"sni_hostname": host}) as r:
                 if r.status_code != 200:
-                    raise VideoError(f"fetching the video URL answered HTTP {r.status_code}")
+                    raise VideoError(f"fetching the video URL answered HTTP {r.status_code}",
+                                     reason="fetch")
                 check_video_type(r.headers.get("content-type"), "the fetched video")
                 declared = r.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > max_bytes:
@@ -453,7 +454,8 @@ async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeou
                             deadline_s=deadline) from None
     except httpx.HTTPError as e:
         remove(path)
-        raise VideoError(f"fetching the video URL failed: {type(e).__name__}") from None
+        raise VideoError(f"fetching the video URL failed: {type(e).__name__}",
+                         reason="fetch") from None
     except BaseException:
         remove(path)
         raise

@@ -235,7 +235,10 @@ async def models(request: Request):
     svc.check_auth(request)
     p = svc.worker.pipeline
     ctx_len = getattr(getattr(p, "adapter", None), "max_context", None)
+    # the served names, then "default", which every server answers to (clients that do not
+    # know the name ask for it); the checkpoint's own name also works, unlisted
     ids = [svc.model_id()] + [n for n in svc.s.served_model_names[1:]]
+    ids += [] if "default" in ids else ["default"]
     policy = p.attention_policy() if hasattr(p, "attention_policy") else None
     kv = getattr(p, "kv_cache_dtype", None)          # "auto" | "fp8_e4m3"
     return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "mminfer",
@@ -295,7 +298,7 @@ async def _chat(svc, req):
         job, fut = svc.submit(req, None, params, on_token=feed)
         if await svc.wait(req, job, fut, until=feed.first):
             fut.result()                # failed before its first token: a JSON error
-        chunks = ChatChunks(svc, req.id, sampling, include_usage)
+        chunks = ChatChunks(svc, req.id, sampling, include_usage, req.stored)
         return StreamReply(svc, req, "chat", job, fut, feed, chunks, upload_ms), {}
     result, job = await svc.run_job(req, None, params)
     timings = svc.timings(result, job, upload_ms, req.arrival)
@@ -308,7 +311,7 @@ async def _chat(svc, req):
                      "finish_reason": result.finish_reason}],
         "usage": usage(result),
         "timings": timings,
-        "mminfer": extension(result, sampling),
+        "mminfer": extension(result, sampling, req.stored),
     }
     return answer, {"result": result, "timings": timings}
 
@@ -323,10 +326,13 @@ def usage(result) -> dict:
                                       "cached_tokens": result.tokens.get("cached", 0)}}
 
 
-def extension(result, sampling: SamplingParams) -> dict:
+def extension(result, sampling: SamplingParams, stored=None) -> dict:
+    """The answer's ``mminfer`` object; ``stored``: the videos.StoredVideo asked by id."""
+    video = (video_facts(result, None) if stored is None else
+             video_facts(result, stored.filename, stored.id))
     out = {"attention": result.attention, "cache": result.cache,
            "tokens": {"cached": result.tokens.get("cached", 0)},
-           "sparsity": result.sparsity, "video": video_facts(result, None)}
+           "sparsity": result.sparsity, "video": video}
     if not sampling.greedy:        # the seed drawn when none was sent: to ask again alike
         out["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                            "seed": sampling.seed}
@@ -337,7 +343,9 @@ class ChatChunks:
     """The ``chat.completion.chunk`` events of one streamed answer, as OpenAI sends them
     (with ``include_usage``, every chunk carries ``usage: null`` but the last)."""
 
-    def __init__(self, svc, rid: str, sampling: SamplingParams, include_usage: bool):
+    def __init__(self, svc, rid: str, sampling: SamplingParams, include_usage: bool,
+                 stored=None):
+        self.stored = stored
         self.head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk",
                      "created": int(time.time()), "model": svc.model_id()}
         self.sampling = sampling
@@ -358,7 +366,7 @@ class ChatChunks:
 
     def end(self, result, timings: dict) -> list[dict]:
         out = [self._chunk({}, result.finish_reason, timings=timings,
-                           mminfer=extension(result, self.sampling))]
+                           mminfer=extension(result, self.sampling, self.stored))]
         if self.include_usage:
             out.append({**self.head, "choices": [], "usage": usage(result)})
         return out

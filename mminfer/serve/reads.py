@@ -56,6 +56,7 @@ async def latency_report(request: Request):
     rep["model"] = svc.model_id()
     rep["tenant"] = scope
     rep["policy"] = _policy(svc)
+    rep["device"] = _device(svc)
     rep["shadow"] = (await asyncio.to_thread(_shadow_report, request, since, until)
                      if tenant.admin else None)
     return rep
@@ -78,6 +79,7 @@ async def report_page(request: Request):
     rows = await asyncio.to_thread(svc.store.rows, since, until, 1000, scope)
     rep["policy"] = _policy(svc)
     rep["tenant"] = scope
+    rep["device"] = _device(svc)
     return HTMLResponse(render(rep, rows, svc.model_id()))
 
 
@@ -85,6 +87,12 @@ def _policy(svc) -> dict | None:
     """The served model's head-pattern state and what "auto" attention does with it."""
     p = getattr(svc.worker, "pipeline", None)
     return p.attention_policy() if hasattr(p, "attention_policy") else None
+
+
+def _device(svc) -> str | None:
+    """The served model's device type ("cuda", "cpu"): where a cache hit's prefix is kept."""
+    device = getattr(getattr(svc.worker, "pipeline", None), "device", None)
+    return getattr(device, "type", None)
 
 
 def _shadow_report(request, since, until) -> dict | None:

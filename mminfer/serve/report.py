@@ -29,6 +29,13 @@ COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "wait": "#fff176", "restore":
 WINDOWS = (("last 15 min", 900), ("last hour", 3600), ("last day", 86400), ("all", None))
 
 e = html.escape
+FONT_PX = 12          # every chart text (the style sheet's .label, .legend, .value, .tick)
+
+
+def text_width(text: str, px: float = FONT_PX) -> float:
+    """A generous width of ``text`` in a sans-serif font of ``px``: enough room for the widest
+    common glyphs, so that a layout made with it never clips (no browser measures here)."""
+    return 0.65 * px * len(text)
 
 
 def _fmt_ms(ms: float) -> str:
@@ -39,6 +46,31 @@ def _fmt_ms(ms: float) -> str:
     if ms >= 100:
         return f"{ms:.0f} ms"
     return f"{ms:.1f} ms"
+
+
+def axis_labels(values) -> list[str]:
+    """The labels of one axis, all in one unit: seconds where its largest value is 10 s or
+    more (where _fmt_ms switches to seconds), milliseconds otherwise; each with the digits it
+    needs (0, 0.5, 10, not 0.0 or 10.0)."""
+    values = list(values)
+    if max(values, default=0.0) >= 10_000:
+        return [f"{round(v / 1e3, 6):g} s" for v in values]
+    return [f"{round(v, 6):g} ms" for v in values]
+
+
+def legend(x0: float, y0: float, width: float, items) -> tuple[list[str], float]:
+    """A legend of (name, colour) swatches from ``x0``, wrapped into rows within ``width``:
+    its SVG elements and the height it takes."""
+    out, x, y = [], x0, y0
+    for name, color in items:
+        w = 13 + text_width(name) + 12
+        if x > x0 and x + w > width:
+            x, y = x0, y + 18
+        out.append(f'<rect class="swatch" data-stage="{e(name)}" x="{x:.1f}" y="{y}" '
+                   f'width="10" height="10" fill="{color}"/><text x="{x + 13:.1f}" '
+                   f'y="{y + 9}" class="legend">{e(name)}</text>')
+        x += w
+    return out, y + 18 - y0
 
 
 def nice_ticks(peak: float, n: int = 4) -> list[float]:
@@ -75,34 +107,35 @@ def stage_bars(report: dict) -> str:
     groups = report.get("groups") or []
     if not groups:
         return '<p class="empty">No successful requests in this window yet.</p>'
-    width, label_w, row_h, top = 860, 140, 34, 28
+    width, row_h = 860, 34
+    label_w = max(140.0, 12 + max(text_width(_label(g)) for g in groups))
+    keys, key_h = legend(label_w, 6, width - 10, ((s, COLORS[s]) for s in BAR_STAGES))
+    top = 6 + key_h + 4
     height = top + row_h * len(groups) + 30
     medians = [[(s, (_cell(report, s, g) or {}).get("p50_ms", 0.0) or 0.0)
                 for s in BAR_STAGES] for g in groups]
     biggest = max(sum(ms for _, ms in v) for v in medians) or 1.0
     ticks = nice_ticks(biggest)
-    scale = (width - label_w - 130) / ticks[-1]
+    scale = (width - label_w - 150) / ticks[-1]     # room for the total after each bar
     out = [f'<svg class="chart" id="stage-chart" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" '
            f'aria-label="Median time per stage, prompt length and attention">']
     axis_y = top + row_h * len(groups)
     out.append('<g class="axis" data-axis="x">')
-    for t in ticks:                 # a numeric axis: where the bars' milliseconds are
+    for t, name in zip(ticks, axis_labels(ticks)):   # where the bars' milliseconds are
         x = label_w + t * scale
         out.append(f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{axis_y}" stroke="#ddd"/>'
                    f'<text class="tick" data-ms="{t:g}" x="{x:.2f}" y="{axis_y + 14}" '
-                   f'text-anchor="middle">{_fmt_ms(t)}</text>')
+                   f'text-anchor="middle">{name}</text>')
     out.append("</g>")
-    x = label_w
-    for s in BAR_STAGES:          # legend
-        out.append(f'<rect x="{x}" y="6" width="10" height="10" fill="{COLORS[s]}"/>'
-                   f'<text x="{x + 13}" y="15" class="legend">{e(s)}</text>')
-        x += 13 + 7 * len(s) + 12
+    out.append('<g class="legend-box">')
+    out.extend(keys)
+    out.append("</g>")
     for i, g in enumerate(groups):
         y = top + i * row_h
         count = (_cell(report, "total", g) or {}).get("count", 0)
         out.append(f'<g class="bucket" {_attrs(g)} data-count="{count}">')
-        out.append(f'<text x="{label_w - 8}" y="{y + 19}" text-anchor="end" class="label">'
+        out.append(f'<text x="{label_w - 8:.1f}" y="{y + 19}" text-anchor="end" class="label">'
                    f'{e(_label(g))}</text>')
         x = label_w
         for s, ms in medians[i]:
@@ -127,24 +160,26 @@ def percentile_bars(report: dict, stage: str) -> str:
     groups = [g for g in report.get("groups") or [] if _cell(report, stage, g)]
     if not groups:
         return ""
-    width, height, left, bottom, top = 860, 240, 60, 40, 20
-    group = (width - left - 20) / len(groups)
-    bar = min(36, group / 4)
+    width, height, bottom, top = 860, 240, 40, 20
     peak = max(_cell(report, stage, g)["p99_ms"] for g in groups) or 1.0
     ticks = nice_ticks(peak)
+    names = axis_labels(ticks)
+    left = 12 + max(text_width(n) for n in names)     # the widest tick label fits
+    group = (width - left - 20) / len(groups)
+    bar = min(36, group / 4)
     scale = (height - top - bottom) / ticks[-1]
     out = [f'<svg class="chart" id="pct-{e(stage)}" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" '
            f'aria-label="{e(stage)} percentiles per prompt length">',
-           f'<line x1="{left}" y1="{height - bottom}" x2="{width - 10}" y2="{height - bottom}" '
-           f'stroke="#888"/>',
-           f'<text x="{left}" y="14" class="label">{e(stage)}: p50 / p95 / p99 '
+           f'<line x1="{left:.1f}" y1="{height - bottom}" x2="{width - 10}" '
+           f'y2="{height - bottom}" stroke="#888"/>',
+           f'<text x="{left:.1f}" y="14" class="label">{e(stage)}: p50 / p95 / p99 '
            f'(max {_fmt_ms(peak)})</text>', '<g class="axis" data-axis="y">']
-    for t in ticks:                 # a numeric axis: how tall a millisecond is
+    for t, name in zip(ticks, names):   # a numeric axis: how tall a millisecond is
         y = height - bottom - t * scale
-        out.append(f'<line x1="{left}" y1="{y:.2f}" x2="{width - 10}" y2="{y:.2f}" '
-                   f'stroke="#eee"/><text class="tick" data-ms="{t:g}" x="{left - 6}" '
-                   f'y="{y + 4:.2f}" text-anchor="end">{_fmt_ms(t)}</text>')
+        out.append(f'<line x1="{left:.1f}" y1="{y:.2f}" x2="{width - 10}" y2="{y:.2f}" '
+                   f'stroke="#eee"/><text class="tick" data-ms="{t:g}" x="{left - 6:.1f}" '
+                   f'y="{y + 4:.2f}" text-anchor="end">{name}</text>')
     out.append("</g>")
     shades = (("p50_ms", 1.0), ("p95_ms", 0.65), ("p99_ms", 0.4))
     for i, g in enumerate(groups):
@@ -172,11 +207,13 @@ def scatter(rows: list[dict]) -> str:
            and r["timings"].get("ttft", 0) > 0]
     if not pts:
         return ""
-    width, height, left, bottom, top = 860, 270, 60, 36, 26
+    width, height, bottom, top = 860, 270, 36, 26
     xs = [math.log10(r["tokens"]) for r in pts]
     ys = [math.log10(r["timings"]["ttft"]) for r in pts]
     x0, x1 = math.floor(min(xs)), math.ceil(max(xs)) + (min(xs) == max(xs))
     y0, y1 = math.floor(min(ys)), math.ceil(max(ys)) + (min(ys) == max(ys))
+    y_names = axis_labels(10.0 ** d for d in range(y0, y1 + 1))
+    left = 12 + max(max(text_width(n) for n in y_names), text_width(f"{10 ** x0:,} tok") / 2)
     sx = lambda v: left + (v - x0) / (x1 - x0) * (width - left - 20)           # noqa: E731
     sy = lambda v: height - bottom - (v - y0) / (y1 - y0) * (height - top - bottom)  # noqa
     out = [f'<svg class="chart" id="scatter" width="{width}" height="{height}" '
@@ -184,18 +221,19 @@ def scatter(rows: list[dict]) -> str:
            f'aria-label="Time to first token against prompt length">']
     legend = (("dense", COLORS["ttft"]), ("sparse", COLORS["attention"]))
     for i, (name, color) in enumerate(legend):
-        out.append(f'<circle cx="{left + 10 + 80 * i}" cy="{top - 6}" r="4" fill="{color}"/>'
-                   f'<text x="{left + 18 + 80 * i}" y="{top - 2}" class="legend">{name}</text>')
+        out.append(f'<circle cx="{left + 10 + 80 * i:.1f}" cy="{top - 6}" r="4" '
+                   f'fill="{color}"/><text x="{left + 18 + 80 * i:.1f}" y="{top - 2}" '
+                   f'class="legend">{name}</text>')
     for d in range(x0, x1 + 1):
         anchor = "end" if d == x1 else "middle"
         out.append(f'<line x1="{sx(d):.1f}" y1="{top}" x2="{sx(d):.1f}" '
                    f'y2="{height - bottom}" stroke="#eee"/><text x="{sx(d):.1f}" '
                    f'y="{height - bottom + 16}" text-anchor="{anchor}" class="label">'
                    f'{10 ** d:,} tok</text>')
-    for d in range(y0, y1 + 1):
-        out.append(f'<line x1="{left}" y1="{sy(d):.1f}" x2="{width - 20}" y2="{sy(d):.1f}" '
-                   f'stroke="#eee"/><text x="{left - 6}" y="{sy(d) + 4:.1f}" '
-                   f'text-anchor="end" class="label">{_fmt_ms(10.0 ** d)}</text>')
+    for d, name in zip(range(y0, y1 + 1), y_names):
+        out.append(f'<line x1="{left:.1f}" y1="{sy(d):.1f}" x2="{width - 20}" '
+                   f'y2="{sy(d):.1f}" stroke="#eee"/><text x="{left - 6:.1f}" '
+                   f'y="{sy(d) + 4:.1f}" text-anchor="end" class="label">{name}</text>')
     for r, x, y in zip(pts, xs, ys):
         color = COLORS["attention"] if r["attention"] == "sparse" else COLORS["ttft"]
         out.append(f'<circle class="point" data-bucket="{e(bucket_of(r["tokens"]))}" '
@@ -208,16 +246,18 @@ def scatter(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def cache_section(cache: dict | None) -> str:
+def cache_section(cache: dict | None, device: str | None = None) -> str:
     """The video cache: the hit rate, and the time to first token of hits and misses
-    apart (a row per outcome; ``data-*`` attributes carry the numbers)."""
+    apart (a row per outcome; ``data-*`` attributes carry the numbers). ``device``: the
+    served model's ("cuda", "cpu"), which names where a hit's prefix was kept."""
     if not cache or not (cache["lookups"] or cache["off"]):
         return '<p class="empty">No answered request looked the video cache up yet.</p>'
     rate = "-" if cache["hit_rate"] is None else f'{cache["hit_rate"] * 100:.1f} %'
     head = ('<tr><th>prefix from</th><th>count</th><th>ttft p50</th><th>p95</th><th>p99</th>'
             '<th>mean</th></tr>')
-    names = {"miss": "miss (prefilled)", "hit": "hit (GPU tier)", "host": "hit (host tier)",
-             "off": "cache off"}
+    kept = {"cuda": "GPU memory", "cpu": "memory"}.get(device, "device memory")
+    names = {"miss": "miss (prefilled)", "hit": f"hit ({kept})",
+             "host": "hit (host tier, copied back)", "off": "cache off"}
     body = "".join(
         f'<tr class="cache-row" data-cache="{e(r["cache"])}" data-count="{r["count"]}" '
         f'data-p50-ms="{r["p50_ms"]:.3f}" data-p95-ms="{r["p95_ms"]:.3f}" '
@@ -273,7 +313,7 @@ def render(report: dict, rows: list[dict], model: str, now: float | None = None)
 <style>
 body {{ font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; max-width: 900px; }}
 h1 {{ font-size: 20px; }} h2 {{ font-size: 16px; margin-top: 28px; }}
-.label, .legend, .value {{ font-size: 12px; fill: #333; }}
+.label, .legend, .value, .tick {{ font-size: {FONT_PX}px; fill: #333; }}
 table {{ border-collapse: collapse; font-size: 13px; }}
 td, th {{ border-bottom: 1px solid #ddd; padding: 3px 10px; text-align: right; }}
 td:first-child, th:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: left; }}
@@ -290,7 +330,7 @@ td:first-child, th:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: 
 <h2>Time to first token</h2>
 {percentile_bars(report, "ttft")}
 <h2>Video cache: hit rate, and time to first token of hits and misses</h2>
-{cache_section(report.get("cache"))}
+{cache_section(report.get("cache"), report.get("device"))}
 <h2>Time to first token against prompt length (recent requests)</h2>
 {scatter(rows)}
 <h2>All stages</h2>

@@ -25,7 +25,7 @@ JsonInteger = Annotated[int, BeforeValidator(_no_bool), Strict()]
 JsonBool = StrictBool
 
 FPS_DOC = "frames sampled per second (default: the server's --fps; at most its --max-fps)"
-MAX_FRAMES_DOC = "at most this many frames (capped at the server's --max-frames-limit)"
+MAX_FRAMES_DOC = "at most this many frames (over the server's --max-frames-limit: 413)"
 ATTENTION_DOC = ("prefill attention: auto (the server decides by prompt length), sparse "
                  "(if the server allows clients to ask for it) or dense")
 CACHE_SALT_DOC = ("vLLM's cache_salt: only requests with the same salt (and the same API key's "

@@ -57,6 +57,7 @@ class Request:
     tenant_upload: object = None          # tenants.Place among the tenant's bodies in flight
     tenant_place: object = None           # tenants.Place among the tenant's requests
     cache_salt: str | None = None         # the request's own (vLLM's cache_salt field)
+    stored: object = None                 # videos.StoredVideo asked by id (its name, for answers)
 
     def body(self, intake: Intake):
         """The request body as timed chunks."""
@@ -88,6 +89,7 @@ class Request:
         """The stored video ``video_id`` of this request's tenant is this request's (404 when
         there is none)."""
         self.lease = store.acquire(video_id, self.tenant.name)
+        self.stored = self.lease.video
         self.path, self.own = self.lease.path, False
         self.label = f"the stored video {video_id!r}"
 
@@ -328,6 +330,8 @@ def bearer(request) -> str | None:
 
 
 def video_facts(result, label, video_id: str | None = None) -> dict:
+    """The answer's ``video``: the engine's facts (no server path), the file's name as the
+    client gave it and, for a stored video, its id."""
     v = {k: val for k, val in result.video.items() if k != "path"}
     v["filename"] = label
     if video_id is not None:

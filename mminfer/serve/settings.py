@@ -70,7 +70,7 @@ class Settings:
 
     # budgets: what one request may cost the worker, checked before it is queued
     max_fps: float = 8.0
-    max_frames_limit: int = 1024       # a client's max_frames is capped at this
+    max_frames_limit: int = 1024       # a client's max_frames at most (over: 413)
     max_frame_pixels: int = 3840 * 2160
     max_decode_mb: float = 4096.0      # sampled frames as RGB, before any resize
     max_visual_tokens: int | None = None   # None: the model's context decides

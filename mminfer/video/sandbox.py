@@ -14,7 +14,7 @@ long-lived worker process (:mod:`mminfer.video.worker`: a fresh interpreter star
 
 A worker that dies (a signal, an abort), runs out of its memory or time, is killed and
 replaced in the background, and the caller gets :class:`~mminfer.errors.UndecodableVideo`
-(a ``VideoError``: HTTP 422, code ``bad_video``) naming the file. Frames come back through
+(a ``VideoError``: HTTP 400, code ``bad_video``) naming the file. Frames come back through
 shared memory: each batch is written by the worker into a ``memfd`` the parent maps, and the
 parent hands the mapped array on without copying; the slot is reused once the consumer has
 dropped the array. Nothing is named in ``/dev/shm`` or on disk, so nothing is left behind

@@ -122,5 +122,5 @@ def test_v1_models_reports_the_kv_cache_dtype(qwen, tmp_path):
     with TestClient(app) as client:
         assert app.state.worker.wait_ready(120)
         assert app.state.worker.pipeline.adapter.kv_cache_dtype is FP8
-        (model,) = client.get("/v1/models").json()["data"]
+        model, _default = client.get("/v1/models").json()["data"]
         assert model["kv_cache_dtype"] == "fp8_e4m3"

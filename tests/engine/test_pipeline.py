@@ -144,6 +144,18 @@ def test_sparse_and_dense_one_flag_apart(pipe, ckpt, mp4):
     assert pipe.answer(mp4, "what?", max_new_tokens=2, attention="auto").attention == "dense"
 
 
+def test_the_auto_policy_is_said_in_words(ckpt, monkeypatch):
+    """What "auto" does, for /v1/models, /v1/latency-report and /report: the CPU's "never"
+    threshold is said as such, a real one with its number."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    p = Pipeline(str(ckpt), device="cpu")
+    p.adapter.patterns.uncalibrated = False
+    auto = p.attention_policy()["auto_attention"]
+    assert auto.startswith("dense on the CPU") and str(p.min_sparse_len) not in auto, auto
+    p.min_sparse_len = 65536
+    assert p.attention_policy()["auto_attention"] == "sparse from 65,536 prompt tokens"
+
+
 def test_sparse_without_a_gpu_or_the_interpreter_says_why(pipe, ckpt, mp4, monkeypatch):
     """On a CPU without TRITON_INTERPRET=1 the kernels cannot run: an explicit "sparse" is
     refused with the reason (not triton's "0 active drivers"), "auto" answers dense."""

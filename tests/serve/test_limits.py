@@ -171,6 +171,7 @@ def test_each_budget_exactly(ckpt, tmp_path, live_server):
         "max_decode_mb": dict(at=frames * 224 * 224 * 3 / 2**20, fps=2),
         "max_visual_tokens": dict(at=visual, fps=2),
         "max_question_chars": dict(at=len(question), fps=2),
+        "max_frames_limit": dict(at=frames, fps=2, max_frames=frames),
     }
     for field, case in cases.items():
         r = over(field, **case)
@@ -182,17 +183,17 @@ def test_each_budget_exactly(ckpt, tmp_path, live_server):
     r = post_answer(s.url, video, question="what " * 20, max_new_tokens=2)
     cfg.max_question_tokens = Settings.max_question_tokens
     assert r.status_code == 413 and "tokens" in error_of(r)["message"]
-    # max_frames is capped, not refused: 10^12 asks for "all", the server gives its limit
-    cfg.max_frames_limit = 8
-    r = post_answer(s.url, video, fps=2, max_frames=10**12, max_new_tokens=2)
-    cfg.max_frames_limit = Settings.max_frames_limit
-    assert r.status_code == 200 and r.json()["video"]["frames"] == 8
+    # max_frames past the limit is refused, naming the field and the limit, not capped
+    r = post_answer(s.url, video, fps=2, max_frames=10**8, max_new_tokens=2)
+    err = error_of(r)
+    assert r.status_code == 413 and (err["field"], err["limit"]) == ("max_frames", 1024), err
+    assert "1024" in err["message"] and "max_frames" in err["message"]
     cfg.allow_client_sparse = False
     r = post_answer(s.url, video, attention="sparse")
     cfg.allow_client_sparse = True
     assert r.status_code == 403 and "sparse" in error_of(r)["message"]
-    # the refusals never reached the model: 1 + the at-limit requests + the capped one
-    assert app.state.worker.served == served + len(cases) + 1
+    # the refusals never reached the model: the at-limit requests did
+    assert app.state.worker.served == served + len(cases)
     assert uploads_left(app) == []
 
 

@@ -1,7 +1,10 @@
 """The /report page opened in headless Chromium: after a few requests, its charts hold them
 (the DOM Chromium built, and the pixels it drew)."""
 
+import html
+import json
 import os
+import re
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -19,6 +22,29 @@ NEEDLE = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM),
     reason="headless Chromium not installed at /usr/bin/chromium (Debian package `chromium`)")
+
+
+# Counts the texts of the page's charts and lists those whose box Chromium drew beyond their
+# chart's box (clipped: "000 ms" for "5000 ms", a legend past the right edge).
+MEASURE = """<script>
+let texts = 0;
+const clipped = [];
+for (const svg of document.querySelectorAll("svg")) {
+  const box = svg.getBoundingClientRect();
+  for (const t of svg.querySelectorAll("text")) {
+    const r = t.getBoundingClientRect();
+    texts += 1;
+    if (r.left < box.left - 0.5 || r.right > box.right + 0.5 ||
+        r.top < box.top - 0.5 || r.bottom > box.bottom + 0.5)
+      clipped.push([svg.id, t.textContent, Math.round(r.left - box.left),
+                    Math.round(r.right - box.left)]);
+  }
+}
+const pre = document.createElement("pre");
+pre.id = "clipped";
+pre.textContent = JSON.stringify([texts, clipped]);
+document.body.appendChild(pre);
+</script>"""
 
 
 def chromium(tmp_path, *args) -> subprocess.CompletedProcess:
@@ -87,6 +113,20 @@ def test_report_page_charts_the_requests(tmp_path, live_server):
     assert float(pct[0]["data-ms"]) <= float(pct[2]["data-ms"])
     assert dom.select("tr", data_stage="ttft", data_bucket="<1K")
     assert "bad_video: 1" in run.stdout
+    # the legend names every stage drawn (generate and density included)
+    legend = {a["data-stage"] for a in dom.select("rect", "swatch")}
+    assert stages <= legend and {"generate", "density"} <= legend, (stages, legend)
+
+    # and no text is cut by its chart's edge, as Chromium lays it out: the page with a script
+    # that measures every text of every chart (the page itself has none)
+    measured = tmp_path / "measured.html"
+    measured.write_text(httpx.get(f"{s.url}/report").text.replace("</body>", MEASURE + "</body>"))
+    run = chromium(tmp_path, "--window-size=1000,1200", "--dump-dom", measured.as_uri())
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = re.search(r'<pre id="clipped">(.*?)</pre>', run.stdout, re.S)
+    assert found, run.stdout[-2000:]
+    texts, clipped = json.loads(html.unescape(found.group(1)))
+    assert texts > 20 and clipped == [], clipped
 
     # and it is drawn: the screenshot has the colours of the stage bars
     shot = tmp_path / "report.png"

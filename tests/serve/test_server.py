@@ -359,6 +359,8 @@ BAD = {
             {"type": "image_url", "image_url": {"url": data_url(png, "image/png")}}]}]})),
     "chat_image_data_url": (415, "unsupported_media_type", "image", lambda s, t: httpx.post(
         f"{s.url}/v1/chat/completions", json=chat_body(data_url(png, "image/png")))),
+    "chat_corrupt": (400, "bad_video", "", lambda s, t: httpx.post(
+        f"{s.url}/v1/chat/completions", json=chat_body(data_url(os.urandom(4096))))),
     "chat_bad_base64": (400, "bad_input", "base64", lambda s, t: httpx.post(
         f"{s.url}/v1/chat/completions", json=chat_body("data:video/mp4;base64,@@@!"))),
     "chat_unknown_model": (404, "model_not_found", "tiny-qwen", lambda s, t: httpx.post(
@@ -386,6 +388,8 @@ def test_bad_input_gets_a_4xx_with_a_reason(srv, name, tmp_path, media_dir):
     assert str(srv.data) not in json.dumps(body)            # no server path leaks
     if code == "context_length_exceeded":
         assert err["tokens"] > CONTEXT and err["limit"] == CONTEXT
+    if code == "bad_video":          # one status and shape on every route (docs/serving.md)
+        assert err["reason"] == "invalid", err
     assert httpx.get(f"{srv.url}/health").status_code == 200
     assert wait_no_uploads(srv.app) == []
 
@@ -457,9 +461,11 @@ def test_concurrent_uploads_against_a_small_queue(ckpt, tmp_path, live_server):
 def test_timeout_answers_504_and_cleans_up(ckpt, tmp_path, live_server):
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
                               timeout_s=0.001))
-    s = live_server(app)
+    s = live_server(app)                 # loaded: the 504 is the request's own timeout
+    assert app.state.worker.state == "ready"
     r = post_answer(s.url, NEEDLE.read_bytes())
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert "loading" not in r.json()["error"]["message"], r.text
     assert wait_no_uploads(app) == []
     assert httpx.get(f"{s.url}/health").status_code == 200
 
@@ -746,6 +752,48 @@ def test_serve_command_starts_and_prints_a_curl_line(ckpt, tmp_path):
     assert bad.returncode == 2 and "nope" in bad.stderr
 
 
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_serve_stops_without_leaks_or_tracebacks(ckpt, tmp_path, how):
+    """A process manager's SIGTERM, or Ctrl-C in a terminal (SIGINT to the whole process
+    group: the server and its JSON-parsing and decoding children): the server shuts down
+    and nothing reports a leaked semaphore or prints a traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MMINFER_API_KEY", None)
+    p = subprocess.Popen([sys.executable, "-m", "mminfer.cli", "serve", "--model", str(ckpt),
+                          "--port", "0", "--data-dir", str(tmp_path), "--device", "cpu"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    out = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()
+            out.append(line)
+            if not line or line.strip().startswith("curl"):
+                break
+        url = "".join(out).split(" at ", 1)[1].split()[0]
+        # a body big enough to be parsed by the parsing processes (its answer does not matter)
+        big = chat_body(data_url(NEEDLE.read_bytes()), text="what? " + " " * 300_000)
+        r = httpx.post(f"{url}/v1/chat/completions", json=big, timeout=120)
+        assert r.status_code < 500, r.text
+        if how == "sigterm":
+            p.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(p.pid, signal.SIGINT)
+        rest, _ = p.communicate(timeout=120)      # until every child has let go of the pipe
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    log = "".join(out) + rest
+    assert "Application shutdown complete" in log, log[-3000:]
+    assert "leaked" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_openapi_documents_both_post_bodies(srv):
     spec = httpx.get(f"{srv.url}/openapi.json").json()
     schemas = spec["components"]["schemas"]
@@ -767,8 +815,25 @@ def test_openapi_documents_both_post_bodies(srv):
     parts = schemas["Message"]["properties"]["content"]["anyOf"][1]["items"]
     assert set(parts["discriminator"]["mapping"]) >= {"text", "video_url", "image_url"}
     assert "url" in schemas["VideoURL"]["properties"]
+
+
+def test_the_docs_page_needs_no_other_host(srv):
+    """/docs works on a machine without internet access: every script, style sheet and icon
+    it names is served by this server, and Swagger UI's online validator is off."""
+    import re
     docs = httpx.get(f"{srv.url}/docs")
-    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert docs.status_code == 200 and "SwaggerUIBundle" in docs.text
+    assert not re.search(r"https?://", docs.text), docs.text
+    assert '"validatorUrl": null' in docs.text
+    refs = re.findall(r'(?:src|href)="([^"]+)"', docs.text) + re.findall(r"url: '([^']+)'",
+                                                                        docs.text)
+    assert len(refs) == 4, refs                  # script, style sheet, icon, the schema
+    for ref in refs:
+        r = httpx.get(f"{srv.url}{ref}")
+        assert r.status_code == 200 and len(r.content) > 100, ref
+    assert "SwaggerUIBundle" in httpx.get(f"{srv.url}/docs/assets/swagger-ui-bundle.js").text
+    nope = httpx.get(f"{srv.url}/docs/assets/..%2Fcore.py")
+    assert nope.status_code == 404 and nope.json()["error"]["code"] == "not_found"
 
 
 def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
@@ -776,8 +841,8 @@ def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
                               served_model_names=("video-qa", "vqa"), api_key=None))
     s = live_server(app)
     ids = [m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]]
-    assert ids == ["video-qa", "vqa"]
-    for name in ("video-qa", "vqa", "tiny-qwen"):     # the checkpoint's own name still works
+    assert ids == ["video-qa", "vqa", "default"]      # every listed name is answered
+    for name in ("video-qa", "vqa", "default", "tiny-qwen"):   # and the checkpoint's own
         r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json=chat_body(
             data_url(NEEDLE.read_bytes()), model=name, max_tokens=2))
         assert r.status_code == 200 and r.json()["model"] == "video-qa", r.text
@@ -786,7 +851,7 @@ def test_served_model_names_and_aliases(ckpt, tmp_path, live_server):
     assert r.status_code == 404 and "video-qa" in r.json()["error"]["message"]
     assert post_answer(s.url, NEEDLE.read_bytes(), max_new_tokens=2).json()["model"] == "video-qa"
     m = httpx.get(f"{s.url}/metrics").text
-    assert metric_values(m, "mminfer:requests_total", "video-qa")[(("status", "200"),)] == 4
+    assert metric_values(m, "mminfer:requests_total", "video-qa")[(("status", "200"),)] == 5
 
 
 def test_an_uncalibrated_config_is_said_in_models_and_report(srv):

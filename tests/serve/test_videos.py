@@ -197,12 +197,17 @@ def test_videos_life_cycle(ckpt, tmp_path, live_server):
     assert d1["video"]["id"] == v["id"] and d1["video"]["filename"] == "needle.mp4"
     assert d1["video"]["sha256"] == v["sha256"]
     assert d2["tokens"]["cached"] > 0 and d1["tokens"]["cached"] == 0
-    # a hit skips decode, vision and the prefix's prefill
+    # a hit skips decode, vision and the prefix's prefill, and reports no decoding
     assert d2["timings_ms"]["vision"] == 0 and d1["timings_ms"]["vision"] > 0
     assert "restore" in d2["timings_ms"]
+    assert d1["video"]["decode_wait_ms"] > 0 and d2["timings_ms"]["decode"] == 0
+    assert d2["video"]["decode_wait_ms"] == d2["video"]["decode_hidden_ms"] == 0
     c = chat(srv.url, f"mminfer://videos/{v['id']}")
     assert c.status_code == 200, c.text
-    assert c.json()["mminfer"]["cache"] == "hit"
+    ext = c.json()["mminfer"]
+    assert ext["cache"] == "hit"
+    # asked by id, a chat answer names the stored video as /v1/answer does
+    assert (ext["video"]["filename"], ext["video"]["id"]) == ("needle.mp4", v["id"])
 
     both = ask(srv.url, video_id=v["id"], files={"video": ("a.mp4", raw, "video/mp4")})
     assert both.status_code == 400 and "both" in both.json()["error"]["message"]
@@ -223,6 +228,7 @@ def test_videos_life_cycle(ckpt, tmp_path, live_server):
     assert png.status_code == 415
     broken = upload(srv.url, b"\x00\x00\x00\x18ftypmp42" + b"\x01" * 500)   # the probe
     assert broken.status_code == 400 and broken.json()["error"]["code"] == "bad_video"
+    assert broken.json()["error"]["reason"] == "invalid"
     assert "/" not in broken.json()["error"]["message"]                     # no server path
     nofile = httpx.post(f"{srv.url}/v1/videos", files={"video": ("a.mp4", raw, "video/mp4")})
     assert nofile.status_code == 422 and nofile.json()["error"]["field"] == "file"

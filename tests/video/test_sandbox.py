@@ -1,6 +1,6 @@
 """The decode sandbox (mminfer.video.sandbox): a file that crashes, starves or hangs
 the C/C++ parsers costs one worker process, never the caller; the caller gets
-UndecodableVideo (422) naming the file, the next video decodes, the worker is replaced; frames
+UndecodableVideo (400 bad_video) naming the file, the next video decodes, the worker is replaced; frames
 come back through shared memory, equal to in-process decoding."""
 
 import os
@@ -60,7 +60,7 @@ def test_a_crashing_file_is_refused_and_the_next_video_decodes(tmp_path):
             fn(bad)
         took = time.perf_counter() - t0
         assert str(bad) in str(e.value) and "cannot be decoded" in str(e.value)
-        assert e.value.http_status == 422 and e.value.code == "bad_video"
+        assert e.value.http_status == 400 and e.value.code == "bad_video"
         assert e.value.details["reason"] in ("crashed", "memory"), e.value.details
         assert took < 30, took
     assert pool.retired >= retired + 3
