@@ -34,6 +34,24 @@ def compiled_gpu(is_cuda: bool) -> bool:
     return is_cuda and not interpreted()
 
 
+# How a caller picks between a Triton kernel and its torch version.
+KERNELS = ("auto", "triton", "torch")
+
+
+def use_triton(x: torch.Tensor, choice: str = "auto") -> bool:
+    """Triton for a CUDA tensor with the kernels compiled ("auto"), or whenever asked
+    ("triton": on the CPU only under the interpreter); torch ops otherwise."""
+    if choice not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, not {choice!r}")
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not (x.is_cuda or interpreted() or x.device.type == "meta"):
+            raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1")
+        return True
+    return compiled_gpu(x.is_cuda)
+
+
 def tile_config(is_cuda: bool, family: str, block_m: int, block_n: int, config=None) -> dict:
     """Launch configuration of the attention kernel for one family's launch of a plan with
     these blocks: ``BLOCK_N``, ``num_warps``, ``num_stages`` (``config`` overrides, e.g. a

@@ -19,7 +19,7 @@ here (``benchmarks/vision.py --ops`` lists both). Three kernels instead:
 Each has a Triton kernel (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``, for
 tests) registered as a torch custom op (so ``torch.compile`` and meta tensors see one op, not
 its insides) and a torch version with transformers' own arithmetic (the CPU path, and what
-``torch.compile`` fuses by itself). ``kernels(x, choice)`` picks.
+``torch.compile`` fuses by itself). ``runtime.use_triton(x, choice)`` picks.
 """
 
 from __future__ import annotations
@@ -28,24 +28,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from mminfer.kernels.runtime import compiled_gpu, interpreted
-
-KERNELS = ("auto", "triton", "torch")
-
-
-def use_triton(x: torch.Tensor, choice: str = "auto") -> bool:
-    """Triton for a CUDA tensor with the kernels compiled ("auto"), or whenever asked
-    ("triton": on the CPU only under the interpreter); torch ops otherwise."""
-    if choice not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, not {choice!r}")
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        if not (x.is_cuda or interpreted() or x.device.type == "meta"):
-            raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1")
-        return True
-    return compiled_gpu(x.is_cuda)
 
 
 # ---------------------------------------------------------------------- Triton kernels
@@ -65,7 +47,7 @@ def load_add_row(X, D, row, cols, mask, stride_x, stride_d, HAS_D: tl.constexpr)
 def add_rms_norm_row(X, D, W, C, row, cols, mask, stride_x, stride_d, eps, HAS_D: tl.constexpr):
     """One row: x (+= d, written back to X), then RMSNorm(x) * w as transformers rounds it (the
     normalised row in X's dtype before the weight); fp32, in X's dtype's values. Also the
-    first half of mminfer.models.fp8's norm-and-quantise kernel."""
+    first half of the norm-and-quantise kernel of fp8_quant."""
     x = load_add_row(X, D, row, cols, mask, stride_x, stride_d, HAS_D)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / C
