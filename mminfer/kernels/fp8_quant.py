@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .runtime import interpreted, use_triton
-from .vision_elementwise import add_rms_norm_row, load_add_row
+from .vision_elementwise import add_rms_norm_row, load_add_row, silu_rounded
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -210,7 +210,7 @@ def _silu_mul(G, U, row, cols, mask, stride_g, stride_u):
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     gf = g.to(tl.float32)
-    a = (gf / (1.0 + tl.exp(-gf))).to(G.dtype.element_ty).to(tl.float32)
+    a = silu_rounded(gf, G.dtype.element_ty)
     return (a * u).to(G.dtype.element_ty).to(tl.float32)
 
 

@@ -52,6 +52,13 @@ def use_triton(x: torch.Tensor, choice: str = "auto") -> bool:
     return compiled_gpu(x.is_cuda)
 
 
+def dot_precision(dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: fp32 products in full
+    ("ieee": what the fp32 references compute); any other dtype "tf32", Triton's default,
+    which only fp32 operands would feel."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def tile_config(is_cuda: bool, family: str, block_m: int, block_n: int, config=None) -> dict:
     """Launch configuration of the attention kernel for one family's launch of a plan with
     these blocks: ``BLOCK_N``, ``num_warps``, ``num_stages`` (``config`` overrides, e.g. a
