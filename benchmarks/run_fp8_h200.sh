@@ -12,7 +12,7 @@
 #      with its kernels by device time under torch.profiler; all in $OUT/breakdown.tgz.
 #   5. the vision tower before/after (VISION_S): benchmarks/vision.py, bf16 and FP8, each with
 #      the window layers through the rotary kernel + SDPA (@sdpa) and through
-#      mminfer.models.window_attention, side by side;
+#      mminfer.kernels.window_attention, side by side;
 #   6. the lab's sweeps behind issue 34's tuning (LAB_S, each): the window-attention tiles, FP8
 #      GEMM accumulation, the FP8 cache's decode tiles; logs and JSON in $OUT/lab.tgz;
 #   7. LongVILA's SigLIP tower (SIGLIP_S): benchmarks/siglip.py, bf16 / FP8 / FP8 fused, one
@@ -27,9 +27,10 @@ source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 if [ "${TESTS_S:-150}" -gt 0 ]; then
   timeout -k 5 "${TESTS_S:-150}" python3 -m pytest -q -ra -m gpu --tb=short \
-    tests/models/test_fp8.py tests/models/test_fp8_kernels.py tests/models/test_fp8_kv.py \
-    tests/kernels/test_fp8_attention.py tests/engine/test_fp8_video_cache.py \
-    tests/models/test_window_attention.py tests/models/test_vision_fused.py \
+    tests/models/test_fp8.py tests/kernels/test_fp8_quant.py tests/kernels/test_fp8_gemm.py \
+    tests/models/test_fp8_kv.py tests/kernels/test_fp8_attention.py \
+    tests/engine/test_fp8_video_cache.py tests/kernels/test_window_attention.py \
+    tests/kernels/test_vision_elementwise.py tests/models/test_vision_fused.py \
     tests/models/test_vision.py tests/models/test_siglip.py 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -15
 fi

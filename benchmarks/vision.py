@@ -16,7 +16,7 @@ Variants of our tower (``--variants``; ``--compile 1`` makes the default ``compi
 * ``plain``: transformers' modules block by block in our batched layout (``fused=False``;
   the tower as it was before the fused block, BENCHMARKS.md §6);
 * ``fused``: the fused block (padded MLP width, gate/up in one GEMM, the Triton elementwise
-  kernels of ``mminfer/models/vision_fused.py``): the product's default;
+  kernels of ``mminfer/kernels/vision_elementwise.py``): the product's default;
 * ``compiled``: the fused block's torch ops through ``torch.compile(dynamic=False)``, the last
   chunk padded to the chunk's shape. ``first_chunk_ms`` in the JSON: each variant's first
   chunk ever (Triton JIT; for ``compiled`` the compilation), timed before anything else;
@@ -24,7 +24,7 @@ Variants of our tower (``--variants``; ``--compile 1`` makes the default ``compi
   ``--quantization fp8`` serves), converted from the same bf16 weights;
 * ``name@backend`` (e.g. ``fused@cudnn``): that variant with every layer's attention through
   SDPA held to one backend (flash, cudnn, efficient, math), or ``@sdpa``: SDPA as it picks;
-  both without the window-attention kernel (mminfer.models.window_attention), i.e. the tower
+  both without the window-attention kernel (mminfer.kernels.window_attention), i.e. the tower
   before it, to measure against.
 
 Rows per size N (pairs):
@@ -63,7 +63,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mminfer.models import fp8, window_attention  # noqa: E402
+from mminfer.kernels import fp8_gemm, fp8_quant, window_attention  # noqa: E402
+from mminfer.models import fp8  # noqa: E402
 from mminfer.models.vision import CHUNK_PATCHES, QwenVisionTower  # noqa: E402
 from cuda_events import kernels_table  # noqa: E402  (benchmarks/ is the script's folder)
 
@@ -100,7 +101,7 @@ def transformers_features(visual, pixels, n_pairs, h, w):
 
 VARIANTS = {"plain": dict(fused=False), "fused": dict(), "compiled": dict(compile=True),
             "fp8": dict()}   # fp8: the fused block on a copy with FP8 layers (--quantization fp8)
-# ``@sdpa``: the window layers as before mminfer.models.window_attention (rotary kernel,
+# ``@sdpa``: the window layers as before mminfer.kernels.window_attention (rotary kernel,
 # then SDPA as it picks); a named SDPA backend also runs every layer through SDPA
 SDPA = ("flash", "cudnn", "efficient", "math", "sdpa")
 
@@ -420,13 +421,13 @@ def gemm_rates(visual, tokens, device, dtype, reps):
             ms = timed(lambda: torch.nn.functional.linear(x, wt, b), device, max(reps, 5))[0]
             out[name] = {"k": k, "n": n, "ms": ms, "tflops": 2 * tokens * k * n / ms / 1e9}
             fp8_txt = ""
-            if device.type == "cuda" and k % fp8.ALIGN == 0 and n % fp8.ALIGN == 0:
+            if device.type == "cuda" and k % fp8_gemm.ALIGN == 0 and n % fp8_gemm.ALIGN == 0:
                 # the FP8 layer's GEMM on operands already quantised, and its own
                 # quantisation pass (what a producer kernel that quantises saves)
-                lin = fp8.Fp8Linear(*fp8.quantize_weight(wt), b)
-                xq = fp8.quantize_rows(x)
+                lin = fp8.Fp8Linear(*fp8_quant.quantize_weight(wt), b)
+                xq = fp8_quant.quantize_rows(x)
                 ms8 = timed(lambda: lin(xq), device, max(reps, 5))[0]
-                msq = timed(lambda: fp8.quantize_rows(x), device, max(reps, 5))[0]
+                msq = timed(lambda: fp8_quant.quantize_rows(x), device, max(reps, 5))[0]
                 out[name].update(fp8_ms=ms8, fp8_tflops=2 * tokens * k * n / ms8 / 1e9,
                                  quantize_ms=msq)
                 fp8_txt = (f" | fp8 {ms8:8.3f} ms {out[name]['fp8_tflops']:7.1f} TFLOP/s, "

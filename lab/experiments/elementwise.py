@@ -3,19 +3,19 @@
 
 * LM rotary: transformers' ``apply_rotary_pos_emb`` on a chunk of q (28 x 128) and k
   (4 x 128) and the copy into the head-major buffers (the prefill before
-  mminfer.models.rope) against ``rope.rotate_into``;
+  mminfer.kernels.rope) against ``rope.rotate_into``;
 * vision rotary: the product's kernel (one program per 32 tokens x one head, 64 lanes for
   head_dim/2 = 40) against a variant over tiles of (head, f) pairs (tried, kept below:
   slower);
 * SiLU·up → fp8: the two-pass kernel against the one-pass one at the vision MLP's width
-  (3456) and the LM's (18944), which sets ``fp8.ONE_PASS_MAX``; at 3456 also several rows
+  (3456) and the LM's (18944), which sets ``fp8_quant.ONE_PASS_MAX``; at 3456 also several rows
   a program (``_silu_mul_quant_rows_kernel`` below) at a sweep of warps, with each e4m3
   conversion (``_fp8_of``: the fp32 grid, Triton's cast, the hardware's cvt.rn.satfinite),
   against the bf16 tower's SiLU·up;
 * the e4m3 conversions against torch's cast on every rounding case and 1M random values;
 * the standalone quantiser (attention outputs): the product's one row per program in two
   passes against several rows per program in one read (``_quant_rows_kernel`` below, each
-  conversion), at 1280 and the LM's 3584: it sets ``fp8.QUANT_BLOCK``;
+  conversion), at 1280 and the LM's 3584: it sets ``fp8_quant.QUANT_BLOCK``;
 * residual add + RMSNorm -> fp8 (the FP8 vision tower's norms, 1280 wide): the product's one
   row per program at 2 and 4 (product) warps and several rows per program
   (``_rms_norm_quant_rows_kernel`` below, grid or cvt), against the bf16 tower's add +
@@ -36,9 +36,9 @@ import triton.language as tl
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qmod
 
 from lab.experiments.timing import ms
-from mminfer.models import fp8, rope
-from mminfer.models import vision_fused as vf
-from mminfer.models.fp8 import _e4m3_grid
+from mminfer.kernels import fp8_quant, rope
+from mminfer.kernels import vision_elementwise as vf
+from mminfer.kernels.fp8_quant import _e4m3_grid
 
 
 @triton.jit
@@ -74,10 +74,10 @@ def casts():
     (a fine grid over the range and the subnormals, ties) and 1M random values."""
     x = torch.cat([torch.linspace(-448, 448, 200001), torch.linspace(-0.02, 0.02, 40001),
                    (torch.randn(1_000_000) * 30).clamp(-448, 448)]).cuda()
-    want = x.to(fp8.FP8).view(torch.uint8)
+    want = x.to(fp8_quant.FP8).view(torch.uint8)
     out = {"values": len(x)}
     for hw, name in ((0, "grid"), (1, "triton_cast"), (2, "cvt_rn_satfinite")):
-        q = torch.empty_like(want).view(fp8.FP8)
+        q = torch.empty_like(want).view(fp8_quant.FP8)
         _cast_kernel[(triton.cdiv(len(x), 1024),)](x, q, len(x), HW=hw, BLOCK=1024)
         out[f"{name}_differ"] = int((q.view(torch.uint8) != want).sum())
     print(f"e4m3 conversions against torch's cast: {out}", flush=True)
@@ -97,7 +97,7 @@ def _store_rows(Q, S, rows, cols, mask, N, stride_q, y, HW: tl.constexpr):
 @triton.jit
 def _quant_rows_kernel(X, Q, S, N, C, stride_x, stride_q, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr, HW: tl.constexpr = 0):
-    # fp8.quantize_rows's one-read kernel with a choice of conversion
+    # fp8_quant.quantize_rows's one-read kernel with a choice of conversion
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < N)[:, None] & (cols < C)[None, :]
@@ -109,7 +109,7 @@ def _quant_rows_kernel(X, Q, S, N, C, stride_x, stride_q, BLOCK_R: tl.constexpr,
 def _silu_mul_quant_rows_kernel(G, U, Q, S, N, C, stride_g, stride_u, stride_q,
                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                                 HW: tl.constexpr):
-    # candidate: fp8.silu_mul_quant's one-pass kernel on BLOCK_R rows a program
+    # candidate: fp8_quant.silu_mul_quant's one-pass kernel on BLOCK_R rows a program
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < N)[:, None] & (cols < C)[None, :]
@@ -125,7 +125,7 @@ def _silu_mul_quant_rows_kernel(G, U, Q, S, N, C, stride_g, stride_u, stride_q,
 def _rms_norm_quant_rows_kernel(X, D, W, Q, S, N, C, stride_x, stride_d, stride_q, eps,
                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                                 HW: tl.constexpr):
-    # candidate: fp8.rms_norm_quant's kernel (with the residual add) on BLOCK_R rows a program
+    # candidate: fp8_quant.rms_norm_quant's kernel (residual add included), BLOCK_R rows a program
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     mask = (rows < N)[:, None] & (cols < C)[None, :]
@@ -238,7 +238,7 @@ def silu_quant(N, C, sweep=False):
     res = {"rows": N, "width": C, "variants": []}
 
     def run(name, launch, **kw):
-        q = torch.empty(N, C, dtype=fp8.FP8, device="cuda")
+        q = torch.empty(N, C, dtype=fp8_quant.FP8, device="cuda")
         s = torch.empty(N, 1, dtype=torch.float32, device="cuda")
 
         def fn():
@@ -253,10 +253,10 @@ def silu_quant(N, C, sweep=False):
         print(f"silu+quant {C}: {row}", flush=True)
         return t
 
-    res["two_pass_ms"] = run("two_pass", lambda q, s: fp8._silu_mul_quant_kernel[(N,)](
-        gate, up, q, s, C, gate.stride(0), up.stride(0), q.stride(0), BLOCK_C=fp8._tile(C),
+    res["two_pass_ms"] = run("two_pass", lambda q, s: fp8_quant._silu_mul_quant_kernel[(N,)](
+        gate, up, q, s, C, gate.stride(0), up.stride(0), q.stride(0), BLOCK_C=fp8_quant._tile(C),
         num_warps=4))
-    res["one_pass_ms"] = run("one_pass", lambda q, s: fp8._silu_mul_quant_row_kernel[(N,)](
+    res["one_pass_ms"] = run("one_pass", lambda q, s: fp8_quant._silu_mul_quant_row_kernel[(N,)](
         gate, up, q, s, C, gate.stride(0), up.stride(0), q.stride(0), BLOCK_C=B,
         num_warps=max(8, min(32, B // 1024))))
     if sweep:
@@ -281,12 +281,12 @@ def quant(N, C):
     required (the product's kernels convert with cvt.rn.satfinite on the GPU)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(N, C, device="cuda", generator=g).to(torch.bfloat16)
-    q0 = torch.empty(N, C, dtype=fp8.FP8, device="cuda")
+    q0 = torch.empty(N, C, dtype=fp8_quant.FP8, device="cuda")
     s0 = torch.empty(N, 1, dtype=torch.float32, device="cuda")
 
     def two_pass():
-        fp8._quant_kernel[(N,)](x, q0, s0, C, x.stride(0), q0.stride(0),
-                                BLOCK_C=fp8._tile(C), num_warps=4)
+        fp8_quant._quant_kernel[(N,)](x, q0, s0, C, x.stride(0), q0.stride(0),
+                                BLOCK_C=fp8_quant._tile(C), num_warps=4)
 
     out = {"rows": N, "width": C, "two_pass_ms": ms(two_pass), "multi_row": []}
     B = triton.next_power_of_2(C)
@@ -331,12 +331,12 @@ def norm_quant(N, C, eps=1e-6):
     for kind, R, warps, hw in (("row", 1, 4, None), ("row", 1, 2, None), ("rows", 1, 4, 0),
                                ("rows", 1, 4, 2), ("rows", 2, 4, 0), ("rows", 2, 4, 2),
                                ("rows", 4, 8, 2)):
-        q = torch.empty(N, C, dtype=fp8.FP8, device="cuda")
+        q = torch.empty(N, C, dtype=fp8_quant.FP8, device="cuda")
         s = torch.empty(N, 1, dtype=torch.float32, device="cuda")
 
         def fn(x):
             if kind == "row":
-                fp8._rms_norm_quant_kernel[(N,)](x, d, w, q, s, C, x.stride(0), d.stride(0),
+                fp8_quant._rms_norm_quant_kernel[(N,)](x, d, w, q, s, C, x.stride(0), d.stride(0),
                                                  q.stride(0), eps, HAS_D=True, BLOCK_C=B,
                                                  num_warps=warps)
             else:

@@ -8,7 +8,7 @@ FP8 kernels run the fast-accumulation schedule. Here, per shape (M rows = a 22-p
 chunk or a 16K LM chunk), side by side (CUDA events, median of 20):
 
 * bf16 ``F.linear``;
-* FP8 row-wise scales, default accumulation (what fp8.fp8_gemm runs);
+* FP8 row-wise scales, default accumulation (what fp8_gemm.fp8_gemm runs);
 * FP8 row-wise scales, ``use_fast_accum=True``;
 
 and each FP8 variant's relative error (Frobenius) against the fp32 product of the same
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.experiments.timing import ms
-from mminfer.models import fp8
+from mminfer.kernels import fp8_quant
 
 # (name, M, K, N): the Qwen2.5-VL-7B vision block's GEMMs at a 22-pair chunk (63,360 rows;
 # MLP padded to 3456) and the LM's at a 16K chunk (hidden 3584, MLP 18944, KV 512)
@@ -41,7 +41,7 @@ SHAPES = [
     ("lm gate+up", 16384, 3584, 37888),
     ("lm down", 16384, 18944, 3584),
     # LongVILA's SigLIP (so400m at 448 px: 1024 patches a frame) at its 32-frame batch; fc2's
-    # K = 4304 is just over fp8.FAST_ACCUM_MAX_K, which only the shapes above set
+    # K = 4304 is just over fp8_gemm.FAST_ACCUM_MAX_K, which only the shapes above set
     ("siglip qkv", 32768, 1152, 3456),
     ("siglip out", 32768, 1152, 1152),
     ("siglip fc1", 32768, 1152, 4304),
@@ -61,8 +61,8 @@ def main():
             continue
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-        xq = fp8.quantize_rows(x)
-        wq, ws = fp8.quantize_weight(w)
+        xq = fp8_quant.quantize_rows(x)
+        wq, ws = fp8_quant.quantize_weight(w)
         sa, sb = xq.scale.reshape(-1, 1).contiguous(), ws.view(1, -1)
         ref = (xq.data.float() * sa) @ (wq.float() * ws.view(-1, 1)).t()
 

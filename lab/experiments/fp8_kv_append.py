@@ -30,7 +30,7 @@ import triton.language as tl
 
 from lab.experiments.timing import ms
 from mminfer.models import kv
-from mminfer.models.fp8 import _to_e4m3
+from mminfer.kernels.fp8_quant import _to_e4m3
 
 
 @triton.jit

@@ -1,13 +1,13 @@
-"""The vision tower's attention layers before and after mminfer.models.window_attention, side
+"""The vision tower's attention layers before and after mminfer.kernels.window_attention, side
 by side on one GPU (CUDA events, median of 20), at Qwen2.5-VL-7B's shapes: a 22-pair chunk of
 40x72 patches (63,360 tokens), 16 heads of 80, window layers (45 windows of 64 tokens a pair)
 and full layers (2880 tokens a pair).
 
-* ``before``: the rotary kernel in place in the qkv buffer (mminfer.models.vision_fused),
+* ``before``: the rotary kernel in place in the qkv buffer (mminfer.kernels.vision_elementwise),
   then SDPA per window shape (cuDNN's flash kernel on the H200), as the fused tower ran;
 * the product's kernel (every head of a window in one program) at 4 and 8 warps
   (``window_attention.WARPS``), checked against ``before`` (max abs difference);
-* the FP8 tower's path after it, the kernel + fp8.quantize_rows of o;
+* the FP8 tower's path after it, the kernel + fp8_quant.quantize_rows of o;
 * what the output projection (1280 x 1280) costs on o: bf16 ``F.linear``, the FP8 layer as
   the tower runs it (quantisation pass + scaled GEMM), the scaled GEMM alone on o quantised.
 
@@ -30,9 +30,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from mminfer.kernels import fp8_quant
+from mminfer.kernels import vision_elementwise as vf
+from mminfer.kernels import window_attention as wa
 from mminfer.models import fp8
-from mminfer.models import vision_fused as vf
-from mminfer.models import window_attention as wa
 from mminfer.models.vision import _attend, window_units
 from lab.experiments.timing import ms
 
@@ -66,7 +67,7 @@ def main():
     t_rot = ms(lambda: vf.rotary(work, cos, sin, S, heads, d, triton_kernels=True))
     t_before = ms(before)
     o_bf = want.to(torch.bfloat16)
-    t_quant = ms(lambda: fp8.quantize_rows(o_bf))
+    t_quant = ms(lambda: fp8_quant.quantize_rows(o_bf))
     row = {"layer": "window", "window_tokens": 64, "rotary_ms": t_rot, "before_ms": t_before,
            "quant_pass_ms": t_quant, "variants": []}
     print(f"window layer: rotary {t_rot:.3f} ms, rotary + SDPA {t_before:.3f} ms; the FP8 "
@@ -87,13 +88,13 @@ def main():
               f"max|diff| {err:.2e}", flush=True)
     # the FP8 tower's path: the kernel, then the quantisation pass over o
     o_prod = wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale)
-    row["product_fp8_ms"] = ms(lambda: fp8.quantize_rows(
+    row["product_fp8_ms"] = ms(lambda: fp8_quant.quantize_rows(
         wa.window_attention(qkv, cos, sin, groups, S, heads, d, scale)))
     print(f"  kernel + quantize_rows: {row['product_fp8_ms']:.3f} ms", flush=True)
     # the output projection that reads o, in each precision
     lin = torch.nn.Linear(heads * d, heads * d, device="cuda", dtype=torch.bfloat16)
     f8 = fp8.Fp8Linear.from_linear(lin)
-    o_q = fp8.quantize_rows(o_prod)
+    o_q = fp8_quant.quantize_rows(o_prod)
     row["proj"] = {"bf16_ms": ms(lambda: F.linear(o_prod, lin.weight, lin.bias)),
                    "fp8_with_quant_pass_ms": ms(lambda: f8(o_prod)),
                    "fp8_gemm_only_ms": ms(lambda: f8(o_q))}

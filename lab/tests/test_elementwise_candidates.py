@@ -8,7 +8,7 @@ import torch
 import triton
 
 from mminfer.kernels.runtime import interpreted
-from mminfer.models import fp8
+from mminfer.kernels import fp8_quant
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="needs TRITON_INTERPRET=1")
 
@@ -25,8 +25,8 @@ def test_silu_rows_candidate_matches_product(R):
     from lab.experiments.elementwise import _silu_mul_quant_rows_kernel
     gu = _x(0, c=2 * C)
     gate, up = gu[:, :C], gu[:, C:]
-    want = fp8.silu_mul_quant(gate, up, kernels="triton")
-    q = torch.empty(N, C, dtype=fp8.FP8)
+    want = fp8_quant.silu_mul_quant(gate, up, kernels="triton")
+    q = torch.empty(N, C, dtype=fp8_quant.FP8)
     s = torch.empty(N, 1)
     _silu_mul_quant_rows_kernel[(triton.cdiv(N, R),)](
         gate, up, q, s, N, C, gate.stride(0), up.stride(0), q.stride(0), BLOCK_R=R,
@@ -40,8 +40,8 @@ def test_quant_rows_candidate_matches_product(R):
     from lab.experiments.elementwise import _quant_rows_kernel
     x = _x(1)
     x[2] = 0
-    want = fp8.quantize_rows(x, kernels="triton")
-    q = torch.empty(N, C, dtype=fp8.FP8)
+    want = fp8_quant.quantize_rows(x, kernels="triton")
+    q = torch.empty(N, C, dtype=fp8_quant.FP8)
     s = torch.empty(N, 1)
     _quant_rows_kernel[(triton.cdiv(N, R),)](x, q, s, N, C, x.stride(0), q.stride(0),
                                              BLOCK_R=R, BLOCK_C=64, HW=0)
@@ -54,9 +54,9 @@ def test_norm_rows_candidate_matches_reference(R):
     from lab.experiments.elementwise import _rms_norm_quant_rows_kernel
     x, d = _x(2), _x(3)
     w = torch.rand(C, generator=torch.Generator().manual_seed(4)).half()
-    want_x, want_q, want_s = fp8.rms_norm_quant_ref(x, w, 1e-6, d)
+    want_x, want_q, want_s = fp8_quant.rms_norm_quant_ref(x, w, 1e-6, d)
     xc = x.clone()
-    q = torch.empty(N, C, dtype=fp8.FP8)
+    q = torch.empty(N, C, dtype=fp8_quant.FP8)
     s = torch.empty(N, 1)
     _rms_norm_quant_rows_kernel[(triton.cdiv(N, R),)](
         xc, d, w, q, s, N, C, xc.stride(0), d.stride(0), q.stride(0), 1e-6, BLOCK_R=R,

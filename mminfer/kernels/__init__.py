@@ -1,10 +1,14 @@
-"""Permuted block-sparse attention kernels (Triton), their plans, masks and references.
+"""Every Triton kernel of the package, with its launchers and torch versions; first of all
+the permuted block-sparse attention kernel, its plans, masks and references.
 
 ``specs`` (what to compute) -> ``plan`` (compiled for the kernel, rows as ``layout`` says) ->
 ``launch`` (the kernel, one launch per pattern family); ``density`` counts a plan's work
 from its arrays; ``masks`` evaluates the specs' exact masks a chunk of rows at a time, which
 ``reference.plan_attention`` runs on a CPU without Triton; ``proxy`` is the estimator's
-fused proxy; ``runtime`` says where kernels run and with which tiles.
+fused proxy; ``runtime`` says where kernels run and with which tiles; ``online_softmax`` is
+the tile step the attention kernels share. For the models: ``fp8_attention`` (decoding over
+an FP8 KV cache), ``fp8_quant`` and ``fp8_gemm`` (FP8 linear layers), ``vision_elementwise``
+and ``window_attention`` (the Qwen2.5-VL vision block), ``rope`` (the prefill's RoPE).
 
 Importing the package imports triton (a dependency of the package): set
 ``TRITON_INTERPRET`` before it, as ``runtime.interpreted`` reads.

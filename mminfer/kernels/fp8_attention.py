@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import compiled_gpu, interpreted
+from . import online_softmax
+from .runtime import compiled_gpu, dot_precision, interpreted
 
 FP8 = torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
@@ -52,7 +53,7 @@ def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
                    sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, spo_s, spo_h, spl_s, spl_h,
                    q_len, kv_len, split_len, G: tl.constexpr, qk_scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     mb = tl.program_id(2)
@@ -83,23 +84,12 @@ def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
         krow = kpos.to(tl.int64)[:, None]
         kv_mask = kvalid[:, None] & dmask[None, :]
         k = tl.load(Kb + krow * sk_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         valid = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         qk = tl.where(valid, qk * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax.weights(qk, m_i, l_i)
         v = tl.load(Vb + krow * sv_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        m_i = m_new
+        acc = online_softmax.accumulate(acc, alpha, p, v, PRECISION)
     has = l_i > 0
     out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -257,13 +247,12 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     pl = torch.empty(n_splits, Hkv, R, dtype=torch.float32, device=q.device)
     out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
     BD = max(16, triton.next_power_of_2(D))
-    ieee = q.dtype == torch.float32
     _fp8_split_fwd[(Hkv, n_splits, m_blocks)](
         q, k, v, k_scale, v_scale, po, pl,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
         q_len, kv_len, split_len, G, float(scale) * LOG2E,
-        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, IEEE=ieee,
+        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages)
     _fp8_merge[(Hkv, m_blocks)](
         po, pl, out, po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),

@@ -8,7 +8,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .layout import BLOCK, F_HEAD, FAMILIES
 from .plan import SparsePlan
-from .runtime import as_device, batch_stride, tile_config
+from .runtime import as_device, batch_stride, dot_precision, tile_config
 from .sparse_attn_kernel import _sparse_attn_fwd
 
 _FAMILY_NAME = {v: k for k, v in FAMILIES.items()}
@@ -105,7 +105,7 @@ def _launch(q, k, v, out, lse, scratch, lse_s, plan: SparsePlan, fl, scale, writ
         N, Hq // k.shape[1], scale * 1.4426950408889634,
         HEAD_D=D, BLOCK_D=BD, BLOCK_M=plan.block_m, BLOCK_N=cfg["BLOCK_N"], FAMILY=fl.family,
         KEY_GROUPED=plan.key_groups is not None, WRITE_LSE=write_lse,
-        IEEE=q.dtype == torch.float32, BLOCK_K=plan.block_n, DMASK=D != BD, TMA=tma,
+        PRECISION=dot_precision(q.dtype), BLOCK_K=plan.block_n, DMASK=D != BD, TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

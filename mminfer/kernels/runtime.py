@@ -34,6 +34,31 @@ def compiled_gpu(is_cuda: bool) -> bool:
     return is_cuda and not interpreted()
 
 
+# How a caller picks between a Triton kernel and its torch version.
+KERNELS = ("auto", "triton", "torch")
+
+
+def use_triton(x: torch.Tensor, choice: str = "auto") -> bool:
+    """Triton for a CUDA tensor with the kernels compiled ("auto"), or whenever asked
+    ("triton": on the CPU only under the interpreter); torch ops otherwise."""
+    if choice not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, not {choice!r}")
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not (x.is_cuda or interpreted() or x.device.type == "meta"):
+            raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1")
+        return True
+    return compiled_gpu(x.is_cuda)
+
+
+def dot_precision(dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: fp32 products in full
+    ("ieee": what the fp32 references compute); any other dtype "tf32", Triton's default,
+    which only fp32 operands would feel."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def tile_config(is_cuda: bool, family: str, block_m: int, block_n: int, config=None) -> dict:
     """Launch configuration of the attention kernel for one family's launch of a plan with
     these blocks: ``BLOCK_N``, ``num_warps``, ``num_stages`` (``config`` overrides, e.g. a

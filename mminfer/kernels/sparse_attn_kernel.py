@@ -25,7 +25,7 @@ reads ``layout.py``.
 import triton
 import triton.language as tl
 
-from . import layout
+from . import layout, online_softmax
 
 # The slot row and family ids of layout.py, as constexprs: the names are the contract, the
 # kernel never spells a field by its number.
@@ -61,9 +61,9 @@ def _key_ok(kvalid, kpos, KGb, kgroup, KEY_GROUPED: tl.constexpr):
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmask, qk_scale,
-            CAUSAL: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr = False,
+            CAUSAL: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
             DMASK: tl.constexpr = True):
-    """One key tile of the online softmax (base 2). Invalid logits are -inf before the max.
+    """One key tile at rows ``kpos`` of Kb/Vb. Invalid logits are -inf before the max.
     EVEN: every key of the tile is valid and no causal mask applies, so loads and logits go
     unmasked (the bulk of the work: full tiles of near ranges, segments and columns)."""
     valid = kvalid[None, :]
@@ -76,105 +76,60 @@ def _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn, offs_d, dmas
     else:
         kv_mask = kvalid[:, None] & dmask[None, :]
         k = tl.load(Kb + krow * skn + offs_d[None, :], mask=kv_mask, other=0.0)
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if EVEN:
         qk = qk * qk_scale
     else:
         qk = tl.where(valid, qk * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_i, l_i = online_softmax.weights(qk, m_i, l_i)
     if EVEN and not DMASK:
         v = tl.load(Vb + krow * svn + offs_d[None, :])
     else:
         v = tl.load(Vb + krow * svn + offs_d[None, :], mask=kv_mask, other=0.0)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return online_softmax.accumulate(acc, alpha, p, v, PRECISION), m_i, l_i
 
 
 @triton.jit
 def _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh, start, qk_scale, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """A full key tile (every key valid, no causal mask) read through tensor descriptors:
     keys [start, start + BLOCK_N) of (b, kvh) by the copy engine (TMA on sm_90; columns past
     the head dim and rows past N come back zero)."""
     k = KD.load([b, kvh, start, 0]).reshape(BLOCK_N, BLOCK_D)
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p, alpha, m_i, l_i = online_softmax.weights(qk, m_i, l_i)
     v = VD.load([b, kvh, start, 0]).reshape(BLOCK_N, BLOCK_D)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return online_softmax.accumulate(acc, alpha, p, v, PRECISION), m_i, l_i
 
 
 @triton.jit
-def _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
-          dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-          IEEE: tl.constexpr, DMASK: tl.constexpr, KD, VD, b, kvh, TMA: tl.constexpr,
-          BLOCK_D: tl.constexpr):
-    """Keys [lo, r1): tiles entirely below r0 (<= every row) unmasked, the rest causal."""
-    n_full = (r0 - lo) // BLOCK_N
+def _keys(acc, m_i, l_i, q, qpos, lo, full_end, hi, Kb, Vb, skn, svn, KGb, kgroup, offs_n,
+          offs_d, dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
+          PRECISION: tl.constexpr, DMASK: tl.constexpr, KD, VD, b, kvh, TMA: tl.constexpr,
+          BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
+    """Contiguous keys [lo, hi), ``lo <= full_end <= hi`` (the plan's sinks and windows are
+    never negative): the whole tiles below ``full_end`` (below every row of the block)
+    unmasked, the tiles after them masked to the range, and causally with CAUSAL."""
+    n_full = (full_end - lo) // BLOCK_N
     for t in range(0, n_full):
         if TMA and not KEY_GROUPED:
             acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, b, kvh,
-                                         lo + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D, IEEE)
+                                         lo + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D,
+                                         PRECISION)
         else:
             kpos = lo + t * BLOCK_N + offs_n
             kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                    offs_d, dmask, qk_scale, False, IEEE, not KEY_GROUPED,
-                                    DMASK)
+                                    offs_d, dmask, qk_scale, False, PRECISION,
+                                    not KEY_GROUPED, DMASK)
     # The masked tails (1-2 tiles) are not software-pipelined: every pipelined loop holds
     # its own K/V ring in shared memory, and with the tails pipelined a 64-key, 3-stage
     # kernel took 224 of sm_90's 227 KB (128-key tiles did not fit at all).
-    for start in tl.range(lo + n_full * BLOCK_N, r1, BLOCK_N, num_stages=1):
+    for start in tl.range(lo + n_full * BLOCK_N, hi, BLOCK_N, num_stages=1):
         kpos = start + offs_n
-        kvalid = _key_ok(kpos < r1, kpos, KGb, kgroup, KEY_GROUPED)
+        kvalid = _key_ok(kpos < hi, kpos, KGb, kgroup, KEY_GROUPED)
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, True, IEEE)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _segment(acc, m_i, l_i, q, qpos, a, b, Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d,
-             dmask, qk_scale, BLOCK_N: tl.constexpr, KEY_GROUPED: tl.constexpr,
-             IEEE: tl.constexpr, DMASK: tl.constexpr, KD, VD, bb, kvh, TMA: tl.constexpr,
-             BLOCK_D: tl.constexpr):
-    """Far keys [a, b), all below every row of the block: no causal mask."""
-    n_full = tl.maximum(b - a, 0) // BLOCK_N
-    for t in range(0, n_full):
-        if TMA and not KEY_GROUPED:
-            acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KD, VD, bb, kvh,
-                                         a + t * BLOCK_N, qk_scale, BLOCK_N, BLOCK_D, IEEE)
-        else:
-            kpos = a + t * BLOCK_N + offs_n
-            kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                    offs_d, dmask, qk_scale, False, IEEE, not KEY_GROUPED,
-                                    DMASK)
-    for start in tl.range(a + n_full * BLOCK_N, b, BLOCK_N, num_stages=1):
-        kpos = start + offs_n
-        kvalid = _key_ok(kpos < b, kpos, KGb, kgroup, KEY_GROUPED)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb, skn, svn,
-                                offs_d, dmask, qk_scale, False, IEEE)
+                                offs_d, dmask, qk_scale, CAUSAL, PRECISION)
     return acc, m_i, l_i
 
 
@@ -189,7 +144,8 @@ def _sparse_attn_fwd(
     N, kv_group, qk_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, FAMILY: tl.constexpr, KEY_GROUPED: tl.constexpr,
-    WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr, DMASK: tl.constexpr,
+    WRITE_LSE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+    DMASK: tl.constexpr,
     TMA: tl.constexpr,
 ):
     # One axis of programs, slots innermost: the query heads of one row block (the heads of
@@ -267,22 +223,20 @@ def _sparse_attn_fwd(
         q = tl.load(q_ptrs, mask=qvalid[:, None] & dmask[None, :], other=0.0)
 
         if is_rowline:
-            acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, 0, r0 + 1, r1, Kb, Vb, skn, svn,
+            acc, m_i, l_i = _keys(acc, m_i, l_i, q, qpos, 0, r0 + 1, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, IEEE, DMASK, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                  KEY_GROUPED, PRECISION, DMASK, KDesc, VDesc, b, kvh, TMA,
+                                  BLOCK_D, True)
         else:
             lo = tl.maximum(r0 - window, 0)
-            if FAMILY == A_SHAPE:
-                acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, tl.minimum(sink, lo),
-                                         Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, IEEE, DMASK,
-                                         KDesc, VDesc, b, kvh, TMA, BLOCK_D)
-            if FAMILY == GRID:
+            if FAMILY == A_SHAPE or FAMILY == GRID:
+                # Sink keys [0, min(sink, lo)): below every row, no causal mask.
                 s_end = tl.minimum(sink, lo)
-                acc, m_i, l_i = _segment(acc, m_i, l_i, q, qpos, 0, s_end,
-                                         Kb, Vb, skn, svn, KGb, kgroup, offs_n, offs_d, dmask,
-                                         qk_scale, BLOCK_N, KEY_GROUPED, IEEE, DMASK,
-                                         KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                acc, m_i, l_i = _keys(acc, m_i, l_i, q, qpos, 0, s_end, s_end, Kb, Vb, skn,
+                                      svn, KGb, kgroup, offs_n, offs_d, dmask, qk_scale,
+                                      BLOCK_N, KEY_GROUPED, PRECISION, DMASK, KDesc, VDesc, b,
+                                      kvh, TMA, BLOCK_D, False)
+            if FAMILY == GRID:
                 if (g_lines & LINES_COLS) != 0:
                     # Grid columns in [max(sink, start), min(end, lo)): strided key tiles.
                     c_lo = tl.maximum(sink, g_start)
@@ -296,13 +250,14 @@ def _sparse_attn_fwd(
                         kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
                                                 skn, svn, offs_d, dmask, qk_scale, False,
-                                                IEEE, not KEY_GROUPED, DMASK)
+                                                PRECISION, not KEY_GROUPED, DMASK)
                     for t in tl.range(n_cfull, tl.cdiv(n_cols, BLOCK_N), num_stages=1):
                         idx = t * BLOCK_N + offs_n
                         kpos = j0 + idx * g_stride
                         kvalid = _key_ok(idx < n_cols, kpos, KGb, kgroup, KEY_GROUPED)
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                                skn, svn, offs_d, dmask, qk_scale, False, IEEE)
+                                                skn, svn, offs_d, dmask, qk_scale, False,
+                                                PRECISION)
             if FAMILY == VERTICAL_SLASH:
                 # Vertical columns below lo (sorted; the count per row block is precomputed),
                 # from this slot's gathered copy: tile t is its rows [t*BLOCK_N, ...).
@@ -319,7 +274,7 @@ def _sparse_attn_fwd(
                     kvalid = _key_ok(idx >= 0, kpos, KGb, kgroup, KEY_GROUPED)
                     acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, idx, kvalid, Kv, Vv,
                                             HEAD_D, HEAD_D, offs_d, dmask, qk_scale, False,
-                                            IEEE, not KEY_GROUPED, DMASK)
+                                            PRECISION, not KEY_GROUPED, DMASK)
                 for t in range(n_vfull, tl.cdiv(n_v, BLOCK_N)):
                     idx = t * BLOCK_N + offs_n
                     vmask = idx < n_v
@@ -327,7 +282,7 @@ def _sparse_attn_fwd(
                     kvalid = _key_ok(vmask, kpos, KGb, kgroup, KEY_GROUPED)
                     acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, idx, kvalid, Kv, Vv,
                                             HEAD_D, HEAD_D, offs_d, dmask, qk_scale, False,
-                                            IEEE)
+                                            PRECISION)
                 # Slash ranges: offset o covers keys [r0 - o, r1 - o) for this row block,
                 # clipped below the previous (smaller) offset's range and below lo, so the
                 # ranges are disjoint; keys that are vertical columns are left to the
@@ -352,7 +307,7 @@ def _sparse_attn_fwd(
                     isv = tl.load(fbase + kpos, mask=inr, other=1)
                     kvalid = _key_ok(inr & (isv == 0), kpos, KGb, kgroup, KEY_GROUPED)
                     acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                            skn, svn, offs_d, dmask, qk_scale, False, IEEE)
+                                            skn, svn, offs_d, dmask, qk_scale, False, PRECISION)
             if FAMILY == BLOCK:
                 bbase = BIdx + (slot_base * n_table + r) * nb_max
                 n_b = tl.load(BCnt + slot_base * n_table + r)
@@ -367,22 +322,24 @@ def _sparse_attn_fwd(
                     if TMA and not KEY_GROUPED:
                         acc, m_i, l_i = _attend_desc(acc, m_i, l_i, q, KDesc, VDesc, b,
                                                      kvh, kstart, qk_scale, BLOCK_N,
-                                                     BLOCK_D, IEEE)
+                                                     BLOCK_D, PRECISION)
                     else:
                         kpos = kstart + offs_n
                         kvalid = _key_ok(kpos >= 0, kpos, KGb, kgroup, KEY_GROUPED)
                         acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb,
                                                 Vb, skn, svn, offs_d, dmask, qk_scale,
-                                                False, IEEE, not KEY_GROUPED, DMASK)
+                                                False, PRECISION, not KEY_GROUPED, DMASK)
                 for u in range(n_bfull * (BLOCK_K // BLOCK_N), n_b * (BLOCK_K // BLOCK_N)):
                     c = tl.load(bbase + u // (BLOCK_K // BLOCK_N))
                     kpos = c * BLOCK_K + (u % (BLOCK_K // BLOCK_N)) * BLOCK_N + offs_n
                     kvalid = _key_ok(kpos < lo, kpos, KGb, kgroup, KEY_GROUPED)
                     acc, m_i, l_i = _attend(acc, m_i, l_i, q, qpos, kpos, kvalid, Kb, Vb,
-                                            skn, svn, offs_d, dmask, qk_scale, False, IEEE)
-            acc, m_i, l_i = _near(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
+                                            skn, svn, offs_d, dmask, qk_scale, False, PRECISION)
+            # The near range [lo, r1): tiles below r0 (<= every row) unmasked, the rest causal.
+            acc, m_i, l_i = _keys(acc, m_i, l_i, q, qpos, lo, r0, r1, Kb, Vb, skn, svn,
                                   KGb, kgroup, offs_n, offs_d, dmask, qk_scale, BLOCK_N,
-                                  KEY_GROUPED, IEEE, DMASK, KDesc, VDesc, b, kvh, TMA, BLOCK_D)
+                                  KEY_GROUPED, PRECISION, DMASK, KDesc, VDesc, b, kvh, TMA,
+                                  BLOCK_D, True)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))

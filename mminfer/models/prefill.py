@@ -42,7 +42,8 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mminfer.errors import Cancelled
-from mminfer.models import fp8, hooks, rope
+from mminfer.kernels import rope
+from mminfer.models import fp8, hooks
 
 # Tokens per chunk of the token-wise work: ≥ 16K rows keeps every GEMM at full speed on an H200
 # while the MLP's temporaries stay ≈ 1.8 GB at 7B sizes (bf16), against ≈ 57 GB of KV cache at 1M.
@@ -180,7 +181,7 @@ def _layer_kv(layer, h, cos_sin, spans, cache):
 
 def _rope_rows(apply_rope, proj, buf, s, cos, sin):
     """``buf[0, :, s:s+c]`` (head-major ``[1, H, N, d]``) = the rotated heads of ``proj``
-    ``[1, c, H*d]`` (a projection's output): one kernel (mminfer.models.rope) where the model's
+    ``[1, c, H*d]`` (a projection's output): one kernel (mminfer.kernels.rope) where the model's
     RoPE is transformers' standard one, else the model's own function and a copy."""
     c, d = proj.shape[1], buf.shape[-1]
     if rope.standard(apply_rope) and cos.dim() == 3 and cos.shape[0] == 1:

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mminfer.kernels import fp8_quant
 from mminfer.models import fp8
 
 
@@ -69,7 +70,7 @@ class Fp8Encoder:
             x = x.contiguous()
         kern = layers[0].self_attn.q_proj.kernels
         ln = layers[0].layer_norm1
-        x, xq = fp8.layer_norm_quant(x, ln.weight, ln.bias, ln.eps, kernels=kern)
+        x, xq = fp8_quant.layer_norm_quant(x, ln.weight, ln.bias, ln.eps, kernels=kern)
         for i, layer in enumerate(layers):
             a = layer.self_attn
             heads, d = a.num_heads, a.head_dim
@@ -79,12 +80,12 @@ class Fp8Encoder:
             o = a.out_proj(o.transpose(1, 2).reshape(f * N, C))
             del q, k, v, qkv
             ln = layer.layer_norm2
-            x, xq = fp8.layer_norm_quant(x, ln.weight, ln.bias, ln.eps, o, kernels=kern)
-            m = layer.mlp.fc2(fp8.gelu_tanh_quant(layer.mlp.fc1(xq), kernels=kern))
+            x, xq = fp8_quant.layer_norm_quant(x, ln.weight, ln.bias, ln.eps, o, kernels=kern)
+            m = layer.mlp.fc2(fp8_quant.gelu_tanh_quant(layer.mlp.fc1(xq), kernels=kern))
             del o
             if i + 1 < len(layers):    # the residual add fused into the next layer's norm
                 ln = layers[i + 1].layer_norm1
-                x, xq = fp8.layer_norm_quant(x, ln.weight, ln.bias, ln.eps, m, kernels=kern)
+                x, xq = fp8_quant.layer_norm_quant(x, ln.weight, ln.bias, ln.eps, m, kernels=kern)
             else:
                 x = x + m
         return x.view(f, N, C)

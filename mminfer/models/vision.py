@@ -20,20 +20,20 @@ So a chunk of P pairs runs here as a batch:
   output goes back to the processor's order with one gather.
 
 The fused path (the default where no gradient is wanted) runs each block as four GEMMs, its
-attention and three one-pass elementwise kernels (:mod:`mminfer.models.vision_fused`; Triton
-on CUDA): the residual add and the next RMSNorm in one (the last block's with the merger's
-norm), the SiLU gate reading the output of one gate/up GEMM. A window layer's rotary and
-attention are one kernel reading the qkv GEMM's output
-(:mod:`mminfer.models.window_attention`); a full layer rotates q and k in place there (q, k,
-v stay views of it) and calls SDPA. ``benchmarks/vision.py --ops`` lists the ops: per window
-block of a 22-pair chunk, 3 elementwise kernels and 2.6 GB of non-GEMM traffic plus 0.65 GB
-for attention, against 26 kernels and 8.3 GB before the fused path. The MLP width (3420 on
-the 7B) is padded with zeros to a multiple of ``INTER_ALIGN``: rows of 3420 bf16 values are
-6840 bytes, not a multiple of 16, which cuBLAS needs for its fastest (TMA, 16-byte vector)
-kernels on the three MLP GEMMs, two thirds of the tower's FLOPs; zero weight rows and
-columns add exact zeros. The weights are transformers' own tensors except the stacked,
-padded gate/up and down copies (0.85 GB on the 7B tower), rebuilt when a source parameter
-changes.
+attention and three one-pass elementwise kernels (:mod:`mminfer.kernels.vision_elementwise`;
+Triton on CUDA): the residual add and the next RMSNorm in one (the last block's with the
+merger's norm), the SiLU gate reading the output of one gate/up GEMM. A window layer's
+rotary and attention are one kernel reading the qkv GEMM's output
+(:mod:`mminfer.kernels.window_attention`); a full layer rotates q and k in place there (q,
+k, v stay views of it) and calls SDPA. ``benchmarks/vision.py --ops`` lists the ops: per
+window block of a 22-pair chunk, 3 elementwise kernels and 2.6 GB of non-GEMM traffic plus
+0.65 GB for attention, against 26 kernels and 8.3 GB before the fused path. The MLP width
+(3420 on the 7B) is padded with zeros to a multiple of ``INTER_ALIGN``: rows of 3420 bf16
+values are 6840 bytes, not a multiple of 16, which cuBLAS needs for its fastest (TMA,
+16-byte vector) kernels on the three MLP GEMMs, two thirds of the tower's FLOPs; zero weight
+rows and columns add exact zeros. The weights are transformers' own tensors except the
+stacked, padded gate/up and down copies (0.85 GB on the 7B tower), rebuilt when a source
+parameter changes.
 
 With autograd on (training), ``fused=False``, or autocast, the blocks are transformers'
 modules in the batched layout, two elementwise steps written out: the RMSNorm (its fp32
@@ -63,8 +63,10 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from mminfer.models import fp8, window_attention
-from mminfer.models.vision_fused import KERNELS, add_rms_norm, rotary, silu_mul, use_triton
+from mminfer.kernels import fp8_quant, window_attention
+from mminfer.kernels.runtime import KERNELS, use_triton
+from mminfer.kernels.vision_elementwise import add_rms_norm, rotary, silu_mul
+from mminfer.models import fp8
 
 # Patch tokens per tower call: enough rows to keep the matmuls at full rate, few enough that
 # activations stay at a few GB on the 7B tower (its MLP is 3420 wide).
@@ -139,7 +141,7 @@ class QwenVisionTower:
     ``fused`` (default): the block as three GEMMs of its own weights plus the fused gate/up
     GEMM (gate and up rows stacked, the intermediate width padded with zero rows/columns to a
     multiple of ``INTER_ALIGN``), the elementwise steps as the kernels of
-    :mod:`mminfer.models.vision_fused` (``kernels``: "auto" is Triton on CUDA, torch ops
+    :mod:`mminfer.kernels.vision_elementwise` (``kernels``: "auto" is Triton on CUDA, torch ops
     elsewhere). ``fused=False``: transformers' modules block by block (what this tower did
     before; kept to measure against). ``compile``: the fused block (torch ops) through
     ``torch.compile(dynamic=False)``; a chunk shorter than ``pad_to`` pairs is then padded
@@ -269,7 +271,7 @@ class QwenVisionTower:
         tk = not compiled and use_triton(x, self.kernels)
         step = self._compiled_block() if compiled else fused_block
         if q8 is not None:
-            _, y = fp8.rms_norm_quant(x, blocks[0].norm1, blocks[0].eps1, kernels=q8)
+            _, y = fp8_quant.rms_norm_quant(x, blocks[0].norm1, blocks[0].eps1, kernels=q8)
         else:
             _, y = add_rms_norm(x, None, blocks[0].norm1, blocks[0].eps1, triton_kernels=tk)
         ln = vis.merger.ln_q
@@ -341,7 +343,7 @@ class QwenVisionTower:
         a, m = blk.attn, blk.mlp
         g, u, d = m.gate_proj, m.up_proj, m.down_proj
         C = g.in_features
-        gu_w = torch.zeros(2 * pad, C, dtype=fp8.FP8, device=g.weight.device)
+        gu_w = torch.zeros(2 * pad, C, dtype=fp8_quant.FP8, device=g.weight.device)
         gu_w[:inter], gu_w[pad:pad + inter] = g.weight, u.weight
         gu_s = torch.ones(2 * pad, device=g.weight.device)
         gu_s[:inter], gu_s[pad:pad + inter] = g.weight_scale, u.weight_scale
@@ -353,7 +355,7 @@ class QwenVisionTower:
                 gu_b[:inter] = g.bias
             if u.bias is not None:
                 gu_b[pad:pad + inter] = u.bias
-        down_w = torch.zeros(d.out_features, pad, dtype=fp8.FP8, device=d.weight.device)
+        down_w = torch.zeros(d.out_features, pad, dtype=fp8_quant.FP8, device=d.weight.device)
         down_w[:, :inter] = d.weight
         return _BlockWeights(
             norm1=blk.norm1.weight, eps1=_eps(blk.norm1), qkv_w=a.qkv, qkv_b=None,
@@ -408,11 +410,11 @@ def fused_block(x, y, qkv_w, qkv_b, proj_w, proj_b, norm2, gu_w, gu_b, down_w, d
         h = silu_mul(F.linear(y, gu_w, gu_b), inter, triton_kernels=tk)
         return add_rms_norm(x, F.linear(h, down_w, down_b), next_norm, next_eps,
                             triton_kernels=tk)
-    x, y = fp8.rms_norm_quant(x, norm2, eps2, proj_w(o), kernels=fp8_kernels)
+    x, y = fp8_quant.rms_norm_quant(x, norm2, eps2, proj_w(o), kernels=fp8_kernels)
     gu = gu_w(y)
-    h = fp8.silu_mul_quant(gu[:, :inter], gu[:, inter:], kernels=fp8_kernels)
+    h = fp8_quant.silu_mul_quant(gu[:, :inter], gu[:, inter:], kernels=fp8_kernels)
     if quantise_next:
-        return fp8.rms_norm_quant(x, next_norm, next_eps, down_w(h), kernels=fp8_kernels)
+        return fp8_quant.rms_norm_quant(x, next_norm, next_eps, down_w(h), kernels=fp8_kernels)
     return add_rms_norm(x, down_w(h), next_norm, next_eps, triton_kernels=tk)
 
 

@@ -164,7 +164,7 @@ def _lower_for_hopper():
             "PO": "*fp32", "PL": "*fp32", "O": "*bf16"}
     for block_m, warps in ((16, 4), (32, 4), (64, 4), (128, 8)):
         lower(F._fp8_split_fwd, ptrs, dict(G=7, D=128, BLOCK_M=block_m, BLOCK_N=64,
-                                            BLOCK_D=128, IEEE=False), warps)
+                                            BLOCK_D=128, PRECISION="tf32"), warps)
     lower(F._fp8_merge, ptrs, dict(G=7, D=128, BLOCK_M=16, BLOCK_D=128), 4)
     print("lowered")
 

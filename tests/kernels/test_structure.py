@@ -133,7 +133,7 @@ def _lower(stages=("ttir",)):
     for family in range(4):
         for key_grouped in (False, True):
             const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, FAMILY=family,
-                         KEY_GROUPED=key_grouped, WRITE_LSE=True, IEEE=False, BLOCK_K=64,
+                         KEY_GROUPED=key_grouped, WRITE_LSE=True, PRECISION="tf32", BLOCK_K=64,
                          DMASK=False, TMA=False)
             *_, (_, mod, _) = sm.stages(const, stages, num_warps=8, num_stages=3)
             out.append(str(mod))
@@ -164,7 +164,7 @@ def _shared_bytes_sm90():
         cfg = tile_config(True, fname, 128, block_n)
         tma = family == BLOCK
         const = dict(HEAD_D=128, BLOCK_D=128, BLOCK_M=128, BLOCK_N=cfg["BLOCK_N"],
-                     FAMILY=family, KEY_GROUPED=False, WRITE_LSE=False, IEEE=False,
+                     FAMILY=family, KEY_GROUPED=False, WRITE_LSE=False, PRECISION="tf32",
                      BLOCK_K=block_n, DMASK=False, TMA=tma)
         desc = f"tensordesc<bf16[1,1,{cfg['BLOCK_N']},128]>" if tma else None
         n_async = n_tma = 0

@@ -3,7 +3,8 @@ one (a tiny model with layers that matter, and the trained embedded model's answ
 last-token KL), the fused quantisation computing what the modules compute, the one standalone
 quantisation pass per layer (the attention output), a compressed-tensors FP8-Dynamic
 checkpoint loading as it is (the same answers as the model quantised at load), the layouts we
-refuse, and the flag's way to Pipeline, the video cache key and the server."""
+refuse, and the flag's way to Pipeline, the video cache key and the server; Fp8Linear within
+e4m3's error of nn.Linear, and its padded weight. The kernels are tests/kernels/test_fp8_*."""
 
 import json
 import math
@@ -22,6 +23,8 @@ from mminfer.cli_options import pipeline_options
 from mminfer import video as videolib
 from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import ConfigError
+from mminfer.kernels.fp8_gemm import fp8_gemm
+from mminfer.kernels.fp8_quant import FP8, quantize_rows, quantize_weight
 from mminfer.kernels.runtime import interpreted
 from mminfer.models import fp8
 from mminfer.models.base import Conversation, _new_cache
@@ -99,7 +102,7 @@ def test_converted_layers(quant, plain):
         a, m = layer.self_attn, layer.mlp
         assert fp8.is_fp8(a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
                           m.down_proj)
-        assert a.q_proj.weight.dtype == fp8.FP8 and a.q_proj.weight_scale.dtype == torch.float32
+        assert a.q_proj.weight.dtype == FP8 and a.q_proj.weight_scale.dtype == torch.float32
     for blk in vis.blocks:
         assert fp8.is_fp8(blk.attn.qkv, blk.attn.proj, blk.mlp.gate_proj, blk.mlp.up_proj,
                           blk.mlp.down_proj)
@@ -113,15 +116,15 @@ def test_converted_layers(quant, plain):
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not interpreted(), reason="Triton on the CPU needs TRITON_INTERPRET=1"))])
 def test_fp8_within_e4m3_error_and_fused_equals_modules(plain, quant, kernels):
-    """Every GEMM input and weight carries one e4m3 rounding, a relative error of at most
-    2^-4 per element (3 mantissa bits, round to nearest; each GEMM's output about 5 % RMS on
-    random data, test_fp8_kernels). Through a residual stack whose sublayers add about half
-    the stream (as in trained pre-norm models) the errors add in quadrature at that share:
-    the last-token logits of the FP8 model stay within 2^-4 of the plain model's (relative,
-    L2), the error of one e4m3 rounding of the logits themselves — yet differ (it is
-    quantised). The prefill's fused quantisation (norm / SiLU kernels writing e4m3, under the
-    interpreter the Triton kernels themselves) gives what transformers' forward gives with
-    the same FP8 modules quantising each input on their own, to fp32 rounding."""
+    """Every GEMM input and weight carries one e4m3 rounding, a relative error of at most 2^-4 per
+    element (3 mantissa bits, round to nearest; each GEMM's output about 5 % RMS on random
+    data, test_fp8_linear_within_e4m3_error_of_linear). Through a residual stack whose
+    sublayers add about half the stream (as in trained pre-norm models) the errors add in
+    quadrature at that share: the last-token logits of the FP8 model stay within 2^-4 of the
+    plain model's (relative, L2), the error of one e4m3 rounding of the logits themselves — yet
+    differ (it is quantised). The prefill's fused quantisation (norm / SiLU kernels writing
+    e4m3, under the interpreter the Triton kernels themselves) gives what transformers' forward
+    gives with the same FP8 modules quantising each input on their own, to fp32 rounding."""
     prep = quant.prepare(FrameVideo(random_frames(4)), "what color is the ball ?")
     fp8_layers = [m for m in quant.model.modules() if isinstance(m, fp8.Fp8Linear)]
     for m in fp8_layers:
@@ -202,7 +205,7 @@ def write_fp8_checkpoint(src, dst, *, legacy_names=True, scale_dtype=torch.float
     for key, t in tensors.items():
         name = key[:-len(".weight")] if key.endswith(".weight") else None
         if name and t.dim() == 2 and (fp8.is_llm_linear(name) or fp8.is_vision_linear(name)):
-            q, s = fp8.quantize_weight(t.float())
+            q, s = quantize_weight(t.float())
             out[key], out[name + ".weight_scale"] = q, s.view(-1, 1).to(scale_dtype)
         else:
             out[key] = t.clone()
@@ -385,3 +388,39 @@ def test_fp8_vision_tower_fused_equals_modules(plain, quant, kernels):
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     rel = float((got - want).norm() / want.norm())
     assert 1e-4 < rel < 2 ** -4, rel
+
+
+def test_fp8_linear_within_e4m3_error_of_linear():
+    """Weight and activation each carry a relative rounding error of at most 2^-4 per
+    element (e4m3 keeps 3 mantissa bits); for random data the output's error is then about
+    sqrt(2) * 2^-4 / sqrt(3) ≈ 5 % of its RMS, never the 2^-3 of a one-sided error."""
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(256, 128)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, generator=g) * 0.05)
+    x = torch.randn(32, 256, generator=g)
+    q = fp8.Fp8Linear.from_linear(lin)
+    assert (q.in_features, q.out_features) == (256, 128)
+    with torch.no_grad():
+        ref, got = lin(x), q(x)
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0.005 < rel < 2 ** -4, rel          # quantised (not a bf16 copy), within e4m3
+    pre = quantize_rows(x)                     # an Fp8Act is used as it is
+    assert torch.equal(q(pre), got)
+    # elementwise, rigorously: |Δy| <= sum_k |x_k| |w_k| ((1 + 2^-4)^2 - 1) + subnormal slack
+    bound = (x.abs() @ lin.weight.abs().t()) * ((1 + 2 ** -4) ** 2 - 1) + 1e-5
+    assert bool(((got - ref).abs() <= bound).all())
+
+
+def test_padded_weight_gives_the_same_product():
+    """CUDA's _scaled_mm needs widths that are multiples of 16: the zero-padded weight (rows
+    and columns) with the input padded by zeros gives the unpadded product exactly."""
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(40, 30)              # neither width a multiple of 16
+    q = fp8.Fp8Linear.from_linear(lin)
+    wq, ws = q.padded()
+    assert wq.shape == (32, 48) and ws.shape == (32,)
+    act = quantize_rows(torch.randn(3, 7, 40, generator=g))
+    got = fp8_gemm(act, wq, ws, q.bias, out_features=30)
+    assert got.shape == (3, 7, 30)
+    assert torch.allclose(got, q(act), rtol=1e-6, atol=1e-6)

@@ -1,45 +1,21 @@
 """SigLIP's encoder with FP8 layers as our steps (mminfer.models.siglip) against transformers'
-forward of the same FP8 layers, and its two kernels (LayerNorm → fp8 with the residual add,
-GELU(tanh) → fp8) against their fp32 references; the CPU interpreter, and bf16 on the GPU."""
+forward of the same FP8 layers (its two kernels, LayerNorm → fp8 with the residual add and
+GELU(tanh) → fp8, are tests/kernels/test_fp8_quant.py's); the CPU interpreter, and bf16 on
+the GPU."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
+from mminfer.kernels import fp8_quant
 from mminfer.kernels.runtime import interpreted
 from mminfer.models import fp8, siglip
-from tests.models.test_fp8_kernels import _same_fp8
+from tests.kernels.test_fp8_quant import _same_fp8
 
 needs_interpreter = pytest.mark.skipif(not interpreted(),
                                        reason="Triton on the CPU needs TRITON_INTERPRET=1")
 KERNELS = ["torch", pytest.param("triton", marks=needs_interpreter)]
-
-
-@pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("add", [False, True], ids=["norm", "add+norm"])
-def test_layer_norm_quant_matches_reference(kernels, add):
-    g = torch.Generator().manual_seed(0)
-    N, C = 6, 72
-    x = torch.randn(N, C, generator=g) * 3 + 1
-    d = torch.randn(N, C, generator=g) if add else None
-    w, b = torch.randn(C, generator=g), torch.randn(C, generator=g)
-    xs, q, s = fp8.layer_norm_quant_ref(x.clone(), w, b, 1e-6, d)
-    xk = x.clone()
-    got_x, got = fp8.layer_norm_quant(xk, w, b, 1e-6, d, kernels=kernels)
-    _same_fp8(got, q, s, exact=kernels == "torch")     # fp32 statistics summed in another order
-    assert torch.allclose(got_x, xs)
-    if add and kernels == "triton":
-        assert got_x is xk                                 # the sum written in place
-
-
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_gelu_tanh_quant_matches_torch_gelu(kernels):
-    g = torch.Generator().manual_seed(1)
-    h = torch.randn(5, 300, generator=g) * 4
-    h[0, :3] = torch.tensor([60.0, -60.0, 0.0])           # tanh saturates, no NaN
-    got = fp8.gelu_tanh_quant(h, kernels=kernels)
-    _same_fp8(got, *fp8.gelu_tanh_quant_ref(h), exact=kernels == "torch")
 
 
 def _tower(seed=0, hidden=48, inter=96, layers=3, heads=4):
@@ -109,8 +85,8 @@ def test_fp8_encoder_on_cuda_bf16_at_so400m_widths():
         got = siglip.Fp8Encoder(tower.encoder)(h.clone()).float()
     assert float((got - want).norm() / want.norm()) < 2 ** -5
     g = torch.randn(64, 4304, device="cuda", dtype=torch.bfloat16) * 3
-    _same_fp8(fp8.gelu_tanh_quant(g), *fp8.gelu_tanh_quant_ref(g), exact=False)
+    _same_fp8(fp8_quant.gelu_tanh_quant(g), *fp8_quant.gelu_tanh_quant_ref(g), exact=False)
     xx = torch.randn(64, 1152, device="cuda", dtype=torch.bfloat16)
     w, b = tower.encoder.layers[0].layer_norm1.weight, tower.encoder.layers[0].layer_norm1.bias
-    _same_fp8(fp8.layer_norm_quant(xx, w, b, 1e-6)[1],
-              *fp8.layer_norm_quant_ref(xx, w, b, 1e-6)[1:], exact=False)
+    _same_fp8(fp8_quant.layer_norm_quant(xx, w, b, 1e-6)[1],
+              *fp8_quant.layer_norm_quant_ref(xx, w, b, 1e-6)[1:], exact=False)

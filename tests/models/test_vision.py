@@ -250,7 +250,7 @@ def test_vision_benchmark_runs_tiny_on_the_cpu(tmp_path):
     assert ops["pairs"] == 22 and ops["tokens"] == 22 * 2880
     plain, fused = ops["variants"]["plain"], ops["variants"]["fused"]
     names = [o["op"] for o in fused["window_block"]]
-    # a window block: rotary and attention in one kernel (mminfer.models.window_attention)
+    # a window block: rotary and attention in one kernel (mminfer.kernels.window_attention)
     assert names.count("addmm") == 4 and names.count("sdpa(flash)") == 0
     assert sorted(n for n in names if n.startswith("vision_")) == [
         "vision_add_rms_norm", "vision_add_rms_norm", "vision_silu_mul",

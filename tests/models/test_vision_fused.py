@@ -1,13 +1,12 @@
 """The fused vision tower (mminfer.models.vision, fused=True) against transformers' own tower
 (fp32, CPU): the Triton kernels (interpreter) and their torch versions, the one permutation
 kept through every block (window and full), the zero-padded MLP width, a padded last chunk,
-the torch.compile'd block; on the GPU the bf16 kernels against the torch ops."""
+the torch.compile'd block. The kernels alone: tests/kernels/test_vision_elementwise.py."""
 
 import pytest
 import torch
 
-from mminfer.kernels.runtime import interpreted
-from mminfer.models import vision_fused as vf
+from mminfer.kernels.runtime import interpreted, use_triton
 from mminfer.models.qwen2_5_vl import Qwen2_5_VLAdapter
 from mminfer.models.vision import INTER_ALIGN, QwenVisionTower
 from lab.toy.tiny import save_tiny_qwen2_5_vl
@@ -146,44 +145,11 @@ def test_mlp_width_padded_with_zeros_and_weights_follow_the_model(visual):
             blk.mlp.up_proj.weight.copy_(w0)
 
 
-@needs_interpreter
-def test_kernels_equal_their_torch_versions_fp32():
-    """Each Triton kernel (interpreter, fp32) against its torch version: the add written into
-    x, the norm; q and k rotated by their token's position i % S, v untouched; the gate."""
-    g = torch.Generator().manual_seed(0)
-    x, d, w = (torch.randn(s, generator=g) for s in ((13, 40), (13, 40), (40,)))
-    xt = x.clone()
-    _, y = vf.add_rms_norm(xt, d, w, 1e-6, triton_kernels=True)
-    xr, yr = vf.add_rms_norm(x, d, w, 1e-6, triton_kernels=False)
-    assert torch.equal(xt, xr) and torch.allclose(y, yr, atol=1e-6, rtol=1e-6)
-    _, y0 = vf.add_rms_norm(x.clone(), None, w, 1e-6, triton_kernels=True)
-    assert torch.allclose(y0, vf.add_rms_norm(x, None, w, 1e-6, triton_kernels=False)[1],
-                          atol=1e-6, rtol=1e-6)
-    S, H, D = 6, 3, 16                                  # 4 pairs of 6 tokens, 3 heads of 16
-    qkv = torch.randn(4 * S, 3 * H * D, generator=g)
-    cos, sin = torch.randn(S, D // 2, generator=g), torch.randn(S, D // 2, generator=g)
-    buf = qkv.clone()
-    got = vf.rotary(buf, cos, sin, S, H, D, triton_kernels=True)
-    want = vf.rotary(qkv.clone(), cos, sin, S, H, D, triton_kernels=False)
-    for a, b in zip(got, want):
-        assert a.shape == (4, S, H, D) and torch.allclose(a, b, atol=1e-6, rtol=1e-6)
-    assert all(t._base is buf for t in got)                               # in place
-    assert torch.equal(buf[:, 2 * H * D:], qkv[:, 2 * H * D:])            # v untouched
-    q = qkv.view(4, S, 3, H, D)[:, :, 0]                                   # by hand: q
-    lo, hi = q[..., :D // 2], q[..., D // 2:]
-    c, s = cos[None, :, None], sin[None, :, None]
-    by_hand = torch.cat([lo * c - hi * s, hi * c + lo * s], -1)
-    assert torch.allclose(got[0], by_hand, atol=1e-6)
-    gu = torch.randn(7, 2 * 48, generator=g)
-    assert torch.allclose(vf.silu_mul(gu, 48, triton_kernels=True),
-                          torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:], atol=1e-6)
-
-
 def test_triton_on_the_cpu_without_the_interpreter_is_refused(visual, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not vf.use_triton(torch.zeros(1))                    # auto: torch ops
+    assert not use_triton(torch.zeros(1))                    # auto: torch ops
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        vf.use_triton(torch.zeros(1), "triton")
+        use_triton(torch.zeros(1), "triton")
     with pytest.raises(ValueError):
         QwenVisionTower(visual, kernels="cuda")
 
@@ -210,39 +176,6 @@ def test_compiled_tower_equals_eager_and_keeps_one_shape(visual):
     print(f"compiled: max abs diff {err:.2e} to transformers (max |feature| {scale:.1f})")
     assert ok and _close(got, eager, 1e-5)[0]
     assert _close(short, got[:h * w // 4], 1e-5)[0]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_kernels_round_where_torch_rounds():
-    """The compiled Triton kernels in bf16 against the torch ops they replace (which round
-    where transformers rounds): the residual add bit-exact, the norm, rotary and gate within
-    two bf16 steps (exp/rsqrt approximations and FMA contraction may flip a rounding, the
-    norm rounds twice)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
-    N, C = 4096, 1280
-    x, d = (torch.randn(N, C, generator=g, device="cuda").to(bf) for _ in range(2))
-    w = torch.randn(C, generator=g, device="cuda").to(bf)
-    xt = x.clone()
-    _, y = vf.add_rms_norm(xt, d, w, 1e-6, triton_kernels=True)
-    xr, yr = vf.add_rms_norm(x, d, w, 1e-6, triton_kernels=False)
-    assert torch.equal(xt, xr)
-    close = lambda a, b: bool(((a.float() - b.float()).abs()                 # noqa: E731
-                               <= 2 ** -6 * b.float().abs() + 1e-6).all())
-    assert close(y, yr)
-    S, H, D = 2880, 16, 80
-    qkv = torch.randn(2 * S, 3 * H * D, generator=g, device="cuda").to(bf)
-    cos = torch.rand(S, D // 2, generator=g, device="cuda") * 2 - 1
-    sin = torch.rand(S, D // 2, generator=g, device="cuda") * 2 - 1
-    buf = qkv.clone()
-    got = vf.rotary(buf, cos, sin, S, H, D, triton_kernels=True)
-    want = vf.rotary(qkv.clone(), cos, sin, S, H, D, triton_kernels=False)
-    assert close(got[0], want[0]) and close(got[1], want[1])
-    assert torch.equal(buf[:, 2 * H * D:], qkv[:, 2 * H * D:])
-    gu = torch.randn(N, 2 * 3456, generator=g, device="cuda").to(bf)
-    assert close(vf.silu_mul(gu, 3456, triton_kernels=True),
-                 vf.silu_mul(gu, 3456, triton_kernels=False))
 
 
 def test_pipeline_passes_vision_compile(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ Longer runs (the full layers' 2880-token pairs) stay on the rotary kernel + cuDN
 attention: a flash-style version of this kernel took 12.7-37 ms there against 2.67 ms.
 
 Checked against transformers' arithmetic in fp32 on the CPU interpreter and in bf16 on the
-GPU (tests/models/test_window_attention.py).
+GPU (tests/kernels/test_window_attention.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .runtime import dot_precision
+from .vision_elementwise import rotary_angles, rotary_halves, rotate_halves
 
 LOG2E = 1.4426950408889634
 # Windows up to this many tokens run here (the 7B's are 64), longer runs through the rotary
@@ -40,56 +43,25 @@ WARPS = 4
 
 
 @triton.jit
-def _halves(base, rows_mask, f, HALF: tl.constexpr):
-    """The two rotary halves of each row at ``base`` (pointers to each row's head), fp32."""
-    m = rows_mask[:, None] & (f < HALF)[None, :]
-    lo = tl.load(base[:, None] + f[None, :], mask=m, other=0.0).to(tl.float32)
-    hi = tl.load(base[:, None] + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _angles(COS, SIN, pos, rows_mask, f, HALF: tl.constexpr):
-    m = rows_mask[:, None] & (f < HALF)[None, :]
-    at = pos[:, None] * HALF + f[None, :]
-    return tl.load(COS + at, mask=m, other=0.0), tl.load(SIN + at, mask=m, other=0.0)
-
-
-@triton.jit
-def _rotate(lo, hi, c, s, DT: tl.constexpr):
-    """Rotary halves in fp32, rounded to DT, as transformers rounds q and k."""
-    return (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
-
-
-@triton.jit
-def _scores(q_lo, q_hi, k_lo, k_hi, IEEE: tl.constexpr):
+def _scores(q_lo, q_hi, k_lo, k_hi, PRECISION: tl.constexpr):
     """q kᵀ over the two halves of the head dim, fp32."""
-    if IEEE:
-        qk = tl.dot(q_lo, tl.trans(k_lo), input_precision="ieee")
-        return tl.dot(q_hi, tl.trans(k_hi), qk, input_precision="ieee")
-    return tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
-
-
-@triton.jit
-def _pv(p, v, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(p, v, acc, input_precision="ieee")
-    return tl.dot(p, v, acc)
+    qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=PRECISION)
+    return tl.dot(q_hi, tl.trans(k_hi), qk, input_precision=PRECISION)
 
 
 @triton.jit
 def _head(QKV, tok0, rows, rmask, f, c, s, h, stride_t, qk_scale, H: tl.constexpr,
           HEAD_D: tl.constexpr, HALF: tl.constexpr, BLOCK_L: tl.constexpr,
-          BLOCK_F: tl.constexpr, IEEE: tl.constexpr):
+          BLOCK_F: tl.constexpr, PRECISION: tl.constexpr):
     """Head ``h`` of one window (rows ``tok0 + rows``, angles ``c``/``s``): its output's two
     halves, fp32, normalised."""
     DT = QKV.dtype.element_ty
     row_at = QKV + (tok0 + rows) * stride_t
-    lo, hi = _halves(row_at + h * HEAD_D, rmask, f, HALF)
-    q_lo, q_hi = _rotate(lo, hi, c, s, DT)
-    lo, hi = _halves(row_at + (H + h) * HEAD_D, rmask, f, HALF)
-    k_lo, k_hi = _rotate(lo, hi, c, s, DT)
-    qk = tl.where(rmask[None, :], _scores(q_lo, q_hi, k_lo, k_hi, IEEE) * qk_scale,
+    lo, hi = rotary_halves(row_at + h * HEAD_D, rmask, f, HALF)
+    q_lo, q_hi = rotate_halves(lo, hi, c, s, DT)
+    lo, hi = rotary_halves(row_at + (H + h) * HEAD_D, rmask, f, HALF)
+    k_lo, k_hi = rotate_halves(lo, hi, c, s, DT)
+    qk = tl.where(rmask[None, :], _scores(q_lo, q_hi, k_lo, k_hi, PRECISION) * qk_scale,
                   float("-inf"))
     p = tl.math.exp2(qk - tl.max(qk, 1)[:, None])
     inv = 1.0 / tl.sum(p, 1)
@@ -97,15 +69,17 @@ def _head(QKV, tok0, rows, rmask, f, c, s, h, stride_t, qk_scale, H: tl.constexp
     m2 = rmask[:, None] & (f < HALF)[None, :]
     v_at = row_at[:, None] + (2 * H + h) * HEAD_D + f[None, :]
     zero = tl.zeros([BLOCK_L, BLOCK_F], tl.float32)
-    o_lo = _pv(p, tl.load(v_at, mask=m2, other=0.0), zero, IEEE) * inv[:, None]
-    o_hi = _pv(p, tl.load(v_at + HALF, mask=m2, other=0.0), zero, IEEE) * inv[:, None]
+    v_lo = tl.load(v_at, mask=m2, other=0.0)
+    o_lo = tl.dot(p, v_lo, zero, input_precision=PRECISION) * inv[:, None]
+    v_hi = tl.load(v_at + HALF, mask=m2, other=0.0)
+    o_hi = tl.dot(p, v_hi, zero, input_precision=PRECISION) * inv[:, None]
     return o_lo, o_hi
 
 
 @triton.jit
 def _window_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_win, L, qk_scale,
                    H: tl.constexpr, HEAD_D: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_L: tl.constexpr, BLOCK_F: tl.constexpr, PRECISION: tl.constexpr):
     # one program per window (up to BLOCK_L tokens), every head in turn: the window's angles
     # are loaded once for all heads, q and k. HALF and HEAD_D are constants: with them known
     # (40, 80 on the 7B: 16-byte multiples) a half-row loads as vectors, not element by element
@@ -116,11 +90,11 @@ def _window_kernel(QKV, COS, SIN, O, stride_t, stride_o, S, start, n_win, L, qk_
     rows = tl.arange(0, BLOCK_L)
     rmask = rows < L
     m2 = rmask[:, None] & (f < HALF)[None, :]
-    c, s = _angles(COS, SIN, pos0 + rows, rmask, f, HALF)
+    c, s = rotary_angles(COS, SIN, pos0 + rows, rmask, f, HALF)
     o_at = O + (tok0 + rows)[:, None] * stride_o + f[None, :]
     for h in range(H):
         o_lo, o_hi = _head(QKV, tok0, rows, rmask, f, c, s, h, stride_t, qk_scale, H, HEAD_D,
-                           HALF, BLOCK_L, BLOCK_F, IEEE)
+                           HALF, BLOCK_L, BLOCK_F, PRECISION)
         tl.store(o_at + h * HEAD_D, o_lo.to(O.dtype.element_ty), mask=m2)
         tl.store(o_at + h * HEAD_D + HALF, o_hi.to(O.dtype.element_ty), mask=m2)
 
@@ -167,14 +141,14 @@ def _window_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     P, half = N // S, head_dim // 2
     out = qkv.new_empty(N, heads * head_dim)
     BF = max(16, triton.next_power_of_2(half))
-    ieee = qkv.dtype == torch.float32
     for i in range(0, len(groups), 3):
         start, n, L = groups[i:i + 3]
         if P * n:
             _window_kernel[(P * n,)](
                 qkv, cos, sin, out, qkv.stride(0), out.stride(0), S, start, n, L,
                 scale * LOG2E, H=heads, HEAD_D=head_dim, HALF=half,
-                BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_F=BF, IEEE=ieee,
+                BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_F=BF,
+                PRECISION=dot_precision(qkv.dtype),
                 num_warps=WARPS)
     return out
 

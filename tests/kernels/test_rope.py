@@ -1,4 +1,4 @@
-"""The prefill's rotary kernel (mminfer.models.rope) against transformers' own
+"""The prefill's rotary kernel (mminfer.kernels.rope) against transformers' own
 ``apply_rotary_pos_emb`` of the Qwen2 and Qwen2.5-VL text models, to the bit: random rows,
 cos and sin (different in the two halves, as M-RoPE's can be), a ragged token count, written
 into a strided head-major buffer at an offset; bf16 (the models' dtype) on the CPU interpreter
@@ -9,8 +9,8 @@ import torch
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 
+from mminfer.kernels import rope
 from mminfer.kernels.runtime import interpreted
-from mminfer.models import rope
 
 MODULES = [modeling_qwen2, modeling_qwen2_5_vl]
 needs_interpreter = pytest.mark.skipif(not interpreted(),

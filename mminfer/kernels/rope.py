@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mminfer.models.vision_fused import use_triton
+from .runtime import use_triton
 
 # the modules whose apply_rotary_pos_emb is q * cos + rotate_half(q) * sin over [.., d]
 STANDARD_MODULES = ("transformers.models.qwen2.modeling_qwen2",

@@ -19,7 +19,7 @@ here (``benchmarks/vision.py --ops`` lists both). Three kernels instead:
 Each has a Triton kernel (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``, for
 tests) registered as a torch custom op (so ``torch.compile`` and meta tensors see one op, not
 its insides) and a torch version with transformers' own arithmetic (the CPU path, and what
-``torch.compile`` fuses by itself). ``kernels(x, choice)`` picks.
+``torch.compile`` fuses by itself). ``runtime.use_triton(x, choice)`` picks.
 """
 
 from __future__ import annotations
@@ -28,24 +28,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from mminfer.kernels.runtime import compiled_gpu, interpreted
-
-KERNELS = ("auto", "triton", "torch")
-
-
-def use_triton(x: torch.Tensor, choice: str = "auto") -> bool:
-    """Triton for a CUDA tensor with the kernels compiled ("auto"), or whenever asked
-    ("triton": on the CPU only under the interpreter); torch ops otherwise."""
-    if choice not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, not {choice!r}")
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        if not (x.is_cuda or interpreted() or x.device.type == "meta"):
-            raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1")
-        return True
-    return compiled_gpu(x.is_cuda)
 
 
 # ---------------------------------------------------------------------- Triton kernels
@@ -65,7 +47,7 @@ def load_add_row(X, D, row, cols, mask, stride_x, stride_d, HAS_D: tl.constexpr)
 def add_rms_norm_row(X, D, W, C, row, cols, mask, stride_x, stride_d, eps, HAS_D: tl.constexpr):
     """One row: x (+= d, written back to X), then RMSNorm(x) * w as transformers rounds it (the
     normalised row in X's dtype before the weight); fp32, in X's dtype's values. Also the
-    first half of mminfer.models.fp8's norm-and-quantise kernel."""
+    first half of the norm-and-quantise kernel of fp8_quant."""
     x = load_add_row(X, D, row, cols, mask, stride_x, stride_d, HAS_D)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / C
@@ -85,6 +67,29 @@ def _add_rms_norm_kernel(X, D, W, Y, C, stride_x, stride_d, stride_y, eps,
 
 
 @triton.jit
+def rotary_halves(base, rows_mask, f, HALF: tl.constexpr):
+    """The two rotary halves of each row at ``base`` (pointers to each row's head), fp32."""
+    m = rows_mask[:, None] & (f < HALF)[None, :]
+    lo = tl.load(base[:, None] + f[None, :], mask=m, other=0.0).to(tl.float32)
+    hi = tl.load(base[:, None] + HALF + f[None, :], mask=m, other=0.0).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def rotary_angles(COS, SIN, pos, rows_mask, f, HALF: tl.constexpr):
+    """cos and sin ``[rows, HALF]`` of each row's rotary position ``pos``."""
+    m = rows_mask[:, None] & (f < HALF)[None, :]
+    at = pos[:, None] * HALF + f[None, :]
+    return tl.load(COS + at, mask=m, other=0.0), tl.load(SIN + at, mask=m, other=0.0)
+
+
+@triton.jit
+def rotate_halves(lo, hi, c, s, DT: tl.constexpr):
+    """Rotary halves in fp32, rounded to DT, as transformers rounds q and k."""
+    return (lo * c - hi * s).to(DT), (hi * c + lo * s).to(DT)
+
+
+@triton.jit
 def _rotary_kernel(QKV, COS, SIN, N, S, stride_t, HALF: tl.constexpr, HEAD_D: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # program (token tile, head): heads 0..H-1 are q's, H..2H-1 k's, consecutive in a row;
@@ -92,15 +97,20 @@ def _rotary_kernel(QKV, COS, SIN, N, S, stride_t, HALF: tl.constexpr, HEAD_D: tl
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     f = tl.arange(0, BLOCK_F)
-    m = (toks < N)[:, None] & (f < HALF)[None, :]
-    base = QKV + toks.to(tl.int64)[:, None] * stride_t + head * HEAD_D + f[None, :]
-    lo = tl.load(base, mask=m, other=0.0).to(tl.float32)
-    hi = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
-    at = (toks % S)[:, None] * HALF + f[None, :]
-    c = tl.load(COS + at, mask=m, other=0.0)
-    s = tl.load(SIN + at, mask=m, other=0.0)
-    tl.store(base, (lo * c - hi * s).to(QKV.dtype.element_ty), mask=m)
-    tl.store(base + HALF, (hi * c + lo * s).to(QKV.dtype.element_ty), mask=m)
+    rows = toks < N
+    row_at = QKV + toks.to(tl.int64) * stride_t + head * HEAD_D
+    lo, hi = rotary_halves(row_at, rows, f, HALF)
+    c, s = rotary_angles(COS, SIN, toks % S, rows, f, HALF)
+    lo, hi = rotate_halves(lo, hi, c, s, QKV.dtype.element_ty)
+    m = rows[:, None] & (f < HALF)[None, :]
+    tl.store(row_at[:, None] + f[None, :], lo, mask=m)
+    tl.store(row_at[:, None] + HALF + f[None, :], hi, mask=m)
+
+
+@triton.jit
+def silu_rounded(g, DT: tl.constexpr):
+    """SiLU of fp32 ``g`` rounded to DT (as transformers' activation rounds it), in fp32."""
+    return (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
 
 
 @triton.jit
@@ -112,7 +122,7 @@ def _silu_mul_kernel(GU, OUT, N, INTER, stride_g, stride_o,
     g_at = GU + rows.to(tl.int64)[:, None] * stride_g + cols[None, :]
     g = tl.load(g_at, mask=m, other=0.0).to(tl.float32)
     u = tl.load(g_at + INTER, mask=m, other=0.0).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+    a = silu_rounded(g, OUT.dtype.element_ty)
     out = OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(out, (a * u).to(OUT.dtype.element_ty), mask=m)
 

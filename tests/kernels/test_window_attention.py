@@ -1,4 +1,4 @@
-"""The vision tower's window attention kernel (mminfer.models.window_attention): rotary and
+"""The vision tower's window attention kernel (mminfer.kernels.window_attention): rotary and
 non-causal attention per window in one pass, against the fp32 reference of transformers'
 steps (CPU interpreter: fp32 and fp16; GPU: bf16 at the 7B's shapes, no further from fp32
 than the rotary kernel + SDPA it replaces)."""
@@ -6,10 +6,10 @@ than the rotary kernel + SDPA it replaces)."""
 import pytest
 import torch
 
+from mminfer.kernels import vision_elementwise as vf
 from mminfer.kernels.runtime import interpreted
-from mminfer.models import vision_fused as vf
+from mminfer.kernels.window_attention import MAX_WINDOW, applies, window_attention
 from mminfer.models.vision import window_units
-from mminfer.models.window_attention import MAX_WINDOW, applies, window_attention
 
 needs_triton = pytest.mark.skipif(not (interpreted() or torch.cuda.is_available()),
                                   reason="Triton on the CPU needs TRITON_INTERPRET=1")
