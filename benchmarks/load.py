@@ -9,7 +9,9 @@ For each server mode it starts ``mminfer serve`` (loopback, a fresh data folder)
 cached video once (its prefix is then in the video cache), then for ``--duration-s``:
 
 * a *new-video* client sends the new video back to back, each time under another cache key
-  (``max_frames`` = the video's frame cap + i: the same frames, the same work, never a hit);
+  (``max_frames`` = ``--max-frames`` + i, i < ``--key-span``: with a video of at most
+  ``--max-frames`` sampled frames, the same frames and the same work, never a hit; the
+  server's ``--max-frames-limit`` must admit ``--max-frames`` + ``--key-span``);
 * a *hit* client sends a question about one of the cached videos every 1/``--hit-rate`` s
   (round robin), each in its own connection, without waiting for the previous one.
 
@@ -126,8 +128,8 @@ def run_mode(name, serve_args, a, env) -> dict:
                 raise RuntimeError(f"{name}: caching {v} failed: {r}")
         alone = None
         if a.alone:
-            alone = ask(srv.url, Path(a.new_video), q, {**base, "max_frames": a.max_frames - 1},
-                        a.timeout_s)
+            alone = ask(srv.url, Path(a.new_video), q,
+                        {**base, "max_frames": a.max_frames + a.key_span}, a.timeout_s)
         new_rows, hit_rows = [], []
         lock = threading.Lock()
         stop_at = time.monotonic() + a.duration_s
@@ -135,8 +137,8 @@ def run_mode(name, serve_args, a, env) -> dict:
         def new_client():
             i = 0
             while time.monotonic() < stop_at:
-                r = ask(srv.url, Path(a.new_video), q, {**base, "max_frames": a.max_frames + i},
-                        a.timeout_s)
+                r = ask(srv.url, Path(a.new_video), q,
+                        {**base, "max_frames": a.max_frames + i % a.key_span}, a.timeout_s)
                 i += 1
                 with lock:
                     new_rows.append(r)
@@ -189,7 +191,10 @@ def main(argv=None):
     p.add_argument("--duration-s", type=float, default=120.0)
     p.add_argument("--hit-rate", type=float, default=2.0, help="cache-hit questions a second")
     p.add_argument("--max-frames", type=int, default=768,
-                   help="the new video's frame cap (its key varies above it)")
+                   help="the new video's frame cap, at least its sampled frames (its key "
+                        "varies above it)")
+    p.add_argument("--key-span", type=int, default=200,
+                   help="distinct keys of the new video (max_frames .. + key-span)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--attention", default="auto")
     p.add_argument("--timeout-s", type=float, default=1800.0)
@@ -204,7 +209,8 @@ def main(argv=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     common = (["--model", a.model] if a.model else []) + a.serve_arg + [
-        "--queue-size", "256", "--timeout-s", str(a.timeout_s), "--shadow-rate", "0"]
+        "--queue-size", "256", "--timeout-s", str(a.timeout_s), "--shadow-rate", "0",
+        "--max-frames-limit", str(a.max_frames + a.key_span)]
     modes = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}

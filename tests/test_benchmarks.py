@@ -494,7 +494,7 @@ def test_load_benchmark_drives_both_server_modes(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "load.py"),
          "--new-video", str(videos / "needle_2.mp4"), "--cached-video",
          str(videos / "needle_0.mp4"), "--cached-video", str(videos / "needle_1.mp4"),
-         "--duration-s", "6", "--hit-rate", "2", "--max-frames", "12", "--max-new-tokens", "3",
+         "--duration-s", "6", "--hit-rate", "2", "--max-frames", "64", "--max-new-tokens", "3",
          "--alone", "--serve-arg=--device", "--serve-arg=cpu", "--out", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
