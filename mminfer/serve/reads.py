@@ -57,6 +57,7 @@ async def latency_report(request: Request):
     rep["tenant"] = scope
     rep["policy"] = _policy(svc)
     rep["device"] = _device(svc)
+    rep["now"] = _now(svc)
     rep["shadow"] = (await asyncio.to_thread(_shadow_report, request, since, until)
                      if tenant.admin else None)
     return rep
@@ -80,6 +81,7 @@ async def report_page(request: Request):
     rep["policy"] = _policy(svc)
     rep["tenant"] = scope
     rep["device"] = _device(svc)
+    rep["now"] = _now(svc)
     return HTMLResponse(render(rep, rows, svc.model_id()))
 
 
@@ -87,6 +89,16 @@ def _policy(svc) -> dict | None:
     """The served model's head-pattern state and what "auto" attention does with it."""
     p = getattr(svc.worker, "pipeline", None)
     return p.attention_policy() if hasattr(p, "attention_policy") else None
+
+
+def _now(svc) -> dict:
+    """The requests in the server right now: queued, in progress, and what those do (building a
+    prefix, paused at a layer boundary for short work, decoding)."""
+    w = svc.worker
+    p = w.progress() if hasattr(w, "progress") else {}
+    return {"queued": w.waiting, "running": w.running, "prefilling": p.get("prefilling", 0),
+            "waiting_admission": p.get("waiting_admission", 0), "paused": p.get("paused", 0),
+            "decoding": p.get("decoding", 0)}
 
 
 def _device(svc) -> str | None:

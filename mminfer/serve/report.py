@@ -299,6 +299,16 @@ def _policy_line(policy: dict | None) -> str:
             f'attention "auto": {e(policy["auto_attention"])}.</p>')
 
 
+def _now_line(now: dict | None) -> str:
+    """The requests in the server as the page was made (the scheduler's counts)."""
+    if not now:
+        return ""
+    return (f'<p id="now">Now: {now["queued"]} queued, {now["running"]} in progress '
+            f'({now["prefilling"]} building a prefix, {now["waiting_admission"]} waiting to, '
+            f'{now["paused"]} paused for short work, {now["decoding"]} decoding). Time waiting '
+            f'for other requests is the stage <code>wait</code>.</p>')
+
+
 def render(report: dict, rows: list[dict], model: str, now: float | None = None) -> str:
     now = time.time() if now is None else now
     links = " · ".join(
@@ -322,6 +332,7 @@ td:first-child, th:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: 
 </style></head><body>
 <h1>mminfer latency report</h1>
 {_policy_line(report.get("policy"))}
+{_now_line(report.get("now"))}
 <p>Model <code>{e(model)}</code>; {window}; {report["requests"]} requests,
 {report["succeeded"]} answered; errors: {errors}.<br>{links} ·
 <a href="/v1/latency-report">JSON</a> · <a href="/metrics">metrics</a></p>

@@ -122,6 +122,11 @@ def test_answers_decoding_together_keep_their_own_tokens(server):
     assert "mminfer:num_requests_decoding" in m and "mminfer:request_wait_time_seconds" in m
     h = httpx.get(f"{url}/health").json()
     assert {"prefilling", "paused", "decoding", "max_active"} <= set(h)
+    now = httpx.get(f"{url}/v1/latency-report").json()["now"]
+    assert now == {"queued": 0, "running": 0, "prefilling": 0, "waiting_admission": 0,
+                   "paused": 0, "decoding": 0}
+    page = httpx.get(f"{url}/report").text
+    assert 'id="now"' in page and "paused for short work" in page
 
 
 def test_shutdown_answers_a_paused_prefill_and_a_hit_with_json_503(tmp_path, live_server):
