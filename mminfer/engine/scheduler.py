@@ -219,6 +219,7 @@ class Turn:
         self.waits = 0
         self._first_token = False
         self._item, self._result, self._error = None, _NONE, None
+        self._in_batch = False              # its step is in a batch being run
         with sched._cv:
             sched._turns.add(self)
 
@@ -372,7 +373,9 @@ class Turn:
                     break
                 if s._holder is self:
                     break
-                if self.stopping():
+                # asked to stop: leave, unless a batch in flight holds this answer's cache (it
+                # must not be released under that step: the result comes in microseconds)
+                if self.stopping() and not self._in_batch:
                     s._pending.pop(self, None)
                     s._waiting.pop(self, None)
                     if s._holder is None:
@@ -395,6 +398,7 @@ class Turn:
                 s.batches += 1
                 s.batched_steps += len(batch)
                 for i, t in enumerate(batch):
+                    t._in_batch = False
                     if error is not None:
                         t._error = error
                     else:
@@ -429,6 +433,7 @@ class Turn:
         for t in batch:
             s._pending.pop(t, None)
             s._waiting.pop(t, None)
+            t._in_batch = True
         return batch
 
     def wait_for(self, event) -> None:

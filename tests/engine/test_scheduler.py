@@ -344,3 +344,41 @@ def test_a_decode_batch_error_reaches_every_answer_in_it():
     for th in threads:
         th.join(10)
     assert len(errors) == 2 and s.state()["active"] == 0
+
+
+def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
+    """Its cache is being written by the batch's step: it may leave only after the step."""
+    s = Scheduler(gather_s=0.2)
+    stop = threading.Event()
+    in_run, events = threading.Event(), []
+
+    def run(items):
+        in_run.set()
+        time.sleep(0.3)
+        events.append("step done")
+        return [x for x in items]
+
+    out = {}
+
+    def answer(name, stop_fn=None):
+        t = s.turn(name, stop=stop_fn)
+        try:
+            assert t.acquire()
+            t.decoding()
+            out[name] = t.decode(name, run)
+            events.append(f"{name} back")
+        except Cancelled:
+            events.append(f"{name} cancelled")
+        finally:
+            t.close()
+
+    a = threading.Thread(target=answer, args=("a",))
+    b = threading.Thread(target=answer, args=("b", stop.is_set))
+    a.start(), b.start()
+    assert in_run.wait(10)
+    stop.set()
+    s.wake()
+    a.join(10), b.join(10)
+    assert events.index("step done") < min(i for i, e in enumerate(events) if e.startswith("b"))
+    if s.batched_steps == 2:           # both were in the batch: b got its result
+        assert out.get("b") == "b"
