@@ -359,12 +359,13 @@ def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
         return [x for x in items]
 
     out = {}
+    both = threading.Barrier(2)
 
     def answer(name, stop_fn=None):
         t = s.turn(name, stop=stop_fn)
         try:
-            assert t.acquire()
-            t.decoding()
+            t.decoding()                   # both in their decode phase before either steps
+            both.wait(10)
             out[name] = t.decode(name, run)
             events.append(f"{name} back")
         except Cancelled:
@@ -379,6 +380,6 @@ def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
     stop.set()
     s.wake()
     a.join(10), b.join(10)
-    assert events.index("step done") < min(i for i, e in enumerate(events) if e.startswith("b"))
-    if s.batched_steps == 2:           # both were in the batch: b got its result
-        assert out.get("b") == "b"
+    assert s.batches == 1 and s.batched_steps == 2
+    # b, asked to stop while its step ran, came back only after it, with its result
+    assert events.index("step done") < events.index("b back") and out["b"] == "b"
