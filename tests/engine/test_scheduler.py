@@ -349,10 +349,11 @@ def test_a_decode_batch_error_reaches_every_answer_in_it():
 def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
     """Its cache is being written by the batch's step: it may leave only after the step."""
     s = Scheduler(gather_s=0.2)
-    stop = threading.Event()
-    in_run, events = threading.Event(), []
+    stops = {"a": threading.Event(), "b": threading.Event()}
+    in_run, events, leader = threading.Event(), [], []
 
     def run(items):
+        leader.append(threading.current_thread().name)
         in_run.set()
         time.sleep(0.3)
         events.append("step done")
@@ -361,8 +362,8 @@ def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
     out = {}
     both = threading.Barrier(2)
 
-    def answer(name, stop_fn=None):
-        t = s.turn(name, stop=stop_fn)
+    def answer(name):
+        t = s.turn(name, stop=stops[name].is_set)
         try:
             t.decoding()                   # both in their decode phase before either steps
             both.wait(10)
@@ -373,13 +374,16 @@ def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
         finally:
             t.close()
 
-    a = threading.Thread(target=answer, args=("a",))
-    b = threading.Thread(target=answer, args=("b", stop.is_set))
-    a.start(), b.start()
+    threads = {n: threading.Thread(target=answer, args=(n,), name=n) for n in "ab"}
+    for th in threads.values():
+        th.start()
     assert in_run.wait(10)
-    stop.set()
+    rider = "b" if leader[0] == "a" else "a"
+    stops[rider].set()                     # asked to stop while the batch holds its step
     s.wake()
-    a.join(10), b.join(10)
+    for th in threads.values():
+        th.join(10)
     assert s.batches == 1 and s.batched_steps == 2
-    # b, asked to stop while its step ran, came back only after it, with its result
-    assert events.index("step done") < events.index("b back") and out["b"] == "b"
+    # it came back only after the step, with its result
+    assert events.index("step done") < events.index(f"{rider} back")
+    assert out[rider] == rider
