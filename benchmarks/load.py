@@ -210,7 +210,7 @@ def main(argv=None):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     common = (["--model", a.model] if a.model else []) + a.serve_arg + [
         "--queue-size", "256", "--timeout-s", str(a.timeout_s), "--shadow-rate", "0",
-        "--max-frames-limit", str(a.max_frames + a.key_span)]
+        "--max-frames-limit", str(max(a.max_frames + a.key_span, 768))]
     modes = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
