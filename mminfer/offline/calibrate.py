@@ -50,7 +50,7 @@ from mminfer.sparse.patterns import (KNOWN_MODELS, QUERY_MODALITIES, HeadPattern
                                      default_config, dense,
                                      grid, provenance, vertical_slash)
 
-from .answer import AnswerProbe, format_rows, refine
+from .answer_kl import AnswerProbe, format_rows, refine
 from .capture import capture_qkv, load_video
 
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
@@ -830,7 +830,7 @@ def _sibling(out, suffix: str) -> str:
 
 def _answer_step(args, cfg, report, index) -> int:
     """``--answer-kl``: the per-head calibration ``cfg``/``report`` refined against the
-    answer on ``--videos`` (``answer.py``); writes the refined config as OUT."""
+    answer on ``--videos`` (``answer_kl.py``); writes the refined config as OUT."""
     if not (args.model and args.videos):
         raise InputError("--answer-kl runs the model on the calibration videos: give --model "
                          "and --videos")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mminfer.errors import InputError
-from mminfer.offline.answer import AnswerProbe, frontier, kl_divergence
+from mminfer.offline.answer_kl import AnswerProbe, frontier, kl_divergence
 from mminfer.offline.calibrate import add_arguments, run
 from mminfer.sparse.patterns import HeadPatternConfig
 
@@ -101,7 +101,7 @@ def test_answer_bound_holds_and_trades_density(calibrated):
 
 def test_a_deadline_stops_early_and_still_holds_the_bound(calibrated):
     from mminfer.engine.pipeline import Pipeline
-    from mminfer.offline.answer import refine
+    from mminfer.offline.answer_kl import refine
     from mminfer.offline.calibrate import report_candidates
     from mminfer.offline.capture import load_video
     ckpt, heads, _ = calibrated
