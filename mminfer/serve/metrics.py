@@ -56,8 +56,9 @@ class Metrics:
         self.e2e = hist("mminfer:e2e_request_latency_seconds", "Request arrival to answer")
         self.prefill = hist("mminfer:request_prefill_time_seconds",
                             "LLM prefill (index estimation + attention + the rest)")
-        self.decode = hist("mminfer:request_decode_time_seconds",
-                           "Answer tokens after the first (the decode steps)")
+        # vLLM's name for the generation stage (the decode phase): the tokens after the first
+        self.generate = hist("mminfer:request_decode_time_seconds",
+                             "Answer tokens after the first (the decode steps)")
         self.token_gap = hist("mminfer:time_per_output_token_seconds",
                               "Mean time between answer tokens of a request (one observation "
                               "per request with two tokens or more)", TOKEN_GAP_BUCKETS)
@@ -87,12 +88,13 @@ class Metrics:
                                          "Answer tokens generated", m, registry=r).labels(model)
         self.waiting = gauge("mminfer:num_requests_waiting", "Requests queued for the worker")
         self.running = gauge("mminfer:num_requests_running",
-                             "Requests in progress (computing, paused or decoding)")
+                             "Requests in progress (computing, paused or generating)")
         self.prefilling = gauge("mminfer:num_requests_prefilling",
                                 "Requests building a video's prefix (admitted or waiting to be)")
         self.paused = gauge("mminfer:num_requests_paused",
                             "Long prefills paused at a layer boundary while short work runs")
-        self.decoding = gauge("mminfer:num_requests_decoding", "Answers in their decode steps")
+        self.generating = gauge("mminfer:num_requests_decoding",
+                                "Answers generating their tokens (the decode steps)")
         self.turn_switches = gauge("mminfer:scheduler_switches",
                                    "Times the model was handed from one request to another")
         self.wait = hist("mminfer:request_wait_time_seconds",
@@ -132,7 +134,7 @@ class Metrics:
         """The scheduler's counts (mminfer.engine.scheduler.Scheduler.state)."""
         self.prefilling.set(state.get("prefilling", 0) + state.get("waiting_admission", 0))
         self.paused.set(state.get("paused", 0))
-        self.decoding.set(state.get("decoding", 0))
+        self.generating.set(state.get("decoding", 0))
         self.turn_switches.set(state.get("switches", 0))
 
     def observe_success(self, timings_ms: dict, tokens: int, generated: int, density: float):
@@ -142,7 +144,7 @@ class Metrics:
         self.queue.observe(s("queue"))
         self.wait.observe(s("wait"))
         self.prefill.observe(sum(s(k) for k in PREFILL_STAGES))
-        self.decode.observe(s("generate"))
+        self.generate.observe(s("generate"))
         if generated >= 2:
             self.token_gap.observe(s("generate") / (generated - 1))
         for stage, ms in timings_ms.items():

@@ -2,8 +2,8 @@
 taking turns on the model (mminfer.engine.scheduler).
 
 Each admitted job runs ``Pipeline.answer`` in a thread of its own holding a scheduler Turn: a
-cache hit's question or a decode step passes a long prefill between two of its layers instead
-of waiting for the whole of it, and the prefill resumes where it stopped. One long prefill
+cache hit's question or an answer's next token passes a long prefill between two of its layers
+instead of waiting for the whole of it, and the prefill resumes where it stopped. One long prefill
 computes at a time (the scheduler admits them in arrival order). The HTTP layer only waits:
 jobs carry a ``concurrent.futures.Future`` that the event loop awaits
 (``asyncio.wrap_future``). ``max_active=1`` runs them one after the other (tensor parallelism,
@@ -265,7 +265,7 @@ class ModelWorker:
 
     @property
     def running(self) -> int:
-        """Jobs in progress (computing, paused or decoding)."""
+        """Jobs in progress (computing, paused or generating)."""
         return len(self._active)
 
     def running_job(self) -> Job | None:
