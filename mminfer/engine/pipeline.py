@@ -223,7 +223,7 @@ class Pipeline:
             raise ConfigError(f"quantization must be None or 'fp8', not {quantization!r}")
         self.adapter = pick_adapter(path).from_pretrained(
             path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision,
-            **({"quantization": quantization} if quantization else {}))   # bf16: as before
+            **({"quantization": quantization} if quantization else {}))
         self.kv_cache_dtype = kv_cache_dtype
         # what runs: an FP8 checkpoint is FP8 whatever was asked
         self.quantization = getattr(self.adapter, "quantization", None)

@@ -2,7 +2,7 @@
 schema sees them.
 
 ``json.loads`` and pydantic's validation hold the GIL for as long as they run, thread or not:
-a legal 59 MB chat body with 2M text parts held ``/health`` for 7 s (issue 32). So a body
+a legal 59 MB chat body with 2M text parts holds ``/health`` for 7 s. So a body
 over ``IN_PROCESS_BYTES`` is parsed in a child process (a small pool of spawned
 interpreters that import nothing but this module), which also counts what the body holds
 (every value: objects, arrays, strings, numbers) and its nesting, and refuses a body over
