@@ -52,7 +52,7 @@ class Request:
     upload: object = None                 # intake.UploadPlace
     client_upload: object = None          # guard.ClientUpload
     deadline: float | None = None         # time.monotonic() by which the job must be done
-    lease: object = None                  # videos.Lease of a stored video, until the job has it
+    lease: object = None                  # videos.FileLease, held until the job has it
     tenant: tenants.Tenant = tenants.ANONYMOUS   # whose request it is (its API key's)
     tenant_upload: object = None          # tenants.Place among the tenant's bodies in flight
     tenant_place: object = None           # tenants.Place among the tenant's requests
