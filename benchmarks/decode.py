@@ -83,9 +83,9 @@ def main(argv=None) -> int:
     if args.nice is not None:
         sandbox.configure(nice=args.nice)
     t0 = time.perf_counter()
-    w = sandbox.pool().acquire()
+    w = sandbox.decoder_pool().acquire()
     w.wait_ready()
-    sandbox.pool().release(w, True)
+    sandbox.decoder_pool().release(w, True)
     start_ms = (time.perf_counter() - t0) * 1e3
 
     runs = {"in_process": [], "sandbox": []}

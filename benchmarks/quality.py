@@ -62,7 +62,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from mminfer.offline.answer import kl_divergence as _kl  # noqa: E402
+from mminfer.offline.answer_kl import kl_divergence as _kl  # noqa: E402
 from mminfer.offline.calibrate import resize_config  # noqa: E402
 from lab.toy import embedded as E  # noqa: E402
 

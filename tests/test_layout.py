@@ -1,4 +1,4 @@
-"""The product apart from the lab (issue 31).
+"""The product apart from the lab, and code whose comments say why rather than when.
 
 Every module of the ``mminfer`` package is used by the product: imported by another module of
 the package, or an entry point (the ``mminfer`` command, ``python -m mminfer``, the modules
@@ -11,8 +11,11 @@ fonts, renderers or training code.
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 import zipfile
 from pathlib import Path
 
@@ -119,6 +122,51 @@ def test_the_package_never_imports_the_lab():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and
                      not node.level else [])
             assert not any(n == "lab" or n.startswith("lab.") for n in names), name
+
+
+# History in a comment: an issue number, or a section number of the lab notes (which
+# BENCHMARKS.md does not have: it is cited by its headings). Git and lab/NOTES.md keep history.
+HISTORY = re.compile(r"\bissues? #?\d+|BENCHMARKS\.md,? (section|§) ?\d|§ ?\d|\bas before\b",
+                     re.I)
+
+
+def _comments_and_docstrings(path: Path):
+    """(line, text) of every comment and docstring of a module; a Markdown file whole."""
+    src = path.read_text()
+    if path.suffix == ".md":
+        yield 1, src
+        return
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                yield node.body[0].lineno, doc
+
+
+def history_in_comments(paths) -> list[str]:
+    return [f"{p}:{line}: {m.group(0)}" for p in paths
+            for line, text in _comments_and_docstrings(p) for m in HISTORY.finditer(text)]
+
+
+def test_comments_say_why_not_when():
+    """Comments and docstrings of the package cite no issue numbers and no lab-notes section
+    numbers: the reason itself, or BENCHMARKS.md by heading."""
+    paths = sorted([*PKG.rglob("*.py"), *PKG.rglob("*.md")])
+    assert history_in_comments(paths) == [], "say why, not when (history goes to git)"
+
+
+def test_history_in_a_comment_is_caught(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""A module (issue 34)."""\n\n\ndef f():\n    """Measured: BENCHMARKS.md '
+                 'section 7."""\n    x = "issue 12"   # bf16: as before\n    return x  # why\n')
+    md = tmp_path / "README.md"
+    md.write_text("The landmarks (BENCHMARKS.md §4).\n")
+    found = sorted(h.split(": ", 1)[1] for h in history_in_comments([f, md]))
+    # the string literal "issue 12" is code, not a comment
+    assert found == ["BENCHMARKS.md section 7", "BENCHMARKS.md §4", "as before", "issue 34"]
 
 
 @pytest.fixture(scope="module")

@@ -216,7 +216,7 @@ def main(argv=None):
 
     import mminfer.sparse.attention as attn
     from mminfer.engine.pipeline import Pipeline
-    from mminfer.offline.answer import AnswerProbe, kl_divergence
+    from mminfer.offline.answer_kl import AnswerProbe, kl_divergence
     from mminfer.sparse.patterns import HeadPatternConfig
 
     torch.set_grad_enabled(False)

@@ -1,7 +1,7 @@
 """One answer about one video, with the time each stage took.
 
     decode (video file -> frames) -> preprocess (resize, patchify, prompt, ModalityIndex)
-    -> vision -> prefill (index + attention + llm_other) -> generate (decode steps)
+    -> vision -> prefill (index + attention + llm_other) -> generate (one step per token)
     -> density (a sparse prefill's, counted from its plans) -> answer
 
 Stages on the GPU are timed with CUDA events (StageTimer) and read once at the end; video
@@ -92,13 +92,14 @@ class BuiltPrefix:
     """What :meth:`Pipeline._build_prefix` made: the prefix's entry (its KV cache holds the
     prefix), the suffix's embeddings (the question's rows to prefill over it), the prefill's
     context (its plans: the density), the prepared inputs, the inputs kept for a dense shadow
-    re-run (None unless asked for) and how long decoding the video took (ms)."""
+    re-run (None unless asked for) and how long decoding the video took (ms: the ``decode``
+    stage)."""
     entry: Entry
     suffix: object                # [1, S, hidden]
     ctx: PrefillContext
     prep: object                  # models.base.Prepared
     kept: object                  # engine.rerun.ShadowInputs | None
-    decode_ms: float
+    video_decode_ms: float
 
 
 def pick_adapter(path):
@@ -222,7 +223,7 @@ class Pipeline:
             raise ConfigError(f"quantization must be None or 'fp8', not {quantization!r}")
         self.adapter = pick_adapter(path).from_pretrained(
             path, device=self.device, dtype=self.dtype, model_id=model_id, revision=revision,
-            **({"quantization": quantization} if quantization else {}))   # bf16: as before
+            **({"quantization": quantization} if quantization else {}))
         self.kv_cache_dtype = kv_cache_dtype
         # what runs: an FP8 checkpoint is FP8 whatever was asked
         self.quantization = getattr(self.adapter, "quantization", None)
@@ -417,7 +418,7 @@ class Pipeline:
         share an entry (the server salts with the tenant).
 
         ``cancel``: a callable checked between stages, before every decoder layer of the
-        prefill and before every decode step; when it returns True the request stops with
+        prefill and before every generated token; when it returns True the request stops with
         :class:`Cancelled` (and nothing is kept). ``on_token(text, token_id)``: called on
         this thread as each answer token exists, the first once the prefill is done
         (``Adapter.continue_on`` says how the texts add up to the answer); it must not block.
@@ -454,7 +455,7 @@ class Pipeline:
         def check():            # a step boundary: others may run, then: asked to stop?
             return turn.checkpoint() or (cancel is not None and bool(cancel()))
 
-        def decode_check():     # the same before each decode step, as decode work
+        def generation_check():     # the same before each generated token, as generation
             if turn.kind != DECODE:
                 turn.decoding()
             return check()
@@ -490,7 +491,7 @@ class Pipeline:
                 _check_context(n, entry.facts.visual_tokens, max_new_tokens, ad.max_context)
                 _check(check, "before the question's prefill")
                 gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
-                                     max_new_tokens=max_new_tokens, cancel=decode_check,
+                                     max_new_tokens=max_new_tokens, cancel=generation_check,
                                      on_token=on_token, timer=timer,
                                      sampling_params=sampling_params,
                                      stepper=self._stepper(turn))
@@ -514,7 +515,7 @@ class Pipeline:
         ms["llm_other"] = max(prefill - ms.get("index", 0.0) - ms.get("attention", 0.0), 0.0)
         ms["restore"] = restore_ms
         if built is not None:
-            ms["decode"] = built.decode_ms
+            ms["decode"] = built.video_decode_ms
         ms["ttft"] = (gen.first_token_s - t0) * 1e3
         ms["total"] = total_ms
         timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
@@ -538,8 +539,8 @@ class Pipeline:
             finish_reason=gen.finish_reason, logprobs=gen.logprobs)
 
     def _stepper(self, turn):
-        """Decode steps through the scheduler, batched with the other answers decoding at the
-        same time (None for a request that has the model to itself: its own loop)."""
+        """Generation steps through the scheduler, batched with the other answers generating
+        at the same time (None for a request that has the model to itself: its own loop)."""
         if isinstance(turn, Solo):
             return None
         from mminfer.models.decode import step_batch  # lazy: torch, as in _dtype
@@ -621,13 +622,13 @@ class Pipeline:
         entry = Entry(kv=kv, length=P, rope_delta=prep.rope_delta, index=prep.prefix_index,
                       facts=facts)
         return BuiltPrefix(entry=entry, suffix=suffix, ctx=ctx, prep=prep, kept=kept,
-                           decode_ms=stream.decode_ms)
+                           video_decode_ms=stream.decode_ms)
 
     def shadow_dense(self, kept, *, max_new_tokens: int = 8, cancel=None):
         """The dense prefill of a sparse answer's kept inputs (``answer(keep_for_shadow=True)``
         gave ``result.shadow``) and up to ``max_new_tokens`` greedy tokens after it:
         an engine.rerun.DenseRerun (dense last-token logits, tokens, text). ``cancel`` is
-        checked before every decoder layer and decode step (:class:`Cancelled`)."""
+        checked before every decoder layer and generated token (:class:`Cancelled`)."""
         from mminfer.engine.rerun import dense_rerun  # lazy: rerun imports torch, as in _dtype
         return dense_rerun(self.adapter, kept, max_new_tokens=max_new_tokens, cancel=cancel)
 

@@ -44,7 +44,7 @@ class ShadowInputs:
     positions: object                  # the prompt's position_ids on the CPU, or None
     tokens: int                        # L
     nbytes: int                        # what embeds and positions hold
-    decode_positions: object = None    # positions L .. L+T-1 of the answer tokens, or None
+    answer_positions: object = None    # positions L .. L+T-1 of the answer tokens, or None
     sparse_logits: object = None       # [vocab] float32 CPU: the sparse prefill's last row
     sparse_tokens: list = field(default_factory=list)   # the sparse answer's tokens (with EOS)
     sparse_text: str = ""
@@ -85,7 +85,7 @@ def finish(kept: ShadowInputs, adapter, prepared, generated, density) -> ShadowI
     kept.sparse_text = generated.text
     kept.density = density
     steps = len(generated.token_ids)
-    kept.decode_positions = _to_host(adapter.positions(prepared, kept.tokens, steps))
+    kept.answer_positions = _to_host(adapter.positions(prepared, kept.tokens, steps))
     return kept
 
 
@@ -132,11 +132,11 @@ def dense_rerun(adapter, kept: ShadowInputs, *, max_new_tokens: int = 8,
         embed_tokens = adapter.text_model.get_input_embeddings()
         while len(out) < steps and out[-1] not in adapter.eos_token_ids:
             if stop():
-                raise Cancelled("the dense re-run was stopped during its decode steps")
+                raise Cancelled("the dense re-run was stopped while generating")
             j = len(out) - 1          # out[j] goes in at position L + j
             # None: the model counts positions from the cache (LongVILA)
-            pos = None if kept.decode_positions is None else \
-                kept.decode_positions[..., j:j + 1].to(device)
+            pos = None if kept.answer_positions is None else \
+                kept.answer_positions[..., j:j + 1].to(device)
             hidden = adapter._step(embed_tokens(token), pos, cache)
             token = adapter.lm_head(hidden[:, -1:]).argmax(-1)
             out.append(int(token))

@@ -16,10 +16,11 @@ Work comes in three classes:
 * ``FIRST``: a request's work up to its first token that is not a long prefill — the cache
   lookup, a restore from the host tier, the question's rows over a cached prefix. Short, and
   what a user waits on: it goes first, oldest first.
-* ``DECODE``: a decode step of an answer in progress.
-* ``LONG``: building a video's prefix (decode, vision, the prefix's prefill). One request at a
-  time is *admitted* to do this (two halve each other on one GPU, and a paused one keeps its
-  memory: a second would need room for both); the others wait for admission in arrival order.
+* ``DECODE``: a decode step (one generated token) of an answer in progress.
+* ``LONG``: building a video's prefix (video decoding, vision, the prefix's prefill). One
+  request at a time is *admitted* to do this (two halve each other on one GPU, and a paused one
+  keeps its memory: a second would need room for both); the others wait for admission in
+  arrival order.
 
 The policy, between steps: with no long prefill waiting to resume, FIRST work runs first, then
 decode steps (round robin). When the admitted long prefill pauses at a layer boundary, the FIRST

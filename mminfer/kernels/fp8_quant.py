@@ -43,7 +43,7 @@ MIN_SCALE = 1e-12
 ONE_PASS_MAX = 8192
 # The standalone quantiser reads rows up to this (power-of-two) width once, QUANT_BLOCK
 # elements (whole rows) a program, 4 warps: 0.131 -> 0.070 ms on the vision tower's 63K rows
-# of 1280 with the compiled e4m3 cast (H200, lab/experiments/elementwise.py, 2026-12-04;
+# of 1280 with the compiled e4m3 cast (H200, lab/experiments/elementwise.py;
 # 8192 a program 0.068, 16384 0.080); wider rows take two passes.
 QUANT_ONE_PASS_MAX = 8192
 QUANT_BLOCK = 4096
@@ -134,7 +134,7 @@ def _e4m3_grid(v):
 # torch's cast bit for bit on all 1.24M values checked on the H200, -0 included (the grid
 # above gives +0 where a small negative value rounds to zero; equal as numbers). The grid
 # costs ~10 ALU operations an element, which made the FP8 vision tower's quantising kernels
-# ALU-bound (lab/experiments/elementwise.py, 2026-12-04: the standalone quantiser 0.115 ->
+# ALU-bound (lab/experiments/elementwise.py: the standalone quantiser 0.115 ->
 # 0.070 ms, SiLU·up 0.341 -> 0.268; the hardware's cvt.rn.satfinite by inline PTX, one value
 # an instruction, 0.081 and 0.282). The interpreter's cast is wrong: there, the grid first.
 _CAST_E4M3 = tl.constexpr(not interpreted())

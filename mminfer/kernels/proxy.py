@@ -17,13 +17,14 @@ BLOCK_Q = 64          # the estimator's last_q: the most positions of one query 
 GPU_BLOCK_N, CPU_BLOCK_N = 64, 16
 # kb_per: key blocks per log-sum-exp program (x G query heads each); programs_per_sm: of
 # the persistent mass kernel; warps per kernel.
-# Measured on the H200 (BENCHMARKS.md section 7): these defaults are the best of 2-8 warps,
-# 2-16 programs per SM and 4-32 key blocks per program; a mass pass laid out like the
-# log-sum-exp pass (heads outer, key blocks inner) was 3-5 % slower and was dropped.
+# Measured on the H200 (lab/NOTES.md, "Estimation without host waits"): these defaults are the
+# best of 2-8 warps, 2-16 programs per SM and 4-32 key blocks per program; a mass pass laid out
+# like the log-sum-exp pass (heads outer, key blocks inner) is 3-5 % slower.
 # mass_layout: "persistent" (one program per SM share of key tiles), "chunks" (key blocks in
 # order, the diagonal gather halved) or "auto": chunks from ``chunks_from`` keys on. On the
-# H200 (BENCHMARKS.md section 7, one run) persistent was 1.40x faster at 262K keys and chunks
-# 1.15x faster at 1.05M; the switch sits between the two measured lengths, unmeasured there.
+# H200 (one run, lab/NOTES.md "Kernel variants and the query-set estimator") persistent is
+# 1.40x faster at 262K keys and chunks 1.15x faster at 1.05M; the switch sits between the two
+# measured lengths, unmeasured there.
 TUNING = {"kb_per": 8, "programs_per_sm": 4, "lse_warps": 4, "mass_warps": 4,
           "mass_layout": "auto", "chunks_from": 1 << 19}
 

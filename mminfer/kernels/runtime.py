@@ -13,9 +13,10 @@ import torch
 # Tile shapes of the attention kernel per device kind and pattern family. The block_m of a
 # plan is semantic (it defines the near range); BLOCK_N, warps and stages are free, except
 # that a block-family tile must divide the plan's key block (block_n). Hopper: each family's
-# fastest launch of one H200 run (BENCHMARKS.md section 7, 2026-12-01, 128K tokens, density
-# 0.1, bf16, 28/4 heads, d 128: 1.03-1.07x the 64-key, 3-stage kernel before it; 0.970x its
-# attention stage through the product's prefill at 131K): 128-key tiles (up to the row block;
+# fastest launch of one H200 run (128K tokens, density 0.1, bf16, 28/4 heads, d 128: 1.03-1.07x
+# faster than 64-key tiles with 3 stages, and 0.970x the attention stage's time through the
+# product's prefill at 131K; lab/NOTES.md, "Kernel variants and the query-set estimator" and
+# "The fastest variants side by side"): 128-key tiles (up to the row block;
 # the block family's up to its key block), 3 pipeline stages, 2 for the block family, whose
 # full tiles are read through TMA descriptors. The interpreter runs the same kernel code
 # with 16-key tiles.

@@ -16,7 +16,7 @@ copied into permuted order: every permutation is address arithmetic here (the la
 gathers each vertical slot's K/V rows once, so that its columns read as contiguous tiles).
 
 There is one code path per pattern family, the one measured fastest on the H200
-(BENCHMARKS.md section 7); the CPU (Triton interpreter) runs the same path with smaller
+(BENCHMARKS.md, "Kernels"); the CPU (Triton interpreter) runs the same path with smaller
 tiles. The launcher (``launch.py``) and the tile shapes per device and family
 (``runtime.tile_config``) go with it; the plan that feeds it is ``plan.py``, the slot row it
 reads ``layout.py``.

@@ -3,9 +3,9 @@
 A window layer of the tower attends inside windows of 64 patch tokens (8x8 patches, 4x4
 merged units on the 7B), non-causally, 16 heads of 80. Per window and head that is a
 64x64 score tile: the FLOPs are nothing (21 GFLOP a layer at a 22-pair chunk) and the layer
-is memory-bound. Before this kernel the fused tower ran it as two passes: the rotary kernel
-rewriting q and k inside the qkv GEMM's output (0.57 ms a layer at a 22-pair chunk on the
-H200) and cuDNN's SDPA over ``[P * windows, heads, 64, 80]`` (~0.5 ms), against ~0.14 ms to
+is memory-bound. As two passes — the rotary kernel rewriting q and k inside the qkv GEMM's
+output (0.57 ms a layer at a 22-pair chunk on the H200), then cuDNN's SDPA over
+``[P * windows, heads, 64, 80]`` (~0.5 ms) — it costs about eight times the ~0.14 ms it takes to
 read q, k, v and write o once at the H200's bandwidth.
 
 Here one program takes one window (up to ``MAX_WINDOW`` tokens) and every head in turn: it
@@ -14,8 +14,9 @@ reads q, k and v straight from the qkv GEMM's output, loads the window's rotary 
 transformers' ``apply_rotary_pos_emb_vision`` rounds them), takes the softmax in fp32 and
 writes o in ``[tokens, heads * head_dim]``, what the output projection reads. The head dim is
 handled as its two rotary halves (40 + 40 on the 7B, each padded to a 16-multiple tile).
-Measured on the H200 at a 22-pair chunk (lab/experiments/window_attention.py, lab/NOTES.md
-§9): 0.579 ms a window layer before, 0.357 ms with one program per head, 0.318 ms like this.
+Measured on the H200 at a 22-pair chunk (lab/experiments/window_attention.py; lab/NOTES.md,
+"The vision tower's window layers"): 0.579 ms a window layer as the two passes, 0.357 ms with
+one program per head, 0.318 ms like this.
 
 Windows of one shape are contiguous runs of the tower order (mminfer.models.vision), so a
 launch covers a ``(first token, windows, tokens per window)`` group of every pair of a chunk.

@@ -3,7 +3,8 @@
 transformers' ``SiglipEncoderLayer`` with :class:`~mminfer.models.fp8.Fp8Linear` projections
 quantises its input before each of six GEMMs (q, k and v each read and quantise the same
 normed rows) and writes every LayerNorm and GELU output in the model dtype first: on the H200
-at 1.05M tokens the FP8 tower was no faster than bf16 (8.98 s against 8.76 s, BENCHMARKS.md).
+at 1.05M tokens the FP8 tower was no faster than bf16 (8.98 s against 8.76 s, BENCHMARKS.md
+"Decode and FP8").
 Here a layer is: LayerNorm → fp8 (one kernel, fused with the residual add that ends the layer
 before), one q/k/v GEMM (the three layers side by side, :func:`fp8.concat`), SDPA,
 ``out_proj`` (its input quantised by a pass of its own: SDPA writes the model dtype), the

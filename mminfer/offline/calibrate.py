@@ -50,7 +50,7 @@ from mminfer.sparse.patterns import (KNOWN_MODELS, QUERY_MODALITIES, HeadPattern
                                      default_config, dense,
                                      grid, provenance, vertical_slash)
 
-from .answer import AnswerProbe, format_rows, refine
+from .answer_kl import AnswerProbe, format_rows, refine
 from .capture import capture_qkv, load_video
 
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
@@ -221,12 +221,6 @@ def candidate_patterns(index: ModalityIndex, n: int, budget: float, *, block_m: 
     return cands
 
 
-# Families that only the calibrations of 2026-12-02 b13da55..a7eb775 measured (vertical_slash
-# and block with the question's rows dense, before that became a transform of every choice,
-# ``dense_text_head``): rebuilt so that their reports can still be re-selected.
-_TWINS = {"q:vs|dense-text": "vertical_slash", "q:block|dense-text": "block"}
-
-
 def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density: float, *,
                   block_m: int = 128, block_n: int = 64) -> HeadPatternConfig:
     """``base`` with every head's pattern (kind, boundary and regions kept; a grid keeps its
@@ -280,7 +274,8 @@ def mass_candidate_patterns(index: ModalityIndex, n: int, gamma: float, *,
     cands = {"vertical_slash": HeadPattern.single(vs),
              "block": HeadPattern.single(block(window=block_m, **bounds)),
              # key blocks per row block by antidiagonal scores: content-driven columns that
-             # differ from row block to row block (the landmarks of BENCHMARKS.md section 4)
+             # differ from row block to row block (the landmarks of lab/NOTES.md, "Sharper
+             # attention by training")
              "block_ad": HeadPattern.single(block(window=block_m, stride=AD_STRIDE, **bounds))}
     if index.visual_spans() and len(index.modalities()) > 1:
         # Each query modality's verticals and slashes from its own last queries; video rows
@@ -408,10 +403,10 @@ def with_dense_text(cfg: HeadPatternConfig) -> HeadPatternConfig:
 def dense_text_head(hp: HeadPattern) -> HeadPattern:
     """``hp`` with its text rows dense, its visual rows as they were. The question's rows are
     few (about 2 x text tokens / N of density) and they are where the answer reads the
-    video: a miss there moves the answer most (BENCHMARKS.md §4). A none/k head becomes a
-    Q-boundary head (a k head's split of the vertical budget across key modalities is
-    dropped: its visual rows take their verticals over all keys); a 2D head gets every
-    text->* region dense; a dense head stays as it is."""
+    video: a miss there moves the answer most (lab/NOTES.md, "The question's rows dense"). A
+    none/k head becomes a Q-boundary head (a k head's split of the vertical budget across key
+    modalities is dropped: its visual rows take their verticals over all keys); a 2D head gets
+    every text->* region dense; a dense head stays as it is."""
     if hp.boundary in ("none", "k"):
         p = hp.patterns["all"]
         if p.kind == "dense":
@@ -463,10 +458,6 @@ def _rebuilt_candidates(cfg: HeadPatternConfig, index: ModalityIndex) -> dict:
     cands = _candidate_set(candidate_patterns, index, n_ref, prov["budgets"], prov["gammas"],
                            prov["min_density"], prov["max_density"], prov["block_m"],
                            prov["block_n"])
-    for twin, base in _TWINS.items():
-        if twin in prov["candidates"]:
-            cands.update({(twin, b, g): dense_text_head(hp) for (name, b, g), hp in
-                          list(cands.items()) if name == base})
     # an older calibration measured fewer families: what it measured must still be built
     if not set(prov["candidates"]) <= {key[0] for key in cands}:
         raise ConfigError(f"candidate families {sorted({k[0] for k in cands})} do not include "
@@ -764,9 +755,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-text", action=argparse.BooleanOptionalAction, default=None,
                         help="make the text rows (the question) of every sparse head dense, "
                         "visual rows keeping their pattern: it costs about 2 x text tokens / N "
-                        "of density and moves the answer much less (BENCHMARKS.md §4); the "
-                        "answer step measures its candidates so (default: on for inputs of "
-                        "text and video; --reselect: as the calibration was)")
+                        "of density and moves the answer much less; the answer step measures "
+                        "its candidates so (default: on for inputs of text and video; "
+                        "--reselect: as the calibration was)")
     parser.add_argument("--device", default=None, help="move the captures here, and capture "
                         "there (e.g. cuda) (default: the model's device, cuda if available)")
 
@@ -830,7 +821,7 @@ def _sibling(out, suffix: str) -> str:
 
 def _answer_step(args, cfg, report, index) -> int:
     """``--answer-kl``: the per-head calibration ``cfg``/``report`` refined against the
-    answer on ``--videos`` (``answer.py``); writes the refined config as OUT."""
+    answer on ``--videos`` (``answer_kl.py``); writes the refined config as OUT."""
     if not (args.model and args.videos):
         raise InputError("--answer-kl runs the model on the calibration videos: give --model "
                          "and --videos")

@@ -145,5 +145,5 @@ def configure_decoding(settings) -> None:
         timeout_s=float(getattr(settings, "decode_timeout_s", 30.0)),
         workers=int(getattr(settings, "decode_workers", 2)))
     if sandbox.config().sandbox:
-        sandbox.pool().warm()
+        sandbox.decoder_pool().warm()
 

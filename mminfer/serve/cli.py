@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser):
                         "after the other")
     g.add_argument("--decode-share", type=float, default=d.decode_share,
                    help="while a long prefill waits to resume, the share of the model's time "
-                        "that decode steps of answers in progress get (questions' first "
-                        "tokens always pass first)")
+                        "that decode steps (answers' tokens after the first) get (questions' "
+                        "first tokens always pass first)")
     g.add_argument("--timeout-s", type=float, default=d.timeout_s,
                    help="a request not answered this long after queueing gets 504 and is "
                         "stopped")
@@ -206,7 +206,7 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="a sampled request's kept inputs (prompt embeddings and positions, CPU "
                         "memory) at most; larger ones are not compared")
     g.add_argument("--shadow-max-new-tokens", type=int, default=d.shadow_max_new_tokens,
-                   help="answer tokens the dense re-run decodes to compare answers (1: the "
+                   help="answer tokens the dense re-run generates to compare answers (1: the "
                         "first token only)")
 
 

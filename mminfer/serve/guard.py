@@ -2,8 +2,8 @@
 
 * ``ClientUploads``: the request bodies one client address sends at once. The upload places
   and queue slots are shared; without a share per address, eight sockets trickling a byte a
-  second hold every one of them through the grace period, reconnect, and hold them again
-  (issue 32). Over its share a client gets 429 with Retry-After before its body is read.
+  second hold every one of them through the grace period, reconnect, and hold them again.
+  Over its share a client gets 429 with Retry-After before its body is read.
 * ``StorageFull`` (507): a write under ``--data-dir`` failed for lack of space (ENOSPC,
   EDQUOT); the request is answered 507 and ``/health`` says ``storage_full`` (503) until a
   write succeeds again, or 30 s have passed and the disk has room for an upload.

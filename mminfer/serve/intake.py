@@ -28,19 +28,19 @@ class Intake:
         self.grace_s = grace_s
         self.active = 0
 
-    def begin(self) -> "Upload":
+    def begin(self) -> "UploadPlace":
         if self.active >= self.max_concurrent:
             raise TooManyUploads(f"{self.active} uploads are in progress, this server's limit; "
                                  f"retry later", max_concurrent_uploads=self.max_concurrent)
         self.active += 1
-        return Upload(self)
+        return UploadPlace(self)
 
     def timed(self, source):
         return timed(source, deadline_s=self.deadline_s, min_bytes_per_s=self.min_bytes_per_s,
                      grace_s=self.grace_s)
 
 
-class Upload:
+class UploadPlace:
     """One upload's place among the concurrent ones; ``end`` it when the body is in."""
 
     def __init__(self, intake: Intake):

@@ -2,7 +2,7 @@
 schema sees them.
 
 ``json.loads`` and pydantic's validation hold the GIL for as long as they run, thread or not:
-a legal 59 MB chat body with 2M text parts held ``/health`` for 7 s (issue 32). So a body
+a legal 59 MB chat body with 2M text parts holds ``/health`` for 7 s. So a body
 over ``IN_PROCESS_BYTES`` is parsed in a child process (a small pool of spawned
 interpreters that import nothing but this module), which also counts what the body holds
 (every value: objects, arrays, strings, numbers) and its nesting, and refuses a body over
@@ -117,7 +117,7 @@ def _exit_with(parent: int, every: float = 0.5):
     os._exit(0)
 
 
-def pool() -> concurrent.futures.ProcessPoolExecutor:
+def parser_pool() -> concurrent.futures.ProcessPoolExecutor:
     """The parsing processes (spawned once per server process, on first use)."""
     global _pool
     with _pool_lock:
@@ -135,7 +135,7 @@ def start():
     global _users
     with _pool_lock:
         _users += 1
-    p = pool()
+    p = parser_pool()
     for _ in range(WORKERS):
         p.submit(time.sleep, 0.5)
 
@@ -169,7 +169,7 @@ async def parse_body(raw: bytes, max_items: int, max_depth: int):
     if len(raw) <= IN_PROCESS_BYTES:
         out = await asyncio.to_thread(parse, raw, max_items, max_depth)
     else:
-        p = pool()
+        p = parser_pool()
         try:
             out = await asyncio.wrap_future(p.submit(parse, raw, max_items, max_depth))
         except BrokenProcessPool:          # the child died (memory): this body's doing

@@ -82,7 +82,8 @@ def check_file(path: str, label: str = "the uploaded video"):
 # ------------------------------------------------------------------- multipart
 
 @dataclass
-class Upload:
+class Form:
+    """A multipart body as received: its text fields, and the video part in a temp file."""
     fields: dict[str, bytes] = field(default_factory=dict)
     video: str | None = None             # temp file path (owned by the caller)
     video_type: str | None = None
@@ -128,7 +129,7 @@ def _too_large(size_desc: str | None, max_bytes: int) -> TooLarge:
 
 
 async def read_multipart(request, stream, folder, max_bytes: int,
-                         file_field: str = "video") -> Upload:
+                         file_field: str = "video") -> Form:
     """Parse a multipart/form-data body read from ``stream`` (the request's, timed by the
     intake): the ``file_field`` part (the video) goes to a temp file, other parts (at most
     64 KiB each) to ``fields``. On any error the temp file is gone."""
@@ -146,7 +147,7 @@ async def read_multipart(request, stream, folder, max_bytes: int,
     if declared is not None and declared > max_bytes + MAX_PARTS * MAX_FIELD_BYTES:
         raise _too_large(f"{declared} bytes declared", max_bytes)
 
-    up = Upload()
+    up = Form()
     st = {"headers": {}, "field": b"", "value": b"", "name": None, "file": None, "buf": None,
           "parts": 0, "ended": False}
 
@@ -252,7 +253,7 @@ async def read_body(request, stream, max_bytes: int) -> bytes:
 
 # ------------------------------------------------------------------ form values
 
-def text_field(up: Upload, name: str, required: bool = False) -> str | None:
+def text_field(up: Form, name: str, required: bool = False) -> str | None:
     raw = up.fields.get(name)
     if raw is None:
         if required:

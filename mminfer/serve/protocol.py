@@ -2,8 +2,8 @@
 
 * A header deadline: a request's headers must arrive within ``header_timeout_s`` of the
   connection opening (or of the previous answer on a kept-alive one), else 408 and the
-  connection closes. Without it 400 connections sending headers a byte at a time were held
-  for as long as they liked, bounded only by RLIMIT_NOFILE (issue 32).
+  connection closes. Without it 400 connections sending headers a byte at a time are held
+  for as long as they like, bounded only by RLIMIT_NOFILE.
 * A connection cap: at most ``max_connections`` open connections, and at most
   ``max_connections_per_client`` from one client address; one over is answered 503 and
   closed as it opens (its bytes are never parsed).

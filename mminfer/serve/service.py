@@ -1,9 +1,9 @@
 """One request's life, the same for both POST routes.
 
-    auth -> a queue slot and an upload place (503 at once when there is none, body unread)
+    auth -> a queue place and an upload place (503 at once when there is none, body unread)
          -> the body, timed (408 when too slow) and size-checked (413)
          -> the request's numbers (400/413) -> the video's budget (413), off the event loop
-         -> the job, in the slot reserved on arrival -> wait for it, stopping it when the
+         -> the job, in the queue place reserved on arrival -> wait for it, stopping it when the
             client leaves (499) or the deadline passes (504)
          -> the answer, its metrics and its latency record
 
@@ -48,11 +48,11 @@ class Request:
     path: str | None = None               # the video on disk
     own: bool = False                     # the path is a temp file still ours to delete
     label: str = "the uploaded video"     # what messages call the video instead of its path
-    slot: object = None                   # worker.Slot
-    upload: object = None                 # intake.Upload
+    queue_place: object = None            # worker.QueuePlace
+    upload: object = None                 # intake.UploadPlace
     client_upload: object = None          # guard.ClientUpload
     deadline: float | None = None         # time.monotonic() by which the job must be done
-    lease: object = None                  # videos.Lease of a stored video, until the job has it
+    lease: object = None                  # videos.FileLease, held until the job has it
     tenant: tenants.Tenant = tenants.ANONYMOUS   # whose request it is (its API key's)
     tenant_upload: object = None          # tenants.Place among the tenant's bodies in flight
     tenant_place: object = None           # tenants.Place among the tenant's requests
@@ -76,8 +76,8 @@ class Request:
         self.received()
         if self.tenant_place is not None:
             self.tenant_place.end()
-        if self.slot is not None:
-            self.slot.release()
+        if self.queue_place is not None:
+            self.queue_place.release()
         if self.own:
             media.remove(self.path)
             self.own = False
@@ -176,7 +176,7 @@ class Service:
                                                           self.quota(req.tenant).max_queue)
             # Refused here, the 503 goes out before a byte of the body is read (no 100
             # Continue either); the server drops whatever the client still sends.
-            req.slot = self.worker.reserve()
+            req.queue_place = self.worker.reserve()
             req.upload = self.intake.begin()
             req.client_upload = self.clients.begin(guard.client_host(http))
             self.tenant_share(req)
@@ -263,14 +263,14 @@ class Service:
                                        adapter)
 
     async def run_job(self, req: Request, question: str, params: dict):
-        """Queue the job in the request's slot (the temp file, if ours, goes with it) and wait
-        for its result, stopping it when the client leaves or the timeout passes."""
+        """Queue the job in the request's queue place (the temp file, if ours, goes with it)
+        and wait for its result, stopping it when the client leaves or the timeout passes."""
         job, fut = self.submit(req, question, params)
         await self.wait(req, job, fut)
         return fut.result(), job
 
     def submit(self, req: Request, question: str | None, params: dict, on_token=None):
-        """The job, queued in the request's slot, and its future on this loop; the request's
+        """The job, queued in the request's queue place, and its future on this loop; the request's
         deadline starts now. ``question`` None: ``params`` holds the ``conversation``."""
         params = {**params, "use_cache": self.s.video_cache}
         salt = self.cache_salt(req)
@@ -279,7 +279,7 @@ class Service:
         job = Job(video_path=req.path, question=question, params=params,
                   cleanup=req.path if req.own else None, request_id=req.id, on_token=on_token,
                   release=req.lease.release if req.lease is not None else None)
-        self.worker.submit(job, req.slot)
+        self.worker.submit(job, req.queue_place)
         req.own, req.lease = False, None    # the job deletes or releases it when done
         req.deadline = time.monotonic() + self.s.timeout_s
         return job, asyncio.wrap_future(job.future)

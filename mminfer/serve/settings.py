@@ -44,7 +44,8 @@ class Settings:
     # requests in progress at once, taking turns on the model (engine/scheduler.py; vLLM's
     # name); 1 answers them one after the other
     max_num_seqs: int = 8
-    # the share of the GPU's time decode steps get while a long prefill waits to resume
+    # the share of the GPU's time decode steps (answers' tokens after the first) get while a
+    # long prefill waits to resume
     decode_share: float = 0.25
     timeout_s: float = 600.0           # from arrival to answer; then 504 and the job stops
     retry_after_max_s: int = 120       # Retry-After never says more than this
@@ -107,7 +108,7 @@ class Settings:
     # the shadow-dense monitor (serve/shadow.py): sparse requests re-run dense while idle
     shadow_rate: float = 0.01          # the fraction of requests sampled (0: off)
     shadow_max_mb: float = 1024.0      # a sampled request's kept inputs at most (CPU memory)
-    shadow_max_new_tokens: int = 8     # answer tokens the dense re-run decodes at most
+    shadow_max_new_tokens: int = 8     # answer tokens the dense re-run generates at most
 
     @property
     def max_upload_bytes(self) -> int:

@@ -9,13 +9,13 @@ worker is idle afterwards, it re-runs that prefill dense and compares:
   distribution the first answer token is drawn from;
 * ``argmax_agree``: the first answer token is the same;
 * ``answer_agree``: the greedy answers agree over the first ``compared_tokens`` tokens (the
-  sparse answer's length, at most ``--shadow-max-new-tokens``; the dense re-run decodes that
+  sparse answer's length, at most ``--shadow-max-new-tokens``; the dense re-run generates that
   many tokens on its own cache).
 
 It never delays a user: a re-run starts only when no request is queued, reserved (uploading)
 or running; at most one job is pending, and it is dropped when a request arrives before it
 starts; a running re-run is stopped when one arrives (the engine's cancel check before every
-decoder layer and decode step, and an interrupt for a layer that runs long; on CUDA the host
+decoder layer and generated token, and an interrupt for a layer that runs long; on CUDA the host
 waits for each layer, so at most one layer's kernels are ahead of the next request's). A job
 is not resumed: the next sample gives the next comparison. What it costs: the sampled request
 copies its prompt embeddings to the CPU before its prefill (size / PCIe bandwidth of GPU time),
@@ -60,7 +60,7 @@ class ShadowJob:
 
 
 def compare(kept, rerun, max_new_tokens: int) -> dict:
-    """The comparison of a sparse run (``kept``) with its dense re-run, which decoded the
+    """The comparison of a sparse run (``kept``) with its dense re-run, which generated the
     first ``max(1, min(max_new_tokens, len(sparse answer)))`` tokens (fewer where it met EOS:
     a dense answer that ends where the sparse one goes on is a different answer)."""
     # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
@@ -85,7 +85,7 @@ class ShadowMonitor:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"the shadow rate must be in [0, 1], not {rate}")
         if max_new_tokens < 1:
-            raise ValueError("the shadow re-run decodes at least the first token")
+            raise ValueError("the shadow re-run generates at least the first token")
         self.rate = float(rate)
         self.max_bytes = max_bytes
         self.max_new_tokens = int(max_new_tokens)

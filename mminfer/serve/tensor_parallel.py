@@ -9,7 +9,7 @@ model, open no socket, and follow rank 0's jobs until it stops them, after its l
 at shutdown. Two things differ from one process:
 
 - the worker never interrupts a request mid-kernel (``interrupt_after_s=None``): a request
-  asked to stop stops at its next check (stage, vision chunk, decoder layer, decode step),
+  asked to stop stops at its next check (stage, vision chunk, decoder layer, generated token),
   which every rank agrees on; a long Triton-interpreter launch on a CPU is waited for;
 - if the ranks stop running the same collectives (a rank ran out of memory, a device
   error), the group is broken: the worker dies, the service shuts down (SIGTERM to itself,

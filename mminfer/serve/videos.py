@@ -102,7 +102,7 @@ def sha256_of(path) -> str:
     return file_digest(path)
 
 
-class Lease:
+class FileLease:
     """A stored video's file, kept on disk until ``release`` (idempotent)."""
 
     def __init__(self, store: "VideoStore", video: StoredVideo):
@@ -308,12 +308,12 @@ class VideoStore:
             self._drop_blob_if_unused(v.sha256)
         return v
 
-    def acquire(self, vid: str, tenant: str | None = None) -> Lease:
+    def acquire(self, vid: str, tenant: str | None = None) -> FileLease:
         """The id's file, kept until the lease is released even if the id goes meanwhile."""
         with self._lock:
             v = self.get(vid, tenant)
             self._pins[v.sha256] = self._pins.get(v.sha256, 0) + 1
-            return Lease(self, v)
+            return FileLease(self, v)
 
     def _unpin(self, sha: str):
         with self._lock:

@@ -2,16 +2,16 @@
 taking turns on the model (mminfer.engine.scheduler).
 
 Each admitted job runs ``Pipeline.answer`` in a thread of its own holding a scheduler Turn: a
-cache hit's question or a decode step passes a long prefill between two of its layers instead
-of waiting for the whole of it, and the prefill resumes where it stopped. One long prefill
+cache hit's question or an answer's next token passes a long prefill between two of its layers
+instead of waiting for the whole of it, and the prefill resumes where it stopped. One long prefill
 computes at a time (the scheduler admits them in arrival order). The HTTP layer only waits:
 jobs carry a ``concurrent.futures.Future`` that the event loop awaits
 (``asyncio.wrap_future``). ``max_active=1`` runs them one after the other (tensor parallelism,
 where every rank must make the same calls in the same order).
 
-Slots: a request reserves a queue slot when it arrives (``reserve``), before its body is
-read, so a full queue answers 503 at once instead of after a 500 MB upload; the slot becomes
-the job's place in the queue (``submit``) or is given back. ``queue_size`` bounds waiting plus
+Queue places: a request reserves a place in the queue when it arrives (``reserve``), before
+its body is read, so a full queue answers 503 at once instead of after a 500 MB upload; the
+place becomes the job's (``submit``) or is given back. ``queue_size`` bounds waiting plus
 reserved requests; jobs in progress are not counted.
 
 Stopping a job: one not yet started leaves the queue at once (``Future.cancel`` and
@@ -129,7 +129,7 @@ class Job:
             release()
 
 
-class Slot:
+class QueuePlace:
     """A reserved place in the queue; ``release`` it unless ``submit`` took it."""
 
     def __init__(self, worker: "ModelWorker"):
@@ -265,7 +265,7 @@ class ModelWorker:
 
     @property
     def running(self) -> int:
-        """Jobs in progress (computing, paused or decoding)."""
+        """Jobs in progress (computing, paused or generating)."""
         return len(self._active)
 
     def running_job(self) -> Job | None:
@@ -281,7 +281,7 @@ class ModelWorker:
         return self.scheduler.state()
 
     def retry_after(self, cap: int = 120) -> int:
-        """Seconds until a slot is likely free: the median of recent job times (a few old
+        """Seconds until a queue place is likely free: the median of recent job times (a few old
         long jobs do not inflate it, as a mean would) times the jobs ahead, capped."""
         per_job = statistics.median(self.recent_s) if self.recent_s else 1.0
         ahead = self.waiting + self.reserved + self.running
@@ -295,7 +295,7 @@ class ModelWorker:
             return ShuttingDown("the server is shutting down")
         return None
 
-    def reserve(self) -> Slot:
+    def reserve(self) -> QueuePlace:
         """A place in the queue for a request whose body is still to come; raises QueueFull,
         WorkerDead or ShuttingDown."""
         with self._cv:
@@ -307,21 +307,21 @@ class ModelWorker:
                                 f"retry later", queue_size=self.queue_size)
             self._reserved += 1
         self._preempt_shadow()
-        return Slot(self)
+        return QueuePlace(self)
 
     def _unreserve(self):
         with self._cv:
             self._reserved -= 1
 
-    def submit(self, job: Job, slot: Slot | None = None) -> Job:
-        """Queue a job (in ``slot`` if given, else in a free place); raises QueueFull,
+    def submit(self, job: Job, place: QueuePlace | None = None) -> Job:
+        """Queue a job (in ``place`` if given, else in a free place); raises QueueFull,
         WorkerDead or ShuttingDown (the caller still owns the file)."""
         with self._cv:
             refused = self._refusal()
             if refused is not None:
                 raise refused
-            if slot is not None and slot.held:
-                slot.held = False
+            if place is not None and place.held:
+                place.held = False
                 self._reserved -= 1
             elif len(self._queue) + self._reserved >= self.queue_size:
                 raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "

@@ -60,9 +60,10 @@ _PROXY_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}   # fp32 proxy scores per key c
 # (kernels/proxy.py), every query set of the layer (runs of at most 64 queries) in one
 # launch per pass, each set only for the heads whose patterns read it (a set no pattern
 # reads, should one be asked for, takes the PyTorch passes); "torch": the chunked PyTorch
-# passes below; "auto": triton on a GPU (1.4-1.7x less estimation time at 128K-256K than
-# torch, BENCHMARKS.md section 3; 1.5-1.7x less again than one launch pair per query run,
-# section 7), torch on the CPU (where only the slow interpreter runs Triton).
+# passes below; "auto": triton on a GPU (measured on the H200: 1.4-1.7x less estimation time
+# at 128K-256K than torch, and 1.5-1.7x less again than one launch pair per query run; lab/
+# NOTES.md, "Fused proxy kernels" and "Kernel variants and the query-set estimator"), torch on
+# the CPU (where only the slow interpreter runs Triton).
 PROXIES = ("auto", "torch", "triton")
 
 

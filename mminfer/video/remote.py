@@ -11,7 +11,7 @@ import weakref
 import numpy as np
 
 from mminfer.errors import UndecodableVideo, VideoError
-from mminfer.video.sandbox import Pool, Worker, WorkerFailed, config, margin, pool
+from mminfer.video.sandbox import Pool, Worker, WorkerFailed, config, decoder_pool, margin
 from mminfer.video.session import Session
 
 
@@ -19,10 +19,12 @@ def session():
     """A Session for one probe or stream: in a worker process unless the sandbox is off."""
     if not config().sandbox:
         return Session()
-    return RemoteSession(pool())
+    return RemoteSession(decoder_pool())
 
 
-class _Slot:
+class _FrameBuffer:
+    """Shared memory (a ``memfd``, mapped here) the worker writes one batch of frames into."""
+
     __slots__ = ("id", "nbytes", "mm", "fd")
 
     def __init__(self, ident: int, nbytes: int):
@@ -49,8 +51,8 @@ class RemoteSession:
         self.path = None
         self.backend = None
         self._pending: collections.deque = collections.deque()
-        self._slots_free: collections.deque = collections.deque()   # appended by finalizers
-        self._next_slot = 0
+        self._buffers_free: collections.deque = collections.deque()   # appended by finalizers
+        self._next_buffer = 0
         self._ended = False
 
     # ------------------------------------------------------------------ commands
@@ -86,7 +88,7 @@ class RemoteSession:
         self._frame = (int(h), int(w), 3)
         self._nbytes = int(batch) * h * w * 3
         # the decoder's working set: the batch at the source size, decoded (YUV and its
-        # reference frames) and converted (RGB, then rotated or scaled), and the slot mapped
+        # reference frames) and converted (RGB, then rotated or scaled), and the buffer mapped
         sh, sw = self.facts["height"], self.facts["width"]
         src = min(max(sh * sw, 1), config().max_frame_pixels) * 3
         extra = margin() + 4 * int(batch) * src + self._nbytes
@@ -99,26 +101,26 @@ class RemoteSession:
 
     def _ask(self):
         try:
-            slot = self._slots_free.popleft()
+            buf = self._buffers_free.popleft()
         except IndexError:
-            slot = None
+            buf = None
         fds = ()
-        if slot is None or slot.nbytes != self._nbytes:
-            slot = _Slot(self._next_slot, self._nbytes)
-            self._next_slot += 1
-            fds = (slot.fd,)
+        if buf is None or buf.nbytes != self._nbytes:
+            buf = _FrameBuffer(self._next_buffer, self._nbytes)
+            self._next_buffer += 1
+            fds = (buf.fd,)
         try:
-            self.worker.send(("next", slot.id, slot.nbytes), fds)
+            self.worker.send(("next", buf.id, buf.nbytes), fds)
         finally:
             if fds:
-                os.close(slot.fd)       # the worker has its own descriptor now
-                slot.fd = -1
-        self._pending.append(slot)
+                os.close(buf.fd)        # the worker has its own descriptor now
+                buf.fd = -1
+        self._pending.append(buf)
 
     def next(self):
         if not self._pending:
             return None
-        slot = self._pending.popleft()
+        buf = self._pending.popleft()
         try:
             msg = self.worker.recv()
         except VideoError:
@@ -130,10 +132,10 @@ class RemoteSession:
             self._ended = True
             return None
         _, _, shape, self.backend = msg
-        flat = np.frombuffer(slot.mm, np.uint8, int(np.prod(shape)))
-        # the slot is written again only once the consumer has let go of these frames: every
+        flat = np.frombuffer(buf.mm, np.uint8, int(np.prod(shape)))
+        # the buffer is written again only once the consumer has let go of these frames: every
         # view of them (reshape, slices) has ``flat`` as its base, so it outlives them all
-        weakref.finalize(flat, self._slots_free.append, slot)
+        weakref.finalize(flat, self._buffers_free.append, buf)
         frames = flat.reshape(shape)
         if not self._ended:
             try:
@@ -160,7 +162,7 @@ class RemoteSession:
         except Exception:  # noqa: BLE001 (a worker in doubt is not reused)
             healthy = False
         self._release(healthy)
-        self._slots_free.clear()
+        self._buffers_free.clear()
 
     def abort(self):
         """Kill the worker now (from another thread: a consumer that stops waiting for a

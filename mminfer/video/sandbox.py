@@ -16,12 +16,12 @@ A worker that dies (a signal, an abort), runs out of its memory or time, is kill
 replaced in the background, and the caller gets :class:`~mminfer.errors.UndecodableVideo`
 (a ``VideoError``: HTTP 400, code ``bad_video``) naming the file. Frames come back through
 shared memory: each batch is written by the worker into a ``memfd`` the parent maps, and the
-parent hands the mapped array on without copying; the slot is reused once the consumer has
+parent hands the mapped array on without copying; the buffer is reused once the consumer has
 dropped the array. Nothing is named in ``/dev/shm`` or on disk, so nothing is left behind
 when either side dies.
 
 Here: the settings (``configure``), one worker process seen from the parent (:class:`Worker`)
-and the pool of started ones (:func:`pool`); :mod:`mminfer.video.remote` runs a session on
+and the pool of started ones (:func:`decoder_pool`); :mod:`mminfer.video.remote` runs a session on
 them. ``configure(sandbox=False)`` (or ``MMINFER_DECODE_SANDBOX=0``) decodes in this process
 instead (benchmarks/decode.py measures the difference).
 """
@@ -299,7 +299,7 @@ class Pool:
 _pool = Pool()
 
 
-def pool() -> Pool:
+def decoder_pool() -> Pool:
     return _pool
 
 

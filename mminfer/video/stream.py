@@ -61,7 +61,7 @@ class DecodedVideo:
 
     def processor_metadata(self) -> dict:
         # Without this the HF Qwen2-VL video processor assumes 24 fps and the temporal
-        # M-RoPE positions collapse (research/models.md §2.1).
+        # M-RoPE positions collapse.
         return {"fps": self.sampled_fps, "total_num_frames": self.num_frames,
                 "frames_indices": list(range(self.num_frames))}
 

@@ -67,7 +67,7 @@ def main(fd: int, nice: int = 0) -> None:
         except ImportError:
             pass
     session = Session()
-    slots: dict[int, mmap.mmap] = {}                 # slot id -> its shared memory, mapped
+    buffers: dict[int, mmap.mmap] = {}               # frame buffer id -> its memory, mapped
     base = _vm_bytes()
     extra = 0
     wire.send(sock, ("ready", os.getpid(), base))
@@ -88,36 +88,36 @@ def main(fd: int, nice: int = 0) -> None:
                 _limit_memory(base, extra)
                 session.start(targets, size, batch)
             elif op == "next":
-                _, slot, nbytes = msg
+                _, buf, nbytes = msg
                 if fds:
                     try:
-                        slots[slot] = mmap.mmap(fds[0], nbytes)
+                        buffers[buf] = mmap.mmap(fds[0], nbytes)
                     finally:
                         os.close(fds[0])
-                    # the slots mapped here count against the limit, on top of the rest
-                    _limit_memory(base, extra + sum(len(m) for m in slots.values()))
-                out = np.frombuffer(slots[slot], np.uint8, nbytes)
+                    # the buffers mapped here count against the limit, on top of the rest
+                    _limit_memory(base, extra + sum(len(m) for m in buffers.values()))
+                out = np.frombuffer(buffers[buf], np.uint8, nbytes)
                 frames = session.next(out)
                 if frames is None:
                     del out
                     wire.send(sock, ("end",))
                     continue
                 if frames.nbytes > nbytes:
-                    raise RuntimeError(f"a batch of {frames.nbytes} bytes for a slot of "
+                    raise RuntimeError(f"a batch of {frames.nbytes} bytes for a buffer of "
                                        f"{nbytes}")
                 if frames.__array_interface__["data"][0] != out.ctypes.data:
                     out[:frames.nbytes].reshape(frames.shape)[...] = frames  # not in place
                 shape = frames.shape
                 del frames, out
-                wire.send(sock, ("batch", slot, shape, session.backend))
+                wire.send(sock, ("batch", buf, shape, session.backend))
             elif op == "close":
                 session.close()
-                for m in slots.values():
+                for m in buffers.values():
                     try:
                         m.close()
                     except BufferError:      # a view still alive: the collector unmaps it
                         pass
-                slots.clear()
+                buffers.clear()
             else:
                 raise RuntimeError(f"unknown command {op!r}")
         except VideoError as e:

@@ -68,7 +68,7 @@ def test_dense_rerun_is_the_dense_answer_and_stops_between_layers():
         embeds.zero_()                               # what the prefill does to its input
     assert kept.embeds.abs().sum() > 0
     kept.sparse_tokens = [0] * 8                     # the comparison's length: 8 tokens
-    kept.decode_positions = ad.positions(prep, kept.tokens, 8)
+    kept.answer_positions = ad.positions(prep, kept.tokens, 8)
     run = dense_rerun(ad, kept, max_new_tokens=8)
     assert run.text == dense.answer and len(run.token_ids) == dense.tokens["generated"]
     assert run.logits.shape == (ad.lm_head.out_features,)

@@ -15,7 +15,7 @@ _SERVER = """
 import sys, time
 from mminfer.serve import jsonbody
 jsonbody.start()
-p = jsonbody.pool()
+p = jsonbody.parser_pool()
 deadline = time.time() + 60
 while len(p._processes) < jsonbody.WORKERS and time.time() < deadline:
     time.sleep(0.05)

@@ -52,7 +52,7 @@ def test_the_crafted_stts_file_kills_an_unsandboxed_process(tmp_path):
 
 def test_a_crashing_file_is_refused_and_the_next_video_decodes(tmp_path):
     bad = crafted_stts(tmp_path / "c.mp4")
-    pool = sandbox.pool()
+    pool = sandbox.decoder_pool()
     retired = pool.retired
     for fn in (video.probe, video.decode, lambda p: list(video.open_stream(p).chunks(4))):
         t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def test_a_crashing_file_is_refused_and_the_next_video_decodes(tmp_path):
 def test_a_worker_killed_mid_stream_fails_that_stream_only(tmp_path):
     path = write_video(tmp_path / "long.mp4", n_frames=240, fps=30, width=320, height=240,
                        noise=True)
-    pool = sandbox.pool()
+    pool = sandbox.decoder_pool()
     retired = pool.retired
     with video.open_stream(path, fps=30, max_frames=240) as s:
         chunks = s.chunks(8)
@@ -134,7 +134,7 @@ def test_the_memory_limit_is_enforced(tmp_path, limits):
 
 def test_an_ordinary_bad_file_is_a_video_error_and_keeps_the_worker(tmp_path):
     (tmp_path / "random.mp4").write_bytes(np.random.default_rng(0).bytes(20000))
-    pool = sandbox.pool()
+    pool = sandbox.decoder_pool()
     video.probe(NEEDLE)
     retired = pool.retired
     with pytest.raises(VideoError) as e:
@@ -167,7 +167,7 @@ def test_frames_come_through_shared_memory_and_equal_in_process_decoding(tmp_pat
 def test_workers_are_fresh_interpreters_not_forks():
     s = remote.session()
     s.probe(str(NEEDLE), ("decord", "pyav"), "mp4")
-    pids = sandbox.pool().idle_pids()
+    pids = sandbox.decoder_pool().idle_pids()
     assert pids
     cmd = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
     assert b"mminfer.video.worker" in cmd, cmd

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mminfer.errors import InputError
-from mminfer.offline.answer import AnswerProbe, frontier, kl_divergence
+from mminfer.offline.answer_kl import AnswerProbe, frontier, kl_divergence
 from mminfer.offline.calibrate import add_arguments, run
 from mminfer.sparse.patterns import HeadPatternConfig
 
@@ -101,7 +101,7 @@ def test_answer_bound_holds_and_trades_density(calibrated):
 
 def test_a_deadline_stops_early_and_still_holds_the_bound(calibrated):
     from mminfer.engine.pipeline import Pipeline
-    from mminfer.offline.answer import refine
+    from mminfer.offline.answer_kl import refine
     from mminfer.offline.calibrate import report_candidates
     from mminfer.offline.capture import load_video
     ckpt, heads, _ = calibrated
@@ -180,18 +180,3 @@ def test_calibrate_makes_question_rows_dense_by_default(calibrated):
     on_kl = _measure(ckpt, HeadPatternConfig.load(tmp / "on5.json"))
     off_kl = _measure(ckpt, HeadPatternConfig.load(tmp / "off5.json"))
     assert off_kl > 0.01 and on_kl < off_kl / 5, (on_kl, off_kl)
-
-
-def test_reports_that_measured_the_dense_text_twins_still_rebuild(calibrated):
-    """Calibrations of 2026-12-02 (the shipped one among them) measured vertical_slash and block
-    with the question's rows dense as families of their own; their reports re-select."""
-    from mminfer.offline.calibrate import dense_text_head, load_captures, report_candidates
-    _, heads, tmp = calibrated
-    cfg = HeadPatternConfig.load(heads)
-    index = load_captures(sorted((tmp / "caps").glob("*needle*.pt")))[0].index
-    plain = report_candidates(cfg, index)
-    assert not any("|dense-text" in lab for lab in plain)
-    cfg.provenance["candidates"] = cfg.provenance["candidates"] + ["q:vs|dense-text"]
-    got = report_candidates(cfg, index)
-    assert got["q:vs|dense-text@0.3"] == dense_text_head(plain["vertical_slash@0.3"])
-    assert not any(lab.startswith("q:block|dense-text") for lab in got)

@@ -2,10 +2,10 @@
 last-token distribution on the calibration videos within a KL bound of dense.
 
 Why: ``calibrate.py`` bounds each head's relative attention-output error, and that is the
-wrong thing to bound (BENCHMARKS.md §4): a diffuse head can miss half its mass and move no
-answer, while a sharp head that misses one landmark flips one. So this step measures the
-answer itself, through the same prefill engine serving runs (``models/prefill.py`` with the
-hook in ``models/hooks.py``):
+wrong thing to bound (lab/NOTES.md, "Sharper attention by training"): a diffuse head can miss
+half its mass and move no answer, while a sharp head that misses one landmark flips one. So
+this step measures the answer itself, through the same prefill engine serving runs
+(``models/prefill.py`` with the hook in ``models/hooks.py``):
 
 1. **Per-head cost.** Each head's candidates from a calibration report (only those on the
    density/error frontier, cheapest last) are tried one head at a time, every other head
