@@ -53,6 +53,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tqdm import tqdm
+from transformers.utils import logging as hf_logging
 
 from mminfer.engine import lockstep
 from mminfer.engine.interrupt import Guard, Interrupted
@@ -378,13 +379,7 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
 
 
 def load_pipeline(load_args: dict):
-    try:
-        # lazy: transformers takes seconds to import, and `mminfer batch --help` imports
-        # this module
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    hf_logging.disable_progress_bar()
     return Pipeline(load_args["model"], attention=load_args["attention"],
                     device=load_args.get("device"), dtype=load_args.get("dtype"),
                     min_sparse_len=load_args.get("min_sparse_len"),

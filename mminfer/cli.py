@@ -58,14 +58,12 @@ def add_arguments(p: argparse.ArgumentParser):
 
 def run(args) -> int:
     check_video_path(args.video)             # before the model loads (seconds), not after
+    args.model = resolve_model(args.model)   # a clear error says how to get a model
     # lazy: the CLI's edge: the engine (torch, transformers, triton: seconds) loads when
     # `answer` runs, never for `mminfer --help`
     from transformers.utils import logging as hf_logging
-
     from mminfer.engine.pipeline import Pipeline, check_request
     from mminfer.models.sampler import SamplingParams
-
-    args.model = resolve_model(args.model)   # a clear error says how to get a model
     # bad arguments fail before the model loads
     check_request(args.question, args.fps, args.max_frames, args.max_new_tokens, args.start,
                   args.end, args.attention)
@@ -163,7 +161,7 @@ def _end_rank(rc: int):
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
-    # lazy: the CLI's edge: a torchrun rank has torch.distributed loaded; other runs do not
+    # lazy: the CLI's edge (cli.py loads no engine); a torchrun rank has it loaded by now
     from mminfer.engine.parallel import leave
     sys.stdout.flush()
     sys.stderr.flush()

@@ -341,7 +341,6 @@ def run(args) -> int:
     # lazy: the CLI's edge: the app and the engine under it (torch, transformers, FastAPI:
     # seconds) load when the server starts, never for `mminfer serve --help`
     from transformers.utils import logging as hf_logging
-
     from . import tensor_parallel
     from .app import create_app
     from .protocol import config as guarded_config
