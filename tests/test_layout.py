@@ -186,8 +186,8 @@ def _unexplained_local_imports(path: Path) -> list[int]:
 
 def test_imports_are_at_the_top_unless_a_comment_says_why():
     """An import inside a function hides where a name comes from: one stays there only for
-    a reason its ``# lazy:`` comment gives (an optional dependency, an import cycle, triton
-    before TRITON_INTERPRET, the start-up of ``mminfer --help``...)."""
+    a reason its ``# lazy:`` comment gives (an optional or platform-only dependency, the
+    command's edge: a subcommand's run loading the engine)."""
     found = {f"{p.relative_to(ROOT)}:{line}" for p in sorted(PKG.rglob("*.py"))
              for line in _unexplained_local_imports(p)}
     assert not found, "move these imports to the top, or say why not with '# lazy: ...'"
