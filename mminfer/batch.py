@@ -40,7 +40,6 @@ need mminfer installed and the video folder and model at the same paths.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -54,8 +53,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tqdm import tqdm
+from transformers.utils import logging as hf_logging
 
-from mminfer.cli_options import HelpWithDefaults, add_model_arguments
 from mminfer.engine import lockstep
 from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.engine.pipeline import Pipeline, check_request
@@ -380,13 +379,7 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
 
 
 def load_pipeline(load_args: dict):
-    try:
-        # lazy: transformers takes seconds to import, and `mminfer batch --help` imports
-        # this module
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    hf_logging.disable_progress_bar()
     return Pipeline(load_args["model"], attention=load_args["attention"],
                     device=load_args.get("device"), dtype=load_args.get("dtype"),
                     min_sparse_len=load_args.get("min_sparse_len"),
@@ -613,43 +606,7 @@ def _run_ray(address: str, workers: int | None, load_args: dict, todo, cfg, fp, 
         idle.append(actor)
 
 
-# ------------------------------------------------------------------- CLI
-
-def add_arguments(p: argparse.ArgumentParser):
-    p.formatter_class = HelpWithDefaults
-    p.add_argument("dir", nargs="?", help="folder scanned recursively for video files")
-    g = p.add_argument_group("questions (with DIR: at least one)")
-    g.add_argument("--question", action="append",
-                   help="a question (repeatable: every video is asked each, its prefix "
-                        "prefilled once)")
-    g.add_argument("--questions", metavar="FILE", help="questions, one a line ('#' comments)")
-    p.add_argument("--manifest", metavar="FILE",
-                   help='instead of DIR: JSONL, {"video": PATH, "question": Q, "id": ID} or '
-                        '{"video": PATH, "questions": [Q, ...], "id": ID} a line (paths '
-                        "relative to FILE, id optional); the questions of one video run "
-                        "together, answered from its cached prefix after the first")
-    p.add_argument("--out", required=True, help="JSONL results file (appended to, resumable)")
-    add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
-    p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
-    p.add_argument("--max-frames", type=int, default=768, help="at most this many frames")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
-    p.add_argument("--retry-errors", action="store_true",
-                   help="run again the items whose earlier records are errors")
-    p.add_argument("--item-timeout-s", type=float,
-                   help="stop an item after this long (an error record 'timeout')")
-    p.add_argument("--quarantine-after", type=int, default=2,
-                   help="skip an item after the process died this many times on it (0: never)")
-    p.add_argument("--ray", metavar="ADDRESS",
-                   help="run on a Ray cluster: its address, 'auto', or 'local' (start one)")
-    p.add_argument("--ray-workers", type=int,
-                   help="model replicas on Ray (default: one per GPU, or 1 without GPUs)")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="split the model over N processes started by `torchrun "
-                        "--nproc-per-node N -m mminfer batch ...`: rank 0 reads the input and "
-                        "writes the results, every rank runs each item (default: 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
+# ------------------------------------------------------------------- the command (mminfer/batch_cli.py: its options)
 def run(args) -> int:
     if (args.dir is None) == (args.manifest is None):
         raise InputError("give a folder (DIR) or --manifest FILE, one of them")

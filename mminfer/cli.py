@@ -1,7 +1,8 @@
 """The ``mminfer`` command. Subcommands live in modules with ``add_arguments(parser)`` and
-``run(args) -> int`` (:data:`SUBCOMMANDS`). Only the module of the subcommand being run is
-imported, so ``mminfer --help`` stays instant whatever the subcommand modules import; for the
-same reason torch and transformers are imported only where they are used.
+``run(args) -> int`` (:data:`SUBCOMMANDS`). Those modules are light (argparse and the options'
+defaults): only the subcommand named is imported, and its ``run`` imports the engine, the app
+or the batch job when it runs, so ``mminfer --help`` and every subcommand's ``--help`` stay
+instant. Everything below this edge imports torch and the rest at the top of its module.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ import sys
 
 from mminfer import __version__
 from mminfer.cli_options import HelpWithDefaults, add_model_arguments, pipeline_options
-from mminfer.engine.pipeline import Pipeline, check_request
 from mminfer.errors import InputError, MMInferError
 from mminfer.models.embedded import resolve_model
 
-# name -> (module, one-line help); `answer` is defined below. Benchmarks are scripts in the
-# source tree (benchmarks/), not subcommands.
+# name -> (module, one-line help): a light module with add_arguments(parser) and run(args),
+# the run importing the heavy part (the engine, the app, the job) when it runs; `answer` is
+# defined below. Benchmarks are scripts in the source tree (benchmarks/), not subcommands.
 SUBCOMMANDS = {
     "answer": ("mminfer.cli", "answer a question about a video"),
     "serve": ("mminfer.serve.cli", "run the HTTP service"),
-    "batch": ("mminfer.batch", "answer questions about every video of a directory"),
-    "calibrate": ("mminfer.offline.calibrate", "search head patterns on calibration videos"),
+    "batch": ("mminfer.batch_cli", "answer questions about every video of a directory"),
+    "calibrate": ("mminfer.offline.cli", "search head patterns on calibration videos"),
 }
 
 
@@ -57,14 +58,15 @@ def add_arguments(p: argparse.ArgumentParser):
 
 def run(args) -> int:
     check_video_path(args.video)             # before the model loads (seconds), not after
-    # lazy: transformers takes seconds to import, which `mminfer --help` must not wait for
-    from transformers.utils import logging as hf_logging
-
     args.model = resolve_model(args.model)   # a clear error says how to get a model
+    # lazy: the CLI's edge: the engine (torch, transformers, triton: seconds) loads when
+    # `answer` runs, never for `mminfer --help`
+    from transformers.utils import logging as hf_logging
+    from mminfer.engine.pipeline import Pipeline, check_request
+    from mminfer.models.sampler import SamplingParams
     # bad arguments fail before the model loads
     check_request(args.question, args.fps, args.max_frames, args.max_new_tokens, args.start,
                   args.end, args.attention)
-    from mminfer.models.sampler import SamplingParams  # lazy: torch, as transformers above
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                               stop=tuple(args.stop))
     hf_logging.disable_progress_bar()
@@ -159,7 +161,8 @@ def _end_rank(rc: int):
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
-    from mminfer.engine.parallel import leave   # lazy: imports torch.distributed
+    # lazy: the CLI's edge (cli.py loads no engine); a torchrun rank has it loaded by now
+    from mminfer.engine.parallel import leave
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -33,8 +33,9 @@ ALLOWED = {
     "cli_options": {"errors"},
     "serve": {"errors", "kernels", "sparse", "video", "models", "engine", "cli_options"},
     "batch": {"errors", "kernels", "sparse", "video", "models", "engine", "cli_options"},
+    "batch_cli": {"errors", "cli_options", "batch"},
     "cli": {"errors", "kernels", "sparse", "video", "models", "engine", "offline", "serve",
-            "batch", "cli_options"},
+            "batch", "batch_cli", "cli_options"},
     "__init__": set(),
     "__main__": {"cli"},
 }

@@ -234,11 +234,48 @@ def _unexplained_local_imports(path: Path) -> list[int]:
 
 def test_imports_are_at_the_top_unless_a_comment_says_why():
     """An import inside a function hides where a name comes from: one stays there only for
-    a reason its ``# lazy:`` comment gives (an optional dependency, an import cycle, triton
-    before TRITON_INTERPRET, the start-up of ``mminfer --help``...)."""
+    a reason its ``# lazy:`` comment gives (an optional or platform-only dependency, the
+    command's edge: a subcommand's run loading the engine)."""
     found = {f"{p.relative_to(ROOT)}:{line}" for p in sorted(PKG.rglob("*.py"))
              for line in _unexplained_local_imports(p)}
     assert not found, "move these imports to the top, or say why not with '# lazy: ...'"
+
+
+# The imports that may stay inside functions: the command's edge (a subcommand's run loads
+# the engine, the app or the job; cli.py, serve/cli.py, batch_cli.py, offline/cli.py) and
+# optional or platform-only dependencies (ray, decord, PyAV as a video backend, fcntl and
+# resource). Everything else imports at the top of its module.
+MAX_LOCAL_IMPORTS = 19
+
+
+def _local_imports(path: Path) -> list[int]:
+    """Lines of the import statements inside a function or method of ``path`` (nested
+    ones counted once)."""
+    out = set()
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            out.update(n.lineno for n in ast.walk(fn)
+                       if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return sorted(out)
+
+
+def test_imports_inside_functions_are_few():
+    """A function-local import is an exception (see MAX_LOCAL_IMPORTS): a module that needs
+    torch, transformers, triton or FastAPI imports them at its top, and `mminfer --help` stays
+    fast at the command's edge instead (tests/test_cli.py test_help_is_light)."""
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in sorted(PKG.rglob("*.py"))
+             for line in _local_imports(p)]
+    assert len(found) <= MAX_LOCAL_IMPORTS, (
+        f"{len(found)} imports inside functions (at most {MAX_LOCAL_IMPORTS}): move them to "
+        "the top of their modules\n" + "\n".join(found))
+
+
+def test_local_imports_are_counted(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import os\n\n\ndef f():\n    import json\n\n    def g():\n"
+                 "        from a import b\n\n\nclass C:\n    import re\n\n"
+                 "    async def m(self):\n        import ray\n")
+    assert _local_imports(f) == [5, 8, 15]
 
 
 def test_an_unexplained_local_import_is_caught(tmp_path):

@@ -54,11 +54,11 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:      # both import torch: `mminfer --help` imports this module
-    from mminfer.models.kv import PrefixKV
-    from mminfer.sparse.modality import ModalityIndex
+import torch
+
+from mminfer.models.kv import PrefixKV
+from mminfer.sparse.modality import ModalityIndex
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,6 @@ class Lease:
 
 class VideoCache:
     def __init__(self, device, gpu_bytes: int | None = None, host_bytes: int = 0):
-        # lazy: torch takes seconds to import, and `mminfer --help` imports this module
-        import torch
         self.device = torch.device(device)
         if gpu_bytes is None:
             if self.device.type == "cuda":
@@ -400,7 +398,6 @@ class VideoCache:
     def _restore(self, lease: Lease, entry: Entry) -> None:
         """A host entry back on the device, its room made first. All or nothing: if the move
         raises, the entry is still on the host, counted there."""
-        import torch  # lazy: as in __init__
         room = room_rows(entry.length)
         need = entry.kv.bytes_at(entry.length + room)
         with self._lock:
@@ -462,7 +459,6 @@ class VideoCache:
     def make_room(self, need_bytes: int) -> None:
         """Before a prefill that will hold ``need_bytes`` of KV cache: spill idle entries
         until the device has that much free (plus the prefill's slack) or none is left."""
-        import torch  # lazy: as in __init__
         if self.device.type != "cuda":
             return
         want = int(need_bytes * (1 + PREFILL_SLACK))

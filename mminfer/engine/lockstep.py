@@ -41,6 +41,9 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from mminfer.errors import Cancelled, MMInferError, RankFailed, ShuttingDown
 
 log = logging.getLogger("mminfer.lockstep")
@@ -61,8 +64,6 @@ class Channel:
 
     def __init__(self, idle_timeout: timedelta = IDLE_TIMEOUT,
                  sync_timeout: timedelta = SYNC_TIMEOUT):
-        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-        import torch.distributed as dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.jobs = dist.new_group(backend="gloo", timeout=idle_timeout)
         self.sync = dist.new_group(backend="gloo", timeout=sync_timeout)
@@ -70,29 +71,20 @@ class Channel:
         self.one_host = len(set(hosts)) == 1
 
     def send(self, msg):
-        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-        import torch.distributed as dist
         dist.broadcast_object_list([msg], src=0, group=self.jobs)
 
     def recv(self):
-        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-        import torch.distributed as dist
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.jobs)
         return box[0]
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on any."""
-        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-        import torch
-        import torch.distributed as dist
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync)
         return bool(t.item())
 
     def gather(self, obj) -> list:
-        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-        import torch.distributed as dist
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.sync)
         return out

@@ -21,6 +21,10 @@ import atexit
 import gc
 import os
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
 from mminfer.errors import ConfigError
 
 
@@ -39,9 +43,6 @@ def check_launch(world_size: int) -> int:
 def init_from_env(world_size: int, device_type: str):
     """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ...): NCCL on
     GPUs, gloo on the CPU. Returns ``(rank, local_rank)``."""
-    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-    import torch.distributed as dist
-
     check_launch(world_size)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
@@ -54,8 +55,6 @@ def init_from_env(world_size: int, device_type: str):
 
 def leave():
     """Tear this process's groups down (idempotent)."""
-    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-    import torch.distributed as dist
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -71,10 +70,6 @@ def leave():
 def _row_parallel(linear, group):
     """A row-parallel ``nn.Linear``: this rank's partial product, summed over the ranks (its
     bias, if any, is kept on rank 0 only, so the sum adds it once)."""
-    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-    import torch.distributed as dist
-    from torch import nn
-
     class RowParallel(nn.Module):
         def __init__(self):
             super().__init__()
@@ -93,8 +88,6 @@ def _row_parallel(linear, group):
 
 
 def _keep_rows(linear, lo: int, hi: int):
-    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-    import torch
     linear.weight = torch.nn.Parameter(linear.weight.data[lo:hi].clone(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(linear.bias.data[lo:hi].clone(), requires_grad=False)
@@ -102,8 +95,6 @@ def _keep_rows(linear, lo: int, hi: int):
 
 
 def _keep_cols(linear, lo: int, hi: int, rank: int):
-    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-    import torch
     linear.weight = torch.nn.Parameter(linear.weight.data[:, lo:hi].clone(), requires_grad=False)
     if linear.bias is not None and rank != 0:
         linear.bias = None
@@ -177,8 +168,6 @@ class FrameShards:
     def gather(self):
         """Fill every other rank's rows of ``out`` with what that rank computed (a
         collective: every rank calls it after the same chunks)."""
-        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-        import torch
         if not self.spans:
             return
         out = self.out
@@ -204,7 +193,5 @@ class FrameShards:
 def all_gather_single(out, inp, group=None):
     """``out`` = every rank's ``inp`` concatenated in rank order: ``all_gather_single``
     (torch >= 2.13, which deprecates the older name), else ``all_gather_into_tensor``."""
-    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-    import torch.distributed as dist
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)

@@ -27,17 +27,26 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
+import torch
+
+from mminfer import video as videolib
 from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.engine.cache import (Entry, PrefixFacts, PrefixKey, VideoCache, cache_key,
                                   file_digest, room_rows)
 from mminfer.engine.parallel import FrameShards, init_from_env, shard_decoder
+from mminfer.engine.rerun import dense_rerun, finish, keep_inputs
 from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
+from mminfer.kernels import fp8_attention, sparsity
 from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Turn,
                                  resolve_checkpoint)
+from mminfer.models.decode import step_batch
 from mminfer.models.embedded import default_model
 from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
                                   sparse_refusal, sparse_unavailable)
+from mminfer.models.kv import kv_dtype
+from mminfer.video import DecodedVideo
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
 ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
@@ -128,7 +137,6 @@ def _adapter_class(mod):
 def _kv_cache_dtype(name):
     """The dtype a prefix's KV cache stores for ``--kv-cache-dtype`` ``name`` (None: the
     model's), or ConfigError."""
-    from mminfer.models.kv import kv_dtype  # lazy: kv imports torch, as in _dtype
     try:
         return kv_dtype(name)
     except ValueError as e:
@@ -136,8 +144,6 @@ def _kv_cache_dtype(name):
 
 
 def _dtype(dtype, device):
-    # lazy: torch takes seconds to import, and `mminfer --help` imports this module
-    import torch
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
@@ -153,7 +159,6 @@ def _dtype(dtype, device):
 def _device(device):
     """The torch device to run on: ``device`` (None: CUDA where there is a GPU, else the CPU);
     a ConfigError, before anything loads, for one this machine does not have."""
-    import torch  # lazy: as in _dtype
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -199,7 +204,6 @@ class Pipeline:
                  vision_compile: bool | None = None, kv_cache_gb: float | None = None,
                  kv_host_cache_gb: float = 0.0, kv_cache_dtype: str = "auto",
                  quantization: str | None = None):
-        import torch  # lazy: as in _dtype
         if attention not in MODES:
             raise ConfigError(f"attention must be one of {MODES}, not {attention!r}")
         if model is None:       # the embedded default model (mminfer/models/mminfer-embedded)
@@ -267,7 +271,6 @@ class Pipeline:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per prompt token, all layers, in the dtype the cache stores."""
-        import torch  # lazy: as in _dtype
         ad = self.adapter
         k = ad.text_model.layers[0].self_attn.k_proj
         bits = torch.finfo(ad.kv_cache_dtype or self.dtype).bits
@@ -346,11 +349,6 @@ class Pipeline:
         video, two prompt lengths, one divisible by 16 and one not (Triton specialises integer
         arguments on that). On the CPU nothing is compiled, so it does nothing unless
         ``force``. Returns what it ran and how long it took."""
-        # lazy: numpy and the video module are kept out of `mminfer --help`, which imports this
-        # module (tests/test_cli.py test_help_is_light); only warmup needs them
-        import numpy as np
-        from mminfer.video import DecodedVideo
-
         if self.device.type != "cuda" and not force:
             return {"ran": False, "why": "nothing to compile on the CPU"}
         t0 = time.perf_counter()
@@ -384,8 +382,6 @@ class Pipeline:
                 break
         out = {"ran": True, "sparse": sparse, "lengths": lengths}
         if ad.kv_cache_dtype is not None:
-            # lazy: triton, which `mminfer --help` must not import (as above)
-            from mminfer.kernels import fp8_attention
             # a question's rows over the FP8 cache take one of several row tiles, each its
             # own compile; the warm-up's own suffix met one of them
             layer = kv.layers[0]
@@ -521,7 +517,6 @@ class Pipeline:
         timings = {k: round(ms.get(k, 0.0), 3) for k in STAGES}
         kept = built.kept if built else None
         if kept is not None:
-            from mminfer.engine.rerun import finish  # lazy: rerun imports torch, as in _dtype
             finish(kept, ad, built.prep, gen, (sparsity or {}).get("mean_density"))
         facts = entry.facts
         video = {**facts.video, "path": str(video_path)}
@@ -543,7 +538,6 @@ class Pipeline:
         at the same time (None for a request that has the model to itself: its own loop)."""
         if isinstance(turn, Solo):
             return None
-        from mminfer.models.decode import step_batch  # lazy: torch, as in _dtype
         ad = self.adapter
 
         def run(items):
@@ -557,8 +551,6 @@ class Pipeline:
         """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
         embeddings, and what the answer reports of the build. ``digest``: the video's
         sha256, which the answer reports."""
-        from mminfer import video as videolib  # lazy: numpy, as in warmup
-
         ad = self.adapter
         # decode -> preprocess -> vision, overlapped: the stream decodes in its own thread
         # while earlier chunks of frames are preprocessed and go through the vision tower
@@ -593,7 +585,6 @@ class Pipeline:
                                    keep_plans=True, cancel=cancel)
         kept = None
         if keep_for_shadow and ctx.decide(P):     # before the prefill overwrites embeds
-            from mminfer.engine.rerun import keep_inputs  # lazy: rerun imports torch, as in _dtype
             kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
         # room for this question and its answer, and at least what a kept entry keeps for
@@ -629,7 +620,6 @@ class Pipeline:
         gave ``result.shadow``) and up to ``max_new_tokens`` greedy tokens after it:
         an engine.rerun.DenseRerun (dense last-token logits, tokens, text). ``cancel`` is
         checked before every decoder layer and generated token (:class:`Cancelled`)."""
-        from mminfer.engine.rerun import dense_rerun  # lazy: rerun imports torch, as in _dtype
         return dense_rerun(self.adapter, kept, max_new_tokens=max_new_tokens, cancel=cancel)
 
 
@@ -677,10 +667,6 @@ def _sparsity(plans: dict, patterns, last_row_only: int | None = None) -> dict |
     triangle, never above 1; ``mean_tile_work``: the kernels' tile work over a dense pass's,
     what the time follows), with whether the config was calibrated and ``last_row_only``:
     the layer that made no plan (the prefix's last layer writes K/V only, models/prefill.py)."""
-    # lazy: importing mminfer.kernels imports triton, which reads TRITON_INTERPRET once,
-    # when it is imported; `mminfer --help` imports this module, and code importing it
-    # (tests, the lab) may set it later
-    from mminfer.kernels import sparsity
     out = sparsity(plans)
     if out is not None:
         out.update(uncalibrated=bool(getattr(patterns, "uncalibrated", True)),

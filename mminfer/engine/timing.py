@@ -10,6 +10,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+import torch
+
 # Every stage of a served request, in the order it happens: the one list. ``upload`` and ``queue``
 # exist only in the service; ``wait`` is the time a running request spent waiting for others' steps
 # before its first token (engine/scheduler.py: a long prefill paused for a cache hit, or a hit
@@ -35,8 +37,6 @@ class StageTimer:
     other requests out of the sections open meanwhile and report it as ``wait``."""
 
     def __init__(self, device=None):
-        # lazy: torch takes seconds to import, and `mminfer --help` imports this module
-        import torch
         self._torch = torch
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.cuda = dev.type == "cuda" and torch.cuda.is_available()

@@ -10,8 +10,10 @@ the tile step the attention kernels share. For the models: ``fp8_attention`` (de
 an FP8 KV cache), ``fp8_quant`` and ``fp8_gemm`` (FP8 linear layers), ``vision_elementwise``
 and ``window_attention`` (the Qwen2.5-VL vision block), ``rope`` (the prefill's RoPE).
 
-Importing the package imports triton (a dependency of the package): set
-``TRITON_INTERPRET`` before it, as ``runtime.interpreted`` reads.
+Importing the package imports triton (a dependency of the package), and triton chooses
+between its interpreter and compiled kernels when each ``@triton.jit`` kernel is defined, i.e.
+on this import: set ``TRITON_INTERPRET`` before it, as ``runtime.interpreted`` reads. The
+sparse layer, the models and the engine import it at their top, so before importing them too.
 """
 
 from .density import plan_density, sparsity

@@ -28,8 +28,16 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from huggingface_hub import snapshot_download
+from transformers import DynamicCache
+
 from mminfer.errors import Cancelled, ConfigError, InputError
+from mminfer.models.decode import decode_loop
 from mminfer.models.detokenize import IncrementalText
+from mminfer.models.kv import HEADROOM, PrefixKV
+from mminfer.models.prefill import DEFAULT_CHUNK, prefill
+from mminfer.models.sampler import Sampler, openai_logprobs
 
 
 class _Video:
@@ -247,12 +255,6 @@ class Adapter:
         ``cancel`` is also checked before every decode step. Sections timed: vision (unless
         ``embeds`` from ``embed`` are given), prefill, generate (the decode steps after the
         first token). ``on_token`` and ``sampling_params``: as in :meth:`continue_on`."""
-        # lazy: torch takes seconds to import (prefill imports it too), and `mminfer --help`
-        # imports this module
-        import torch
-        from mminfer.models.prefill import DEFAULT_CHUNK, prefill
-        from mminfer.models.sampler import Sampler
-
         section = timer if timer is not None else (lambda name: nullcontext())
         sampler = Sampler(sampling_params)
         L = prepared.input_ids.shape[1]
@@ -280,11 +282,6 @@ class Adapter:
         ``ctx`` is active during it (sparse or dense by its decision on the prefix's length,
         estimated from the prefix's own last queries: ``ctx.index`` is the prefix's). The
         cache stores ``self.kv_cache_dtype`` (FP8: quantised as each layer writes it)."""
-        # lazy: as in generate
-        import torch
-        from mminfer.models.kv import HEADROOM, PrefixKV
-        from mminfer.models.prefill import DEFAULT_CHUNK, prefill
-
         section = timer if timer is not None else (lambda name: nullcontext())
         P = prepared.prefix_len
         kv = PrefixKV.for_model(self.text_model, HEADROOM if headroom is None else headroom,
@@ -314,9 +311,6 @@ class Adapter:
         to ``Generated.text``. ``stepper``: who runs each decode step
         (mminfer.models.decode ``decode_loop``; the server batches the steps of the answers
         decoding together)."""
-        import torch  # lazy: as in generate
-        from mminfer.models.sampler import Sampler  # lazy: torch, as in generate
-
         section = timer if timer is not None else (lambda name: nullcontext())
         sampler = Sampler(sampling_params)
         P, S = cache.get_seq_length(), embeds.shape[1]
@@ -335,9 +329,6 @@ class Adapter:
         the decode steps on ``cache`` (mminfer.models.decode: the lean step, replayed from CUDA
         graphs on a GPU; ``self._step`` where it cannot run), the cut at a stop string, the
         text."""
-        from mminfer.models.decode import decode_loop  # lazy: torch, as in generate
-        from mminfer.models.sampler import openai_logprobs  # lazy: torch, as in generate
-
         params = sampler.params
         out = [int(first)]
         first_token_s = time.perf_counter()
@@ -375,7 +366,6 @@ class Adapter:
     def suffix_embeds(self, conversation):
         """The embeddings of a conversation's suffix (what follows the video), ``[1, S,
         hidden]``: all a question on a cached prefix needs of the prompt."""
-        import torch  # lazy: as in generate
         _, suffix = self.split_prompt(conversation, 0)
         ids = torch.tensor([suffix], dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -390,7 +380,6 @@ class Adapter:
 
 
 def _new_cache(text_model):
-    from transformers import DynamicCache  # lazy: transformers, as in generate
     try:
         return DynamicCache(config=text_model.config)
     except TypeError:   # older signatures take no config
@@ -424,9 +413,6 @@ def resolve_checkpoint(model: str) -> tuple[Path, str, str | None]:
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ConfigError(f"model {model!r} is neither a directory nor a hub id (owner/name)")
     try:
-        # lazy: huggingface_hub takes 0.4 s to import and only a hub id needs it; `mminfer
-        # --help` imports this module
-        from huggingface_hub import snapshot_download
         local = Path(snapshot_download(repo_id=model))
     except Exception as e:   # offline, missing, gated, network: all mean "cannot get it"
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")

@@ -17,7 +17,18 @@ import contextvars
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
 from mminfer.errors import InputError
+from mminfer.kernels.fp8_attention import fp8_attention
+from mminfer.kernels.runtime import interpreted
+from mminfer.sparse.attention import layer_attention
 
 # Never put "flash" in this name: transformers treats any such name as FlashAttention.
 ATTN_NAME = "mminfer_sparse"
@@ -80,10 +91,6 @@ def auto_min_tokens(device) -> int:
 def sparse_unavailable(device) -> str | None:
     """Why the sparse kernels cannot run on ``device``, or None. Triton needs a GPU; on the
     CPU only its interpreter runs them, and that must be chosen before triton is imported."""
-    # lazy: importing mminfer.kernels imports triton, which reads TRITON_INTERPRET once, when
-    # it is imported (this asks whether the interpreter was chosen), and `mminfer --help`
-    # imports this module
-    from mminfer.kernels.runtime import interpreted
     if getattr(device, "type", str(device)) == "cpu" and not interpreted():
         return ("sparse attention runs Triton kernels: it needs a CUDA GPU, or "
                 "TRITON_INTERPRET=1 in the environment on the CPU (slow: for tests); "
@@ -139,11 +146,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                       **kwargs):
     """transformers attention function: q ``[B, H, q_len, D]``, k/v ``[B, Hkv, kv_len, D]``
     (already rotated and in the cache); returns ``([B, q_len, H, D], None)``."""
-    # lazy: torch and transformers take seconds to import, and `mminfer --help` imports this
-    # module
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -167,8 +169,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             return sdpa_attention_forward(module, query, key, value, attention_mask,
                                           scaling=scaling, dropout=dropout, **kwargs)
 
-    from mminfer.sparse.attention import layer_attention  # lazy: torch and triton, as above
-
     B, H, N, D = query.shape
     out = torch.empty(B, N, H, D, dtype=query.dtype, device=query.device)
     # tensor parallel: this rank holds global heads tp_rank * H + h (engine/parallel.py)
@@ -191,9 +191,6 @@ def continuation_attention(query, key, value, scaling=None):
     GQA by index, where the boolean mask transformers builds would force a dense
     ``[q_len, kv_len]`` mask and K/V repeated per query head (7x the cache at 28/4 heads).
     Returns ``[1, q_len, H, D]``."""
-    # lazy: as in attention_forward
-    import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
     q_len, kv_len = query.shape[2], key.shape[2]
     out = F.scaled_dot_product_attention(query, key, value,
                                          attn_mask=causal_lower_right(q_len, kv_len),
@@ -208,9 +205,6 @@ def fp8_cache_attention(query, key, value, scaling=None, ctx=None):
     tiles and dequantises them in registers (mminfer.kernels.fp8_attention); no dequantised
     copy of the cache is made. The prefill of a prefix never gets here: it attends with the
     K/V it has just computed (models/prefill.py). Returns ``[1, q_len, H, D]``."""
-    # lazy: triton (through the kernel module) is imported on first use, as everywhere in
-    # this module: the CLI imports the hook without it
-    from mminfer.kernels.fp8_attention import fp8_attention
     timer = ctx.timer if ctx is not None else None
     if timer is not None:
         with timer("attention"):
@@ -226,7 +220,6 @@ def decode_backends(query, q_len: int):
     none. Prefill keeps PyTorch's choice (cuDNN, the fastest there, plans once per request)."""
     if q_len > 16 or not getattr(query, "is_cuda", False):
         return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel  # lazy: as in attention_forward
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH])
 
@@ -236,9 +229,6 @@ def register() -> str:
     SDPA's: None where ``is_causal`` covers it (a prefill on an empty cache, decode), the
     causal block otherwise (a chunk of prompt on a non-empty cache), since the dense path is
     SDPA."""
-    # lazy: as in attention_forward
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(ATTN_NAME, attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     return ATTN_NAME

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from einops import rearrange
+from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
 from mminfer.models import fp8, hooks
@@ -237,11 +238,6 @@ class Qwen2_5_VLAdapter(Adapter):
         qkv/proj/MLP quantised at load (mminfer.models.fp8). A compressed-tensors FP8-Dynamic
         checkpoint loads as it is (its layers with ``weight_scale`` become FP8, the ones it
         left unquantised stay in ``dtype``) and implies ``quantization="fp8"``."""
-        # lazy: transformers and its Qwen2.5-VL model take seconds to import, and pick_adapter
-        # imports this module for every checkpoint (LongVILA's too) to ask whether it accepts it
-        from transformers import (AutoConfig, AutoTokenizer,
-                                  Qwen2_5_VLForConditionalGeneration)
-
         path, rid, rrev = resolve_checkpoint(str(path))
         model_id, revision = model_id or rid, revision or rrev
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
 
+import av
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
@@ -544,8 +545,6 @@ def make_example(task: str, seed: int, **kw) -> Example:
 def write_mp4(frames: np.ndarray, path, fps: float = 2.0, *, crf: int = 20) -> None:
     """Write RGB uint8 frames [T, H, W, 3] as H.264 / yuv420p (odd sides padded by
     repeating the last row/column, as yuv420p needs even dimensions)."""
-    import av   # lazy: only writing a file needs the encoder, drawing frames does not
-
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
         raise ValueError(f"frames must be [T, H, W, 3] with T >= 1, got {frames.shape}")

@@ -31,6 +31,8 @@ import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from mminfer import __version__
@@ -40,7 +42,7 @@ from mminfer.errors import ConfigError
 from mminfer.models.base import resolve_checkpoint
 from mminfer.models.embedded import resolve_model
 
-from . import apidocs, errors, jsonbody, media
+from . import answer, apidocs, errors, jsonbody, login, media, openai, reads, videos
 from .metrics import Metrics
 from .service import Service
 from .settings import Settings
@@ -56,11 +58,6 @@ log = logging.getLogger("mminfer.serve")
 def create_app(settings: Settings | None = None, worker: ModelWorker | None = None):
     """The FastAPI app; the model loads on the worker thread when the app starts (or pass a
     ``worker`` already started, as the CLI does to fail fast on a bad model)."""
-    # lazy: FastAPI (imported by these route modules too) takes ~1 s to import, and
-    # `mminfer serve --help` imports this module
-    from fastapi import FastAPI
-
-    from . import answer, login, openai, reads, videos  # lazy: they import FastAPI
 
     s = settings or Settings()
     model_path = resolve_model(s.model)
@@ -193,7 +190,6 @@ def _openapi(app, models) -> dict:
     from, checked by a schema-driven fuzz run (tests/serve/test_openapi_contract.py)."""
     if app.openapi_schema:
         return app.openapi_schema
-    from fastapi.openapi.utils import get_openapi  # lazy: as in create_app
 
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)

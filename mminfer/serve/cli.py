@@ -3,6 +3,9 @@
 The model loads before the socket opens, so a bad ``--model`` fails at once with a message
 instead of a server whose /health stays 503; once it listens, the URL and a curl line that
 uploads a sample video are printed.
+
+The module itself is light (argparse, uvicorn, the settings' defaults): ``mminfer serve
+--help`` imports it, and ``run`` imports the app and the engine under it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ from mminfer.cli_options import add_model_arguments, pipeline_options
 from mminfer.errors import ConfigError
 from mminfer.models.embedded import resolve_model
 
-from . import tensor_parallel
-from .app import create_app
-from .protocol import config as guarded_config
 from .settings import Settings
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
@@ -338,12 +338,13 @@ def run(args) -> int:
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        # lazy: transformers takes seconds to import (the model worker imports it anyway)
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    # lazy: the CLI's edge: the app and the engine under it (torch, transformers, FastAPI:
+    # seconds) load when the server starts, never for `mminfer serve --help`
+    from transformers.utils import logging as hf_logging
+    from . import tensor_parallel
+    from .app import create_app
+    from .protocol import config as guarded_config
+    hf_logging.disable_progress_bar()
     tp = None
     if args.tensor_parallel > 1:         # rank 0 serves, the others follow its requests
         tp = tensor_parallel

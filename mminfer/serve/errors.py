@@ -14,7 +14,10 @@ import logging
 import math
 import re
 
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from mminfer.errors import InputError, MMInferError, MissingField
 
@@ -72,7 +75,6 @@ def describe(e: MMInferError, path: str | None = None, label: str = "the video")
 
 
 def json_response(status: int, body: dict, headers: dict | None = None):
-    from fastapi.responses import JSONResponse  # lazy: FastAPI, as install says
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -86,10 +88,6 @@ def error_response(e: MMInferError, headers: dict | None = None):
 
 def install(app):
     """Handlers for what escapes a route: FastAPI's own 404/405/422, our errors, bugs."""
-    # lazy: FastAPI takes ~1 s to import, and `mminfer serve --help` imports this module
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException
-
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")

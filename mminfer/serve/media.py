@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
 
+import httpx
 from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
@@ -404,10 +405,6 @@ async def fetch_remote(url: str, folder, max_bytes: int, allowed_domains, timeou
     """Download an http(s) URL whose host is allow-listed: no redirects (they could lead
     anywhere), the resolved address pinned (no second lookup that could answer otherwise),
     size checked while downloading, the whole download within ``deadline`` seconds."""
-    # lazy: httpx takes 0.25 s to import and only a remote URL needs it; `mminfer serve
-    # --help` imports this module
-    import httpx
-
     parts = parse_url(url)
     host = (parts.hostname or "").lower()
     if not allowed_domains:

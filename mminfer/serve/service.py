@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from starlette.requests import ClientDisconnect
+
 from mminfer.errors import ClientGone, MMInferError, Timeout, Unauthorized, WorkerDead
 
 from . import guard, media, tenants
@@ -159,10 +161,6 @@ class Service:
     # ------------------------------------------------------------ the request
     async def handle(self, http, endpoint: str, impl):
         """Serve one POST with ``impl(req) -> (body, info)``; every outcome is JSON."""
-        # lazy: starlette takes 0.3 s to import, and `mminfer serve --help` imports this
-        # module (through app.py)
-        from starlette.requests import ClientDisconnect
-
         arrival = time.monotonic()
         rid = http.headers.get("x-request-id", "")
         rid = rid if _RID.match(rid) else uuid.uuid4().hex

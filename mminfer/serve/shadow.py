@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.errors import Cancelled
 
@@ -63,8 +65,6 @@ def compare(kept, rerun, max_new_tokens: int) -> dict:
     """The comparison of a sparse run (``kept``) with its dense re-run, which generated the
     first ``max(1, min(max_new_tokens, len(sparse answer)))`` tokens (fewer where it met EOS:
     a dense answer that ends where the sparse one goes on is a different answer)."""
-    # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-    import torch
     ld = torch.log_softmax(rerun.logits.double(), -1)
     ls = torch.log_softmax(kept.sparse_logits.double(), -1)
     kl = float((ld.exp() * (ld - ls)).sum())
@@ -221,8 +221,6 @@ class ShadowMonitor:
 
 def _empty_cache():
     try:
-        # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-        import torch
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     except Exception:                  # noqa: BLE001 - best effort

@@ -67,6 +67,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.engine.scheduler import Scheduler
 from mminfer.errors import (Cancelled, MMInferError, OutOfMemory, QueueFull, ShuttingDown,
@@ -509,8 +511,6 @@ class ModelWorker:
 
     def _free_memory(self):
         try:
-            # lazy: torch takes seconds to import, and `mminfer serve --help` imports this module
-            import torch
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         except Exception:                  # noqa: BLE001 - best effort

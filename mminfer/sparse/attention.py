@@ -8,6 +8,10 @@ from typing import Sequence
 
 import torch
 
+from mminfer.kernels import sparse_attention
+from mminfer.kernels.reference import plan_attention
+
+from .estimate import estimate_layer
 from .modality import ModalityIndex
 from .patterns import HeadPattern
 
@@ -37,9 +41,6 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Hq, D = q.shape[1], q.shape[3]
     scale = D ** -0.5 if scale is None else scale
     stage = timer if timer is not None else (lambda name: nullcontext())
-    # lazy: these load triton, which reads TRITON_INTERPRET once, when it is imported; code
-    # that imports this module (tests, the lab) may set it later
-    from .estimate import estimate_layer
 
     if len(heads) != Hq:
         raise ValueError(f"{len(heads)} head patterns for {Hq} query heads")
@@ -54,9 +55,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         plan = est.build_plan(q.device)
     with stage("attention"):
         if engine == "reference":
-            from mminfer.kernels.reference import plan_attention  # lazy: as estimate_layer
             out = plan_attention(q, k, v, plan, scale=scale, out=out)
         else:
-            from mminfer.kernels import sparse_attention  # lazy: as estimate_layer
             out = sparse_attention(q, k, v, plan, scale=scale, out=out)
     return (out, plan) if return_plan else out

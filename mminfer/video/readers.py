@@ -183,8 +183,8 @@ class _PyAVReader:
     out_buffer = None     # uint8 memory to decode the next batch into (Session.next)
 
     def __init__(self, path: str, facts: dict, size: tuple[int, int] | None = None):
-        # lazy: decoders load only in the process that decodes (the decode worker), not in
-        # every process that imports this module (the server's, `mminfer serve --help`)
+        # lazy: PyAV is optional here, as in probe_av: without it this backend is "missing"
+        # (Session.open) and decord decodes alone
         import av
 
         self.av = av

@@ -13,7 +13,8 @@ import torch
 
 from mminfer.errors import InputError
 from mminfer.offline.answer_kl import AnswerProbe, frontier, kl_divergence
-from mminfer.offline.calibrate import add_arguments, run
+from mminfer.offline.calibrate import run
+from mminfer.offline.cli import add_arguments
 from mminfer.sparse.patterns import HeadPatternConfig
 
 VIDEOS = ["synth:needle:24:900000", "synth:count:40:900003"]

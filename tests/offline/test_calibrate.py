@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from mminfer.offline.calibrate import (add_arguments, calibrate, dense_reference, head_density,
-                               run)
+from mminfer.offline.calibrate import calibrate, dense_reference, head_density, run
+from mminfer.offline.cli import add_arguments
 from mminfer.errors import ConfigError
 from mminfer.sparse.estimate import estimate_layer
 from mminfer.sparse.modality import ModalityIndex
@@ -137,7 +137,7 @@ def test_capture_from_a_real_layout_checkpoint_then_calibrate(tmp_path):
     ckpt = save_tiny_qwen2_5_vl(tmp_path / "ckpt")
     video = Path(__file__).resolve().parents[2] / "samples" / "videos" / "needle_0.mp4"
     p = argparse.ArgumentParser()
-    C.add_arguments(p)
+    add_arguments(p)
     out = ckpt / "mminfer_patterns.json"
     args = p.parse_args(["--model", str(ckpt), "--videos", str(video), "--out", str(out),
                          "--capture-dir", str(tmp_path / "caps"), "--budget", "0.5",
