@@ -50,6 +50,25 @@ class RemoteRefused(InputError):
     code = "remote_media_refused"
 
 
+class StreamNotFound(MMInferError):
+    """No live stream by that id (or it is another tenant's)."""
+    code = "stream_not_found"
+    http_status = 404
+
+
+class StreamFull(MMInferError):
+    """A live stream takes no more video: its KV cache would pass the streams' byte budget
+    or the model's context. It stays answerable over what it holds."""
+    code = "stream_full"
+    http_status = 409
+
+
+class StreamClosed(MMInferError):
+    """The live stream was deleted."""
+    code = "stream_closed"
+    http_status = 409
+
+
 class Unauthorized(MMInferError):
     code = "unauthorized"
     http_status = 401

@@ -231,6 +231,12 @@ class Adapter:
         from the cache's length."""
         return None
 
+    def stream_layout(self, conversation, fps: float, frame_hw, options=None):
+        """How a live stream's prompt is laid out on this model, for a stream sampled at
+        ``fps`` whose frames are ``frame_hw`` (h, w): a mminfer.models.streaming.StreamLayout
+        (the head, each piece's rows and positions, a question's suffix)."""
+        raise InputError(f"{self.name} does not take live streams")
+
     def split_prompt(self, conversation, n_video_tokens: int) -> tuple[list, list]:
         """``(prefix, suffix)`` token ids of a question or Conversation around the video;
         the suffix (what follows the video) is the same whatever ``n_video_tokens``."""

@@ -35,6 +35,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, SiglipVis
 from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
 from mminfer.models import fp8, hooks, siglip
 from mminfer.models.base import VIDEO, Adapter, Conversation, Prepared, PrepareOptions
+from mminfer.models.streaming import LongVILAStreamLayout
 from mminfer.video.sampling import vila_indices
 from mminfer.models.vision import device_constant, frame_chunks, to_device
 from mminfer.sparse.modality import ModalityIndex
@@ -344,6 +345,9 @@ class LongVILA(Adapter):
                         prefix_len=len(prefix) + len(video_ids),
                         prefix_index=ModalityIndex.longvila(len(prefix), n_frames, P, 0),
                         tensors={"frames": frames, "resized": (self.image_size,) * 2})
+
+    def stream_layout(self, conversation, fps, frame_hw, options=None):
+        return LongVILAStreamLayout(self, conversation, fps, frame_hw, options)
 
     def visual_tokens(self, n_frames: int, height: int, width: int,
                       options: PrepareOptions | None = None) -> int:

@@ -52,7 +52,7 @@ DEFAULT_CHUNK = 16384
 
 def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
             chunk: int = DEFAULT_CHUNK, ctx=None, lm_head=None, layers=None,
-            kv_only_last: bool = False) -> torch.Tensor | None:
+            kv_only_last: bool = False, append: bool = False) -> torch.Tensor | None:
     """Prefill the prompt ``embeds`` ``[1, N, hidden]`` through ``text_model`` (a transformers
     Qwen2 / Qwen2.5-VL text model) into ``cache`` (an empty ``DynamicCache``; None keeps no
     K/V, for benchmarks of the prefill alone).
@@ -65,12 +65,22 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
     state of the last position ``[1, 1, hidden]``, or its logits with ``lm_head``.
     ``kv_only_last``: a prefix that questions continue (the video cache) needs no output at
     all: its last decoder layer writes its K/V and computes nothing else; returns None.
+
+    ``append``: the rows continue what ``cache`` holds (a live stream's next piece of video,
+    mminfer.engine.streams): their K/V are written after the cached rows and each row attends
+    to every cached key and causally among the new rows (the hook's continuation path: queries
+    at an offset into a longer key range). ``position_ids`` are then those of the new rows
+    (None: 1-D positions continuing the cache's length). Over an FP8 cache the new rows attend
+    through the cache's quantised keys (the one copy of the earlier rows).
     """
     if embeds.ndim != 3 or embeds.shape[0] != 1:
         raise ValueError(f"prefill takes one prompt [1, N, hidden], got {tuple(embeds.shape)}")
-    if cache is not None and cache.get_seq_length() != 0:
+    offset = cache.get_seq_length() if cache is not None else 0
+    if append and cache is None:
+        raise ValueError("append prefills rows after a cache's: pass the cache")
+    if offset and not append:
         raise ValueError("prefill writes a fresh cache; this one already holds "
-                         f"{cache.get_seq_length()} tokens")
+                         f"{offset} tokens (append=True continues it)")
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 token, not {chunk}")
     n = embeds.shape[1]
@@ -79,7 +89,8 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
     todo = text_model.layers if layers is None else [text_model.layers[i] for i in layers]
     with torch.inference_mode(), \
             (hooks.prefill_context(ctx) if ctx is not None else nullcontext()):
-        cos_sin = _rotary(text_model, h, _position_ids(text_model, position_ids, n, h.device), spans)
+        cos_sin = _rotary(text_model, h,
+                          _position_ids(text_model, position_ids, n, h.device, offset), spans)
         if ctx is not None:
             ctx.decide(n)
         # only a run of every layer ends in the rows nobody reads; a captured layer is needed whole
@@ -94,18 +105,21 @@ def prefill(text_model, embeds: torch.Tensor, cache=None, position_ids=None, *,
                     ctx.last_row_only = layer.self_attn.layer_idx
                 return None
             if last_only and i == len(todo) - 1:
-                last = _decoder_layer(layer, h, cos_sin, spans, cache, last_only=True)
+                last = _decoder_layer(layer, h, cos_sin, spans, cache, last_only=True,
+                                      append=bool(offset))
                 if ctx is not None:
                     ctx.last_row_only = layer.self_attn.layer_idx
             else:
-                _decoder_layer(layer, h, cos_sin, spans, cache)
+                _decoder_layer(layer, h, cos_sin, spans, cache, append=bool(offset))
         last = text_model.norm(h[:, -1:] if last is None else last)
         return lm_head(last) if lm_head is not None else last
 
 
-def _decoder_layer(layer, h, cos_sin, spans, cache, last_only=False):
+def _decoder_layer(layer, h, cos_sin, spans, cache, last_only=False, append=False):
     """``layer`` (a transformers decoder layer) on the residual stream ``h``, in place:
     h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h)).
+
+    ``append``: ``cache`` held rows before these: the queries attend to all of its keys.
 
     ``last_only``: k/v of every row (into the cache), but queries, attention and MLP for the
     last row alone, returned as ``[1, 1, hidden]``; ``h`` is left as it was."""
@@ -141,7 +155,8 @@ def _decoder_layer(layer, h, cos_sin, spans, cache, last_only=False):
         # the cache's copy becomes the only one: ours is dropped here. An FP8 cache
         # (models/kv.py) holds a quantised copy: this layer attends with its own K/V, the
         # one layer's worth that exists besides the cache, dropped after its attention
-        if kc.dtype == k.dtype:
+        # appended rows read the earlier rows from the cache, whatever it stores
+        if kc.dtype == k.dtype or append:
             k, v = kc, vc
         del kc, vc
     # last_only: one query against every key is the causal prefill's last row, with no mask
@@ -192,12 +207,12 @@ def _rope_rows(apply_rope, proj, buf, s, cos, sin):
     buf[:, :, s:s + c] = t
 
 
-def _position_ids(text_model, position_ids, n, device):
+def _position_ids(text_model, position_ids, n, device, offset=0):
     """The positions the model's forward would use, in the shape its rotary embedding takes:
     ``[3, 1, N]`` for M-RoPE (a 2-D input broadcast to the three axes; transformers' packed
-    4-row form drops its text row), ``[1, N]`` otherwise."""
+    4-row form drops its text row), ``[1, N]`` otherwise. None: ``offset .. offset+N-1``."""
     if position_ids is None:
-        position_ids = torch.arange(n, device=device)[None]
+        position_ids = torch.arange(offset, offset + n, device=device)[None]
     mrope = hasattr(text_model.rotary_emb, "mrope_section")
     if mrope and position_ids.ndim == 2:
         position_ids = position_ids[None].expand(3, *position_ids.shape)

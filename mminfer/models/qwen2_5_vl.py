@@ -23,6 +23,7 @@ from mminfer.errors import Cancelled, ConfigError, InputError, VideoError
 from mminfer.models import fp8, hooks
 from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Prepared,
                                  resolve_checkpoint)
+from mminfer.models.streaming import QwenStreamLayout
 from mminfer.models.vision import (CHUNK_PATCHES, COMPILE_DEFAULT, QwenVisionTower,
                                    device_constant, frame_chunks, to_device)
 from mminfer.sparse.modality import ModalityIndex
@@ -348,6 +349,9 @@ class Qwen2_5_VLAdapter(Adapter):
                      "rope_delta": delta,
                      "mm_token_type_ids": (input_ids == self.video_token_id).long() * 2,
                      "resized": (rh, rw)})
+
+    def stream_layout(self, conversation, fps, frame_hw, options=None):
+        return QwenStreamLayout(self, conversation, fps, frame_hw, options)
 
     def visual_tokens(self, n_frames: int, height: int, width: int,
                       options: PrepareOptions | None = None) -> int:

@@ -25,7 +25,7 @@ from mminfer.errors import InputError, MissingField
 from mminfer.models.sampler import (MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
                                     SamplingParams)
 
-from . import media
+from . import live, media
 from .budget import request_params
 from .errors import validate
 from .schemas import (ATTENTION_DOC, CACHE_SALT_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention,
@@ -45,6 +45,9 @@ class AnswerFields(BaseModel):
     video_id: str = Field(None, min_length=1, description="instead of a `video` file: the id "
                                                           "of a video stored with POST "
                                                           "/v1/videos")
+    stream_id: str = Field(None, min_length=1, description="instead of a video: the id of a "
+                                                           "live stream (POST /v1/streams), "
+                                                           "asked over what it holds now")
     fps: Number = Field(None, gt=0, le=MAX_FPS, description=FPS_DOC)
     max_frames: Integer = Field(None, ge=1, description=MAX_FRAMES_DOC)
     max_new_tokens: Integer = Field(
@@ -112,6 +115,8 @@ async def _answer(svc, req):
                               top_logprobs=form.top_logprobs)
     if form.video_id and req.path is not None:
         raise InputError("the form has both a `video` file and a `video_id`; send one of them")
+    if form.stream_id:
+        return await _answer_stream(svc, req, form, sampling)
     filename = up.filename
     if form.video_id:
         req.use_stored(svc.videos, form.video_id)
@@ -139,4 +144,23 @@ async def _answer(svc, req):
     if not sampling.greedy:
         body["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                             "seed": sampling.seed}
+    return body, {"result": result, "timings": timings}
+
+
+async def _answer_stream(svc, req, form, sampling):
+    """A question about a live stream (mminfer.serve.live)."""
+    if req.path is not None or form.video_id:
+        raise InputError("the form has a `stream_id` and a video; send one of them")
+    question, params = request_params(svc.s, fps=form.fps, max_frames=form.max_frames,
+                                      max_new_tokens=form.max_new_tokens,
+                                      attention=form.attention, question=form.question)
+    params["sampling_params"] = sampling
+    result, timings, video = await live.answer(svc, req, form, question, params)
+    body = {"request_id": req.id, "answer": result.answer, "model": svc.model_id(),
+            "attention": result.attention,
+            "attention_requested": result.attention_requested, "cache": result.cache,
+            "video": video, "tokens": result.tokens, "sparsity": None,
+            "timings_ms": timings, "finish_reason": result.finish_reason}
+    if sampling.logprobs:
+        body["logprobs"] = result.logprobs
     return body, {"result": result, "timings": timings}

@@ -42,7 +42,7 @@ from mminfer.errors import ConfigError
 from mminfer.models.base import resolve_checkpoint
 from mminfer.models.embedded import resolve_model
 
-from . import answer, apidocs, errors, jsonbody, login, media, openai, reads, videos
+from . import answer, apidocs, errors, jsonbody, live, login, media, openai, reads, videos
 from .metrics import Metrics
 from .service import Service
 from .settings import Settings
@@ -123,9 +123,10 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
     app.state.shadow = worker.shadow
     errors.install(app)
-    for module in (answer, openai, videos, reads, login, apidocs):
+    for module in (answer, openai, videos, live, reads, login, apidocs):
         app.include_router(module.router)
-    app.openapi = lambda: _openapi(app, (answer.AnswerForm, *openai.SCHEMAS))
+    app.openapi = lambda: _openapi(app, (answer.AnswerForm, live.StreamCreate,
+                                         *openai.SCHEMAS))
     return app
 
 
@@ -145,12 +146,18 @@ def model_name(model_path: str) -> str:
 # header_timeout, 431, 503 too_many_connections) can come before any route, and are not listed.
 _ASK = (400, 401, 403, 404, 408, 413, 415, 422, 429, 500, 503, 504, 507)
 ERROR_RESPONSES = {
-    ("post", "/v1/answer"): _ASK,
+    ("post", "/v1/answer"): _ASK + (409,),
     ("post", "/v1/chat/completions"): _ASK,
     ("post", "/v1/videos"): (400, 401, 408, 413, 415, 422, 500, 503, 507),
     ("get", "/v1/videos"): (401,),
     ("get", "/v1/videos/{video_id}"): (401, 404),
     ("delete", "/v1/videos/{video_id}"): (401, 404),
+    ("post", "/v1/streams"): (400, 401, 404, 409, 413, 422, 503),
+    ("get", "/v1/streams"): (401,),
+    ("get", "/v1/streams/{stream_id}"): (401, 404, 503),
+    ("delete", "/v1/streams/{stream_id}"): (401, 404, 503),
+    ("post", "/v1/streams/{stream_id}/segments"): (400, 401, 404, 408, 409, 413, 415, 422, 429,
+                                                   499, 500, 503, 504, 507),
     ("get", "/v1/models"): (401,),
     ("get", "/v1/latency-report"): (400, 401),
     ("get", "/report"): (400, 401),
@@ -162,7 +169,9 @@ STATUS_DOCS = {
     401: "no or a wrong API key (`Authorization: Bearer`, when the server has one)",
     403: "not allowed here (attention=sparse where the server decides, a local path outside "
          "the allowed folder)",
-    404: "an unknown model name or video id",
+    404: "an unknown model name, video id or stream id",
+    409: "the live stream is full (its budget or the model's context) or deleted",
+    499: "the client left before the piece was taken in",
     408: "the body arrived too slowly",
     413: "over a size or budget limit (`limit` says it)",
     415: "not a video, or not the body type the route reads",

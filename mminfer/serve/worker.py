@@ -101,6 +101,9 @@ class Job:
     shadow_sampled: bool = False          # the shadow monitor asked it to keep its inputs
     on_token: object = None               # Pipeline.answer's on_token (a streamed answer)
     turn: object = None                   # its mminfer.engine.scheduler.Turn while in progress
+    # other work than Pipeline.answer (a live stream's piece or question):
+    # call(pipeline, turn, cancel) -> its result, run in the job's place
+    call: object = None
 
     def cancel(self, reason: MMInferError | None = None) -> bool:
         """Stop the job: dropped at once if it has not started (True), else asked to stop
@@ -387,6 +390,8 @@ class ModelWorker:
     def _run(self, job: Job):
         if job.stop is not None:           # asked to stop before it got here
             raise Cancelled("the request was cancelled before it started")
+        if job.call is not None:
+            return job.guard.run(job.call, self.pipeline, job.turn, job.should_stop)
         params = job.params if self.shadow is None else self.shadow.params(job, self.pipeline)
         extra = {} if job.on_token is None else {"on_token": job.on_token}
         if job.turn is not None:
@@ -485,7 +490,7 @@ class ModelWorker:
         if job.stop is not None:           # asked to stop: that is its answer
             result, error = None, job.stop
             self.stopped += 1
-        if self.shadow is not None and result is not None:
+        if self.shadow is not None and result is not None and job.call is None:
             self.shadow.offer(job, result)     # takes the kept inputs off the answer
         # Book-keeping first, so whoever the answer wakes sees the file gone and the
         # job counted.

@@ -251,6 +251,27 @@ def test_prefill_refuses_a_used_cache(qwen):
         prefill(qwen.text_model, embeds.clone(), cache, qwen.positions(p, 0, p.total_tokens))
 
 
+def test_append_continues_a_cache_as_one_shot(case):
+    """prefill(append=True): the prompt's rows in three parts, each over the cache the parts
+    before wrote (queries at an offset into a longer key range, causal among themselves), give
+    the one-shot prefill's last hidden state and every layer's K/V."""
+    from mminfer.models.kv import PrefixKV
+    adapter, p, embeds = case
+    want, ref = _one_shot(adapter, p, embeds)
+    L = p.total_tokens
+    cuts = [0, L // 3, L // 3 + 5, L]
+    kv = PrefixKV.for_model(adapter.text_model)
+    for a, b in zip(cuts, cuts[1:]):
+        pos = adapter.positions(p, a, b - a)
+        out = prefill(adapter.text_model, embeds[:, a:b].clone(), kv, pos, chunk=4,
+                      append=a > 0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for (k, v), (rk, rv) in zip(_kv(kv, adapter.identity.layers),
+                                _kv(ref, adapter.identity.layers)):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------- sparse
 def _sparse_patterns(adapter):
     # budgets far below the prompt: the plans really skip blocks

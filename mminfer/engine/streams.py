@@ -1,0 +1,518 @@
+"""Live video: a stream is a cached prefix that grows. Each appended piece of video is sampled at
+the stream's rate, encoded, and prefilled on top of the stream's KV cache (positions continue,
+the new rows attend to every earlier key and causally among themselves:
+``models.prefill.prefill(append=True)``); a question is a suffix over whatever the stream holds
+when it arrives, exactly as a question on a cached video (``Adapter.continue_on``), and its rows
+are dropped after the answer. The prompt's layout (the head, each piece's rows, the question's
+closing tokens) is the model's: mminfer.models.streaming.
+
+Exact: after any number of pieces, a question sees the prompt (tokens, positions, K/V) that a
+one-shot request on the same frames builds, so a dense stream answers as the dense one-shot
+prefill does (tests/engine/test_streams.py).
+
+Media time: a stream samples at ``fps`` from its first frame (sample ``k`` is media time
+``k / fps``). A piece continues the media time the stream covers (or starts where the client
+says, never before it: a piece that would go back in time is refused); its frames nearest to the
+sample times inside it are kept. Qwen2.5-VL takes frames in temporal pairs: an odd last frame
+waits for the next piece, and an answer reports ``seen_until``, the media time of the frames in
+the cache.
+
+Turns: a piece's vision and prefill are long work for the scheduler (``with turn.long()``,
+checked between layers); a question is short work, its suffix then its decode steps. One user
+of a stream's cache at a time (a piece appends rows, a question appends and then drops its
+own): the other waits with its turn given away.
+
+Memory: the streams of a :class:`Streams` registry share a byte budget (every byte their caches
+hold, room included; default: the video cache's device budget, ``kv_cache_gb``). A piece that
+would take a stream over it, or past the model's context, is refused: the stream becomes
+``full`` (a clear error says why), stops ingesting and stays answerable. Nothing is dropped.
+The cache grows geometrically (room of half its length), so appending N rows in pieces copies
+O(N) rows in all.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from mminfer import video as videolib
+from mminfer.engine.pipeline import AnswerResult, _check_context, check_request
+from mminfer.engine.scheduler import DECODE, Solo
+from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
+from mminfer.errors import (Cancelled, InputError, StreamClosed, StreamFull, StreamNotFound,
+                            VideoError)
+from mminfer.models.base import Conversation, PrepareOptions
+from mminfer.models.kv import HEADROOM, PrefixKV
+from mminfer.models.prefill import DEFAULT_CHUNK, prefill
+from mminfer.sparse.modality import ModalityIndex
+from mminfer.video.sampling import nearest
+
+MAX_FPS = 60.0
+# rows kept free past a stream for a question and its answer, when the budget is checked
+QUESTION_ROOM = 1024
+# pieces' prefill times kept for the status and the metrics
+RECENT = 32
+
+OPEN, FULL, CLOSED = "open", "full", "closed"
+
+
+def _check_fps(fps) -> float:
+    try:
+        fps = float(fps)
+    except (TypeError, ValueError):
+        raise InputError(f"fps must be a number, not {fps!r}") from None
+    if not (math.isfinite(fps) and 0 < fps <= MAX_FPS):
+        raise InputError(f"fps must be in (0, {MAX_FPS:g}], not {fps:g}")
+    return fps
+
+
+class Stream:
+    """One live video on one pipeline (see the module doc). ``options``: the pixel budget
+    (PrepareOptions; Qwen2.5-VL: ``max_pixels``/``min_pixels`` per frame); ``registry``: the
+    :class:`Streams` whose budget it shares (None: its own ``budget_bytes``)."""
+
+    def __init__(self, pipeline, *, fps: float = 2.0, options: PrepareOptions | None = None,
+                 stream_id: str | None = None, tenant: str | None = None, registry=None,
+                 budget_bytes: int | None = None, mode: str = "dense"):
+        self.pipeline = pipeline
+        self.ad = pipeline.adapter
+        self.fps = _check_fps(fps)
+        if mode != "dense":
+            raise InputError("streams prefill their pieces dense for now (attention=dense)")
+        self.mode = mode
+        self.options = options or PrepareOptions()
+        self.id = stream_id or uuid.uuid4().hex[:16]
+        self.tenant = tenant
+        self.registry = registry
+        self.budget_bytes = budget_bytes
+        # only the turns before the video shape the stream's prompt: the model's default
+        self.conversation = Conversation.single("?")
+        self.layout = None            # models.streaming.StreamLayout, from the first piece
+        self.kv = None                # models.kv.PrefixKV: the stream's rows
+        self.length = 0               # rows of the stream in kv
+        self.units = 0                # units (Qwen: temporal pairs; LongVILA: frames) in kv
+        self.rope_delta = 0
+        self.pending = None           # frames waiting for the rest of their unit
+        self.next_sample = 0          # the next sample is media time next_sample / fps
+        self.media_end = 0.0          # media time the pieces received cover
+        self.state = OPEN
+        self.reason = None            # why it is full / closed
+        self.last_error = None        # the last refused piece's error (dict)
+        self.pieces = 0
+        self.created = time.time()
+        self.first_piece_at = None    # wall clock (time.time) of the first piece
+        self.recent: list[dict] = []  # the last pieces' reports
+        self.ingest_s = 0.0           # time spent ingesting, all pieces
+        self.questions = 0
+        self._mutex = threading.Lock()
+        self._holder = None
+        self.free = threading.Event()
+        self.free.set()
+
+    # ------------------------------------------------------------ facts
+    @property
+    def frames(self) -> int:
+        """Model frames in the cache."""
+        return self.units * (self.layout.unit_frames if self.layout else 1)
+
+    @property
+    def seen_until(self) -> float:
+        """Media time up to which the cache holds the stream's frames (seconds)."""
+        return self.frames / self.fps
+
+    @property
+    def index(self) -> ModalityIndex | None:
+        """The ModalityIndex of the rows in the cache."""
+        if self.layout is None or not self.length:
+            return None
+        head = len(self.layout.head_ids)
+        sp = self.layout.span
+        return ModalityIndex.from_segments(
+            [("text", head), ("video", self.units, sp["grid_h"], sp["grid_w"],
+                              sp["separators"])])
+
+    @property
+    def held_bytes(self) -> int:
+        return self.kv.held_bytes if self.kv is not None else 0
+
+    def status(self) -> dict:
+        """What ``GET /v1/streams/{id}`` says."""
+        now = time.time()
+        lag = None
+        if self.first_piece_at is not None:
+            # how far the media taken in trails the wall clock since the first piece: a live
+            # source keeps it near one piece's length; a growing lag means falling behind
+            lag = round(max(0.0, (now - self.first_piece_at) - self.seen_until), 3)
+        kv_where = None
+        if self.kv is not None and self.kv.layers[0].k_buf is not None:
+            kv_where = "gpu" if self.kv.layers[0].k_buf.is_cuda else "cpu"
+        last = self.recent[-1] if self.recent else None
+        return {
+            "id": self.id, "object": "stream", "state": self.state, "reason": self.reason,
+            "model": self.pipeline.model_id, "fps": self.fps,
+            "pixels": {k: v for k, v in vars(self.options).items() if v is not None},
+            "pieces": self.pieces, "frames": self.frames,
+            "pending_frames": 0 if self.pending is None else len(self.pending),
+            "tokens": self.length, "visual_tokens": self.units * (self.layout.unit_tokens
+                                                                  if self.layout else 0),
+            "media_seconds": round(self.media_end, 3), "seen_until": round(self.seen_until, 3),
+            "lag_seconds": lag, "ingest_seconds": round(self.ingest_s, 3),
+            "last_piece": last, "last_error": self.last_error, "questions": self.questions,
+            "kv": {"where": kv_where, "bytes": self.held_bytes,
+                   "dtype": self.pipeline.kv_cache_dtype},
+            "created": int(self.created),
+        }
+
+    # ------------------------------------------------------------ one user at a time
+    @contextmanager
+    def _hold(self, turn):
+        """The stream's cache for this block: one piece or one question at a time; a waiter
+        gives its turn on the model away meanwhile."""
+        me = object()
+        while True:
+            with self._mutex:
+                if self._holder is None:
+                    self._holder = me
+                    self.free.clear()
+                    break
+            turn.wait_for(self.free)
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self._holder = None
+                self.free.set()
+
+    def _open_for_pieces(self):
+        if self.state == CLOSED:
+            raise StreamClosed(f"stream {self.id} is closed", stream=self.id)
+        if self.state == FULL:
+            raise StreamFull(f"stream {self.id} is full and takes no more video: "
+                             f"{self.reason}", stream=self.id)
+
+    # ------------------------------------------------------------ pieces
+    def append_file(self, path, *, start: float | None = None, turn=None, cancel=None) -> dict:
+        """A piece of video in a file any decoder reads (an MP4 fragment, an MPEG-TS segment, a
+        short file): its frames nearest to the stream's sample times inside it, appended.
+        ``start``: the piece's media time (None: right after what the stream covers; earlier
+        than that is refused). Returns the piece's report (:meth:`append_frames`)."""
+        self._open_for_pieces()
+        info = videolib.probe(path)
+        pts = info.timestamps
+        if pts is None:
+            pts = np.arange(info.frames) / info.fps
+        pts = np.asarray(pts, dtype=np.float64)[:info.frames]
+        if len(pts) > 1 and np.any(np.diff(pts) < 0):
+            raise VideoError("the piece's timestamps go backwards", reason="timestamps")
+        t0 = self.media_end if start is None else float(start)
+        if not math.isfinite(t0) or t0 < self.media_end - 1e-6:
+            raise VideoError(f"timestamps go backwards: the piece starts at {t0:g} s, the "
+                             f"stream already covers up to {self.media_end:g} s",
+                             reason="timestamps")
+        duration = float(info.duration)
+        k0 = max(self.next_sample, math.ceil(t0 * self.fps - 1e-9))
+        k1 = math.ceil((t0 + duration) * self.fps - 1e-9)       # samples in [t0, t0 + D)
+        picks = nearest(pts, np.arange(k0, k1) / self.fps - t0) if k1 > k0 else []
+        frames = np.zeros((0, info.height, info.width, 3), np.uint8)
+        if len(picks):
+            with videolib.open_stream(path, sampling="uniform", num_frames=info.frames,
+                                      max_frames=info.frames, min_frames=1) as s:
+                if len(s) != info.frames or np.any(s.indices != np.arange(info.frames)):
+                    raise VideoError("the piece's frames could not be read one by one")
+                s.keep_samples(picks)
+                chunks = list(s.chunks(max(len(picks), 1)))
+            frames = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        return self.append_frames(frames, media_seconds=t0 + duration - self.media_end,
+                                  next_sample=max(k1, k0), turn=turn, cancel=cancel)
+
+    def append_frames(self, frames, *, media_seconds: float | None = None,
+                      next_sample: int | None = None, turn=None, cancel=None) -> dict:
+        """Decoded frames ``[n, H, W, 3]`` uint8 of the next samples (``media_seconds``: the
+        media time they cover, default ``n / fps``), appended: encoded and prefilled on top of
+        the stream's cache (whole units; the rest waits for the next piece). Returns the
+        piece's report: frames, tokens, media time, timings (ms). A piece that fails leaves the
+        stream as it was; one past the budget or the context makes the stream ``full``."""
+        self._open_for_pieces()
+        frames = torch.as_tensor(np.asarray(frames))
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != torch.uint8:
+            raise VideoError(f"a piece is frames [n, H, W, 3] uint8, not {tuple(frames.shape)} "
+                             f"{frames.dtype}")
+        turn = turn if turn is not None else Solo()
+        if self.layout is None and len(frames):
+            layout = self.ad.stream_layout(self.conversation, self.fps,
+                                           tuple(frames.shape[1:3]), self.options)
+        else:
+            layout = self.layout
+        if layout is not None and len(frames):
+            layout.check_frames(frames)
+        t0 = time.perf_counter()
+        if not turn.acquire():
+            raise Cancelled("request cancelled while waiting for the model")
+        with self._hold(turn):
+            self._open_for_pieces()            # it may have filled while this one waited
+            report = self._ingest(layout, frames, turn, cancel)
+            self.layout = layout if self.layout is None else self.layout
+            self.media_end += len(frames) / self.fps if media_seconds is None \
+                else max(float(media_seconds), 0.0)
+            self.next_sample = (self.next_sample + len(frames)) if next_sample is None \
+                else next_sample
+            if self.first_piece_at is None:
+                self.first_piece_at = time.time() - self.media_end
+            self.pieces += 1
+            report.update(piece=self.pieces, media_seconds=round(self.media_end, 3),
+                          seen_until=round(self.seen_until, 3),
+                          total_ms=round((time.perf_counter() - t0) * 1e3, 3))
+            self.recent = (self.recent + [report])[-RECENT:]
+            self.last_error = None
+            return report
+
+    def refused(self, error) -> None:
+        """Record a piece's refusal (the status says it); the stream is unchanged."""
+        self.last_error = error.to_dict() if hasattr(error, "to_dict") else {
+            "code": "error", "message": str(error)}
+
+    def _ingest(self, layout, frames, turn, cancel) -> dict:
+        """Units of ``pending + frames`` encoded and prefilled (stream held, turn acquired)."""
+        if self.pending is not None and len(self.pending):
+            frames = torch.cat([self.pending, frames]) if len(frames) else self.pending
+        n_units = len(frames) // layout.unit_frames if layout is not None else 0
+        used = n_units * layout.unit_frames if layout is not None else 0
+        rest = frames[used:]
+        report = {"frames": int(used), "tokens": 0, "vision_ms": 0.0, "prefill_ms": 0.0}
+        if n_units == 0:
+            self.pending = rest if len(rest) else None
+            return report
+        head = len(layout.head_ids) if self.length == 0 else 0
+        rows = head + n_units * layout.unit_tokens
+        new_len = self.length + rows
+        self._check_room(new_len)
+
+        def check():
+            return turn.checkpoint() or (cancel is not None and bool(cancel()))
+
+        ad = self.ad
+        kv = self.kv
+        if kv is None:
+            kv = PrefixKV.for_model(ad.text_model, HEADROOM, dtype=ad.kv_cache_dtype)
+        for layer in kv.layers:              # geometric growth: O(N) copies over a stream
+            layer.headroom = max(QUESTION_ROOM, new_len // 2)
+        before = self.length
+        try:
+            with turn.long():
+                if check():
+                    raise Cancelled("request cancelled before the piece's vision")
+                t = time.perf_counter()
+                embeds = layout.embed_units(frames[:used], cancel=check)
+                if head:
+                    embeds = torch.cat([layout.head_embeds(), embeds], dim=1)
+                report["vision_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+                pos = layout.positions(before + head, self.units, n_units)
+                if head:
+                    pos = torch.cat([layout.head_positions(), pos], dim=-1)
+                ctx = self.pipeline.prefill_context(index=None, patterns=ad.patterns,
+                                                    mode="dense", cancel=check)
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    prefill(ad.text_model, embeds, kv, pos, ctx=ctx, kv_only_last=True,
+                            append=before > 0, chunk=ad.prefill_chunk or DEFAULT_CHUNK)
+                if kv.layers[0].k_buf is not None and kv.layers[0].k_buf.is_cuda:
+                    torch.cuda.current_stream(kv.layers[0].k_buf.device).synchronize()
+                report["prefill_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+                del embeds
+        except BaseException:
+            for layer in kv.layers:          # every layer back to the rows before the piece
+                if layer.k_buf is not None:
+                    layer.crop(before)
+            raise
+        self.kv = kv
+        self.length = new_len
+        self.units += n_units
+        self.rope_delta = layout.rope_delta(self.units, self.length)
+        self.pending = rest if len(rest) else None
+        report["tokens"] = rows
+        self.ingest_s += (report["vision_ms"] + report["prefill_ms"]) / 1e3
+        return report
+
+    def _check_room(self, new_len: int) -> None:
+        """StreamFull (and the stream full) when ``new_len`` rows and a question's room would
+        pass the model's context or the byte budget."""
+        ad = self.ad
+        if new_len + QUESTION_ROOM > ad.max_context:
+            self._full(f"the stream would hold {new_len} tokens, and the model's context is "
+                       f"{ad.max_context} (with {QUESTION_ROOM} kept for a question)",
+                       tokens=new_len, limit=ad.max_context)
+        budget = self.budget_bytes if self.registry is None else self.registry.room_for(self)
+        if budget is not None:
+            need = (new_len + QUESTION_ROOM) * self.pipeline.kv_bytes_per_token
+            if need > budget:
+                self._full(f"the stream's KV cache would need {need} bytes, over the "
+                           f"{budget} bytes the stream budget leaves it", bytes=need,
+                           limit=budget)
+
+    def _full(self, why: str, **details):
+        self.state, self.reason = FULL, why
+        raise StreamFull(f"stream {self.id} is full and takes no more video: {why}",
+                         stream=self.id, **details)
+
+    # ------------------------------------------------------------ questions
+    def ask(self, question: str | None = None, *, conversation: Conversation | None = None,
+            max_new_tokens: int = 32, sampling_params=None, on_token=None, turn=None,
+            cancel=None) -> AnswerResult:
+        """The answer to ``question`` (or the last user turn of ``conversation``, whose turns
+        before the video are the stream's) over everything the stream holds now: a
+        mminfer.engine.pipeline.AnswerResult whose ``video`` says ``seen_until`` (media
+        time) and ``cache`` is "stream"."""
+        t0 = time.perf_counter()
+        timer = StageTimer(self.pipeline.device)
+        gen, seen = self.generate(question, conversation=conversation,
+                                  max_new_tokens=max_new_tokens,
+                                  sampling_params=sampling_params, on_token=on_token,
+                                  turn=turn, cancel=cancel, timer=timer)
+        ms = timer.totals_ms()
+        ms["ttft"] = (gen.first_token_s - t0) * 1e3
+        ms["total"] = (time.perf_counter() - t0) * 1e3
+        timings = {k: round(ms.get(k, 0.0), 3) for k in PIPELINE_STAGES}
+        n, visual, length = gen.prefill_tokens, seen["visual_tokens"], seen["tokens"]
+        return AnswerResult(
+            answer=gen.text, model=self.pipeline.model_id, attention="dense",
+            attention_requested="dense",
+            video={"stream": self.id, "frames": seen["frames"], "sampled_fps": self.fps,
+                   "seen_until": seen["seen_until"], "media_seconds": seen["media_seconds"]},
+            tokens={"total": n, "visual": visual, "text": n - visual, "prefix": length,
+                    "generated": len(gen.token_ids), "cached": length},
+            sparsity=None, timings_ms=timings, cache="stream",
+            finish_reason=gen.finish_reason, logprobs=gen.logprobs)
+
+    def generate(self, question: str | None = None, *, conversation=None,
+                 max_new_tokens: int = 32, sampling_params=None, on_token=None, turn=None,
+                 cancel=None, timer=None):
+        """The question's mminfer.models.base.Generated (its prompt's last logits too) and
+        what it saw: ``{"frames", "tokens", "visual_tokens", "seen_until",
+        "media_seconds"}``. Arguments as :meth:`ask`."""
+        if conversation is None:
+            conv = Conversation.single(check_request(question, self.fps, 1, max_new_tokens,
+                                                     None, None, "dense"))
+        else:
+            conv = conversation.validate()
+            check_request(conv.question, self.fps, 1, max_new_tokens, None, None, "dense")
+        if self.state == CLOSED:
+            raise StreamClosed(f"stream {self.id} is closed", stream=self.id)
+        ad = self.ad
+        turn = turn if turn is not None else Solo()
+        turn.timer = timer
+
+        def check():
+            return turn.checkpoint() or (cancel is not None and bool(cancel()))
+
+        def decode_check():
+            if turn.kind != DECODE:
+                turn.decoding()
+            return check()
+
+        if not turn.acquire():
+            raise Cancelled("request cancelled while waiting for the model")
+        with self._hold(turn):
+            if self.state == CLOSED or self.kv is None or not self.length:
+                raise InputError(f"stream {self.id} has no video yet: append a piece first",
+                                 stream=self.id)
+            suffix = self.layout.question_embeds(conv)
+            visual = self.units * self.layout.unit_tokens
+            _check_context(self.length + suffix.shape[1], visual, max_new_tokens,
+                           ad.max_context)
+            seen = {"frames": self.frames, "tokens": self.length, "visual_tokens": visual,
+                    "seen_until": round(self.seen_until, 3),
+                    "media_seconds": round(self.media_end, 3)}
+            try:
+                if check():
+                    raise Cancelled("request cancelled before the question's prefill")
+                gen = ad.continue_on(self.kv, suffix, rope_delta=self.rope_delta,
+                                     max_new_tokens=max_new_tokens, cancel=decode_check,
+                                     on_token=on_token, timer=timer,
+                                     sampling_params=sampling_params,
+                                     stepper=self.pipeline._stepper(turn))
+            finally:
+                self.kv.truncate(self.length)     # the question's rows go, the stream stays
+            self.questions += 1
+        return gen, seen
+
+    # ------------------------------------------------------------ the end
+    def close(self, turn=None) -> None:
+        """Ends the stream: no more pieces or questions; its cache is freed once the piece or
+        question in progress (if any) ends."""
+        turn = turn if turn is not None else Solo()
+        self.state, self.reason = CLOSED, "deleted"
+        with self._hold(turn):
+            self.kv = None
+            self.pending = None
+
+
+class Streams:
+    """The live streams of one pipeline, sharing ``budget_bytes`` (every byte their caches
+    hold; None: the video cache's device budget). Each belongs to a tenant: another tenant's
+    stream is not found."""
+
+    def __init__(self, pipeline, budget_bytes: int | None = None, max_streams: int = 64):
+        self.pipeline = pipeline
+        if budget_bytes is None:
+            budget_bytes = pipeline.video_cache.gpu_budget
+        self.budget_bytes = int(budget_bytes)
+        self.max_streams = int(max_streams)
+        self._streams: dict[str, Stream] = {}
+        self._lock = threading.Lock()
+        self.counts = dict(created=0, deleted=0, pieces=0, refused=0, questions=0)
+
+    def create(self, *, fps: float = 2.0, options: PrepareOptions | None = None,
+               tenant: str | None = None) -> Stream:
+        with self._lock:
+            if len(self._streams) >= self.max_streams:
+                raise StreamFull(f"this server holds {self.max_streams} streams at most; "
+                                 "delete one first", limit=self.max_streams)
+            s = Stream(self.pipeline, fps=fps, options=options, tenant=tenant, registry=self)
+            self._streams[s.id] = s
+            self.counts["created"] += 1
+            return s
+
+    def get(self, stream_id: str, tenant: str | None = None) -> Stream:
+        with self._lock:
+            s = self._streams.get(str(stream_id))
+        if s is None or s.tenant != tenant:
+            raise StreamNotFound(f"no stream {stream_id!r}", stream=str(stream_id))
+        return s
+
+    def delete(self, stream_id: str, tenant: str | None = None, turn=None) -> Stream:
+        s = self.get(stream_id, tenant)
+        with self._lock:
+            self._streams.pop(s.id, None)
+            self.counts["deleted"] += 1
+        s.close(turn)
+        return s
+
+    def list(self, tenant: str | None = None) -> list[Stream]:
+        with self._lock:
+            return [s for s in self._streams.values() if s.tenant == tenant]
+
+    def room_for(self, stream: Stream) -> int:
+        """Bytes the budget leaves ``stream`` (what the others hold subtracted)."""
+        with self._lock:
+            others = sum(s.held_bytes for s in self._streams.values() if s is not stream)
+        return max(self.budget_bytes - others, 0)
+
+    def stats(self) -> dict:
+        with self._lock:
+            streams = list(self._streams.values())
+        recent = [r for s in streams for r in s.recent]
+        tokens = sum(r["tokens"] for r in recent)
+        secs = sum(r["vision_ms"] + r["prefill_ms"] for r in recent) / 1e3
+        return {**self.counts, "active": len(streams),
+                "full": sum(s.state == FULL for s in streams),
+                "tokens": sum(s.length for s in streams),
+                "bytes": sum(s.held_bytes for s in streams), "budget_bytes": self.budget_bytes,
+                "ingest_tokens_per_s": round(tokens / secs, 1) if secs > 0 else None,
+                "max_lag_seconds": max((s.status()["lag_seconds"] or 0.0 for s in streams),
+                                       default=0.0)}

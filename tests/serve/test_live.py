@@ -1,0 +1,131 @@
+"""Live streams over HTTP on a real server with the embedded model: the needle sample cut into
+pieces with PyAV (MP4 files and an MPEG-TS segment) and pushed one by one; after each piece a
+question sees exactly the frames so far (its answer is the dense one-shot answer of those
+frames, and says up to which media time it saw); bad pieces (corrupt, another frame size,
+going back in time) are clear 400s that leave the stream answerable; delete -> 404."""
+
+from pathlib import Path
+
+import av
+import httpx
+import numpy as np
+import pytest
+
+from mminfer import video as videolib
+from mminfer.models.base import Conversation
+from mminfer.serve.app import Settings, create_app
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
+NEEDLE = SAMPLES / "needle_0.mp4"
+Q = "What number appears in the video?"
+
+
+def source_frames(path):
+    with av.open(str(path)) as c:
+        return [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+
+
+def write_piece(path, frames, fps=2, fmt=None, codec="libx264"):
+    with av.open(str(path), "w", format=fmt) as c:
+        s = c.add_stream(codec, rate=fps)
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+class FrameVideo:
+    def __init__(self, frames, fps):
+        self.frames, self.sampled_fps = frames, fps
+
+
+def push(url, sid, path, **form):
+    with open(path, "rb") as f:
+        return httpx.post(f"{url}/v1/streams/{sid}/segments", data=form,
+                          files={"file": (Path(path).name, f.read(), "video/mp4")}, timeout=120)
+
+
+def ask(url, sid, question=Q):
+    return httpx.post(f"{url}/v1/answer", data={"question": question, "stream_id": sid,
+                                                "max_new_tokens": "4"},
+                      files={"dummy": ("x.bin", b"", "application/octet-stream")}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    """needle_0 (20 frames at 2 fps) in five pieces of 2 s: MP4 files, the third MPEG-TS."""
+    d = tmp_path_factory.mktemp("pieces")
+    frames = source_frames(NEEDLE)
+    out = []
+    for i in range(5):
+        ts = i == 2
+        out.append(write_piece(d / f"piece{i}.{'ts' if ts else 'mp4'}", frames[4 * i:4 * i + 4],
+                               fmt="mpegts" if ts else None))
+    return out
+
+
+def test_push_pieces_and_ask_between(pieces, tmp_path, live_server):
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path),
+                                          timeout_s=120)))
+    r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    st = r.json()
+    sid = st["id"]
+    assert (st["state"], st["frames"], st["tokens"]) == ("open", 0, 0)
+    assert ask(srv.url, sid).json()["error"]["message"].endswith("append a piece first")
+
+    pipe = srv.app.state.worker.pipeline
+    ad = pipe.adapter
+    seen, answers = [], []
+    for i, p in enumerate(pieces):
+        r = push(srv.url, sid, p)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["piece"]["frames"] == 4 and body["piece"]["tokens"] > 0
+        assert body["stream"]["seen_until"] == body["stream"]["media_seconds"] == 2.0 * (i + 1)
+        # what the stream took in: the piece's frames as the server's decoder gives them
+        seen.append(videolib.decode(str(p), sampling="uniform", num_frames=4).frames)
+        a = ask(srv.url, sid)
+        assert a.status_code == 200, a.text
+        got = a.json()
+        assert got["cache"] == "stream" and got["video"]["seen_until"] == 2.0 * (i + 1)
+        frames = np.concatenate(seen)
+        want = ad.generate(ad.prepare(FrameVideo(frames, 2.0), Conversation.single(Q)),
+                           max_new_tokens=4)
+        assert got["answer"] == want.text, (i, got["answer"], want.text)
+        assert got["tokens"]["generated"] == len(want.token_ids)
+        answers.append(got["answer"])
+    assert len(set(answers)) > 1, answers        # what it sees changes as the video arrives
+
+    st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+    assert st["frames"] == 20 and st["pieces"] == 5 and st["kv"]["where"] == "cpu"
+    assert st["kv"]["bytes"] > 0 and st["last_error"] is None
+    assert [s["id"] for s in httpx.get(f"{srv.url}/v1/streams").json()["data"]] == [sid]
+
+    # bad pieces: a clear 400 each, the stream as it was
+    junk = tmp_path / "junk.mp4"
+    junk.write_bytes(b"\x00\x00\x00\x18ftypisom" + bytes(range(256)) * 8)
+    r = push(srv.url, sid, junk)
+    assert r.status_code in (400, 415, 422) and r.json()["error"]["code"] in (
+        "bad_video", "unsupported_media_type"), r.text
+    small = write_piece(tmp_path / "small.mp4", [f[:112, :160].copy()
+                                                  for f in source_frames(NEEDLE)[:4]])
+    r = push(srv.url, sid, small)
+    assert r.status_code == 400 and "one frame size" in r.json()["error"]["message"]
+    assert httpx.get(f"{srv.url}/v1/streams/{sid}").json()["last_error"]["code"] == "bad_video"
+    r = push(srv.url, sid, pieces[0], start="3")
+    assert r.status_code == 400 and "backwards" in r.json()["error"]["message"]
+    st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+    assert st["frames"] == 20 and st["media_seconds"] == 10.0
+    assert ask(srv.url, sid).json()["answer"] == answers[-1]
+
+    # a gap: the piece starts later, sampling goes on from there
+    r = push(srv.url, sid, pieces[0], start="12")
+    assert r.status_code == 200 and r.json()["stream"]["media_seconds"] == 14.0
+
+    assert httpx.delete(f"{srv.url}/v1/streams/{sid}").json()["deleted"] is True
+    assert httpx.get(f"{srv.url}/v1/streams/{sid}").status_code == 404
+    assert ask(srv.url, sid).status_code == 404
