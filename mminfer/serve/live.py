@@ -78,7 +78,7 @@ async def run(svc, req, call):
     place (the piece's temp file goes with it); its result."""
     job = Job(video_path=req.path or "", question="", params={}, request_id=req.id,
               cleanup=req.path if req.own else None, call=call)
-    svc.worker.submit(job, req.slot)
+    svc.worker.submit(job, req.queue_place)
     req.own = False
     req.deadline = time.monotonic() + svc.s.timeout_s
     fut = asyncio.wrap_future(job.future)
