@@ -486,7 +486,7 @@ def test_decode_steps_skip_cudnn_and_prefill_keeps_it(monkeypatch):
         is_cuda = True
     calls = []
     import torch.nn.attention as A
-    monkeypatch.setattr(A, "sdpa_kernel", lambda backends: calls.append(backends) or
+    monkeypatch.setattr(hooks, "sdpa_kernel", lambda backends: calls.append(backends) or
                         __import__("contextlib").nullcontext())
     with hooks.decode_backends(FakeCuda(), 1):
         pass
