@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from mminfer.engine.pipeline import Pipeline, resolve_checkpoint
-from mminfer.errors import ConfigError, InputError
+from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.models.base import PrepareOptions
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.sparse.patterns import (KNOWN_MODELS, QUERY_MODALITIES, HeadPattern,
@@ -480,8 +480,10 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
               candidates: Mapping | Callable | None = None, objective: str = "output_error",
               max_error: float = 0.05, quantile: float = 1.0, hard: str = "dense",
               engine: str = "auto", block_m: int | None = None, block_n: int | None = None,
-              progress: bool = True, spread_q: int = 0):
-    """Search every captured layer; returns ``(HeadPatternConfig, report)``.
+              progress: bool = True, spread_q: int = 0, cancel: Callable | None = None):
+    """Search every captured layer; returns ``(HeadPatternConfig, report)``. ``cancel()`` is
+    checked before every candidate's run (:class:`mminfer.errors.Cancelled`): a server runs
+    the search in idle time and stops it when a request arrives.
 
     Candidates: for each of ``budgets`` (target densities) the fixed-budget patterns of
     ``candidates`` (a mapping name -> HeadPattern used at every budget, or a callable
@@ -548,6 +550,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
         for i, (q, k, v) in sorted(cap.layers.items()):
             ref = dense_reference(q, k, v, cap.scale)
             for key, hp in cands.items():
+                if cancel is not None and cancel():
+                    raise Cancelled("the calibration search was stopped")
                 r = evaluate(q, k, v, cap.index, [hp] * H, ref, engine=engine,
                              block_m=block_m, block_n=block_n, scale=cap.scale,
                              spread_q=spread_q)
@@ -902,12 +906,12 @@ def _run_reselect(args) -> int:
 
 
 def _first_index(model, video, args) -> ModalityIndex:
-    """The ModalityIndex of one calibration video as the capture step built it (no
-    prefill: only the adapter's preprocessing)."""
+    """The ModalityIndex of one calibration video's prefix, as the capture step built it
+    (no prefill: only the adapter's preprocessing)."""
     ad = Pipeline(model=model, attention="dense", device="cpu").adapter
     decoded, question, _ = load_video(video, ad, args.question, fps=args.fps,
                                       max_frames=args.max_frames)
-    return ad.prepare(decoded, question, PrepareOptions()).index
+    return ad.prepare(decoded, question, PrepareOptions()).prefix_index
 
 
 def format_report(report: list, prov: dict) -> str:
