@@ -51,7 +51,7 @@ from .calibrate import (Capture, calibrate, report_candidates, reselect, with_de
 class ServedRun:
     logits: torch.Tensor               # [vocab] fp32 CPU: the first answer token's logits
     token_ids: list                    # greedy tokens (with EOS when it came)
-    density: float | None = None       # the prefix's plans: mean physical tiles / triangle
+    density: float | None = None       # the prefix's plans' (plans_density), None when dense
     seconds: float = 0.0
 
 
@@ -147,15 +147,15 @@ def run_served(adapter, inp: ServedInput, patterns: HeadPatternConfig | None = N
 
 
 def plans_density(plans: dict) -> float | None:
-    """Mean density of the layers' plans (physical tiles; logical pairs where the plan counts
-    no tiles), None without plans."""
+    """The density the server reports of these plans (``mminfer.kernels.sparsity``: the
+    pairs computed over the causal triangle, mean over heads and planned layers), None
+    without plans."""
     if not plans:
         return None
-    vals = []
-    for plan in plans.values():
-        d = plan.density()
-        vals.append(float(d.get("physical", d["logical"])) if isinstance(d, dict) else float(d))
-    return sum(vals) / len(vals)
+    # lazy: importing mminfer.kernels imports triton, which reads TRITON_INTERPRET once
+    from mminfer.kernels import sparsity
+    out = sparsity(plans)
+    return None if out is None else float(out["mean_density"])
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
