@@ -214,3 +214,33 @@ def test_calibrates_gates_switches_stores_and_falls_back(model_dir, tmp_path):
         assert app.state.worker.pipeline.adapter.patterns.uncalibrated
         assert ask(url, "needle_2")["attention"] == "dense"
         assert not stored.exists() and stored.with_name(stored.stem + ".rejected.json").exists()
+
+
+@needs_sparse
+def test_synthetic_only_keeps_no_prompt_and_gates_on_held_out_videos(model_dir, tmp_path):
+    """--no-calibrate-from-requests: no user's prompt is kept (no observer on the pipeline);
+    calibration and gate run on synthetic videos, the gate's held out from the calibration.
+    Driven as the worker drives it, step by step in its idle slot."""
+    from mminfer.engine.pipeline import Pipeline
+    from mminfer.serve.selfcal import SelfCalibration
+    pipe = Pipeline(str(model_dir), device="cpu", min_sparse_len=0)
+    sc = SelfCalibration(model_path=str(model_dir), cache_dir=tmp_path / "cal",
+                         from_requests=False, requests=5, gate_requests=2, synthetic=2,
+                         synthetic_frames=8, min_agreement=MIN_AGREEMENT, max_kl=MAX_KL)
+    sc.attach(pipe)
+    assert sc.state == "calibrating" and pipe.prefix_observer is None
+    steps = 0
+    while sc.ready():
+        sc.run_step(pipe)
+        steps += 1
+        assert steps < 100
+    assert sc.state == "serving" and not pipe.adapter.patterns.uncalibrated, sc.status()
+    m = pipe.attention_policy()["self_calibration"]["measured"]
+    assert m["inputs"] == {"requests": 0, "synthetic": 2}
+    assert m["gate"]["n"] == 2 and m["gate"]["source"] == "synthetic videos"
+    # nothing stopped a step: each ran once
+    assert len(sc.step_seconds) == sc.steps_run and sc.steps_stopped == 0
+    prov = pipe.adapter.patterns.provenance["served_policy"]
+    calibrated = {i["name"] for i in prov["inputs"]}
+    assert len(calibrated) == 2 and all(n.startswith("synth-") for n in calibrated)
+    assert (tmp_path / "cal" / f"{sc.digest}.json").is_file()
