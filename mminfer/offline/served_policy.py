@@ -335,17 +335,26 @@ class ServedCalibration:
                 break
             yield None
         inputs = self.freeze()
-        # 4. the ladder, scored on the frozen inputs, cheapest rung first: the first that
-        # holds is the winner; a rung that fails an input already fails the agreement bound
-        # when too many fail, so its remaining inputs are skipped
+        # 4. the ladder, scored on the frozen inputs
         self.rungs = self._ladder(inputs[0])
+        yield from self.ladder_steps()
+
+    def ladder_steps(self, tighter_than: float | None = None):
+        """Score the rungs on the frozen inputs, loosest (cheapest) first, only those with a
+        bound below ``tighter_than`` (a caller whose winner failed elsewhere asks for the
+        next): the first that holds is the winner (``self.winner``, None when none does). A
+        rung with more answers off than the agreement bound allows skips its other inputs."""
+        self.winner = None
+        inputs = self.frozen
         for rung in sorted(self.rungs, key=lambda r: -r.bound):
-            for inp in inputs:
+            if tighter_than is not None and rung.bound >= tighter_than:
+                continue
+            for inp in inputs[len(rung.rows):]:
+                if not self._can_hold(rung, len(inputs)):
+                    break
                 yield Step(f"rung {rung.bound:g} on {inp.name}",
                            lambda cancel, r=rung, i=inp: r.rows.append(
                                self.score(i, r.config, cancel)))
-                if not self._can_hold(rung, len(inputs)):
-                    break
             s = rung.summary()
             self.log(f"self-calibration: per-head bound {rung.bound:g}: agreement "
                      f"{s['agreement']:.3f}, mean KL {s['mean_kl']:.4f}, density "

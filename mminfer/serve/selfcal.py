@@ -33,9 +33,13 @@ a candidate's run, and the step runs again later) it works through small steps
 4. the gate: the candidate is run on ``--calibration-gate-requests`` later requests it was not
    calibrated on (held-out synthetic videos with ``--no-calibrate-from-requests``) and serves
    only if it holds the thresholds there too. Then it is stored under the digest and "auto"
-   goes sparse. A candidate that fails the gate: the held-out inputs join the calibration
-   inputs and the ladder is measured again (at most ``MAX_ROUNDS`` rounds; then the server
-   stays dense and says why).
+   goes sparse. A candidate that fails the gate: the next tighter rung that holds on the
+   calibration inputs is gated on new requests (at most ``MAX_ROUNDS`` candidates; then the
+   server stays dense and says why).
+
+Host memory: the kept prompts stay within ``--calibration-capture-mb``, half of it for the
+calibration's requests (it goes with fewer when they fill it), half for the gate's waiting
+their turn (a prompt is dropped once the gate scored it); all are dropped once a config serves.
 
 Keeps checking: every shadow comparison (serve/shadow.py, ``--shadow-rate``) of the config that
 serves goes into a window of the last ``--calibration-window``; once the window is full, an
@@ -65,7 +69,7 @@ log = logging.getLogger("mminfer.serve")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 EDGE_BYTES = 1 << 20          # of each weight file, the first and the last MiB are hashed
-MAX_ROUNDS = 3                # calibration rounds before a server gives up and stays dense
+MAX_ROUNDS = 3                # candidates gated before a server gives up and stays dense
 SYNTH_TASKS = ("needle", "count", "order", "colour")
 SYNTH_SEED = 920000           # synthetic calibration videos: seeds no training or eval uses
 SYNTH_TOKENS = 16384          # "auto" frames: the most whose visual tokens fit this
@@ -155,7 +159,7 @@ class SelfCalibration:
     :meth:`on_comparison`; everything else reads :meth:`status`."""
 
     def __init__(self, *, model_path: str, cache_dir, from_requests: bool = True,
-                 capture_bytes: int = 4 << 30, min_agreement: float = 0.98,
+                 capture_bytes: int = 8 << 30, min_agreement: float = 0.98,
                  max_kl: float = 0.02, requests: int = 8, gate_requests: int = 16,
                  window: int = 50, synthetic: int = 3, synthetic_frames: int = 0,
                  settings=None):
@@ -190,7 +194,8 @@ class SelfCalibration:
         self.inputs: list = []                # served_policy.ServedInput
         self.cal = None                       # the round's served_policy.ServedCalibration
         self.gate_rows: list = []
-        self._gated: set = set()              # ids of inputs the gate ran on
+        self.gates_failed: list = []          # candidates the gate turned down
+        self._calib_full = False              # half the capture budget held: go with those
         self._gen = None
         self._step = None
         self._waiting = False                 # the plan waits for a new input
@@ -236,7 +241,8 @@ class SelfCalibration:
     def _start(self, why: str):
         self.state = "calibrating"
         self.round = 0
-        self.inputs, self.gate_rows, self._gated, self.cal = [], [], set(), None
+        self.inputs, self.gate_rows, self.cal = [], [], None
+        self._calib_full = False
         self._gen, self._step, self._waiting = self._plan(), None, False
         self.pipeline.prefix_observer = self.observe if self.from_requests else None
         log.info("self-calibration: %s; serving dense, calibrating in idle time from %s",
@@ -303,22 +309,28 @@ class SelfCalibration:
     # ------------------------------------------------------------ inputs
     def observe(self, adapter, prep, embeds):
         """A request's prompt before its prefix's prefill (its thread, holding the model):
-        kept on the host while the calibration or the gate wants requests and the budget
-        allows."""
+        kept on the host while the calibration or the gate wants requests, within the
+        capture budget: half of it for the calibration's requests, half for the gate's
+        waiting their turn (a gated prompt is dropped once scored)."""
         if self.state not in ("calibrating", "gating"):
             return
-        frozen = self.cal is not None and self.cal.frozen is not None
+        n_bytes = prep.input_ids.shape[1] * embeds.shape[-1] * embeds.element_size()
+        half = self.capture_bytes // 2
         with self._lock:
-            pending = [i for i in self.inputs if i.source == "request"
-                       and (frozen and not self._in_calibration(i)) and id(i) not in self._gated]
-            calib = [i for i in self.inputs if i.source == "request"]
-            if frozen:
-                want = self.gate_requests - len(self.gate_rows) - len(pending)
-            else:                   # the calibration's, then the gate's
-                want = self.requests + self.gate_requests - len(calib)
-            n_bytes = prep.input_ids.shape[1] * embeds.shape[-1] * embeds.element_size()
-            held = sum(i.nbytes for i in self.inputs)
-            if want <= 0 or held + n_bytes > self.capture_bytes:
+            reqs = [i for i in self.inputs if i.source == "request"]
+            if self.cal is None or self.cal.frozen is None:
+                calib, held = reqs[:self.requests], reqs[self.requests:]
+                if len(calib) < self.requests:      # the calibration's
+                    if sum(i.nbytes for i in calib) + n_bytes > half:
+                        self._calib_full = True      # it goes with what it has
+                        return
+                    held = None
+                wanted = self.gate_requests
+            else:
+                held = [i for i in reqs if not self._in_calibration(i)]
+                wanted = self.gate_requests - len(self.gate_rows)
+            if held is not None and (len(held) >= wanted or
+                                     sum(i.nbytes for i in held) + n_bytes > half):
                 return
             self._n_kept += 1
             name = f"request-{self._n_kept}"
@@ -340,31 +352,26 @@ class SelfCalibration:
         ad = self.pipeline.adapter
         for k in range(self.synthetic):
             yield self._synthetic_step(k)
+        # the live pool: what is kept until the ladder is scored calibrates (``_select``),
+        # what comes after is held out for the gate
+        self.round = 1
+        self.cal = cal = ServedCalibration(ad, self.inputs, min_agreement=self.min_agreement,
+                                           max_kl=self.max_kl, settings=self.search,
+                                           log=log.info)
+        cal.select = self._select
+        yield from cal.steps(ready=self._enough_requests)
+        held_k = 0
         while True:
-            self.round += 1
-            self.state = "calibrating"
-            self.gate_rows, self._gated = [], set()
-            # the live pool: what is kept until the ladder is scored calibrates, what comes
-            # after is held out
-            last, self.cal = self.cal, ServedCalibration(
-                ad, self.inputs, min_agreement=self.min_agreement, max_kl=self.max_kl,
-                settings=self.search, log=log.info)
-            cal = self.cal
-            cal.select = self._select
-            if last is not None and last.head_config is not None:   # the search stands
-                cal.head_config, cal.head_report = last.head_config, last.head_report
-                cal.searched = last.searched
-            yield from cal.steps(ready=self._enough_requests)
             if cal.winner is None:
                 self._give_up("no config of the ladder held the thresholds on the calibration "
                               "inputs")
                 return
             self.state = "gating"
+            self.gate_rows = []
             log.info("self-calibration: a candidate (per-head bound %g) holds on %d inputs; "
                      "gating it on %d %s it was not calibrated on", cal.winner.bound,
                      len(cal.frozen), self.gate_requests,
                      "requests" if self.from_requests else "synthetic videos")
-            held_k = 0
             while len(self.gate_rows) < self.gate_requests:
                 held = self._held_out()
                 if not held:
@@ -391,30 +398,34 @@ class SelfCalibration:
                 except OSError as e:
                     log.warning("self-calibration: could not store the config: %s", e)
                 return
-            log.warning("self-calibration: the candidate failed the gate (agreement %.3f, mean "
-                        "KL %.4f on %d held-out inputs); measuring the ladder again with them",
-                        s["agreement"], s["mean_kl"], s["n"])
+            self.gates_failed.append({"per_head_bound": cal.winner.bound, **_rounded(s),
+                                      "n": s["n"]})
+            log.warning("self-calibration: the candidate (per-head bound %g) failed the gate "
+                        "(agreement %.3f, mean KL %.4f on %d held-out inputs); trying the next "
+                        "tighter rung", cal.winner.bound, s["agreement"], s["mean_kl"], s["n"])
             if self.round >= MAX_ROUNDS:
                 self._give_up(f"no candidate passed the gate in {MAX_ROUNDS} rounds")
                 return
+            self.round += 1
+            self.state = "calibrating"
+            yield from cal.ladder_steps(tighter_than=cal.winner.bound)
 
     def _select(self, inputs: list) -> list:
-        """The calibration inputs among those kept: the first round, the synthetic ones and
-        the first ``requests`` requests (later requests are the gate's); a later round, all
-        of them (the gate's of the round before included)."""
-        if self.round > 1:
-            return inputs
+        """The calibration inputs among those kept: the synthetic ones and the first
+        ``requests`` requests (later requests are the gate's)."""
         reqs = [i for i in inputs if i.source == "request"][:self.requests]
         return [i for i in inputs if i.source != "request" or any(i is r for r in reqs)]
 
     def _enough_requests(self) -> bool:
+        """The calibration has its requests: ``requests`` of them, or as many as half the
+        capture budget held (the other half is the gate's)."""
         with self._lock:
-            return sum(i.source == "request" for i in self.inputs) >= self.requests
+            return self._calib_full or \
+                sum(i.source == "request" for i in self.inputs) >= self.requests
 
     def _held_out(self) -> list:
         with self._lock:
             return [i for i in self.inputs if not self._in_calibration(i)
-                    and id(i) not in self._gated
                     and (i.source == "request") == self.from_requests]
 
     def _synthetic_step(self, k: int, held_out: bool = False):
@@ -518,7 +529,8 @@ class SelfCalibration:
             out["progress"] = {
                 "round": self.round, "inputs": _count_sources(
                     [{"source": i.source} for i in kept]),
-                "requests_wanted": self.requests, "gate": f"{len(self.gate_rows)} of "
+                "requests_wanted": self.requests, "gates_failed": list(self.gates_failed),
+                "gate": f"{len(self.gate_rows)} of "
                 f"{self.gate_requests}", "kept_mb": round(sum(i.nbytes for i in kept) / 2**20, 3),
                 "steps_run": self.steps_run, "steps_stopped": self.steps_stopped,
                 "longest_step_s": round(max(self.step_seconds), 3) if self.step_seconds else None}
@@ -547,7 +559,8 @@ def _gate_step(sc: SelfCalibration, cal, inp):
     def fn(cancel):
         row = cal.score(inp, cal.winner.config, cancel)
         sc.gate_rows.append(row)
-        sc._gated.add(id(inp))
+        with sc._lock:                 # scored: its prompt is not needed any more
+            sc.inputs.remove(inp)
     return Step(f"gate on {inp.name}", fn)
 
 

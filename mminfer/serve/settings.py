@@ -114,7 +114,7 @@ class Settings:
     self_calibrate: bool = True
     calibration_dir: str | None = None    # None: <data_dir>/calibration
     calibrate_from_requests: bool = True  # keep the first requests' prompts (host memory)
-    calibration_capture_mb: float = 4096.0    # kept prompts at most (host memory)
+    calibration_capture_mb: float = 8192.0    # kept prompts at most (host memory)
     calibration_min_agreement: float = 0.98   # greedy answers as dense's, at least
     calibration_max_kl: float = 0.02      # mean last-token KL(dense || sparse), at most
     calibration_requests: int = 8         # requests calibrated on

@@ -94,6 +94,15 @@ def test_calibration_steps_choose_the_cheapest_rung_that_holds(pipe):
                                                    engine="reference", block=(16, 16)))
              for i in inputs]
     assert SP.summarize(again)["mean_kl"] == pytest.approx(s["mean_kl"], rel=1e-6, abs=1e-9)
+    # a winner turned down elsewhere (the server's gate): the next tighter rung that holds,
+    # the rungs already scored not measured again
+    scored = {r.bound: list(r.rows) for r in tried}
+    first = cal.winner
+    for step in cal.ladder_steps(tighter_than=first.bound):
+        step()
+    assert all(r.rows == scored[r.bound] for r in tried)
+    assert cal.winner is None or (cal.winner.bound < first.bound and
+                                  SP.holds(cal.winner.summary(), 1.0, 0.02))
     # a step stopped by its cancel check raises and can be run again
     from mminfer.errors import Cancelled
     before = inputs[0].reference
