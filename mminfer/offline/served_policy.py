@@ -41,7 +41,7 @@ from mminfer.errors import Cancelled, ConfigError
 from mminfer.models.base import PrepareOptions
 from mminfer.models.hooks import PrefillContext
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill
-from mminfer.sparse.patterns import HeadPatternConfig
+from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
 from .calibrate import (Capture, calibrate, report_candidates, reselect, with_dense_text)
 
@@ -436,7 +436,6 @@ class ServedCalibration:
 def _merge(results: dict, identity) -> tuple:
     """Per-layer search results into one config and report (each layer's choice is its own:
     the same as one search over every layer)."""
-    from mminfer.sparse.patterns import default_config
     layers = [list(row) for row in default_config(identity).layers]
     report, prov = [], None
     calibrated = []

@@ -62,6 +62,9 @@ import time
 from pathlib import Path
 
 from mminfer.errors import Cancelled
+from mminfer.models.base import resolve_checkpoint
+from mminfer.models.hooks import AUTO_NEVER
+from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
 from .worker import _is_oom, is_fatal
 
@@ -116,7 +119,6 @@ class CalibrationCache:
         """The stored config for these weights, with the loaded model's identity (the
         weights are the same; the folder's name may not be), or None. A file of another
         shape is an error."""
-        from mminfer.sparse.patterns import HeadPatternConfig  # lazy: torch-free, but heavy
         p = self.path(digest)
         if not p.is_file():
             return None
@@ -215,8 +217,6 @@ class SelfCalibration:
             self.state, self.why = "off", why
             log.info("self-calibration off: %s", why)
             return
-        from mminfer.models.base import resolve_checkpoint
-        from mminfer.sparse.patterns import default_config
         ad = pipeline.adapter
         self.baseline = default_config(ad.identity)
         try:
@@ -334,7 +334,7 @@ class SelfCalibration:
                 return
             self._n_kept += 1
             name = f"request-{self._n_kept}"
-        from mminfer.offline.served_policy import keep  # lazy: torch
+        from mminfer.offline.served_policy import keep  # lazy: torch, as in _plan
         inp = keep(adapter, prep, embeds, name, source="request")
         with self._lock:
             self.inputs.append(inp)
@@ -347,6 +347,7 @@ class SelfCalibration:
 
     # ------------------------------------------------------------ the plan
     def _plan(self):
+        # lazy: torch, and `mminfer serve --help` imports this module
         from mminfer.offline.served_policy import ServedCalibration, holds, summarize
 
         ad = self.pipeline.adapter
@@ -429,13 +430,13 @@ class SelfCalibration:
                     and (i.source == "request") == self.from_requests]
 
     def _synthetic_step(self, k: int, held_out: bool = False):
-        from mminfer.offline.served_policy import Step
+        from mminfer.offline.served_policy import Step  # lazy: torch, as in _plan
         task = SYNTH_TASKS[k % len(SYNTH_TASKS)]
         spec = f"synth:{task}:{self._frames()}:{SYNTH_SEED + k}"
 
         def fn(cancel):
-            from mminfer.offline.capture import synthetic_video
-            from mminfer.offline.served_policy import prepare
+            from mminfer.offline.capture import synthetic_video  # lazy: as in _plan
+            from mminfer.offline.served_policy import prepare  # lazy: as in _plan
             decoded, question, name = synthetic_video(spec)
             inp = prepare(self.pipeline.adapter, decoded, question, name, cancel=cancel)
             with self._lock:
@@ -554,7 +555,7 @@ class SelfCalibration:
 
 
 def _gate_step(sc: SelfCalibration, cal, inp):
-    from mminfer.offline.served_policy import Step
+    from mminfer.offline.served_policy import Step  # lazy: torch, as in SelfCalibration._plan
 
     def fn(cancel):
         row = cal.score(inp, cal.winner.config, cancel)
@@ -565,7 +566,6 @@ def _gate_step(sc: SelfCalibration, cal, inp):
 
 
 def _why_off(pipeline) -> str | None:
-    from mminfer.models.hooks import AUTO_NEVER
     if getattr(pipeline, "tensor_parallel", 1) > 1:
         return "tensor parallel (every rank would have to calibrate in lockstep)"
     if pipeline.attention != "auto":
