@@ -21,7 +21,8 @@ something else. So here:
   the captures, a ladder of configs from it (the per-head bound loosened rung by rung, the
   question's rows dense), each scored on the calibration inputs by what is served; the winner
   is the cheapest rung that holds the thresholds (agreement >= ``min_agreement``, mean KL <=
-  ``max_kl``). ``mminfer calibrate`` runs the same steps one after the other.
+  ``max_kl``). :func:`run_all` runs the steps one after the other (offline); the server's
+  self-calibration (serve/selfcal.py) runs them in its idle time.
 
 Inputs are kept on the host: the prompt embeddings after the vision tower ``[1, L, hidden]``
 (L x hidden x 2 bytes in bf16), the prefix's positions, its ModalityIndex and length, and the
@@ -43,7 +44,7 @@ from mminfer.models.hooks import PrefillContext
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
-from .calibrate import (Capture, calibrate, report_candidates, reselect, with_dense_text)
+from .calibrate import Capture, calibrate, reselect, with_dense_text
 
 
 # ---------------------------------------------------------------------- inputs
@@ -336,7 +337,7 @@ class ServedCalibration:
             yield None
         inputs = self.freeze()
         # 4. the ladder, scored on the frozen inputs
-        self.rungs = self._ladder(inputs[0])
+        self.rungs = self._ladder()
         yield from self.ladder_steps()
 
     def ladder_steps(self, tighter_than: float | None = None):
@@ -388,7 +389,7 @@ class ServedCalibration:
         for c in caps:                   # what the search needed of them
             c.capture = None
 
-    def _ladder(self, first: ServedInput) -> list:
+    def _ladder(self) -> list:
         """One config per bound, from the search's numbers (``reselect``: nothing measured),
         with the question's rows dense."""
         index = self.head_config_index
@@ -468,5 +469,4 @@ def run_all(cal: ServedCalibration) -> ServedCalibration:
 
 
 __all__ = ["ServedInput", "ServedRun", "ServedCalibration", "SearchSettings", "Step", "keep",
-           "prepare", "run_served", "compare", "summarize", "holds", "run_all",
-           "report_candidates"]
+           "prepare", "run_served", "compare", "summarize", "holds", "run_all"]

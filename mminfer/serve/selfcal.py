@@ -549,8 +549,8 @@ class SelfCalibration:
             return f"sparse: the config from {self.source} ({how})"
         if self.state in ("calibrating", "gating"):
             extra = f" after a fallback ({self.fallbacks[-1]['why']})" if self.fallbacks else ""
-            return (f"dense while {'calibrating' if self.state == 'calibrating' else 'gating a candidate'}"
-                    f" in idle time{extra}")
+            doing = "calibrating" if self.state == "calibrating" else "gating a candidate"
+            return f"dense while {doing} in idle time{extra}"
         return f"dense: {self.why}" if self.why else "dense"
 
 
