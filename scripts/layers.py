@@ -31,7 +31,9 @@ ALLOWED = {
     "offline": {"errors", "kernels", "sparse", "video", "models", "engine"},
     # interfaces: the options the command line shares, the service, the batch job, the command
     "cli_options": {"errors"},
-    "serve": {"errors", "kernels", "sparse", "video", "models", "engine", "cli_options"},
+    # the server calibrates a model itself (serve/selfcal.py runs offline's calibration)
+    "serve": {"errors", "kernels", "sparse", "video", "models", "engine", "offline",
+              "cli_options"},
     "batch": {"errors", "kernels", "sparse", "video", "models", "engine", "cli_options"},
     "batch_cli": {"errors", "cli_options", "batch"},
     "cli": {"errors", "kernels", "sparse", "video", "models", "engine", "offline", "serve",

@@ -257,6 +257,11 @@ class Pipeline:
         self.video_cache = VideoCache(self.device, gpu_bytes,
                                       int(float(kv_host_cache_gb or 0) * 2**30))
         self.video_cache.wait = _cache_wait
+        # the server's self-calibration (serve/selfcal.py): ``prefix_observer(adapter, prep,
+        # embeds)`` sees each prompt before its prefix's prefill overwrites the embeddings
+        # (it may keep a copy); ``calibration_status()`` is what attention_policy reports of it
+        self.prefix_observer = None
+        self.calibration_status = None
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -333,8 +338,12 @@ class Pipeline:
                     else "dense (--min-sparse-len is longer than any prompt)")
         else:
             state, auto = "calibrated", f"sparse from {self.min_sparse_len:,} prompt tokens"
-        return {"head_patterns": state, "auto_attention": auto,
-                "quantization": getattr(self, "quantization", None)}
+        out = {"head_patterns": state, "auto_attention": auto,
+               "quantization": getattr(self, "quantization", None)}
+        status = getattr(self, "calibration_status", None)
+        if status is not None:
+            out["self_calibration"] = status()
+        return out
 
     def _frame_shards(self):
         if self.tensor_parallel == 1:
@@ -586,6 +595,9 @@ class Pipeline:
         kept = None
         if keep_for_shadow and ctx.decide(P):     # before the prefill overwrites embeds
             kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
+        observer = getattr(self, "prefix_observer", None)
+        if observer is not None:                  # before the prefill overwrites embeds
+            observer(ad, prep, embeds)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
         # room for this question and its answer, and at least what a kept entry keeps for
         # the next question (so the entry is not trimmed after a short answer)

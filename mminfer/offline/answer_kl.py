@@ -4,8 +4,9 @@ last-token distribution on the calibration videos within a KL bound of dense.
 Why: ``calibrate.py`` bounds each head's relative attention-output error, and that is the
 wrong thing to bound (lab/NOTES.md, "Sharper attention by training"): a diffuse head can miss
 half its mass and move no answer, while a sharp head that misses one landmark flips one. So
-this step measures the answer itself, through the same prefill engine serving runs
-(``models/prefill.py`` with the hook in ``models/hooks.py``):
+this step measures the answer itself, as it is served (:class:`AnswerProbe`: the prefix
+prefilled under the config, the question's rows dense over its cache; the prefill engine of
+``models/prefill.py`` with the hook in ``models/hooks.py``):
 
 1. **Per-head cost.** Each head's candidates from a calibration report (only those on the
    density/error frontier, cheapest last) are tried one head at a time, every other head
@@ -45,11 +46,17 @@ class AnswerInput:
 
 @dataclass
 class AnswerProbe:
-    """Runs a model's prefill under a head-pattern config and reads the first answer
-    token's log-probabilities (``engine``/``block``: as ``hooks.PrefillContext``)."""
+    """Runs a model under a head-pattern config as the server serves it and reads the first
+    answer token's log-probabilities (``engine``/``block``: as ``hooks.PrefillContext``): the
+    prompt's prefix prefilled sparse, estimated from its own last queries, then the question's
+    rows dense over its KV cache (``served_policy.py``). ``one_shot``: the whole prompt in
+    one sparse prefill instead, estimated from the question's last queries: what calibration
+    measured before it measured the served policy, kept for the benchmark that compares the
+    two."""
     adapter: object
     engine: str = "kernel"
     block: tuple | None = None
+    one_shot: bool = False
     forwards: int = field(default=0, init=False)
 
     def prepare(self, name: str, decoded, question: str) -> AnswerInput:
@@ -62,18 +69,25 @@ class AnswerProbe:
     def logprobs(self, prep, embeds, patterns: HeadPatternConfig | None):
         """``(log-probabilities [V] fp32 on CPU, mean density or None)``: dense when
         ``patterns`` is None; the density is the plans' physical tiles / causal triangle
-        (logical pairs for the reference engine), mean over heads and the layers that compute
-        every row (the last runs its last row only)."""
+        (logical pairs for the reference engine), mean over heads and the layers that made a
+        plan (the prefix's last layer writes its K/V only; a one-shot prefill's last layer
+        runs its last row only)."""
         ad = self.adapter
         L = prep.input_ids.shape[1]
-        ctx = PrefillContext(index=prep.index, patterns=patterns,
+        ctx = PrefillContext(index=prep.index if self.one_shot else prep.prefix_index,
+                             patterns=patterns,
                              mode="dense" if patterns is None else "sparse", min_sparse_len=0,
                              keep_plans=patterns is not None, engine=self.engine,
                              block=self.block)
-        logits = prefill(ad.text_model, embeds.clone(), None, ad.positions(prep, 0, L),
-                         ctx=ctx, lm_head=ad.lm_head)
+        if self.one_shot:
+            logits = prefill(ad.text_model, embeds.clone(), None, ad.positions(prep, 0, L),
+                             ctx=ctx, lm_head=ad.lm_head)[0, -1]
+        else:
+            kv = ad.prefill_prefix(prep, embeds.clone(), ctx=ctx)
+            logits = ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
+                                    max_new_tokens=1).prefill_logits
         self.forwards += 1
-        return torch.log_softmax(logits[0, -1].float(), -1).cpu(), _density(ctx)
+        return torch.log_softmax(logits.float(), -1).cpu(), _density(ctx)
 
     def kl(self, inp: AnswerInput, patterns: HeadPatternConfig) -> tuple:
         """``(KL(dense || patterns) in nats, density)`` of one input."""
@@ -170,9 +184,9 @@ def refine(probe: AnswerProbe, inputs: Sequence[AnswerInput], cfg: HeadPatternCo
     late = lambda: deadline is not None and time.monotonic() > deadline
     stopped = None
     own: dict = {}
-    # the served prefill runs the last layer for its last row only (models/prefill.py), a
-    # single query that sees every key: no pattern there reaches the answer, so those heads
-    # take their cheapest rung unmeasured
+    # the served prefix's last layer writes its K/V only, and a one-shot prefill runs it for
+    # its last row only, a single query that sees every key (models/prefill.py): no pattern
+    # there reaches the answer, so those heads take their cheapest rung unmeasured
     free = {key: rungs[-1][0] for key, rungs in ladders.items()
             if key[0] == ident.layers - 1 and rungs}
     for key, lab in free.items():

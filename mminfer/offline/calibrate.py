@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from mminfer.engine.pipeline import Pipeline, resolve_checkpoint
-from mminfer.errors import ConfigError, InputError
+from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.kernels import sparse_attention
 from mminfer.kernels.reference import plan_attention
 from mminfer.models.base import PrepareOptions
@@ -468,8 +468,10 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
               candidates: Mapping | Callable | None = None, objective: str = "output_error",
               max_error: float = 0.05, quantile: float = 1.0, hard: str = "dense",
               engine: str = "auto", block_m: int | None = None, block_n: int | None = None,
-              progress: bool = True, spread_q: int = 0):
-    """Search every captured layer; returns ``(HeadPatternConfig, report)``.
+              progress: bool = True, spread_q: int = 0, cancel: Callable | None = None):
+    """Search every captured layer; returns ``(HeadPatternConfig, report)``. ``cancel()`` is
+    checked before every candidate's run (:class:`mminfer.errors.Cancelled`): a server runs
+    the search in idle time and stops it when a request arrives.
 
     Candidates: for each of ``budgets`` (target densities) the fixed-budget patterns of
     ``candidates`` (a mapping name -> HeadPattern used at every budget, or a callable
@@ -536,6 +538,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
         for i, (q, k, v) in sorted(cap.layers.items()):
             ref = dense_reference(q, k, v, cap.scale)
             for key, hp in cands.items():
+                if cancel is not None and cancel():
+                    raise Cancelled("the calibration search was stopped")
                 r = evaluate(q, k, v, cap.index, [hp] * H, ref, engine=engine,
                              block_m=block_m, block_n=block_n, scale=cap.scale,
                              spread_q=spread_q)
@@ -785,12 +789,12 @@ def _run_reselect(args) -> int:
 
 
 def _first_index(model, video, args) -> ModalityIndex:
-    """The ModalityIndex of one calibration video as the capture step built it (no
-    prefill: only the adapter's preprocessing)."""
+    """The ModalityIndex of one calibration video's prefix, as the capture step built it
+    (no prefill: only the adapter's preprocessing)."""
     ad = Pipeline(model=model, attention="dense", device="cpu").adapter
     decoded, question, _ = load_video(video, ad, args.question, fps=args.fps,
                                       max_frames=args.max_frames)
-    return ad.prepare(decoded, question, PrepareOptions()).index
+    return ad.prepare(decoded, question, PrepareOptions()).prefix_index
 
 
 def format_report(report: list, prov: dict) -> str:

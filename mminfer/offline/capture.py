@@ -1,8 +1,12 @@
 """Capture one model's prefill q/k/v per layer on real inputs, for `mminfer calibrate`.
 
-The prefill runs dense through the ordinary adapter (same preprocessing, same ModalityIndex
-as serving); the attention hook copies each layer's rotated q and cached k/v to the CPU. One
-``.pt`` file per video, in the format ``mminfer.offline.calibrate.load_captures`` reads.
+What is captured is what serving prefills sparse: the prompt's *prefix* (up to and including
+the video), prefilled on its own as the video cache builds it, with the prefix's ModalityIndex
+(a sparse prefix estimates from its own last queries; the question's rows are computed dense
+over its cache, ``served_policy.py``). The prefill runs dense through the ordinary adapter
+(same preprocessing as serving); the attention hook copies each layer's rotated q and cached
+k/v to the CPU. One ``.pt`` file per video, in the format
+``mminfer.offline.calibrate.load_captures`` reads.
 
 A video may also be a synthetic source ``synth:TASK:FRAMES:SEED`` (:mod:`.synthetic`, drawn
 at 224 x 224 and 2 fps in-process, asked its own task question): the embedded model is
@@ -35,15 +39,16 @@ def capture_qkv(model, videos, question: str, out_dir, *, fps: float = 2.0,
     for v in videos:
         decoded, q_text, name = load_video(v, ad, question, fps=fps, max_frames=max_frames)
         prep = ad.prepare(decoded, q_text, PrepareOptions())
-        ctx = PrefillContext(index=prep.index, patterns=None, mode="dense", capture={})
-        ad.generate(prep, max_new_tokens=1, ctx=ctx)
+        ctx = PrefillContext(index=prep.prefix_index, patterns=None, mode="dense", capture={})
+        with torch.inference_mode():
+            ad.prefill_prefix(prep, ad.embed(prep), ctx=ctx)
         path = out_dir / (name + ".pt")
-        torch.save({"name": name, "index": prep.index.to_dict(),
+        torch.save({"name": name, "index": prep.prefix_index.to_dict(),
                     "layers": {i: {"q": q, "k": k, "v": vv}
                                for i, (q, k, vv) in sorted(ctx.capture.items())}}, path)
         paths.append(path)
         if progress:
-            progress(path, prep.total_tokens)
+            progress(path, prep.prefix_len)
     return paths
 
 

@@ -44,6 +44,7 @@ from mminfer.models.embedded import resolve_model
 
 from . import answer, apidocs, errors, jsonbody, live, login, media, openai, reads, videos
 from .metrics import Metrics
+from .selfcal import SelfCalibration
 from .service import Service
 from .settings import Settings
 from .shadow import ShadowMonitor, ShadowStore
@@ -78,6 +79,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
             warm = pipe.warmup()
             if warm.get("ran"):
                 log.info("warm-up: %s", warm)
+            if worker.selfcal is not None:     # a stored config serves from the first request
+                worker.selfcal.attach(pipe)
             return pipe
         worker = ModelWorker(load, queue_size=s.queue_size, metrics=metrics,
                              max_active=s.max_num_seqs, decode_share=s.decode_share)
@@ -88,6 +91,16 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
                                max_rows=s.report_max_rows)
     worker.shadow = ShadowMonitor(s.shadow_rate, int(s.shadow_max_mb * 2**20),
                                   s.shadow_max_new_tokens, metrics=metrics, store=shadow_store)
+    if s.self_calibrate:             # measured configs for new weights, in idle time
+        worker.selfcal = SelfCalibration(
+            model_path=model_path, cache_dir=s.calibration_dir or data_dir / "calibration",
+            from_requests=s.calibrate_from_requests,
+            capture_bytes=int(s.calibration_capture_mb * 2**20),
+            min_agreement=s.calibration_min_agreement, max_kl=s.calibration_max_kl,
+            requests=s.calibration_requests, gate_requests=s.calibration_gate_requests,
+            window=s.calibration_window, synthetic=s.calibration_synthetic,
+            synthetic_frames=s.calibration_synthetic_frames)
+        worker.shadow.on_compare = worker.selfcal.on_comparison
 
     video_store = videos.VideoStore(data_dir / "videos",
                                     max_bytes=int(s.video_store_gb * 2**30),
@@ -122,6 +135,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     app.state.settings, app.state.worker, app.state.store = s, worker, store
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
     app.state.shadow = worker.shadow
+    app.state.selfcal = getattr(worker, "selfcal", None)
     errors.install(app)
     for module in (answer, openai, videos, live, reads, login, apidocs):
         app.include_router(module.router)

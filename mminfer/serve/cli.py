@@ -209,6 +209,35 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="answer tokens the dense re-run generates to compare answers (1: the "
                         "first token only)")
 
+    g = p.add_argument_group("self-calibration (weights without a measured head-pattern config: "
+                             "measured in idle time, gated, then served sparse; "
+                             "docs/calibration.md)")
+    g.add_argument("--no-self-calibrate", action="store_true",
+                   help="never calibrate here: an uncalibrated config stays dense")
+    g.add_argument("--calibration-dir", default=d.calibration_dir,
+                   help="measured configs by weights digest, reused on the next start "
+                        "(default: DATA_DIR/calibration)")
+    g.add_argument("--no-calibrate-from-requests", action="store_true",
+                   help="calibrate and gate on synthetic videos only: no user's prompt is kept")
+    g.add_argument("--calibration-capture-mb", type=float, default=d.calibration_capture_mb,
+                   help="prompts kept for calibration (embeddings after the vision tower, host "
+                        "memory) at most")
+    g.add_argument("--calibration-min-agreement", type=float,
+                   default=d.calibration_min_agreement,
+                   help="a config serves only if this share of its greedy answers equals "
+                        "dense's (calibration, gate, and the drift check)")
+    g.add_argument("--calibration-max-kl", type=float, default=d.calibration_max_kl,
+                   help="... and its mean last-token KL(dense || sparse) is at most this")
+    g.add_argument("--calibration-requests", type=int, default=d.calibration_requests,
+                   help="requests calibrated on (besides the synthetic videos)")
+    g.add_argument("--calibration-gate-requests", type=int,
+                   default=d.calibration_gate_requests,
+                   help="later requests (not calibrated on) a new config must hold the "
+                        "thresholds on before it serves")
+    g.add_argument("--calibration-window", type=int, default=d.calibration_window,
+                   help="shadow comparisons of the serving config judged together: past the "
+                        "thresholds, back to dense and recalibrate")
+
 
 def settings_from(args):
     if args.queue_size < 1 or (args.max_concurrent_uploads or 1) < 1 or args.max_num_seqs < 1:
@@ -240,6 +269,12 @@ def settings_from(args):
                  "tenant_max_queue"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    if not (0 <= args.calibration_min_agreement <= 1 and args.calibration_max_kl >= 0
+            and args.calibration_capture_mb >= 0 and args.calibration_requests >= 0
+            and args.calibration_gate_requests >= 1 and args.calibration_window >= 1):
+        raise ConfigError("--calibration-min-agreement must be in [0, 1], --calibration-max-kl "
+                          "and --calibration-capture-mb >= 0, --calibration-requests >= 0, "
+                          "--calibration-gate-requests and --calibration-window >= 1")
     keys = {"api_key": args.api_key} if args.api_key else {}
     if args.metrics_token:
         keys["metrics_token"] = args.metrics_token
@@ -278,7 +313,15 @@ def settings_from(args):
         video_cache=not args.no_video_cache, video_store_gb=args.video_store_gb,
         video_store_max=args.video_store_max, video_ttl_s=args.video_ttl_s,
         report_max_rows=args.report_max_rows, shadow_rate=args.shadow_rate,
-        shadow_max_mb=args.shadow_max_mb, shadow_max_new_tokens=args.shadow_max_new_tokens)
+        shadow_max_mb=args.shadow_max_mb, shadow_max_new_tokens=args.shadow_max_new_tokens,
+        self_calibrate=not args.no_self_calibrate, calibration_dir=args.calibration_dir,
+        calibrate_from_requests=not args.no_calibrate_from_requests,
+        calibration_capture_mb=args.calibration_capture_mb,
+        calibration_min_agreement=args.calibration_min_agreement,
+        calibration_max_kl=args.calibration_max_kl,
+        calibration_requests=args.calibration_requests,
+        calibration_gate_requests=args.calibration_gate_requests,
+        calibration_window=args.calibration_window)
 
 
 def check_port(host: str, port: int):
@@ -362,6 +405,8 @@ def run(args) -> int:
     if policy and policy["head_patterns"] == "uncalibrated":
         print(f"warning: head patterns uncalibrated for this model; attention auto is "
               f"{policy['auto_attention']}", flush=True)
+    if policy and policy.get("self_calibration"):
+        print(f"self-calibration: {policy['self_calibration']['summary']}", flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not app.state.service.keys.enabled:
         print("warning: listening beyond loopback without MMINFER_API_KEY: anyone who can "
               "reach this port can use the model", flush=True)

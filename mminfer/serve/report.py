@@ -295,8 +295,13 @@ def _policy_line(policy: dict | None) -> str:
     if not policy:
         return ""
     cls = ' class="warn"' if policy["head_patterns"] == "uncalibrated" else ""
-    return (f'<p{cls} id="policy">Head patterns: <b>{e(policy["head_patterns"])}</b>; '
+    line = (f'<p{cls} id="policy">Head patterns: <b>{e(policy["head_patterns"])}</b>; '
             f'attention "auto": {e(policy["auto_attention"])}.</p>')
+    sc = policy.get("self_calibration")
+    if sc:                          # serve/selfcal.py: which config serves, measured how
+        line += (f'<p id="self-calibration" data-state="{e(sc["state"])}" '
+                 f'data-serving="{e(sc["serving"])}">Self-calibration: {e(sc["summary"])}.</p>')
+    return line
 
 
 def _now_line(now: dict | None) -> str:

@@ -110,6 +110,20 @@ class Settings:
     shadow_max_mb: float = 1024.0      # a sampled request's kept inputs at most (CPU memory)
     shadow_max_new_tokens: int = 8     # answer tokens the dense re-run generates at most
 
+    # self-calibration (serve/selfcal.py): weights without a measured head-pattern config get
+    # one measured in idle time, gated, served and checked
+    self_calibrate: bool = True
+    calibration_dir: str | None = None    # None: <data_dir>/calibration
+    calibrate_from_requests: bool = True  # keep the first requests' prompts (host memory)
+    calibration_capture_mb: float = 8192.0    # kept prompts at most (host memory)
+    calibration_min_agreement: float = 0.98   # greedy answers as dense's, at least
+    calibration_max_kl: float = 0.02      # mean last-token KL(dense || sparse), at most
+    calibration_requests: int = 8         # requests calibrated on
+    calibration_gate_requests: int = 16   # held-out requests the gate runs on
+    calibration_window: int = 50          # shadow comparisons judged for drift
+    calibration_synthetic: int = 3        # synthetic videos calibrated on
+    calibration_synthetic_frames: int = 0     # their frames (0: as many as fit 16K tokens)
+
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 2**20)

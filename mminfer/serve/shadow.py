@@ -97,6 +97,7 @@ class ShadowMonitor:
         self._running: ShadowJob | None = None
         self.compared = 0
         self.skipped = {r: 0 for r in SKIP_REASONS}
+        self.on_compare = None         # called with each comparison (serve/selfcal.py)
 
     # ------------------------------------------------------------ the worker's hooks
     def params(self, job, pipeline) -> dict:
@@ -197,6 +198,8 @@ class ShadowMonitor:
     def record(self, job: ShadowJob, c: dict, seconds: float):
         self.compared += 1
         kept = job.kept
+        if self.on_compare is not None:
+            self.on_compare(c)
         bucket = BUCKET_LABELS[bucket_index(kept.tokens)]
         if self.metrics is not None:
             self.metrics.observe_shadow(bucket, c["kl"], c["argmax_agree"], c["answer_agree"],

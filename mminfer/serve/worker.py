@@ -25,7 +25,8 @@ gone, deadline, shutdown).
 Idle time: with a shadow monitor (serve/shadow.py), a sampled sparse request's inputs are
 kept when it ends and re-run dense (on the dispatching thread) while nothing is queued,
 reserved or in progress; a request that arrives drops or stops that re-run (``preempt``)
-before it waits on it.
+before it waits on it. Self-calibration (serve/selfcal.py) runs its steps in the same slot,
+after any pending re-run, and is stopped the same way.
 
 The heap the model leaves: once loaded and warmed up, everything alive is moved out of the
 garbage collector's sight (``gc.freeze``). A full collection otherwise walks every object of
@@ -195,6 +196,7 @@ class ModelWorker:
         self.metrics = metrics
         self.interrupt_after_s = interrupt_after_s
         self.shadow = shadow             # serve/shadow.ShadowMonitor, or None
+        self.selfcal = None              # serve/selfcal.SelfCalibration, or None
         self.scheduler = Scheduler(decode_share)
         self.pipeline = None
         self.state = "new"               # new -> loading -> ready -> dead | stopped
@@ -349,15 +351,25 @@ class ModelWorker:
 
     # ------------------------------------------------------------------ the shadow monitor
     def _preempt_shadow(self):
-        """A request arrived: no shadow re-run may stand in its way."""
+        """A request arrived: no shadow re-run (nor calibration step) may stand in its way."""
         if self.shadow is not None:
             self.shadow.preempt()
+        if self.selfcal is not None:
+            self.selfcal.preempt()
 
     def _shadow_due(self) -> bool:
         """(Under the lock.) A shadow job waits and nothing else does; one that would be in a
         request's way is dropped here."""
         return self.shadow is not None and self.shadow.ready(
             busy=bool(self._queue or self._reserved or self._active or self._stopping))
+
+    def _idle_due(self) -> bool:
+        """(Under the lock.) Idle work is due: a shadow re-run, else a self-calibration step
+        (serve/selfcal.py)."""
+        if self._shadow_due():
+            return True
+        busy = bool(self._queue or self._reserved or self._active or self._stopping)
+        return self.selfcal is not None and not busy and self.selfcal.ready()
 
     def _gauges(self):
         if self.metrics is not None:
@@ -428,7 +440,7 @@ class ModelWorker:
             with self._cv:
                 while not self._stopping and self._fatal is None and not (
                         self._queue and len(self._active) < self.max_active) \
-                        and not self._shadow_due():
+                        and not self._idle_due():
                     self._cv.wait()
                 if self._fatal is not None:
                     raise self._fatal
@@ -442,7 +454,10 @@ class ModelWorker:
                         continue
                     self._active.append(job)
             if job is None:                        # idle: the shadow re-run (serve/shadow.py)
-                self.shadow.run_pending(self.pipeline)
+                if self.shadow is not None and self.shadow.pending:
+                    self.shadow.run_pending(self.pipeline)
+                else:                              # or a calibration step (serve/selfcal.py)
+                    self.selfcal.run_step(self.pipeline)
                 continue
             job.started = time.monotonic()
             job.queue_ms = (job.started - job.enqueued) * 1e3

@@ -65,12 +65,13 @@ def _answer(calibrated, target, name):
     return HeadPatternConfig.load(out), rows
 
 
-def _measure(ckpt, cfg):
-    """Mean KL of ``cfg`` over VIDEOS, measured afresh (a new probe, the pipeline's model)."""
+def _measure(ckpt, cfg, one_shot=False):
+    """Mean KL of ``cfg`` over VIDEOS, measured afresh (a new probe, the pipeline's model) as
+    served, or in a one-shot prefill of the whole prompt."""
     from mminfer.engine.pipeline import Pipeline
     from mminfer.offline.capture import load_video
     ad = Pipeline(str(ckpt), attention="dense", device="cpu").adapter
-    probe = AnswerProbe(ad, engine="reference", block=(16, 16))
+    probe = AnswerProbe(ad, engine="reference", block=(16, 16), one_shot=one_shot)
     kls = []
     for v in VIDEOS:
         decoded, question, name = load_video(v, ad, "")
@@ -112,7 +113,7 @@ def test_a_deadline_stops_early_and_still_holds_the_bound(calibrated):
     probe = AnswerProbe(ad, engine="reference", block=(16, 16))
     d, q, name = load_video(VIDEOS[0], ad, "")
     inp = probe.prepare(name, d, q)
-    new, rows = refine(probe, [inp], cfg, report, report_candidates(cfg, inp.prep.index),
+    new, rows = refine(probe, [inp], cfg, report, report_candidates(cfg, inp.prep.prefix_index),
                        target=5.0, max_rungs=1, deadline=0.0)     # already past
     # the last layer's heads run their last row only when served: cheapest, never measured
     last = [r for r in rows if r["last_row_only"]]
@@ -173,11 +174,17 @@ def test_calibrate_makes_question_rows_dense_by_default(calibrated):
     off = HeadPatternConfig.load(tmp / "off.json")
     assert "dense_text" not in off.provenance
     assert any(hp.boundary in ("none", "k") for row in off.layers for hp in row)
-    # What it is for: at a bound loose enough that the answer moves (0.5), the same choice
-    # moves it far less with the question's rows dense.
+    # What it is for: at a bound loose enough that the answer moves (0.5), in a one-shot
+    # prefill of the whole prompt the same choice moves it far less with the question's rows
+    # dense. As served, the question's rows are dense over the prefix's cache whatever the
+    # config says (the prefix's text rows are its system prompt): the same KL either way.
     loose = base[:-1] + ["0.5"]
     assert run(p.parse_args(loose + ["--out", str(tmp / "on5.json")])) == 0
     assert run(p.parse_args(loose + ["--no-dense-text", "--out", str(tmp / "off5.json")])) == 0
-    on_kl = _measure(ckpt, HeadPatternConfig.load(tmp / "on5.json"))
-    off_kl = _measure(ckpt, HeadPatternConfig.load(tmp / "off5.json"))
+    on5, off5 = HeadPatternConfig.load(tmp / "on5.json"), HeadPatternConfig.load(tmp / "off5.json")
+    on_kl, off_kl = _measure(ckpt, on5, one_shot=True), _measure(ckpt, off5, one_shot=True)
     assert off_kl > 0.01 and on_kl < off_kl / 5, (on_kl, off_kl)
+    served_on, served_off = _measure(ckpt, on5), _measure(ckpt, off5)
+    assert served_on == pytest.approx(served_off, rel=0.05, abs=1e-6)
+    assert served_off < off_kl / 5             # serving never makes the question sparse
+

@@ -169,7 +169,7 @@ def test_calibrate_a_tiny_model_on_synthetic_videos_then_answer_with_it(tmp_path
     args = p.parse_args(["--model", str(ckpt), "--device", "cpu",
                          "--videos", "synth:needle:8:900000", "synth:count:24:900003",
                          "--out", str(out), "--capture-dir", str(tmp_path / "caps"),
-                         "--budget", "--gamma", "0.8", "0.99", "--max-error", "0.17"])
+                         "--budget", "--gamma", "0.8", "0.99", "--max-error", "0.25"])
     assert run(args) == 0
     report = json.loads((ckpt / "mminfer_patterns.report.json").read_text())
     assert len(report) == 2 * 4
@@ -178,10 +178,13 @@ def test_calibrate_a_tiny_model_on_synthetic_videos_then_answer_with_it(tmp_path
     assert len(tokens) == 2 and tokens[0] < tokens[1]
     assert all(r["pattern"] in ("dense", "vertical_slash", "block", "block_ad", "q:vs", "q:grid|vs")
                for r in report)
-    # A random model's attention is broad: some heads hold 0.17 sparse, the others are hard.
+    # A random model's attention is broad: some heads hold 0.25 sparse, the others are hard
+    # (the served prefix runs no attention in its last layer: layer 0 needs a sparse head for
+    # the answer below to have a density under 1).
     hard = [r for r in report if r["hard"]]
     assert hard and len(hard) < len(report)
-    assert all(r["pattern"] == "dense" and r["best_sparse"]["error"] > 0.17 for r in hard)
+    assert all(r["pattern"] == "dense" and r["best_sparse"]["error"] > 0.25 for r in hard)
+    assert any(not r["hard"] for r in report if r["layer"] == 0)
     assert prov["hard_heads"] == sorted([r["layer"], r["head"]] for r in hard)
 
     pipe = Pipeline(str(ckpt), attention="sparse", device="cpu")
