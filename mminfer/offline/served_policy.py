@@ -39,8 +39,10 @@ from typing import Callable, Sequence
 import torch
 
 from mminfer.errors import Cancelled, ConfigError
+from mminfer.kernels import sparsity
 from mminfer.models.base import PrepareOptions
 from mminfer.models.hooks import PrefillContext
+from mminfer.models.kv import PrefixKV
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
@@ -118,7 +120,6 @@ def run_served(adapter, inp: ServedInput, patterns: HeadPatternConfig | None = N
     question's rows dense over its KV cache, then greedy tokens. ``capture`` (dense only):
     keep every layer's q/k/v of the prefix in ``inp.capture``. ``cancel`` is checked before
     every decoder layer and decode step (:class:`Cancelled`)."""
-    from mminfer.models.kv import PrefixKV  # lazy: as base.py, which imports it lazily
 
     if capture and patterns is not None:
         raise ConfigError("a capture is of the dense prefill")
@@ -153,8 +154,6 @@ def plans_density(plans: dict) -> float | None:
     without plans."""
     if not plans:
         return None
-    # lazy: importing mminfer.kernels imports triton, which reads TRITON_INTERPRET once
-    from mminfer.kernels import sparsity
     out = sparsity(plans)
     return None if out is None else float(out["mean_density"])
 

@@ -63,6 +63,9 @@ from pathlib import Path
 
 from mminfer.errors import Cancelled
 from mminfer.models.base import resolve_checkpoint
+from mminfer.offline.capture import synthetic_video
+from mminfer.offline.served_policy import (ServedCalibration, Step, holds, keep, prepare,
+                                           summarize)
 from mminfer.models.hooks import AUTO_NEVER
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
@@ -334,7 +337,6 @@ class SelfCalibration:
                 return
             self._n_kept += 1
             name = f"request-{self._n_kept}"
-        from mminfer.offline.served_policy import keep  # lazy: torch, as in _plan
         inp = keep(adapter, prep, embeds, name, source="request")
         with self._lock:
             self.inputs.append(inp)
@@ -347,9 +349,6 @@ class SelfCalibration:
 
     # ------------------------------------------------------------ the plan
     def _plan(self):
-        # lazy: torch, and `mminfer serve --help` imports this module
-        from mminfer.offline.served_policy import ServedCalibration, holds, summarize
-
         ad = self.pipeline.adapter
         for k in range(self.synthetic):
             yield self._synthetic_step(k)
@@ -430,13 +429,10 @@ class SelfCalibration:
                     and (i.source == "request") == self.from_requests]
 
     def _synthetic_step(self, k: int, held_out: bool = False):
-        from mminfer.offline.served_policy import Step  # lazy: torch, as in _plan
         task = SYNTH_TASKS[k % len(SYNTH_TASKS)]
         spec = f"synth:{task}:{self._frames()}:{SYNTH_SEED + k}"
 
         def fn(cancel):
-            from mminfer.offline.capture import synthetic_video  # lazy: as in _plan
-            from mminfer.offline.served_policy import prepare  # lazy: as in _plan
             decoded, question, name = synthetic_video(spec)
             inp = prepare(self.pipeline.adapter, decoded, question, name, cancel=cancel)
             with self._lock:
@@ -555,7 +551,6 @@ class SelfCalibration:
 
 
 def _gate_step(sc: SelfCalibration, cal, inp):
-    from mminfer.offline.served_policy import Step  # lazy: torch, as in SelfCalibration._plan
 
     def fn(cancel):
         row = cal.score(inp, cal.winner.config, cancel)
