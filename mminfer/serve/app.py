@@ -72,17 +72,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     metrics = Metrics(s.served_model_names[0] if s.served_model_names else
                       model_name(model_path))
     if worker is None:
-        def load():
-            pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
-                            min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
-                            kv_host_cache_gb=s.kv_host_cache_gb,
-                            kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization)
-            # kernels compile here, before /health says ready, not in a user's first request
-            warm = pipe.warmup()
-            if warm.get("ran"):
-                log.info("warm-up: %s", warm)
-            return pipe
-        worker = ModelWorker(load, queue_size=s.queue_size, metrics=metrics,
+        worker = ModelWorker(lambda: load_pipeline(s, model_path), queue_size=s.queue_size,
+                             metrics=metrics,
                              max_active=s.max_num_seqs, decode_share=s.decode_share)
     else:
         worker.metrics = metrics
@@ -130,6 +121,20 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, (answer.AnswerForm, *openai.SCHEMAS))
     return app
+
+
+def load_pipeline(s: Settings, model_path: str) -> Pipeline:
+    """The served Pipeline, loaded and warmed up (the model worker's ``load``; each engine
+    process's under --data-parallel)."""
+    pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
+                    min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
+                    kv_host_cache_gb=s.kv_host_cache_gb,
+                    kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization)
+    # kernels compile here, before /health says ready, not in a user's first request
+    warm = pipe.warmup()
+    if warm.get("ran"):
+        log.info("warm-up: %s", warm)
+    return pipe
 
 
 def model_name(model_path: str) -> str:

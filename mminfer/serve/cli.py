@@ -23,6 +23,7 @@ from mminfer.models.embedded import resolve_model
 
 from . import tensor_parallel
 from .app import create_app
+from .data_parallel import DEFAULT_MAX_IMBALANCE, DataParallelWorker
 from .protocol import config as guarded_config
 from .settings import Settings
 
@@ -47,6 +48,20 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="split the model over N processes started by `torchrun "
                         "--nproc-per-node N -m mminfer serve ...`: rank 0 serves HTTP, the "
                         "others follow its requests (default: 1)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N engine processes, one per GPU (CUDA_VISIBLE_DEVICES), each with its "
+                        "own model copy, video cache and scheduler, behind this one HTTP "
+                        "server; each video's questions go to the engine that holds its "
+                        "prefix (default: 1, the model in this process)")
+    p.add_argument("--dp-routing", choices=("affinity", "round_robin"), default="affinity",
+                   help="with --data-parallel: affinity sends a question to the engine whose "
+                        "cache holds its video (a new video to the least loaded); round_robin "
+                        "ignores the caches (for comparison)")
+    p.add_argument("--affinity-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+                   metavar="K",
+                   help="with --data-parallel: a question goes to its video's engine unless "
+                        "that engine has more than K requests in flight beyond the least "
+                        "loaded one (then the least loaded rebuilds the prefix)")
 
     g = p.add_argument_group("request defaults")
     g.add_argument("--fps", type=float, default=d.fps, help="frames sampled per second")
@@ -334,6 +349,17 @@ def graceful_server(uvicorn, config, worker):
     return Server(config)
 
 
+def data_parallel_worker(settings, args):
+    """The front end's worker over ``--data-parallel`` engine processes (data_parallel.py).
+    The shadow-dense monitor re-runs requests on an idle engine of its own process: not
+    under --data-parallel, where it is off."""
+    settings.shadow_rate = 0.0
+    return DataParallelWorker(settings, settings.model, args.data_parallel,
+                              routing=args.dp_routing,
+                              max_imbalance=args.affinity_max_imbalance,
+                              log_level=args.log_level.upper())
+
+
 def run(args) -> int:
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
@@ -345,13 +371,20 @@ def run(args) -> int:
     except ImportError:
         pass
     tp = None
+    if args.data_parallel < 1:
+        raise ConfigError("--data-parallel must be at least 1")
+    if args.data_parallel > 1 and args.tensor_parallel > 1:
+        raise ConfigError("--data-parallel and --tensor-parallel do not combine (yet): "
+                          "choose one")
     if args.tensor_parallel > 1:         # rank 0 serves, the others follow its requests
         tp = tensor_parallel
         if not tp.is_leader(args.tensor_parallel):
             return tp.follow(settings, args.tensor_parallel)
     check_port(args.host, args.port)      # before the model loads, not after
-    app = create_app(settings, worker=tp.leader_worker(settings, args.tensor_parallel)
-                     if tp else None)
+    worker = tp.leader_worker(settings, args.tensor_parallel) if tp else None
+    if args.data_parallel > 1:
+        worker = data_parallel_worker(settings, args)
+    app = create_app(settings, worker=worker)
     worker = app.state.worker
     print(f"loading {settings.model} ...", flush=True)
     worker.start()
