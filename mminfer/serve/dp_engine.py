@@ -131,7 +131,7 @@ class Engine:
         cache = getattr(w.pipeline, "video_cache", None)
         videos = cache.videos() if cache is not None else set()
         out = {"state": w.state, "waiting": w.waiting, "running": w.running,
-               "served": w.served, "progress": w.progress(),
+               "served": w.served, "stopped": w.stopped, "progress": w.progress(),
                "cache": cache.stats() if cache is not None else None, "videos": None}
         with self._lock:
             if videos != self._videos:
