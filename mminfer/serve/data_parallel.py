@@ -46,6 +46,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from mminfer.engine.cache import file_digest
 from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, MMInferError, QueueFull,
                             ShuttingDown, WorkerDead)
@@ -791,7 +793,6 @@ class EngineCollector:
         return []
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # lazy
         w, m = self.worker, self.model
         lab = ["model_name", "engine"]
         rows = {r["engine"]: r for r in w.engines_health(ids=False)}
