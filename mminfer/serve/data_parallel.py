@@ -62,6 +62,9 @@ ROUTING_MODES = ("affinity", "round_robin")
 # --max-num-seqs by default, so a follow-up waits behind a full engine rather than pay a
 # whole prefill elsewhere. A first guess until measured on several GPUs (docs/deployment.md).
 DEFAULT_MAX_IMBALANCE = 8
+# A loaded engine that sends no status for this long is hung (its status thread runs beside
+# the model every STATUS_EVERY_S, whatever the model does): it is killed, then restarted.
+HUNG_AFTER_S = 60.0
 # An engine that dies within this long of being ready died quickly: restarts back off.
 QUICK_DEATH_S = 60.0
 MAX_RESTART_DELAY_S = 30.0
@@ -300,6 +303,22 @@ class DataParallelWorker:
             self._state = "loading"
         for e in self.engines:
             self._spawn(e)
+        threading.Thread(target=self._watch, name="mminfer-engine-watch", daemon=True).start()
+
+    def _watch(self):
+        """Kill a loaded engine whose status stopped coming (its death path restarts it)."""
+        with self._lock:
+            while not self._stopping:
+                self._lock.wait(HUNG_AFTER_S / 10)
+                now = time.monotonic()
+                for e in self.engines:
+                    if e.state == "ready" and e.status_at is not None and e.proc is not None \
+                            and now - e.status_at > HUNG_AFTER_S and not self._stopping:
+                        log.error("engine %d (pid %s) sent no status for %.0f s: killing it",
+                                  e.index, e.pid, now - e.status_at)
+                        e.error = f"hung: no status for {now - e.status_at:.0f} s"
+                        e.status_at = None
+                        e.proc.kill()
 
     def _spawn(self, e: EngineHandle):
         parent, child = self._ctx.Pipe()

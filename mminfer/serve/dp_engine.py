@@ -107,6 +107,7 @@ class Engine:
 
         self.conn, self.index = conn, index
         self._send_lock = threading.Lock()
+        self._status_lock = threading.Lock()
         self._lock = threading.Lock()
         self._jobs: dict[int, Job] = {}
         self._ids: dict[int, int] = {}            # id(job) -> jid
@@ -125,6 +126,11 @@ class Engine:
                 return True
             except (OSError, EOFError, ValueError):   # the front end is gone: recv ends us
                 return False
+
+    def send_status(self):
+        # read and sent under one lock: a status read earlier never arrives after a later one
+        with self._status_lock:
+            self.send("status", self.status())
 
     def status(self) -> dict:
         w = self.worker
@@ -148,7 +154,7 @@ class Engine:
         with self._lock:
             self._jobs.pop(jid, None)
             self._ids.pop(id(job), None)
-        self.send("status", self.status())        # the cache as this job left it, first
+        self.send_status()                        # the cache as this job left it, first
         if fut.cancelled():
             self.send("done", jid, False, Cancelled("the request was cancelled"))
             return
@@ -187,7 +193,7 @@ class Engine:
 
     def _heartbeat(self):
         while not self._stop.wait(STATUS_EVERY_S):
-            self.send("status", self.status())
+            self.send_status()
             if self.worker.state == "dead":       # a poisoned device: the front end restarts us
                 log.error("engine %d: the model worker died (%s); exiting", self.index,
                           self.worker.error)
@@ -207,7 +213,7 @@ class Engine:
             "kv_cache_dtype": getattr(p, "kv_cache_dtype", None),
             "quantization": getattr(p, "quantization", None),
             "adapter": light_adapter(p.adapter) if getattr(p, "adapter", None) else None})
-        self.send("status", self.status())
+        self.send_status()
         threading.Thread(target=self._heartbeat, name="mminfer-engine-status",
                          daemon=True).start()
         while True:
