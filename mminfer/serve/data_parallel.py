@@ -263,6 +263,7 @@ class DataParallelWorker:
         self.queue_size = settings.queue_size * n       # each engine's queue, as one queue
         self.max_active = settings.max_num_seqs * n
         self.shadow = None            # the shadow monitor is the engines' business: off here
+        self.selfcal = None           # so is self-calibration
         self.pipeline: EngineFacts | None = None
         self.error: str | None = None
         self.served = 0
