@@ -15,6 +15,13 @@ cached video once (its prefix is then in the video cache), then for ``--duration
 * a *hit* client sends a question about one of the cached videos every 1/``--hit-rate`` s
   (round robin), each in its own connection, without waiting for the previous one.
 
+Several GPUs (``--data-parallel 1,2,...``): each count N above 1 starts ``mminfer serve
+--data-parallel N`` once per ``--dp-routing`` mode (``affinity``, ``round_robin``), N = 1 the
+ordinary server, and scales the workload by N: N new-video clients, N x ``--hit-rate``, the
+cached videos asked once each first. Reported besides, per mode: the hit class's hit rate (a
+question about a cached video that landed where its prefix is), answers per second, and that
+throughput against N = 1's (``scaling``); ``health_after`` lists what each engine was sent.
+
 Reported per mode and class: count, errors (no request may be lost: every one answered 200),
 time to first token percentiles (the server's ``timings_ms.ttft``, arrival to first token),
 the ``wait`` stage, client latency; new videos per minute; and the ratio of the new videos'
@@ -117,7 +124,9 @@ def ask(url, video: Path, question: str, data: dict, timeout: float) -> dict:
             "error": None if r.status_code == 200 else body.get("error")}
 
 
-def run_mode(name, serve_args, a, env) -> dict:
+def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
+    """One server mode under the mixed workload, ``scale`` times over (``scale`` new-video
+    clients, ``scale`` x the hit rate: one engine's load per engine)."""
     srv = Server(serve_args, env)
     try:
         q = a.question
@@ -134,11 +143,12 @@ def run_mode(name, serve_args, a, env) -> dict:
         lock = threading.Lock()
         stop_at = time.monotonic() + a.duration_s
 
-        def new_client():
+        def new_client(c):
             i = 0
-            while time.monotonic() < stop_at:
+            while time.monotonic() < stop_at:     # keys never repeat across clients either
                 r = ask(srv.url, Path(a.new_video), q,
-                        {**base, "max_frames": a.max_frames + i % a.key_span}, a.timeout_s)
+                        {**base, "max_frames": a.max_frames + (i * scale + c) % a.key_span},
+                        a.timeout_s)
                 i += 1
                 with lock:
                     new_rows.append(r)
@@ -148,11 +158,13 @@ def run_mode(name, serve_args, a, env) -> dict:
             with lock:
                 hit_rows.append(r)
 
-        t_new = threading.Thread(target=new_client)
-        t_new.start()
+        new_threads = [threading.Thread(target=new_client, args=(c,)) for c in range(scale)]
+        for t in new_threads:
+            t.start()
         hits = []
         k = 0
-        next_at = time.monotonic() + 1.0 / a.hit_rate
+        rate = a.hit_rate * scale
+        next_at = time.monotonic() + 1.0 / rate
         while time.monotonic() < stop_at:
             time.sleep(max(0.0, next_at - time.monotonic()))
             th = threading.Thread(target=one_hit,
@@ -160,8 +172,9 @@ def run_mode(name, serve_args, a, env) -> dict:
             th.start()
             hits.append(th)
             k += 1
-            next_at += 1.0 / a.hit_rate
-        t_new.join()
+            next_at += 1.0 / rate
+        for t in new_threads:
+            t.join()
         for th in hits:
             th.join()
         elapsed = max([r.get("end", r["start"]) for r in new_rows + hit_rows] +
@@ -174,10 +187,32 @@ def run_mode(name, serve_args, a, env) -> dict:
             new["ttft_vs_alone_p50"] = round(new["ttft_ms"]["p50"] / alone["ttft_ms"], 3)
             new["ttft_vs_alone_max"] = round(new["ttft_ms"]["max"] / alone["ttft_ms"], 3)
         health = httpx.get(f"{srv.url}/health", timeout=30).json()
-        return {"mode": name, "serve_args": serve_args, "elapsed_s": round(elapsed, 3),
-                "new_video": new, "hit": summary(hit_rows), "health_after": health}
+        hit = summary(hit_rows)
+        hit_ok = [r for r in hit_rows if r["status"] == 200]
+        hit["hit_rate"] = round(sum(r["cache"] in ("hit", "host") for r in hit_ok)
+                                / len(hit_ok), 4) if hit_ok else None
+        answered = sum(1 for r in new_rows + hit_rows if r["status"] == 200)
+        return {"mode": name, "serve_args": serve_args, "engines": scale,
+                "elapsed_s": round(elapsed, 3), "answers_per_s": round(answered / elapsed, 3),
+                "new_video": new, "hit": hit, "health_after": health}
     finally:
         srv.close()
+
+
+def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
+    """(name, `mminfer serve` arguments, engines) of each server mode the flags ask for."""
+    named = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
+    chosen = a.modes if a.modes is not None else \
+        ("" if a.data_parallel else "serial,scheduler")
+    out = [(name, named[name], 1) for name in chosen.split(",") if name]
+    for n in (int(x) for x in (a.data_parallel or "").split(",") if x):
+        if n == 1:
+            out.append(("dp1", common, 1))
+            continue
+        for routing in a.dp_routing.split(","):
+            out.append((f"dp{n}-{routing}", common + ["--data-parallel", str(n),
+                                                       "--dp-routing", routing], n))
+    return out
 
 
 def main(argv=None):
@@ -200,8 +235,15 @@ def main(argv=None):
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--alone", action="store_true",
                    help="ask the new video once alone first (the TTFT ratio's baseline)")
-    p.add_argument("--modes", default="serial,scheduler",
-                   help="serial (--max-num-seqs 1) and/or scheduler (the default server)")
+    p.add_argument("--modes", default=None,
+                   help="serial (--max-num-seqs 1) and/or scheduler (the default server); "
+                        "default: both, or none with --data-parallel")
+    p.add_argument("--data-parallel", default=None, metavar="N,N...",
+                   help="engine counts to compare, e.g. 1,2: N > 1 runs `mminfer serve "
+                        "--data-parallel N` per --dp-routing mode, N = 1 the ordinary server; "
+                        "the workload is scaled by N")
+    p.add_argument("--dp-routing", default="affinity,round_robin",
+                   help="routing modes compared at each N > 1 (affinity, round_robin)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more argument for `mminfer serve` (repeatable)")
     p.add_argument("--out", type=Path, default=None)
@@ -211,20 +253,28 @@ def main(argv=None):
     common = (["--model", a.model] if a.model else []) + a.serve_arg + [
         "--queue-size", "256", "--timeout-s", str(a.timeout_s), "--shadow-rate", "0",
         "--max-frames-limit", str(max(a.max_frames + a.key_span, 768))]
-    modes = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
-    for name in a.modes.split(","):
-        out["modes"][name] = run_mode(name, modes[name], a, env)
-    print(f"{'mode':<10} {'class':<6} {'n':>4} {'err':>4} {'ttft p50':>10} {'p99':>10} "
-          f"{'max':>10} {'wait p99':>10} {'new/min':>8}")
+    for name, args, scale in modes_of(a, common):
+        out["modes"][name] = run_mode(name, args, a, env, scale)
+    base = next((m for m in out["modes"].values() if m["engines"] == 1
+                 and "--max-num-seqs" not in m["serve_args"]), None)
+    for m in out["modes"].values():
+        if base is not None and base["answers_per_s"]:
+            m["scaling"] = round(m["answers_per_s"] / base["answers_per_s"], 3)
+    print(f"{'mode':<20} {'class':<6} {'n':>4} {'err':>4} {'ttft p50':>10} {'p99':>10} "
+          f"{'max':>10} {'wait p99':>10} {'new/min':>8} {'hit%':>6} {'ans/s':>7} {'x1':>6}")
     for name, m in out["modes"].items():
         for cls in ("new_video", "hit"):
             s = m[cls]
             t = s["ttft_ms"]
-            print(f"{name:<10} {cls[:6]:<6} {s['count']:>4} {s['errors']:>4} "
+            rate = s.get("hit_rate")
+            print(f"{name:<20} {cls[:6]:<6} {s['count']:>4} {s['errors']:>4} "
                   f"{t['p50'] or 0:>10.1f} {t['p99'] or 0:>10.1f} {t['max'] or 0:>10.1f} "
-                  f"{s['wait_ms']['p99'] or 0:>10.1f} {s.get('per_minute', ''):>8}")
+                  f"{s['wait_ms']['p99'] or 0:>10.1f} {s.get('per_minute', ''):>8} "
+                  f"{'' if rate is None else f'{rate * 100:.0f}':>6} "
+                  f"{m['answers_per_s'] if cls == 'hit' else '':>7} "
+                  f"{m.get('scaling', '') if cls == 'hit' else '':>6}")
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "load.json").write_text(json.dumps(out, indent=1))

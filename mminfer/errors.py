@@ -168,6 +168,13 @@ class WorkerDead(ServiceUnavailable):
     code = "worker_dead"
 
 
+class EngineRestarted(ServiceUnavailable):
+    """``--data-parallel``: the engine process running the request died (it is being
+    restarted) after the request could no longer be moved to another engine (its answer had
+    begun streaming, or it had been moved once already)."""
+    code = "engine_restarted"
+
+
 class Timeout(MMInferError):
     code = "timeout"
     http_status = 504

@@ -508,3 +508,30 @@ def test_load_benchmark_drives_both_server_modes(tmp_path):
         assert hit["ttft_ms"]["p99"] is not None and new["per_minute"] > 0
     assert "--max-num-seqs" in " ".join(rep["modes"]["serial"]["serve_args"])
     assert "serial" in proc.stdout and "scheduler" in proc.stdout
+
+
+@pytest.mark.slow
+def test_load_benchmark_compares_data_parallel_routing(tmp_path):
+    """benchmarks/load.py --data-parallel 2 on the CPU: both routing modes run through a real
+    2-engine server under the doubled workload, every request answered, the hit class's hit
+    rate measured (every hit with affinity), throughput reported."""
+    videos = ROOT / "samples" / "videos"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"),
+         "--new-video", str(videos / "needle_2.mp4"), "--cached-video",
+         str(videos / "needle_0.mp4"), "--cached-video", str(videos / "needle_1.mp4"),
+         "--duration-s", "4", "--hit-rate", "2", "--max-frames", "12", "--max-new-tokens", "3",
+         "--data-parallel", "2", "--serve-arg=--device", "--serve-arg=cpu",
+         "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((tmp_path / "load.json").read_text())
+    assert set(rep["modes"]) == {"dp2-affinity", "dp2-round_robin"}
+    for mode in rep["modes"].values():
+        assert mode["engines"] == 2 and len(mode["health_after"]["engines"]) == 2
+        assert mode["new_video"]["errors"] == mode["hit"]["errors"] == 0
+        assert mode["hit"]["count"] >= 8 and mode["answers_per_s"] > 0
+        assert 0 <= mode["hit"]["hit_rate"] <= 1
+    assert rep["modes"]["dp2-affinity"]["hit"]["hit_rate"] == 1.0
+    assert "dp2-round_robin" in proc.stdout and "hit%" in proc.stdout

@@ -489,6 +489,11 @@ class VideoCache:
                 if not e.readers:
                     self._drop(key, e)
 
+    def videos(self) -> set[str]:
+        """The content hashes (sha256) of the videos with an entry in either tier."""
+        with self._lock:
+            return {e.facts.video.get("sha256") for e in self._entries.values()} - {None}
+
     def stats(self) -> dict:
         with self._lock:
             tiers = [e.tier for e in self._entries.values()]

@@ -71,14 +71,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
                       model_name(model_path))
     if worker is None:
         def load():
-            pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
-                            min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
-                            kv_host_cache_gb=s.kv_host_cache_gb,
-                            kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization)
-            # kernels compile here, before /health says ready, not in a user's first request
-            warm = pipe.warmup()
-            if warm.get("ran"):
-                log.info("warm-up: %s", warm)
+            pipe = load_pipeline(s, model_path)
             if worker.selfcal is not None:     # a stored config serves from the first request
                 worker.selfcal.attach(pipe)
             return pipe
@@ -142,6 +135,20 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     app.openapi = lambda: _openapi(app, (answer.AnswerForm, live.StreamCreate,
                                          *openai.SCHEMAS))
     return app
+
+
+def load_pipeline(s: Settings, model_path: str) -> Pipeline:
+    """The served Pipeline, loaded and warmed up (the model worker's ``load``; each engine
+    process's under --data-parallel)."""
+    pipe = Pipeline(model_path, attention=s.attention, device=s.device, dtype=s.dtype,
+                    min_sparse_len=s.min_sparse_len, kv_cache_gb=s.kv_cache_gb,
+                    kv_host_cache_gb=s.kv_host_cache_gb,
+                    kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization)
+    # kernels compile here, before /health says ready, not in a user's first request
+    warm = pipe.warmup()
+    if warm.get("ran"):
+        log.info("warm-up: %s", warm)
+    return pipe
 
 
 def model_name(model_path: str) -> str:

@@ -24,7 +24,7 @@ from mminfer.cli_options import add_model_arguments, pipeline_options
 from mminfer.errors import ConfigError
 from mminfer.models.embedded import resolve_model
 
-from .settings import Settings
+from .settings import DEFAULT_MAX_IMBALANCE, Settings
 
 SAMPLE = Path("samples") / "videos" / "needle_0.mp4"
 
@@ -47,6 +47,20 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="split the model over N processes started by `torchrun "
                         "--nproc-per-node N -m mminfer serve ...`: rank 0 serves HTTP, the "
                         "others follow its requests (default: 1)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N engine processes, one per GPU (CUDA_VISIBLE_DEVICES), each with its "
+                        "own model copy, video cache and scheduler, behind this one HTTP "
+                        "server; each video's questions go to the engine that holds its "
+                        "prefix (default: 1, the model in this process)")
+    p.add_argument("--dp-routing", choices=("affinity", "round_robin"), default="affinity",
+                   help="with --data-parallel: affinity sends a question to the engine whose "
+                        "cache holds its video (a new video to the least loaded); round_robin "
+                        "ignores the caches (for comparison)")
+    p.add_argument("--affinity-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
+                   metavar="K",
+                   help="with --data-parallel: a question goes to its video's engine unless "
+                        "that engine has more than K requests in flight beyond the least "
+                        "loaded one (then the least loaded rebuilds the prefix)")
 
     g = p.add_argument_group("request defaults")
     g.add_argument("--fps", type=float, default=d.fps, help="frames sampled per second")
@@ -377,6 +391,18 @@ def graceful_server(uvicorn, config, worker):
     return Server(config)
 
 
+def data_parallel_worker(settings, args, DataParallelWorker):
+    """The front end's worker over ``--data-parallel`` engine processes (data_parallel.py).
+    The shadow-dense monitor and self-calibration run on an idle model of their own
+    process: not under --data-parallel, where they are off."""
+    settings.shadow_rate = 0.0
+    settings.self_calibrate = False       # idle-time work of one process's model, as above
+    return DataParallelWorker(settings, settings.model, args.data_parallel,
+                              routing=args.dp_routing,
+                              max_imbalance=args.affinity_max_imbalance,
+                              log_level=args.log_level.upper())
+
+
 def run(args) -> int:
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
@@ -384,18 +410,25 @@ def run(args) -> int:
     # lazy: the CLI's edge: the app and the engine under it (torch, transformers, FastAPI:
     # seconds) load when the server starts, never for `mminfer serve --help`
     from transformers.utils import logging as hf_logging
-    from . import tensor_parallel
+    from . import data_parallel, tensor_parallel
     from .app import create_app
     from .protocol import config as guarded_config
     hf_logging.disable_progress_bar()
     tp = None
+    if args.data_parallel < 1:
+        raise ConfigError("--data-parallel must be at least 1")
+    if args.data_parallel > 1 and args.tensor_parallel > 1:
+        raise ConfigError("--data-parallel and --tensor-parallel do not combine (yet): "
+                          "choose one")
     if args.tensor_parallel > 1:         # rank 0 serves, the others follow its requests
         tp = tensor_parallel
         if not tp.is_leader(args.tensor_parallel):
             return tp.follow(settings, args.tensor_parallel)
     check_port(args.host, args.port)      # before the model loads, not after
-    app = create_app(settings, worker=tp.leader_worker(settings, args.tensor_parallel)
-                     if tp else None)
+    worker = tp.leader_worker(settings, args.tensor_parallel) if tp else None
+    if args.data_parallel > 1:
+        worker = data_parallel_worker(settings, args, data_parallel.DataParallelWorker)
+    app = create_app(settings, worker=worker)
     worker = app.state.worker
     print(f"loading {settings.model} ...", flush=True)
     worker.start()

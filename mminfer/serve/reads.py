@@ -127,6 +127,9 @@ async def health(request: Request):
             "waiting_admission": progress["waiting_admission"],
             "paused": progress["paused"], "decoding": progress["decoding"],
             "uploads": svc.intake.active}
+    engines = getattr(w, "engines_health", None)    # --data-parallel: each engine process
+    if engines is not None:
+        body["engines"] = engines(ids=not svc.keys.enabled)
     if not svc.keys.enabled:    # /health is open: with keys set, no client's request id
         body["running_request_id"] = job.request_id if job is not None else None
         body["running_request_ids"] = [j.request_id for j in w.active_jobs()]

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 
 from .tenants import env_keys
 
+# --affinity-max-imbalance: requests in flight on a video's engine beyond the least loaded
+# engine before a question about it goes to the least loaded one instead: one engine's
+# --max-num-seqs by default, so a follow-up waits behind a full engine rather than pay a whole
+# prefill elsewhere. A first guess until measured on several GPUs (docs/deployment.md).
+DEFAULT_MAX_IMBALANCE = 8
+
 
 @dataclass
 class Settings:
