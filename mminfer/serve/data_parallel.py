@@ -46,6 +46,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mminfer.engine.cache import file_digest
@@ -232,7 +233,6 @@ def engine_devices(n: int, device: str | None) -> list[str | None]:
             raise ConfigError(f"--data-parallel gives each engine one GPU of its own; leave "
                               f"--device out or say cuda, not {device!r}")
         return [None] * n                   # the CPU: N processes (tests, CPU hosts)
-    import torch  # lazy: seconds to import, and `mminfer serve --help` imports this module
     if not torch.cuda.is_available():
         if device == "cuda":
             raise ConfigError("--device cuda: no GPU is visible")

@@ -37,8 +37,13 @@ import pickle
 import threading
 import time
 
+import torch
+from transformers.utils import logging as hf_logging
+
 from mminfer.errors import Cancelled, MMInferError
 
+from .app import load_pipeline
+from .budget import configure_decoding
 from .worker import Job, ModelWorker
 
 log = logging.getLogger("mminfer.serve")
@@ -65,7 +70,6 @@ def light_adapter(adapter) -> bytes | None:
     """The adapter pickled without its weights: what the front end's budget checks use (the
     tokenizer, the chat template, the sampling rule, the visual token layout, the context).
     None when it does not pickle (the front end then checks frames and pixels only)."""
-    import torch  # lazy: loaded by the pipeline already; this module is imported to spawn
 
     def heavy(v) -> bool:
         if isinstance(v, (torch.nn.Module, torch.Tensor)):
@@ -103,7 +107,6 @@ def portable(exc: BaseException) -> BaseException:
 
 class Engine:
     def __init__(self, conn, index: int, settings, model_path: str):
-        from .app import load_pipeline  # lazy: the app module imports FastAPI
 
         self.conn, self.index = conn, index
         self._send_lock = threading.Lock()
@@ -243,11 +246,9 @@ def main(conn, settings, model_path: str, index: int, cuda_device: str | None,
     logging.basicConfig(level=log_level,
                         format=f"%(levelname)s %(name)s[engine {index}]: %(message)s")
     try:
-        from transformers.utils import logging as hf_logging  # lazy: seconds to import
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    from .budget import configure_decoding  # lazy: the decode sandbox, as the server sets it
     configure_decoding(settings)
     t0 = time.monotonic()
     engine = Engine(conn, index, settings, model_path)
