@@ -68,9 +68,9 @@ def test_cli_flags_build_the_worker(tmp_path):
                          "round_robin", "--affinity-max-imbalance", "3",
                          "--data-dir", str(tmp_path)])
     s = serve_cli.settings_from(args)
-    w = serve_cli.data_parallel_worker(s, args)
+    w = serve_cli.data_parallel_worker(s, args, DataParallelWorker)
     assert (w.n, w.router.mode, w.router.max_imbalance) == (2, "round_robin", 3)
-    assert w.queue_size == 2 * s.queue_size and s.shadow_rate == 0
+    assert w.queue_size == 2 * s.queue_size and s.shadow_rate == 0 and not s.self_calibrate
     assert w.state == "new"          # nothing started until the server starts it
     with pytest.raises(ConfigError, match="one GPU of its own"):
         DataParallelWorker(Settings(device="cuda:1"), "m", 2)
