@@ -29,7 +29,7 @@ MiB = 2 ** 20
 # fragmentation between the cache's slabs and the request's activations, which come and go
 # at different sizes), the latency store's rows and the metrics' series. Measured on the
 # 2-core CPU machine: 35-55 MiB past the cache's bytes over the long chats, 23 over the re-asks
-# (with the worker's malloc_trim after every request; without it 60 more). A slab kept past
+# (with the worker's malloc_trim after every request; without it 25-60 more). A slab kept past
 # its count (no trim back to its room) grew it by 150 MiB: caught by both bounds below.
 OVERHEAD_MB = 80
 LONG = "Describe every frame of the clip again, slowly, in detail, in order. " * 8
