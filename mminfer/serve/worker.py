@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import gc
 import logging
 import math
@@ -163,6 +164,29 @@ def is_fatal(exc: BaseException) -> bool:
     msg = str(exc)
     return any(s in msg for s in ("CUDA error", "device-side assert", "CUBLAS_STATUS",
                                   "cuDNN error", "illegal memory access"))
+
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):      # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_malloc_trim = _libc_malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def release_freed_memory():
+    """Hand the memory a finished request freed back to the system (glibc's ``malloc_trim``).
+    On a CPU both cache tiers and every request's activations are this process's heap, and
+    each request runs in a thread of its own, so glibc serves it from one of up to 8 arenas
+    per core, each keeping what was freed in it (and the freed large blocks below its raised
+    mmap threshold) for reuse: over long chats the resident set of ``mminfer serve`` on the CPU
+    grew 90-112 MiB from its start without a trim, 44-52 MiB with it, 14 MiB of which the
+    cache's entries (tests/serve/test_memory_budget.py); ``MALLOC_ARENA_MAX=2`` alone: 123 MiB.
+    Idle, a trim costs 0.1 ms; after a request that freed a GiB in 8 threads, 30-40 ms."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def freeze_heap():
@@ -528,6 +552,8 @@ class ModelWorker:
             job.future.set_result(result)
         else:
             job.future.set_exception(error)
+        # after the answer is out: a trim of a big heap takes tens of ms
+        release_freed_memory()
 
     def _free_memory(self):
         try:
