@@ -561,6 +561,8 @@ def _gate_step(sc: SelfCalibration, cal, inp):
 
 
 def _why_off(pipeline) -> str | None:
+    if not hasattr(pipeline, "adapter") or not hasattr(pipeline, "attention"):
+        return "the served model is not a Pipeline (a stand-in)"
     if getattr(pipeline, "tensor_parallel", 1) > 1:
         return "tensor parallel (every rank would have to calibrate in lockstep)"
     if pipeline.attention != "auto":

@@ -481,7 +481,7 @@ class ModelWorker:
                 if self.shadow is not None and self.shadow.pending:
                     self.shadow.run_pending(self.pipeline)
                 else:                              # or a calibration step (serve/selfcal.py)
-                    self.selfcal.run_step(self.pipeline)
+                    self._calibration_step()
                 continue
             job.started = time.monotonic()
             job.queue_ms = (job.started - job.enqueued) * 1e3
@@ -500,6 +500,18 @@ class ModelWorker:
         with self._cv:
             while self._active and time.monotonic() < deadline:
                 self._cv.wait(0.1)
+
+    def _calibration_step(self):
+        """One self-calibration step in idle time. Its failure is the calibration's, never
+        the server's: it is logged and self-calibration stops (requests go on, dense or with
+        the config already serving); a fatal error (a poisoned CUDA context) still kills."""
+        try:
+            self.selfcal.run_step(self.pipeline)
+        except BaseException as e:        # noqa: BLE001 - see the docstring
+            if is_fatal(e):
+                raise
+            log.exception("self-calibration failed and stops")
+            self.selfcal = None
 
     def _serve(self, job: Job):
         """One job, start to end (on its own thread unless ``max_active`` is 1)."""

@@ -244,3 +244,44 @@ def test_synthetic_only_keeps_no_prompt_and_gates_on_held_out_videos(model_dir, 
     calibrated = {i["name"] for i in prov["inputs"]}
     assert len(calibrated) == 2 and all(n.startswith("synth-") for n in calibrated)
     assert (tmp_path / "cal" / f"{sc.digest}.json").is_file()
+
+
+def test_a_failing_calibration_step_stops_calibrating_not_the_server():
+    """Idle-time calibration is the server's own work: an error in one of its steps is logged
+    and self-calibration stops; the worker stays up and answers."""
+    import time as _time
+
+    from mminfer.serve.worker import Job, ModelWorker
+
+    class Model:
+        model_id = "stand-in"
+
+        def answer(self, video_path, question, **kw):
+            return f"answer to {question}"
+
+    class Broken:
+        steps = 0
+
+        def ready(self):
+            return True
+
+        def preempt(self):
+            pass
+
+        def run_step(self, pipeline):
+            Broken.steps += 1
+            raise ValueError("a bug in a calibration step")
+
+    w = ModelWorker(Model, queue_size=2)
+    w.selfcal = Broken()
+    w.start()
+    try:
+        assert w.wait_ready(30)
+        end = _time.monotonic() + 10
+        while w.selfcal is not None and _time.monotonic() < end:
+            _time.sleep(0.01)
+        assert Broken.steps == 1 and w.selfcal is None and w.alive
+        job = w.submit(Job(video_path="v.mp4", question="q", params={}))
+        assert job.future.result(30) == "answer to q"
+    finally:
+        w.stop()
