@@ -142,16 +142,16 @@ def test_layer_attention_passes_the_setting_to_estimation():
 def test_the_transformers_hook_estimates_with_the_configs_setting(monkeypatch):
     from types import SimpleNamespace
 
-    import mminfer.sparse.estimate as est_mod
+    import mminfer.sparse.attention as attn_mod     # where the layer's entry point calls it
     from mminfer.models import hooks
     seen = []
-    real = est_mod.estimate_layer
+    real = attn_mod.estimate_layer
 
     def spy(*a, **kw):
         seen.append(kw.get("spread_q"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(est_mod, "estimate_layer", spy)
+    monkeypatch.setattr(attn_mod, "estimate_layer", spy)
     q, k, v, _ = _landmarks(n=512, rows=(150, 400))
     idx = ModalityIndex.from_segments([("text", 512)])
     cfg = default_config(ModelIdentity("m", "local", 1, 2, 2, 32))
