@@ -174,7 +174,7 @@ ERROR_RESPONSES = {
     ("get", "/v1/videos/{video_id}"): (401, 404),
     ("delete", "/v1/videos/{video_id}"): (401, 404),
     ("post", "/v1/streams"): (400, 401, 404, 409, 413, 422, 503),
-    ("get", "/v1/streams"): (401,),
+    ("get", "/v1/streams"): (401, 503),
     ("get", "/v1/streams/{stream_id}"): (401, 404, 503),
     ("delete", "/v1/streams/{stream_id}"): (401, 404, 503),
     ("post", "/v1/streams/{stream_id}/segments"): (400, 401, 404, 408, 409, 413, 415, 422, 429,

@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mminfer.engine.pipeline import MAX_FPS
 from mminfer.engine.streams import Streams
-from mminfer.errors import InputError, MissingField, ModelNotFound, VideoError, WorkerDead
+from mminfer.errors import (InputError, MissingField, ModelNotFound, ServiceUnavailable,
+                            VideoError, WorkerDead)
 from mminfer.models.base import PrepareOptions
 
 from . import media
@@ -65,6 +66,12 @@ def registry(svc) -> Streams:
     reg = getattr(svc, "live_streams", None)
     if reg is None:
         pipe = svc.worker.pipeline
+        if getattr(svc.worker, "engines", None) is not None or (
+                pipe is not None and not hasattr(pipe, "adapter")):
+            # a stream's KV lives in one process: under --data-parallel it would have to stay
+            # on one engine, which the front end does not do yet
+            raise ServiceUnavailable("live streams are not available on a server running "
+                                     "--data-parallel; run one without it for streams")
         if svc.worker.state != "ready" or pipe is None:
             raise WorkerDead(f"the model is not ready ({svc.worker.state})")
         budget = getattr(svc.s, "stream_kv_gb", None)

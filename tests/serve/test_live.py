@@ -129,3 +129,18 @@ def test_push_pieces_and_ask_between(pieces, tmp_path, live_server):
     assert httpx.delete(f"{srv.url}/v1/streams/{sid}").json()["deleted"] is True
     assert httpx.get(f"{srv.url}/v1/streams/{sid}").status_code == 404
     assert ask(srv.url, sid).status_code == 404
+
+
+def test_streams_say_they_are_not_available_under_data_parallel():
+    """A stream's cache lives in one process: a --data-parallel front end refuses streams with
+    a clear 503 instead of failing inside an engine."""
+    from types import SimpleNamespace
+
+    from mminfer.errors import ServiceUnavailable
+    from mminfer.serve.live import registry
+
+    svc = SimpleNamespace(worker=SimpleNamespace(engines=[object(), object()], state="ready",
+                                                 pipeline=SimpleNamespace(model_id="m")),
+                          s=SimpleNamespace())
+    with pytest.raises(ServiceUnavailable, match="data-parallel"):
+        registry(svc)
