@@ -108,9 +108,18 @@ def test_answers_decoding_together_keep_their_own_tokens(server):
     def go(i):
         out[i] = ask(url, clips[i], questions[i], max_new_tokens=8)
 
+    # the model is held while the four arrive (a busy machine may not overlap them on its
+    # own): then their questions' rows run first, and all four decode together
+    hold = w.scheduler.turn("test")
+    assert hold.acquire()
     threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
-    for th in threads:
-        th.start()
+    try:
+        for th in threads:
+            th.start()
+        wait_until(lambda: w.running == 4, timeout=120)
+        time.sleep(0.2)                 # each past its upload, waiting for the turn
+    finally:
+        hold.close()
     for th in threads:
         th.join(300)
     assert [r.status_code for r in out] == [200] * 4
