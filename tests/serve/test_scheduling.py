@@ -138,6 +138,37 @@ def test_answers_decoding_together_keep_their_own_tokens(server):
     assert 'id="now"' in page and "paused for short work" in page
 
 
+def test_questions_about_one_cached_video_take_turns_on_its_entry(server):
+    """Three questions about one cached video at once: one at a time appends to its entry;
+    the others wait for the entry with their turn on the model given away (else the one
+    holding the entry, paused between decode steps, could never finish): all answered."""
+    url, w = server.url, server.app.state.worker
+    clip = SAMPLES / "needle_1.mp4"
+    alone = ask(url, clip, max_new_tokens=6)
+    assert alone.status_code == 200
+    out = [None] * 3
+
+    def go(i):
+        out[i] = ask(url, clip, max_new_tokens=6)
+
+    hold = w.scheduler.turn("test")
+    assert hold.acquire()
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    try:
+        for th in threads:
+            th.start()
+        wait_until(lambda: w.running == 3, timeout=120)
+        time.sleep(0.2)
+    finally:
+        hold.close()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads), "questions on one entry deadlocked"
+    assert [r.status_code for r in out] == [200] * 3
+    assert {r.json()["answer"] for r in out} == {alone.json()["answer"]}
+    assert [r.json()["cache"] for r in out] == ["hit"] * 3
+
+
 def test_shutdown_answers_a_paused_prefill_and_a_hit_with_json_503(tmp_path, live_server):
     app = create_app(Settings(device="cpu", api_key=None, shadow_rate=0.0,
                               data_dir=str(tmp_path), timeout_s=600))
