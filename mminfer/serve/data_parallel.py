@@ -55,6 +55,7 @@ from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, MMInferErro
 
 from . import dp_engine
 from .settings import DEFAULT_MAX_IMBALANCE
+from .worker import QueuePlace
 
 log = logging.getLogger("mminfer.serve")
 
@@ -126,25 +127,6 @@ class Router:
         """The engine died: its cache is gone."""
         self.held[engine] = set()
         self.coming[engine].clear()
-
-
-class _Place:
-    """A reserved place in the front end's queue; ``release`` it unless ``submit`` took it."""
-
-    def __init__(self, worker: "DataParallelWorker"):
-        self.worker = worker
-        self.held = True
-
-    def release(self):
-        if self.held:
-            self.held = False
-            self.worker._unreserve()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
 
 
 class _Flight:
@@ -483,7 +465,7 @@ class DataParallelWorker:
     def _queued(self) -> int:
         return sum(1 for f in self._flights.values() if not f.started)
 
-    def reserve(self) -> _Place:
+    def reserve(self) -> QueuePlace:
         with self._lock:
             refused = self._refusal()
             if refused is not None:
@@ -492,13 +474,13 @@ class DataParallelWorker:
                 raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
                                 f"retry later", queue_size=self.queue_size)
             self._reserved += 1
-        return _Place(self)
+        return QueuePlace(self)        # its release calls our _unreserve
 
     def _unreserve(self):
         with self._lock:
             self._reserved -= 1
 
-    def submit(self, job, slot: _Place | None = None):
+    def submit(self, job, slot: QueuePlace | None = None):
         """Queue a job (in ``slot`` if given); it is placed on an engine once its video's key
         is known (hashed on a thread of the front end: never on the event loop)."""
         with self._lock:
