@@ -242,24 +242,21 @@ class Turn:
         gap = self._gap_start()
         with s._cv:
             self.kind = kind
-            s._waiting[self] = next(s._seq)
-            if s._holder is None:
-                s._grant()
-            ok = s._wait_for_turn(self)
-        self.held = ok
-        self.held_since = time.perf_counter() if ok else None
+            ok = self._queue_for_turn()
         self._gap_end(gap)
         return ok
 
-    def _leave(self):
-        """Give the turn up (holding it)."""
+    def _queue_for_turn(self) -> bool:
+        """(Under the lock.) Join the waiting and block until this turn holds the model (True)
+        or is asked to stop (False)."""
         s = self.sched
-        with s._cv:
-            if s._holder is self:
-                s._leave_holder(self, time.perf_counter())
-                s.switches += 1
-            self.held = False
+        s._waiting[self] = next(s._seq)
+        if s._holder is None:
             s._grant()
+        ok = s._wait_for_turn(self)
+        self.held = ok
+        self.held_since = time.perf_counter() if ok else None
+        return ok
 
     def checkpoint(self) -> bool:
         """A step boundary: hand the turn over if the policy says so, and wait to get it back.
@@ -326,12 +323,7 @@ class Turn:
                     return False
                 s._cv.wait(s.poll_s)
             self.kind = LONG
-            s._waiting[self] = next(s._seq)
-            if s._holder is None:
-                s._grant()
-            ok = s._wait_for_turn(self)
-        self.held = ok
-        self.held_since = time.perf_counter() if ok else None
+            ok = self._queue_for_turn()
         self._gap_end(gap)
         return ok
 
@@ -457,14 +449,9 @@ class Turn:
                     raise Cancelled("request cancelled while waiting for another request's "
                                     "work on its video")
             with s._cv:
-                s._waiting[self] = next(s._seq)
-                if s._holder is None:
-                    s._grant()
-                ok = s._wait_for_turn(self)
+                ok = self._queue_for_turn()
             if not ok:
                 raise Cancelled("request cancelled while waiting for the model")
-            self.held = True
-            self.held_since = time.perf_counter()
         finally:
             self._gap_end(gap)
 
