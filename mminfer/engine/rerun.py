@@ -74,7 +74,7 @@ def keep_inputs(adapter, prepared, embeds, max_bytes: int | None = None) -> Shad
     nbytes = inputs_nbytes(embeds, positions)
     if max_bytes is not None and nbytes > max_bytes:
         return None
-    return ShadowInputs(embeds=_to_host(embeds), positions=_to_host(positions),
+    return ShadowInputs(embeds=to_host(embeds), positions=to_host(positions),
                         tokens=L, nbytes=nbytes)
 
 
@@ -85,11 +85,12 @@ def finish(kept: ShadowInputs, adapter, prepared, generated, density) -> ShadowI
     kept.sparse_text = generated.text
     kept.density = density
     steps = len(generated.token_ids)
-    kept.answer_positions = _to_host(adapter.positions(prepared, kept.tokens, steps))
+    kept.answer_positions = to_host(adapter.positions(prepared, kept.tokens, steps))
     return kept
 
 
-def _to_host(t):
+def to_host(t):
+    """``t`` on the host (pinned, copied without blocking, from a GPU), or None."""
     if t is None:
         return None
     if t.device.type == "cuda":

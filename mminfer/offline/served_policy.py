@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from mminfer.engine.rerun import to_host
 from mminfer.errors import Cancelled, ConfigError
 from mminfer.kernels import sparsity
 from mminfer.models.base import PrepareOptions
@@ -88,7 +89,7 @@ def keep(adapter, prep, embeds, name: str, source: str = "request") -> ServedInp
     tower's output spliced in) are about to be prefilled: copied to the host now, since the
     prefill overwrites them."""
     P = prep.prefix_len
-    return ServedInput(name=name, embeds=_host(embeds), positions=_host(adapter.positions(
+    return ServedInput(name=name, embeds=to_host(embeds), positions=to_host(adapter.positions(
         prep, 0, P)), prefix_len=P, prefix_index=prep.prefix_index,
         rope_delta=int(prep.rope_delta), source=source)
 
@@ -100,15 +101,6 @@ def prepare(adapter, decoded, question: str, name: str, source: str = "synthetic
     with torch.inference_mode():
         embeds = adapter.embed(prep, cancel=cancel)
     return keep(adapter, prep, embeds, name, source)
-
-
-def _host(t):
-    if t is None:
-        return None
-    if t.device.type == "cuda":
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
-    return t.detach().clone()
 
 
 # ---------------------------------------------------------------------- one served run
