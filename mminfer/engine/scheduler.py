@@ -532,19 +532,10 @@ class Solo:
     def decoding(self):
         pass
 
-    def decode(self, item, run):
-        return run([item])[0]
-
     def wait_for(self, event):
         while not event.wait(0.05):
             if self.stopping():
                 raise Cancelled("request cancelled while waiting")
-
-    def first_token(self):
-        pass
-
-    def close(self):
-        pass
 
 
 class _SoloPhase:
