@@ -33,6 +33,7 @@ exercises the same path (tests/test_benchmarks.py runs it briefly).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -80,6 +81,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
         self.url = None
+        self.tail = collections.deque(maxlen=200)   # the server's last lines, for a failure
         deadline = time.monotonic() + 600
         lines = []
         while self.url is None and time.monotonic() < deadline:
@@ -94,8 +96,8 @@ class Server:
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self):
-        for _ in self.proc.stdout:
-            pass
+        for line in self.proc.stdout:
+            self.tail.append(line)
 
     def close(self):
         self.proc.terminate()
@@ -195,6 +197,9 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
         return {"mode": name, "serve_args": serve_args, "engines": scale,
                 "elapsed_s": round(elapsed, 3), "answers_per_s": round(answered / elapsed, 3),
                 "new_video": new, "hit": hit, "health_after": health}
+    except Exception as e:  # noqa: BLE001 - one mode's failure is reported, the next one runs
+        return {"mode": name, "serve_args": serve_args, "engines": scale,
+                "failed": f"{type(e).__name__}: {e}", "server_log": "".join(srv.tail)[-8000:]}
     finally:
         srv.close()
 
@@ -202,8 +207,9 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
 def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
     """(name, `mminfer serve` arguments, engines) of each server mode the flags ask for."""
     named = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
+    # the scheduler first: where a device call runs out of time, its figures are the ones kept
     chosen = a.modes if a.modes is not None else \
-        ("" if a.data_parallel else "serial,scheduler")
+        ("" if a.data_parallel else "scheduler,serial")
     out = [(name, named[name], 1) for name in chosen.split(",") if name]
     for n in (int(x) for x in (a.data_parallel or "").split(",") if x):
         if n == 1:
@@ -256,7 +262,16 @@ def main(argv=None):
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
     for name, args, scale in modes_of(a, common):
-        out["modes"][name] = run_mode(name, args, a, env, scale)
+        out["modes"][name] = m = run_mode(name, args, a, env, scale)
+        print(f"{name}: " + (f"FAILED {m['failed']}\n{m['server_log'][-3000:]}" if "failed" in m
+              else json.dumps({c: m[c] for c in ("new_video", "hit")})), flush=True)
+        if a.out is not None:       # each mode as it ends: a run stopped later keeps it
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "load.json").write_text(json.dumps(out, indent=1))
+    failed = [n for n, m in out["modes"].items() if "failed" in m]
+    for n in failed:
+        print(f"{n}: FAILED {out['modes'][n]['failed']}")
+    out["failed"] = {n: out["modes"].pop(n) for n in failed}
     base = next((m for m in out["modes"].values() if m["engines"] == 1
                  and "--max-num-seqs" not in m["serve_args"]), None)
     for m in out["modes"].values():
@@ -279,7 +294,7 @@ def main(argv=None):
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "load.json").write_text(json.dumps(out, indent=1))
     lost = sum(m[c]["errors"] for m in out["modes"].values() for c in ("new_video", "hit"))
-    return 1 if lost else 0
+    return 1 if lost or failed else 0
 
 
 if __name__ == "__main__":
