@@ -123,6 +123,8 @@ def ask(url, video: Path, question: str, data: dict, timeout: float) -> dict:
             "latency_ms": round((time.monotonic() - t0) * 1e3, 3),
             "ttft_ms": t.get("ttft"), "wait_ms": t.get("wait", 0.0), "cache": body.get("cache"),
             "tokens": (body.get("tokens") or {}).get("total"),
+            "generated": (body.get("tokens") or {}).get("generated"),
+            "generate_ms": t.get("generate"),
             "error": None if r.status_code == 200 else body.get("error")}
 
 
@@ -204,6 +206,57 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
         srv.close()
 
 
+def run_decoders(serve_args, a, env) -> dict:
+    """Answers decoding together: ``--decoders`` questions, each about its own cached prefix of
+    the decode video (one video under ``--decoders`` cache keys: the same frames, distinct
+    entries), sent at once, against one of them asked alone. Time per token is the server's
+    ``generate`` stage over the tokens after the first; the aggregate rate counts every
+    generated token over the window from the first answer's first token to the last answer."""
+    srv = Server(serve_args, env)
+    try:
+        video, n = Path(a.decode_video), a.decoders
+        base = dict(max_new_tokens=a.decode_tokens, attention=a.attention)
+        keys = [dict(base, max_frames=a.max_frames + a.key_span + 1 + i) for i in range(n)]
+        for k in keys:                                 # each key's prefix is cached now
+            r = ask(srv.url, video, a.question, k, a.timeout_s)
+            if r["status"] != 200:
+                raise RuntimeError(f"decoders: caching failed: {r}")
+        alone = [ask(srv.url, video, a.question, keys[0], a.timeout_s) for _ in range(2)][-1]
+        rows = [None] * n
+
+        def one(i):
+            rows[i] = ask(srv.url, video, a.question, keys[i], a.timeout_s)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ok = [r for r in rows if r["status"] == 200]
+
+        def per_token(r):
+            return r["generate_ms"] / max(1, r["generated"] - 1)
+        first = min(r["start"] + r["ttft_ms"] / 1e3 for r in ok) if ok else 0.0
+        window = (max(r["end"] for r in ok) - first) if ok else 0.0
+        agg = sum(r["generated"] - 1 for r in ok) / window if window > 0 else None
+        one_rate = 1e3 / per_token(alone) if alone["status"] == 200 else None
+        out = {"decoders": n, "errors": n - len(ok), "cache": [r["cache"] for r in ok],
+               "prefix_tokens": alone.get("tokens"),
+               "alone_ms_per_token": round(per_token(alone), 3) if one_rate else None,
+               "ms_per_token": [round(per_token(r), 3) for r in ok],
+               "aggregate_tokens_per_s": round(agg, 2) if agg else None,
+               "alone_tokens_per_s": round(one_rate, 2) if one_rate else None}
+        if agg and one_rate:
+            out["aggregate_vs_alone"] = round(agg / one_rate, 3)
+            out["worst_per_token_vs_alone"] = round(
+                max(out["ms_per_token"]) / out["alone_ms_per_token"], 3)
+        return out
+    except Exception as e:  # noqa: BLE001 - reported; the modes' figures stand
+        return {"failed": f"{type(e).__name__}: {e}", "server_log": "".join(srv.tail)[-8000:]}
+    finally:
+        srv.close()
+
+
 def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
     """(name, `mminfer serve` arguments, engines) of each server mode the flags ask for."""
     named = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
@@ -250,6 +303,12 @@ def main(argv=None):
                         "the workload is scaled by N")
     p.add_argument("--dp-routing", default="affinity,round_robin",
                    help="routing modes compared at each N > 1 (affinity, round_robin)")
+    p.add_argument("--decoders", type=int, default=0,
+                   help="after the modes: this many answers decoding at once (each over its "
+                        "own cached prefix of --decode-video) against one alone")
+    p.add_argument("--decode-video", default=None,
+                   help="the video of the decode phase (default: the first --cached-video)")
+    p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more argument for `mminfer serve` (repeatable)")
     p.add_argument("--out", type=Path, default=None)
@@ -258,7 +317,7 @@ def main(argv=None):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     common = (["--model", a.model] if a.model else []) + a.serve_arg + [
         "--queue-size", "256", "--timeout-s", str(a.timeout_s), "--shadow-rate", "0",
-        "--max-frames-limit", str(max(a.max_frames + a.key_span, 768))]
+        "--max-frames-limit", str(max(a.max_frames + a.key_span + a.decoders + 1, 768))]
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
     for name, args, scale in modes_of(a, common):
@@ -267,6 +326,15 @@ def main(argv=None):
               else json.dumps({c: m[c] for c in ("new_video", "hit")})), flush=True)
         if a.out is not None:       # each mode as it ends: a run stopped later keeps it
             a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "load.json").write_text(json.dumps(out, indent=1))
+    if a.decoders:
+        a.decode_video = a.decode_video or a.cached_video[0]
+        out["decode"] = d = run_decoders(common, a, env)
+        print("decode: " + json.dumps({k: v for k, v in d.items() if k != "server_log"}),
+              flush=True)
+        if "failed" in d:
+            print(d["server_log"][-3000:])
+        if a.out is not None:
             (a.out / "load.json").write_text(json.dumps(out, indent=1))
     failed = [n for n, m in out["modes"].items() if "failed" in m]
     for n in failed:
@@ -294,7 +362,7 @@ def main(argv=None):
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "load.json").write_text(json.dumps(out, indent=1))
     lost = sum(m[c]["errors"] for m in out["modes"].values() for c in ("new_video", "hit"))
-    return 1 if lost or failed else 0
+    return 1 if lost or failed or "failed" in out.get("decode", {}) else 0
 
 
 if __name__ == "__main__":
