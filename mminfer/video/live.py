@@ -10,11 +10,13 @@ still shows up), and at the end of the source.
 
 Decoded in this process (not the decode sandbox: a live source has no file to hand it), with
 PyAV's open and read timeouts, so a source that stalls ends with an error instead of a thread
-waiting forever. A frame whose timestamp goes back is skipped and counted.
+waiting forever. A frame whose timestamp goes back is skipped and counted; one without a timestamp is taken to
+come one frame (the source's rate) after the last.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import threading
 import time
@@ -57,7 +59,8 @@ class LiveSource:
 
     def pieces(self, stop: threading.Event | None = None):
         """Pieces until the source ends (or ``stop`` is set); VideoError when it cannot be
-        opened or read (a stall past the timeout, a cut connection, corrupt data)."""
+        opened or read (a stall past the timeout, corrupt data). A connection the source
+        closes is its end (a live HTTP source has no length to tell a cut from an end)."""
         import av
         stop = stop or threading.Event()
         self.container = c = self._open()
@@ -66,49 +69,74 @@ class LiveSource:
                 raise VideoError("the source has no video stream", reason="source")
             vs = c.streams.video[0]
             vs.thread_type = "AUTO"
-            t0 = None
-            last_t = -math.inf
-            k = 0
-            kept: list[np.ndarray] = []
-            piece_wall = None
-            started = time.monotonic()
+            rate = vs.average_rate or vs.guessed_rate
+            self._step = 1.0 / float(rate) if rate else 1.0 / 25.0
+            self._t0, self._last_t, self._k = None, -math.inf, 0
+            self._kept, self._piece_wall = [], None
+            self._started = time.monotonic()
             try:
-                for frame in c.decode(vs):
-                    if stop.is_set():
-                        return
-                    self.frames_read += 1
-                    t = frame.time if frame.time is not None else self.frames_read / 25.0
-                    if t0 is None:
-                        t0 = t
-                    t -= t0
-                    if t < last_t:
-                        self.backwards += 1
-                        continue
-                    last_t = t
-                    if self.realtime:
-                        ahead = t - (time.monotonic() - started)
-                        if ahead > 0 and stop.wait(ahead):
+                for packet in c.demux(vs):
+                    for frame in packet.decode():      # the last, empty packet flushes
+                        if stop.is_set():
                             return
-                    if t + 1e-3 >= k / self.fps:
-                        kept.append(frame.to_ndarray(format="rgb24"))
-                        k = math.floor(t * self.fps + 1e-3) + 1
-                        if piece_wall is None:
-                            piece_wall = time.monotonic()
-                    covered = k / self.fps
-                    if kept and (len(kept) / self.fps >= self.piece_seconds - 1e-9 or
-                                 time.monotonic() - piece_wall >= self.piece_seconds):
-                        yield Piece(np.stack(kept), k, covered)
-                        kept, piece_wall = [], None
+                        piece = self._take(frame, stop)
+                        if piece is not None:
+                            yield piece
+            except av.ExitError:
+                if stop.is_set():
+                    return
+                raise VideoError(f"the source stalled: nothing arrived for "
+                                 f"{self.timeout_s:g} s", reason="source") from None
             except av.FFmpegError as e:
-                if kept:                # what arrived before the error is the stream's
-                    yield Piece(np.stack(kept), k, k / self.fps)
-                raise VideoError(f"reading the source failed: {_why(e)}",
-                                 reason="source") from None
-            if kept and not stop.is_set():
-                yield Piece(np.stack(kept), k, k / self.fps)
+                if getattr(e, "errno", None) != errno.EIO or not self.frames_read:
+                    raise VideoError(f"reading the source failed: {_why(e)}",
+                                     reason="source") from None
+                for frame in vs.codec_context.decode(None):   # the closed source's last
+                    piece = self._take(frame, stop)
+                    if piece is not None:
+                        yield piece
+            finally:
+                rest = self._flush()
+            if rest is not None and not stop.is_set():
+                yield rest
         finally:
             self.container = None
             c.close()
+
+    def _take(self, frame, stop) -> Piece | None:
+        """One decoded frame: kept if it is the next sample; a piece when one is complete."""
+        self.frames_read += 1
+        t = frame.time
+        if t is None or not math.isfinite(t):
+            # the decoder's last frames may come without a timestamp: the next one's due
+            t = (self._t0 or 0.0) + max(self._last_t, -self._step) + self._step
+        if self._t0 is None:
+            self._t0 = t
+        t -= self._t0
+        if t < self._last_t:
+            self.backwards += 1
+            return None
+        self._last_t = t
+        if self.realtime:
+            ahead = t - (time.monotonic() - self._started)
+            if ahead > 0:
+                stop.wait(ahead)
+        if t + 1e-3 >= self._k / self.fps:
+            self._kept.append(frame.to_ndarray(format="rgb24"))
+            self._k = math.floor(t * self.fps + 1e-3) + 1
+            if self._piece_wall is None:
+                self._piece_wall = time.monotonic()
+        if self._kept and (len(self._kept) / self.fps >= self.piece_seconds - 1e-9 or
+                           time.monotonic() - self._piece_wall >= self.piece_seconds):
+            return self._flush()
+        return None
+
+    def _flush(self) -> Piece | None:
+        if not self._kept:
+            return None
+        piece = Piece(np.stack(self._kept), self._k, self._k / self.fps)
+        self._kept, self._piece_wall = [], None
+        return piece
 
 
 def _why(e) -> str:
