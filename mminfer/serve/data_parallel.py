@@ -19,7 +19,7 @@ the prefix (counted as an ``overflow``). A new video goes to the least loaded en
 ``round_robin`` ignores the cache: the comparison the benchmark measures.
 
 A live stream (live.py) lives on one engine: the job that creates it goes to the least loaded
-engine, and every later job naming its id (``params["stream_id"]``: a piece, a question, its
+engine (requests in flight, then streams held), and every later job naming its id (``params["stream_id"]``: a piece, a question, its
 deletion) to that engine. Such a job carries its work as a call (live_ops.py) that goes down
 the pipe. When the engine dies its streams are gone, and a call naming one says so.
 
@@ -573,11 +573,13 @@ class DataParallelWorker:
             return None, StreamNotFound(f"stream {sid!r} is gone: {self.lost_streams[sid]}",
                                         stream=sid)
         engine = self.streams.get(sid)
-        if engine is None:
-            choice = self.router.choose(None, load, usable)
-            if choice is not None:
-                self.streams[sid] = choice[0]
-            return choice, None
+        if engine is None:                  # its creation: the least loaded engine
+            if not usable:
+                return None, None
+            held = collections.Counter(self.streams.values())
+            engine = min(usable, key=lambda e: (load[e], held[e], e))
+            self.streams[sid] = engine
+            return (engine, "new"), None
         return ((engine, "stream") if engine in usable else None), None
 
     def _drop(self, f: _Flight):
