@@ -36,6 +36,7 @@ ALLOWED = {
               "cli_options"},
     "batch": {"errors", "kernels", "sparse", "video", "models", "engine", "cli_options"},
     "batch_cli": {"errors", "cli_options", "batch"},
+    "watch": {"errors", "video", "models", "engine", "cli_options"},
     "cli": {"errors", "kernels", "sparse", "video", "models", "engine", "offline", "serve",
             "batch", "batch_cli", "cli_options"},
     "__init__": set(),
