@@ -110,6 +110,8 @@ def run(args) -> int:
 
 
 def _local(args, questions: Questions) -> int:
+    # lazy: the command's edge: the engine (torch, transformers: seconds) loads when `watch`
+    # runs, never for `mminfer --help`
     from transformers.utils import logging as hf_logging
 
     from mminfer.engine.pipeline import Pipeline
@@ -154,7 +156,7 @@ def _local(args, questions: Questions) -> int:
 
 
 def _remote(args, questions: Questions) -> int:
-    import httpx
+    import httpx  # lazy: the command's edge, as above
 
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

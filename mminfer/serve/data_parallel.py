@@ -19,9 +19,10 @@ the prefix (counted as an ``overflow``). A new video goes to the least loaded en
 ``round_robin`` ignores the cache: the comparison the benchmark measures.
 
 A live stream (live.py) lives on one engine: the job that creates it goes to the least loaded
-engine (requests in flight, then streams held), and every later job naming its id (``params["stream_id"]``: a piece, a question, its
-deletion) to that engine. Such a job carries its work as a call (live_ops.py) that goes down
-the pipe. When the engine dies its streams are gone, and a call naming one says so.
+engine (requests in flight, then streams held), and every later job naming its id
+(``params["stream_id"]``: a piece, a question, its deletion) to that engine. Such a job
+carries its work as a call (live_ops.py) that goes down the pipe. When the engine dies its
+streams are gone, and a call naming one says so.
 
 An engine that dies (its process ends: a crash, a device error, a kill) is restarted on its
 GPU (again at once; after quick repeated deaths with a growing pause, at most 30 s). Its

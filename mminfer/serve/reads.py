@@ -4,10 +4,11 @@
 With API keys set (serve/tenants.py), the latency report and its page need a key as the /v1
 routes do, or a /login session's cookie (login.py; a browser without one is sent to
 /login): a tenant reads its own requests' history, the admin every tenant's (``?tenant=``:
-one of them) and the shadow monitor's figures. The report's ``streams`` (the page's Streams section) are the live streams' figures, with the
-tenant's own streams (the admin's: every tenant's). ``/metrics`` is the whole server's: it takes
-the admin's key (or session) or ``--metrics-token`` as a bearer token, for a scraper
-(``--metrics-token`` alone, without keys, guards it too). /health stays open for probes."""
+one of them) and the shadow monitor's figures. The report's ``streams`` (the page's Live
+streams section) are the live streams' figures, with the tenant's own streams (the admin's:
+every tenant's). ``/metrics`` is the whole server's: it takes the admin's key (or session) or
+``--metrics-token`` as a bearer token, for a scraper (``--metrics-token`` alone, without keys,
+guards it too). /health stays open for probes."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ still shows up), and at the end of the source.
 
 Decoded in this process (not the decode sandbox: a live source has no file to hand it), with
 PyAV's open and read timeouts, so a source that stalls ends with an error instead of a thread
-waiting forever. A frame whose timestamp goes back is skipped and counted; one without a timestamp is taken to
-come one frame (the source's rate) after the last.
+waiting forever. A frame whose timestamp goes back is skipped and counted; one without a
+timestamp is taken to come one frame (the source's rate) after the last.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class LiveSource:
         self.container = None
 
     def _open(self):
-        import av                     # a dependency of the video layer (PyAV)
+        # lazy: PyAV is optional (decord may decode files alone); a live source needs it
+        import av
         try:
             return av.open(self.url, timeout=(self.timeout_s, self.timeout_s))
         except av.FFmpegError as e:
@@ -61,7 +62,7 @@ class LiveSource:
         """Pieces until the source ends (or ``stop`` is set); VideoError when it cannot be
         opened or read (a stall past the timeout, corrupt data). A connection the source
         closes is its end (a live HTTP source has no length to tell a cut from an end)."""
-        import av
+        import av  # lazy: PyAV is optional, as above
         stop = stop or threading.Event()
         self.container = c = self._open()
         try:
