@@ -1,4 +1,4 @@
-"""``mminfer watch SOURCE``: follow a video file or live URL as a stream and answer questions
+"""``mminfer watch SOURCE`` (its options: watch_cli.py): follow a video file or live URL as a stream and answer questions
 while it arrives.
 
 Every piece of the source (two seconds of media, or two seconds of waiting) is appended to a
@@ -17,7 +17,6 @@ source itself (pull mode: the server must allow it, ``--allowed-media-domains`` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -25,34 +24,18 @@ import sys
 import threading
 import time
 
-from mminfer.cli_options import add_model_arguments, pipeline_options
+import httpx
+from transformers.utils import logging as hf_logging
+
+from mminfer.cli_options import pipeline_options
+from mminfer.engine.pipeline import Pipeline
+from mminfer.engine.streams import Stream
 from mminfer.errors import InputError, MMInferError
+from mminfer.models.base import PrepareOptions
+from mminfer.models.embedded import resolve_model
+from mminfer.video.live import LiveSource
 
 ENDED = ("ended", "failed", "full", "stopped")
-
-
-def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("source", help="a video file, or a live URL PyAV opens (http(s), HLS, "
-                                  "rtsp)")
-    p.add_argument("--ask", action="append", default=[], metavar="QUESTION",
-                   help="a question answered as the video arrives (may be given more than "
-                        "once); lines typed on stdin are asked too")
-    p.add_argument("--every", type=float, default=0.0, metavar="S",
-                   help="ask the --ask questions at most once per S seconds of media (0: "
-                        "after every piece)")
-    p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second")
-    p.add_argument("--max-pixels", type=int, help="pixels per frame at most (Qwen2.5-VL)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
-    p.add_argument("--realtime", action="store_true",
-                   help="read a file at the pace of its timestamps (as a live source)")
-    p.add_argument("--no-stdin", action="store_true", help="do not read questions from stdin")
-    p.add_argument("--json", action="store_true",
-                   help="print each answer as a JSON line (question, answer, seen_until...)")
-    p.add_argument("--url", help="a running mminfer server that reads the source itself "
-                                 "(pull mode) and answers")
-    p.add_argument("--api-key", default=os.environ.get("MMINFER_API_KEY"),
-                   help="with --url: the server's API key (default: $MMINFER_API_KEY)")
-    add_model_arguments(p, "$MMINFER_MODEL, else the embedded default model")
 
 
 class Questions:
@@ -99,6 +82,7 @@ def progress(text: str):
 
 
 def run(args) -> int:
+    """``mminfer watch`` (watch_cli.py's options)."""
     if not args.ask and args.no_stdin:
         raise InputError("nothing to ask: give --ask QUESTION or type questions on stdin")
     if not 0 < args.fps <= 60 or args.every < 0 or args.max_new_tokens < 1:
@@ -110,16 +94,6 @@ def run(args) -> int:
 
 
 def _local(args, questions: Questions) -> int:
-    # lazy: the command's edge: the engine (torch, transformers: seconds) loads when `watch`
-    # runs, never for `mminfer --help`
-    from transformers.utils import logging as hf_logging
-
-    from mminfer.engine.pipeline import Pipeline
-    from mminfer.engine.streams import Stream
-    from mminfer.models.base import PrepareOptions
-    from mminfer.models.embedded import resolve_model
-    from mminfer.video.live import LiveSource
-
     hf_logging.disable_progress_bar()
     pipe = Pipeline(resolve_model(args.model), **pipeline_options(args))
     stream = Stream(pipe, fps=args.fps, options=PrepareOptions(max_pixels=args.max_pixels))
@@ -156,8 +130,6 @@ def _local(args, questions: Questions) -> int:
 
 
 def _remote(args, questions: Questions) -> int:
-    import httpx  # lazy: the command's edge, as above
-
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     source = args.source

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import av
 import numpy as np
 
 from mminfer.errors import VideoError
@@ -50,8 +51,6 @@ class LiveSource:
         self.container = None
 
     def _open(self):
-        # lazy: PyAV is optional (decord may decode files alone); a live source needs it
-        import av
         try:
             return av.open(self.url, timeout=(self.timeout_s, self.timeout_s))
         except av.FFmpegError as e:
@@ -62,7 +61,6 @@ class LiveSource:
         """Pieces until the source ends (or ``stop`` is set); VideoError when it cannot be
         opened or read (a stall past the timeout, corrupt data). A connection the source
         closes is its end (a live HTTP source has no length to tell a cut from an end)."""
-        import av  # lazy: PyAV is optional, as above
         stop = stop or threading.Event()
         self.container = c = self._open()
         try:
