@@ -235,6 +235,8 @@ async def check_source(svc, source: str) -> str:
         await media._resolve(host, port, s.allow_private_media_addresses)
         return source
     if scheme in ("", "file"):
+        if "\x00" in source:
+            raise InputError("the source contains a NUL byte", field="source")
         if not s.allowed_local_media_path:
             raise Forbidden("local sources are disabled on this server (start it with "
                             "--allowed-local-media-path DIR to allow a folder)", field="source")

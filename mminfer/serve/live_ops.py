@@ -26,8 +26,8 @@ import time
 import weakref
 
 from mminfer.engine.streams import FULL, Streams
-from mminfer.errors import (MMInferError, QueueFull, ShuttingDown, StreamFull, VideoError,
-                            WorkerDead)
+from mminfer.errors import (InputError, MMInferError, QueueFull, StreamClosed,
+                            StreamFull, VideoError, WorkerDead)
 from mminfer.models.base import PrepareOptions
 from mminfer.video.live import LiveSource
 
@@ -118,8 +118,8 @@ def append(stream_id, tenant, path, start, pipeline, turn, cancel):
     live = live_of(pipeline)
     s = live.streams.get(stream_id, tenant)
     if stream_id in live.pulls:
-        raise MMInferError(f"stream {stream_id} is fed by its source; it takes no pushed "
-                           "pieces", stream=stream_id)
+        raise InputError(f"stream {stream_id} is fed by its source; it takes no pushed "
+                         "pieces", stream=stream_id)
     try:
         report = s.append_file(path, start=start, turn=turn, cancel=cancel)
     except (VideoError, StreamFull) as e:
@@ -198,7 +198,8 @@ class Pull:
             self.state = "stopped"
         job = self._job
         if job is not None:
-            job.cancel(MMInferError("the stream was deleted"))
+            job.cancel(StreamClosed(f"stream {self.stream.id} was deleted",
+                                    stream=self.stream.id))
 
     def status(self) -> dict:
         s = self.stream
@@ -247,10 +248,9 @@ class Pull:
                 self.live.worker.submit(job)
             except QueueFull:
                 if self._stop.wait(PULL_RETRY_S):
-                    raise MMInferError("the stream was deleted") from None
+                    raise StreamClosed(f"stream {self.stream.id} was deleted",
+                                       stream=self.stream.id) from None
                 continue
-            except (ShuttingDown, WorkerDead):
-                raise
             self._job = job
             try:
                 return job.future.result()

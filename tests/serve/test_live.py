@@ -6,6 +6,7 @@ frames, and says up to which media time it saw), on /v1/answer and in chat
 back in time) are clear 400s that leave the stream answerable; the streams show in /metrics
 and /report; delete -> 404. Pull mode: tests/serve/test_live_pull.py."""
 
+import argparse
 import json
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 
 from mminfer import video as videolib
+from mminfer.engine.streams import QUESTION_ROOM
 from mminfer.models.base import Conversation
+from mminfer.serve import cli as serve_cli
 from mminfer.serve.app import Settings, create_app
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
@@ -201,3 +204,38 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_stream_past_its_budget_is_full_and_still_answers(pieces, tmp_path, live_server):
+    """--stream-kv-gb: room for the first piece and a question, not the second. The second
+    piece is a 409 ``stream_full``; the stream says ``full`` and why, refuses more pieces, and
+    answers over what it holds."""
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(["--stream-kv-gb", "0.5"])
+    assert serve_cli.settings_from(args).stream_kv_gb == 0.5
+
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path),
+                                          timeout_s=120)))
+    pipe = srv.app.state.worker.pipeline
+    frames = source_frames(NEEDLE)
+    layout = pipe.adapter.stream_layout(Conversation.single("?"), 2.0, frames[0].shape[:2])
+    first = len(layout.head_ids) + 2 * layout.unit_tokens          # 4 frames: 2 pairs
+    # the flag as the server reads it when its streams start (the model's layout is known
+    # only once it loaded): room for the first piece and a question
+    srv.app.state.settings.stream_kv_gb = (first + QUESTION_ROOM + 1) * \
+        pipe.kv_bytes_per_token / 2**30
+    sid = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2}, timeout=30).json()["id"]
+    assert push(srv.url, sid, pieces[0]).status_code == 200
+    r = push(srv.url, sid, pieces[1])
+    assert r.status_code == 409 and r.json()["error"]["code"] == "stream_full", r.text
+    assert "budget" in r.json()["error"]["message"]
+    st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+    assert st["state"] == "full" and "budget" in st["reason"] and st["tokens"] == first
+    assert st["last_error"]["code"] == "stream_full"
+    r = push(srv.url, sid, pieces[2])
+    assert r.status_code == 409 and "takes no more video" in r.json()["error"]["message"]
+    a = ask(srv.url, sid)
+    assert a.status_code == 200 and a.json()["video"]["seen_until"] == 2.0
+    m = httpx.get(f"{srv.url}/metrics").text
+    assert metric(m, "mminfer:streams_full") == 1.0
