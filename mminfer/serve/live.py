@@ -292,7 +292,11 @@ async def create_stream(request: Request):
     if data_parallel(svc):
         if svc.worker.state != "ready":
             raise WorkerDead(f"the model is not ready ({svc.worker.state})")
-        st = _public(await _admin_call(svc, sid, call))
+        try:
+            st = _public(await _admin_call(svc, sid, call))
+        except BaseException:
+            svc.worker.forget_stream(sid)           # it was never made
+            raise
     else:
         st = await asyncio.to_thread(call, local(svc).streams.pipeline, None, None)
     if source is not None:       # the client's words, not the server's resolved path
