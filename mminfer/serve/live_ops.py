@@ -5,7 +5,7 @@ Every operation on a stream is a module-level function turned into a job's call 
 ``functools.partial``, so it pickles: on one server the model worker runs it; under
 ``--data-parallel`` it goes down the pipe to the engine process that holds the stream
 (dp_engine.py) and runs there. Each process keeps its streams in a :class:`Live` (one per
-pipeline: ``attach``), which also pulls live sources (:class:`Pull`) and counts what the
+pipeline, kept on it: ``attach``), which also pulls live sources (:class:`Pull`) and counts what the
 streams took in for /metrics and /report (``report``).
 
 Pull mode: a stream created with a ``source`` is fed by a thread of its own that reads the
@@ -23,7 +23,6 @@ import functools
 import logging
 import threading
 import time
-import weakref
 
 from mminfer.engine.streams import FULL, Streams
 from mminfer.errors import (InputError, MMInferError, QueueFull, StreamClosed,
@@ -39,21 +38,23 @@ log = logging.getLogger("mminfer.serve")
 PULL_PIECE_S = 2.0          # media (or wall) seconds a pulled piece covers
 PULL_RETRY_S = 0.5          # the queue was full: try the piece again after this
 
-_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+# the attribute of the pipeline its Live is kept in: it lives and dies with the model
+ATTR = "_mminfer_live"
 
 
 def attach(pipeline, worker, budget_bytes: int | None = None, source_timeout_s: float = 10.0):
     """The pipeline's :class:`Live` (made on first use with the worker that runs its jobs)."""
     with _LOCK:
-        live = _LIVE.get(pipeline)
+        live = getattr(pipeline, ATTR, None)
         if live is None:
-            live = _LIVE[pipeline] = Live(pipeline, worker, budget_bytes, source_timeout_s)
+            live = Live(pipeline, worker, budget_bytes, source_timeout_s)
+            setattr(pipeline, ATTR, live)
         return live
 
 
 def live_of(pipeline) -> "Live":
-    live = _LIVE.get(pipeline)
+    live = getattr(pipeline, ATTR, None)
     if live is None:
         raise WorkerDead("live streams are not set up on this model worker")
     return live
@@ -163,7 +164,7 @@ def delete(stream_id, tenant, pipeline, turn, cancel):
 
 
 def report(pipeline) -> dict | None:
-    live = _LIVE.get(pipeline)
+    live = getattr(pipeline, ATTR, None)
     return live.report() if live is not None else None
 
 
