@@ -67,13 +67,18 @@ run: $(STAMP)
 docker-check: $(STAMP_TEST)
 	$(PY) -m pytest -q -ra tests/test_docker.py
 
-# Headless Chromium for the report-page test (Debian): installed with apt-get, as root only,
-# and said so; SKIP_SYSTEM_DEPS=1 (or not root, or no apt-get) skips it and the browser test.
+# Headless Chromium for the report-page test and ffmpeg for the live-stream pull test (a
+# sample served in real time over loopback) (Debian): installed with apt-get, as root only,
+# and said so; SKIP_SYSTEM_DEPS=1 (or not root, or no apt-get) skips them and their tests.
 system-deps:
 	@command -v chromium >/dev/null 2>&1 || [ -n "$(SKIP_SYSTEM_DEPS)" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  echo "system-deps: installing chromium with apt-get (for the report-page browser test; SKIP_SYSTEM_DEPS=1 skips it)" && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null); } \
 	  || echo "system-deps: chromium not installed: the report-page browser test will be skipped"
+	@command -v ffmpeg >/dev/null 2>&1 || [ -n "$(SKIP_SYSTEM_DEPS)" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  echo "system-deps: installing ffmpeg with apt-get (for the live-stream pull test; SKIP_SYSTEM_DEPS=1 skips it)" && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ffmpeg >/dev/null); } \
+	  || echo "system-deps: ffmpeg not installed: the live-stream test with ffmpeg will be skipped"
 
 # The pins resolve against the public index alone (no local wheels), CPU and CUDA set-ups.
 check-deps:

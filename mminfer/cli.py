@@ -27,6 +27,8 @@ SUBCOMMANDS = {
     "answer": ("mminfer.cli", "answer a question about a video"),
     "serve": ("mminfer.serve.cli", "run the HTTP service"),
     "batch": ("mminfer.batch_cli", "answer questions about every video of a directory"),
+    "watch": ("mminfer.watch_cli", "follow a video file or live URL as a stream, answering "
+                               "questions as it arrives"),
     "calibrate": ("mminfer.offline.cli", "search head patterns on calibration videos"),
 }
 

@@ -36,6 +36,8 @@ ALLOWED = {
               "cli_options"},
     "batch": {"errors", "kernels", "sparse", "video", "models", "engine", "cli_options"},
     "batch_cli": {"errors", "cli_options", "batch"},
+    "watch": {"errors", "video", "models", "engine", "cli_options"},
+    "watch_cli": {"errors", "cli_options", "watch"},
     "cli": {"errors", "kernels", "sparse", "video", "models", "engine", "offline", "serve",
             "batch", "batch_cli", "cli_options"},
     "__init__": set(),

@@ -468,12 +468,15 @@ class Streams:
         self.counts = dict(created=0, deleted=0, pieces=0, refused=0, questions=0)
 
     def create(self, *, fps: float = 2.0, options: PrepareOptions | None = None,
-               tenant: str | None = None) -> Stream:
+               tenant: str | None = None, stream_id: str | None = None) -> Stream:
         with self._lock:
             if len(self._streams) >= self.max_streams:
                 raise StreamFull(f"this server holds {self.max_streams} streams at most; "
                                  "delete one first", limit=self.max_streams)
-            s = Stream(self.pipeline, fps=fps, options=options, tenant=tenant, registry=self)
+            if stream_id is not None and stream_id in self._streams:
+                raise InputError(f"a stream {stream_id!r} exists already", stream=stream_id)
+            s = Stream(self.pipeline, fps=fps, options=options, tenant=tenant, registry=self,
+                       stream_id=stream_id)
             self._streams[s.id] = s
             self.counts["created"] += 1
             return s
@@ -496,6 +499,11 @@ class Streams:
     def list(self, tenant: str | None = None) -> list[Stream]:
         with self._lock:
             return [s for s in self._streams.values() if s.tenant == tenant]
+
+    def all(self) -> list[Stream]:
+        """Every tenant's streams."""
+        with self._lock:
+            return list(self._streams.values())
 
     def room_for(self, stream: Stream) -> int:
         """Bytes the budget leaves ``stream`` (what the others hold subtracted)."""

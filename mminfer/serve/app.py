@@ -7,6 +7,9 @@
                                 as server-sent events                 openai.py, stream.py
     POST/GET/DELETE /v1/videos[/{id}]   upload once, ask by id (``video_id`` form field,
                                 ``mminfer://videos/{id}`` video_url)            videos.py
+    POST/GET/DELETE /v1/streams[/{id}[/segments]]   live video: pushed pieces or a pulled
+                                source; ask with ``stream_id``, ``mminfer://streams/{id}``
+                                                                      live.py, live_ops.py
     GET  /v1/models                                                             openai.py
     GET  /v1/latency-report (JSON), /report (page), /health, /metrics            reads.py
     GET/POST /login, /logout    a session cookie from an API key, for the report page  login.py
@@ -125,6 +128,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
                                               "time went (see the README).")
     service = Service(s, worker, store, metrics, model_path, upload_dir, video_store)
     service.sessions = login.Sessions(s.session_ttl_s)
+    metrics.watch_streams(lambda: live.stats(service))
     app.state.settings, app.state.worker, app.state.store = s, worker, store
     app.state.metrics, app.state.upload_dir, app.state.service = metrics, upload_dir, service
     app.state.shadow = worker.shadow
@@ -168,12 +172,12 @@ def model_name(model_path: str) -> str:
 _ASK = (400, 401, 403, 404, 408, 413, 415, 422, 429, 500, 503, 504, 507)
 ERROR_RESPONSES = {
     ("post", "/v1/answer"): _ASK + (409,),
-    ("post", "/v1/chat/completions"): _ASK,
+    ("post", "/v1/chat/completions"): _ASK + (409,),
     ("post", "/v1/videos"): (400, 401, 408, 413, 415, 422, 500, 503, 507),
     ("get", "/v1/videos"): (401,),
     ("get", "/v1/videos/{video_id}"): (401, 404),
     ("delete", "/v1/videos/{video_id}"): (401, 404),
-    ("post", "/v1/streams"): (400, 401, 404, 409, 413, 422, 503),
+    ("post", "/v1/streams"): (400, 401, 403, 404, 409, 413, 422, 503),
     ("get", "/v1/streams"): (401, 503),
     ("get", "/v1/streams/{stream_id}"): (401, 404, 503),
     ("delete", "/v1/streams/{stream_id}"): (401, 404, 503),

@@ -18,6 +18,12 @@ the prefix (counted as an ``overflow``). A new video goes to the least loaded en
 (requests in flight: queued or running there), and its next questions follow it.
 ``round_robin`` ignores the cache: the comparison the benchmark measures.
 
+A live stream (live.py) lives on one engine: the job that creates it goes to the least loaded
+engine (requests in flight, then streams held), and every later job naming its id
+(``params["stream_id"]``: a piece, a question, its deletion) to that engine. Such a job
+carries its work as a call (live_ops.py) that goes down the pipe. When the engine dies its
+streams are gone, and a call naming one says so.
+
 An engine that dies (its process ends: a crash, a device error, a kill) is restarted on its
 GPU (again at once; after quick repeated deaths with a growing pause, at most 30 s). Its
 requests are never lost: one that had not streamed any of its answer is moved once to
@@ -51,7 +57,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mminfer.engine.cache import file_digest
 from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, MMInferError, QueueFull,
-                            ShuttingDown, WorkerDead)
+                            ShuttingDown, StreamNotFound, WorkerDead)
 
 from . import dp_engine
 from .settings import DEFAULT_MAX_IMBALANCE
@@ -258,6 +264,8 @@ class DataParallelWorker:
         self._flights: dict[int, _Flight] = {}
         self._by_job: dict[int, _Flight] = {}           # id(job) -> its flight
         self._parked: collections.deque[_Flight] = collections.deque()
+        self.streams: dict[str, int] = {}             # live stream id -> its engine
+        self.lost_streams: dict[str, str] = {}        # id -> why it is gone
         self._ids = itertools.count(1)
         self._ctx = multiprocessing.get_context("spawn")
         self._hashers = concurrent.futures.ThreadPoolExecutor(
@@ -503,10 +511,14 @@ class DataParallelWorker:
 
     def _place_new(self, f: _Flight):
         try:
-            f.key = file_digest(f.job.video_path)
+            f.key = None if f.job.params.get("stream_id") else file_digest(f.job.video_path)
         except OSError:
             f.key = None          # the engine's decoder says what is wrong with the path
         self._place(f)
+
+    def forget_stream(self, stream_id: str):
+        with self._lock:
+            self.streams.pop(stream_id, None)
 
     def _place(self, f: _Flight, avoid: int | None = None):
         """Send ``f`` to the engine the router picks (``avoid``: not that one), or park it
@@ -519,20 +531,22 @@ class DataParallelWorker:
                 self._drop(f)
                 error = job.stop or ShuttingDown("the server is shutting down")
             else:
-                error = None
                 usable = [e.index for e in self.engines
                           if e.state == "ready" and e.index != avoid]
                 load = [len(e.flights) for e in self.engines]
-                choice = self.router.choose(f.key, load, usable)
-                if choice is None:
+                choice, error = self._choose(f, load, usable)
+                if error is not None:
+                    self._drop(f)
+                elif choice is None:
                     self._parked.append(f)
                     return
-                engine, reason = choice
-                e = self.engines[engine]
-                f.engine, f.started, f.streamed = engine, False, False
-                e.flights.add(f.id)
-                e.routed[reason if avoid is None else "moved"] += 1
-                self.router.sent(engine, f.key)
+                else:
+                    engine, reason = choice
+                    e = self.engines[engine]
+                    f.engine, f.started, f.streamed = engine, False, False
+                    e.flights.add(f.id)
+                    e.routed[reason if avoid is None else "moved"] += 1
+                    self.router.sent(engine, f.key)
         if error is not None:
             self._answer(job, error=error)
             return
@@ -541,13 +555,33 @@ class DataParallelWorker:
             if not stopped and e.conn is not None:
                 try:
                     e.conn.send(("submit", f.id, job.video_path, job.question, job.params,
-                                 job.request_id, job.on_token is not None))
+                                 job.request_id, job.on_token is not None, job.call))
                 except (OSError, ValueError):
                     pass        # the engine is dying: its reader moves this flight
         if stopped:             # stopped while being placed: its engine never saw it
             with self._lock:
                 self._drop(f)
             self._answer(job, error=job.stop or Cancelled("the request was cancelled"))
+
+    def _choose(self, f: _Flight, load: list[int], usable: list[int]):
+        """(Under the lock.) ``((engine, reason) or None, error or None)`` for ``f``: a live
+        stream's job goes to the stream's engine (the first, its creation, to the least
+        loaded one), any other where the router says."""
+        sid = f.job.params.get("stream_id")
+        if sid is None:
+            return self.router.choose(f.key, load, usable), None
+        if sid in self.lost_streams:
+            return None, StreamNotFound(f"stream {sid!r} is gone: {self.lost_streams[sid]}",
+                                        stream=sid)
+        engine = self.streams.get(sid)
+        if engine is None:                  # its creation: the least loaded engine
+            if not usable:
+                return None, None
+            held = collections.Counter(self.streams.values())
+            engine = min(usable, key=lambda e: (load[e], held[e], e))
+            self.streams[sid] = engine
+            return (engine, "new"), None
+        return ((engine, "stream") if engine in usable else None), None
 
     def _drop(self, f: _Flight):
         """(Under the lock.) Forget a flight."""
@@ -719,6 +753,9 @@ class DataParallelWorker:
                 e.carried[k] += (e.status.get("cache") or {}).get(k, 0)
             e.status = {}
             self.router.forget(e.index)
+            for sid in [k for k, v in self.streams.items() if v == e.index]:
+                del self.streams[sid]
+                self.lost_streams[sid] = f"its engine stopped ({why})"
             mine = [self._flights[j] for j in list(e.flights) if j in self._flights]
             e.flights.clear()
             for f in mine:

@@ -6,7 +6,9 @@ The process owns one model copy, its video cache and its scheduler: an ordinary
 message is a tuple whose first item names it.
 
     front end -> engine
-        ("submit", jid, video_path, question, params, request_id, stream)
+        ("submit", jid, video_path, question, params, request_id, stream, call)
+                                       ``call``: None (Pipeline.answer), or a live stream's
+                                       work (live_ops.py)
         ("cancel", jid, reason)        stop the job (dropped if queued); ``reason`` answers it
         ("shutdown",)                  answer the queued jobs 503, stop the running ones
         ("stop",)                      stop the worker and exit
@@ -15,7 +17,8 @@ message is a tuple whose first item names it.
         ("failed", reason)             the model did not load; the process exits
         ("started", jid, queue_ms)     the job left the engine's queue and runs
         ("token", jid, text, token_id) a streamed job's answer piece, in order
-        ("status", status)             queue counts, scheduler, cache stats, cached videos
+        ("status", status)             queue counts, scheduler, cache stats, cached videos,
+                                       live streams (their figures and statuses)
         ("done", jid, ok, payload)     the AnswerResult, or the error that answers it
 
 The pipe ending (EOF) means the other side is gone: the front end restarts a dead engine; an
@@ -31,6 +34,7 @@ before anything initialises CUDA), so each sees its GPU as ``cuda:0``.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import pickle
@@ -43,6 +47,7 @@ from transformers.utils import logging as hf_logging
 from mminfer.errors import Cancelled, MMInferError
 
 from .app import load_pipeline
+from . import live_ops
 from .budget import configure_decoding
 from .worker import Job, ModelWorker
 
@@ -109,6 +114,7 @@ class Engine:
     def __init__(self, conn, index: int, settings, model_path: str):
 
         self.conn, self.index = conn, index
+        self.settings = settings
         self._send_lock = threading.Lock()
         self._status_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -141,7 +147,8 @@ class Engine:
         videos = cache.videos() if cache is not None else set()
         out = {"state": w.state, "waiting": w.waiting, "running": w.running,
                "served": w.served, "stopped": w.stopped, "progress": w.progress(),
-               "cache": cache.stats() if cache is not None else None, "videos": None}
+               "cache": cache.stats() if cache is not None else None, "videos": None,
+               "streams": live_ops.report(w.pipeline) if w.pipeline is not None else None}
         with self._lock:
             if videos != self._videos:
                 self._videos = videos
@@ -168,13 +175,15 @@ class Engine:
             self.send("done", jid, False, portable(exc))
 
     # ------------------------------------------------------------ from the front end
-    def submit(self, jid, video_path, question, params, request_id, stream):
+    def submit(self, jid, video_path, question, params, request_id, stream, call=None):
         on_token = None
         if stream:
             def on_token(text, token_id):
                 self.send("token", jid, text, token_id)
+            if call is not None:
+                call = functools.partial(call, on_token=on_token)
         job = Job(video_path=video_path, question=question, params=params,
-                  request_id=request_id, on_token=on_token)
+                  request_id=request_id, on_token=on_token, call=call)
         with self._lock:
             self._jobs[jid] = job
             self._ids[id(job)] = jid
@@ -209,6 +218,9 @@ class Engine:
             self.send("failed", w.error or "the model did not load")
             return 1
         p = w.pipeline
+        live_ops.attach(p, w, None if self.settings.stream_kv_gb is None
+                        else int(self.settings.stream_kv_gb * 2**30),
+                        self.settings.media_fetch_timeout_s)
         self.send("ready", {
             "pid": os.getpid(), "model_id": getattr(p, "model_id", None),
             "policy": p.attention_policy() if hasattr(p, "attention_policy") else None,

@@ -14,6 +14,15 @@ either tier; vLLM's pair, so the hit rate is their ratio), ``..._host_hits_total
 host tier or dropped; host: dropped), and gauges ``mminfer:kv_cache_bytes{tier}``,
 ``mminfer:kv_cache_entries{tier}``, ``mminfer:kv_cache_budget_bytes{tier}``; the video store
 (/v1/videos) as ``mminfer:video_store_bytes`` and ``mminfer:video_store_videos``.
+
+Live streams (serve/live.py), read at scrape time as well (``StreamsCollector``; under
+--data-parallel the engines' summed): ``mminfer:streams_active``, ``mminfer:streams_full``,
+``mminfer:streams_pulling`` (reading a source), ``mminfer:stream_ingest_tokens_per_second``
+(over the streams' recent pieces: tokens over their vision and prefill time),
+``mminfer:stream_lag_seconds`` (the largest: how far a stream's media trails the wall clock),
+``mminfer:stream_kv_bytes`` and ``mminfer:stream_kv_budget_bytes``, the counters
+``mminfer:stream_pieces_total`` and ``mminfer:stream_ingested_tokens_total``, and the
+histogram ``mminfer:stream_piece_seconds`` (one piece's vision and prefill).
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ import logging
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
 
 from mminfer.engine.timing import PREFILL_STAGES, TOTALS
 
@@ -35,6 +45,8 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 
 TOKEN_BUCKETS = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144, 524288, 1048576)
 # KL(dense || sparse) in nats, from rounding noise to a different answer (the shipped config
 # of the embedded model averages 0.022 on held-out videos, BENCHMARKS.md "Quality").
+# Seconds of a live stream's piece (vision and prefill): a short CPU piece to a minute of video
+PIECE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -108,6 +120,8 @@ class Metrics:
             m + ["cache"], registry=r)
         self._cache = CacheCollector(model)
         r.register(self._cache)
+        self._streams = StreamsCollector(model)
+        r.register(self._streams)
 
         # ---- the shadow-dense monitor (serve/shadow.py), per prompt-length bucket
         b = m + ["length_bucket"]
@@ -161,6 +175,10 @@ class Metrics:
     def watch_store(self, stats):
         """``stats()``: the video store's (videos.VideoStore.stats)."""
         self._cache.store_stats = stats
+
+    def watch_streams(self, stats):
+        """``stats()``: the live streams' figures (serve/live.py ``stats``), or None."""
+        self._streams.stats = stats
 
     def observe_cache(self, cache: str | None):
         if cache:
@@ -243,3 +261,54 @@ class CacheCollector:
                 f = GaugeMetricFamily(f"mminfer:video_store_{name}", doc, labels=lab)
                 f.add_metric(m, st[key])
                 yield f
+
+
+class StreamsCollector:
+    """The live streams' figures, read at scrape time (nothing while there are none yet)."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.stats = lambda: None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m, lab = [self.model], ["model_name"]
+        try:
+            st = self.stats()
+        except Exception:                  # noqa: BLE001 - a scrape must not fail on it
+            logging.getLogger("mminfer.serve").exception("reading the streams' stats")
+            st = None
+        if not st:
+            return
+        for name, key, doc in (
+                ("streams_active", "active", "Live streams held (open or full)"),
+                ("streams_full", "full", "Live streams past their budget or the context: "
+                                         "answerable, taking no more video"),
+                ("streams_pulling", "pulling", "Live streams reading their source"),
+                ("stream_ingest_tokens_per_second", "ingest_tokens_per_s",
+                 "Tokens per second of the streams' recent pieces (vision and prefill time)"),
+                ("stream_lag_seconds", "max_lag_seconds",
+                 "The largest lag of a stream's media behind the wall clock"),
+                ("stream_kv_bytes", "bytes", "Bytes the streams' KV caches hold"),
+                ("stream_kv_budget_bytes", "budget_bytes", "The streams' byte budget")):
+            f = GaugeMetricFamily(f"mminfer:{name}", doc, labels=lab)
+            f.add_metric(m, st.get(key) or 0)
+            yield f
+        for name, key, doc in (("stream_pieces", "pieces", "Pieces appended to live streams"),
+                               ("stream_ingested_tokens", "tokens_ingested",
+                                "Tokens the live streams' pieces prefilled")):
+            f = CounterMetricFamily(f"mminfer:{name}", doc, labels=lab)
+            f.add_metric(m, st.get(key) or 0)
+            yield f
+        counts = st.get("piece_buckets")
+        if counts:
+            f = HistogramMetricFamily("mminfer:stream_piece_seconds", "One live-stream "
+                                      "piece's vision and prefill", labels=lab)
+            acc, buckets = 0, []
+            for bound, n in zip([*map(str, PIECE_BUCKETS), "+Inf"], counts):
+                acc += n
+                buckets.append((bound, acc))
+            f.add_metric(m, buckets, st.get("piece_sum_s") or 0.0)
+            yield f

@@ -3,7 +3,9 @@
 The whole message list is the prompt (``conversation_of``): the system prompt, earlier user
 and assistant turns and the question, through the model's chat template; exactly one
 ``video_url`` part, in whichever user message holds it (usually the first): a data: URL, a
-stored video (``mminfer://videos/{id}``, see videos.py), an allow-listed local path or an
+stored video (``mminfer://videos/{id}``, see videos.py), a live stream
+(``mminfer://streams/{id}``, live.py: answered over what it holds when the question runs;
+``mminfer.video.seen_until`` says up to which media time), an allow-listed local path or an
 allow-listed remote URL. A follow-up turn about the same video with the same turns before
 the video reuses the video's cached prefix (``mminfer.cache`` says ``hit``).
 
@@ -38,7 +40,7 @@ from mminfer.models.base import VIDEO, Conversation, Turn
 from mminfer.models.sampler import (MAX_STOP, MAX_STOP_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
                                     SamplingParams)
 
-from . import jsonbody, media
+from . import jsonbody, live, media
 from .budget import request_params
 from .errors import validate
 from .schemas import ATTENTION_DOC, CACHE_SALT_DOC, FPS_DOC, MAX_FRAMES_DOC, Attention
@@ -66,6 +68,8 @@ class TextPart(_Open):
 class VideoURL(_Open):
     url: str = Field(min_length=1, description="data:video/...;base64,..., "
                                                "mminfer://videos/{id} (POST /v1/videos), "
+                                               "mminfer://streams/{id} (a live stream, "
+                                               "answered over what it holds now), "
                                                "file:///path or /path (inside "
                                                "--allowed-local-media-path), "
                                                "http(s)://host/... (--allowed-media-domains)")
@@ -288,19 +292,29 @@ async def _chat(svc, req):
     stream = body.stream
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     del data, body
-    req.label = "the video"
-    await _media(svc, req, url)
-    media.check_file(req.path, req.label)
-    await svc.check_budget(req, conversation_text(conv), params)
+    stream_id = live.stream_id_of(url)
+    if stream_id is None:
+        req.label = "the video"
+        await _media(svc, req, url)
+        media.check_file(req.path, req.label)
+        await svc.check_budget(req, conversation_text(conv), params)
     upload_ms = (time.monotonic() - req.arrival) * 1e3
     if stream:
         feed = TokenFeed(asyncio.get_running_loop())
-        job, fut = svc.submit(req, None, params, on_token=feed)
+        if stream_id is None:
+            job, fut = svc.submit(req, None, params, on_token=feed)
+        else:
+            job, fut = await live.ask(svc, req, stream_id, None, params, on_token=feed,
+                                      wait=False)
         if await svc.wait(req, job, fut, until=feed.first):
             fut.result()                # failed before its first token: a JSON error
         chunks = ChatChunks(svc, req.id, sampling, include_usage, req.stored)
         return StreamReply(svc, req, "chat", job, fut, feed, chunks, upload_ms), {}
-    result, job = await svc.run_job(req, None, params)
+    if stream_id is None:
+        result, job = await svc.run_job(req, None, params)
+    else:
+        job, fut = await live.ask(svc, req, stream_id, None, params)
+        result = fut.result()
     timings = svc.timings(result, job, upload_ms, req.arrival)
     answer = {
         "id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": int(time.time()),

@@ -4,9 +4,11 @@
 With API keys set (serve/tenants.py), the latency report and its page need a key as the /v1
 routes do, or a /login session's cookie (login.py; a browser without one is sent to
 /login): a tenant reads its own requests' history, the admin every tenant's (``?tenant=``:
-one of them) and the shadow monitor's figures. ``/metrics`` is the whole server's: it takes
-the admin's key (or session) or ``--metrics-token`` as a bearer token, for a scraper
-(``--metrics-token`` alone, without keys, guards it too). /health stays open for probes."""
+one of them) and the shadow monitor's figures. The report's ``streams`` (the page's Live
+streams section) are the live streams' figures, with the tenant's own streams (the admin's:
+every tenant's). ``/metrics`` is the whole server's: it takes the admin's key (or session) or
+``--metrics-token`` as a bearer token, for a scraper (``--metrics-token`` alone, without keys,
+guards it too). /health stays open for probes."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mminfer.errors import Forbidden, InputError, Unauthorized
 
+from . import live
 from .login import login_redirect, wants_html
 from .report import render
 from .service import bearer
@@ -60,6 +63,7 @@ async def latency_report(request: Request):
     rep["now"] = _now(svc)
     rep["shadow"] = (await asyncio.to_thread(_shadow_report, request, since, until)
                      if tenant.admin else None)
+    rep["streams"] = live.summary(svc, scope, every=scope is None and tenant.admin)
     return rep
 
 
@@ -82,6 +86,7 @@ async def report_page(request: Request):
     rep["tenant"] = scope
     rep["device"] = _device(svc)
     rep["now"] = _now(svc)
+    rep["streams"] = live.summary(svc, scope, every=scope is None and tenant.admin)
     return HTMLResponse(render(rep, rows, svc.model_id()))
 
 
@@ -179,6 +184,7 @@ async def prometheus(request: Request):
 @router.get("/", include_in_schema=False)
 async def root(request: Request):
     return {"service": "mminfer", "model": request.app.state.service.model_id(),
-            "endpoints": ["/v1/answer", "/v1/chat/completions", "/v1/videos", "/v1/models",
+            "endpoints": ["/v1/answer", "/v1/chat/completions", "/v1/videos", "/v1/streams",
+                          "/v1/models",
                           "/v1/latency-report", "/report", "/login", "/health", "/metrics",
                           "/docs"]}

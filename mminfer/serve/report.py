@@ -15,6 +15,7 @@ import time
 
 from mminfer.engine.timing import TTFT_STAGES
 
+from .metrics import PIECE_BUCKETS
 from .shadow import html_section as shadow_section
 from .store import bucket_of
 
@@ -273,6 +274,67 @@ def cache_section(cache: dict | None, device: str | None = None) -> str:
             f'<table id="cache-table">{head}{body}</table>')
 
 
+def streams_section(streams: dict | None) -> str:
+    """Live streams: the server's figures (held, full, pulling, ingest rate, lag, memory,
+    pieces and their median time) and a row per stream the reader may see."""
+    if not streams:
+        return '<p class="empty">No live stream yet.</p>'
+    st = streams["stats"]
+    rate = st.get("ingest_tokens_per_s")
+    pieces = st.get("pieces", 0)
+    p50 = _piece_median(st.get("piece_buckets"), pieces)
+    line = (f'<p id="streams-summary" data-active="{st.get("active", 0)}" '
+            f'data-full="{st.get("full", 0)}" data-pieces="{pieces}" '
+            f'data-ingest-tokens-per-s="{rate if rate is not None else ""}" '
+            f'data-max-lag-s="{st.get("max_lag_seconds", 0)}">Streams: '
+            f'<b>{st.get("active", 0)}</b> held ({st.get("full", 0)} full, '
+            f'{st.get("pulling", 0)} reading a source); {pieces} pieces, '
+            f'{st.get("tokens_ingested", 0)} tokens taken in'
+            f'{f", {rate:g} tokens/s lately" if rate is not None else ""}'
+            f'{f", a piece in {p50} (median)" if p50 else ""}; largest lag '
+            f'{st.get("max_lag_seconds", 0):g} s; KV {_fmt_bytes(st.get("bytes", 0))} of '
+            f'{_fmt_bytes(st.get("budget_bytes", 0))}.</p>')
+    rows = streams.get("streams") or []
+    if not rows:
+        return line
+    head = ('<tr><th>stream</th><th>state</th><th>source</th><th>seen until</th>'
+            '<th>lag</th><th>tokens</th><th>pieces</th><th>last error</th></tr>')
+    body = []
+    for r in rows:
+        src = r.get("source") or {}
+        err = (r.get("last_error") or {}).get("message") or ""
+        body.append(
+            f'<tr class="stream-row" data-stream="{e(r["id"])}" data-state="{e(r["state"])}" '
+            f'data-seen-until="{r["seen_until"]}" data-tokens="{r["tokens"]}">'
+            f'<td>{e(r["id"])}</td><td>{e(r["state"])}</td>'
+            f'<td>{e(src.get("state", "push")) if src else "push"}</td>'
+            f'<td>{r["seen_until"]:g} s</td><td>{r.get("lag_seconds") or 0:g} s</td>'
+            f'<td>{r["tokens"]}</td><td>{r["pieces"]}</td><td>{e(err[:120])}</td></tr>')
+    return f'{line}<table id="streams-table">{head}{"".join(body)}</table>'
+
+
+def _piece_median(buckets, n) -> str | None:
+    """The bucket bound that holds the median piece time (the histogram's resolution)."""
+    if not buckets or not n:
+        return None
+    acc = 0
+    for bound, c in zip([*PIECE_BUCKETS, None], buckets):
+        acc += c
+        if acc * 2 >= n:
+            return f"≤ {_fmt_ms(bound * 1e3)}" if bound is not None else \
+                f"> {_fmt_ms(PIECE_BUCKETS[-1] * 1e3)}"
+    return None
+
+
+def _fmt_bytes(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def table(report: dict) -> str:
     if not report["rows"]:
         return ""
@@ -347,6 +409,8 @@ td:first-child, th:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: 
 {percentile_bars(report, "ttft")}
 <h2>Video cache: hit rate, and time to first token of hits and misses</h2>
 {cache_section(report.get("cache"), report.get("device"))}
+<h2>Live streams</h2>
+{streams_section(report.get("streams"))}
 <h2>Time to first token against prompt length (recent requests)</h2>
 {scatter(rows)}
 <h2>All stages</h2>

@@ -1,9 +1,13 @@
 """Live streams over HTTP on a real server with the embedded model: the needle sample cut into
 pieces with PyAV (MP4 files and an MPEG-TS segment) and pushed one by one; after each piece a
 question sees exactly the frames so far (its answer is the dense one-shot answer of those
-frames, and says up to which media time it saw); bad pieces (corrupt, another frame size,
-going back in time) are clear 400s that leave the stream answerable; delete -> 404."""
+frames, and says up to which media time it saw), on /v1/answer and in chat
+(``mminfer://streams/{id}``, streamed or not); bad pieces (corrupt, another frame size, going
+back in time) are clear 400s that leave the stream answerable; the streams show in /metrics
+and /report; delete -> 404. Pull mode: tests/serve/test_live_pull.py."""
 
+import argparse
+import json
 from pathlib import Path
 
 import av
@@ -12,7 +16,9 @@ import numpy as np
 import pytest
 
 from mminfer import video as videolib
+from mminfer.engine.streams import QUESTION_ROOM
 from mminfer.models.base import Conversation
+from mminfer.serve import cli as serve_cli
 from mminfer.serve.app import Settings, create_app
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
@@ -46,6 +52,14 @@ def push(url, sid, path, **form):
     with open(path, "rb") as f:
         return httpx.post(f"{url}/v1/streams/{sid}/segments", data=form,
                           files={"file": (Path(path).name, f.read(), "video/mp4")}, timeout=120)
+
+
+def chat(url, sid, question=Q, **extra):
+    return httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "max_tokens": 4, **extra,
+        "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": f"mminfer://streams/{sid}"}},
+            {"type": "text", "text": question}]}]})
 
 
 def ask(url, sid, question=Q):
@@ -98,6 +112,15 @@ def test_push_pieces_and_ask_between(pieces, tmp_path, live_server):
         assert got["answer"] == want.text, (i, got["answer"], want.text)
         assert got["tokens"]["generated"] == len(want.token_ids)
         answers.append(got["answer"])
+        if i in (0, 4):         # the same question in chat: the same answer, what it saw
+            c = chat(srv.url, sid)
+            assert c.status_code == 200, c.text
+            body = c.json()
+            assert body["choices"][0]["message"]["content"] == want.text
+            assert body["mminfer"]["cache"] == "stream"
+            assert body["mminfer"]["video"]["seen_until"] == 2.0 * (i + 1)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == got["tokens"][
+                "cached"]
     assert len(set(answers)) > 1, answers        # what it sees changes as the video arrives
 
     st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
@@ -126,21 +149,93 @@ def test_push_pieces_and_ask_between(pieces, tmp_path, live_server):
     r = push(srv.url, sid, pieces[0], start="12")
     assert r.status_code == 200 and r.json()["stream"]["media_seconds"] == 14.0
 
+    # chat streamed: the same answer as server-sent events, what it saw in the last chunk
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=120, json={
+            "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": f"mminfer://streams/{sid}"}},
+                {"type": "text", "text": Q}]}]}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    text = "".join(ev["choices"][0]["delta"].get("content", "") for ev in events)
+    assert text == ask(srv.url, sid).json()["answer"]
+    seen = events[-1]["mminfer"]["video"]
+    st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+    assert (seen["seen_until"], seen["media_seconds"]) == (st["seen_until"], 14.0)
+
+    # chat's errors for a stream: the OpenAI error shape, what is wrong
+    r = chat(srv.url, "nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+    assert "nope" in r.json()["error"]["message"]
+    r = chat(srv.url, "a/b")
+    assert r.status_code == 400 and "mminfer://streams/{id}" in r.json()["error"]["message"]
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+        "max_tokens": 4, "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": f"mminfer://streams/{sid}"}},
+                {"type": "text", "text": Q}]}]})
+    assert r.status_code == 400 and "before the video" in r.json()["error"]["message"]
+
+    # /metrics and /report: the stream, its pieces and their time
+    m = httpx.get(f"{srv.url}/metrics").text
+    assert metric(m, "mminfer:streams_active") == 1.0
+    assert metric(m, "mminfer:stream_pieces_total") == 6.0
+    assert metric(m, "mminfer:stream_piece_seconds_count") == 6.0
+    assert metric(m, "mminfer:stream_ingested_tokens_total") == st["tokens"]
+    assert metric(m, "mminfer:stream_kv_bytes") > 0
+    rep = httpx.get(f"{srv.url}/v1/latency-report").json()["streams"]
+    assert rep["stats"]["active"] == 1 and [r["id"] for r in rep["streams"]] == [sid]
+    page = httpx.get(f"{srv.url}/report").text
+    assert 'id="streams-summary" data-active="1"' in page and f'data-stream="{sid}"' in page
+
     assert httpx.delete(f"{srv.url}/v1/streams/{sid}").json()["deleted"] is True
     assert httpx.get(f"{srv.url}/v1/streams/{sid}").status_code == 404
     assert ask(srv.url, sid).status_code == 404
+    r = chat(srv.url, sid)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+    m = httpx.get(f"{srv.url}/metrics").text
+    assert metric(m, "mminfer:streams_active") == 0.0
 
 
-def test_streams_say_they_are_not_available_under_data_parallel():
-    """A stream's cache lives in one process: a --data-parallel front end refuses streams with
-    a clear 503 instead of failing inside an engine."""
-    from types import SimpleNamespace
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled-but-model series ``name`` in a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
 
-    from mminfer.errors import ServiceUnavailable
-    from mminfer.serve.live import registry
 
-    svc = SimpleNamespace(worker=SimpleNamespace(engines=[object(), object()], state="ready",
-                                                 pipeline=SimpleNamespace(model_id="m")),
-                          s=SimpleNamespace())
-    with pytest.raises(ServiceUnavailable, match="data-parallel"):
-        registry(svc)
+def test_a_stream_past_its_budget_is_full_and_still_answers(pieces, tmp_path, live_server):
+    """--stream-kv-gb: room for the first piece and a question, not the second. The second
+    piece is a 409 ``stream_full``; the stream says ``full`` and why, refuses more pieces, and
+    answers over what it holds."""
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(["--stream-kv-gb", "0.5"])
+    assert serve_cli.settings_from(args).stream_kv_gb == 0.5
+
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path),
+                                          timeout_s=120)))
+    pipe = srv.app.state.worker.pipeline
+    frames = source_frames(NEEDLE)
+    layout = pipe.adapter.stream_layout(Conversation.single("?"), 2.0, frames[0].shape[:2])
+    first = len(layout.head_ids) + 2 * layout.unit_tokens          # 4 frames: 2 pairs
+    # the flag as the server reads it when its streams start (the model's layout is known
+    # only once it loaded): room for the first piece and a question
+    srv.app.state.settings.stream_kv_gb = (first + QUESTION_ROOM + 1) * \
+        pipe.kv_bytes_per_token / 2**30
+    sid = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2}, timeout=30).json()["id"]
+    assert push(srv.url, sid, pieces[0]).status_code == 200
+    r = push(srv.url, sid, pieces[1])
+    assert r.status_code == 409 and r.json()["error"]["code"] == "stream_full", r.text
+    assert "budget" in r.json()["error"]["message"]
+    st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+    assert st["state"] == "full" and "budget" in st["reason"] and st["tokens"] == first
+    assert st["last_error"]["code"] == "stream_full"
+    r = push(srv.url, sid, pieces[2])
+    assert r.status_code == 409 and "takes no more video" in r.json()["error"]["message"]
+    a = ask(srv.url, sid)
+    assert a.status_code == 200 and a.json()["video"]["seen_until"] == 2.0
+    m = httpx.get(f"{srv.url}/metrics").text
+    assert metric(m, "mminfer:streams_full") == 1.0

@@ -1,0 +1,227 @@
+"""Pull mode on a real server with the embedded model: the server reads a live MPEG-TS source on
+loopback itself and appends its pieces as they arrive; the stream's status says the source's
+state and lag; a question after the source ended sees every frame (the dense one-shot answer
+of the decoded frames); a source that stalls fails with the reason and keeps what came before
+answerable; sources the operator did not allow are refused. The source is a test HTTP server
+that sends the TS bytes slowly, and (where ffmpeg is installed: `make system-deps`) ``ffmpeg
+-re`` serving the sample in real time."""
+
+import http.server
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import av
+import httpx
+import numpy as np
+import pytest
+
+from mminfer.models.base import Conversation
+from mminfer.serve.app import Settings, create_app
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
+NEEDLE = SAMPLES / "needle_0.mp4"
+Q = "What number appears in the video?"
+
+
+def ts_bytes(tmp_path) -> bytes:
+    """needle_0's 20 frames (2 fps) as one MPEG-TS."""
+    path = tmp_path / "needle.ts"
+    with av.open(str(NEEDLE)) as c:
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    with av.open(str(path), "w", format="mpegts") as c:
+        s = c.add_stream("libx264", rate=2)
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path.read_bytes()
+
+
+def decoded(data: bytes, tmp_path) -> np.ndarray:
+    path = tmp_path / "check.ts"
+    path.write_bytes(data)
+    with av.open(str(path)) as c:
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+
+
+class SlowSource:
+    """An HTTP server on loopback sending ``data`` in ``pieces`` chunks ``gap_s`` apart (a
+    live source); ``stall_after``: chunks sent before it stops sending and holds the
+    connection open."""
+
+    def __init__(self, data: bytes, pieces: int = 10, gap_s: float = 0.3,
+                 stall_after: int | None = None):
+        outer = self
+        self.release = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "video/mp2t")
+                self.end_headers()
+                step = -(-len(data) // pieces)
+                for i in range(pieces):
+                    if stall_after is not None and i == stall_after:
+                        outer.release.wait(60)
+                        return
+                    try:
+                        self.wfile.write(data[i * step:(i + 1) * step])
+                        self.wfile.flush()
+                    except OSError:
+                        return
+                    time.sleep(gap_s)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/live.ts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def follow(url, sid, until=("ended", "failed", "full", "stopped"), timeout=120):
+    """The stream's statuses, polled until its source reaches a state in ``until``."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = httpx.get(f"{url}/v1/streams/{sid}", timeout=30).json()
+        seen.append(st)
+        if st["source"]["state"] in until:
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"the source did not end: {seen[-1]}")
+
+
+def ask(url, sid):
+    return httpx.post(f"{url}/v1/answer", data={"question": Q, "stream_id": sid,
+                                                "max_new_tokens": "4"},
+                      files={"dummy": ("x.bin", b"", "application/octet-stream")}, timeout=120)
+
+
+def settings(tmp_path, **kw):
+    return Settings(device="cpu", data_dir=str(tmp_path), timeout_s=120,
+                    allowed_media_domains=("127.0.0.1",), **kw)
+
+
+def check_whole(srv, sid, frames):
+    """The stream holds every frame: its answer is the dense one-shot answer of them."""
+    st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+    assert st["frames"] == len(frames) and st["seen_until"] == len(frames) / 2
+    got = ask(srv.url, sid).json()
+    ad = srv.app.state.worker.pipeline.adapter
+
+    class V:
+        sampled_fps = 2.0
+    V.frames = frames
+    want = ad.generate(ad.prepare(V, Conversation.single(Q)), max_new_tokens=4)
+    assert got["answer"] == want.text and got["video"]["seen_until"] == len(frames) / 2
+
+
+def test_pull_a_slow_live_source_then_a_stalled_one(tmp_path, live_server):
+    data = ts_bytes(tmp_path)
+    frames = decoded(data, tmp_path)
+    assert len(frames) == 20
+    srv = live_server(create_app(settings(tmp_path, media_fetch_timeout_s=3.0)))
+
+    src = SlowSource(data, pieces=10, gap_s=0.3)
+    try:
+        r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "source": src.url}, timeout=30)
+        assert r.status_code == 200, r.text
+        sid = r.json()["id"]
+        assert r.json()["source"]["url"] == src.url
+        seen = follow(srv.url, sid)
+    finally:
+        src.close()
+    last = seen[-1]
+    assert last["source"]["state"] == "ended", last
+    assert last["source"]["error"] is None and last["source"]["frames_read"] == 20
+    assert last["pieces"] >= 2 and last["source"]["pieces"] == last["pieces"]
+    assert any(s["source"]["state"] == "reading" and s["frames"] < 20 for s in seen), \
+        "the stream grew while the source was still sending"
+    check_whole(srv, sid, frames)
+    m = httpx.get(f"{srv.url}/metrics").text
+    assert "mminfer:stream_pieces_total" in m
+
+    # a source that stops sending halfway: failed with the reason, the first half answerable
+    stalled = SlowSource(data, pieces=10, gap_s=0.05, stall_after=5)
+    try:
+        r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "source": stalled.url},
+                       timeout=30)
+        sid2 = r.json()["id"]
+        last = follow(srv.url, sid2)[-1]
+    finally:
+        stalled.close()
+    assert last["source"]["state"] == "failed", last
+    assert "the source stalled: nothing arrived for 3 s" in last["source"]["error"]["message"]
+    assert last["last_error"]["reason"] == "source"
+    assert 0 < last["frames"] < 20
+    a = ask(srv.url, sid2)
+    assert a.status_code == 200 and a.json()["video"]["seen_until"] == last["seen_until"]
+    # the first stream is untouched, and pushing to a pulled stream is refused
+    assert httpx.get(f"{srv.url}/v1/streams/{sid}").json()["frames"] == 20
+    r = httpx.post(f"{srv.url}/v1/streams/{sid}/segments",
+                   files={"file": ("p.ts", data, "video/mp2t")}, timeout=60)
+    assert r.status_code == 400 and "fed by its source" in r.json()["error"]["message"]
+    assert httpx.delete(f"{srv.url}/v1/streams/{sid2}").json()["deleted"] is True
+
+
+def test_sources_the_operator_did_not_allow_are_refused(tmp_path, live_server):
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path))))
+    for source, status, code in (
+            ("http://127.0.0.1:9/live.ts", 400, "remote_media_refused"),
+            (str(NEEDLE), 403, "forbidden"),
+            ("ftp://example.com/x.ts", 400, "bad_input")):
+        r = httpx.post(f"{srv.url}/v1/streams", json={"source": source}, timeout=30)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+    assert httpx.get(f"{srv.url}/v1/streams").json()["data"] == []
+
+
+def test_a_source_that_cannot_be_opened_fails_with_the_reason(tmp_path, live_server):
+    with socket.socket() as s:          # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = live_server(create_app(settings(tmp_path, media_fetch_timeout_s=2.0)))
+    r = httpx.post(f"{srv.url}/v1/streams",
+                   json={"source": f"http://127.0.0.1:{port}/live.ts"}, timeout=30)
+    assert r.status_code == 200, r.text
+    last = follow(srv.url, r.json()["id"])[-1]
+    assert last["source"]["state"] == "failed"
+    assert "could not be opened" in last["source"]["error"]["message"]
+    assert ask(srv.url, last["id"]).json()["error"]["message"].endswith("append a piece first")
+
+
+@pytest.mark.skipif(shutil.which("ffmpeg") is None,
+                    reason="ffmpeg is not installed (make system-deps installs it as root)")
+def test_pull_from_ffmpeg_serving_the_sample_in_real_time(tmp_path, live_server):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/live.ts"
+    ff = subprocess.Popen(["ffmpeg", "-loglevel", "error", "-re", "-i", str(NEEDLE),
+                           "-c:v", "libx264", "-f", "mpegts", "-listen", "1", url])
+    try:
+        srv = live_server(create_app(settings(tmp_path)))
+        time.sleep(0.5)                 # ffmpeg listening
+        r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "source": url}, timeout=30)
+        assert r.status_code == 200, r.text
+        seen = follow(srv.url, r.json()["id"])
+    finally:
+        ff.kill()
+        ff.wait()
+    last = seen[-1]
+    assert last["source"]["state"] == "ended", last
+    assert last["frames"] == 20 and last["seen_until"] == 10.0
+    # read in real time: the stream grew over the sample's 10 s, and kept up with it
+    assert any(0 < s["frames"] < 20 for s in seen)
+    assert max(s["source"]["lag_seconds"] or 0 for s in seen) < 8
