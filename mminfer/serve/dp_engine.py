@@ -90,6 +90,16 @@ def light_adapter(adapter) -> bytes | None:
         return None
 
 
+def facts(p) -> dict:
+    """What a front end's routes read of an engine's loaded pipeline (data_parallel.EngineFacts)."""
+    return {"pid": os.getpid(), "model_id": getattr(p, "model_id", None),
+            "policy": p.attention_policy() if hasattr(p, "attention_policy") else None,
+            "device": getattr(getattr(p, "device", None), "type", None),
+            "kv_cache_dtype": getattr(p, "kv_cache_dtype", None),
+            "quantization": getattr(p, "quantization", None),
+            "adapter": light_adapter(p.adapter) if getattr(p, "adapter", None) else None}
+
+
 def portable(exc: BaseException) -> BaseException:
     """``exc`` as the front end can unpickle it: our errors as they are, anything else (a bug:
     the engine's log has its traceback) as a RuntimeError that names it."""
@@ -208,14 +218,7 @@ class Engine:
         if not w.wait_ready():
             self.send("failed", w.error or "the model did not load")
             return 1
-        p = w.pipeline
-        self.send("ready", {
-            "pid": os.getpid(), "model_id": getattr(p, "model_id", None),
-            "policy": p.attention_policy() if hasattr(p, "attention_policy") else None,
-            "device": getattr(getattr(p, "device", None), "type", None),
-            "kv_cache_dtype": getattr(p, "kv_cache_dtype", None),
-            "quantization": getattr(p, "quantization", None),
-            "adapter": light_adapter(p.adapter) if getattr(p, "adapter", None) else None})
+        self.send("ready", facts(w.pipeline))
         self.send_status()
         threading.Thread(target=self._heartbeat, name="mminfer-engine-status",
                          daemon=True).start()
