@@ -91,7 +91,8 @@ def light_adapter(adapter) -> bytes | None:
 
 
 def facts(p) -> dict:
-    """What a front end's routes read of an engine's loaded pipeline (data_parallel.EngineFacts)."""
+    """What a front end's routes read of an engine's loaded pipeline
+    (data_parallel.EngineFacts)."""
     return {"pid": os.getpid(), "model_id": getattr(p, "model_id", None),
             "policy": p.attention_policy() if hasattr(p, "attention_policy") else None,
             "device": getattr(getattr(p, "device", None), "type", None),

@@ -451,15 +451,24 @@ class RayServeWorker:
 
     # ------------------------------------------------------------------ control
     def start(self):
+        """Join the cluster on this thread (``--ray local`` starts one whose processes end
+        with the thread that started them: Linux's parent-death signal follows the thread),
+        then deploy the replicas in the background."""
         with self._lock:
             if self._state != "new":
                 return
             self._state = "loading"
+        try:
+            connect(self.address)
+        except Exception as e:        # noqa: BLE001 - the server's start error
+            with self._lock:
+                self.error, self._state = str(getattr(e, "message", e)), "dead"
+            self._ready.set()
+            return
         threading.Thread(target=self._deploy, name="mminfer-ray-deploy", daemon=True).start()
 
     def _deploy(self):
         try:
-            connect(self.address)
             gpus = ray.cluster_resources().get("GPU", 0)
             n = self.n or (int(gpus) if gpus >= 1 else 1)
             self.n, self.queue_size = n, self.s.queue_size * n

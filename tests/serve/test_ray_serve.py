@@ -1,14 +1,14 @@
 """``mminfer serve --ray``: the engine as 2 Ray Serve replicas on a local Ray cluster (this
-machine alone), on the CPU, behind the ordinary front end on loopback. Every follow-up about a video lands on
-the replica that holds its prefix (round robin's hits measured beside it), a video's bytes
-reach a replica once, a stored video follows its content, and a replica killed mid-request
-loses no request: the one not yet streaming is answered by the other replica, the streaming
-one gets a 503 ``engine_restarted`` event.
+machine alone), on the CPU, behind the ordinary front end on loopback. Every follow-up about
+a video lands on the replica that holds its prefix (round robin's hits measured beside it), a
+video's bytes reach a replica once, a stored video follows its content, and a replica killed
+mid-request loses no request: the one not yet streaming is answered by the other replica, the
+streaming one gets a 503 ``engine_restarted`` event.
 
 One cluster and one deployment for the module (Ray's start and the replicas' model loads are
 the slow part); the kill test runs last. The checkpoint is the tiny random Qwen2.5-VL of
 test_data_parallel.py: its answers run as long as asked, so a request is still running when
-its replica is frozen or killed.
+its replica is killed.
 """
 
 import base64
