@@ -11,6 +11,7 @@ test_data_parallel.py: its answers run as long as asked, so a request is still r
 its replica is killed.
 """
 
+import argparse
 import base64
 import hashlib
 import json
@@ -31,6 +32,8 @@ except ImportError as e:   # ray without its serve extra
                 allow_module_level=True)
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl  # noqa: E402
+from mminfer.errors import ConfigError  # noqa: E402
+from mminfer.serve import cli as serve_cli  # noqa: E402
 from mminfer.serve.app import Settings, create_app  # noqa: E402
 from mminfer.serve.ray_serve import RayServeWorker, routers  # noqa: E402
 
@@ -38,6 +41,24 @@ pytestmark = pytest.mark.slow
 
 APP = "mminfer-test"
 LONG = 4096       # answer tokens: a request runs for seconds on the CPU
+
+
+def test_cli_flags_build_the_worker(tmp_path):
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    args = p.parse_args(["--device", "cpu", "--ray", "auto", "--ray-replicas", "3",
+                         "--dp-routing", "round_robin", "--affinity-max-imbalance", "2",
+                         "--data-dir", str(tmp_path)])
+    s = serve_cli.settings_from(args)
+    w = serve_cli.ray_serve_worker(s, args, RayServeWorker)
+    assert (w.n, w.address, w.routing, w.max_imbalance) == (3, "auto", "round_robin", 2)
+    assert w.queue_size == 3 * s.queue_size and s.shadow_rate == 0 and not s.self_calibrate
+    assert w.state == "new"            # nothing joins a cluster until the server starts it
+    with pytest.raises(ConfigError, match="--ray-replicas"):
+        RayServeWorker(s, "m", 0)
+    args.data_parallel = 2
+    with pytest.raises(ConfigError, match="leave out"):
+        serve_cli.run(args)
 
 
 @pytest.fixture(scope="module")
