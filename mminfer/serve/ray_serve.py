@@ -35,11 +35,12 @@ content hash, at most ``--video-store-gb``) lacks them, so a follow-up moves no 
 store on shared storage: it would need a file system every node mounts, which a Ray cluster
 does not have by default, and a test on one host could not tell it from a local folder.
 
-A replica that dies: its requests that had not streamed any of their answer are sent once more
-(to another replica: the router drops a dead replica, and the retry asks to avoid it); a
-streaming one, or one moved once already, is answered 503 ``engine_restarted``. Ray Serve
-starts a replacement. ``/health`` lists the replicas (node, queue, running, cached videos,
-requests routed by reason) and ``/metrics`` their series, as for ``--data-parallel``.
+A replica that dies: a request it had not accepted yet is routed again by Ray Serve; one it
+had accepted that had not streamed any of its answer is sent once more (to another replica:
+the router drops a dead replica, and the retry asks to avoid it); a streaming one, or one
+sent once more already, is answered 503 ``engine_restarted``. Ray Serve starts a replacement.
+``/health`` lists the replicas (node, queue, running, cached videos, requests routed by
+reason) and ``/metrics`` their series, as for ``--data-parallel``.
 """
 
 from __future__ import annotations
@@ -336,13 +337,16 @@ class EngineReplica:
                   request_id=req["request_id"],
                   on_token=(lambda text, tid: put("token", text, tid)) if req["stream"] else None)
         self._starts[id(job)] = lambda: put("started", round(job.queue_ms, 3))
+        submitted = False
         try:
             try:
                 self.worker.submit(job)
             except MMInferError as e:
                 yield ("done", False, portable(e))
                 return
-            job.future.add_done_callback(lambda _: put("end"))
+            submitted = True
+            # the spool's copy is the job's until it ends (a stopped job may still read it)
+            job.future.add_done_callback(lambda _: (put("end"), self._finished(job, key)))
             try:
                 while True:
                     msg = await q.get()
@@ -360,8 +364,12 @@ class EngineReplica:
             else:
                 yield ("done", True, fut.result())
         finally:
-            self._starts.pop(id(job), None)
-            self.spool.release(key)
+            if not submitted:
+                self._finished(job, key)
+
+    def _finished(self, job, key: str):
+        self._starts.pop(id(job), None)
+        self.spool.release(key)
 
     def __del__(self):
         worker = getattr(self, "worker", None)
@@ -433,8 +441,8 @@ class RayServeWorker:
         self._flights: dict[int, _Flight] = {}          # id(job) -> its flight
         self._refs: collections.OrderedDict = collections.OrderedDict()   # key -> (ref, n)
         self._refs_lock = threading.Lock()
-        self._carried: dict[str, dict] = {}             # gone replicas' last cache counters
-        self._seen: dict[str, dict] = {}
+        self._gone = collections.Counter()      # the cache counters of replicas gone
+        self._seen: dict[str, dict] = {}        # replica -> its last routing stats
         self._runner = concurrent.futures.ThreadPoolExecutor(
             max(8, self.queue_size + self.max_active), thread_name_prefix="mminfer-ray")
 
@@ -552,8 +560,8 @@ class RayServeWorker:
             for rid, st in list(self._seen.items()):
                 if rid not in live:
                     del self._seen[rid]
-                    c = self._carried.setdefault("gone", collections.Counter())
-                    c.update({k: (st.get("cache") or {}).get(k, 0) for k in CACHE_COUNTERS})
+                    self._gone.update({k: (st.get("cache") or {}).get(k, 0)
+                                       for k in CACHE_COUNTERS})
             for rid, st, _ in rows:
                 if st:
                     self._seen[rid] = st
@@ -608,7 +616,7 @@ class RayServeWorker:
 
     def cache_stats(self) -> dict | None:
         """The replicas' video caches, summed (those gone included)."""
-        total = collections.Counter(self._carried.get("gone", {}))
+        total = collections.Counter(self._gone)
         seen = bool(total)
         for _, st, _ in self._replicas():
             if st.get("cache") is not None:
