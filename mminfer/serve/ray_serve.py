@@ -97,8 +97,9 @@ def routers() -> dict:
 # ---------------------------------------------------------------------------- the router
 class VideoAffinityRouter(RequestRouter):
     """Ray Serve's request router for :class:`EngineReplica` (see the module doc). A call's
-    first argument is the request dict: ``video_key`` (sha256, or None) and ``avoid`` (a
-    replica's id: a retry after that replica died)."""
+    first argument is the request dict: ``video_key`` (sha256, or None), ``avoid`` (a
+    replica's id: a retry after that replica died) and ``token`` (the front end's name for
+    the call, to find where it went)."""
 
     def initialize_state(self, mode: str = "affinity",
                          max_imbalance: int = DEFAULT_MAX_IMBALANCE, app: str = APP):
