@@ -45,7 +45,8 @@ endif
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-# The test extras (pytest, Ray for `mminfer batch --ray`) on top of the runtime.
+# The test extras (pytest, Ray for `mminfer batch --ray` and `mminfer serve --ray`) on top
+# of the runtime.
 $(STAMP_TEST): $(STAMP)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@

@@ -21,6 +21,8 @@ ordinary server, and scales the workload by N: N new-video clients, N x ``--hit-
 cached videos asked once each first. Reported besides, per mode: the hit class's hit rate (a
 question about a cached video that landed where its prefix is), answers per second, and that
 throughput against N = 1's (``scaling``); ``health_after`` lists what each engine was sent.
+``--ray ADDRESS`` runs each N > 1 as ``mminfer serve --ray ADDRESS --ray-replicas N`` (Ray
+Serve replicas, the same routing modes) instead.
 
 Reported per mode and class: count, errors (no request may be lost: every one answered 200),
 time to first token percentiles (the server's ``timings_ms.ttft``, arrival to first token),
@@ -268,9 +270,11 @@ def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
         if n == 1:
             out.append(("dp1", common, 1))
             continue
+        engines = ["--ray", a.ray, "--ray-replicas", str(n)] if a.ray else \
+            ["--data-parallel", str(n)]
         for routing in a.dp_routing.split(","):
-            out.append((f"dp{n}-{routing}", common + ["--data-parallel", str(n),
-                                                       "--dp-routing", routing], n))
+            out.append((f"{'ray' if a.ray else 'dp'}{n}-{routing}",
+                        common + engines + ["--dp-routing", routing], n))
     return out
 
 
@@ -301,6 +305,10 @@ def main(argv=None):
                    help="engine counts to compare, e.g. 1,2: N > 1 runs `mminfer serve "
                         "--data-parallel N` per --dp-routing mode, N = 1 the ordinary server; "
                         "the workload is scaled by N")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="with --data-parallel: each N > 1 runs `mminfer serve --ray ADDRESS "
+                        "--ray-replicas N` (Ray Serve replicas; local: a cluster on this "
+                        "machine for each mode) instead of --data-parallel N")
     p.add_argument("--dp-routing", default="affinity,round_robin",
                    help="routing modes compared at each N > 1 (affinity, round_robin)")
     p.add_argument("--decoders", type=int, default=0,

@@ -131,6 +131,21 @@ def check_script(interpreter, argv):
             assert f in r.stdout, f"{argv[0]}: no flag {f}"
 
 
+def check_ray(argv):
+    """``ray start|stop|status ...`` (Ray's command, from the ray extra): its --help names
+    every flag given."""
+    assert argv[1] in ("start", "stop", "status"), argv
+    flags = [a.split("=")[0] for a in argv[2:] if a.startswith("--")]
+    ray = Path(sys.executable).parent / "ray"
+    if not ray.is_file():
+        pytest.skip("ray is not installed (pip install '.[ray]')")
+    r = subprocess.run([str(ray), argv[1], "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for f in flags:
+        assert f in r.stdout, f"ray {argv[1]}: no flag {f}"
+
+
 def check(argv):
     _, argv = split_env(argv)
     args = mminfer_args(argv)
@@ -160,6 +175,8 @@ def check(argv):
             check_script(cmd, argv[1:])
     elif cmd == "bash":
         check_script("bash", argv[1:])
+    elif cmd == "ray":
+        check_ray(argv)
     elif cmd == "docker":
         assert argv[1] in ("build", "run"), argv
         if argv[1] == "build":

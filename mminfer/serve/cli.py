@@ -52,15 +52,24 @@ def add_arguments(p: argparse.ArgumentParser):
                         "own model copy, video cache and scheduler, behind this one HTTP "
                         "server; each video's questions go to the engine that holds its "
                         "prefix (default: 1, the model in this process)")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run the engines as Ray Serve replicas on the Ray cluster at ADDRESS "
+                        "(auto: the one this machine joined with `ray start`; local: start one "
+                        "here), one per GPU of the cluster, behind this HTTP server; each "
+                        "video's questions go to the replica that holds its prefix "
+                        "(docs/deployment.md)")
+    p.add_argument("--ray-replicas", type=int, metavar="N",
+                   help="with --ray: N replicas (default: one per GPU of the cluster; without "
+                        "GPUs, 1)")
     p.add_argument("--dp-routing", choices=("affinity", "round_robin"), default="affinity",
-                   help="with --data-parallel: affinity sends a question to the engine whose "
-                        "cache holds its video (a new video to the least loaded); round_robin "
-                        "ignores the caches (for comparison)")
+                   help="with --data-parallel or --ray: affinity sends a question to the "
+                        "engine whose cache holds its video (a new video to the least loaded); "
+                        "round_robin ignores the caches (for comparison)")
     p.add_argument("--affinity-max-imbalance", type=int, default=DEFAULT_MAX_IMBALANCE,
                    metavar="K",
-                   help="with --data-parallel: a question goes to its video's engine unless "
-                        "that engine has more than K requests in flight beyond the least "
-                        "loaded one (then the least loaded rebuilds the prefix)")
+                   help="with --data-parallel or --ray: a question goes to its video's "
+                        "engine unless that engine has more than K requests in flight beyond "
+                        "the least loaded one (then the least loaded rebuilds the prefix)")
 
     g = p.add_argument_group("request defaults")
     g.add_argument("--fps", type=float, default=d.fps, help="frames sampled per second")
@@ -410,6 +419,15 @@ def data_parallel_worker(settings, args, DataParallelWorker):
                               log_level=args.log_level.upper())
 
 
+def ray_serve_worker(settings, args, RayServeWorker):
+    """The front end's worker over ``--ray`` Ray Serve replicas (ray_serve.py); the
+    shadow-dense monitor and self-calibration are off, as under --data-parallel."""
+    settings.shadow_rate = 0.0
+    settings.self_calibrate = False
+    return RayServeWorker(settings, settings.model, args.ray_replicas, address=args.ray,
+                          routing=args.dp_routing, max_imbalance=args.affinity_max_imbalance)
+
+
 def run(args) -> int:
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
@@ -427,6 +445,9 @@ def run(args) -> int:
     if args.data_parallel > 1 and args.tensor_parallel > 1:
         raise ConfigError("--data-parallel and --tensor-parallel do not combine (yet): "
                           "choose one")
+    if args.ray and (args.data_parallel > 1 or args.tensor_parallel > 1):
+        raise ConfigError("--ray runs one engine per Ray Serve replica: leave out "
+                          "--data-parallel and --tensor-parallel")
     if args.tensor_parallel > 1:         # rank 0 serves, the others follow its requests
         tp = tensor_parallel
         if not tp.is_leader(args.tensor_parallel):
@@ -435,6 +456,13 @@ def run(args) -> int:
     worker = tp.leader_worker(settings, args.tensor_parallel) if tp else None
     if args.data_parallel > 1:
         worker = data_parallel_worker(settings, args, data_parallel.DataParallelWorker)
+    if args.ray:
+        try:
+            from . import ray_serve  # lazy: an optional dependency (the ray extra)
+        except ImportError as e:
+            raise ConfigError(f"--ray needs Ray Serve ({e}): pip install 'mminfer[ray]'") \
+                from None
+        worker = ray_serve_worker(settings, args, ray_serve.RayServeWorker)
     app = create_app(settings, worker=worker)
     worker = app.state.worker
     print(f"loading {settings.model} ...", flush=True)

@@ -77,6 +77,25 @@ CACHE_COUNTERS = ("queries", "hits", "host_hits", "misses", "evictions_gpu", "ev
                   "inserted", "rejected", "build_waits")
 
 
+def choose_engine(key: str | None, load: dict, holders, cached: dict, max_imbalance: int):
+    """The video-affinity choice, (engine, reason), among the engines that are the keys of
+    ``load`` (requests in flight on each; ties go to the earlier key): the least loaded of
+    the ``holders`` (engines whose cache holds the video ``key``, or will once a request sent
+    there ends) unless it has more than ``max_imbalance`` requests beyond the least loaded
+    engine ("affinity", else "overflow" to the least loaded); a video held nowhere, or
+    unknown (``key`` None), goes to the least loaded engine, the one caching fewer videos
+    (``cached``) on a tie ("new"). ``--data-parallel``'s front end (:class:`Router`) and the
+    Ray Serve request router (serve/ray_serve.py) both decide with this."""
+    least = min(load, key=lambda e: (load[e], cached.get(e, 0)))
+    held = [e for e in load if e in holders] if key is not None else []
+    if not held:
+        return least, "new"
+    best = min(held, key=lambda e: load[e])
+    if load[best] - load[least] > max_imbalance:
+        return least, "overflow"
+    return best, "affinity"
+
+
 class Router:
     """Which engine a job goes to (pure bookkeeping, under the worker's lock)."""
 
@@ -104,16 +123,10 @@ class Router:
                 if e in usable:
                     self._next = e + 1
                     return e, "round_robin"
-        least = min(usable, key=lambda e: (load[e], len(self.held[e]), e))
-        if key is None:
-            return least, "new"
-        holders = [e for e in usable if key in self.held[e] or self.coming[e][key]]
-        if not holders:
-            return least, "new"
-        best = min(holders, key=lambda e: (load[e], e))
-        if load[best] - load[least] > self.max_imbalance:
-            return least, "overflow"
-        return best, "affinity"
+        return choose_engine(
+            key, {e: load[e] for e in usable},
+            {e for e in usable if key in self.held[e] or self.coming[e][key]},
+            {e: len(self.held[e]) for e in usable}, self.max_imbalance)
 
     def sent(self, engine: int, key: str | None):
         if key is not None:

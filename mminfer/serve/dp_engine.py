@@ -95,6 +95,17 @@ def light_adapter(adapter) -> bytes | None:
         return None
 
 
+def facts(p) -> dict:
+    """What a front end's routes read of an engine's loaded pipeline
+    (data_parallel.EngineFacts)."""
+    return {"pid": os.getpid(), "model_id": getattr(p, "model_id", None),
+            "policy": p.attention_policy() if hasattr(p, "attention_policy") else None,
+            "device": getattr(getattr(p, "device", None), "type", None),
+            "kv_cache_dtype": getattr(p, "kv_cache_dtype", None),
+            "quantization": getattr(p, "quantization", None),
+            "adapter": light_adapter(p.adapter) if getattr(p, "adapter", None) else None}
+
+
 def portable(exc: BaseException) -> BaseException:
     """``exc`` as the front end can unpickle it: our errors as they are, anything else (a bug:
     the engine's log has its traceback) as a RuntimeError that names it."""
@@ -221,13 +232,7 @@ class Engine:
         live_ops.attach(p, w, None if self.settings.stream_kv_gb is None
                         else int(self.settings.stream_kv_gb * 2**30),
                         self.settings.media_fetch_timeout_s)
-        self.send("ready", {
-            "pid": os.getpid(), "model_id": getattr(p, "model_id", None),
-            "policy": p.attention_policy() if hasattr(p, "attention_policy") else None,
-            "device": getattr(getattr(p, "device", None), "type", None),
-            "kv_cache_dtype": getattr(p, "kv_cache_dtype", None),
-            "quantization": getattr(p, "quantization", None),
-            "adapter": light_adapter(p.adapter) if getattr(p, "adapter", None) else None})
+        self.send("ready", facts(p))
         self.send_status()
         threading.Thread(target=self._heartbeat, name="mminfer-engine-status",
                          daemon=True).start()

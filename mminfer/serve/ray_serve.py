@@ -1,0 +1,839 @@
+"""``mminfer serve --ray ADDRESS``: the engine as Ray Serve replicas across a cluster, behind
+one HTTP front end, each video's questions sent to the replica that holds its prefix.
+
+The replicas: a Ray Serve deployment (:class:`EngineReplica`) with one replica per GPU of the
+cluster (``--ray-replicas N``; without GPUs one CPU process each). A replica is what one
+``--data-parallel`` engine is: its own model copy, video cache and scheduler (an ordinary
+ModelWorker). Ray Serve places the replicas on the cluster's nodes, restarts one whose
+process dies or whose model worker dies (``check_health``), and routes each call with the
+deployment's request router.
+
+The front end: this process runs the ordinary service (uvicorn with the guarded HTTP protocol,
+every route, budget, tenant rule, metric, the video store and the latency report, as one
+server), whose model worker is a :class:`RayServeWorker` that sends each job to the
+deployment through a Ray Serve ``DeploymentHandle``. Not Ray Serve's HTTP proxy with the
+FastAPI app as ingress: behind that proxy the app would see the proxy's address as every
+client's (the per-client connection and upload limits count client addresses), its slow-header
+and connection guards would be the proxy's, and the stored videos, tenants' quotas and latency
+history would be split over ingress replicas. Here they are one server's, as without Ray.
+
+The request router (:class:`VideoAffinityRouter`, Ray Serve's request-router API) runs in the
+front end's process (it is the handle's) and decides with ``data_parallel.choose_engine``,
+the same function ``--data-parallel`` uses: a job's video key is the sha256 of its bytes
+(a stored video's and an upload's alike); a replica holds a video when its cache reports it
+(``record_routing_stats``, every ``STATS_PERIOD_S``), when a request for it is on its way there,
+or when one ended there in the last ``REMEMBER_S`` (until the next reports carry it). A held
+video goes to its least loaded holder unless that holder has more than
+``--affinity-max-imbalance`` requests beyond the least loaded replica (Ray Serve's count of the
+replica's ongoing requests), a new one to the least loaded. ``--dp-routing round_robin``
+ignores the caches, for comparison.
+
+The video bytes travel with the request, through Ray's object store: the front end puts a
+video's bytes once (``ray.put``; the last ones are kept, at most ``--video-store-gb``) and
+passes the reference; a replica reads the bytes only when its own spool (a local folder, by
+content hash, at most ``--video-store-gb``) lacks them, so a follow-up moves no bytes. Not a
+store on shared storage: it would need a file system every node mounts, which a Ray cluster
+does not have by default, and a test on one host could not tell it from a local folder.
+
+A replica that dies: a request it had not accepted yet is routed again by Ray Serve; one it
+had accepted that had not streamed any of its answer is sent once more (to another replica:
+the router drops a dead replica, and the retry asks to avoid it); a streaming one, or one
+sent once more already, is answered 503 ``engine_restarted``. Ray Serve starts a replacement.
+``/health`` lists the replicas (node, queue, running, cached videos, requests routed by
+reason) and ``/metrics`` their series, as for ``--data-parallel``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RequestCancelledError
+from ray.serve.request_router import RequestRouter
+
+from mminfer.engine.cache import file_digest
+from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, InputError, MMInferError,
+                            QueueFull, ShuttingDown, WorkerDead)
+
+from .app import load_pipeline
+from .budget import configure_decoding
+from .data_parallel import (CACHE_COUNTERS, ROUTING_MODES, EngineCollector, EngineFacts,
+                            choose_engine)
+from .dp_engine import ENGINE_QUEUE, EngineWorker, facts, portable
+from .settings import DEFAULT_MAX_IMBALANCE
+from .worker import Job, QueuePlace
+
+log = logging.getLogger("mminfer.serve")
+
+APP = "mminfer"                 # the Ray Serve application's name
+STATS_PERIOD_S = 1.0            # how often each replica reports its cached videos
+REMEMBER_S = 5 * STATS_PERIOD_S
+# The routers of this process by application name: the router lives in the process that
+# holds the handle (the front end), which reads what it routed where for /health and /metrics.
+ROUTERS: dict[str, "VideoAffinityRouter"] = {}
+
+
+def routers() -> dict:
+    """This module's ROUTERS, from anywhere: Ray Serve pickles a request router's module by
+    value (RequestRouterConfig), so the router's methods see a copy of these globals."""
+    return importlib.import_module(__name__).ROUTERS
+
+
+# ---------------------------------------------------------------------------- the router
+class VideoAffinityRouter(RequestRouter):
+    """Ray Serve's request router for :class:`EngineReplica` (see the module doc). A call's
+    first argument is the request dict: ``video_key`` (sha256, or None), ``avoid`` (a
+    replica's id: a retry after that replica died) and ``token`` (the front end's name for
+    the call, to find where it went)."""
+
+    def initialize_state(self, mode: str = "affinity",
+                         max_imbalance: int = DEFAULT_MAX_IMBALANCE, app: str = APP):
+        if mode not in ROUTING_MODES:
+            raise ConfigError(f"--dp-routing must be one of {', '.join(ROUTING_MODES)}")
+        self.mode, self.max_imbalance = mode, int(max_imbalance)
+        self.lock = threading.Lock()        # the front end reads ``routed`` from its threads
+        self.inflight = collections.defaultdict(collections.Counter)   # rid -> key -> n
+        self.ended = collections.defaultdict(dict)                    # rid -> key -> when
+        self.requests: dict[str, tuple] = {}       # internal request id -> (rid, key, reason)
+        self.routed = collections.defaultdict(collections.Counter)    # replica -> reason -> n
+        # the request's ``token`` -> the replica it went to (the last ones): where a retry
+        # after a replica's death must not go, which the front end cannot see otherwise
+        self.placed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._next = 0
+        routers()[app] = self
+
+    def held(self, replica, now: float) -> set:
+        """The videos ``replica`` holds or is about to."""
+        rid = replica.replica_id
+        out = set((replica.routing_stats or {}).get("videos") or ())
+        out.update(k for k, n in self.inflight[rid].items() if n > 0)
+        ended = self.ended[rid]
+        for k, t in list(ended.items()):
+            if now - t < REMEMBER_S:
+                out.add(k)
+            else:
+                del ended[k]
+        return out
+
+    def load(self, replica) -> int:
+        """Requests ongoing on ``replica``: Ray Serve's count (kept by every send and end, and
+        the replica's answers to its probes), else the ones this router sent there."""
+        n = self.replica_queue_len_cache.get(replica.replica_id)
+        return n if n is not None else sum(self.inflight[replica.replica_id].values())
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        req = pending_request.args[0] if pending_request is not None and \
+            pending_request.args and isinstance(pending_request.args[0], dict) else {}
+        key, avoid = req.get("video_key"), req.get("avoid")
+        cands = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] \
+            or list(candidate_replicas)
+        load = {r.replica_id: self.load(r) for r in cands}
+        if self.mode == "round_robin":
+            chosen, reason = cands[self._next % len(cands)].replica_id, "round_robin"
+            self._next += 1
+        else:
+            now = time.monotonic()
+            held = {r.replica_id: self.held(r, now) for r in cands}
+            chosen, reason = choose_engine(key, load, {e for e, h in held.items() if key in h},
+                                           {e: len(h) for e, h in held.items()},
+                                           self.max_imbalance)
+        if pending_request is not None and "video_key" in req:      # an answer, not facts
+            self._note(pending_request, chosen, key, "moved" if avoid else reason,
+                       req.get("token"))
+        by_id = {r.replica_id: r for r in cands}
+        rest = sorted((r for r in cands if r.replica_id != chosen),
+                      key=lambda r: load[r.replica_id])
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+
+    def _note(self, pr, rid, key, reason, token=None):
+        iid = pr.metadata.internal_request_id
+        with self.lock:
+            if token is not None:
+                self.placed[token] = rid.unique_id
+                while len(self.placed) > 4096:
+                    self.placed.popitem(last=False)
+            prev = self.requests.pop(iid, None)
+            if prev is not None:               # chosen again (the first choice was full)
+                self._undo(*prev)
+            self.requests[iid] = (rid, key, reason)
+            if key is not None:
+                self.inflight[rid][key] += 1
+            self.routed[rid.unique_id][reason] += 1
+
+    def _undo(self, rid, key, reason):
+        if key is not None:
+            self.inflight[rid][key] -= 1
+            if self.inflight[rid][key] <= 0:
+                del self.inflight[rid][key]
+        self.routed[rid.unique_id][reason] -= 1
+
+    def on_request_routed(self, pending_request, replica_id, result):
+        noted = self.requests.get(pending_request.metadata.internal_request_id)
+        if noted is not None and noted[0] != replica_id:     # a later rank took it
+            req = pending_request.args[0]
+            self._note(pending_request, replica_id, noted[1], "overflow", req.get("token"))
+
+    def on_request_completed(self, replica_id, internal_request_id):
+        with self.lock:
+            noted = self.requests.pop(internal_request_id, None)
+            if noted is None or noted[1] is None:
+                return
+            rid, key, _ = noted
+            c = self.inflight[rid]
+            c[key] -= 1
+            if c[key] <= 0:
+                del c[key]
+            self.ended[rid][key] = time.monotonic()
+
+    def on_replica_actor_died(self, replica_id):
+        super().on_replica_actor_died(replica_id)
+        self.inflight.pop(replica_id, None)
+        self.ended.pop(replica_id, None)
+
+    def update_replicas(self, replicas):
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for table in (self.inflight, self.ended):
+            for rid in [r for r in table if r not in live]:
+                del table[rid]
+
+    def replicas(self) -> list:
+        """(replica id, its last routing stats, reason -> requests routed) of the live ones."""
+        with self.lock:
+            return [(rid.unique_id, dict(r.routing_stats or {}), dict(self.routed[rid.unique_id]))
+                    for rid, r in list(self.curr_replicas.items())]
+
+
+# ---------------------------------------------------------------------------- the replica
+class Spool:
+    """A replica's local copies of the videos it was sent, by content hash, the least
+    recently used deleted past ``max_bytes`` (never one a job is reading)."""
+
+    def __init__(self, max_bytes: int):
+        self.dir = Path(tempfile.mkdtemp(prefix="mminfer-ray-spool-"))
+        self.max_bytes = max_bytes
+        self.files: collections.OrderedDict[str, tuple[Path, int]] = collections.OrderedDict()
+        self.using = collections.Counter()
+        self.lock = threading.Lock()
+        self.fetched = 0             # videos whose bytes came from the front end
+
+    async def take(self, key: str, suffix: str, ref) -> str:
+        with self.lock:
+            if key in self.files:
+                self.files.move_to_end(key)
+                self.using[key] += 1
+                return str(self.files[key][0])
+        data = await ref
+        path = self.dir / f"{key}{suffix}"
+        await asyncio.to_thread(_write, path, data)
+        with self.lock:
+            self.fetched += 1
+            self.files[key] = (path, len(data))
+            self.files.move_to_end(key)
+            self.using[key] += 1
+            self._trim()
+        return str(path)
+
+    def release(self, key: str):
+        with self.lock:
+            self.using[key] -= 1
+            if self.using[key] <= 0:
+                del self.using[key]
+            self._trim()
+
+    def _trim(self):
+        total = sum(n for _, n in self.files.values())
+        for key in list(self.files):
+            if total <= self.max_bytes:
+                break
+            if self.using[key] == 0:
+                path, n = self.files.pop(key)
+                path.unlink(missing_ok=True)
+                total -= n
+
+    def close(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write(path: Path, data: bytes):
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class EngineReplica:
+    """One Ray Serve replica: the model, its video cache and scheduler (a ModelWorker, as one
+    ``--data-parallel`` engine), and a :class:`Spool` of the videos sent to it."""
+
+    def __init__(self, settings, model_path: str):
+        configure_decoding(settings)
+        self.id = serve.get_replica_context().replica_id.unique_id
+        node = ray.get_runtime_context().get_node_id()
+        self.node = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node),
+                         None)          # the address the node joined the cluster with
+        self.spool = Spool(int(settings.video_store_gb * 2**30))
+        self._starts: dict[int, object] = {}          # id(job) -> called when it starts
+        self.worker = EngineWorker(lambda: load_pipeline(settings, model_path),
+                                   on_start=self._started, queue_size=ENGINE_QUEUE,
+                                   max_active=settings.max_num_seqs,
+                                   decode_share=settings.decode_share)
+        self.worker.start()
+        if not self.worker.wait_ready():
+            raise RuntimeError(f"the model did not load: {self.worker.error}")
+        self._facts = {**facts(self.worker.pipeline), "replica": self.id, "node": self.node}
+
+    def _started(self, job):
+        call = self._starts.get(id(job))
+        if call is not None:
+            call()
+
+    def facts(self) -> dict:
+        return self._facts
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve hands these to the router: the videos this replica's cache holds, and
+        what /health and /metrics show of it."""
+        w = self.worker
+        cache = getattr(w.pipeline, "video_cache", None)
+        return {"videos": sorted(cache.videos()) if cache is not None else [],
+                "node": self.node, "pid": os.getpid(), "waiting": w.waiting,
+                "running": w.running, "served": w.served, "stopped": w.stopped,
+                "fetched": self.spool.fetched, "progress": w.progress(),
+                "cache": cache.stats() if cache is not None else None}
+
+    def check_health(self):
+        if self.worker.state == "dead":     # a poisoned device: Ray Serve replaces us
+            raise RuntimeError(f"the model worker died: {self.worker.error}")
+
+    async def answer(self, req: dict):
+        """Streams ("queued", replica, node), ("started", queue_ms), ("token", text, id)...
+        and last ("done", ok, the AnswerResult or the error that answers it)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def put(*msg):
+            loop.call_soon_threadsafe(q.put_nowait, msg)
+
+        yield ("queued", self.id, self.node)
+        key = req["video_key"]
+        path = await self.spool.take(key, req["suffix"], req["video_ref"])
+        job = Job(video_path=path, question=req["question"], params=req["params"],
+                  request_id=req["request_id"],
+                  on_token=(lambda text, tid: put("token", text, tid)) if req["stream"] else None)
+        self._starts[id(job)] = lambda: put("started", round(job.queue_ms, 3))
+        submitted = False
+        try:
+            try:
+                self.worker.submit(job)
+            except MMInferError as e:
+                yield ("done", False, portable(e))
+                return
+            submitted = True
+            # the spool's copy is the job's until it ends (a stopped job may still read it)
+            job.future.add_done_callback(lambda _: (put("end"), self._finished(job, key)))
+            try:
+                while True:
+                    msg = await q.get()
+                    if msg[0] == "end":
+                        break
+                    yield msg
+            except (asyncio.CancelledError, GeneratorExit):   # the front end stopped it
+                job.cancel(Cancelled("the request was cancelled"))
+                raise
+            fut = job.future
+            if fut.cancelled():
+                yield ("done", False, Cancelled("the request was cancelled"))
+            elif fut.exception() is not None:
+                yield ("done", False, portable(fut.exception()))
+            else:
+                yield ("done", True, fut.result())
+        finally:
+            if not submitted:
+                self._finished(job, key)
+
+    def _finished(self, job, key: str):
+        self._starts.pop(id(job), None)
+        self.spool.release(key)
+
+    def __del__(self):
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.stop()
+        spool = getattr(self, "spool", None)
+        if spool is not None:
+            spool.close()
+
+
+# ---------------------------------------------------------------------------- the front end
+def connect(address: str):
+    """Join the Ray cluster at ``address`` (``auto``: the one this machine belongs to;
+    ``local``: start one here for this server)."""
+    if ray.is_initialized():
+        return
+    if address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False)
+        return
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError) as e:
+        raise ConfigError(f"no Ray cluster at --ray {address} ({str(e).splitlines()[0][:200]});"
+                          f" start one (ray start --head) or pass --ray local to run one on "
+                          f"this machine") from None
+
+
+class _Flight:
+    """A job between ``submit`` and its answer."""
+    __slots__ = ("job", "gen", "replica", "started", "streamed", "moved")
+
+    def __init__(self, job):
+        self.job, self.gen, self.replica = job, None, None
+        self.started = self.streamed = self.moved = False
+
+
+class RayServeWorker:
+    """The front end's model worker over the Ray Serve deployment (see the module doc): the
+    ``ModelWorker`` interface the service uses, each job sent to a replica by the handle."""
+
+    def __init__(self, settings, model_path: str, replicas: int | None = None, *,
+                 address: str = "auto", routing: str = "affinity",
+                 max_imbalance: int = DEFAULT_MAX_IMBALANCE, app: str = APP):
+        if routing not in ROUTING_MODES:
+            raise ConfigError(f"--dp-routing must be one of {', '.join(ROUTING_MODES)}, "
+                              f"not {routing!r}")
+        if max_imbalance < 0:
+            raise ConfigError("--affinity-max-imbalance must be >= 0")
+        if replicas is not None and replicas < 1:
+            raise ConfigError("--ray-replicas must be at least 1")
+        self.s, self.model_path, self.address, self.app = settings, model_path, address, app
+        self.routing, self.max_imbalance = routing, int(max_imbalance)
+        self.n = replicas
+        self.queue_size = settings.queue_size * (replicas or 1)
+        self.max_active = settings.max_num_seqs * (replicas or 1)
+        self.shadow = None            # idle-time work of one process's model: not here
+        self.selfcal = None
+        self.pipeline: EngineFacts | None = None
+        self.error: str | None = None
+        self.served = self.stopped = self.moved = 0
+        self.recent_s: collections.deque[float] = collections.deque(maxlen=32)
+        self.handle = None
+        self._metrics = None
+        self._state = "new"
+        self._lock = threading.Condition()
+        self._ready = threading.Event()
+        self._stopping = False
+        self._reserved = 0
+        self._flights: dict[int, _Flight] = {}          # id(job) -> its flight
+        self._refs: collections.OrderedDict = collections.OrderedDict()   # key -> (ref, n)
+        self._refs_lock = threading.Lock()
+        self._gone = collections.Counter()      # the cache counters of replicas gone
+        self._seen: dict[str, dict] = {}        # replica -> its last routing stats
+        self._runner = concurrent.futures.ThreadPoolExecutor(
+            max(8, self.queue_size + self.max_active), thread_name_prefix="mminfer-ray")
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def metrics(self):
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics):
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.registry.register(EngineCollector(self, metrics.model))
+
+    # ------------------------------------------------------------------ control
+    def start(self):
+        """Join the cluster on this thread (``--ray local`` starts one whose processes end
+        with the thread that started them: Linux's parent-death signal follows the thread),
+        then deploy the replicas in the background."""
+        with self._lock:
+            if self._state != "new":
+                return
+            self._state = "loading"
+        try:
+            connect(self.address)
+        except Exception as e:        # noqa: BLE001 - the server's start error
+            with self._lock:
+                self.error, self._state = str(getattr(e, "message", e)), "dead"
+            self._ready.set()
+            return
+        threading.Thread(target=self._deploy, name="mminfer-ray-deploy", daemon=True).start()
+
+    def _deploy(self):
+        try:
+            gpus = ray.cluster_resources().get("GPU", 0)
+            n = self.n or (int(gpus) if gpus >= 1 else 1)
+            self.n, self.queue_size = n, self.s.queue_size * n
+            self.max_active = self.s.max_num_seqs * n
+            # the replicas need the model's options, not the server's keys
+            replica_settings = dataclasses.replace(self.s, api_key=None, api_keys=(),
+                                                   api_keys_file=None, metrics_token=None)
+            deployment = serve.deployment(EngineReplica).options(
+                name="engine", num_replicas=n,
+                ray_actor_options={"num_gpus": 1} if gpus >= 1 else {"num_cpus": 1},
+                # the front end bounds the queue; a replica takes what the router sends it
+                max_ongoing_requests=ENGINE_QUEUE, health_check_period_s=2.0,
+                request_router_config=RequestRouterConfig(
+                    request_router_class=VideoAffinityRouter,
+                    request_router_kwargs={"mode": self.routing,
+                                           "max_imbalance": self.max_imbalance,
+                                           "app": self.app},
+                    request_routing_stats_period_s=STATS_PERIOD_S))
+            serve.start(proxy_location="Disabled")
+            handle = serve.run(deployment.bind(replica_settings, self.model_path),
+                               name=self.app, route_prefix=None)
+            first = handle.facts.remote().result()      # the router starts with this call
+            self.handle = handle.options(stream=True)   # and is shared with this handle
+            with self._lock:
+                self.pipeline = EngineFacts(first, self)
+                self._state = "ready"
+        except Exception as e:          # noqa: BLE001 - reported as the server's start error
+            log.exception("the Ray Serve deployment did not start")
+            with self._lock:
+                self.error = f"the Ray Serve deployment did not start: {e}"
+                self._state = "dead"
+        finally:
+            self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.state == "ready"
+
+    def begin_shutdown(self):
+        with self._lock:
+            self._stopping = True
+            queued = [f for f in self._flights.values() if not f.started]
+            for f in queued:
+                f.job.stop = f.job.stop or ShuttingDown(
+                    "the server is shutting down; retry on another instance or after it "
+                    "restarts")
+        for f in queued:
+            self._cancel(f)
+
+    def stop(self, timeout: float = 10.0):
+        self.begin_shutdown()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._flights and time.monotonic() < deadline:
+                self._lock.wait(0.1)
+            left = list(self._flights.values())
+        for f in left:
+            f.job.stop = f.job.stop or ShuttingDown("the server is shutting down; the request "
+                                                    "was stopped")
+            self._cancel(f)
+        self._runner.shutdown(wait=False, cancel_futures=True)
+        if self._state == "ready":
+            try:
+                serve.delete(self.app)        # the replicas are this server's
+            except Exception as e:            # noqa: BLE001 - the cluster may be gone already
+                log.warning("deleting the Ray Serve application failed: %s", e)
+        with self._lock:
+            if self._state != "dead":
+                self._state = "stopped"
+        self._ready.set()
+
+    # ------------------------------------------------------------------ state
+    def _router(self):
+        return routers().get(self.app)
+
+    def _replicas(self) -> list:
+        r = self._router()
+        rows = r.replicas() if r is not None else []
+        with self._lock:                  # a replica gone: its cache counts carry over
+            live = {rid for rid, _, _ in rows}
+            for rid, st in list(self._seen.items()):
+                if rid not in live:
+                    del self._seen[rid]
+                    self._gone.update({k: (st.get("cache") or {}).get(k, 0)
+                                       for k in CACHE_COUNTERS})
+            for rid, st, _ in rows:
+                if st:
+                    self._seen[rid] = st
+        return rows
+
+    @property
+    def state(self) -> str:
+        """new, loading, ready (a replica serves), restarting (none does), dead (the
+        deployment did not start), stopped."""
+        if self._state == "ready" and not self._replicas():
+            return "restarting"
+        return self._state
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(1 for f in self._flights.values() if not f.started)
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return sum(1 for f in self._flights.values() if f.started)
+
+    def active_jobs(self) -> list:
+        with self._lock:
+            return [f.job for f in self._flights.values() if f.started]
+
+    def running_job(self):
+        active = self.active_jobs()
+        return active[0] if active else None
+
+    def progress(self) -> dict:
+        out = collections.Counter()
+        for _, st, _ in self._replicas():
+            out.update(st.get("progress") or {})
+        return {"active": 0, "prefilling": 0, "paused": 0, "decoding": 0,
+                "waiting_admission": 0, "switches": 0, **out}
+
+    def retry_after(self, cap: int = 120) -> int:
+        per_job = sorted(self.recent_s)[len(self.recent_s) // 2] if self.recent_s else 1.0
+        ahead = self.waiting + self.reserved + self.running
+        serving = max(1, len(self._replicas()))
+        return int(min(cap, max(1, -(-per_job * max(ahead, 1) // serving))))
+
+    def cache_stats(self) -> dict | None:
+        """The replicas' video caches, summed (those gone included)."""
+        total = collections.Counter(self._gone)
+        seen = bool(total)
+        for _, st, _ in self._replicas():
+            if st.get("cache") is not None:
+                seen = True
+                total.update({k: v for k, v in st["cache"].items()
+                              if isinstance(v, (int, float))})
+        return dict(total) if seen else None
+
+    @property
+    def engines(self) -> list:
+        """The live replicas as data_parallel.EngineCollector reads engines."""
+        out = []
+        for rid, st, routed in self._replicas():
+            c = dict(st.get("cache") or {})
+            out.append(SimpleNamespace(index=rid, state="ready", restarts=0,
+                                       routed=collections.Counter(routed),
+                                       cache_stats=lambda c=c: c))
+        return out
+
+    def engines_health(self, ids: bool = True) -> list[dict]:
+        """Each live replica, for /health (``ids``: with its running requests' ids)."""
+        with self._lock:
+            mine = collections.defaultdict(list)
+            for f in self._flights.values():
+                mine[f.replica].append(f)
+        out = []
+        for rid, st, routed in self._replicas():
+            fl = mine.get(rid, [])
+            row = {"engine": rid, "state": "ready", "node": st.get("node"), "pid": st.get("pid"),
+                   "queue": sum(1 for f in fl if not f.started),
+                   "running": sum(1 for f in fl if f.started), "restarts": 0,
+                   "cached_videos": len(st.get("videos") or ()), "routed": routed,
+                   "served": st.get("served"), "videos_fetched": st.get("fetched")}
+            if ids:
+                row["running_request_ids"] = [f.job.request_id for f in fl if f.started]
+            out.append(row)
+        return out
+
+    # ------------------------------------------------------------------ jobs
+    def _refusal(self):
+        state = self._state
+        if state == "dead":
+            return WorkerDead(f"the model worker is dead: {self.error}")
+        if self._stopping or state == "stopped":
+            return ShuttingDown("the server is shutting down")
+        return None
+
+    def _queued(self) -> int:
+        return sum(1 for f in self._flights.values() if not f.started)
+
+    def reserve(self) -> QueuePlace:
+        with self._lock:
+            refused = self._refusal()
+            if refused is not None:
+                raise refused
+            if self._queued() + self._reserved >= self.queue_size:
+                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
+                                f"retry later", queue_size=self.queue_size)
+            self._reserved += 1
+        return QueuePlace(self)
+
+    def _unreserve(self):
+        with self._lock:
+            self._reserved -= 1
+
+    def submit(self, job, slot: QueuePlace | None = None):
+        with self._lock:
+            refused = self._refusal()
+            if refused is not None:
+                raise refused
+            if slot is not None and slot.held:
+                slot.held = False
+                self._reserved -= 1
+            elif self._queued() + self._reserved >= self.queue_size:
+                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
+                                f"retry later", queue_size=self.queue_size)
+            job.enqueued = time.monotonic()
+            job.worker = self
+            f = self._flights[id(job)] = _Flight(job)
+        self._runner.submit(self._run, f)
+        return job
+
+    def _ref(self, key: str, path: str):
+        """The object-store reference of the video's bytes (put once, the last ones kept)."""
+        with self._refs_lock:
+            hit = self._refs.get(key)
+            if hit is not None:
+                self._refs.move_to_end(key)
+                return hit[0]
+        data = Path(path).read_bytes()
+        ref = ray.put(data)
+        with self._refs_lock:
+            self._refs[key] = (ref, len(data))
+            total = sum(n for _, n in self._refs.values())
+            while len(self._refs) > 1 and total > self.s.video_store_gb * 2**30:
+                _, (_, n) = self._refs.popitem(last=False)
+                total -= n
+        return ref
+
+    def _run(self, f: _Flight):
+        job = f.job
+        try:
+            try:
+                key = file_digest(job.video_path)
+                ref = self._ref(key, job.video_path)
+            except OSError as e:
+                raise InputError(f"the video could not be read: {e.strerror or e}") from None
+            req = {"video_key": key, "video_ref": ref, "suffix": Path(job.video_path).suffix,
+                   "question": job.question, "params": job.params,
+                   "request_id": job.request_id, "stream": job.on_token is not None,
+                   "avoid": None, "token": f"{id(f)}-{time.monotonic_ns()}"}
+            while True:
+                try:
+                    ok, payload = self._call(f, req)
+                    break
+                except (RayActorError, EngineRestarted) as e:
+                    router = self._router()
+                    placed = router.placed.get(req["token"]) if router is not None else None
+                    f.replica = f.replica or placed
+                    if job.stop is not None or self._stopping or f.streamed or f.moved:
+                        raise
+                    log.error("replica %s died running request %s (%s): sending it once more",
+                              f.replica, job.request_id, type(e).__name__)
+                    with self._lock:
+                        f.moved, f.started, f.gen = True, False, None
+                    self.moved += 1
+                    req["avoid"] = f.replica
+        except RequestCancelledError:
+            ok, payload = False, job.stop or Cancelled("the request was cancelled")
+        except (RayActorError, EngineRestarted) as e:
+            if job.stop is not None or self._stopping:
+                payload = job.stop or ShuttingDown("the server is shutting down")
+            else:
+                payload = EngineRestarted(
+                    f"the replica running this request died ({type(e).__name__}); "
+                    + ("part of the answer was already sent" if f.streamed else
+                       "the request had been sent once more already") + "; retry the request",
+                    engine=str(f.replica))
+            ok = False
+        except MMInferError as e:
+            ok, payload = False, e
+        except Exception as e:          # noqa: BLE001 - a bug: its traceback is logged
+            log.exception("request %s failed in the Ray front end", job.request_id)
+            ok, payload = False, RuntimeError(f"{type(e).__name__}: {e}")
+        with self._lock:
+            self._flights.pop(id(job), None)
+            self._lock.notify_all()
+        self.served += 1
+        if job.started is not None:
+            self.recent_s.append(time.monotonic() - job.started)
+        if job.stop is not None:               # asked to stop: that is its answer
+            ok, payload = False, job.stop
+            self.stopped += 1
+            if self._metrics is not None and job.stop_at is not None:
+                self._metrics.stop_latency.observe(time.monotonic() - job.stop_at)
+        self._answer(job, payload if ok else None, None if ok else payload)
+
+    def _call(self, f: _Flight, req: dict):
+        """One call to a replica: (ok, payload) from its "done"."""
+        job = f.job
+        gen = self.handle.answer.remote(req)
+        with self._lock:
+            f.gen = gen
+            stopped = job.stop is not None or job.future.cancelled()
+        if stopped:
+            gen.cancel()
+        for msg in gen:
+            kind = msg[0]
+            if kind == "queued":
+                with self._lock:
+                    f.replica = msg[1]
+            elif kind == "started":
+                with self._lock:
+                    f.started = True
+                job.started = time.monotonic()
+                job.queue_ms = (job.started - job.enqueued) * 1e3
+                if not job.future.running():
+                    try:
+                        job.future.set_running_or_notify_cancel()
+                    except RuntimeError:
+                        pass
+            elif kind == "token":
+                f.streamed = True
+                if job.on_token is not None:
+                    job.on_token(msg[1], msg[2])
+            elif kind == "done":
+                return msg[1], msg[2]
+        raise EngineRestarted("the replica ended the request without an answer",
+                              engine=str(f.replica))
+
+    def _cancel(self, f: _Flight):
+        gen = f.gen
+        if gen is not None:
+            gen.cancel()
+
+    def _remove(self, job):
+        """``Job.cancel`` of a job not started: its replica drops it."""
+        with self._lock:
+            f = self._flights.get(id(job))
+        if f is not None:
+            self._cancel(f)
+
+    def _stop_running(self, job):
+        """``Job.cancel`` of a running job (``job.stop`` says why): its replica stops it."""
+        self._remove(job)
+
+    def _answer(self, job, result=None, error: BaseException | None = None):
+        job.finished = time.monotonic()
+        job.remove_file()
+        fut = job.future
+        if not fut.done() and not fut.running() and not fut.set_running_or_notify_cancel():
+            return
+        try:
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
