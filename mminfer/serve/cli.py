@@ -435,8 +435,7 @@ def run(args) -> int:
     # lazy: the CLI's edge: the app and the engine under it (torch, transformers, FastAPI:
     # seconds) load when the server starts, never for `mminfer serve --help`
     from transformers.utils import logging as hf_logging
-    from . import data_parallel, tensor_parallel
-    from .app import create_app
+    from . import app as app_module, data_parallel, tensor_parallel
     from .protocol import config as guarded_config
     hf_logging.disable_progress_bar()
     tp = None
@@ -463,7 +462,7 @@ def run(args) -> int:
             raise ConfigError(f"--ray needs Ray Serve ({e}): pip install 'mminfer[ray]'") \
                 from None
         worker = ray_serve_worker(settings, args, ray_serve.RayServeWorker)
-    app = create_app(settings, worker=worker)
+    app = app_module.create_app(settings, worker=worker)
     worker = app.state.worker
     print(f"loading {settings.model} ...", flush=True)
     worker.start()
