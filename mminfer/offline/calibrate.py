@@ -54,7 +54,8 @@ from mminfer.sparse.patterns import (KNOWN_MODELS, QUERY_MODALITIES, HeadPattern
 
 from .answer_kl import AnswerProbe, format_rows, refine
 from .capture import capture_qkv, load_video
-from .cli import HARD
+from .cli import HARD, MAX_ERROR
+from .thresholds import check_thresholds
 
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
 
@@ -659,17 +660,33 @@ def _progress(total, enabled):
 
 # ---------------------------------------------------------------------- the command (offline/cli.py: its options)
 def run(args) -> int:
+    problem = check_thresholds(args.calibration_min_agreement, args.calibration_max_kl)
+    if problem:
+        raise InputError(problem)
+    served = bool(args.model and args.videos) and args.answer_kl is None and not args.reselect
+    bounds = list(args.max_error or [])
+    if not served:
+        if len(bounds) > 1:
+            raise InputError("several --max-error bounds make a ladder scored on the answers: "
+                             "that needs --model and --videos (and no --answer-kl or "
+                             "--reselect)")
+        args.max_error = bounds[0] if bounds else MAX_ERROR
+    if args.gate_videos and not (args.model and args.videos and not args.reselect):
+        raise InputError("--gate-videos are scored with the model: give --model and --videos")
     if args.reselect:
         return _run_reselect(args)
     inputs = list(args.inputs)
+    pipe = None
     if args.model or args.videos:
         if not (args.model and args.videos):
             raise InputError("capturing needs both --model and --videos")
+        pipe = Pipeline(model=args.model, attention="dense", device=args.device)
         cap_dir = Path(args.capture_dir or str(Path(args.out).with_suffix("")) + ".captures")
-        paths = capture_qkv(args.model, args.videos, args.question, cap_dir, fps=args.fps,
-                            max_frames=args.max_frames, device=args.device,
+        paths = capture_qkv(pipe, args.videos, args.question, cap_dir, fps=args.fps,
+                            max_frames=args.max_frames,
                             progress=lambda p, n: print(f"captured {p} ({n} tokens)"))
-        inputs += [str(p) for p in paths]
+        # the model's captures first: the ladder's candidates are sized on the first input
+        inputs = [str(p) for p in paths] + inputs
         _, model_id, revision = resolve_checkpoint(args.model)
         # the identity the adapter will check this config against when it loads it
         args.model_id = args.model_id or model_id
@@ -690,6 +707,10 @@ def run(args) -> int:
         n_layers = args.layers or max(i for c in caps for i in c.layers) + 1
         identity = ModelIdentity(args.model_id or "unknown", args.revision, n_layers,
                                  q.shape[1], k.shape[1], q.shape[3])
+    if served:
+        from .served_policy import SearchSettings       # it imports this module
+        ladder = tuple(sorted(bounds or SearchSettings.for_device(pipe.adapter.device).bounds))
+        args.max_error = ladder[-1]
     cfg, report = calibrate(caps, identity, budgets=args.budget, gammas=args.gamma,
                             min_density=args.min_density, max_density=args.max_density,
                             objective=args.objective, max_error=args.max_error,
@@ -703,12 +724,106 @@ def run(args) -> int:
         Path(_sibling(args.out, ".heads.report.json")).write_text(json.dumps(report, indent=1))
         print(format_report(report, cfg.provenance))
         return _answer_step(args, cfg, report, caps[0].index)
+    if served:
+        print(format_report(report, cfg.provenance))
+        del caps                       # the search's q/k/v; the ladder runs the model
+        return _served_step(args, pipe.adapter, cfg, report, ladder)
     cfg.save(args.out)
     report_path = args.report or _sibling(args.out, ".report.json")
     Path(report_path).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out} and {report_path}")
     print(format_report(report, cfg.provenance))
+    print("not scored on answers (no --model): no PASS/FAIL; a server that loads it checks it "
+          "on its shadow comparisons")
     return 0
+
+
+def _served_inputs(ad, videos, args, held_out: bool = False) -> list:
+    """The videos prepared as served_policy inputs (the vision tower once each)."""
+    from .served_policy import prepare
+    out = []
+    for v in videos:
+        decoded, question, name = load_video(v, ad, args.question, fps=args.fps,
+                                              max_frames=args.max_frames)
+        out.append(prepare(ad, decoded, question, name,
+                           source="held-out video" if held_out else "video"))
+    return out
+
+
+def _served_step(args, ad, cfg, report, ladder) -> int:
+    """``--model`` with ``--videos``: what the server's self-calibration does, offline. The
+    search's numbers (``cfg``/``report``) re-selected at each bound of ``ladder`` (the
+    question's rows dense), each config scored on the videos as served against dense, the
+    loosest that holds the thresholds first; then on ``--gate-videos`` (a rung that fails
+    there gives way to the next tighter one that holds on the videos). PASS writes the
+    winner; FAIL writes the search's config marked uncalibrated (``--attention auto`` stays
+    dense with it, as a server stays dense when its gate fails) with the rungs' numbers."""
+    from dataclasses import replace
+
+    from .served_policy import (OBJECTIVE, ServedCalibration, SearchSettings, holds, run_all,
+                                summarize)
+    lo, hi = args.calibration_min_agreement, args.calibration_max_kl
+    settings = replace(SearchSettings.for_device(ad.device), bounds=ladder,
+                       engine=None if args.engine == "auto" else args.engine)
+    cal = ServedCalibration(ad, _served_inputs(ad, args.videos, args), min_agreement=lo,
+                            max_kl=hi, settings=settings, log=print)
+    cal.head_config, cal.head_report = cfg, report
+    run_all(cal)
+    held = _served_inputs(ad, args.gate_videos, args, held_out=True)
+    gate, failed = None, []
+    while cal.winner is not None and held:
+        rows = []
+        for inp in held:
+            if inp.reference is None:
+                cal.reference_step(inp)()
+            rows.append(cal.score(inp, cal.winner.config))
+        s = summarize(rows)
+        print(f"gate: per-head bound {cal.winner.bound:g} on {s['n']} held-out videos: "
+              f"agreement {s['agreement']:.3f}, mean KL {s['mean_kl']:.4f}")
+        if holds(s, lo, hi):
+            gate = {"n": s["n"], "source": "held-out videos",
+                    **{k: round(v, 6) if isinstance(v, float) else v for k, v in s.items()
+                       if k != "n"}}
+            break
+        failed.append(cal.winner.bound)
+        for step in cal.ladder_steps(tighter_than=cal.winner.bound):
+            step()
+    want = f"agreement >= {lo:g}, mean KL <= {hi:g}"
+    report_path = args.report or _sibling(args.out, ".report.json")
+    if cal.winner is not None:
+        out = cal.config(gate=gate, made_by="mminfer calibrate (served policy)")
+        out.provenance["served_policy"]["verdict"] = "pass"
+        _, rows = reselect(cfg, report, cal.head_config_index, max_error=cal.winner.bound)
+        out.save(args.out)
+        Path(report_path).write_text(json.dumps(rows, indent=1))
+        c = cal.winner.summary()
+        where = (f"and on {gate['n']} held-out videos (agreement {gate['agreement']:.3f}, mean "
+                 f"KL {gate['mean_kl']:.4f})" if gate else
+                 "(no --gate-videos: not checked on videos it was not calibrated on)")
+        print(f"PASS ({want}): per-head bound {cal.winner.bound:g} holds on {c['n']} videos "
+              f"(agreement {c['agreement']:.3f}, mean KL {c['mean_kl']:.4f}, density "
+              f"{_fmt_density(c['mean_density'])}) {where}; wrote {args.out} and {report_path}")
+        return 0
+    why = (f"no rung of the ladder (per-head bounds {' '.join(f'{b:g}' for b in ladder)}) "
+           f"holds {want} on the {len(cal.frozen or [])} videos" if not failed else
+           f"the rungs that held on the videos ({' '.join(f'{b:g}' for b in failed)}) failed "
+           f"on the held-out videos and no tighter one holds")
+    cfg.uncalibrated = True
+    cfg.provenance = dict(cfg.provenance, served_policy={
+        "objective": OBJECTIVE, "verdict": "fail", "why": why, "min_agreement": lo,
+        "max_kl": hi, "rungs": [{"bound": r.bound, **{k: round(v, 6) if isinstance(v, float)
+                                                     else v for k, v in r.summary().items()}}
+                                for r in cal.rungs if r.rows],
+        "gates_failed": failed})
+    cfg.save(args.out)
+    Path(report_path).write_text(json.dumps(report, indent=1))
+    print(f"FAIL: {why}; wrote {args.out} marked uncalibrated (--attention auto stays dense "
+          f"with it) and {report_path} (--reselect chooses again from it)")
+    return 1
+
+
+def _fmt_density(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _sibling(out, suffix: str) -> str:

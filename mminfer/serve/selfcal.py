@@ -66,6 +66,7 @@ from mminfer.models.base import resolve_checkpoint
 from mminfer.offline.capture import synthetic_video
 from mminfer.offline.served_policy import (ServedCalibration, Step, holds, keep, prepare,
                                            summarize)
+from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
 from mminfer.models.hooks import AUTO_NEVER
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
@@ -164,8 +165,8 @@ class SelfCalibration:
     :meth:`on_comparison`; everything else reads :meth:`status`."""
 
     def __init__(self, *, model_path: str, cache_dir, from_requests: bool = True,
-                 capture_bytes: int = 8 << 30, min_agreement: float = 0.98,
-                 max_kl: float = 0.02, requests: int = 8, gate_requests: int = 16,
+                 capture_bytes: int = 8 << 30, min_agreement: float = MIN_AGREEMENT,
+                 max_kl: float = MAX_KL, requests: int = 8, gate_requests: int = 16,
                  window: int = 50, synthetic: int = 3, synthetic_frames: int = 0,
                  settings=None):
         if not 0 <= min_agreement <= 1 or max_kl < 0:
@@ -357,7 +358,7 @@ class SelfCalibration:
         self.round = 1
         self.cal = cal = ServedCalibration(ad, self.inputs, min_agreement=self.min_agreement,
                                            max_kl=self.max_kl, settings=self.search,
-                                           log=log.info)
+                                           log=lambda m: log.info("self-calibration: %s", m))
         cal.select = self._select
         yield from cal.steps(ready=self._enough_requests)
         held_k = 0
