@@ -671,8 +671,10 @@ def run(args) -> int:
                              "that needs --model and --videos (and no --answer-kl or "
                              "--reselect)")
         args.max_error = bounds[0] if bounds else MAX_ERROR
-    if args.gate_videos and not (args.model and args.videos and not args.reselect):
-        raise InputError("--gate-videos are scored with the model: give --model and --videos")
+    if args.gate_videos and not served:
+        raise InputError("--gate-videos are scored with the model: give --model and --videos "
+                         "(not with --answer-kl, which holds its own KL bound, or --reselect, "
+                         "which measures nothing)")
     if args.reselect:
         return _run_reselect(args)
     inputs = list(args.inputs)
