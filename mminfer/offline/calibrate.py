@@ -772,7 +772,7 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
     cal.head_config, cal.head_report = cfg, report
     run_all(cal)
     held = _served_inputs(ad, args.gate_videos, args, held_out=True)
-    gate, failed = None, []
+    gate, gate_s, failed = None, None, []
     while cal.winner is not None and held:
         rows = []
         for inp in held:
@@ -783,6 +783,7 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
         print(f"gate: per-head bound {cal.winner.bound:g} on {s['n']} held-out videos: "
               f"agreement {s['agreement']:.3f}, mean KL {s['mean_kl']:.4f}")
         if holds(s, lo, hi):
+            gate_s = s
             gate = {"n": s["n"], "source": "held-out videos",
                     **{k: round(v, 6) if isinstance(v, float) else v for k, v in s.items()
                        if k != "n"}}
@@ -799,8 +800,8 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
         out.save(args.out)
         Path(report_path).write_text(json.dumps(rows, indent=1))
         c = cal.winner.summary()
-        where = (f"and on {gate['n']} held-out videos (agreement {gate['agreement']:.3f}, mean "
-                 f"KL {gate['mean_kl']:.4f})" if gate else
+        where = (f"and on {gate_s['n']} held-out videos (agreement {gate_s['agreement']:.3f}, "
+                 f"mean KL {gate_s['mean_kl']:.4f})" if gate else
                  "(no --gate-videos: not checked on videos it was not calibrated on)")
         print(f"PASS ({want}): per-head bound {cal.winner.bound:g} holds on {c['n']} videos "
               f"(agreement {c['agreement']:.3f}, mean KL {c['mean_kl']:.4f}, density "
