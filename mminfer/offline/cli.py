@@ -1,6 +1,6 @@
 """``mminfer calibrate``'s command line: its options, light (argparse only), so
-``mminfer calibrate --help`` is instant; the search itself, :mod:`mminfer.offline.calibrate`,
-is imported when it runs."""
+``mminfer calibrate --help`` is instant; the command, :mod:`mminfer.offline.command`, is
+imported when it runs."""
 
 from __future__ import annotations
 
@@ -138,5 +138,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     # lazy: the CLI's edge: the search imports torch and the kernels (seconds), which
     # `mminfer calibrate --help` must not wait for
-    from mminfer.offline import calibrate
-    return calibrate.run(args)
+    from mminfer.offline import command
+    return command.run(args)

@@ -63,6 +63,8 @@ import threading
 import time
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from mminfer.errors import Cancelled
 from mminfer.models.base import resolve_checkpoint
 from mminfer.offline.capture import synthetic_video
@@ -616,7 +618,6 @@ class SelfCalibrationCollector:
         return []                       # collected at scrape time only
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         sc, m, lab = self.sc, [self.model], ["model_name"]
         pre = "mminfer:self_calibration_"
 

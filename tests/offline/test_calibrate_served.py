@@ -14,7 +14,7 @@ import pytest
 from mminfer.errors import InputError
 from mminfer.models.embedded import default_model
 from mminfer.offline import served_policy as SP
-from mminfer.offline.calibrate import run
+from mminfer.offline.command import run
 from mminfer.offline.capture import load_video
 from mminfer.offline.cli import add_arguments
 from mminfer.sparse.patterns import HeadPatternConfig
