@@ -109,14 +109,14 @@ def run(args) -> int:
     return 0
 
 
-def _served_inputs(ad, videos, args, held_out: bool = False) -> list:
+def _served_inputs(ad, videos, args) -> list:
     """The videos prepared as served_policy inputs (the vision tower once each)."""
     out = []
     for v in videos:
         decoded, question, name = load_video(v, ad, args.question, fps=args.fps,
                                               max_frames=args.max_frames)
-        out.append(prepare(ad, decoded, question, name,
-                           source="held-out video" if held_out else "video"))
+        out.append(prepare(ad, decoded, question, name, source="synthetic" if str(v).startswith(
+            "synth:") else "video"))
     return out
 
 
@@ -135,7 +135,7 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
                             max_kl=hi, settings=settings, log=print)
     cal.head_config, cal.head_report = cfg, report
     run_all(cal)
-    held = _served_inputs(ad, args.gate_videos, args, held_out=True)
+    held = _served_inputs(ad, args.gate_videos, args)
     gate, gate_s, failed = None, None, []
     while cal.winner is not None and held:
         rows = []

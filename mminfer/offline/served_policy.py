@@ -69,7 +69,7 @@ class ServedInput:
     prefix_len: int
     prefix_index: object               # ModalityIndex of the prefix
     rope_delta: int = 0
-    source: str = "synthetic"          # "synthetic" | "request"
+    source: str = "synthetic"          # "synthetic" | "request" | "video" (a file, offline)
     reference: ServedRun | None = None     # the dense run
     capture: dict | None = None        # layer -> (q, k, v) of the dense prefix prefill
 

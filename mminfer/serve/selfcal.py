@@ -697,9 +697,12 @@ def _why_off(pipeline) -> str | None:
 
 
 def _count_sources(items) -> dict:
+    """Inputs by source: requests, synthetic videos, and (a config ``mminfer calibrate``
+    measured) video files, the last only where there are any."""
     out = {"requests": 0, "synthetic": 0}
     for i in items:
-        out["requests" if i.get("source") == "request" else "synthetic"] += 1
+        key = {"request": "requests", "video": "videos"}.get(i.get("source"), "synthetic")
+        out[key] = out.get(key, 0) + 1
     return out
 
 
