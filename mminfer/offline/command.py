@@ -148,7 +148,7 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
               f"agreement {s['agreement']:.3f}, mean KL {s['mean_kl']:.4f}")
         if holds(s, lo, hi):
             gate_s = s
-            gate = {"n": s["n"], "source": "held-out videos",
+            gate = {"n": s["n"], "source": "videos",
                     **{k: round(v, 6) if isinstance(v, float) else v for k, v in s.items()
                        if k != "n"}}
             break

@@ -53,7 +53,7 @@ def test_pass_writes_the_winner_with_what_it_measured(tmp_path, capsys):
     assert not cfg.uncalibrated and sp["verdict"] == "pass"
     assert sp["min_agreement"] == 0.98 and sp["max_kl"] == 0.02
     assert sp["calibration"]["n"] == 2 and sp["gate"]["n"] == 1
-    assert sp["gate"]["source"] == "held-out videos"
+    assert sp["gate"]["source"] == "videos"          # "gate on 1 held-out videos"
     assert [i["name"] for i in sp["inputs"]] == ["synth-needle-8-900000",
                                                  "synth-count-8-900001"]
     # the CPU's ladder, the server's (SearchSettings.for_device), loosest scored first
