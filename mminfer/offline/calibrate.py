@@ -31,8 +31,6 @@ Input: ``.pt`` files (or directories of them), one per calibration input::
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -40,20 +38,16 @@ from typing import Callable, Mapping, Sequence
 import torch
 from tqdm import tqdm
 
-from mminfer.engine.pipeline import Pipeline, resolve_checkpoint
 from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.kernels import sparse_attention
 from mminfer.kernels.reference import plan_attention
-from mminfer.models.base import PrepareOptions
 from mminfer.sparse.estimate import estimate_layer
 from mminfer.sparse.modality import ModalityIndex
-from mminfer.sparse.patterns import (KNOWN_MODELS, QUERY_MODALITIES, HeadPattern,
+from mminfer.sparse.patterns import (QUERY_MODALITIES, HeadPattern,
                                      HeadPatternConfig, ModelIdentity, a_shape, block,
                                      default_config, dense,
                                      grid, provenance, vertical_slash)
 
-from .answer_kl import AnswerProbe, format_rows, refine
-from .capture import capture_qkv, load_video
 from .cli import HARD
 
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
@@ -655,146 +649,6 @@ def _device_name(dev) -> str:
 
 def _progress(total, enabled):
     return tqdm(total=total, desc="calibrate", unit="run", disable=not enabled)
-
-
-# ---------------------------------------------------------------------- the command (offline/cli.py: its options)
-def run(args) -> int:
-    if args.reselect:
-        return _run_reselect(args)
-    inputs = list(args.inputs)
-    if args.model or args.videos:
-        if not (args.model and args.videos):
-            raise InputError("capturing needs both --model and --videos")
-        cap_dir = Path(args.capture_dir or str(Path(args.out).with_suffix("")) + ".captures")
-        paths = capture_qkv(args.model, args.videos, args.question, cap_dir, fps=args.fps,
-                            max_frames=args.max_frames, device=args.device,
-                            progress=lambda p, n: print(f"captured {p} ({n} tokens)"))
-        inputs += [str(p) for p in paths]
-        _, model_id, revision = resolve_checkpoint(args.model)
-        # the identity the adapter will check this config against when it loads it
-        args.model_id = args.model_id or model_id
-        args.revision = args.revision or revision or "local"
-    if not inputs:
-        raise InputError("give captured .pt inputs, or --model with --videos to capture them")
-    caps = load_captures(inputs)
-    if args.device:
-        for c in caps:
-            c.layers = {i: tuple(t.to(args.device) for t in qkv) for i, qkv in c.layers.items()}
-    args.revision = args.revision or "main"
-    q, k, _ = next(iter(caps[0].layers.values()))
-    known = KNOWN_MODELS.get(args.model_id or "")
-    if known is not None:
-        identity = ModelIdentity(known.id, args.revision, args.layers or known.layers,
-                                 known.heads, known.kv_heads, known.head_dim)
-    else:
-        n_layers = args.layers or max(i for c in caps for i in c.layers) + 1
-        identity = ModelIdentity(args.model_id or "unknown", args.revision, n_layers,
-                                 q.shape[1], k.shape[1], q.shape[3])
-    cfg, report = calibrate(caps, identity, budgets=args.budget, gammas=args.gamma,
-                            min_density=args.min_density, max_density=args.max_density,
-                            objective=args.objective, max_error=args.max_error,
-                            quantile=args.error_quantile, hard=args.hard, engine=args.engine,
-                            block_m=args.block_m, block_n=args.block_n,
-                            spread_q=args.spread_queries)
-    if args.dense_text is not False and len(caps[0].index.modalities()) > 1:
-        cfg = with_dense_text(cfg)
-    if args.answer_kl is not None:
-        cfg.save(_sibling(args.out, ".heads.json"))
-        Path(_sibling(args.out, ".heads.report.json")).write_text(json.dumps(report, indent=1))
-        print(format_report(report, cfg.provenance))
-        return _answer_step(args, cfg, report, caps[0].index)
-    cfg.save(args.out)
-    report_path = args.report or _sibling(args.out, ".report.json")
-    Path(report_path).write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out} and {report_path}")
-    print(format_report(report, cfg.provenance))
-    return 0
-
-
-def _sibling(out, suffix: str) -> str:
-    return str(Path(out).with_suffix("")) + suffix
-
-
-def _answer_step(args, cfg, report, index) -> int:
-    """``--answer-kl``: the per-head calibration ``cfg``/``report`` refined against the
-    answer on ``--videos`` (``answer_kl.py``); writes the refined config as OUT."""
-    if not (args.model and args.videos):
-        raise InputError("--answer-kl runs the model on the calibration videos: give --model "
-                         "and --videos")
-    pipe = Pipeline(model=args.model, attention="dense", device=args.device)
-    ad = pipe.adapter
-    cuda = ad.device.type == "cuda"
-    prov = cfg.provenance
-    # on a CPU the reference engine: exact like the kernel, without the interpreter's cost
-    engine = args.engine if args.engine != "auto" else ("kernel" if cuda else "reference")
-    probe = AnswerProbe(ad, engine=engine, block=(prov["block_m"], prov["block_n"]))
-    inputs = []
-    for v in args.videos:
-        decoded, question, name = load_video(v, ad, args.question, fps=args.fps,
-                                              max_frames=args.max_frames)
-        inputs.append(probe.prepare(name, decoded, question))
-        print(f"answer step: prepared {name} ({inputs[-1].prep.total_tokens} tokens)")
-    deadline = (time.monotonic() + 60 * args.answer_minutes) if args.answer_minutes else None
-    cands = report_candidates(cfg, index)
-    if cfg.provenance.get("dense_text"):
-        cands = {lab: dense_text_head(hp) for lab, hp in cands.items()}
-    new, rows = refine(probe, inputs, cfg, only_families(report, args.families), cands,
-                       target=args.answer_kl, max_rungs=args.answer_rungs, deadline=deadline,
-                       log=print)
-    new.save(args.out)
-    report_path = args.report or _sibling(args.out, ".report.json")
-    # the per-head numbers the answer step chose from stay with it (for --reselect)
-    Path(report_path).write_text(json.dumps(report, indent=1))
-    Path(_sibling(args.out, ".answer.json")).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out}, {report_path} and {_sibling(args.out, '.answer.json')}")
-    print(format_rows(rows, new.provenance))
-    return 0
-
-
-def _run_reselect(args) -> int:
-    src = Path(args.reselect)
-    if not src.is_file():
-        raise InputError(f"--reselect {src}: no such config file")
-    cfg = HeadPatternConfig.load(src)
-    rep_path = Path(str(src.with_suffix("")) + ".report.json")
-    if not rep_path.is_file():
-        raise InputError(f"--reselect {src}: its report {rep_path} is missing (calibrate "
-                         f"writes it next to the config)")
-    report = json.loads(rep_path.read_text())
-    if args.inputs:
-        index = load_captures(args.inputs[:1])[0].index
-    elif args.model and args.videos:
-        index = _first_index(args.model, args.videos[0], args)
-    else:
-        raise InputError("--reselect needs the first calibration input: its capture (.pt), "
-                         "or --model with that video (--videos)")
-    new, rows = reselect(cfg, report, index, max_error=args.max_error, hard=args.hard,
-                         families=args.families)
-    # as the calibration did unless told otherwise
-    want = args.dense_text if args.dense_text is not None else cfg.provenance.get("dense_text")
-    if want and len(index.modalities()) > 1:
-        new = with_dense_text(new)
-    elif new.provenance.get("dense_text"):
-        new.provenance = {k: v for k, v in new.provenance.items() if k != "dense_text"}
-    if args.answer_kl is not None:
-        print(format_report(rows, new.provenance))
-        return _answer_step(args, new, rows, index)
-    new.save(args.out)
-    report_path = args.report or str(Path(args.out).with_suffix("")) + ".report.json"
-    Path(report_path).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out} and {report_path} (re-selected from {src}, nothing measured; "
-          f"mean density over heads {new.provenance['mean_density']:.4f})")
-    print(format_report(rows, new.provenance))
-    return 0
-
-
-def _first_index(model, video, args) -> ModalityIndex:
-    """The ModalityIndex of one calibration video's prefix, as the capture step built it
-    (no prefill: only the adapter's preprocessing)."""
-    ad = Pipeline(model=model, attention="dense", device="cpu").adapter
-    decoded, question, _ = load_video(video, ad, args.question, fps=args.fps,
-                                      max_frames=args.max_frames)
-    return ad.prepare(decoded, question, PrepareOptions()).prefix_index
 
 
 def format_report(report: list, prov: dict) -> str:

@@ -1,26 +1,41 @@
 """``mminfer calibrate``'s command line: its options, light (argparse only), so
-``mminfer calibrate --help`` is instant; the search itself, :mod:`mminfer.offline.calibrate`,
-is imported when it runs."""
+``mminfer calibrate --help`` is instant; the command, :mod:`mminfer.offline.command`, is
+imported when it runs."""
 
 from __future__ import annotations
 
 import argparse
 
+from .thresholds import add_threshold_arguments
+
 # what a head no candidate holds the bound for becomes (--hard; calibrate() checks it too)
 HARD = ("dense", "best")
+# --max-error without a model to score a ladder on answers: one bound
+MAX_ERROR = 0.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*",
                         help="captured q/k/v: .pt files or directories of them (default: none; "
                         "give these, or --model with --videos)")
-    parser.add_argument("--model", help="capture q/k/v from this checkpoint first "
-                        "(with --videos): a dense prefill per video (default: none)")
+    parser.add_argument("--model", help="calibrate this checkpoint (with --videos): a dense "
+                        "prefill per video captures q/k/v of its prefix, the per-head search "
+                        "runs on them, then a ladder of configs (--max-error) is scored by "
+                        "what the server serves against dense and judged by the thresholds "
+                        "(PASS/FAIL, exit status 0/1) (default: none)")
     parser.add_argument("--videos", nargs="+", default=[],
                         help="calibration videos, several lengths and tasks: files, or "
                         "synthetic sources synth:TASK:FRAMES:SEED rendered in-process at "
                         "224x224 and 2 fps, asked their own task's question (TASK: needle, "
                         "colour, count, order; no decoder needed) (default: none)")
+    parser.add_argument("--gate-videos", nargs="+", default=[],
+                        help="with --model: held-out videos (files or synth: sources, as "
+                        "--videos), not calibrated on, that the chosen config must also hold "
+                        "the thresholds on, as a server's gate checks a candidate on requests "
+                        "it was not calibrated on; one that fails gives way to the next tighter "
+                        "rung (default: none, the verdict is on --videos)")
+    add_threshold_arguments(parser, what="with --model: on --videos, then on --gate-videos; "
+                            "the server's flags of the same name, same defaults")
     parser.add_argument("--question", default="What happens in the video?",
                         help="question placed after each calibration video file (synthetic "
                         "sources ask their own)")
@@ -29,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-frames", type=int, default=768,
                         help="at most this many frames per video file")
     parser.add_argument("--capture-dir", help="where captured .pt files go "
-                        "(default: OUT without its suffix + '.captures')")
+                        "(default: OUT without its suffix + '.captures'; kept for --reselect "
+                        "and for searching again without the model)")
     parser.add_argument("--out", required=True, help="head-pattern config to write (JSON; "
                         "required, no default)")
     parser.add_argument("--report", help="per-head report (JSON; default: OUT without its "
@@ -59,9 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objective", choices=["output_error", "mass"], default="output_error",
                         help="what --max-error bounds: the relative L2 error of the attention "
                         "output against dense, or 1 - the dense softmax mass captured")
-    parser.add_argument("--max-error", type=float, default=0.05,
+    parser.add_argument("--max-error", type=float, nargs="+", default=None,
                         help="bound on the objective: each head takes the cheapest candidate "
-                        "(mean density over the inputs) that holds it")
+                        "(mean density over the inputs) that holds it. With --model (not "
+                        "--answer-kl) the bounds of the ladder: each is a config, scored on "
+                        "--videos as served, the loosest that holds the thresholds wins "
+                        "(default: 0.02 0.05 0.1 0.2 0.4 on a GPU, 0.05 0.2 0.5 on the CPU, "
+                        "the server's; one bound otherwise, default 0.05)")
     parser.add_argument("--error-quantile", type=float, default=1.0,
                         help="which input's objective must hold the bound: this quantile "
                         "across the inputs, per head (1.0: the worst input; 0.9: all but the "
@@ -118,5 +138,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     # lazy: the CLI's edge: the search imports torch and the kernels (seconds), which
     # `mminfer calibrate --help` must not wait for
-    from mminfer.offline import calibrate
-    return calibrate.run(args)
+    from mminfer.offline import command
+    return command.run(args)

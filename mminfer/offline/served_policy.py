@@ -48,6 +48,7 @@ from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
 from .calibrate import Capture, calibrate, reselect, with_dense_text
+from .thresholds import MAX_KL, MIN_AGREEMENT
 
 
 # ---------------------------------------------------------------------- inputs
@@ -68,7 +69,7 @@ class ServedInput:
     prefix_len: int
     prefix_index: object               # ModalityIndex of the prefix
     rope_delta: int = 0
-    source: str = "synthetic"          # "synthetic" | "request"
+    source: str = "synthetic"          # "synthetic" | "request" | "video" (a file, offline)
     reference: ServedRun | None = None     # the dense run
     capture: dict | None = None        # layer -> (q, k, v) of the dense prefix prefill
 
@@ -252,8 +253,8 @@ class ServedCalibration:
     before going on); then ``cal.winner`` (a Rung, or None when no rung holds) and
     ``cal.config()``. ``inputs`` may grow until the ladder is scored (``freeze``)."""
 
-    def __init__(self, adapter, inputs: list, *, min_agreement: float = 0.98,
-                 max_kl: float = 0.02, settings: SearchSettings | None = None,
+    def __init__(self, adapter, inputs: list, *, min_agreement: float = MIN_AGREEMENT,
+                 max_kl: float = MAX_KL, settings: SearchSettings | None = None,
                  log: Callable[[str], None] = lambda s: None):
         self.adapter = adapter
         self.inputs = inputs
@@ -348,7 +349,7 @@ class ServedCalibration:
                            lambda cancel, r=rung, i=inp: r.rows.append(
                                self.score(i, r.config, cancel)))
             s = rung.summary()
-            self.log(f"self-calibration: per-head bound {rung.bound:g}: agreement "
+            self.log(f"per-head bound {rung.bound:g}: agreement "
                      f"{s['agreement']:.3f}, mean KL {s['mean_kl']:.4f}, density "
                      f"{_fmt(s['mean_density'])} on {s['n']} of {len(inputs)} inputs")
             if s["n"] == len(inputs) and holds(s, self.min_agreement, self.max_kl):
@@ -398,7 +399,9 @@ class ServedCalibration:
         return next(i.prefix_index for i in self.inputs if i.name == first)
 
     # ------------------------------------------------------------ the result
-    def config(self, gate: dict | None = None) -> HeadPatternConfig | None:
+    def config(self, gate: dict | None = None,
+               made_by: str = "mminfer self-calibration (served policy)"
+               ) -> HeadPatternConfig | None:
         """The winner's config with how it was measured in its provenance (``gate``: what a
         gate then measured on held-out inputs)."""
         if self.winner is None:
@@ -407,11 +410,9 @@ class ServedCalibration:
         s = self.winner.summary()
         inputs = self.freeze()
         cfg.provenance = dict(
-            cfg.provenance, made_by="mminfer self-calibration (served policy)",
+            cfg.provenance, made_by=made_by,
             served_policy={
-                "objective": "the served policy (the prefix sparse, estimated from its own "
-                             "last queries; the question's rows dense over it) against "
-                             "dense: greedy answers agree, last-token KL(dense || sparse)",
+                "objective": OBJECTIVE,
                 "per_head_bound": self.winner.bound, "min_agreement": self.min_agreement,
                 "max_kl": self.max_kl, "engine": self.engine, "block": list(self.block),
                 "max_new_tokens": self.settings.max_new_tokens,
@@ -423,6 +424,11 @@ class ServedCalibration:
                 "calibration": _round(s), "forwards": self.forwards,
                 **({"gate": gate} if gate is not None else {})})
         return cfg
+
+
+OBJECTIVE = ("the served policy (the prefix sparse, estimated from its own last queries; the "
+             "question's rows dense over it) against dense: greedy answers agree, last-token "
+             "KL(dense || sparse)")
 
 
 def _merge(results: dict, identity) -> tuple:

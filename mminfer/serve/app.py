@@ -47,7 +47,7 @@ from mminfer.models.embedded import resolve_model
 
 from . import answer, apidocs, errors, jsonbody, live, login, media, openai, reads, videos
 from .metrics import Metrics
-from .selfcal import SelfCalibration
+from .selfcal import SelfCalibration, SelfCalibrationCollector
 from .service import Service
 from .settings import Settings
 from .shadow import ShadowMonitor, ShadowStore
@@ -97,6 +97,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
             window=s.calibration_window, synthetic=s.calibration_synthetic,
             synthetic_frames=s.calibration_synthetic_frames)
         worker.shadow.on_compare = worker.selfcal.on_comparison
+        metrics.registry.register(SelfCalibrationCollector(worker.selfcal, metrics.model))
 
     video_store = videos.VideoStore(data_dir / "videos",
                                     max_bytes=int(s.video_store_gb * 2**30),

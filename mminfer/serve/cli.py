@@ -23,6 +23,7 @@ import uvicorn
 from mminfer.cli_options import add_model_arguments, pipeline_options
 from mminfer.errors import ConfigError
 from mminfer.models.embedded import resolve_model
+from mminfer.offline.thresholds import add_threshold_arguments
 
 from .settings import DEFAULT_MAX_IMBALANCE, Settings
 
@@ -249,12 +250,9 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--calibration-capture-mb", type=float, default=d.calibration_capture_mb,
                    help="prompts kept for calibration (embeddings after the vision tower, host "
                         "memory) at most")
-    g.add_argument("--calibration-min-agreement", type=float,
-                   default=d.calibration_min_agreement,
-                   help="a config serves only if this share of its greedy answers equals "
-                        "dense's (calibration, gate, and the drift check)")
-    g.add_argument("--calibration-max-kl", type=float, default=d.calibration_max_kl,
-                   help="... and its mean last-token KL(dense || sparse) is at most this")
+    add_threshold_arguments(g, min_agreement=d.calibration_min_agreement,
+                            max_kl=d.calibration_max_kl,
+                            what="calibration, gate, and the drift check")
     g.add_argument("--calibration-requests", type=int, default=d.calibration_requests,
                    help="requests calibrated on (besides the synthetic videos)")
     g.add_argument("--calibration-gate-requests", type=int,

@@ -362,7 +362,9 @@ def _policy_line(policy: dict | None) -> str:
     sc = policy.get("self_calibration")
     if sc:                          # serve/selfcal.py: which config serves, measured how
         line += (f'<p id="self-calibration" data-state="{e(sc["state"])}" '
-                 f'data-serving="{e(sc["serving"])}">Self-calibration: {e(sc["summary"])}.</p>')
+                 f'data-serving="{e(sc["serving"])}">Self-calibration: {e(sc["summary"])}.'
+                 + (f' <small>{e(sc["checks"])}.</small>' if sc.get("checks") else "")
+                 + '</p>')
     return line
 
 

@@ -48,7 +48,9 @@ is dense again), marks the stored config rejected (``<digest>.rejected.json``) a
 calibration.
 
 What it says: the log at each change; ``/v1/models`` (``mminfer.self_calibration``) and
-``/report``: which config serves, where it came from, measured how and on how many inputs.
+``/report``: which config serves, where it came from, measured how and on how many inputs,
+the thresholds, the drift window, the counts; ``/metrics`` the same as series
+(:class:`SelfCalibrationCollector`).
 """
 
 from __future__ import annotations
@@ -61,11 +63,14 @@ import threading
 import time
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from mminfer.errors import Cancelled
 from mminfer.models.base import resolve_checkpoint
 from mminfer.offline.capture import synthetic_video
 from mminfer.offline.served_policy import (ServedCalibration, Step, holds, keep, prepare,
                                            summarize)
+from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
 from mminfer.models.hooks import AUTO_NEVER
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
@@ -164,8 +169,8 @@ class SelfCalibration:
     :meth:`on_comparison`; everything else reads :meth:`status`."""
 
     def __init__(self, *, model_path: str, cache_dir, from_requests: bool = True,
-                 capture_bytes: int = 8 << 30, min_agreement: float = 0.98,
-                 max_kl: float = 0.02, requests: int = 8, gate_requests: int = 16,
+                 capture_bytes: int = 8 << 30, min_agreement: float = MIN_AGREEMENT,
+                 max_kl: float = MAX_KL, requests: int = 8, gate_requests: int = 16,
                  window: int = 50, synthetic: int = 3, synthetic_frames: int = 0,
                  settings=None):
         if not 0 <= min_agreement <= 1 or max_kl < 0:
@@ -208,6 +213,11 @@ class SelfCalibration:
         self._lock = threading.Lock()
         self._n_kept = 0
         self._version = 0                     # inputs added so far
+        # counts since the start, for /metrics (SelfCalibrationCollector)
+        self._tried_before = 0                # configs scored by earlier calibrations
+        self.gates = {"pass": 0, "fail": 0}   # candidates gated, by result
+        self.last_gate: dict | None = None    # the last gate's numbers and result
+        self.drift_checks = {"held": 0, "drift": 0}     # full windows judged, by result
 
     # ------------------------------------------------------------ set-up
     def attach(self, pipeline):
@@ -242,6 +252,7 @@ class SelfCalibration:
         self._start("no measured config for these weights (digest %s)" % self.digest)
 
     def _start(self, why: str):
+        self._tried_before = self.configs_tried()
         self.state = "calibrating"
         self.round = 0
         self.inputs, self.gate_rows, self.cal = [], [], None
@@ -357,7 +368,7 @@ class SelfCalibration:
         self.round = 1
         self.cal = cal = ServedCalibration(ad, self.inputs, min_agreement=self.min_agreement,
                                            max_kl=self.max_kl, settings=self.search,
-                                           log=log.info)
+                                           log=lambda m: log.info("self-calibration: %s", m))
         cal.select = self._select
         yield from cal.steps(ready=self._enough_requests)
         held_k = 0
@@ -387,7 +398,11 @@ class SelfCalibration:
                     continue
                 yield _gate_step(self, cal, inp)
             s = summarize(self.gate_rows)
-            if holds(s, self.min_agreement, self.max_kl):
+            passed = holds(s, self.min_agreement, self.max_kl)
+            self.gates["pass" if passed else "fail"] += 1
+            self.last_gate = {"n": s["n"], "agreement": s["agreement"], "mean_kl": s["mean_kl"],
+                              "passed": passed}
+            if passed:
                 gate = {"n": s["n"], "source": "requests" if self.from_requests else
                         "synthetic videos", **_rounded(s)}
                 cfg = cal.config(gate=gate)
@@ -486,7 +501,9 @@ class SelfCalibration:
         agree = sum(a for a, _ in self.window) / len(self.window)
         kl = sum(k for _, k in self.window) / len(self.window)
         if agree >= self.min_agreement and kl <= self.max_kl:
+            self.drift_checks["held"] += 1
             return
+        self.drift_checks["drift"] += 1
         what = (f"drift: over the last {len(self.window)} shadow comparisons agreement "
                 f"{agree:.3f} (min {self.min_agreement:g}), mean KL {kl:.4f} (max "
                 f"{self.max_kl:g})")
@@ -503,6 +520,11 @@ class SelfCalibration:
         self._start("recalibrating after " + what)
 
     # ------------------------------------------------------------ what it says
+    def configs_tried(self) -> int:
+        """Configs scored on calibration inputs (ladder rungs), every calibration so far."""
+        cal = self.cal
+        return self._tried_before + (sum(1 for r in cal.rungs if r.rows) if cal else 0)
+
     def status(self) -> dict:
         win = list(self.window)
         out = {"state": self.state,
@@ -517,7 +539,11 @@ class SelfCalibration:
                "monitor": {"window": self.window.maxlen, "compared": len(win),
                            "agreement": (sum(a for a, _ in win) / len(win)) if win else None,
                            "mean_kl": (sum(k for _, k in win) / len(win)) if win else None},
-               "fallbacks": list(self.fallbacks)}
+               "fallbacks": list(self.fallbacks),
+               "counts": {"configs_tried": self.configs_tried(), "gates": dict(self.gates),
+                          "last_gate": self.last_gate and dict(self.last_gate),
+                          "drift_checks": dict(self.drift_checks),
+                          "steps_run": self.steps_run, "steps_stopped": self.steps_stopped}}
         if self.why:
             out["why"] = self.why
         if self.state in ("calibrating", "gating"):
@@ -532,7 +558,21 @@ class SelfCalibration:
                 "steps_run": self.steps_run, "steps_stopped": self.steps_stopped,
                 "longest_step_s": round(max(self.step_seconds), 3) if self.step_seconds else None}
         out["summary"] = self.summary()
+        out["checks"] = self.checks()
         return out
+
+    def checks(self) -> str:
+        """One sentence: the thresholds, the drift window now, what was tried and judged."""
+        win = list(self.window)
+        window = (f"{len(win)} of {self.window.maxlen} shadow comparisons in the drift window"
+                  + (f" (agreement {sum(a for a, _ in win) / len(win):.3f}, mean KL "
+                     f"{sum(k for _, k in win) / len(win):.4f})" if win else ""))
+        last = self.fallbacks[-1]["why"] if self.fallbacks else None
+        return (f"thresholds: agreement >= {self.min_agreement:g}, mean KL <= "
+                f"{self.max_kl:g}; {window}; {self.configs_tried()} configs tried, "
+                f"{self.gates['pass']} gates passed, {self.gates['fail']} failed; "
+                f"{sum(self.drift_checks.values())} drift checks, {len(self.fallbacks)} "
+                f"fallbacks to dense" + (f" (last: {last})" if last else ""))
 
     def summary(self) -> str:
         """One sentence: which config serves, measured how, on how many."""
@@ -548,6 +588,85 @@ class SelfCalibration:
             doing = "calibrating" if self.state == "calibrating" else "gating a candidate"
             return f"dense while {doing} in idle time{extra}"
         return f"dense: {self.why}" if self.why else "dense"
+
+
+STATES = ("new", "off", "calibrating", "gating", "serving", "failed", "error")
+
+
+class SelfCalibrationCollector:
+    """Self-calibration on ``/metrics``, read at scrape time (registered on the app's
+    registry; ``model_name`` as every mminfer series):
+
+    * ``mminfer:self_calibration_state{state}``: 1 for the state it is in (new, off,
+      calibrating, gating, serving, failed, error), 0 for the others;
+      ``mminfer:self_calibration_sparse``: 1 while a measured config serves sparse (0: dense);
+    * ``mminfer:self_calibration_configs_tried_total``: configs (ladder rungs) scored on the
+      calibration inputs; ``..._gates_total{result}``: candidates gated (pass, fail);
+      ``..._gate_agreement``, ``..._gate_mean_kl``, ``..._gate_inputs``: the last gate's
+      numbers and how many held-out inputs it measured (absent before the first gate);
+    * ``..._drift_checks_total{result}``: full windows of shadow comparisons judged (held,
+      drift); ``..._fallbacks_total``: falls back to dense; ``..._window_compared``,
+      ``..._window_agreement``, ``..._window_mean_kl``: the window now;
+    * ``..._steps_total{outcome}``: idle-time steps run to the end (run) or stopped by a
+      request arriving, to run again later (stopped).
+    """
+
+    def __init__(self, sc: SelfCalibration, model: str):
+        self.sc, self.model = sc, model
+
+    def describe(self):
+        return []                       # collected at scrape time only
+
+    def collect(self):
+        sc, m, lab = self.sc, [self.model], ["model_name"]
+        pre = "mminfer:self_calibration_"
+
+        def gauge(name, doc, value, extra=None, labels=()):
+            f = GaugeMetricFamily(pre + name, doc, labels=lab + list(labels))
+            for key, v in (extra or [((), value)]):
+                f.add_metric(m + list(key), v)
+            return f
+
+        def counter(name, doc, values: dict | None = None, label=None, value=None):
+            f = CounterMetricFamily(pre + name, doc, labels=lab + ([label] if label else []))
+            if values is None:
+                f.add_metric(m, value)
+            else:
+                for k, v in values.items():
+                    f.add_metric(m + [k], v)
+            return f
+
+        yield gauge("state", "1 for the state self-calibration is in", None,
+                    [((st,), float(sc.state == st)) for st in STATES], ["state"])
+        yield gauge("sparse", "1 while a measured config serves sparse, 0 while dense",
+                    float(sc.state == "serving"))
+        yield counter("configs_tried", "Configs (ladder rungs) scored on calibration inputs",
+                      value=sc.configs_tried())
+        yield counter("gates", "Candidates gated on inputs they were not calibrated on, by "
+                      "result", dict(sc.gates), "result")
+        g = sc.last_gate
+        if g is not None:
+            yield gauge("gate_agreement", "The last gate's share of greedy answers equal to "
+                        "dense's", g["agreement"])
+            yield gauge("gate_mean_kl", "The last gate's mean last-token KL(dense || sparse), "
+                        "nats", g["mean_kl"])
+            yield gauge("gate_inputs", "Held-out inputs (requests or synthetic videos) the "
+                        "last gate measured", g["n"])
+        yield counter("drift_checks", "Full windows of shadow comparisons of the serving "
+                      "config judged against the thresholds, by result", dict(sc.drift_checks),
+                      "result")
+        yield counter("fallbacks", "Falls back to dense after a drift",
+                      value=len(sc.fallbacks))
+        win = list(sc.window)
+        yield gauge("window_compared", "Shadow comparisons in the drift window now", len(win))
+        if win:
+            yield gauge("window_agreement", "Share of the window's answers equal to dense's",
+                        sum(a for a, _ in win) / len(win))
+            yield gauge("window_mean_kl", "The window's mean last-token KL, nats",
+                        sum(k for _, k in win) / len(win))
+        yield counter("steps", "Idle-time calibration steps, by outcome (run: to the end; "
+                      "stopped: a request arrived, run again later)",
+                      {"run": sc.steps_run, "stopped": sc.steps_stopped}, "outcome")
 
 
 def _gate_step(sc: SelfCalibration, cal, inp):
@@ -578,9 +697,12 @@ def _why_off(pipeline) -> str | None:
 
 
 def _count_sources(items) -> dict:
+    """Inputs by source: requests, synthetic videos, and (a config ``mminfer calibrate``
+    measured) video files, the last only where there are any."""
     out = {"requests": 0, "synthetic": 0}
     for i in items:
-        out["requests" if i.get("source") == "request" else "synthetic"] += 1
+        key = {"request": "requests", "video": "videos"}.get(i.get("source"), "synthetic")
+        out[key] = out.get(key, 0) + 1
     return out
 
 

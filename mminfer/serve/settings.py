@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
+
 from .tenants import env_keys
 
 # --affinity-max-imbalance: requests in flight on a video's engine beyond the least loaded
@@ -123,8 +125,8 @@ class Settings:
     calibration_dir: str | None = None    # None: <data_dir>/calibration
     calibrate_from_requests: bool = True  # keep the first requests' prompts (host memory)
     calibration_capture_mb: float = 8192.0    # kept prompts at most (host memory)
-    calibration_min_agreement: float = 0.98   # greedy answers as dense's, at least
-    calibration_max_kl: float = 0.02      # mean last-token KL(dense || sparse), at most
+    calibration_min_agreement: float = MIN_AGREEMENT  # greedy answers as dense's, at least
+    calibration_max_kl: float = MAX_KL    # mean last-token KL(dense || sparse), at most
     calibration_requests: int = 8         # requests calibrated on
     calibration_gate_requests: int = 16   # held-out requests the gate runs on
     calibration_window: int = 50          # shadow comparisons judged for drift

@@ -13,7 +13,7 @@ import torch
 
 from mminfer.errors import InputError
 from mminfer.offline.answer_kl import AnswerProbe, frontier, kl_divergence
-from mminfer.offline.calibrate import run
+from mminfer.offline.command import run
 from mminfer.offline.cli import add_arguments
 from mminfer.sparse.patterns import HeadPatternConfig
 

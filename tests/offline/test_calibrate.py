@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from mminfer.offline.calibrate import calibrate, dense_reference, head_density, run
+from mminfer.offline.calibrate import calibrate, dense_reference, head_density
+from mminfer.offline.command import run
 from mminfer.offline.cli import add_arguments
 from mminfer.errors import ConfigError
 from mminfer.sparse.estimate import estimate_layer
@@ -130,7 +131,7 @@ def test_capture_from_a_real_layout_checkpoint_then_calibrate(tmp_path):
     import argparse
     from pathlib import Path
 
-    from mminfer.offline import calibrate as C
+    from mminfer.offline import command as C
     from lab.toy.tiny import save_tiny_qwen2_5_vl
     from mminfer.engine.pipeline import Pipeline
 

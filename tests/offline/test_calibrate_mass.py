@@ -12,7 +12,8 @@ import torch
 
 from mminfer.cli import build_parser
 from mminfer.cli_options import HelpWithDefaults
-from mminfer.offline.calibrate import calibrate, format_report, run
+from mminfer.offline.calibrate import calibrate, format_report
+from mminfer.offline.command import run
 from mminfer.offline.cli import add_arguments
 from mminfer.sparse.estimate import estimate_layer
 from mminfer.sparse.modality import ModalityIndex
