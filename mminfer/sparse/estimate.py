@@ -703,7 +703,8 @@ class _Estimator:
                        lines=lines, sink=[p.sink for p in pats],
                        window=[p.window for p in pats], qgroup=qg, kgroup=kg_)
         if any(x != "cols" for x in lines):
-            n_lines = -(-L // min(strides))
+            # a piece holds the lines from its first row on (row-line programs start there)
+            n_lines = -(-(end - max(start, self.q_start)) // min(strides))
             est.row_line_programs = max(est.row_line_programs, -(-n_lines // self.block_m))
         est.grids.append(GridChoice(hs, qmod, kmod, start, end, g_stride, g_phase, g_lift, fire))
         by_kind: dict[str, list] = {}

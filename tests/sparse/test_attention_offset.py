@@ -9,6 +9,7 @@ with no row in the piece costs nothing and breaks nothing. Through the transform
 ``prefill(append=True)`` of a piece with full budgets is the dense one-shot prefill.
 """
 
+import pytest
 import torch
 
 from mminfer.kernels import masked_attention
@@ -117,3 +118,65 @@ def test_the_hook_runs_a_piece_sparse_and_full_budgets_give_the_dense_prefill():
             assert cache.get_seq_length() == INDEX.n
     torch.testing.assert_close(got["full"], want, atol=1e-5, rtol=1e-5)
     assert (got["sparse"] - want).abs().max() > 1e-4
+
+
+def test_a_sparse_piece_over_an_fp8_cache_attends_to_its_quantised_keys():
+    """Over an FP8 cache a piece's rows see the cache's quantised keys, dense (the FP8
+    flash-decoding kernel) or sparse (dequantised for the layer): at full budgets the two
+    agree to float rounding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mminfer.models.hooks import PrefillContext, register
+    from mminfer.models.kv import FP8, PrefixKV
+    from mminfer.models.prefill import prefill
+    from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity
+
+    cfg = Qwen2Config(vocab_size=100, hidden_size=192, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2)
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.set_attn_implementation(register())
+    ids = torch.randint(0, 100, (1, INDEX.n))
+    full = HeadPatternConfig(ModelIdentity("tiny", "main", 2, 6, 2, 32),
+                             [full_budget(HEADS, INDEX.n)] * 2)
+    got = {}
+    with torch.no_grad():
+        embeds = model.model.get_input_embeddings()(ids)
+        for mode in ("dense", "sparse"):
+            kv = PrefixKV.for_model(model.model, 64, dtype=FP8)
+            prefill(model.model, embeds[:, :ALIGNED].clone(), kv)
+            ctx = PrefillContext(index=INDEX, patterns=full, mode=mode, keep_plans=True)
+            got[mode] = prefill(model.model, embeds[:, ALIGNED:].clone(), kv, ctx=ctx,
+                                lm_head=model.lm_head, append=True)
+            assert bool(ctx.densities) == (mode == "sparse")
+    torch.testing.assert_close(got["sparse"], got["dense"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_piece_over_16k_keys_on_the_gpu():
+    """The compiled kernels with the GPU's tiles (128 x 64), bf16, d 128: a 4K-row piece at
+    the end of a 16K-key video prompt, planned at its offset, against the fp32 masked
+    attention of its own plan (row chunks); error within 2x PyTorch's own bf16 error on the
+    same mask."""
+    from mminfer.kernels.reference import plan_attention
+
+    index = ModalityIndex.from_segments([("text", 30), ("video", 64, 16, 16, 0), ("text", 20)])
+    q_start = 30 + 48 * 256                       # frame 48 of 64
+    g = torch.Generator().manual_seed(5)
+    n, H, Hkv, D = index.n, 6, 2, 128
+    q, k, v = (torch.randn(1, h, n, D, generator=g) for h in (H, Hkv, Hkv))
+    k[:, :, 30 + 7:30 + 64 * 256:16] *= 2.5       # a planted grid: every 16th video key
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    rows = q[:, :, q_start:].contiguous()
+    out, plan = layer_attention(rows, k, v, index, HEADS, return_plan=True, q_start=q_start)
+    assert (plan.block_m, plan.q_start, plan.n_q) == (128, q_start, n - q_start)
+    assert plan.density()["logical"] < 0.5
+    ref = plan_attention(rows.float(), k.float(), v.float(), plan).float()
+    err = (out.float() - ref).abs().max()
+    # PyTorch's own bf16 error on the last 512 rows of the same mask
+    r0, mask = list(plan.mask_rows(512))[-1]
+    tail = slice(r0 - q_start, r0 - q_start + mask.shape[2])
+    pt, _ = masked_attention(rows[:, :, tail], k, v, mask.cuda(), dtype=torch.bfloat16)
+    tol = 2 * (pt.float() - ref[:, :, tail]).abs().max() + 1e-2
+    assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
