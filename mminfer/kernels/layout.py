@@ -61,7 +61,7 @@ def row_table(n: int, block_m: int, row_groups=None, q_start: int = 0) -> torch.
     does not depend on where the piece began, except in the piece's first block."""
     if row_groups is None:
         row_groups = [(0, n, 0)]
-    if not 0 <= q_start < n:
+    if q_start and not 0 < q_start < n:
         raise ValueError(f"q_start {q_start} must lie in [0, {n})")
     rows, pos = [], 0
     for start, end, g in row_groups:
