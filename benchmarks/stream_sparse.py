@@ -127,7 +127,7 @@ def summarise(records) -> dict:
         for key in ((r["task"], r["length"]), ("all", "all")):
             groups.setdefault(key, []).append(r)
     out = {}
-    for (task, length), rs in groups.items():
+    for (task, length), rs in sorted(groups.items(), key=lambda kv: kv[0][0] == "all"):
         row = {"n": len(rs)}
         for m in ("one-shot", "pieces"):
             kls = [r["kl"][m] for r in rs]
