@@ -182,7 +182,8 @@ class Stream:
         last = self.recent[-1] if self.recent else None
         return {
             "id": self.id, "object": "stream", "state": self.state, "reason": self.reason,
-            "model": self.pipeline.model_id, "fps": self.fps,
+            "model": self.pipeline.model_id, "fps": self.fps, "attention": self.mode,
+            "sparse_pieces": self.sparse_pieces,
             "pixels": {k: v for k, v in vars(self.options).items() if v is not None},
             "pieces": self.pieces, "frames": self.frames,
             "pending_frames": 0 if self.pending is None else len(self.pending),
