@@ -63,6 +63,12 @@ def test_a_piece_on_the_block_grid_is_the_one_shot_plans_rows():
     # the grids' lines are absolute: their span starts where the video does, not the piece
     grids = [sp.primary for sp in p_part.specs if hasattr(sp, "primary")]
     assert grids and all(int(torch.as_tensor(g.start)) == 12 for g in grids)
+    # the planted grid (stride 6, phase 3 from the video's start) is found again, though the
+    # piece starts 128 rows in, at phase 2 of it
+    ones = [sp.primary for sp in p_one.specs if hasattr(sp, "primary")]
+    for g, o in zip(grids, ones):
+        assert torch.equal(g.stride, o.stride) and torch.equal(g.phase, o.phase)
+    assert any((g.stride == 6).all() and (g.phase == 3).all() for g in grids)
     torch.testing.assert_close(part, one[:, :, ALIGNED:], atol=1e-5, rtol=1e-5)
     # and sparse for real: the piece's rows lose pairs that dense attention has
     causal = torch.ones(INDEX.n, INDEX.n, dtype=torch.bool).tril()[ALIGNED:]
