@@ -10,6 +10,14 @@ Exact: after any number of pieces, a question sees the prompt (tokens, positions
 one-shot request on the same frames builds, so a dense stream answers as the dense one-shot
 prefill does (tests/engine/test_streams.py).
 
+Sparse pieces: a stream's attention mode (the pipeline's by default) decides per piece, as a
+one-shot prefill decides per request (``hooks.choose_attention`` on the stream's length after
+the piece), and a piece shorter than ``sparse_min_tokens`` rows is dense whatever the mode:
+its rows are few, and the estimate and the plan would cost more than they save. A sparse
+piece plans its rows from its own last queries against every key of the stream, with the
+whole stream's ModalityIndex (positions, grid lines and modality groups absolute), and the
+kernels take its queries at an offset into the stream's keys (mminfer.sparse.estimate).
+
 Media time: a stream samples at ``fps`` from its first frame (sample ``k`` is media time
 ``k / fps``). A piece continues the media time the stream covers (or starts where the client
 says, never before it: a piece that would go back in time is refused); its frames nearest to the
@@ -47,7 +55,9 @@ from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
 from mminfer.errors import (Cancelled, InputError, StreamClosed, StreamFull, StreamNotFound,
                             VideoError)
+from mminfer.kernels import sparsity
 from mminfer.models.base import Conversation, PrepareOptions
+from mminfer.models.hooks import MODES, choose_attention, sparse_refusal
 from mminfer.models.kv import HEADROOM, PrefixKV
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 from mminfer.sparse.modality import ModalityIndex
@@ -58,8 +68,21 @@ MAX_FPS = 60.0
 QUESTION_ROOM = 1024
 # pieces' prefill times kept for the status and the metrics
 RECENT = 32
+# a piece of fewer rows than this prefills dense in every mode. A guess to be replaced by a
+# measurement: at 2-4K rows the estimate (64 queries against every key) and the plan are a
+# small share of a piece's attention once the stream holds ~10^5 keys, and one minute of
+# LongVILA video is ~15K rows.
+SPARSE_MIN_PIECE_TOKENS = 2048
 
 OPEN, FULL, CLOSED = "open", "full", "closed"
+
+
+def _index(layout, units: int) -> ModalityIndex:
+    """The ModalityIndex of a stream's rows once ``units`` units follow the head."""
+    sp = layout.span
+    return ModalityIndex.from_segments(
+        [("text", len(layout.head_ids)), ("video", units, sp["grid_h"], sp["grid_w"],
+                                          sp["separators"])])
 
 
 def _check_fps(fps) -> float:
@@ -79,13 +102,20 @@ class Stream:
 
     def __init__(self, pipeline, *, fps: float = 2.0, options: PrepareOptions | None = None,
                  stream_id: str | None = None, tenant: str | None = None, registry=None,
-                 budget_bytes: int | None = None, mode: str = "dense"):
+                 budget_bytes: int | None = None, mode: str | None = None,
+                 sparse_min_tokens: int = SPARSE_MIN_PIECE_TOKENS):
         self.pipeline = pipeline
         self.ad = pipeline.adapter
         self.fps = _check_fps(fps)
-        if mode != "dense":
-            raise InputError("streams prefill their pieces dense for now (attention=dense)")
+        mode = pipeline.attention if mode is None else mode
+        if mode not in MODES:
+            raise InputError(f"attention must be one of {MODES}, not {mode!r}")
+        if mode == "sparse":
+            why = sparse_refusal(self.ad.patterns, pipeline.sparse_unavailable)
+            if why:
+                raise InputError(why)
         self.mode = mode
+        self.sparse_min_tokens = int(sparse_min_tokens)
         self.options = options or PrepareOptions()
         self.id = stream_id or uuid.uuid4().hex[:16]
         self.tenant = tenant
@@ -105,6 +135,7 @@ class Stream:
         self.reason = None            # why it is full / closed
         self.last_error = None        # the last refused piece's error (dict)
         self.pieces = 0
+        self.sparse_pieces = 0        # pieces whose prefill was sparse
         self.created = time.time()
         self.first_piece_at = None    # wall clock (time.time) of the first piece
         self.recent: list[dict] = []  # the last pieces' reports
@@ -131,11 +162,7 @@ class Stream:
         """The ModalityIndex of the rows in the cache."""
         if self.layout is None or not self.length:
             return None
-        head = len(self.layout.head_ids)
-        sp = self.layout.span
-        return ModalityIndex.from_segments(
-            [("text", head), ("video", self.units, sp["grid_h"], sp["grid_w"],
-                              sp["separators"])])
+        return _index(self.layout, self.units)
 
     @property
     def held_bytes(self) -> int:
@@ -155,7 +182,8 @@ class Stream:
         last = self.recent[-1] if self.recent else None
         return {
             "id": self.id, "object": "stream", "state": self.state, "reason": self.reason,
-            "model": self.pipeline.model_id, "fps": self.fps,
+            "model": self.pipeline.model_id, "fps": self.fps, "attention": self.mode,
+            "sparse_pieces": self.sparse_pieces,
             "pixels": {k: v for k, v in vars(self.options).items() if v is not None},
             "pieces": self.pieces, "frames": self.frames,
             "pending_frames": 0 if self.pending is None else len(self.pending),
@@ -315,8 +343,13 @@ class Stream:
                 pos = layout.positions(before + head, self.units, n_units)
                 if head:
                     pos = torch.cat([layout.head_positions(), pos], dim=-1)
-                ctx = self.pipeline.prefill_context(index=None, patterns=ad.patterns,
-                                                    mode="dense", cancel=check)
+                index = _index(layout, self.units + n_units)
+                attention = self._piece_attention(rows, index)
+                sparse = attention == "sparse"
+                ctx = self.pipeline.prefill_context(
+                    index=index if sparse else None,
+                    patterns=ad.patterns, mode=attention, cancel=check, keep_plans=sparse,
+                    unavailable=self.pipeline.sparse_unavailable)
                 t = time.perf_counter()
                 with torch.inference_mode():
                     prefill(ad.text_model, embeds, kv, pos, ctx=ctx, kv_only_last=True,
@@ -324,6 +357,10 @@ class Stream:
                 if kv.layers[0].k_buf is not None and kv.layers[0].k_buf.is_cuda:
                     torch.cuda.current_stream(kv.layers[0].k_buf.device).synchronize()
                 report["prefill_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+                report["attention"] = attention
+                counted = sparsity(ctx.densities) if sparse else None
+                if counted is not None:     # pairs computed over the piece's causal pairs
+                    report["density"] = round(counted["mean_density"], 6)
                 del embeds
         except BaseException:
             for layer in kv.layers:          # every layer back to the rows before the piece
@@ -333,11 +370,21 @@ class Stream:
         self.kv = kv
         self.length = new_len
         self.units += n_units
+        self.sparse_pieces += attention == "sparse"
         self.rope_delta = layout.rope_delta(self.units, self.length)
         self.pending = rest if len(rest) else None
         report["tokens"] = rows
         self.ingest_s += (report["vision_ms"] + report["prefill_ms"]) / 1e3
         return report
+
+    def _piece_attention(self, rows: int, index: ModalityIndex) -> str:
+        """"sparse" or "dense" for a piece of ``rows`` rows after which the stream's rows are
+        ``index`` (see the module doc)."""
+        if rows < self.sparse_min_tokens:
+            return "dense"
+        p = self.pipeline
+        return choose_attention(self.mode, index.n, patterns=self.ad.patterns, index=index,
+                                min_sparse_len=p.min_sparse_len, unavailable=p.sparse_unavailable)
 
     def _check_room(self, new_len: int) -> None:
         """StreamFull (and the stream full) when ``new_len`` rows and a question's room would
@@ -380,8 +427,9 @@ class Stream:
         timings = {k: round(ms.get(k, 0.0), 3) for k in PIPELINE_STAGES}
         n, visual, length = gen.prefill_tokens, seen["visual_tokens"], seen["tokens"]
         return AnswerResult(
-            answer=gen.text, model=self.pipeline.model_id, attention="dense",
-            attention_requested="dense",
+            answer=gen.text, model=self.pipeline.model_id,
+            attention="sparse" if self.sparse_pieces else "dense",
+            attention_requested=self.mode,
             video={"stream": self.id, "frames": seen["frames"], "sampled_fps": self.fps,
                    "seen_until": seen["seen_until"], "media_seconds": seen["media_seconds"]},
             tokens={"total": n, "visual": visual, "text": n - visual, "prefix": length,
@@ -468,7 +516,9 @@ class Streams:
         self.counts = dict(created=0, deleted=0, pieces=0, refused=0, questions=0)
 
     def create(self, *, fps: float = 2.0, options: PrepareOptions | None = None,
-               tenant: str | None = None, stream_id: str | None = None) -> Stream:
+               tenant: str | None = None, stream_id: str | None = None, **kw) -> Stream:
+        """A new stream of this registry (``stream_id``: a name the caller chose, else a new
+        one); ``kw``: the Stream's ``mode`` and ``sparse_min_tokens``."""
         with self._lock:
             if len(self._streams) >= self.max_streams:
                 raise StreamFull(f"this server holds {self.max_streams} streams at most; "
@@ -476,7 +526,7 @@ class Streams:
             if stream_id is not None and stream_id in self._streams:
                 raise InputError(f"a stream {stream_id!r} exists already", stream=stream_id)
             s = Stream(self.pipeline, fps=fps, options=options, tenant=tenant, registry=self,
-                       stream_id=stream_id)
+                       stream_id=stream_id, **kw)
             self._streams[s.id] = s
             self.counts["created"] += 1
             return s

@@ -11,7 +11,8 @@ kernel's): 64 on a GPU, the width every figure in BENCHMARKS.md was counted at, 
 H200 kernel reads 128-key tiles for every family but block; 16 under the interpreter, the
 kernel's own width there.
 
-* ``logical``: the pairs computed, over the causal triangle (each pair once: ``<= 1``);
+* ``logical``: the pairs computed, over the causal triangle (each pair once: ``<= 1``; with
+  queries from ``q_start``, over the causal pairs of those rows);
 * ``physical``: the kernel's tile work (tiles visited x ``block_m`` x ``BLOCK_N``) over the
   tile work of a dense causal pass on the same row blocks and tiles, so a dense plan is
   exactly 1.0. It is work, not a set: a 2D-boundary head runs its near range once per key
@@ -140,7 +141,7 @@ def counts(plan, block_n_tile: int | None = None) -> dict:
         slot_tiles = torch.where(act, t_near + far_tiles, 0).sum(-1)
         if name == "grid" and fl.n_rowline_programs:
             slot_tiles = slot_tiles + _rowline_tiles(f, on, fl.n_rowline_programs, BM, BN,
-                                                     plan.n)
+                                                     plan.n, plan.q_start)
         heads = p[:, :, F_HEAD].reshape(-1)
         pairs.index_add_(0, heads, slot_pairs.reshape(-1))
         tiles.index_add_(0, heads, slot_tiles.reshape(-1))
@@ -227,12 +228,14 @@ def _far(name, fl, f, kg, lo, r0, r1, keys, BN, BK):
     return far_keys, far_tiles
 
 
-def _rowline_tiles(f, on, n_programs, BM, BN, n):
+def _rowline_tiles(f, on, n_programs, BM, BN, n, q_start=0):
     """Tiles of the grid row-line programs per slot ``[B, S]``: program t holds lines
-    t * BM .. (t + 1) * BM - 1 and sweeps keys [0, its last row]."""
+    t * BM .. (t + 1) * BM - 1 (from the first at or after ``q_start``) and sweeps keys
+    [0, its last row]."""
     t = torch.arange(n_programs, device=on.device)
     s = f["stride"].clamp(min=1)
     first = f["start"] + f["phase"]
+    first = first + _cdiv(q_start - first, s).clamp(min=0) * s
     n_lines = _cdiv(f["end"] - first, s).clamp(min=0)
     r0 = first + t * BM * s
     live = on & ((f["lines"] & LINES_ROWS) != 0) & (r0 < f["end"])
@@ -245,8 +248,8 @@ def _rowline_tiles(f, on, n_programs, BM, BN, n):
 
 def summarise(plan, raw: dict) -> dict:
     """Fractions from raw counts (``counts``)."""
-    B, H, N = plan.batch, plan.num_heads, plan.n
-    tri = N * (N + 1) / 2
+    B, H, N, q0 = plan.batch, plan.num_heads, plan.n, plan.q_start
+    tri = (N * (N + 1) - q0 * (q0 + 1)) / 2      # causal pairs of the query rows
     area = plan.block_m * raw["block_n_tile"]
     # on the host: CUDA divides a tensor by a scalar as a multiplication by its reciprocal
     # (one ulp off the quotient), so the same plan would report other fractions on a GPU

@@ -42,14 +42,16 @@ def _gathered_verticals(k, v, fl, kv_group):
 def _check_inputs(q, k, v, plan):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, H, N, D]")
-    B, Hq, N, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != N or k.shape[3] != D:
+    B, Hq, Nq, D = q.shape
+    N = k.shape[2]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
         raise ValueError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
     if Hq % k.shape[1]:
         raise ValueError(f"query heads {Hq} not a multiple of kv heads {k.shape[1]}")
-    if (B, Hq, N) != (plan.batch, plan.num_heads, plan.n):
-        raise ValueError(f"plan is for B={plan.batch}, H={plan.num_heads}, N={plan.n}; "
-                         f"got {B}, {Hq}, {N}")
+    if (B, Hq, N, Nq) != (plan.batch, plan.num_heads, plan.n, plan.n_q):
+        raise ValueError(f"plan is for B={plan.batch}, H={plan.num_heads}, {plan.n} keys and "
+                         f"{plan.n_q} query rows from {plan.q_start}; got {B}, {Hq}, {N} "
+                         f"keys and {Nq} query rows")
     if D not in (16, 32, 64, 80, 96, 128, 256):
         raise ValueError(f"head dim {D} not supported")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -60,7 +62,8 @@ def _check_inputs(q, k, v, plan):
 
 def _launch(q, k, v, out, lse, scratch, lse_s, plan: SparsePlan, fl, scale, write_lse,
             config):
-    B, Hq, N, D = q.shape
+    B, Hq, _, D = q.shape
+    N = k.shape[2]
     family = _FAMILY_NAME[fl.family]
     cfg = tile_config(q.is_cuda, family, plan.block_m, plan.block_n, config)
     dev = q.device
@@ -102,7 +105,7 @@ def _launch(q, k, v, out, lse, scratch, lse_s, plan: SparsePlan, fl, scale, writ
         fl.vidx.shape[-1] if fl.vidx is not None else 0,
         fl.sidx.shape[-1] if fl.sidx is not None else 0,
         fl.bidx.shape[-1] if fl.bidx is not None else 0,
-        N, Hq // k.shape[1], scale * 1.4426950408889634,
+        N, plan.q_start, Hq // k.shape[1], scale * 1.4426950408889634,
         HEAD_D=D, BLOCK_D=BD, BLOCK_M=plan.block_m, BLOCK_N=cfg["BLOCK_N"], FAMILY=fl.family,
         KEY_GROUPED=plan.key_groups is not None, WRITE_LSE=write_lse,
         PRECISION=dot_precision(q.dtype), BLOCK_K=plan.block_n, DMASK=D != BD, TMA=tma,
@@ -114,14 +117,16 @@ def sparse_attention(q, k, v, plan: SparsePlan, *, scale: float | None = None,
                      return_lse: bool = False, out: torch.Tensor | None = None, config=None):
     """Exact causal attention over the plan's pair set.
 
-    q ``[B, Hq, N, D]``; k, v ``[B, Hkv, N, D]`` (GQA by head index, never repeated).
-    ``out`` may be any ``[B, Hq, N, D]`` view (e.g. a transposed ``[B, N, Hq, D]`` buffer).
-    Returns ``out`` (and the natural-log LSE ``[B, Hq, N]`` fp32 when ``return_lse``).
+    q ``[B, Hq, Nq, D]``; k, v ``[B, Hkv, N, D]`` (GQA by head index, never repeated), with
+    ``Nq = N - plan.q_start``: query row i is position ``plan.q_start + i`` and sees keys up
+    to it (``Nq == N`` for a whole prefill). ``out`` may be any ``[B, Hq, Nq, D]`` view (e.g.
+    a transposed ``[B, Nq, Hq, D]`` buffer). Returns ``out`` (and the natural-log LSE
+    ``[B, Hq, Nq]`` fp32 when ``return_lse``).
     ``config``: tile overrides (``BLOCK_N``, ``num_warps``, ``num_stages``) laid over
     ``runtime.tile_config``'s, for a tile sweep (``benchmarks/kernels.py --tune``).
     """
     _check_inputs(q, k, v, plan)
-    B, Hq, N, D = q.shape
+    B, Hq, N, D = q.shape           # N: query rows
     scale = D ** -0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(q)

@@ -51,17 +51,26 @@ def family_of(spec) -> str:
 
 
 # ---------------------------------------------------------------------- rows and keys
-def row_table(n: int, block_m: int, row_groups=None) -> torch.Tensor:
+def row_table(n: int, block_m: int, row_groups=None, q_start: int = 0) -> torch.Tensor:
     """Row blocks ``[R, 3]`` int32 (start, end, group). ``row_groups``: ordered spans
-    ``(start, end, group)`` covering [0, n); no block straddles two spans."""
+    ``(start, end, group)`` covering [0, n); no block straddles two spans.
+
+    ``q_start``: only rows ``[q_start, n)`` are queries (a piece appended to a cached prompt,
+    a chunk of a prefill). Their blocks are the whole prompt's blocks, the one holding
+    ``q_start`` cut to start there, so a row's block (and its near range, its slash tiles)
+    does not depend on where the piece began, except in the piece's first block."""
     if row_groups is None:
         row_groups = [(0, n, 0)]
+    if q_start and not 0 < q_start < n:
+        raise ValueError(f"q_start {q_start} must lie in [0, {n})")
     rows, pos = [], 0
     for start, end, g in row_groups:
         if start != pos or end <= start:
             raise ValueError(f"row groups must tile [0, {n}) in order; got span ({start}, {end})")
         for a in range(start, end, block_m):
-            rows.append((a, min(a + block_m, end), g))
+            z = min(a + block_m, end)
+            if z > q_start:
+                rows.append((max(a, q_start), z, g))
         pos = end
     if pos != n:
         raise ValueError(f"row groups end at {pos}, expected {n}")
@@ -69,7 +78,7 @@ def row_table(n: int, block_m: int, row_groups=None) -> torch.Tensor:
 
 
 def row_blocks(table: torch.Tensor) -> torch.Tensor:
-    """Row block of every position ``[N]`` int64 (on the table's device)."""
+    """Row block of every query row ``[N - q_start]`` int64 (on the table's device)."""
     lens = (table[:, 1] - table[:, 0]).to(torch.long)
     return torch.repeat_interleave(torch.arange(table.shape[0], device=table.device), lens)
 

@@ -35,9 +35,11 @@ MAX_N = 8192
 
 # ---------------------------------------------------------------------- layout
 def layout_tensors(n: int, block_m: int, block_n: int = 64, row_groups=None,
-                   device="cpu") -> dict:
+                   device="cpu", q_start: int = 0) -> dict:
     """Per position: its row block's bounds ``row_start``/``row_end``, ``row_block`` (the
-    index in row-table order), ``row_group``; per key: ``key_group``."""
+    index in row-table order), ``row_group``; per key: ``key_group``. With ``q_start`` the
+    rows are ``[q_start, n)`` and the block holding ``q_start`` starts there
+    (``layout.row_table``); the row fields of earlier positions mean nothing."""
     spans = [tuple(s) for s in row_groups] if row_groups else [(0, n, 0)]
     pos_ = 0
     for s, e, _ in spans:
@@ -55,9 +57,11 @@ def layout_tensors(n: int, block_m: int, block_n: int = 64, row_groups=None,
     r0 = s + (pos - s) // block_m * block_m
     per_span = (ends - starts + block_m - 1) // block_m
     first = torch.cumsum(per_span, 0) - per_span
-    out = {"n": n, "block_n": block_n, "n_row_blocks": int(per_span.sum()),
-           "row_start": r0, "row_end": torch.minimum(r0 + block_m, e),
-           "row_block": first[span] + (pos - s) // block_m, "row_group": groups[span],
+    block = first[span] + (pos - s) // block_m
+    dropped = int(block[q_start]) if n else 0      # whole blocks before the first query row
+    out = {"n": n, "block_n": block_n, "n_row_blocks": int(per_span.sum()) - dropped,
+           "row_start": torch.clamp(r0, min=q_start), "row_end": torch.minimum(r0 + block_m, e),
+           "row_block": block - dropped, "row_group": groups[span],
            "key_group": groups[span]}
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
@@ -197,14 +201,14 @@ def _or_into(out, heads, m):
 
 
 def spec_mask_rows(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
-                   row_groups=None, batch: int = 1, rows: int = 1024):
+                   row_groups=None, batch: int = 1, rows: int = 1024, q_start: int = 0):
     """The exact mask of the specs, ``rows`` query rows at a time, at any N: yields
-    ``(r0, mask [B, H, r1 - r0, N])``. Apart from causality and a grid's row lines, a
+    ``(r0, mask [B, H, r1 - r0, N])``, ``r0`` absolute; the query rows are ``[q_start, n)``. Apart from causality and a grid's row lines, a
     query's pairs depend only on its row block (its start, end, group, chosen key blocks),
     so each family is evaluated once per row block (at the block's last row in the chunk:
     a causal superset), spread over the block's rows and cut causally row by row; grid row
     lines are added per row. Tested equal to the oracle (``tests/kernels/oracle.py``)."""
-    L = layout_tensors(n, block_m, block_n, row_groups)
+    L = layout_tensors(n, block_m, block_n, row_groups, q_start=q_start)
     b = torch.arange(batch)[:, None, None, None]
     kv = torch.arange(n)[None, None, None, :]
     params = []
@@ -215,7 +219,7 @@ def spec_mask_rows(specs, n: int, num_heads: int, *, block_m: int, block_n: int 
             Pb = dict(P, rows=torch.zeros_like(P["rows"])) if fam == "grid" else P
             slots = torch.arange(len(sp.heads))[None, :, None, None]
             params.append((fam, P, Pb, list(sp.heads), slots))
-    for r0 in range(0, n, rows):
+    for r0 in range(q_start, n, rows):
         r1 = min(r0 + rows, n)
         q = torch.arange(r0, r1)
         rb = L["row_block"][r0:r1]

@@ -28,6 +28,13 @@ the head's other key groups through their log-sum-exp. A head may be listed by s
 per (query group, key group)). A ``Fallback`` plans both of its
 sides; the slot row's ``active`` field (set on the device) says which one runs.
 
+Queries at an offset (``q_start``): the keys are the whole prompt ``[0, n)``, the queries only
+its rows ``[q_start, n)`` (a piece appended to a cached prompt, a chunk of a prefill). Every
+position above is absolute (row ``i`` of the query tensor is position ``q_start + i``), so a
+spec means the same pairs whether its rows are computed in one pass or in pieces; the row
+table holds the query rows' blocks only (``layout.row_table``), and grid row lines start at
+the first line at or after ``q_start``.
+
 The plan is data: ``mask_rows()`` (from the specs) and ``density()`` (from the compiled
 arrays) are functions of it, and neither launches a kernel.
 """
@@ -117,18 +124,25 @@ class SparsePlan:
     n_key_groups: int = 0
     specs: list = field(default_factory=list)      # as given (Fallbacks kept), index lists padded
     row_groups: list | None = None
+    q_start: int = 0                        # the first query row (absolute); keys from 0
+
+    @property
+    def n_q(self) -> int:
+        """Query rows: ``n - q_start``."""
+        return self.n - self.q_start
 
     # ------------------------------------------------------------------ build
     @classmethod
     def build(cls, n: int, num_heads: int, specs: Sequence, *, block_m: int = 128,
               block_n: int = 64, row_groups=None, batch: int = 1, device="cpu",
-              max_row_lines: int | None = None) -> "SparsePlan":
+              max_row_lines: int | None = None, q_start: int = 0) -> "SparsePlan":
         """``specs``: pattern specs and ``Fallback``s; together they compute every (head,
         query group) exactly once (2D-boundary heads: once per key group), checked here.
         ``max_row_lines``: row-line programs per grid slot, when the strides live on the
-        device (so that counting them would wait for it)."""
+        device (so that counting them would wait for it). ``q_start``: the queries are rows
+        ``[q_start, n)`` (see the module doc); ``n`` counts every key."""
         device = torch.device(device)
-        table_cpu = row_table(n, block_m, row_groups)
+        table_cpu = row_table(n, block_m, row_groups, q_start)
         R = table_cpu.shape[0]
         specs = _pad_index_lists(list(specs))
         # (family, spec, active [B, H'] or None, counts for coverage)
@@ -161,7 +175,7 @@ class SparsePlan:
         plan = cls(n=n, batch=batch, num_heads=num_heads, block_m=block_m, block_n=block_n,
                    table=to_device(table_cpu, device), heads_2d=heads_2d, n_key_groups=n_kg,
                    specs=specs, row_groups=[tuple(x) for x in row_groups] if row_groups
-                   else None)
+                   else None, q_start=int(q_start))
         if heads_2d:
             kgid, _ = key_groups(n, row_groups or [(0, n, 0)])
             plan.key_groups = to_device(kgid[None, :].expand(batch, n).contiguous(), device)
@@ -178,7 +192,8 @@ class SparsePlan:
             fl = FamilyLaunch(family=FAMILIES[name], params=params.to(torch.int32).contiguous())
             lo = torch.clamp(r0[None, None, :] - params[:, :, F_WINDOW, None], min=0)  # [B,S,R]
             if name == "grid":
-                fl.n_rowline_programs = _rowline_programs(params, block_m, max_row_lines)
+                fl.n_rowline_programs = _rowline_programs(params, block_m, max_row_lines,
+                                                          q_start)
             elif name == "vertical_slash":
                 _vertical_slash_arrays(fl, sps, lo, r0, r1, batch, n, device)
             elif name == "block":
@@ -192,19 +207,21 @@ class SparsePlan:
         return self.table.shape[0]
 
     def masks(self) -> torch.Tensor:
-        """Exact boolean mask ``[B, H, N, N]`` of every head (small N only): :meth:`mask_rows`
+        """Exact boolean mask ``[B, H, N - q_start, N]`` of every head (query rows by keys;
+        small N only): :meth:`mask_rows`
         in one chunk. Only tests read it (the kernel tests' oracle is
         ``tests/kernels/oracle.py``, written apart from this)."""
         if self.n > _masks.MAX_N:
             raise ValueError(f"masks are for small N (got {self.n}); use density() at long N")
-        return next(self.mask_rows(self.n))[1]
+        return next(self.mask_rows(self.n_q))[1]
 
     def mask_rows(self, rows: int = 1024):
         """The exact mask of :meth:`masks`, ``rows`` query rows at a time at any N: yields
-        ``(r0, mask [B, H, rows, N])`` (``reference.plan_attention`` runs a plan so)."""
+        ``(r0, mask [B, H, rows, N])``, ``r0`` absolute (``reference.plan_attention`` runs a
+        plan so)."""
         return _masks.spec_mask_rows(self.specs, self.n, self.num_heads, block_m=self.block_m,
                                      block_n=self.block_n, row_groups=self.row_groups,
-                                     batch=self.batch, rows=rows)
+                                     batch=self.batch, rows=rows, q_start=self.q_start)
 
     def density(self) -> dict:
         """Logical pairs and visited tiles, counted from the compiled arrays along the
@@ -381,13 +398,13 @@ def _host(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _rowline_programs(params, block_m, hint) -> int:
+def _rowline_programs(params, block_m, hint, q_start=0) -> int:
     rows = (params[:, :, F_LINES] & LINES_ROWS) != 0
     if hint is not None:
         return int(hint)
     if not bool(rows.any()):
         return 0
-    span = (params[:, :, F_END] - params[:, :, F_START]).clamp(min=0)
+    span = (params[:, :, F_END] - torch.clamp(params[:, :, F_START], min=q_start)).clamp(min=0)
     n_lines = (span + params[:, :, F_STRIDE] - 1) // params[:, :, F_STRIDE]
     n_lines = torch.where(rows, n_lines, torch.zeros_like(n_lines))
     return int(((n_lines.max() + block_m - 1) // block_m).item())

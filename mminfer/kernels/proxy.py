@@ -74,23 +74,28 @@ def _pair_table(sets, Hq, Hkv, device):
 
 
 def proxy_sets(q: torch.Tensor, k: torch.Tensor, sets, scale: float, *,
-               kgroup: torch.Tensor | None = None, config: dict | None = None) -> list:
+               kgroup: torch.Tensor | None = None, config: dict | None = None,
+               q_start: int = 0) -> list:
     """``proxy_stats`` for every query set of a layer in one launch per pass, each set only
     for its heads. ``sets`` a sequence of ``QuerySet``. Returns per set ``(col, diags)``:
     ``col [B, len(heads), N]`` fp32 and ``diags`` {d: ``[B, len(heads), N]``} for every d
-    some head of the set asked for (rows of heads that did not ask for d are zero)."""
-    B, Hq, N, D = q.shape
+    some head of the set asked for (rows of heads that did not ask for d are zero).
+    ``q_start``: q holds the rows ``[q_start, N)`` of the N keys' positions (a piece
+    appended to a cached prompt); the runs' positions stay absolute."""
+    B, Hq, Nq, D = q.shape
+    N = k.shape[2]
     Hkv = k.shape[1]
     sets = tuple(sets)
-    if Hq % Hkv or k.shape[0] != B or k.shape[2] != N or k.shape[3] != D:
-        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
+    if Hq % Hkv or k.shape[0] != B or Nq != N - q_start or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)} from row "
+                         f"{q_start}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("the last dim of q and k must be contiguous")
     for s in sets:
         if len(s.diags) != len(s.heads) or list(s.heads) != sorted(set(s.heads)):
             raise ValueError(f"query set heads {s.heads} must be ascending, one diags entry each")
         for q0, nq in s.runs:
-            if not 1 <= nq <= BLOCK_Q or q0 < 0 or q0 + nq > N:
+            if not 1 <= nq <= BLOCK_Q or q0 < q_start or q0 + nq > N:
                 raise ValueError(f"query run {q0}..{q0 + nq} must hold 1..{BLOCK_Q} positions of {N}")
     dev = q.device
     table, n_pairs, n_slots, outs = _pair_table(sets, Hq, Hkv, dev)
@@ -119,7 +124,7 @@ def proxy_sets(q: torch.Tensor, k: torch.Tensor, sets, scale: float, *,
             table[H1 + i * n_pairs:H1 + (i + 1) * n_pairs] for i in range(5))
         dgroup = table[H1 + 5 * n_pairs:]
         common = (batch_stride(q), q.stride(1), q.stride(2), batch_stride(k), k.stride(1),
-                  k.stride(2), Hkv, D)
+                  k.stride(2), Hkv, D, q_start)
         n_kb = triton.cdiv(kend, BN)
         n_chunks = triton.cdiv(n_kb, kb_per)
         m = torch.empty(B, n_pairs, n_chunks, BLOCK_Q, device=dev, dtype=torch.float32)

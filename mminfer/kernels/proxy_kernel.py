@@ -51,7 +51,7 @@ def _masked_scores(qt, kt, r, c, q0, nq, scale):
 @triton.jit
 def _sets_lse_kernel(q_ptr, k_ptr, m_ptr, l_ptr, kv_ptr, p_q0, p_nq, p_head,
                      n_pairs, n_chunks, scale,
-                     s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HKV, D,
+                     s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HKV, D, q_off,
                      BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      KB_PER: tl.constexpr):
     bkv = tl.program_id(0)
@@ -66,7 +66,7 @@ def _sets_lse_kernel(q_ptr, k_ptr, m_ptr, l_ptr, kv_ptr, p_q0, p_nq, p_head,
         nq = tl.load(p_nq + i)
         h = tl.load(p_head + i)
         kend = q0 + nq
-        qt = _load_q(q_ptr, b, h, q0, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
+        qt = _load_q(q_ptr, b, h, q0 - q_off, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
         m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q], tl.float32)
         # only the key blocks this pair's run reaches (a short run early in the sequence
@@ -89,7 +89,7 @@ def _sets_lse_kernel(q_ptr, k_ptr, m_ptr, l_ptr, kv_ptr, p_q0, p_nq, p_head,
 def _sets_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgroup_ptr,
                       kv_ptr, p_q0, p_nq, p_head, p_slot, p_dbits,
                       n_pairs, n_slots, N, n_kb, n_tiles, B, scale,
-                      s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HKV, D,
+                      s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HKV, D, q_off,
                       BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       SKEW_W: tl.constexpr, N_DIAG: tl.constexpr, BY_GROUP: tl.constexpr):
     """``p_dbits[i]`` bit t: pair i adds its diagonal sums to diagonal output t, which counts
@@ -123,7 +123,7 @@ def _sets_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgro
                 h = tl.load(p_head + i)
                 slot = tl.load(p_slot + i)
                 bits = tl.load(p_dbits + i)
-                qt = _load_q(q_ptr, b, h, q0, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
+                qt = _load_q(q_ptr, b, h, q0 - q_off, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
                 s = _masked_scores(qt, kt, r, c, q0, nq, scale)
                 lse = tl.load(lse_ptr + (b * n_pairs + i).to(tl.int64) * BLOCK_Q + r)
                 p = tl.exp(s - lse[:, None])             # exactly 0 where s is -inf
@@ -150,7 +150,7 @@ def _sets_mass_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgro
 def _sets_mass_chunk_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr, dgroup_ptr,
                             kv_ptr, p_q0, p_nq, p_head, p_slot, p_dbits,
                             n_pairs, n_slots, N, n_chunks, B, scale,
-                            s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HKV, D,
+                            s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, HKV, D, q_off,
                             BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, KB_PER: tl.constexpr,
                             N_DIAG: tl.constexpr, ND_P2: tl.constexpr, BY_GROUP: tl.constexpr):
     """The mass pass laid out like the log-sum-exp pass: a program per (batch x KV head,
@@ -185,7 +185,7 @@ def _sets_mass_chunk_kernel(q_ptr, k_ptr, lse_ptr, col_ptr, diag_ptr, kgroup_ptr
         bits = tl.load(p_dbits + i)
         kend = q0 + nq
         n_blk = tl.minimum(tl.cdiv(kend, BN) - chunk * KB_PER, KB_PER)
-        qt = _load_q(q_ptr, b, h, q0, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
+        qt = _load_q(q_ptr, b, h, q0 - q_off, nq, s_qb, s_qh, s_qn, D, BLOCK_Q, BLOCK_D)
         lse = tl.load(lse_ptr + (b * n_pairs + i).to(tl.int64) * BLOCK_Q + r)
         row = (b * n_slots + slot).to(tl.int64) * N
         carry = tl.zeros([ND_P2, BN], tl.float32)

@@ -31,9 +31,11 @@ def plan_attention(q, k, v, plan, scale=None, *, rows: int = 1024, out=None,
     exact mask ``rows`` query rows at a time: the CPU's engine (no Triton), at any N. The
     cost is a dense pass (every pair is scored, then masked); memory is one chunk's scores.
 
-    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]``; fp32 arithmetic, the result in q's dtype
-    (into ``out``, any ``[B, Hq, N, D]`` view, when given). Rows with no key give 0."""
+    q ``[B, Hq, Nq, D]`` (the rows from ``plan.q_start``), k/v ``[B, Hkv, N, D]``; fp32
+    arithmetic, the result in q's dtype (into ``out``, any ``[B, Hq, Nq, D]`` view, when
+    given). Rows with no key give 0."""
     B, Hq, N, D = q.shape
+    q0 = plan.q_start
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device) if return_lse else None
@@ -41,6 +43,7 @@ def plan_attention(q, k, v, plan, scale=None, *, rows: int = 1024, out=None,
     scale = D ** -0.5 if scale is None else scale
     kh = vh = None
     for r0, m in plan.mask_rows(rows):
+        r0 -= q0                # the chunk's first row in q
         r1 = r0 + m.shape[2]
         m = m.to(q.device)
         if return_lse:

@@ -11,7 +11,11 @@ to one query modality group and one key modality group). Its keys are split into
 Far streams are disjoint from the near range and from each other by construction, so one
 online softmax runs over all of them and every (query, key) pair is counted once. Grid
 row lines (queries ``≡ phase (mod stride)``) are programs of their own whose rows are loaded
-with strided addresses; ordinary blocks skip storing those rows. Q, K and V are never
+with strided addresses; ordinary blocks skip storing those rows.
+
+Queries may start at an offset into the keys (``q_start``: a piece appended to a cached prompt,
+a chunk of a prefill): every position here is absolute, the row table holds the query rows'
+blocks, and only the addresses of Q, O and the LSE subtract ``q_start``. Q, K and V are never
 copied into permuted order: every permutation is address arithmetic here (the launcher
 gathers each vertical slot's K/V rows once, so that its columns read as contiguous tiles).
 
@@ -141,7 +145,7 @@ def _sparse_attn_fwd(
     Table, n_table, n_programs, P, n_slots,
     VIdx, VCnt, VFlag, SIdx, SRange, BIdx, BCnt, KGid, KVert, VVert, KDesc, VDesc,
     nv_max, ns_max, nb_max,
-    N, kv_group, qk_scale,
+    N, q_start, kv_group, qk_scale,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, FAMILY: tl.constexpr, KEY_GROUPED: tl.constexpr,
     WRITE_LSE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -193,6 +197,8 @@ def _sparse_attn_fwd(
         # Grid horizontal lines: rows start + phase + (t*BLOCK_M + i)*stride see every key.
         t_line = pid_m - n_table
         first = g_start + g_phase
+        # the first line at or after q_start: lines keep their absolute phase
+        first += tl.maximum(tl.cdiv(q_start - first, g_stride), 0) * g_stride
         qpos = first + (t_line * BLOCK_M + offs_m) * g_stride
         qvalid = (qpos < g_end) & ((g_lines & LINES_ROWS) != 0)
         r0 = first + t_line * BLOCK_M * g_stride
@@ -217,7 +223,7 @@ def _sparse_attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if active:
-        qrow = tl.where(qvalid, qpos, 0)
+        qrow = tl.where(qvalid, qpos - q_start, 0)
         q_ptrs = Q + b.to(tl.int64) * sqb + head.to(tl.int64) * sqh + \
             qrow.to(tl.int64)[:, None] * sqn + offs_d[None, :]
         q = tl.load(q_ptrs, mask=qvalid[:, None] & dmask[None, :], other=0.0)
@@ -344,7 +350,7 @@ def _sparse_attn_fwd(
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         acc = acc / l_safe[:, None]
-        srow = tl.where(store_ok, qpos, 0).to(tl.int64)
+        srow = tl.where(store_ok, qpos - q_start, 0).to(tl.int64)
         if dst == 0:
             o_ptrs = O + b.to(tl.int64) * sob + head.to(tl.int64) * soh + \
                 srow[:, None] * son + offs_d[None, :]

@@ -4,9 +4,14 @@ causal mask through ``AttentionMaskInterface``) for the language model only.
 Whether a request's prefill is sparse is decided once, by :func:`choose_attention` (mode,
 length threshold, head patterns, kernel availability), when the prefill starts
 (``PrefillContext.decide``); the hook follows that decision for the whole-prompt prefill call
-of every layer. Decode steps and any call on a non-empty cache stay dense (SDPA): the sparse
-kernels compute a causal prefill from position 0. Rows over an FP8 cache (``--kv-cache-dtype
-fp8``: the views carry their scales) go to the FP8 flash-decoding kernel. Per-request state
+of every layer, and for a *piece*: rows appended to a cached prompt whose ModalityIndex (the
+context's, covering every key) ends with them (a live stream's next piece of video,
+``prefill(append=True)``): the sparse kernels take those queries at an offset into the longer
+key range. Decode steps, a question's suffix (no context, or keys past its index) and the
+last-row-only call stay dense (SDPA). Rows over an FP8 cache (``--kv-cache-dtype fp8``: the
+views carry their scales) go to the FP8 flash-decoding kernel; a sparse piece over one
+attends to the same quantised keys, dequantised for the layer (one layer's K/V in the model
+dtype, as a one-shot prefill holds). Per-request state
 (the ModalityIndex, the head patterns, the timer, per-layer densities) lives in a context
 variable, so concurrent requests in one process never see each other's layout.
 """
@@ -28,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from mminfer.errors import InputError
 from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.kernels.runtime import interpreted
+from mminfer.models.kv import dequantize
 from mminfer.sparse.attention import layer_attention
 
 # Never put "flash" in this name: transformers treats any such name as FlashAttention.
@@ -149,14 +155,20 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    # the whole prompt from position 0 (a causal mask transformers could skip), or a piece
+    # that the context's index ends with, are the calls the sparse kernels compute; the
+    # request's decision says whether they do
+    piece = (ctx is not None and 1 < q_len < kv_len and ctx.index is not None
+             and ctx.index.n == kv_len)
+    sparse = (ctx is not None and layer is not None and (q_len == kv_len or piece)
+              and attention_mask is None and ctx.decide(q_len))
     if getattr(key, "kv_scale", None) is not None:      # an FP8 cache (models/kv.py)
-        return fp8_cache_attention(query, key, value, scaling, ctx), None
+        if not sparse:
+            return fp8_cache_attention(query, key, value, scaling, ctx), None
+        key = dequantize(key, key.kv_scale, query.dtype)
+        value = dequantize(value, value.kv_scale, query.dtype)
     if ctx is not None and ctx.capture is not None and layer is not None and q_len == kv_len:
         ctx.capture[layer] = tuple(t.detach().to("cpu", copy=True) for t in (query, key, value))
-    # the whole prompt from position 0 (a causal mask transformers could skip) is the one call
-    # the sparse kernels compute; the request's decision says whether they do
-    sparse = (ctx is not None and layer is not None and q_len == kv_len
-              and attention_mask is None and ctx.decide(q_len))
     timer = ctx.timer if ctx is not None else None
     if not sparse and query.shape[0] == 1 and 1 < q_len < kv_len:
         return continuation_attention(query, key, value, scaling), None
@@ -177,7 +189,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     res = layer_attention(query, key, value, ctx.index, heads,
                           return_plan=ctx.keep_plans, scale=scaling, out=out.transpose(1, 2),
                           timer=timer, engine=ctx.engine, block_m=bm, block_n=bn,
-                          spread_q=ctx.patterns.spread_queries)
+                          spread_q=ctx.patterns.spread_queries, q_start=kv_len - N)
     if ctx.keep_plans:
         ctx.densities[layer] = res[1]
     return out, None

@@ -76,6 +76,17 @@ def quantize_into(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> 
         dst[..., s:e, :].copy_(x.clamp_(-FP8_MAX, FP8_MAX).to(FP8))
 
 
+def dequantize(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``src`` (fp8, ``[B, H, n, D]``) times its per-head ``scale``, in ``dtype``: a chunk of
+    rows at a time, so the fp32 temporaries stay small."""
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    sc = scale.view(1, -1, 1, 1)
+    for s in range(0, src.shape[-2], QUANT_CHUNK):
+        e = min(s + QUANT_CHUNK, src.shape[-2])
+        out[..., s:e, :] = (src[..., s:e, :].float() * sc).to(dtype)
+    return out
+
+
 def scale_of(t: torch.Tensor):
     """The per-head scale an FP8 ``keys``/``values`` view carries (None: not one of ours)."""
     return getattr(t, "kv_scale", None)

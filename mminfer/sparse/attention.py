@@ -21,12 +21,16 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     return_plan: bool = False,
                     scale: float | None = None, out: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int | None = None, timer=None,
-                    proxy: str = "auto", engine: str = "kernel", spread_q: int = 0):
+                    proxy: str = "auto", engine: str = "kernel", spread_q: int = 0,
+                    q_start: int = 0):
     """Causal attention of one layer's prefill.
 
-    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` (GQA by head index). ``heads[h]`` is the
-    pattern of query head h (global heads of this rank). ``out`` (any ``[B, Hq, N, D]``
-    view, e.g. a transposed ``[B, N, Hq, D]`` buffer) receives the result. ``timer`` (a
+    q ``[B, Hq, N - q_start, D]``, k/v ``[B, Hkv, N, D]`` (GQA by head index): the query rows
+    are positions ``[q_start, N)`` of the N keys (``q_start`` > 0: a piece appended to a
+    cached prompt, planned from the piece's own last queries against every key; ``index``
+    is the whole prompt's). ``heads[h]`` is the
+    pattern of query head h (global heads of this rank). ``out`` (any ``[B, Hq, Nq, D]``
+    view, e.g. a transposed ``[B, Nq, Hq, D]`` buffer) receives the result. ``timer`` (a
     ``StageTimer``) books estimation + plan under "index" and the kernels under "attention";
     ``proxy`` picks the estimator's proxy (``estimate.PROXIES``) and ``spread_q`` the
     queries it reads besides the last ones (``estimate_layer``). ``engine`` runs the plan:
@@ -51,7 +55,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_n = block_n or (64 if cuda else 16)
     with stage("index"):
         est = estimate_layer(q, k, index, heads, block_m=block_m, block_n=block_n, scale=scale,
-                             proxy=proxy, spread_q=spread_q)
+                             proxy=proxy, spread_q=spread_q, q_start=q_start)
         plan = est.build_plan(q.device)
     with stage("attention"):
         if engine == "reference":

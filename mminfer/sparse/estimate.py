@@ -30,6 +30,13 @@ on the device: the grid spec and its fallback specs go to the plan as one ``Fall
 ``use`` mask is that decision, the plan switches the losing side off, so nothing waits for
 the GPU.
 
+Queries at an offset (``q_start``: a live stream's appended piece): q holds only the rows
+``[q_start, N)`` and k every key; the query sets are the last queries *of the piece* (per
+modality for boundary heads), scored against every key, and every spec is in absolute
+positions, so grid lines keep their stride and phase across pieces and the modality groups
+are those of the whole prompt. A query region with no row in the piece computes nothing: its
+slot is planned dense (no row block runs it) and nothing is estimated for it.
+
 Nothing in the hot path reads a device tensor on the host (no ``.item()``/``.tolist()``).
 """
 
@@ -92,6 +99,7 @@ class LayerEstimate:
     #                               a grid group with its fallbacks is one kernels.Fallback
     row_groups: Optional[list]    # None when no head uses a boundary
     row_line_programs: int = 0    # grid row-line programs per slot (plan hint, no sync)
+    q_start: int = 0              # the first query row (absolute): q holds [q_start, n)
     grids: list = field(default_factory=list)   # GridChoice per grid group
     device: torch.device = torch.device("cpu")
     masses: list = field(default_factory=list)  # MassChoice per group with a mass budget
@@ -103,7 +111,7 @@ class LayerEstimate:
         return SparsePlan.build(self.n, self.num_heads, self.specs, block_m=self.block_m,
                                 block_n=self.block_n, row_groups=self.row_groups,
                                 batch=self.batch, device=device,
-                                max_row_lines=self.row_line_programs)
+                                max_row_lines=self.row_line_programs, q_start=self.q_start)
 
     def summary(self) -> dict:
         """Per-head grid choices as host values (synchronises: for reports and tests)."""
@@ -136,8 +144,9 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
                    heads: Sequence[HeadPattern], *, block_m: int = 128, block_n: int = 64,
                    last_q: int = 64, chunk: int | None = None,
                    scale: float | None = None, proxy: str = "auto",
-                   spread_q: int = 0) -> LayerEstimate:
-    """Kernel specs for all heads of one layer. q ``[B, Hq, N, D]``, k ``[B, Hkv, N, D]``;
+                   spread_q: int = 0, q_start: int = 0) -> LayerEstimate:
+    """Kernel specs for all heads of one layer. q ``[B, Hq, N - q_start, D]`` (the query rows
+    from ``q_start``; see the module doc), k ``[B, Hkv, N, D]``;
     ``heads[h]`` is the HeadPattern of (local) head h. ``block_m``/``block_n`` must be the
     plan's (block heads list key blocks of ``block_n`` per row block of ``block_m``);
     ``chunk`` is the key chunk of the proxy (default: about 256 MiB of fp32 scores);
@@ -147,16 +156,20 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     sets of at most 64 and adds their sums)."""
     if proxy not in PROXIES:
         raise ConfigError(f"proxy must be one of {', '.join(PROXIES)}, not {proxy!r}")
-    B, Hq, N, D = q.shape
+    B, Hq, Nq, D = q.shape
+    N = k.shape[2]
     if len(heads) != Hq:
         raise ValueError(f"{len(heads)} head patterns for {Hq} query heads")
     if index.n != N:
-        raise ValueError(f"modality index is for {index.n} tokens, q has {N}")
-    if k.shape[0] != B or k.shape[2] != N or Hq % k.shape[1]:
-        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}")
+        raise ValueError(f"modality index is for {index.n} tokens, k has {N}")
+    if k.shape[0] != B or Nq != N - q_start or Hq % k.shape[1] or not 0 <= q_start < N:
+        raise ValueError(f"k {tuple(k.shape)} does not fit q {tuple(q.shape)} from row "
+                         f"{q_start}")
     scale = D ** -0.5 if scale is None else scale
     mods = index.modalities()
     multi = len(mods) > 1
+    # query modalities with rows among the queries (all of them, without an offset)
+    has_rows = {s.modality for s in index.spans if s.end > q_start}
 
     # Host bookkeeping over the config (ints and strings only): head -> regions -> groups.
     groups: dict[tuple, list] = {}
@@ -173,6 +186,8 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
                 # whole near range per key group (G times the work for the same pairs).
                 b, regions = "none", [(None, None, Pattern("dense"))]
         for qm, km, p in regions:
+            if qm is not None and qm not in has_rows:
+                p = Pattern("dense")        # no query row of this region: nothing runs
             groups.setdefault((qm, km, p.kind, b == "k"), []).append((h, p))
 
     # Which diagonal sums each query set needs (None: over all keys; a modality: 2D keys).
@@ -196,9 +211,9 @@ def estimate_layer(q: torch.Tensor, k: torch.Tensor, index: ModalityIndex,
     # ranks hold different heads and must compute what one process does).
     row_groups = index.row_groups() if multi else None
     est = _Estimator(q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                     needs, proxy, reads, spread_q)
+                     needs, proxy, reads, spread_q, q_start)
     out = LayerEstimate(n=N, batch=B, num_heads=Hq, block_m=block_m, block_n=block_n,
-                        specs=[], row_groups=row_groups, device=q.device)
+                        specs=[], row_groups=row_groups, device=q.device, q_start=q_start)
     for (qm, km, kind, ksplit), members in groups.items():
         hs = [h for h, _ in members]
         pats = [p for _, p in members]
@@ -221,8 +236,9 @@ class _Estimator:
     groups that read them."""
 
     def __init__(self, q, k, index, block_m, block_n, last_q, chunk, scale, multi, row_groups,
-                 needs, proxy, reads=None, spread_q=0):
+                 needs, proxy, reads=None, spread_q=0, q_start=0):
         self.q, self.k, self.index = q, k, index
+        self.q_start = q_start
         self.spread_q = spread_q
         self._qpos_cache: dict = {}
         self.proxy = proxy if proxy != "auto" else ("triton" if q.is_cuda else "torch")
@@ -230,7 +246,8 @@ class _Estimator:
         self.chunk, self.scale, self.multi = chunk, scale, multi
         self.row_groups = row_groups
         self.dev = q.device
-        self.B, self.Hq, self.N, _ = q.shape
+        self.B, self.Hq, _, _ = q.shape
+        self.N = k.shape[2]                  # keys; the query rows are [q_start, N)
         self._stats: dict = {}
         self.masses: list = []     # MassChoice of every group with a mass budget
         # Query sets by position: "text" and "all" are often the same last 64 tokens.
@@ -267,12 +284,14 @@ class _Estimator:
     def _qpos(self, qmod):
         key = qmod if self.multi else None
         if key not in self._qpos_cache:
+            q0 = self.q_start            # only rows of q can be read
             if key is None:
-                last = list(range(max(0, self.N - self.last_q), self.N))
-                spans = [(0, self.N)]
+                last = list(range(max(q0, self.N - self.last_q), self.N))
+                spans = [(q0, self.N)]
             else:
-                last = self.index.last_positions(qmod, self.last_q)
-                spans = [(s.start, s.end) for s in self.index.spans_of(qmod)]
+                last = [p for p in self.index.last_positions(qmod, self.last_q) if p >= q0]
+                spans = [(max(s.start, q0), s.end) for s in self.index.spans_of(qmod)
+                         if s.end > q0]
             if self.spread_q > 0 and last:
                 last = sorted(set(last) | set(_spread(spans, self.N // 8, last[0],
                                                       self.spread_q)))
@@ -312,7 +331,8 @@ class _Estimator:
             kg = _key_groups(self.index, self.dev)[0] if any(
                 d is not None for s in sets for ds in s.diags for d in ds) else None
             for p, s, (col, dg) in zip(keys, sets, proxy_sets(self.q, self.k, sets, self.scale,
-                                                                kgroup=kg)):
+                                                                kgroup=kg,
+                                                                q_start=self.q_start)):
                 self._sets[p] = (s.heads, col, dg)
         heads, col, dg = self._sets[pos]
         d = None if kmod is None else self.index.group_of(kmod)
@@ -330,7 +350,7 @@ class _Estimator:
             kg, _ = _key_groups(self.index, self.dev)
             kmasks = [(km, kg == self.index.group_of(km)) for km in want if km is not None]
             self._stats[pos] = _proxy_stats(self.q, self.k, list(pos), self.scale,
-                                            self.chunk, None in want, kmasks)
+                                            self.chunk, None in want, kmasks, self.q_start)
         col, diag, diag_k = self._stats[pos]
         return col, (diag_k[kmod] if kmod is not None else diag)
 
@@ -447,10 +467,11 @@ class _Estimator:
 
     def _block(self, hs, pats, qmod, kmod):
         q, k, dev = self.q, self.k, self.dev
-        B, Hq, N, D = q.shape
+        B, Hq, Nq, D = q.shape
+        N = self.N
         group = Hq // k.shape[1]
         bn = self.block_n
-        table, rb = _row_blocks(N, self.block_m, self.row_groups, dev)
+        table, rb = _row_blocks(N, self.block_m, self.row_groups, dev, self.q_start)
         R = table.shape[0]
         hidx = self._heads(hs)
         kvidx = self._heads([h // group for h in hs])
@@ -464,8 +485,8 @@ class _Estimator:
         if pooled:
             # Mean-pooled queries per row block and keys per key block, in fp32, chunked.
             qbar = torch.zeros(B, len(hs), R, D, dtype=torch.float32, device=dev)
-            for a in range(0, N, step):
-                b = min(a + step, N)
+            for a in range(0, Nq, step):
+                b = min(a + step, Nq)
                 qbar.index_add_(2, rb[a:b], q[:, hidx, a:b].float())
             qbar /= (table[:, 1] - table[:, 0]).to(torch.float32)[None, None, :, None]
             kbar = torch.empty(B, k.shape[1], nkb, D, dtype=torch.float32, device=dev)
@@ -533,7 +554,7 @@ class _Estimator:
                 torch.empty(B, len(hs), b - a, nkb, device=dev)            # [B, H', r, NKB]
             for st, (hi, hq, kr) in ad.items():
                 lm = _antidiag_logmass(q, hq, kr, table[a:b], st, self.block_m, bn, nkb,
-                                       self.scale, ok_k)
+                                       self.scale, ok_k, self.q_start)
                 # in pooled-score units, so the rules below read both kinds alike
                 s[:, hi] = (lm - lognk) / self.scale
             lo = torch.clamp(table[a:b, 0][None, :] - window[:, None], min=0)  # [H', r]
@@ -682,7 +703,8 @@ class _Estimator:
                        lines=lines, sink=[p.sink for p in pats],
                        window=[p.window for p in pats], qgroup=qg, kgroup=kg_)
         if any(x != "cols" for x in lines):
-            n_lines = -(-L // min(strides))
+            # a piece holds the lines from its first row on (row-line programs start there)
+            n_lines = -(-(end - max(start, self.q_start)) // min(strides))
             est.row_line_programs = max(est.row_line_programs, -(-n_lines // self.block_m))
         est.grids.append(GridChoice(hs, qmod, kmod, start, end, g_stride, g_phase, g_lift, fire))
         by_kind: dict[str, list] = {}
@@ -715,7 +737,7 @@ class _Estimator:
 
 
 # ---------------------------------------------------------------------- proxy
-def _antidiag_logmass(q, hq, kr, rows, S, block_m, bn, nkb, scale, ok_k):
+def _antidiag_logmass(q, hq, kr, rows, S, block_m, bn, nkb, scale, ok_k, q_start=0):
     """Log attention mass per key block for a chunk of row blocks, by XAttention's
     antidiagonal proxy: per group of S consecutive rows of a row block and S consecutive
     keys, the mean score along the group's antidiagonal (q[r0 + S-1-t] . k[c0 + t]: every
@@ -723,7 +745,8 @@ def _antidiag_logmass(q, hq, kr, rows, S, block_m, bn, nkb, scale, ok_k):
     groups; summed per row block and key block. A landmark key keeps its own score, where
     mean-pooled keys dilute it ``block_n``-fold.
 
-    q ``[B, Hq, N, D]`` (all heads; ``hq`` the ones to score), ``kr [B, H', G, S*D]`` their
+    q ``[B, Hq, N - q_start, D]`` (all heads, the rows from ``q_start``; ``hq`` the ones to
+    score), ``kr [B, H', G, S*D]`` their
     keys in groups of S (zero-padded); ``rows [r, 3]`` (start, end, group) of the row blocks
     (at most ``block_m`` rows); ``ok_k [NKB]`` the key blocks holding the region's keys.
     Returns ``[B, H', r, NKB]`` fp32 (-inf: no mass)."""
@@ -737,7 +760,7 @@ def _antidiag_logmass(q, hq, kr, rows, S, block_m, bn, nkb, scale, ok_k):
     g0 = start[:, None] + torch.arange(J, device=dev)[None, :] * S          # [r, J]
     valid = g0 < end[:, None]
     idx = torch.minimum(g0[..., None] + (S - 1 - t), end[:, None, None] - 1)  # reversed rows
-    qr = q[:, hq[:, None], idx.reshape(-1)[None, :]].reshape(B, H, -1, S * D)  # [B, H, rJ, SD]
+    qr = q[:, hq[:, None], idx.reshape(-1)[None, :] - q_start].reshape(B, H, -1, S * D)
     sc = torch.matmul(qr, kr.transpose(-1, -2)).float() * (scale / S)         # [B, H, rJ, G]
     last = torch.minimum(g0 + S - 1, end[:, None] - 1).reshape(-1)           # a group's last row
     kg_ok = ok_k.repeat_interleave(bn // S)[:G]
@@ -749,17 +772,19 @@ def _antidiag_logmass(q, hq, kr, rows, S, block_m, bn, nkb, scale, ok_k):
     return mass.log()
 
 
-def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks):
+def _proxy_stats(q, k, pos, scale, chunk, want_diag, kmasks, q_start=0):
     """Column and diagonal sums of softmax(q[pos] kᵀ · scale) (causal, fp32), two passes over
-    key chunks. GQA by index: the query heads of one kv head are stacked as rows of one
-    matmul against that kv head's keys. Returns (col, diag, {kmod: diag over its keys})."""
-    B, Hq, N, D = q.shape
+    key chunks; ``pos`` absolute, q's rows from ``q_start``. GQA by index: the query heads of
+    one kv head are stacked as rows of one matmul against that kv head's keys. Returns (col,
+    diag, {kmod: diag over its keys})."""
+    B, Hq, _, D = q.shape
+    N = k.shape[2]
     Hkv = k.shape[1]
     g = Hq // Hkv
     nq = len(pos)
     dev = q.device
     pos_t = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
-    qs = (q[:, :, pos_t] * scale).reshape(B, Hkv, g * nq, D)      # [B, Hkv, g*nq, D]
+    qs = (q[:, :, pos_t - q_start] * scale).reshape(B, Hkv, g * nq, D)   # [B, Hkv, g*nq, D]
     kend, qmin = pos[-1] + 1, pos[0]
     if chunk is None:
         budget = _PROXY_ELEMS["cuda" if q.is_cuda else "cpu"]
@@ -895,15 +920,16 @@ def _key_groups(index: ModalityIndex, device):
 
 
 @functools.lru_cache(maxsize=16)
-def _row_blocks_cached(n, block_m, row_groups, device):
-    table = row_table(n, block_m, [tuple(x) for x in row_groups] if row_groups else None)
+def _row_blocks_cached(n, block_m, row_groups, device, q_start):
+    table = row_table(n, block_m, [tuple(x) for x in row_groups] if row_groups else None,
+                      q_start)
     return to_device(table.to(torch.long), device), to_device(row_blocks(table), device)
 
 
-def _row_blocks(n, block_m, row_groups, device):
-    """The plan's row table ``[R, 3]`` and the row block of every position ``[N]``."""
+def _row_blocks(n, block_m, row_groups, device, q_start=0):
+    """The plan's row table ``[R, 3]`` and the row block of every query row ``[N - q_start]``."""
     return _row_blocks_cached(n, block_m, tuple(map(tuple, row_groups)) if row_groups else None,
-                              torch.device(device))
+                              torch.device(device), q_start)
 
 
 def full_budget(heads: Sequence[HeadPattern], n: int) -> list:

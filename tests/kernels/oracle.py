@@ -18,7 +18,9 @@ listed by several slots gets the union of their pairs):
 * vertical_slash: ``kv`` a vertical; or an offset ``o`` with ``r0(q) - o <= kv < r1(q) - o``;
 * block: key block ``kv // block_n`` listed for q's row block;
 * Fallback: per (request, head) the primary's pairs where ``use`` is false, else those of
-  the alternative that lists the head.
+  the alternative that lists the head;
+* queries at an offset ``q_start``: the rows are ``[q_start, N)``, every position absolute;
+  the block holding ``q_start`` is cut to start there.
 """
 
 from __future__ import annotations
@@ -40,18 +42,22 @@ def _value(x, b: int, s: int) -> int:
     return int(list(x)[s])
 
 
-def _rows(n: int, block_m: int, row_groups):
-    """Per position: its row block's start, end and index, and its group (keys too)."""
+def _rows(n: int, block_m: int, row_groups, q_start: int = 0):
+    """Per position: its row block's start, end and index, and its group (keys too);
+    positions before ``q_start`` are no rows (-1)."""
     spans = row_groups or [(0, n, 0)]
-    r0 = torch.empty(n, dtype=torch.long)
-    r1 = torch.empty(n, dtype=torch.long)
-    rb = torch.empty(n, dtype=torch.long)
+    r0 = torch.full((n,), -1, dtype=torch.long)
+    r1 = torch.full((n,), -1, dtype=torch.long)
+    rb = torch.full((n,), -1, dtype=torch.long)
     grp = torch.empty(n, dtype=torch.long)
     i = 0
     for s, e, g in spans:
         grp[s:e] = g
         for a in range(s, e, block_m):
             z = min(a + block_m, e)
+            if z <= q_start:
+                continue
+            a = max(a, q_start)
             r0[a:z], r1[a:z], rb[a:z] = a, z, i
             i += 1
     return r0, r1, rb, grp
@@ -74,11 +80,12 @@ def _slots(specs, batch: int):
 
 
 def spec_masks(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64,
-               row_groups=None, batch: int = 1) -> torch.Tensor:
-    """The exact mask ``[B, H, N, N]`` (bool, CPU) of the specs."""
+               row_groups=None, batch: int = 1, q_start: int = 0) -> torch.Tensor:
+    """The exact mask ``[B, H, N - q_start, N]`` (bool, CPU) of the specs: query rows
+    ``[q_start, N)`` by keys ``[0, N)``."""
     if n > 8192:
         raise ValueError(f"the oracle is for small N, not {n}")
-    r0, r1, rb, grp = _rows(n, block_m, row_groups)
+    r0, r1, rb, grp = _rows(n, block_m, row_groups, q_start)
     q = torch.arange(n)[:, None]
     kv = torch.arange(n)[None, :]
     causal = kv <= q
@@ -121,13 +128,14 @@ def spec_masks(specs, n: int, num_heads: int, *, block_m: int, block_n: int = 64
                             chosen[r, c] = True
                 ok = ok | chosen[rb[:, None], kv // block_n]
             out[b, h] |= ok & rows & keys & causal
-    return out
+    return out[:, :, q_start:]
 
 
 def plan_masks(plan) -> torch.Tensor:
     """The oracle of a plan's own specs (the plan keeps them as given)."""
     return spec_masks(plan.specs, plan.n, plan.num_heads, block_m=plan.block_m,
-                      block_n=plan.block_n, row_groups=plan.row_groups, batch=plan.batch)
+                      block_n=plan.block_n, row_groups=plan.row_groups, batch=plan.batch,
+                      q_start=plan.q_start)
 
 
 # ---------------------------------------------------------------------- the tile replay
@@ -198,6 +206,8 @@ def replay_tiles(plan):
                         t += cpu["bcnt"][b][s][r] * (BK // BN)
                 if name == "grid" and p[Y.F_LINES] & Y.LINES_ROWS:
                     first = start + phase
+                    while first < plan.q_start:
+                        first += stride
                     for u in range(fl.n_rowline_programs):
                         r0 = first + u * BM * stride
                         if r0 >= end:

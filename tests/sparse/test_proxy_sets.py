@@ -34,8 +34,11 @@ SETS = [QuerySet(((636, 64),), (0, 1, 2, 3, 4, 5), ((None,),) * 6),   # last 64,
         QuerySet(((5, 3),), (5,), ((0, 1),))]                          # a short early run
 
 
-def _check(q, k, kgroup, scale, config, tol, sets=SETS):
-    got = proxy_sets(q, k, sets, scale, kgroup=kgroup, config=config)
+def _check(q, k, kgroup, scale, config, tol, sets=SETS, q_start=0):
+    """``q_start``: the kernels read only q's rows from there (a piece appended to a cached
+    prompt), the runs' positions staying absolute; the brute force reads the whole q."""
+    got = proxy_sets(q[:, :, q_start:].contiguous(), k, sets, scale, kgroup=kgroup,
+                     config=config, q_start=q_start)
     assert len(got) == len(sets)
     for s, (col, diags) in zip(sets, got):
         rc, rd, rby = _brute(q, k, s.runs, scale, kgroup)
@@ -59,6 +62,24 @@ def test_proxy_sets_match_brute_force(layout, kb_per, dtype):
     kgroup = (torch.rand(n, generator=g) > 0.5).to(torch.int32)
     _check(q, k, kgroup, D ** -0.5, {"mass_layout": layout, "kb_per": kb_per},
            dict(atol=1e-5, rtol=1e-4))
+
+
+@pytest.mark.parametrize("layout", ["persistent", "chunks"])
+def test_proxy_sets_of_a_piece_read_its_rows_at_the_offset(layout):
+    """The query rows of a piece, from row 500 of 700 keys: runs at absolute positions, scored
+    against every key, give the sums of the whole sequence's same queries."""
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, n, D = 1, 6, 2, 700, 16
+    q = torch.randn(B, H, n, D, generator=g)
+    k = torch.randn(B, Hkv, n, D, generator=g)
+    kgroup = (torch.arange(n) // 97 % 2).to(torch.int32)
+    sets = [QuerySet(((636, 64),), (0, 1, 2, 3, 4, 5), ((None,),) * 6),
+            QuerySet(((500, 20), (670, 30)), (1, 4), ((None, 1), (None,))),
+            QuerySet(((541, 50),), (2, 3), ((1,), ()))]
+    _check(q, k, kgroup, D ** -0.5, {"mass_layout": layout}, dict(atol=1e-5, rtol=1e-4),
+           sets, q_start=500)
+    with pytest.raises(ValueError, match="query run"):       # a run before the piece
+        proxy_sets(q[:, :, 500:], k, [QuerySet(((490, 20),), (0,), ((),))], 1.0, q_start=500)
 
 
 def test_auto_layout_switches_at_chunks_from(monkeypatch):
