@@ -154,8 +154,11 @@ class Stream:
 
     @property
     def seen_until(self) -> float:
-        """Media time up to which the cache holds the stream's frames (seconds)."""
-        return self.frames / self.fps
+        """Media time up to which the cache holds the stream's frames (seconds): the sample
+        after the last one in the cache (a piece that starts after a gap moves the samples on;
+        frames still waiting for their unit are not in the cache)."""
+        waiting = 0 if self.pending is None else len(self.pending)
+        return max(self.next_sample - waiting, 0) / self.fps
 
     @property
     def index(self) -> ModalityIndex | None:

@@ -148,6 +148,7 @@ def test_push_pieces_and_ask_between(pieces, tmp_path, live_server):
     # a gap: the piece starts later, sampling goes on from there
     r = push(srv.url, sid, pieces[0], start="12")
     assert r.status_code == 200 and r.json()["stream"]["media_seconds"] == 14.0
+    assert r.json()["stream"]["seen_until"] == 14.0     # the samples moved on past the gap
 
     # chat streamed: the same answer as server-sent events, what it saw in the last chunk
     with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=120, json={
