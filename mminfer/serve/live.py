@@ -57,7 +57,7 @@ from mminfer.errors import (Forbidden, InputError, MissingField, ModelNotFound, 
 
 from . import live_ops, media
 from .errors import validate
-from .schemas import FPS_DOC, Integer, Number
+from .schemas import FPS_DOC, Attention, Integer, Number
 from .service import video_facts
 from .worker import Job
 
@@ -80,6 +80,11 @@ class StreamCreate(BaseModel):
     max_pixels: Integer = Field(None, ge=1, description="pixels per frame at most, the "
                                                         "stream's pixel budget (Qwen2.5-VL; "
                                                         "default: the model's)")
+    attention: Attention = Field(None, description="the pieces' prefill attention: auto (each "
+                                 "piece decided by the stream's length and the piece's: "
+                                 "pieces under 2048 rows run dense), sparse (if the server "
+                                 "allows clients to ask for it) or dense; default: the "
+                                 "server's --attention")
     source: str = Field(None, min_length=1, max_length=2048,
                         description="pull mode: a live source the server reads (http(s), HLS, "
                                     "rtsp URL on --allowed-media-domains; a local path inside "
@@ -285,10 +290,14 @@ async def create_stream(request: Request):
     if form.model is not None and form.model not in svc.model_names():
         raise ModelNotFound(f"this server serves {sorted(svc.model_names())}, not "
                             f"{form.model!r}", field="model")
+    if form.attention == "sparse" and not svc.s.allow_client_sparse:
+        raise Forbidden("this server does not let clients choose attention=sparse (it decides "
+                        "dense or sparse itself: leave attention out or send auto)",
+                        field="attention")
     source = None if form.source is None else await check_source(svc, form.source)
     sid = uuid.uuid4().hex[:16]
     call = live_ops.call(live_ops.create, sid, form.fps, form.min_pixels, form.max_pixels,
-                         tenant.name, source)
+                         tenant.name, source, form.attention)
     if data_parallel(svc):
         if svc.worker.state != "ready":
             raise WorkerDead(f"the model is not ready ({svc.worker.state})")

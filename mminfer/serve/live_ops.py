@@ -102,10 +102,12 @@ class Live:
 
 # ------------------------------------------------------------------ the operations
 
-def create(stream_id, fps, min_pixels, max_pixels, tenant, source, pipeline, turn, cancel):
-    """A new stream (``source``: a URL or path the server may read, pulled from now on)."""
+def create(stream_id, fps, min_pixels, max_pixels, tenant, source, attention, pipeline, turn,
+           cancel):
+    """A new stream (``source``: a URL or path the server may read, pulled from now on;
+    ``attention``: its pieces', None for the server's)."""
     live = live_of(pipeline)
-    s = live.streams.create(fps=fps, tenant=tenant, stream_id=stream_id,
+    s = live.streams.create(fps=fps, tenant=tenant, stream_id=stream_id, mode=attention,
                             options=PrepareOptions(min_pixels=min_pixels,
                                                    max_pixels=max_pixels))
     if source is not None:

@@ -240,3 +240,18 @@ def test_a_stream_past_its_budget_is_full_and_still_answers(pieces, tmp_path, li
     assert a.status_code == 200 and a.json()["video"]["seen_until"] == 2.0
     m = httpx.get(f"{srv.url}/metrics").text
     assert metric(m, "mminfer:streams_full") == 1.0
+
+
+def test_a_stream_chooses_its_pieces_attention(tmp_path, live_server):
+    """``attention`` at creation: the pieces' mode in the stream's status; sparse refused where
+    the server does not let clients choose it, an unknown mode a 4xx naming the field."""
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path),
+                                          timeout_s=120, allow_client_sparse=False)))
+    r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "attention": "dense"}, timeout=30)
+    assert r.status_code == 200 and r.json()["attention"] == "dense", r.text
+    r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2}, timeout=30)
+    assert r.json()["attention"] == srv.app.state.worker.pipeline.attention
+    r = httpx.post(f"{srv.url}/v1/streams", json={"attention": "sparse"}, timeout=30)
+    assert r.status_code == 403 and "attention=sparse" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{srv.url}/v1/streams", json={"attention": "fast"}, timeout=30)
+    assert 400 <= r.status_code < 500 and "attention" in r.text
