@@ -47,16 +47,37 @@ def is_fp8(t) -> bool:
 
 # lengths and the scratch strides that follow them change every step or question: one compiled
 # variant each, not one per divisibility class met mid-answer
-@triton.jit(do_not_specialize=["spo_s", "spo_h", "spl_s", "spl_h", "q_len", "kv_len",
-                               "split_len"])
-def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
-                   sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, spo_s, spo_h, spl_s, spl_h,
-                   q_len, kv_len, split_len, G: tl.constexpr, qk_scale,
+@triton.jit(do_not_specialize=["sk2_h", "sk2_n", "sv2_h", "sv2_n", "spo_s", "spo_h", "spl_s",
+                               "spl_h", "q_len", "kv_len", "split_len", "seg_len",
+                               "seg_splits"])
+def _fp8_split_fwd(Q, K, V, K2, V2, KS, VS, PO, PL,
+                   sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, sk2_h, sk2_n, sv2_h, sv2_n,
+                   spo_s, spo_h, spl_s, spl_h,
+                   q_len, kv_len, split_len, seg_len, seg_splits, G: tl.constexpr, qk_scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     mb = tl.program_id(2)
+    # keys [0, seg_len) are K/V's rows, keys [seg_len, kv_len) K2/V2's from their row 0 (a
+    # reader's own rows after a shared prefix); the first seg_splits ranges cover the first
+    # segment, the others the second, so no range straddles the two
+    if split < seg_splits:
+        Kb = K + kvh.to(tl.int64) * sk_h
+        Vb = V + kvh.to(tl.int64) * sv_h
+        ks_n = sk_n
+        vs_n = sv_n
+        seg0 = 0
+        lo = split * split_len
+        seg_end = seg_len
+    else:
+        Kb = K2 + kvh.to(tl.int64) * sk2_h
+        Vb = V2 + kvh.to(tl.int64) * sv2_h
+        ks_n = sk2_n
+        vs_n = sv2_n
+        seg0 = seg_len
+        lo = seg_len + (split - seg_splits) * split_len
+        seg_end = kv_len
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)          # row r: query r // G, head r % G
     rvalid = rows < q_len * G
     qi = rows // G
@@ -66,29 +87,26 @@ def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
     q = tl.load(Q + head[:, None].to(tl.int64) * sq_h + qi[:, None].to(tl.int64) * sq_m
                 + offs_d[None, :], mask=rvalid[:, None] & dmask[None, :], other=0.0)
     qpos = kv_len - q_len + qi                           # each row's own position
-    lo = split * split_len
     # keys past the block's last query are masked for every row: not read at all
     last = kv_len - q_len + tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
-    hi = tl.minimum(lo + split_len, last + 1)
+    hi = tl.minimum(tl.minimum(lo + split_len, seg_end), last + 1)
     k_scale = tl.load(KS + kvh)
     v_scale = tl.load(VS + kvh)
     scale = qk_scale * k_scale                           # base 2, K's scale folded in
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    Kb = K + kvh.to(tl.int64) * sk_h
-    Vb = V + kvh.to(tl.int64) * sv_h
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kvalid = kpos < hi
-        krow = kpos.to(tl.int64)[:, None]
+        krow = (kpos - seg0).to(tl.int64)[:, None]
         kv_mask = kvalid[:, None] & dmask[None, :]
-        k = tl.load(Kb + krow * sk_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(Kb + krow * ks_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         valid = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         qk = tl.where(valid, qk * scale, float("-inf"))
         p, alpha, m_i, l_i = online_softmax.weights(qk, m_i, l_i)
-        v = tl.load(Vb + krow * sv_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(Vb + krow * vs_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = online_softmax.accumulate(acc, alpha, p, v, PRECISION)
     has = l_i > 0
     out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
@@ -218,19 +236,42 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     positions, causal from the bottom right. Returns ``[1, q_len, H, D]`` in q's dtype.
     Triton where it runs (``available``), else :func:`chunked`. ``n_splits``: force the
     number of key ranges (tests)."""
+    return split_attention(q, [(k, v)], k_scale, v_scale, scale, n_splits=n_splits)
+
+
+def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None = None, *,
+                    n_splits: int | None = None) -> torch.Tensor:
+    """:func:`fp8_attention` over keys held in one or two ``segments`` ``[(k, v), ...]``
+    (each ``[1, Hkv, n_i, D]``, any row stride), read as their concatenation without making
+    it: a reader's own rows after a shared, read-only prefix (mminfer.models.kv.ForkKV). The
+    key ranges are planned over the whole length, each range within one segment, and merged
+    through their log-sum-exp as for one segment. K/V are FP8 with their per-head scales, or
+    the query's dtype with no scales (each tile's conversion is then the identity and the
+    scales are 1). ``q_len`` must not exceed the last segment's length (the rows attended are
+    the last ones)."""
+    if len(segments) not in (1, 2):
+        raise ValueError(f"one or two key segments, not {len(segments)}")
+    k, v = segments[0]
+    k2, v2 = segments[-1]
+    if k_scale is None:
+        if is_fp8(k) or is_fp8(k2):
+            raise ValueError("an FP8 cache needs its scales")
+        k_scale = v_scale = _ones(k.shape[1], q.device)
     if not available(q.device):
-        return chunked(q, k, v, k_scale, v_scale, scale)
+        return chunked(q, None, None, k_scale, v_scale, scale, segments=segments)
     B, H, q_len, D = q.shape
-    _, Hkv, kv_len, _ = k.shape
+    Hkv = k.shape[1]
+    seg_len = k.shape[2] if len(segments) == 2 else 0
+    kv_len = seg_len + k2.shape[2]
     if B != 1:
         raise ValueError(f"fp8_attention takes one sequence, not a batch of {B}")
-    if H % Hkv or q_len > kv_len or q_len < 1:
+    if H % Hkv or q_len > k2.shape[2] or q_len < 1:
         raise ValueError(f"{H} query heads, {Hkv} KV heads, {q_len} queries over {kv_len} keys")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
+    if any(t.stride(-1) != 1 for seg in segments for t in seg):
         raise ValueError("the cache's head dim must be contiguous")
     G = H // Hkv
     gpu = compiled_gpu(q.is_cuda)
@@ -238,20 +279,22 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     block_m, block_n, warps, stages = tiles(R, gpu)
     m_blocks = -(-R // block_m)
     if n_splits is None:
-        split_len, n_splits = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
-                                         sms=_sm_count(q.device), waves=waves(block_m))
+        split_len, _ = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
+                                  sms=_sm_count(q.device), waves=waves(block_m))
     else:
         split_len = -(-kv_len // n_splits)
-        n_splits = -(-kv_len // split_len)
+    seg_splits = -(-seg_len // split_len)
+    n_splits = seg_splits + -(-(kv_len - seg_len) // split_len)
     po = torch.empty(n_splits, Hkv, R, D, dtype=torch.float32, device=q.device)
     pl = torch.empty(n_splits, Hkv, R, dtype=torch.float32, device=q.device)
     out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
     BD = max(16, triton.next_power_of_2(D))
     _fp8_split_fwd[(Hkv, n_splits, m_blocks)](
-        q, k, v, k_scale, v_scale, po, pl,
+        q, k, v, k2, v2, k_scale, v_scale, po, pl,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        k2.stride(1), k2.stride(2), v2.stride(1), v2.stride(2),
         po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-        q_len, kv_len, split_len, G, float(scale) * LOG2E,
+        q_len, kv_len, split_len, seg_len, seg_splits, G, float(scale) * LOG2E,
         D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages)
     _fp8_merge[(Hkv, m_blocks)](
@@ -261,18 +304,32 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     return out
 
 
+_ONES: dict = {}
+
+
+def _ones(n: int, device) -> torch.Tensor:
+    """Unit scales ``[n]`` fp32 (K/V stored in the query's dtype), one tensor per device."""
+    key = (n, str(device))
+    t = _ONES.get(key)
+    if t is None:
+        t = _ONES[key] = torch.ones(n, dtype=torch.float32, device=device)
+    return t
+
+
 def dequantize(x, scale, dtype=torch.float32):
     """``x`` fp8 ``[B, Hkv, n, D]`` times its per-head ``scale`` ``[Hkv]``, in ``dtype``."""
     return (x.to(torch.float32) * scale.view(1, -1, 1, 1).to(torch.float32)).to(dtype)
 
 
 def chunked(q, k, v, k_scale, v_scale, scale: float | None = None,
-            chunk: int = 8192) -> torch.Tensor:
+            chunk: int = 8192, *, segments=None) -> torch.Tensor:
     """:func:`fp8_attention` in PyTorch: ``chunk`` keys at a time dequantised to fp32, an
     online softmax across the chunks, GQA by reshaping the query heads into their groups.
-    ``[1, q_len, H, D]`` in q's dtype."""
+    ``segments`` (instead of ``k``/``v``): the keys in parts, as :func:`split_attention`
+    takes them. ``[1, q_len, H, D]`` in q's dtype."""
+    segments = segments or [(k, v)]
     B, H, q_len, D = q.shape
-    Hkv, kv_len = k.shape[1], k.shape[2]
+    Hkv, kv_len = segments[0][0].shape[1], sum(sk.shape[2] for sk, _ in segments)
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qf = q.float().reshape(B, Hkv, G * q_len, D) * scale                # rows: (g, qi)
@@ -280,12 +337,17 @@ def chunked(q, k, v, k_scale, v_scale, scale: float | None = None,
     m = torch.full((B, Hkv, G * q_len, 1), float("-inf"), device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros(B, Hkv, G * q_len, D, device=q.device)
-    for s in range(0, kv_len, chunk):
-        e = min(s + chunk, kv_len)
+    parts = []                 # (segment, its first key's position, rows [s, e) of it)
+    base = 0
+    for seg in segments:
+        n = seg[0].shape[2]
+        parts += [(seg, base, s, min(s + chunk, n)) for s in range(0, n, chunk)]
+        base += n
+    for (k, v), base, s, e in parts:
         kf = dequantize(k[:, :, s:e], k_scale)
         logits = qf @ kf.transpose(-1, -2)
-        logits = logits.masked_fill(torch.arange(s, e, device=q.device)[None, :] > qpos,
-                                    float("-inf"))
+        logits = logits.masked_fill(
+            torch.arange(base + s, base + e, device=q.device)[None, :] > qpos, float("-inf"))
         m_new = torch.maximum(m, logits.amax(-1, keepdim=True))
         m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(logits - m_use)

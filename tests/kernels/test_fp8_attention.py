@@ -71,6 +71,35 @@ def test_chunked_fallback_matches_the_reference(q_len):
     torch.testing.assert_close(got, reference(q, k, v, ks, vs), atol=2e-6, rtol=2e-5)
 
 
+def _split(k, v, at: int):
+    """The cache as two segments in separate buffers: rows [0, at) and the rest."""
+    return [(k[:, :, :at], v[:, :, :at]), (k[:, :, at:].clone(), v[:, :, at:].clone())]
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("q_len,at,splits", [(1, 61, None), (5, 40, 3), (20, 27, 4)])
+def test_two_segments_read_as_their_concatenation(q_len, at, splits, fp8):
+    """A reader's rows after a shared prefix: the keys in two buffers give what they give
+    as one cache (FP8 with scales; fp32 with none), the key ranges never straddling the two;
+    the Triton kernel under the interpreter where it runs, and the PyTorch fallback."""
+    q, k, v, ks, vs = _case(6, 2, q_len, 70, 16, torch.float32, seed=5)
+    if not fp8:
+        k, v = F.dequantize(k, ks), F.dequantize(v, vs)
+        ks = vs = torch.ones(2)
+    ref = reference(q, k, v, ks, vs, 0.3)
+    segs = _split(k, v, at)
+    scales = (ks, vs) if fp8 else (None, None)
+    got = F.chunked(q, None, None, ks, vs, 0.3, chunk=16, segments=segs)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    if INTERP:
+        got = F.split_attention(q, segs, *scales, 0.3, n_splits=splits)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    # the second segment's keys are read where they are: another buffer changes the answer
+    other = [segs[0], (segs[1][1], segs[1][0])]
+    assert not torch.allclose(F.chunked(q, None, None, ks, vs, 0.3, segments=other), ref,
+                              atol=1e-3)
+
+
 def test_split_plan_covers_the_keys():
     for n in (1, 63, 64, 1000, 1 << 20):
         for progs in (1, 4, 300):
