@@ -189,11 +189,16 @@ def _lower_for_hopper():
             mod = passes[stage](mod, md)
         assert md["shared"] <= 227 * 1024
 
-    ptrs = {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "KS": "*fp32", "VS": "*fp32",
-            "PO": "*fp32", "PL": "*fp32", "O": "*bf16"}
+    ptrs = {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "K2": "*fp8e4nv",
+            "V2": "*fp8e4nv", "KS": "*fp32", "VS": "*fp32", "PO": "*fp32", "PL": "*fp32",
+            "O": "*bf16"}
     for block_m, warps in ((16, 4), (32, 4), (64, 4), (128, 8)):
         lower(F._fp8_split_fwd, ptrs, dict(G=7, D=128, BLOCK_M=block_m, BLOCK_N=64,
                                             BLOCK_D=128, PRECISION="tf32"), warps)
+    # a forked reader of a bf16 cache: the same kernel, K/V in the query's dtype
+    bf16 = {**ptrs, **{n: "*bf16" for n in ("K", "V", "K2", "V2")}}
+    lower(F._fp8_split_fwd, bf16, dict(G=7, D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
+                                       PRECISION="tf32"), 4)
     lower(F._fp8_merge, ptrs, dict(G=7, D=128, BLOCK_M=16, BLOCK_D=128), 4)
     print("lowered")
 
