@@ -6,7 +6,9 @@ length threshold, head patterns, kernel availability), when the prefill starts
 (``PrefillContext.decide``); the hook follows that decision for the whole-prompt prefill call
 of every layer. Decode steps and any call on a non-empty cache stay dense (SDPA): the sparse
 kernels compute a causal prefill from position 0. Rows over an FP8 cache (``--kv-cache-dtype
-fp8``: the views carry their scales) go to the FP8 flash-decoding kernel. Per-request state
+fp8``: the views carry their scales) go to the FP8 flash-decoding kernel, and so do a
+question's rows over a kept prefix it shares with other readers (a ForkKV: the views carry
+the prefix's), in either dtype. Per-request state
 (the ModalityIndex, the head patterns, the timer, per-layer densities) lives in a context
 variable, so concurrent requests in one process never see each other's layout.
 """
@@ -26,8 +28,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from mminfer.errors import InputError
-from mminfer.kernels.fp8_attention import fp8_attention
+from mminfer.kernels.fp8_attention import fp8_attention, split_attention
 from mminfer.kernels.runtime import interpreted
+from mminfer.models.kv import prefix_of, scale_of
 from mminfer.sparse.attention import layer_attention
 
 # Never put "flash" in this name: transformers treats any such name as FlashAttention.
@@ -149,6 +152,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if prefix_of(key) is not None:     # a reader's rows after a shared prefix (models/kv.py)
+        return fork_attention(query, key, value, scaling, ctx), None
     if getattr(key, "kv_scale", None) is not None:      # an FP8 cache (models/kv.py)
         return fp8_cache_attention(query, key, value, scaling, ctx), None
     if ctx is not None and ctx.capture is not None and layer is not None and q_len == kv_len:
@@ -210,6 +215,21 @@ def fp8_cache_attention(query, key, value, scaling=None, ctx=None):
         with timer("attention"):
             return fp8_attention(query, key, value, key.kv_scale, value.kv_scale, scaling)
     return fp8_attention(query, key, value, key.kv_scale, value.kv_scale, scaling)
+
+
+def fork_attention(query, key, value, scaling=None, ctx=None):
+    """Rows over a ForkKV (mminfer.models.kv): a question's suffix or a decode step of one
+    of the readers of a kept prefix, ``key``/``value`` its own rows, carrying the shared
+    prefix's. The last ``q_len`` positions of the two segments together, causal from the
+    bottom right: one flash-decoding launch over both (their key ranges merged through
+    their log-sum-exp), FP8 or in the model's dtype. Returns ``[1, q_len, H, D]``."""
+    segments = [(prefix_of(key), prefix_of(value)), (key, value)]
+    scales = (key.kv_scale, value.kv_scale) if scale_of(key) is not None else (None, None)
+    timer = ctx.timer if ctx is not None else None
+    if timer is not None:
+        with timer("attention"):
+            return split_attention(query, segments, *scales, scaling)
+    return split_attention(query, segments, *scales, scaling)
 
 
 def decode_backends(query, q_len: int):

@@ -429,3 +429,69 @@ def test_batched_step_gives_each_answer_its_own_tokens(kind, prepared):
             n = a.get_seq_length()
             torch.testing.assert_close(la.keys[..., :n, :], lb.keys[..., :n, :], atol=1e-5,
                                        rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_forked_readers_answer_as_the_in_place_path(kind, kv_dtype, prepared):
+    """Three questions forked from one kept prefix (ForkKV: the prefix shared and never
+    written, each reader's rows its own) and decoded together in batched steps give each the
+    logits and greedy tokens of its question appended in place to a prefix of its own; the
+    prefix's rows are untouched. In the model's dtype and FP8 (rows quantised with the
+    prefix's scales)."""
+    from mminfer.models.kv import ForkKV, kv_dtype as dtype_of
+    ad, prep, embeds = prepared[kind]
+    P = prep.prefix_len
+    suffix = embeds[:, P:]
+    S = suffix.shape[1]
+    emb = ad.text_model.get_input_embeddings()
+    questions = [suffix]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):          # other questions: the suffix but its last rows, other tokens
+        q = suffix.clone()
+        with torch.inference_mode():
+            q[:, :-2] = emb(torch.randint(0, emb.num_embeddings, (1, S - 2), generator=g))
+        questions.append(q)
+    dec = decode.decoder_of(ad)
+    saved = ad.kv_cache_dtype
+    ad.kv_cache_dtype = dtype_of(kv_dtype)
+    try:
+        alone = []               # (suffix logits, tokens) on a prefix of its own, in place
+        for q in questions:
+            kv = ad.prefill_prefix(prep, embeds.clone())
+            with torch.inference_mode():
+                logits = ad.lm_head(ad._step(q, ad.positions_after(prep.rope_delta, P, S),
+                                             kv))[:, -1]
+                toks = [int(logits.argmax(-1))]
+                for _ in range(8):
+                    n = kv.get_seq_length()
+                    toks.append(int(dec.step(torch.tensor([[toks[-1]]]),
+                                             ad.positions_after(prep.rope_delta, n, 1), kv)))
+            alone.append((logits, toks))
+        shared = ad.prefill_prefix(prep, embeds.clone(), headroom=0)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in shared.layers]
+        forks = [ForkKV(shared, P, headroom=8) for _ in questions]
+        with torch.inference_mode():
+            tokens = []
+            for (ref_logits, ref), q, fork in zip(alone, questions, forks):
+                logits = ad.lm_head(ad._step(q, ad.positions_after(prep.rope_delta, P, S),
+                                             fork))[:, -1]
+                torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+                tokens.append([int(logits.argmax(-1))])
+            for _ in range(8):
+                pos = [ad.positions_after(prep.rope_delta, f.get_seq_length(), 1)
+                       for f in forks]
+                got = dec.step_many([t[-1] for t in tokens], pos, forks).argmax(-1).tolist()
+                for t, g in zip(tokens, got):
+                    t.append(g)
+        assert tokens == [ref for _, ref in alone]
+        assert len(set(tokens[0])) > 1
+        # the questions' logits differ past the tolerance: each reader read its own rows
+        assert all((a - alone[0][0]).abs().max() > 1e-3 for a, _ in alone[1:])
+        assert all(f.get_seq_length() == P + S + 8 for f in forks)
+        assert shared.get_seq_length() == P and shared.capacity == P
+        for layer, (k, v) in zip(shared.layers, before):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            assert layer.quantized == (kv_dtype == "fp8")
+    finally:
+        ad.kv_cache_dtype = saved
