@@ -431,8 +431,7 @@ def test_batched_step_gives_each_answer_its_own_tokens(kind, prepared):
                                        rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
-@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+@pytest.mark.parametrize("kind,kv_dtype", [("qwen", None), ("longvila", None), ("qwen", "fp8")])
 def test_forked_readers_answer_as_the_in_place_path(kind, kv_dtype, prepared):
     """Three questions forked from one kept prefix (ForkKV: the prefix shared and never
     written, each reader's rows its own) and decoded together in batched steps give each the
@@ -463,14 +462,14 @@ def test_forked_readers_answer_as_the_in_place_path(kind, kv_dtype, prepared):
                 logits = ad.lm_head(ad._step(q, ad.positions_after(prep.rope_delta, P, S),
                                              kv))[:, -1]
                 toks = [int(logits.argmax(-1))]
-                for _ in range(8):
+                for _ in range(5):
                     n = kv.get_seq_length()
                     toks.append(int(dec.step(torch.tensor([[toks[-1]]]),
                                              ad.positions_after(prep.rope_delta, n, 1), kv)))
             alone.append((logits, toks))
         shared = ad.prefill_prefix(prep, embeds.clone(), headroom=0)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in shared.layers]
-        forks = [ForkKV(shared, P, headroom=8) for _ in questions]
+        forks = [ForkKV(shared, P, headroom=5) for _ in questions]
         with torch.inference_mode():
             tokens = []
             for (ref_logits, ref), q, fork in zip(alone, questions, forks):
@@ -478,7 +477,7 @@ def test_forked_readers_answer_as_the_in_place_path(kind, kv_dtype, prepared):
                                              fork))[:, -1]
                 torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
                 tokens.append([int(logits.argmax(-1))])
-            for _ in range(8):
+            for _ in range(5):
                 pos = [ad.positions_after(prep.rope_delta, f.get_seq_length(), 1)
                        for f in forks]
                 got = dec.step_many([t[-1] for t in tokens], pos, forks).argmax(-1).tolist()
@@ -488,10 +487,46 @@ def test_forked_readers_answer_as_the_in_place_path(kind, kv_dtype, prepared):
         assert len(set(tokens[0])) > 1
         # the questions' logits differ past the tolerance: each reader read its own rows
         assert all((a - alone[0][0]).abs().max() > 1e-3 for a, _ in alone[1:])
-        assert all(f.get_seq_length() == P + S + 8 for f in forks)
+        assert all(f.get_seq_length() == P + S + 5 for f in forks)
         assert shared.get_seq_length() == P and shared.capacity == P
         for layer, (k, v) in zip(shared.layers, before):
             assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
             assert layer.quantized == (kv_dtype == "fp8")
     finally:
         ad.kv_cache_dtype = saved
+
+
+def test_graph_plumbing_writes_and_attends_a_fork_directly(prepared, monkeypatch):
+    """The captured step on a ForkKV (replayed on the CPU): its layers are written and
+    attended directly, with the tokens and rows of the eager lean step on another fork."""
+    from mminfer.models.kv import ForkKV
+    ad, prep, embeds = prepared["qwen"]
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
+    ad._lean_decoder = None
+    P = prep.prefix_len
+    shared = ad.prefill_prefix(prep, embeds.clone(), headroom=0)
+    try:
+        forks, outs = {}, {}
+        for mode in ("lean", "graph"):
+            forks[mode] = ForkKV(shared, P, headroom=2)      # grows during the answer
+            outs[mode] = _answer_on(ad, forks[mode], prep, embeds, mode)
+        graphs = decode.decoder_of(ad)._graphs
+        assert graphs is not None and graphs.direct_slabs(forks["graph"]) is not None
+        assert outs["graph"] == outs["lean"] and len(outs["lean"]) == 6
+        for a, b in zip(forks["graph"].layers, forks["lean"].layers):
+            assert a.get_seq_length() == prep.input_ids.shape[1] + 5
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
+    finally:
+        ad._lean_decoder = None
+
+
+def _answer_on(ad, cache, prep, embeds, mode, n=6):
+    ad.decode_mode, eos = mode, ad.eos_token_ids
+    ad.eos_token_ids = ()
+    try:
+        return ad.continue_on(cache, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
+                              max_new_tokens=n).token_ids
+    finally:
+        ad.decode_mode, ad.eos_token_ids = "auto", eos
