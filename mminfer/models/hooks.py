@@ -28,8 +28,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from mminfer.errors import InputError
+from mminfer.kernels.fp8_attention import chunked as chunked_attention
 from mminfer.kernels.fp8_attention import fp8_attention, split_attention
-from mminfer.kernels.runtime import interpreted
+from mminfer.kernels.runtime import compiled_gpu, interpreted
 from mminfer.models.kv import prefix_of, scale_of
 from mminfer.sparse.attention import layer_attention
 
@@ -222,14 +223,26 @@ def fork_attention(query, key, value, scaling=None, ctx=None):
     of the readers of a kept prefix, ``key``/``value`` its own rows, carrying the shared
     prefix's. The last ``q_len`` positions of the two segments together, causal from the
     bottom right: one flash-decoding launch over both (their key ranges merged through
-    their log-sum-exp), FP8 or in the model's dtype. Returns ``[1, q_len, H, D]``."""
+    their log-sum-exp), FP8 or in the model's dtype. Off the GPU a cache in the model's
+    dtype takes the kernel's PyTorch form (``chunked``: the Triton interpreter is for the
+    FP8 cache's tests, not every question of every CPU test). Returns ``[1, q_len, H, D]``."""
     segments = [(prefix_of(key), prefix_of(value)), (key, value)]
-    scales = (key.kv_scale, value.kv_scale) if scale_of(key) is not None else (None, None)
+    if scale_of(key) is not None:
+        scales = (key.kv_scale, value.kv_scale)
+        run = split_attention
+    else:
+        scales = (None, None)
+        run = split_attention if compiled_gpu(query.is_cuda) else _chunked_fork
     timer = ctx.timer if ctx is not None else None
     if timer is not None:
         with timer("attention"):
-            return split_attention(query, segments, *scales, scaling)
-    return split_attention(query, segments, *scales, scaling)
+            return run(query, segments, *scales, scaling)
+    return run(query, segments, *scales, scaling)
+
+
+def _chunked_fork(query, segments, k_scale, v_scale, scaling):
+    ones = torch.ones(segments[0][0].shape[1], device=query.device)
+    return chunked_attention(query, None, None, ones, ones, scaling, segments=segments)
 
 
 def decode_backends(query, q_len: int):

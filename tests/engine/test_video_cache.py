@@ -15,7 +15,7 @@ from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import Cancelled, InputError
 from mminfer.models.base import VIDEO, Conversation, Turn
 from mminfer.models.hooks import PrefillContext
-from mminfer.models.kv import PrefixKV
+from mminfer.models.kv import ForkKV, PrefixKV
 from mminfer.sparse.modality import ModalityIndex
 
 from conftest import write_video
@@ -226,12 +226,16 @@ def test_an_entry_over_the_budget_is_served_not_kept():
     assert cache.stats()["gpu_entries"] == 0 and cache.stats()["rejected"] == 1
 
 
-def test_a_question_rows_are_dropped_after_the_answer(pipe, mp4):
+def test_an_entry_holds_its_prefix_alone_and_questions_never_change_it(pipe, mp4):
     pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=4)
     (entry,) = pipe.video_cache._entries.values()
-    assert entry.kv.length == entry.length           # the prefix only
-    pipe.answer(mp4, "and the colour?", fps=4.0, max_new_tokens=4)
-    assert entry.kv.length == entry.length
+    # the prefix's rows, no room past them: its builder's question went into a fork
+    assert entry.kv.length == entry.kv.capacity == entry.length
+    rows = [layer.keys.clone() for layer in entry.kv.layers]
+    nbytes = entry.nbytes
+    assert pipe.answer(mp4, "and the colour?", fps=4.0, max_new_tokens=4).cache == "hit"
+    assert entry.kv.length == entry.kv.capacity == entry.length and entry.nbytes == nbytes
+    assert all(torch.equal(layer.keys, r) for layer, r in zip(entry.kv.layers, rows))
 
 
 def test_cancel_mid_prefill_leaves_nothing(pipe, mp4):
@@ -293,6 +297,13 @@ def test_sparse_prefix_plumbing_equals_the_one_shot_prefill():
             again = ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
                                    max_new_tokens=3)
             assert torch.equal(again.prefill_logits, got.prefill_logits)
+            # a fork of the sparse prefix (what the pipeline's questions read) answers so too
+            fork = ForkKV(kv, prep.prefix_len, headroom=3)
+            forked = ad.continue_on(fork, embeds[:, prep.prefix_len:],
+                                    rope_delta=prep.rope_delta, max_new_tokens=3)
+            torch.testing.assert_close(forked.prefill_logits, got.prefill_logits, atol=1e-4,
+                                       rtol=1e-4)
+            assert forked.token_ids == got.token_ids and kv.length == prep.prefix_len
 
 
 def test_a_conversation_survives_pickling():

@@ -131,14 +131,20 @@ def test_warm_lengths_cover_every_row_tile():
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 on the CPU")
 def test_warm_launches_over_a_cache_view(monkeypatch):
-    """warm runs the launcher once per warm length over the cache it is given."""
+    """warm runs the launcher once per warm length over the cache it is given, in two
+    segments as a fork's reader reads it (FP8 with scales, or without)."""
     q, k, v, ks, vs = _case(14, 2, 1, 40, 16, torch.float32)
     calls = []
-    real = F.fp8_attention
-    monkeypatch.setattr(F, "fp8_attention", lambda q_, *a: calls.append(q_.shape) or real(q_, *a))
+    real = F.split_attention
+    monkeypatch.setattr(F, "split_attention", lambda q_, segs, *a: calls.append(
+        (q_.shape, [s[0].shape[2] for s in segs], a[0] is not None)) or real(q_, segs, *a))
     monkeypatch.setattr(F, "warm_lengths", lambda group, gpu: [1, 3, 5, 10])
     assert F.warm(k, v, ks, vs, 14, torch.float32) == [1, 3, 5, 10]
-    assert calls == [(1, 14, n, 16) for n in (1, 3, 5, 10)]
+    assert calls == [((1, 14, n, 16), [40 - n, n], True) for n in (1, 3, 5, 10)]
+    calls.clear()
+    plain = F.dequantize(k, ks)
+    assert F.warm(plain, plain, None, None, 14, torch.float32) == [1, 3, 5, 10]
+    assert [c[2] for c in calls] == [False] * 4
 
 
 @pytest.mark.gpu
