@@ -378,7 +378,7 @@ def test_benchmark_tiny_run(tmp_path):
     assert [r["n"] for r in rep["rows"]] == [300, 700]
     for r in rep["rows"]:
         assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
-        assert r["same_tokens"] == {"lean": True}
+        assert r["same_tokens"] == {"lean": True, "fork": True} and r["fork_ms"] > 0
         assert len(r["tokens"]["step"]) == 1 + rep["steps"]
         # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
         assert r["splitk_max_abs_err"] < 1e-5, r
