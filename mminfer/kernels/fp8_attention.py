@@ -17,6 +17,14 @@ its range's normalised partial output and log-sum-exp; a second launch merges th
 through their log-sum-exp. Splitting across the length keeps the GPU busy when one query
 and 4 KV heads alone would give 4 programs.
 
+The keys may lie in two segments (:func:`split_attention`): a kept video prefix, shared by
+every question about it and never written, and one question's own rows after it
+(mminfer.models.kv.ForkKV). The ranges are planned over the two together, none straddling
+them, and each program reads its range from its segment's buffer: the concatenation is read
+without being made, and the merge is the same. In that form the K/V may also be in the
+query's dtype (no scales: the conversion is the identity), which is how a question reads a
+bf16 prefix it shares.
+
 The tests hold it to a pure-PyTorch fp32 oracle (tests/kernels/test_fp8_attention.py).
 ``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax
 (no full dequantised copy of a layer): where Triton cannot run (the CPU without its
