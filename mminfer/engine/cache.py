@@ -30,10 +30,12 @@ leaves it on the device.
 
 Requests (threads): every lookup holds a :class:`Lease` for the block of :meth:`VideoCache.use`.
 An entry being read is pinned (never moved or evicted) by each of its readers, who read it
-together (several questions on one video decode in the same batched steps). A miss registers a :class:`PendingBuild`; another request for the key waits for it
+at once (several questions on one video decode in the same batched steps); of the readers of
+an entry on the host, one restores it and the others wait for that. A miss registers a
+:class:`PendingBuild`; another request for the key waits for it
 (:meth:`VideoCache.wait_for_build`) and then reads the kept entry, or builds it itself if the
 first build failed, was cancelled or was not kept: ten first requests for one video cost one
-prefill. That wait goes through :meth:`VideoCache.wait`, which a scheduler overrides to give
+prefill. Every wait goes through :meth:`VideoCache.wait`, which a scheduler overrides to give
 its GPU turn away while it waits. One lock guards the bookkeeping; no lock is held while a
 prefix is built or restored from the host (a spill, which makes room for whoever asked,
 copies under it). A prefill that needs the memory asks :meth:`VideoCache.make_room`
@@ -180,7 +182,7 @@ class PendingBuild:
 class Lease:
     """What :meth:`VideoCache.use` yields, for its block: ``entry`` (None on a miss until
     :meth:`store`), ``status`` ("hit", "host", "miss" or "off"), ``restore_ms`` and
-    ``wait_ms`` (waiting for another request's build of this prefix)."""
+    ``wait_ms`` (waiting for another request's build or restore of this prefix)."""
 
     def __init__(self, cache: VideoCache | None, key: str | None, status: str = "off"):
         self.cache, self.key, self.status = cache, key, status
@@ -225,9 +227,9 @@ class VideoCache:
 
     # ------------------------------------------------------------ waiting
     def wait(self, event: threading.Event) -> None:
-        """Block until ``event`` is set: the cache's wait (for another request's build of a
-        prefix) goes through here. A
-        plain ``Event.wait`` loop; a scheduler whose requests take turns on the GPU overrides
+        """Block until ``event`` is set: every wait of the cache (for another request's build
+        of a prefix, or its restore from the host) goes through here. A plain ``Event.wait``
+        loop; a scheduler whose requests take turns on the GPU overrides
         it to give its turn away while it waits (else the request it waits for cannot run).
         It may raise (a cancelled request): the lease is then released as on any error."""
         while not event.wait(WAIT_POLL_S):
