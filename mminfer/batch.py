@@ -32,8 +32,9 @@ every ``--question`` (repeatable) on each video in turn.
 
 Items are isolated: ``--item-timeout-s`` stops one that runs too long (an error record,
 ``timeout``), and an item during which the process died (out of memory, killed: with the
-other items of its video in flight) is retried last on the next run and, after ``--quarantine-after`` such deaths, skipped with a
-``quarantined`` error record instead of killing every rerun. Attempts are tracked in
+other items of its video in flight) is retried last on the next run and, after
+``--quarantine-after`` such deaths, skipped with a ``quarantined`` error record instead of
+killing every rerun. Attempts are tracked in
 ``OUT.attempts`` next to the results.
 
 ``--ray ADDRESS|auto|local`` runs the same job on a Ray cluster: one actor per GPU (or one
