@@ -333,14 +333,20 @@ def dequantize(x, scale, dtype=torch.float32):
     return (x.to(torch.float32) * scale.view(1, -1, 1, 1).to(torch.float32)).to(dtype)
 
 
+# the most fp32 logits one chunk of chunked() holds: 16 MiB
+CHUNK_LOGITS = 1 << 22
+
+
 def chunked(q, k, v, k_scale, v_scale, scale: float | None = None,
             chunk: int = 8192, *, segments=None) -> torch.Tensor:
     """:func:`fp8_attention` in PyTorch: ``chunk`` keys at a time dequantised to fp32, an
     online softmax across the chunks, GQA by reshaping the query heads into their groups.
     ``segments`` (instead of ``k``/``v``): the keys in parts, as :func:`split_attention`
-    takes them. ``[1, q_len, H, D]`` in q's dtype."""
+    takes them. ``[1, q_len, H, D]`` in q's dtype. The chunk shrinks for many rows, so the
+    fp32 logits of a chunk stay within CHUNK_LOGITS elements (a long question's rows)."""
     segments = segments or [(k, v)]
     B, H, q_len, D = q.shape
+    chunk = max(16, min(chunk, CHUNK_LOGITS // (H * q_len)))
     Hkv, kv_len = segments[0][0].shape[1], sum(sk.shape[2] for sk, _ in segments)
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
