@@ -5,6 +5,11 @@ mminfer.models.decode, side by side in one run on the same cache:
 - ``lean``:  the lean step (the model's modules, no forward, no masks), eager;
 - ``graph``: the lean step's segments replayed from CUDA graphs, attention between them.
 
+and ``fork``: the fastest of those that runs the lean step (``graph`` on a GPU) over a ForkKV
+of the same cache, as a question on a kept video reads it (the prefix shared and read only,
+the answer's rows in buffers of its own; attention is the two-segment flash-decoding kernel,
+mminfer.kernels.fp8_attention.split_attention, in place of SDPA).
+
 A random-weight language model at the Qwen2.5-VL-7B text shape (28 layers, hidden 3584, 28/4
 heads, d 128, MLP 18944, vocab 152064; bf16) with a PrefixKV filled with random K/V to N tokens
 (default 115K and 1.05M; a length that does not fit falls back to half of it, marked). Each path
@@ -33,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mminfer.models import decode, hooks  # noqa: E402
 from mminfer.models.base import Adapter  # noqa: E402
-from mminfer.models.kv import PrefixKV  # noqa: E402
+from mminfer.models.kv import ForkKV, PrefixKV  # noqa: E402
 
 HBM_BYTES_S = 4.8e12          # H200
 SHAPE_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -110,6 +115,23 @@ def time_path(ad, kv, n, mode, steps, warm, first):
     ms = (time.perf_counter() - t0) * 1e3 / steps
     kv.truncate(n)
     return ms, out, first_s
+
+
+def time_fork(ad, kv, n, mode, steps, warm, first):
+    """:func:`time_path` on a fresh ForkKV of ``kv``'s ``n`` rows each time."""
+    dev = ad.device
+    t0 = time.perf_counter()
+    decode.decode_loop(ad, ForkKV(kv, n, warm + 1), [first], rope_delta=7,
+                       max_new_tokens=1 + warm, mode=mode)
+    sync(dev)
+    first_s = time.perf_counter() - t0
+    fork = ForkKV(kv, n, steps + 1)
+    sync(dev)
+    t0 = time.perf_counter()
+    out = decode.decode_loop(ad, fork, [first], rope_delta=7, max_new_tokens=1 + steps,
+                             mode=mode)
+    sync(dev)
+    return (time.perf_counter() - t0) * 1e3 / steps, out, first_s
 
 
 def attention_ms(ad, kv, n):
@@ -330,6 +352,14 @@ def main(argv=None):
                 row[f"{mode}_ms"] = round(ms, 3)
                 row[f"{mode}_first_call_s"] = round(first_s, 3)
                 tokens[mode] = out
+            try:
+                ms, out, first_s = time_fork(ad, kv, n, modes[-1], steps, warm, first)
+                row["fork_ms"], row["fork_first_call_s"] = round(ms, 3), round(first_s, 3)
+                tokens["fork"] = out
+            except Exception as e:          # reported, the in-place paths still measured
+                row["fork_ms"] = None
+                row["fork_error"] = f"{type(e).__name__}: {e}"
+                print(f"  fork failed at {n} tokens: {row['fork_error']}")
             if device.type == "cuda":
                 row["attention_ms"] = round(attention_ms(ad, kv, n), 3)
                 row["attention_GBps"] = round(kv_bytes / row["attention_ms"] / 1e6, 1)
@@ -357,17 +387,19 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
     print()
-    print(f"{'tokens':>9} {'floor':>7} {'step':>8} {'lean':>8} {'graph':>8} {'attn':>7} "
-          f"{'splitK':>7} {'segs':>7}  same tokens")
+    print(f"{'tokens':>9} {'floor':>7} {'step':>8} {'lean':>8} {'graph':>8} {'fork':>8} "
+          f"{'attn':>7} {'splitK':>7} {'segs':>7}  same tokens")
     for r in report["rows"]:
         def f(key):
             v = r.get(key)
             return f"{v:8.2f}" if isinstance(v, (int, float)) else f"{'-':>8}"
         print(f"{r['n']:>9} {r['floor_ms']:7.2f} {f('step_ms')} {f('lean_ms')} "
-              f"{f('graph_ms')} {f('attention_ms')[1:]} {f('splitk_ms')[1:]} "
+              f"{f('graph_ms')} {f('fork_ms')} {f('attention_ms')[1:]} {f('splitk_ms')[1:]} "
               f"{f('segments_ms')[1:]}  "
               f"{r['same_tokens']}{'  (' + r['note'] + ')' if r['note'] else ''}")
-    print("ms a decode step; floor: weights + K/V once at 4.8 TB/s; attn: every layer's decode "
+    print("ms a decode step; fork: the lean step's fastest path over a fork of the cache (a "
+          "question on a kept video); floor: weights + K/V once at 4.8 TB/s; attn: every "
+          "layer's decode "
           "attention alone (SDPA, as the step runs it); splitK: the same with the split-K Triton "
           "kernel (measured only); segs: the graphs without attention")
     for r in report["rows"]:

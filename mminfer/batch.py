@@ -19,17 +19,22 @@ or ``{"video": PATH, "questions": [Q, ...], "id": ID}``, paths relative to the m
 ``id`` optional: with several questions the items are ``ID:0``, ``ID:1``, ...), as
 ``vllm run-batch`` takes a file.
 
-Many questions per video is the workload (Video-MME asks 3, LVBench about 15): the items of
-one video run one after the other, so the first prefills the video's prefix and the rest
-answer from the engine's video cache (each record's ``response.cache`` says ``miss``,
-``hit`` or ``host``). A manifest keeps the order of its first mention of each video and, per
-video, of its questions; a folder runs every ``--question`` (repeatable) on each video in
-turn.
+Many questions per video is the workload (Video-MME asks 3, LVBench about 15): a video's
+first item runs alone and prefills the video's prefix, and the others then answer from the
+engine's video cache together (each record's ``response.cache`` says ``miss``, ``hit`` or
+``host``): each in a thread of its own with a turn of one scheduler
+(mminfer.engine.scheduler), so their questions' rows run one after the other and their
+answers decode in the same batched steps, each over its own fork of the cached prefix (the
+summary's ``decode`` counts the steps and the batches they took). Records are written in
+the items' order, each as soon as it and the ones before it are done. A manifest keeps the
+order of its first mention of each video and, per video, of its questions; a folder runs
+every ``--question`` (repeatable) on each video in turn.
 
 Items are isolated: ``--item-timeout-s`` stops one that runs too long (an error record,
-``timeout``), and an item during which the process died (out of memory, killed) is
-retried last on the next run and, after ``--quarantine-after`` such deaths, skipped with a
-``quarantined`` error record instead of killing every rerun. Attempts are tracked in
+``timeout``), and an item during which the process died (out of memory, killed: with the
+other items of its video in flight) is retried last on the next run and, after
+``--quarantine-after`` such deaths, skipped with a ``quarantined`` error record instead of
+killing every rerun. Attempts are tracked in
 ``OUT.attempts`` next to the results.
 
 ``--ray ADDRESS|auto|local`` runs the same job on a Ray cluster: one actor per GPU (or one
@@ -48,6 +53,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,6 +64,7 @@ from transformers.utils import logging as hf_logging
 from mminfer.engine import lockstep
 from mminfer.engine.interrupt import Guard, Interrupted
 from mminfer.engine.pipeline import Pipeline, check_request
+from mminfer.engine.scheduler import Scheduler
 from mminfer.errors import Cancelled, ConfigError, InputError, MMInferError
 from mminfer.models.embedded import resolve_model
 
@@ -326,10 +333,11 @@ def _now() -> str:
 
 
 def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
-               attempt: int, timeout_s: float | None = None) -> dict:
+               attempt: int, timeout_s: float | None = None, sched=None) -> dict:
     """One record; any error of this item becomes an error record, never an exception.
     ``timeout_s``: asked to stop after that long (between stages and layers), interrupted a
-    second later if it has not."""
+    second later if it has not. ``sched``: the Scheduler this item takes turns on the model
+    with (None: it has the model to itself)."""
     rec = {"custom_id": cid, "video": video["rel"], "question": question,
            "size": video["size"], "mtime_ns": video["mtime_ns"], "config_fingerprint": fp,
            "config": cfg, "attempt": attempt, "status": "ok", "response": None,
@@ -344,17 +352,21 @@ def answer_one(pipe, video: dict, question: str, cid: str, cfg: dict, fp: str,
             timer = threading.Timer(timeout_s + 1.0, guard.interrupt)
             timer.daemon = True
             timer.start()
+    turn = sched.turn(cid, stop=cancel) if sched is not None else None
     try:
         try:
             res = guard.run(pipe.answer, video["path"], question, fps=cfg["fps"],
                             max_frames=cfg["max_frames"],
-                            max_new_tokens=cfg["max_new_tokens"], cancel=cancel)
+                            max_new_tokens=cfg["max_new_tokens"], cancel=cancel,
+                            **({"turn": turn} if turn is not None else {}))
         except Interrupted:
             guard.disarm()
             raise Cancelled("interrupted") from None
         finally:
             if timer is not None:
                 timer.cancel()
+            if turn is not None:
+                turn.close()
         d = res.to_dict()
         d["video"].pop("path", None)
         rec["response"] = {"answer": d["answer"], "model": d["model"],
@@ -388,6 +400,44 @@ def load_pipeline(load_args: dict):
                     quantization=load_args.get("quantization"))
 
 
+def answer_video(pipe, video: dict, items: list, cfg: dict, fp: str,
+                 timeout_s: float | None = None, *, start=None, decode: dict | None = None):
+    """The records of one video's ``items`` ``[(custom_id, question, attempt)]``, yielded in
+    their order, each as soon as it and the ones before it are done. The first runs alone
+    and prefills the video's prefix (kept in the video cache); the others then run together,
+    in threads of their own taking turns on one Scheduler, so their answers decode in the
+    same batched steps over their forks of the cached prefix. One after the other instead
+    where the model is not shared between threads (tensor parallel: engine.lockstep.Leader)
+    or the video cache is off. ``start(cid)``: called as an item starts; ``decode``: the
+    batched steps and batches they took are added to its ``steps``/``batches``."""
+    def run(item, sched=None):
+        cid, q, attempt = item
+        return answer_one(pipe, video, q, cid, cfg, fp, attempt, timeout_s, sched)
+
+    together = isinstance(pipe, Pipeline) and pipe.video_cache.enabled and len(items) > 2
+    for item in items[:1] if together else items:
+        if start is not None:
+            start(item[0])
+        yield run(item)
+    if not together:
+        return
+    rest = items[1:]
+    sched = Scheduler()
+    for item in rest:
+        if start is not None:
+            start(item[0])
+    pool = ThreadPoolExecutor(max_workers=len(rest), thread_name_prefix="batch-item")
+    try:
+        futures = [pool.submit(run, item, sched) for item in rest]
+        for fut in futures:
+            yield fut.result()
+    finally:
+        pool.shutdown(wait=True)
+        if decode is not None:
+            decode["steps"] = decode.get("steps", 0) + sched.batched_steps
+            decode["batches"] = decode.get("batches", 0) + sched.batches
+
+
 class _Answerer:
     """The Ray actor: loads the model once, answers one video's questions per call."""
 
@@ -396,8 +446,7 @@ class _Answerer:
 
     def answer_video(self, video: dict, items: list, cfg: dict, fp: str,
                      timeout_s: float | None = None) -> list[dict]:
-        return [answer_one(self.pipe, video, q, cid, cfg, fp, attempt, timeout_s)
-                for cid, q, attempt in items]
+        return list(answer_video(self.pipe, video, items, cfg, fp, timeout_s))
 
 
 # ------------------------------------------------------------------- the job
@@ -412,6 +461,8 @@ class Summary:
     ignored: dict = field(default_factory=dict)   # scanned entries passed over, by reason
     latencies_ms: list = field(default_factory=list)
     cache: dict = field(default_factory=dict)     # answers of this run by video-cache outcome
+    # the decode steps of a video's questions answered together, and the batches they took
+    decode: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         xs = sorted(self.latencies_ms)
@@ -420,6 +471,7 @@ class Summary:
                 "errors": self.errors, "quarantined": self.quarantined,
                 "ignored": dict(sorted(self.ignored.items())),
                 "cache": dict(sorted(self.cache.items())),
+                "decode": dict(sorted(self.decode.items())),
                 "latency_ms": {"mean": round(sum(xs) / len(xs), 1), "p50": round(pct(.5), 1),
                                "p95": round(pct(.95), 1)} if xs else None}
 
@@ -433,6 +485,9 @@ class Summary:
             s += " (ignored: " + ", ".join(f"{n} {why}" for why, n in d["ignored"].items()) + ")"
         if d["cache"]:
             s += "; prefixes: " + ", ".join(f"{n} {c}" for c, n in d["cache"].items())
+        if d["decode"].get("batches"):
+            s += (f"; decoded together: {d['decode']['steps']} steps in "
+                  f"{d['decode']['batches']} batches")
         if d["latency_ms"]:
             lat = d["latency_ms"]
             s += (f"; latency per answer mean {lat['mean']:.0f} ms, p50 {lat['p50']:.0f} ms, "
@@ -523,11 +578,11 @@ def run_batch(root, questions: list[str], out, *, model: str, attention: str = "
                 pipe = pipe or load_pipeline(load_args)
                 for v, items in todo:
                     vd = {"rel": v.rel, "path": v.path, "size": v.size, "mtime_ns": v.mtime_ns}
-                    for cid, q, attempt in items:
-                        tracker.mark(cid, "start")
-                        rec = answer_one(pipe, vd, q, cid, cfg, fp, attempt, item_timeout_s)
+                    for rec in answer_video(pipe, vd, items, cfg, fp, item_timeout_s,
+                                            start=lambda cid: tracker.mark(cid, "start"),
+                                            decode=summary.decode):
                         record(rec)
-                        tracker.mark(cid, "end")
+                        tracker.mark(rec["custom_id"], "end")
         finally:
             bar.close()
         return summary

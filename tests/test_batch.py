@@ -254,6 +254,32 @@ def test_questions_of_one_video_are_answered_from_one_prefill(ckpt, videos, tmp_
             read_manifest(man)
 
 
+def test_questions_of_one_video_decode_together(ckpt, tmp_path):
+    """A video's questions after its first (which prefills the prefix) run together: their
+    answers decode in shared batched steps (the summary counts the steps and the batches),
+    each the answer it gets asked alone, the records in the items' order."""
+    from mminfer.engine.pipeline import Pipeline
+    root = tmp_path / "v"
+    root.mkdir()
+    clip = write_video(root / "one.mp4", n_frames=8, fps=4.0)
+    qs = ["what color is it?", "how many frames?", "is it dark?", "where is the square?"]
+    pipe = Pipeline(str(ckpt), attention="auto", device="cpu")
+    out = tmp_path / "out.jsonl"
+    s = run_batch(root, qs, out, model=str(ckpt), max_new_tokens=6, progress=False,
+                  pipe=pipe)
+    recs = records(out)
+    assert [(r["question"], r["response"]["cache"]) for r in recs] == [
+        (qs[0], "miss"), (qs[1], "hit"), (qs[2], "hit"), (qs[3], "hit")]
+    d = s.to_dict()["decode"]
+    assert d["steps"] > d["batches"] > 0          # several answers' steps in one batch
+    assert f"decoded together: {d['steps']} steps in {d['batches']} batches" in s.line()
+    for r in recs:                                 # each as asked alone
+        alone = pipe.answer(clip, r["question"], fps=2.0, max_new_tokens=6)
+        assert alone.cache == "hit" and alone.answer == r["response"]["answer"]
+        assert alone.tokens["generated"] == r["response"]["tokens"]["generated"]
+    assert len({r["response"]["answer"] for r in recs}) > 1
+
+
 def test_every_question_flag_is_asked_of_each_video_in_turn(ckpt, tmp_path, capsys):
     root = tmp_path / "v"
     root.mkdir()

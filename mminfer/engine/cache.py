@@ -11,15 +11,14 @@ the linear layers (fp8 or none), and the turns before the video. A changed byte,
 config is another key: a miss, never a stale hit. An FP8 entry holds half of bf16's bytes
 and moves between the tiers as it is.
 
-Memory: an entry is charged every byte it keeps (``PrefixKV.held_bytes``: its rows, the room
-past them, the FP8 scales). On the device it keeps :func:`room_rows` rows of room past the
-prefix, so the next question's suffix and answer usually append in place; a question that
-needs more grows the slab (a copy of the prefix, one layer at a time) and, when its lease
-ends, the slab is trimmed back to that room and the entry charged again. A host copy holds
-the rows alone. So the tensors of idle entries stay within ``gpu_bytes`` and ``host_bytes``;
-a request being answered holds its own question's and answer's rows on top until it ends, and
-a prefix being built or restored has its room reserved (other entries spilled) before it is
-kept or moved in.
+Memory: an entry is charged every byte it keeps (``PrefixKV.held_bytes``: its rows and the
+FP8 scales; it is built and restored without room past them). An entry is read only: every
+question about it, its builder's too, forks it (mminfer.models.kv.ForkKV: the prefix's rows
+shared, the question's and answer's rows in buffers of the request's own), so any number of
+questions read one entry at once and none changes its bytes. So the tensors of idle entries
+stay within ``gpu_bytes`` and ``host_bytes``; a request being answered holds its own
+question's and answer's rows on top until it ends, and a prefix being built or restored has
+its room reserved (other entries spilled) before it is kept or moved in.
 
 Tiers (vLLM's v1 KV offload, at entry granularity): entries live on the model's device within
 ``gpu_bytes`` (``--kv-cache-gb``); the least recently used spill to pinned host memory within
@@ -30,15 +29,16 @@ a spill that fails for want of host memory drops the entry, and one that is inte
 leaves it on the device.
 
 Requests (threads): every lookup holds a :class:`Lease` for the block of :meth:`VideoCache.use`.
-An entry being read is pinned (never moved or evicted); one lease at a time holds its turn
-(appends its question's rows after the prefix), so two questions on one video run one after
-the other. A miss registers a :class:`PendingBuild`; another request for the key waits for it
+An entry being read is pinned (never moved or evicted) by each of its readers, who read it
+at once (several questions on one video decode in the same batched steps); of the readers of
+an entry on the host, one restores it and the others wait for that. A miss registers a
+:class:`PendingBuild`; another request for the key waits for it
 (:meth:`VideoCache.wait_for_build`) and then reads the kept entry, or builds it itself if the
 first build failed, was cancelled or was not kept: ten first requests for one video cost one
 prefill. Every wait goes through :meth:`VideoCache.wait`, which a scheduler overrides to give
 its GPU turn away while it waits. One lock guards the bookkeeping; no lock is held while a
-prefix is built, restored from the host or trimmed (a spill, which makes room for whoever
-asked, copies under it). A prefill that needs the memory asks :meth:`VideoCache.make_room`
+prefix is built or restored from the host (a spill, which makes room for whoever asked,
+copies under it). A prefill that needs the memory asks :meth:`VideoCache.make_room`
 first. Only a finished prefix is kept: a cancelled or failed prefill leaves nothing behind.
 """
 
@@ -70,14 +70,6 @@ CPU_DEFAULT_BYTES = 2 << 30
 # Free memory kept for a new prefill on top of its KV cache: activations of its chunked
 # prefill (models/prefill.py: the MLP's chunk temporaries, q and the attention output).
 PREFILL_SLACK = 0.25
-# Room an entry keeps on the device past its prefix, in rows: a quarter of the prefix, at
-# least ROOM_MIN and at most ROOM_MAX rows (a question and a short answer: 0.9% of a
-# 115K-token prefix), charged to it. A follow-up that fits appends in place; one that does
-# not regrows the slab, a copy of the prefix one layer at a time, and is trimmed back after
-# (another copy). Estimated, not measured: 16 GB at 276K tokens of a 7B model, read and
-# written at H200 bandwidth, ~7 ms each, beside a 35 ms follow-up; so the room is kept
-# rather than trimmed after every question.
-ROOM_MIN, ROOM_MAX = 64, 1024
 # how often a plain wait looks up from its event (an interrupt lands within this)
 WAIT_POLL_S = 0.1
 
@@ -112,11 +104,6 @@ def cache_key(**parts) -> str:
     """A key from named parts (JSON-able values): sorted, so their order never matters."""
     blob = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=True)
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def room_rows(length: int) -> int:
-    """Rows of room an entry of ``length`` prefix rows keeps on the device (see ROOM_MIN)."""
-    return min(ROOM_MAX, max(ROOM_MIN, int(length) // 4))
 
 
 @dataclass(frozen=True)
@@ -164,15 +151,10 @@ class PrefixFacts:
     video: dict                 # frames, sampled_fps, fps, duration, width, height, sha256, ...
 
 
-def _free() -> threading.Event:
-    e = threading.Event()
-    e.set()
-    return e
-
-
 @dataclass(eq=False)
 class Entry:
-    """A prefix ready to be continued: ``kv`` holds ``length`` rows (and room past them)."""
+    """A prefix ready to be continued: ``kv`` holds its ``length`` rows, read only (each
+    question forks it: mminfer.models.kv.ForkKV)."""
     kv: PrefixKV | None                # None once evicted
     length: int                        # prefix tokens
     rope_delta: int                    # position of token i after the video: i + rope_delta
@@ -184,8 +166,8 @@ class Entry:
     tier: Tier = Tier.GPU
     nbytes: int = 0                    # what it is charged: kv.held_bytes, kept current
     readers: set[Lease] = field(default_factory=set, repr=False)     # leases pinning it
-    holder: Lease | None = field(default=None, repr=False)      # the lease whose turn it is
-    free: threading.Event = field(default_factory=_free, repr=False)  # set: no holder
+    # set while one of its readers brings it back from the host (the others wait for it)
+    restoring: threading.Event | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -200,7 +182,7 @@ class PendingBuild:
 class Lease:
     """What :meth:`VideoCache.use` yields, for its block: ``entry`` (None on a miss until
     :meth:`store`), ``status`` ("hit", "host", "miss" or "off"), ``restore_ms`` and
-    ``wait_ms`` (waiting for another request's build of this prefix, or for its turn)."""
+    ``wait_ms`` (waiting for another request's build or restore of this prefix)."""
 
     def __init__(self, cache: VideoCache | None, key: str | None, status: str = "off"):
         self.cache, self.key, self.status = cache, key, status
@@ -246,8 +228,8 @@ class VideoCache:
     # ------------------------------------------------------------ waiting
     def wait(self, event: threading.Event) -> None:
         """Block until ``event`` is set: every wait of the cache (for another request's build
-        of a prefix, for the turn on an entry another request reads) goes through here. A
-        plain ``Event.wait`` loop; a scheduler whose requests take turns on the GPU overrides
+        of a prefix, or its restore from the host) goes through here. A plain ``Event.wait``
+        loop; a scheduler whose requests take turns on the GPU overrides
         it to give its turn away while it waits (else the request it waits for cannot run).
         It may raise (a cancelled request): the lease is then released as on any error."""
         while not event.wait(WAIT_POLL_S):
@@ -257,11 +239,6 @@ class VideoCache:
         """Until the build of ``pending.key`` another request runs has ended (kept or not)."""
         self.wait(pending.done)
 
-    def wait_for_turn(self, entry: Entry) -> None:
-        """Until no other request holds ``entry``'s turn (it may be taken again before this
-        one looks: the caller loops)."""
-        self.wait(entry.free)
-
     # ------------------------------------------------------------ reading
     @property
     def enabled(self) -> bool:
@@ -269,16 +246,12 @@ class VideoCache:
 
     @contextmanager
     def use(self, key: str | None):
-        """The entry under ``key`` for the duration of the block, pinned and its turn held
-        (back on the device if it was on the host); a miss yields a lease to
-        :meth:`Lease.store` into. ``key`` None: the cache is off for this request."""
+        """The entry under ``key`` for the duration of the block, pinned (back on the device
+        if it was on the host), read by this lease and any others at once; a miss yields a
+        lease to :meth:`Lease.store` into. ``key`` None: the cache is off for this
+        request."""
         if key is None or not self.enabled:
-            lease = Lease(None, None, "off")
-            try:
-                yield lease
-            finally:
-                if lease.entry is not None and lease.entry.kv is not None:
-                    lease.entry.kv.truncate(lease.entry.length)
+            yield Lease(None, None, "off")
             return
         lease = Lease(self, key)
         try:
@@ -314,20 +287,28 @@ class VideoCache:
                     self.counts["build_waits"] += 1
                     waited = True
             self.wait_for_build(pending)
-        while True:                            # one question at a time appends after it
-            with self._lock:
-                if entry.holder is None:
-                    entry.free.clear()
-                    entry.holder = lease
-                    break
-            self.wait_for_turn(entry)
-        lease.wait_ms = (time.perf_counter() - t0) * 1e3
         status = "hit"
-        if entry.tier is Tier.HOST:
+        while True:        # on the host: one reader restores it, the others wait for that
+            with self._lock:
+                if entry.tier is not Tier.HOST:
+                    break
+                busy, mine = entry.restoring, entry.restoring is None
+                if mine:
+                    busy = entry.restoring = threading.Event()
+            if not mine:       # restored by then, or failed: then this one tries
+                self.wait(busy)
+                continue
             t1 = time.perf_counter()
-            self._restore(lease, entry)
+            try:
+                self._restore(lease, entry)
+            finally:
+                with self._lock:
+                    entry.restoring = None
+                busy.set()
             lease.restore_ms = (time.perf_counter() - t1) * 1e3
             status = "host"
+            break
+        lease.wait_ms = (time.perf_counter() - t0) * 1e3 - lease.restore_ms
         with self._lock:
             self.counts["hits"] += 1
             self.counts["host_hits"] += status == "host"
@@ -335,43 +316,28 @@ class VideoCache:
 
     def _close(self, lease: Lease) -> None:
         entry = lease.entry
-        try:
-            if entry is not None and entry.holder is lease and entry.kv is not None:
-                entry.kv.truncate(entry.length)   # the question's rows go, the prefix stays
-                if entry.tier is Tier.GPU:        # and the room past it, to what it keeps
-                    entry.kv.trim(room_rows(entry.length))
-        finally:
-            with self._lock:
-                try:
-                    if lease.built:
-                        self._keep(lease)
-                    elif entry is not None and entry.kv is not None and \
-                            entry.tier is Tier.GPU:
-                        entry.nbytes = entry.kv.held_bytes     # a question may have grown it
-                finally:
-                    self._reserving.discard(lease)
-                    lease.reserved = 0
-                    if entry is not None:
-                        entry.readers.discard(lease)
-                        if entry.holder is lease:
-                            entry.holder = None
-                            entry.free.set()
-                    if lease.pending is not None:
-                        if self._pending.get(lease.key) is lease.pending:
-                            del self._pending[lease.key]
-                        lease.pending.done.set()
-                # a prefix just kept stays (the most recently used) even while the
-                # entries still over the budget are pinned: they go when their leases end
-                self._fit_gpu(self.gpu_budget, keep=entry if lease.built else None)
+        with self._lock:
+            try:
+                if lease.built:
+                    self._keep(lease)
+            finally:
+                self._reserving.discard(lease)
+                lease.reserved = 0
+                if entry is not None:
+                    entry.readers.discard(lease)
+                if lease.pending is not None:
+                    if self._pending.get(lease.key) is lease.pending:
+                        del self._pending[lease.key]
+                    lease.pending.done.set()
+            # a prefix just kept stays (the most recently used) even while the entries
+            # still over the budget are pinned: they go when their leases end
+            self._fit_gpu(self.gpu_budget, keep=entry if lease.built else None)
 
     # ------------------------------------------------------------ tiers
     def _reserve_built(self, lease: Lease, entry: Entry) -> None:
         """A built prefix's room on the device, made now (it is kept when its lease ends)."""
         with self._lock:
-            entry.free.clear()                    # its builder's turn until then
-            entry.holder = lease
-            kv = entry.kv            # charged once kept: its rows and the room it keeps
-            need = kv.bytes_at(min(kv.capacity, entry.length + room_rows(entry.length)))
+            need = entry.kv.held_bytes            # what it is charged once kept
             if need > self.gpu_budget:
                 return                            # served, never kept: _keep says so
             lease.reserved = need
@@ -398,13 +364,12 @@ class VideoCache:
     def _restore(self, lease: Lease, entry: Entry) -> None:
         """A host entry back on the device, its room made first. All or nothing: if the move
         raises, the entry is still on the host, counted there."""
-        room = room_rows(entry.length)
-        need = entry.kv.bytes_at(entry.length + room)
+        need = entry.kv.bytes_at(entry.length)
         with self._lock:
             lease.reserved = need
             self._reserving.add(lease)
             self._fit_gpu(self.gpu_budget)
-        entry.kv.move(self.device, headroom=room)
+        entry.kv.move(self.device)
         with self._lock:
             entry.tier, entry.nbytes = Tier.GPU, entry.kv.held_bytes
             self._reserving.discard(lease)

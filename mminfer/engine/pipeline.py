@@ -33,7 +33,7 @@ import torch
 from mminfer import video as videolib
 from mminfer.errors import Cancelled, ConfigError, InputError
 from mminfer.engine.cache import (Entry, PrefixFacts, PrefixKey, VideoCache, cache_key,
-                                  file_digest, room_rows)
+                                  file_digest)
 from mminfer.engine.parallel import FrameShards, init_from_env, shard_decoder
 from mminfer.engine.rerun import dense_rerun, finish, keep_inputs
 from mminfer.engine.scheduler import DECODE, Solo
@@ -45,7 +45,7 @@ from mminfer.models.decode import step_batch
 from mminfer.models.embedded import default_model
 from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
                                   sparse_refusal, sparse_unavailable)
-from mminfer.models.kv import kv_dtype
+from mminfer.models.kv import ForkKV, kv_dtype
 from mminfer.video import DecodedVideo
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
@@ -58,8 +58,8 @@ _current_turn: contextvars.ContextVar = contextvars.ContextVar("mminfer_turn", d
 
 
 def _cache_wait(event) -> None:
-    """The video cache's wait (for another request's build of a prefix, or for its question
-    on an entry): the request's turn on the model is given to others meanwhile, else the
+    """The video cache's wait (for another request's build of a prefix, or its restore from
+    the host tier): the request's turn on the model is given to others meanwhile, else the
     request waited for could never run."""
     turn = _current_turn.get()
     if turn is None:
@@ -381,22 +381,23 @@ class Pipeline:
             ctx = PrefillContext(index=prep.prefix_index, patterns=ad.patterns,
                                  mode="sparse" if sparse else "dense", min_sparse_len=0,
                                  unavailable=self.sparse_unavailable)
-            # the path a request runs: the prefix's prefill, then a question over its cache
+            # the path a request runs: the prefix's prefill, then a question forking it
             embeds = ad.embed(prep)
-            kv = ad.prefill_prefix(prep, embeds, ctx=ctx)
-            ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
-                           max_new_tokens=2)
+            kv = ad.prefill_prefix(prep, embeds, ctx=ctx, headroom=0)
+            ad.continue_on(ForkKV(kv, prep.prefix_len, 2), embeds[:, prep.prefix_len:],
+                           rope_delta=prep.rope_delta, max_new_tokens=2)
             lengths.append(prep.prefix_len)
             if len(seen) == 2:
                 break
         out = {"ran": True, "sparse": sparse, "lengths": lengths}
-        if ad.kv_cache_dtype is not None:
-            # a question's rows over the FP8 cache take one of several row tiles, each its
-            # own compile; the warm-up's own suffix met one of them
+        if ad.kv_cache_dtype is not None or self.device.type == "cuda":
+            # a question's rows over a fork of the prefix take one of several row tiles of
+            # the flash-decoding kernel, each its own compile (on the CPU only an FP8 cache
+            # runs it); the warm-up's own suffix met one of them
             layer = kv.layers[0]
             cfg = ad.text_model.config
             group = cfg.num_attention_heads // cfg.num_key_value_heads
-            out["fp8_row_tiles"] = fp8_attention.warm(
+            out["row_tiles"] = fp8_attention.warm(
                 layer.keys, layer.values, layer.k_scale, layer.v_scale,
                 group * layer.keys.shape[1], embeds.dtype)
         out["seconds"] = round(time.perf_counter() - t0, 3)
@@ -476,8 +477,8 @@ class Pipeline:
                                    cache_salt).digest()
         if not turn.acquire():
             raise Cancelled("request cancelled while waiting for the model")
-        # the cache's waits (another request's build of this prefix, or its question on this
-        # entry) give the turn away meanwhile: _cache_wait reads the request's turn here
+        # the cache's waits (another request's build or restore of this prefix) give the
+        # turn away meanwhile: _cache_wait reads the request's turn here
         token = _current_turn.set(turn)
         try:
             with self.video_cache.use(key) as lease:
@@ -495,7 +496,10 @@ class Pipeline:
                 n = entry.length + suffix.shape[1]
                 _check_context(n, entry.facts.visual_tokens, max_new_tokens, ad.max_context)
                 _check(check, "before the question's prefill")
-                gen = ad.continue_on(entry.kv, suffix, rope_delta=entry.rope_delta,
+                # the prefix is read only, shared with every other question about it: this
+                # question's and answer's rows go into a fork of its own
+                fork = ForkKV(entry.kv, entry.length, headroom=max_new_tokens)
+                gen = ad.continue_on(fork, suffix, rope_delta=entry.rope_delta,
                                      max_new_tokens=max_new_tokens, cancel=generation_check,
                                      on_token=on_token, timer=timer,
                                      sampling_params=sampling_params,
@@ -599,12 +603,11 @@ class Pipeline:
         if observer is not None:                  # before the prefill overwrites embeds
             observer(ad, prep, embeds)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
-        # room for this question and its answer, and at least what a kept entry keeps for
-        # the next question (so the entry is not trimmed after a short answer)
-        room = max(suffix.shape[1] + max_new_tokens, room_rows(P))
-        if cached:
-            self.video_cache.make_room((P + room) * self.kv_bytes_per_token)
-        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=room)
+        if cached:     # the prefix, and this question's and answer's rows (its fork's)
+            self.video_cache.make_room((P + suffix.shape[1] + max_new_tokens)
+                                       * self.kv_bytes_per_token)
+        # the prefix's rows alone: no question appends to them (each forks the prefix)
+        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=0)
         del embeds
         resized = prep.tensors.get("resized")
         facts = PrefixFacts(

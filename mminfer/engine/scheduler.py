@@ -506,8 +506,8 @@ class _Phase:
 
 
 class Solo:
-    """The turn of a request that has the model to itself (the CLI, the batch job, benchmarks):
-    every call is free and nothing is ever handed over."""
+    """The turn of a request that has the model to itself (the CLI, a video's first question
+    in the batch job, benchmarks): every call is free and nothing is ever handed over."""
     kind = FIRST
     timer = None
     held = True

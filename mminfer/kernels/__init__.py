@@ -7,8 +7,9 @@ from its arrays; ``masks`` evaluates the specs' exact masks a chunk of rows at a
 ``reference.plan_attention`` runs on a CPU without Triton; ``proxy`` is the estimator's
 fused proxy; ``runtime`` says where kernels run and with which tiles; ``online_softmax`` is
 the tile step the attention kernels share. For the models: ``fp8_attention`` (decoding over
-an FP8 KV cache), ``fp8_quant`` and ``fp8_gemm`` (FP8 linear layers), ``vision_elementwise``
-and ``window_attention`` (the Qwen2.5-VL vision block), ``rope`` (the prefill's RoPE).
+an FP8 KV cache, and over a video prefix shared by several questions, any dtype),
+``fp8_quant`` and ``fp8_gemm`` (FP8 linear layers), ``vision_elementwise`` and
+``window_attention`` (the Qwen2.5-VL vision block), ``rope`` (the prefill's RoPE).
 
 Importing the package imports triton (a dependency of the package), and triton chooses
 between its interpreter and compiled kernels when each ``@triton.jit`` kernel is defined, i.e.

@@ -17,6 +17,14 @@ its range's normalised partial output and log-sum-exp; a second launch merges th
 through their log-sum-exp. Splitting across the length keeps the GPU busy when one query
 and 4 KV heads alone would give 4 programs.
 
+The keys may lie in two segments (:func:`split_attention`): a kept video prefix, shared by
+every question about it and never written, and one question's own rows after it
+(mminfer.models.kv.ForkKV). The ranges are planned over the two together, none straddling
+them, and each program reads its range from its segment's buffer: the concatenation is read
+without being made, and the merge is the same. In that form the K/V may also be in the
+query's dtype (no scales: the conversion is the identity), which is how a question reads a
+bf16 prefix it shares.
+
 The tests hold it to a pure-PyTorch fp32 oracle (tests/kernels/test_fp8_attention.py).
 ``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax
 (no full dequantised copy of a layer): where Triton cannot run (the CPU without its
@@ -47,16 +55,37 @@ def is_fp8(t) -> bool:
 
 # lengths and the scratch strides that follow them change every step or question: one compiled
 # variant each, not one per divisibility class met mid-answer
-@triton.jit(do_not_specialize=["spo_s", "spo_h", "spl_s", "spl_h", "q_len", "kv_len",
-                               "split_len"])
-def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
-                   sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, spo_s, spo_h, spl_s, spl_h,
-                   q_len, kv_len, split_len, G: tl.constexpr, qk_scale,
+@triton.jit(do_not_specialize=["sk2_h", "sk2_n", "sv2_h", "sv2_n", "spo_s", "spo_h", "spl_s",
+                               "spl_h", "q_len", "kv_len", "split_len", "seg_len",
+                               "seg_splits"])
+def _fp8_split_fwd(Q, K, V, K2, V2, KS, VS, PO, PL,
+                   sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, sk2_h, sk2_n, sv2_h, sv2_n,
+                   spo_s, spo_h, spl_s, spl_h,
+                   q_len, kv_len, split_len, seg_len, seg_splits, G: tl.constexpr, qk_scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     mb = tl.program_id(2)
+    # keys [0, seg_len) are K/V's rows, keys [seg_len, kv_len) K2/V2's from their row 0 (a
+    # reader's own rows after a shared prefix); the first seg_splits ranges cover the first
+    # segment, the others the second, so no range straddles the two
+    if split < seg_splits:
+        Kb = K + kvh.to(tl.int64) * sk_h
+        Vb = V + kvh.to(tl.int64) * sv_h
+        ks_n = sk_n
+        vs_n = sv_n
+        seg0 = 0
+        lo = split * split_len
+        seg_end = seg_len
+    else:
+        Kb = K2 + kvh.to(tl.int64) * sk2_h
+        Vb = V2 + kvh.to(tl.int64) * sv2_h
+        ks_n = sk2_n
+        vs_n = sv2_n
+        seg0 = seg_len
+        lo = seg_len + (split - seg_splits) * split_len
+        seg_end = kv_len
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)          # row r: query r // G, head r % G
     rvalid = rows < q_len * G
     qi = rows // G
@@ -66,29 +95,26 @@ def _fp8_split_fwd(Q, K, V, KS, VS, PO, PL,
     q = tl.load(Q + head[:, None].to(tl.int64) * sq_h + qi[:, None].to(tl.int64) * sq_m
                 + offs_d[None, :], mask=rvalid[:, None] & dmask[None, :], other=0.0)
     qpos = kv_len - q_len + qi                           # each row's own position
-    lo = split * split_len
     # keys past the block's last query are masked for every row: not read at all
     last = kv_len - q_len + tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
-    hi = tl.minimum(lo + split_len, last + 1)
+    hi = tl.minimum(tl.minimum(lo + split_len, seg_end), last + 1)
     k_scale = tl.load(KS + kvh)
     v_scale = tl.load(VS + kvh)
     scale = qk_scale * k_scale                           # base 2, K's scale folded in
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    Kb = K + kvh.to(tl.int64) * sk_h
-    Vb = V + kvh.to(tl.int64) * sv_h
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kvalid = kpos < hi
-        krow = kpos.to(tl.int64)[:, None]
+        krow = (kpos - seg0).to(tl.int64)[:, None]
         kv_mask = kvalid[:, None] & dmask[None, :]
-        k = tl.load(Kb + krow * sk_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(Kb + krow * ks_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         valid = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
         qk = tl.where(valid, qk * scale, float("-inf"))
         p, alpha, m_i, l_i = online_softmax.weights(qk, m_i, l_i)
-        v = tl.load(Vb + krow * sv_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(Vb + krow * vs_n + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = online_softmax.accumulate(acc, alpha, p, v, PRECISION)
     has = l_i > 0
     out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
@@ -189,18 +215,22 @@ def warm_lengths(group: int, gpu: bool) -> list[int]:
 
 def warm(keys, values, k_scale, v_scale, heads: int, dtype) -> list[int]:
     """Compile every row tile before a user waits for it: one launch per
-    :func:`warm_lengths` over the FP8 cache ``keys``/``values`` ``[1, Hkv, n, D]`` with
-    ``heads`` query heads. Measured on the H200 (Qwen2.5-VL-7B, 276K-token FP8 prefix): a
-    follow-up whose question gave 9 suffix rows (BLOCK_M 64) where the warm-up and the first
-    question had used 128 took 1.10 s instead of 0.05 s, compiling. Returns the lengths run."""
+    :func:`warm_lengths` over the cache ``keys``/``values`` ``[1, Hkv, n, D]`` (FP8 with its
+    scales, or the model's dtype with None) with ``heads`` query heads, read as a reader of
+    a shared prefix reads it (two segments: :func:`split_attention`; one compile serves one
+    segment too). Measured on the H200 (Qwen2.5-VL-7B, 276K-token FP8 prefix): a follow-up
+    whose question gave 9 suffix rows (BLOCK_M 64) where the warm-up and the first question
+    had used 128 took 1.10 s instead of 0.05 s, compiling. Returns the lengths run."""
     _, Hkv, n, D = keys.shape
     gen = torch.Generator(device="cpu").manual_seed(0)
     done = []
     for q_len in warm_lengths(heads // Hkv, compiled_gpu(keys.is_cuda)):
-        if q_len > n:
+        if 2 * q_len > n:
             break
         q = torch.randn(1, heads, q_len, D, generator=gen).to(keys.device, dtype)
-        fp8_attention(q, keys, values, k_scale, v_scale)
+        at = n - q_len
+        split_attention(q, [(keys[:, :, :at], values[:, :, :at]),
+                            (keys[:, :, at:], values[:, :, at:])], k_scale, v_scale)
         done.append(q_len)
     return done
 
@@ -218,19 +248,42 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     positions, causal from the bottom right. Returns ``[1, q_len, H, D]`` in q's dtype.
     Triton where it runs (``available``), else :func:`chunked`. ``n_splits``: force the
     number of key ranges (tests)."""
+    return split_attention(q, [(k, v)], k_scale, v_scale, scale, n_splits=n_splits)
+
+
+def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None = None, *,
+                    n_splits: int | None = None) -> torch.Tensor:
+    """:func:`fp8_attention` over keys held in one or two ``segments`` ``[(k, v), ...]``
+    (each ``[1, Hkv, n_i, D]``, any row stride), read as their concatenation without making
+    it: a reader's own rows after a shared, read-only prefix (mminfer.models.kv.ForkKV). The
+    key ranges are planned over the whole length, each range within one segment, and merged
+    through their log-sum-exp as for one segment. K/V are FP8 with their per-head scales, or
+    the query's dtype with no scales (each tile's conversion is then the identity and the
+    scales are 1). ``q_len`` must not exceed the last segment's length (the rows attended are
+    the last ones)."""
+    if len(segments) not in (1, 2):
+        raise ValueError(f"one or two key segments, not {len(segments)}")
+    k, v = segments[0]
+    k2, v2 = segments[-1]
+    if k_scale is None:
+        if is_fp8(k) or is_fp8(k2):
+            raise ValueError("an FP8 cache needs its scales")
+        k_scale = v_scale = _ones(k.shape[1], q.device)
     if not available(q.device):
-        return chunked(q, k, v, k_scale, v_scale, scale)
+        return chunked(q, None, None, k_scale, v_scale, scale, segments=segments)
     B, H, q_len, D = q.shape
-    _, Hkv, kv_len, _ = k.shape
+    Hkv = k.shape[1]
+    seg_len = k.shape[2] if len(segments) == 2 else 0
+    kv_len = seg_len + k2.shape[2]
     if B != 1:
         raise ValueError(f"fp8_attention takes one sequence, not a batch of {B}")
-    if H % Hkv or q_len > kv_len or q_len < 1:
+    if H % Hkv or q_len > k2.shape[2] or q_len < 1:
         raise ValueError(f"{H} query heads, {Hkv} KV heads, {q_len} queries over {kv_len} keys")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
+    if any(t.stride(-1) != 1 for seg in segments for t in seg):
         raise ValueError("the cache's head dim must be contiguous")
     G = H // Hkv
     gpu = compiled_gpu(q.is_cuda)
@@ -238,20 +291,22 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     block_m, block_n, warps, stages = tiles(R, gpu)
     m_blocks = -(-R // block_m)
     if n_splits is None:
-        split_len, n_splits = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
-                                         sms=_sm_count(q.device), waves=waves(block_m))
+        split_len, _ = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
+                                  sms=_sm_count(q.device), waves=waves(block_m))
     else:
         split_len = -(-kv_len // n_splits)
-        n_splits = -(-kv_len // split_len)
+    seg_splits = -(-seg_len // split_len)
+    n_splits = seg_splits + -(-(kv_len - seg_len) // split_len)
     po = torch.empty(n_splits, Hkv, R, D, dtype=torch.float32, device=q.device)
     pl = torch.empty(n_splits, Hkv, R, dtype=torch.float32, device=q.device)
     out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
     BD = max(16, triton.next_power_of_2(D))
     _fp8_split_fwd[(Hkv, n_splits, m_blocks)](
-        q, k, v, k_scale, v_scale, po, pl,
+        q, k, v, k2, v2, k_scale, v_scale, po, pl,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        k2.stride(1), k2.stride(2), v2.stride(1), v2.stride(2),
         po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-        q_len, kv_len, split_len, G, float(scale) * LOG2E,
+        q_len, kv_len, split_len, seg_len, seg_splits, G, float(scale) * LOG2E,
         D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages)
     _fp8_merge[(Hkv, m_blocks)](
@@ -261,18 +316,38 @@ def fp8_attention(q, k, v, k_scale, v_scale, scale: float | None = None, *,
     return out
 
 
+_ONES: dict = {}
+
+
+def _ones(n: int, device) -> torch.Tensor:
+    """Unit scales ``[n]`` fp32 (K/V stored in the query's dtype), one tensor per device."""
+    key = (n, str(device))
+    t = _ONES.get(key)
+    if t is None:
+        t = _ONES[key] = torch.ones(n, dtype=torch.float32, device=device)
+    return t
+
+
 def dequantize(x, scale, dtype=torch.float32):
     """``x`` fp8 ``[B, Hkv, n, D]`` times its per-head ``scale`` ``[Hkv]``, in ``dtype``."""
     return (x.to(torch.float32) * scale.view(1, -1, 1, 1).to(torch.float32)).to(dtype)
 
 
+# the most fp32 logits one chunk of chunked() holds: 16 MiB
+CHUNK_LOGITS = 1 << 22
+
+
 def chunked(q, k, v, k_scale, v_scale, scale: float | None = None,
-            chunk: int = 8192) -> torch.Tensor:
+            chunk: int = 8192, *, segments=None) -> torch.Tensor:
     """:func:`fp8_attention` in PyTorch: ``chunk`` keys at a time dequantised to fp32, an
     online softmax across the chunks, GQA by reshaping the query heads into their groups.
-    ``[1, q_len, H, D]`` in q's dtype."""
+    ``segments`` (instead of ``k``/``v``): the keys in parts, as :func:`split_attention`
+    takes them. ``[1, q_len, H, D]`` in q's dtype. The chunk shrinks for many rows, so the
+    fp32 logits of a chunk stay within CHUNK_LOGITS elements (a long question's rows)."""
+    segments = segments or [(k, v)]
     B, H, q_len, D = q.shape
-    Hkv, kv_len = k.shape[1], k.shape[2]
+    chunk = max(16, min(chunk, CHUNK_LOGITS // (H * q_len)))
+    Hkv, kv_len = segments[0][0].shape[1], sum(sk.shape[2] for sk, _ in segments)
     G = H // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qf = q.float().reshape(B, Hkv, G * q_len, D) * scale                # rows: (g, qi)
@@ -280,12 +355,17 @@ def chunked(q, k, v, k_scale, v_scale, scale: float | None = None,
     m = torch.full((B, Hkv, G * q_len, 1), float("-inf"), device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros(B, Hkv, G * q_len, D, device=q.device)
-    for s in range(0, kv_len, chunk):
-        e = min(s + chunk, kv_len)
+    parts = []                 # (segment, its first key's position, rows [s, e) of it)
+    base = 0
+    for seg in segments:
+        n = seg[0].shape[2]
+        parts += [(seg, base, s, min(s + chunk, n)) for s in range(0, n, chunk)]
+        base += n
+    for (k, v), base, s, e in parts:
         kf = dequantize(k[:, :, s:e], k_scale)
         logits = qf @ kf.transpose(-1, -2)
-        logits = logits.masked_fill(torch.arange(s, e, device=q.device)[None, :] > qpos,
-                                    float("-inf"))
+        logits = logits.masked_fill(
+            torch.arange(base + s, base + e, device=q.device)[None, :] > qpos, float("-inf"))
         m_new = torch.maximum(m, logits.amax(-1, keepdim=True))
         m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(logits - m_use)

@@ -26,7 +26,8 @@ cache that this gives bit for bit what the attention function gives (else it goe
 module machinery, keeps the graphs independent of any cache (one capture serves every video and
 question), and replays exactly the eager step's kernels, so the tokens are the eager step's.
 An FP8 cache (``--kv-cache-dtype fp8``) is attended there by the flash-decoding kernel that
-reads e4m3 tiles (mminfer.kernels.fp8_attention), the one the hook runs in the eager step.
+reads e4m3 tiles (mminfer.kernels.fp8_attention), the one the hook runs in the eager step, and
+so is a reader's ForkKV over a kept prefix (its own rows after the shared ones, either dtype).
 Capture happens on a model's first decode (its time falls in that request's "generate").
 
 Where a step cannot be captured (the CPU, tensor-parallel layers whose collectives run inside
@@ -53,8 +54,8 @@ import torch
 from mminfer.errors import Cancelled
 from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
-from mminfer.models.hooks import decode_backends
-from mminfer.models.kv import SlabLayer
+from mminfer.models.hooks import decode_backends, fork_attention
+from mminfer.models.kv import ForkLayer, SlabLayer
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -251,7 +252,9 @@ class StepGraphs:
         with decode_backends(self.q[0], 1):
             for i, slab in enumerate(slabs):
                 keys, values = slab.update(self.k[i], self.v[i])
-                if slab.quantized:     # FP8 cache: the kernel the attention hook runs
+                if isinstance(slab, ForkLayer):    # a reader of a shared prefix: the hook's
+                    self.attn.copy_(fork_attention(self.q[i], keys, values, self.scale))
+                elif slab.quantized:   # FP8 cache: the kernel the attention hook runs
                     self.attn.copy_(fp8_attention(self.q[i], keys, values, slab.k_scale,
                                                   slab.v_scale, self.scale))
                 else:
@@ -267,8 +270,12 @@ class StepGraphs:
         the attention function)."""
         layers = getattr(cache, "layers", None)
         if (not layers or len(layers) != len(self.dec.layers)
-                or not all(isinstance(x, SlabLayer) and x.length > 0 for x in layers)
                 or any(a.self_attn.layer_idx != i for i, a in enumerate(self.dec.layers))):
+            return None
+        if all(isinstance(x, ForkLayer) for x in layers):
+            # a ForkKV: the hook and the direct step call the same launcher (fork_attention)
+            return list(layers)
+        if not all(isinstance(x, SlabLayer) and x.length > 0 for x in layers):
             return None
         if all(x.quantized for x in layers):
             # FP8: the hook and the direct step call the same launcher (fp8_attention) on the

@@ -9,9 +9,11 @@ context's, covering every key) ends with them (a live stream's next piece of vid
 ``prefill(append=True)``): the sparse kernels take those queries at an offset into the longer
 key range. Decode steps, a question's suffix (no context, or keys past its index) and the
 last-row-only call stay dense (SDPA). Rows over an FP8 cache (``--kv-cache-dtype fp8``: the
-views carry their scales) go to the FP8 flash-decoding kernel; a sparse piece over one
-attends to the same quantised keys, dequantised for the layer (one layer's K/V in the model
-dtype, as a one-shot prefill holds). Per-request state
+views carry their scales) go to the FP8 flash-decoding kernel, and so do a question's rows
+over a kept prefix it shares with other readers (a ForkKV: the views carry the prefix's), in
+either dtype; a sparse piece over an FP8 cache attends to the same quantised keys,
+dequantised for the layer (one layer's K/V in the model dtype, as a one-shot prefill holds).
+Per-request state
 (the ModalityIndex, the head patterns, the timer, per-layer densities) lives in a context
 variable, so concurrent requests in one process never see each other's layout.
 """
@@ -31,9 +33,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from mminfer.errors import InputError
-from mminfer.kernels.fp8_attention import fp8_attention
-from mminfer.kernels.runtime import interpreted
-from mminfer.models.kv import dequantize
+from mminfer.kernels.fp8_attention import fp8_attention, split_attention
+from mminfer.kernels.runtime import compiled_gpu, interpreted
+from mminfer.models.kv import dequantize, prefix_of, scale_of
 from mminfer.sparse.attention import layer_attention
 
 # Never put "flash" in this name: transformers treats any such name as FlashAttention.
@@ -155,6 +157,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     ctx = _current.get()
     layer = getattr(module, "layer_idx", None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if prefix_of(key) is not None:     # a reader's rows after a shared prefix (models/kv.py)
+        return fork_attention(query, key, value, scaling, ctx), None
     # the whole prompt from position 0 (a causal mask transformers could skip), or a piece
     # that the context's index ends with, are the calls the sparse kernels compute; the
     # request's decision says whether they do
@@ -222,6 +226,60 @@ def fp8_cache_attention(query, key, value, scaling=None, ctx=None):
         with timer("attention"):
             return fp8_attention(query, key, value, key.kv_scale, value.kv_scale, scaling)
     return fp8_attention(query, key, value, key.kv_scale, value.kv_scale, scaling)
+
+
+def fork_attention(query, key, value, scaling=None, ctx=None):
+    """Rows over a ForkKV (mminfer.models.kv): a question's suffix or a decode step of one
+    of the readers of a kept prefix, ``key``/``value`` its own rows, carrying the shared
+    prefix's. The last ``q_len`` positions of the two segments together, causal from the
+    bottom right: one flash-decoding launch over both (their key ranges merged through
+    their log-sum-exp), FP8 or in the model's dtype. Off the GPU a cache in the model's
+    dtype takes the same two partial attentions and merge from PyTorch's CPU flash attention
+    (:func:`_cpu_fork`): faster there than the kernel's PyTorch form (an online softmax in
+    pieces), no ``[q_len, kv_len]`` scores held, no concatenated copy; the Triton
+    interpreter is for the FP8 cache's tests. Returns ``[1, q_len, H, D]``."""
+    segments = [(prefix_of(key), prefix_of(value)), (key, value)]
+    if scale_of(key) is not None:
+        scales = (key.kv_scale, value.kv_scale)
+        run = split_attention
+    else:
+        scales = (None, None)
+        run = split_attention if compiled_gpu(query.is_cuda) else _cpu_fork
+    timer = ctx.timer if ctx is not None else None
+    if timer is not None:
+        with timer("attention"):
+            return run(query, segments, *scales, scaling)
+    return run(query, segments, *scales, scaling)
+
+
+def _cpu_fork(query, segments, k_scale, v_scale, scaling):
+    """:func:`fork_attention` on the CPU in the model's dtype: PyTorch's CPU flash attention
+    (the op behind SDPA, which also returns the log-sum-exp) over each segment, then the
+    merge; GQA by index, no K/V repeated. The prefix is seen whole by every row, so a KV
+    head's query heads go as rows of one head; the reader's own rows, causal from the bottom
+    right, take one call per position in the group."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    (pk, pv), (k, v) = segments
+    _, H, q_len, D = query.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    scale = scaling if scaling is not None else D ** -0.5
+    o1, l1 = flash(query.reshape(1, Hkv, G * q_len, D), pk, pv, 0.0, False, scale=scale)
+    mask = None
+    if q_len not in (1, S):   # else causal from the bottom right is SDPA's causal (or none)
+        seen = torch.ones(q_len, S, dtype=torch.bool, device=query.device).tril(S - q_len)
+        mask = torch.zeros(q_len, S, dtype=query.dtype, device=query.device)
+        mask = mask.masked_fill(~seen, float("-inf"))
+    own = [flash(query[:, g::G], k, v, 0.0, mask is None and q_len > 1, attn_mask=mask,
+                 scale=scale) for g in range(G)]        # heads kvh * G + g
+    o2 = torch.stack([o for o, _ in own], 2).reshape(1, H, q_len, D)
+    l2 = torch.stack([lse for _, lse in own], 2).reshape(1, H, q_len)
+    del own
+    o1, l1 = o1.reshape(1, H, q_len, D).float(), l1.reshape(1, H, q_len)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_().unsqueeze(-1), (l2 - m).exp_().unsqueeze(-1)
+    out = o1.mul_(w1).add_(o2.float().mul_(w2)).div_(w1.add_(w2))
+    return out.transpose(1, 2).to(query.dtype)
 
 
 def decode_backends(query, q_len: int):

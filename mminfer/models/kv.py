@@ -297,3 +297,103 @@ class PrefixKV(DynamicCache):
         for layer, c in zip(self.layers, copied):
             if c is not None:
                 layer._adopt(device, c)
+
+
+class ForkLayer(DynamicLayer):
+    """One layer of a :class:`ForkKV`: the first ``shared`` rows of a prefix's SlabLayer,
+    read and never written, then this reader's own rows in a SlabLayer of its own (in the
+    prefix's storage dtype; FP8 rows quantised with the prefix's scales, as rows appended
+    to the prefix's own slab would be). ``keys``/``values`` are the views of the reader's
+    rows, carrying the prefix's views as ``kv_prefix`` (:func:`prefix_of`) and, FP8, their
+    scales as ``kv_scale``."""
+
+    def __init__(self, base: SlabLayer, shared: int, headroom: int):
+        super().__init__()
+        self.base, self.shared = base, int(shared)
+        self.own = SlabLayer(headroom, base.store_dtype)
+        self.own.k_scale, self.own.v_scale = base.k_scale, base.v_scale
+
+    @property
+    def quantized(self) -> bool:
+        return self.own.quantized
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def prefix(self) -> tuple:
+        """The shared rows' K and V views ``[1, Hkv, shared, D]``."""
+        b, n = self.base, self.shared
+        return b.k_buf[..., :n, :], b.v_buf[..., :n, :]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.own.update(key_states, value_states)
+        self._views()
+        return self.keys, self.values
+
+    def _views(self) -> None:
+        self.keys, self.values = self.own.keys, self.own.values
+        if self.keys is not None:
+            self.keys.kv_prefix, self.values.kv_prefix = self.prefix()
+
+    def get_seq_length(self, *args) -> int:
+        return self.shared + self.own.length
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.get_seq_length() + max_length
+        if self.own.k_buf is not None:
+            self.own.crop(max(max_length - self.shared, 0))
+            self._views()
+
+    def reset(self) -> None:
+        self.own.reset()
+        self.own.k_scale, self.own.v_scale = self.base.k_scale, self.base.v_scale
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    @property
+    def held_bytes(self) -> int:
+        """The reader's own buffers (the shared rows are the prefix's)."""
+        return self.own.held_bytes
+
+
+def prefix_of(t: torch.Tensor):
+    """The shared prefix's K or V view a ForkLayer's ``keys``/``values`` carry (None: a
+    cache in one piece)."""
+    return getattr(t, "kv_prefix", None)
+
+
+class ForkKV(DynamicCache):
+    """A question's KV cache over a kept prefix: the prefix's first ``shared`` rows, shared
+    with every other reader and never written, and the question's and answer's rows in
+    buffers of this reader's own (``headroom`` rows past the first write before they grow).
+    Any number of readers fork one prefix at once; the attention over the two segments is
+    one flash-decoding launch (mminfer.kernels.fp8_attention.split_attention, through
+    mminfer.models.hooks), which reads them as their concatenation without making it. Its
+    owner drops it when the answer is done: nothing to truncate."""
+
+    def __init__(self, prefix: PrefixKV, shared: int, headroom: int = HEADROOM):
+        try:
+            super().__init__()
+        except TypeError:     # pragma: no cover - signatures that insist on arguments
+            super().__init__(config=None)
+        if any(layer.length < shared for layer in prefix.layers):
+            raise ValueError(f"the prefix holds fewer than the {shared} rows to share")
+        self.prefix = prefix
+        self.store_dtype = prefix.store_dtype
+        self.layers = [ForkLayer(layer, shared, headroom) for layer in prefix.layers]
+
+    def get_seq_length(self, layer_idx: int = 0, *args) -> int:
+        return self.layers[layer_idx].get_seq_length() if self.layers else 0
+
+    @property
+    def length(self) -> int:
+        return self.get_seq_length()
+
+    @property
+    def held_bytes(self) -> int:
+        """This reader's own bytes (what it holds on top of the prefix while it answers)."""
+        return sum(layer.held_bytes for layer in self.layers)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
-from mminfer.engine.cache import (Entry, PrefixFacts, Tier, VideoCache, cache_key,
-                                  room_rows)
+from mminfer.engine.cache import Entry, PrefixFacts, Tier, VideoCache, cache_key
 from mminfer.engine.pipeline import Pipeline
+from mminfer.engine.scheduler import Scheduler
 from mminfer.errors import Cancelled
-from mminfer.models.kv import PrefixKV
+from mminfer.models.kv import ForkKV, PrefixKV
 from mminfer.sparse.modality import ModalityIndex
 
 from conftest import write_video
@@ -23,8 +23,8 @@ ROWS = 16
 
 
 def _entry(rows=ROWS):
-    """A prefix of ``rows`` random rows (2 layers), with the room a kept entry keeps."""
-    kv = PrefixKV(2, headroom=room_rows(rows))
+    """A prefix of ``rows`` random rows (2 layers), no room past them (as a build keeps)."""
+    kv = PrefixKV(2, headroom=0)
     for layer in range(2):
         kv.update(torch.randn(1, 2, rows, 8), torch.randn(1, 2, rows, 8), layer)
     return Entry(kv=kv, length=rows, rope_delta=0,
@@ -32,7 +32,7 @@ def _entry(rows=ROWS):
                  facts=PrefixFacts(attention="dense", visual_tokens=0, video={}))
 
 
-DEVICE_BYTES = _entry().kv.held_bytes          # an entry on the device: rows and room
+DEVICE_BYTES = _entry().kv.held_bytes          # an entry on the device
 HOST_BYTES = _entry().kv.nbytes                # on the host: its rows alone
 K = [cache_key(v=i) for i in range(8)]
 
@@ -62,8 +62,7 @@ def _consistent(cache):
         mine = [e for e in cache._entries.values() if e.tier is tier]
         assert s[f"{tier.value}_entries"] == len(mine)
         assert s[f"{tier.value}_bytes"] == sum(e.kv.held_bytes for e in mine)
-    assert all(not e.readers and e.holder is None and e.free.is_set()
-               for e in cache._entries.values())
+    assert all(not e.readers and e.restoring is None for e in cache._entries.values())
     assert cache._reserved == 0 and not cache._pending
 
 
@@ -199,32 +198,78 @@ def test_an_interrupted_spill_leaves_the_entry_on_the_device(monkeypatch):
 
 def test_an_interrupted_wait_pins_nothing(monkeypatch):
     cache = _cache(1, 1)
-    first = _put(cache, K[0])
+    _put(cache, K[1])
 
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
 
-    with cache.use(K[0]) as reading:
-        monkeypatch.setattr(cache, "wait_for_turn", interrupt)
-        with pytest.raises(KeyboardInterrupt):      # pinned, then interrupted waiting
+    with cache.use(K[0]) as building:          # a build in progress ...
+        monkeypatch.setattr(cache, "wait_for_build", interrupt)
+        with pytest.raises(KeyboardInterrupt):  # ... another request interrupted waiting
             with cache.use(K[0]):
                 pass
-        assert first.readers == {reading} and first.holder is reading
+        monkeypatch.undo()
+        assert cache._pending[K[0]] is building.pending
+        building.store(_entry())
     _consistent(cache)
-    _put(cache, K[1])                          # K[0] is evictable again
-    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.GPU}
+    assert _tiers(cache) == {K[1]: Tier.HOST, K[0]: Tier.GPU}
 
 
-def test_an_entry_is_charged_its_room_and_a_grown_one_is_trimmed():
+def test_readers_share_an_entry_and_never_change_it():
+    """Several leases read one entry at once (each forks it), it is charged its rows alone,
+    and the readers' own rows leave its bytes and its tensors as they were."""
     cache = _cache(2, 1)
     entry = _put(cache, K[0])
-    assert entry.nbytes == DEVICE_BYTES == entry.kv.bytes_at(ROWS + room_rows(ROWS))
-    with cache.use(K[0]) as lease:             # a long question grows the slab
-        for layer in range(2):
-            entry.kv.update(torch.randn(1, 2, 500, 8), torch.randn(1, 2, 500, 8), layer)
-        assert entry.kv.held_bytes > 5 * DEVICE_BYTES
-    assert entry.kv.length == ROWS and entry.kv.capacity == ROWS + room_rows(ROWS)
+    assert entry.nbytes == DEVICE_BYTES == entry.kv.bytes_at(ROWS)
+    rows = _rows(entry)
+    with cache.use(K[0]) as a, cache.use(K[0]) as b:
+        assert (a.status, b.status) == ("hit", "hit") and entry.readers == {a, b}
+        for lease in (a, b):
+            fork = ForkKV(lease.entry.kv, lease.entry.length, headroom=4)
+            for layer in range(2):            # a long question: the fork grows, not the entry
+                fork.update(torch.randn(1, 2, 500, 8), torch.randn(1, 2, 500, 8), layer)
+            assert fork.get_seq_length() == ROWS + 500
+        assert entry.kv.held_bytes == DEVICE_BYTES and _same_rows(entry, rows)
     assert entry.nbytes == entry.kv.held_bytes == DEVICE_BYTES
+    _consistent(cache)
+
+
+def test_readers_of_a_host_entry_restore_it_once(monkeypatch):
+    """Two readers of an entry on the host at once: one brings it back, the other waits for
+    that (pinned meanwhile) and reads it on the device."""
+    cache = _cache(1, 1)
+    entry = _put(cache, K[0])
+    rows = _rows(entry)
+    _put(cache, K[1])
+    assert entry.tier is Tier.HOST
+    gate, moving, moves = threading.Event(), threading.Event(), []
+    real = entry.kv.move
+
+    def move(device, **kw):
+        moves.append(device)
+        moving.set()
+        gate.wait(5)
+        real(device, **kw)
+
+    monkeypatch.setattr(entry.kv, "move", move)
+    got = {}
+
+    def read(name):
+        with cache.use(K[0]) as lease:
+            got[name] = (lease.status, lease.entry.tier)
+
+    first = threading.Thread(target=read, args=("first",))
+    first.start()
+    assert moving.wait(5)
+    second = threading.Thread(target=read, args=("second",))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and entry.restoring is not None   # waiting for the restore
+    gate.set()
+    first.join(5)
+    second.join(5)
+    assert got == {"first": ("host", Tier.GPU), "second": ("hit", Tier.GPU)}
+    assert moves == [cache.device] and _same_rows(entry, rows)
     _consistent(cache)
 
 
@@ -269,14 +314,18 @@ def test_ten_first_requests_cost_one_prefill(qwen, mp4):
 
     builds = _count_builds(pipe, before=all_waiting)
     start, results, errors = threading.Barrier(n), [None] * n, []
+    sched = Scheduler()                     # turns on the model, as the server's requests
 
     def ask(i):
+        turn = sched.turn(f"ask{i}")
         try:
             start.wait()
             results[i] = pipe.answer(mp4, "where does the red square move?", fps=4.0,
-                                     max_new_tokens=4)
+                                     max_new_tokens=4, turn=turn)
         except BaseException as e:          # noqa: BLE001 - reported below
             errors.append(e)
+        finally:
+            turn.close()
 
     threads = [threading.Thread(target=ask, args=(i,), name=f"ask{i}") for i in range(n)]
     for t in threads:
@@ -288,6 +337,8 @@ def test_ten_first_requests_cost_one_prefill(qwen, mp4):
     assert len({r.answer for r in results}) == 1
     s = cache.stats()
     assert (s["misses"], s["hits"], s["build_waits"], s["gpu_entries"]) == (1, n - 1, n - 1, 1)
+    # the nine readers of the one entry decoded together: batches of several answers' steps
+    assert sched.batched_steps > sched.batches
     _consistent(cache)
 
 

@@ -77,8 +77,8 @@ def test_host_tier_moves_fp8_rows_and_scales(qwen, mp4):
     bits, scale = layer.keys.view(torch.uint8).clone(), layer.k_scale.clone()
     nbytes = entry.nbytes
     assert pipe.video_cache.offload() == 1 and entry.tier == "host"
-    # the host copy holds the rows and their scales alone (no room past them)
-    assert pipe.video_cache.stats()["host_bytes"] == entry.nbytes == entry.kv.nbytes < nbytes
+    # the host copy holds the rows and their scales alone, as the device's does
+    assert pipe.video_cache.stats()["host_bytes"] == entry.nbytes == entry.kv.nbytes == nbytes
     assert layer.k_buf.dtype == FP8 and layer.k_scale is not None
     back = pipe.answer(mp4, Q, fps=4.0, max_new_tokens=3)
     assert back.cache == "host" and back.answer == a.answer

@@ -15,7 +15,7 @@ from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import Cancelled, InputError
 from mminfer.models.base import VIDEO, Conversation, Turn
 from mminfer.models.hooks import PrefillContext
-from mminfer.models.kv import PrefixKV
+from mminfer.models.kv import ForkKV, PrefixKV
 from mminfer.sparse.modality import ModalityIndex
 
 from conftest import write_video
@@ -172,9 +172,10 @@ def test_host_tier_spill_and_restore(qwen, mp4, tmp_path):
     other = write_video(tmp_path / "other.mp4", n_frames=12, fps=8.0, width=96, height=64)
     a = pipe.answer(mp4, q, fps=4.0, max_new_tokens=3)
     size = pipe.video_cache.stats()["gpu_bytes"]
-    # room for one entry on the device and one on the host
+    # room for one entry on the device and one on the host (two while a restore's host
+    # copy still counts, as the entry it brings back spills the other one)
     pipe.video_cache.gpu_budget = int(size * 1.5)
-    pipe.video_cache.host_budget = int(size * 1.5)
+    pipe.video_cache.host_budget = int(size * 2.5)
     assert pipe.answer(other, q, fps=4.0, max_new_tokens=3).cache == "miss"
     s = pipe.video_cache.stats()
     assert (s["gpu_entries"], s["host_entries"], s["evictions_gpu"]) == (1, 1, 1)
@@ -226,12 +227,16 @@ def test_an_entry_over_the_budget_is_served_not_kept():
     assert cache.stats()["gpu_entries"] == 0 and cache.stats()["rejected"] == 1
 
 
-def test_a_question_rows_are_dropped_after_the_answer(pipe, mp4):
+def test_an_entry_holds_its_prefix_alone_and_questions_never_change_it(pipe, mp4):
     pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=4)
     (entry,) = pipe.video_cache._entries.values()
-    assert entry.kv.length == entry.length           # the prefix only
-    pipe.answer(mp4, "and the colour?", fps=4.0, max_new_tokens=4)
-    assert entry.kv.length == entry.length
+    # the prefix's rows, no room past them: its builder's question went into a fork
+    assert entry.kv.length == entry.kv.capacity == entry.length
+    rows = [layer.keys.clone() for layer in entry.kv.layers]
+    nbytes = entry.nbytes
+    assert pipe.answer(mp4, "and the colour?", fps=4.0, max_new_tokens=4).cache == "hit"
+    assert entry.kv.length == entry.kv.capacity == entry.length and entry.nbytes == nbytes
+    assert all(torch.equal(layer.keys, r) for layer, r in zip(entry.kv.layers, rows))
 
 
 def test_cancel_mid_prefill_leaves_nothing(pipe, mp4):
@@ -293,6 +298,14 @@ def test_sparse_prefix_plumbing_equals_the_one_shot_prefill():
             again = ad.continue_on(kv, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
                                    max_new_tokens=3)
             assert torch.equal(again.prefill_logits, got.prefill_logits)
+            # a fork of the sparse prefix (what the pipeline's questions read) answers so too
+            kv.truncate(prep.prefix_len)
+            fork = ForkKV(kv, prep.prefix_len, headroom=3)
+            forked = ad.continue_on(fork, embeds[:, prep.prefix_len:],
+                                    rope_delta=prep.rope_delta, max_new_tokens=3)
+            torch.testing.assert_close(forked.prefill_logits, got.prefill_logits, atol=1e-4,
+                                       rtol=1e-4)
+            assert forked.token_ids == got.token_ids and kv.length == prep.prefix_len
 
 
 def test_a_conversation_survives_pickling():

@@ -71,6 +71,35 @@ def test_chunked_fallback_matches_the_reference(q_len):
     torch.testing.assert_close(got, reference(q, k, v, ks, vs), atol=2e-6, rtol=2e-5)
 
 
+def _split(k, v, at: int):
+    """The cache as two segments in separate buffers: rows [0, at) and the rest."""
+    return [(k[:, :, :at], v[:, :, :at]), (k[:, :, at:].clone(), v[:, :, at:].clone())]
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("q_len,at,splits", [(1, 61, None), (5, 40, 3), (20, 27, 4)])
+def test_two_segments_read_as_their_concatenation(q_len, at, splits, fp8):
+    """A reader's rows after a shared prefix: the keys in two buffers give what they give
+    as one cache (FP8 with scales; fp32 with none), the key ranges never straddling the two;
+    the Triton kernel under the interpreter where it runs, and the PyTorch fallback."""
+    q, k, v, ks, vs = _case(6, 2, q_len, 70, 16, torch.float32, seed=5)
+    if not fp8:
+        k, v = F.dequantize(k, ks), F.dequantize(v, vs)
+        ks = vs = torch.ones(2)
+    ref = reference(q, k, v, ks, vs, 0.3)
+    segs = _split(k, v, at)
+    scales = (ks, vs) if fp8 else (None, None)
+    got = F.chunked(q, None, None, ks, vs, 0.3, chunk=16, segments=segs)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    if INTERP:
+        got = F.split_attention(q, segs, *scales, 0.3, n_splits=splits)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    # the second segment's keys are read where they are: another buffer changes the answer
+    other = [segs[0], (segs[1][1], segs[1][0])]
+    assert not torch.allclose(F.chunked(q, None, None, ks, vs, 0.3, segments=other), ref,
+                              atol=1e-3)
+
+
 def test_split_plan_covers_the_keys():
     for n in (1, 63, 64, 1000, 1 << 20):
         for progs in (1, 4, 300):
@@ -102,14 +131,20 @@ def test_warm_lengths_cover_every_row_tile():
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 on the CPU")
 def test_warm_launches_over_a_cache_view(monkeypatch):
-    """warm runs the launcher once per warm length over the cache it is given."""
+    """warm runs the launcher once per warm length over the cache it is given, in two
+    segments as a fork's reader reads it (FP8 with scales, or without)."""
     q, k, v, ks, vs = _case(14, 2, 1, 40, 16, torch.float32)
     calls = []
-    real = F.fp8_attention
-    monkeypatch.setattr(F, "fp8_attention", lambda q_, *a: calls.append(q_.shape) or real(q_, *a))
+    real = F.split_attention
+    monkeypatch.setattr(F, "split_attention", lambda q_, segs, *a: calls.append(
+        (q_.shape, [s[0].shape[2] for s in segs], a[0] is not None)) or real(q_, segs, *a))
     monkeypatch.setattr(F, "warm_lengths", lambda group, gpu: [1, 3, 5, 10])
     assert F.warm(k, v, ks, vs, 14, torch.float32) == [1, 3, 5, 10]
-    assert calls == [(1, 14, n, 16) for n in (1, 3, 5, 10)]
+    assert calls == [((1, 14, n, 16), [40 - n, n], True) for n in (1, 3, 5, 10)]
+    calls.clear()
+    plain = F.dequantize(k, ks)
+    assert F.warm(plain, plain, None, None, 14, torch.float32) == [1, 3, 5, 10]
+    assert [c[2] for c in calls] == [False] * 4
 
 
 @pytest.mark.gpu
@@ -160,11 +195,16 @@ def _lower_for_hopper():
             mod = passes[stage](mod, md)
         assert md["shared"] <= 227 * 1024
 
-    ptrs = {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "KS": "*fp32", "VS": "*fp32",
-            "PO": "*fp32", "PL": "*fp32", "O": "*bf16"}
+    ptrs = {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "K2": "*fp8e4nv",
+            "V2": "*fp8e4nv", "KS": "*fp32", "VS": "*fp32", "PO": "*fp32", "PL": "*fp32",
+            "O": "*bf16"}
     for block_m, warps in ((16, 4), (32, 4), (64, 4), (128, 8)):
         lower(F._fp8_split_fwd, ptrs, dict(G=7, D=128, BLOCK_M=block_m, BLOCK_N=64,
                                             BLOCK_D=128, PRECISION="tf32"), warps)
+    # a forked reader of a bf16 cache: the same kernel, K/V in the query's dtype
+    bf16 = {**ptrs, **{n: "*bf16" for n in ("K", "V", "K2", "V2")}}
+    lower(F._fp8_split_fwd, bf16, dict(G=7, D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
+                                       PRECISION="tf32"), 4)
     lower(F._fp8_merge, ptrs, dict(G=7, D=128, BLOCK_M=16, BLOCK_D=128), 4)
     print("lowered")
 

@@ -378,7 +378,7 @@ def test_benchmark_tiny_run(tmp_path):
     assert [r["n"] for r in rep["rows"]] == [300, 700]
     for r in rep["rows"]:
         assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
-        assert r["same_tokens"] == {"lean": True}
+        assert r["same_tokens"] == {"lean": True, "fork": True} and r["fork_ms"] > 0
         assert len(r["tokens"]["step"]) == 1 + rep["steps"]
         # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
         assert r["splitk_max_abs_err"] < 1e-5, r
@@ -429,3 +429,104 @@ def test_batched_step_gives_each_answer_its_own_tokens(kind, prepared):
             n = a.get_seq_length()
             torch.testing.assert_close(la.keys[..., :n, :], lb.keys[..., :n, :], atol=1e-5,
                                        rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,kv_dtype", [("qwen", None), ("longvila", None), ("qwen", "fp8")])
+def test_forked_readers_answer_as_the_in_place_path(kind, kv_dtype, prepared):
+    """Three questions forked from one kept prefix (ForkKV: the prefix shared and never
+    written, each reader's rows its own) and decoded together in batched steps give each the
+    logits and greedy tokens of its question appended in place to a prefix of its own; the
+    prefix's rows are untouched. In the model's dtype and FP8 (rows quantised with the
+    prefix's scales)."""
+    from mminfer.models.kv import ForkKV, kv_dtype as dtype_of
+    ad, prep, embeds = prepared[kind]
+    P = prep.prefix_len
+    suffix = embeds[:, P:]
+    S = suffix.shape[1]
+    emb = ad.text_model.get_input_embeddings()
+    questions = [suffix]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):          # other questions: the suffix but its last rows, other tokens
+        q = suffix.clone()
+        with torch.inference_mode():
+            q[:, :-2] = emb(torch.randint(0, emb.num_embeddings, (1, S - 2), generator=g))
+        questions.append(q)
+    dec = decode.decoder_of(ad)
+    saved = ad.kv_cache_dtype
+    ad.kv_cache_dtype = dtype_of(kv_dtype)
+    try:
+        alone = []               # (suffix logits, tokens) on a prefix of its own, in place
+        for q in questions:
+            kv = ad.prefill_prefix(prep, embeds.clone())
+            with torch.inference_mode():
+                logits = ad.lm_head(ad._step(q, ad.positions_after(prep.rope_delta, P, S),
+                                             kv))[:, -1]
+                toks = [int(logits.argmax(-1))]
+                for _ in range(5):
+                    n = kv.get_seq_length()
+                    toks.append(int(dec.step(torch.tensor([[toks[-1]]]),
+                                             ad.positions_after(prep.rope_delta, n, 1), kv)))
+            alone.append((logits, toks))
+        shared = ad.prefill_prefix(prep, embeds.clone(), headroom=0)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in shared.layers]
+        forks = [ForkKV(shared, P, headroom=5) for _ in questions]
+        with torch.inference_mode():
+            tokens = []
+            for (ref_logits, ref), q, fork in zip(alone, questions, forks):
+                logits = ad.lm_head(ad._step(q, ad.positions_after(prep.rope_delta, P, S),
+                                             fork))[:, -1]
+                torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+                tokens.append([int(logits.argmax(-1))])
+            for _ in range(5):
+                pos = [ad.positions_after(prep.rope_delta, f.get_seq_length(), 1)
+                       for f in forks]
+                got = dec.step_many([t[-1] for t in tokens], pos, forks).argmax(-1).tolist()
+                for t, g in zip(tokens, got):
+                    t.append(g)
+        assert tokens == [ref for _, ref in alone]
+        assert len(set(tokens[0])) > 1
+        # the questions' logits differ past the tolerance: each reader read its own rows
+        assert all((a - alone[0][0]).abs().max() > 1e-3 for a, _ in alone[1:])
+        assert all(f.get_seq_length() == P + S + 5 for f in forks)
+        assert shared.get_seq_length() == P and shared.capacity == P
+        for layer, (k, v) in zip(shared.layers, before):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            assert layer.quantized == (kv_dtype == "fp8")
+    finally:
+        ad.kv_cache_dtype = saved
+
+
+def test_graph_plumbing_writes_and_attends_a_fork_directly(prepared, monkeypatch):
+    """The captured step on a ForkKV (replayed on the CPU): its layers are written and
+    attended directly, with the tokens and rows of the eager lean step on another fork."""
+    from mminfer.models.kv import ForkKV
+    ad, prep, embeds = prepared["qwen"]
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
+    ad._lean_decoder = None
+    P = prep.prefix_len
+    shared = ad.prefill_prefix(prep, embeds.clone(), headroom=0)
+    try:
+        forks, outs = {}, {}
+        for mode in ("lean", "graph"):
+            forks[mode] = ForkKV(shared, P, headroom=2)      # grows during the answer
+            outs[mode] = _answer_on(ad, forks[mode], prep, embeds, mode)
+        graphs = decode.decoder_of(ad)._graphs
+        assert graphs is not None and graphs.direct_slabs(forks["graph"]) is not None
+        assert outs["graph"] == outs["lean"] and len(outs["lean"]) == 6
+        for a, b in zip(forks["graph"].layers, forks["lean"].layers):
+            assert a.get_seq_length() == prep.input_ids.shape[1] + 5
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
+    finally:
+        ad._lean_decoder = None
+
+
+def _answer_on(ad, cache, prep, embeds, mode, n=6):
+    ad.decode_mode, eos = mode, ad.eos_token_ids
+    ad.eos_token_ids = ()
+    try:
+        return ad.continue_on(cache, embeds[:, prep.prefix_len:], rope_delta=prep.rope_delta,
+                              max_new_tokens=n).token_ids
+    finally:
+        ad.decode_mode, ad.eos_token_ids = "auto", eos

@@ -2,7 +2,7 @@
 model on the CPU, where both cache tiers are the process's own memory) under the two loops of
 issue 42 — long chats about videos with ``--kv-cache-gb 0.05``, and re-asks of 30 cached
 entries with long questions through a small device tier and a small host tier (every re-ask a
-restore from the host, a slab grown for its question and trimmed back, a spill) — grows its
+restore from the host, the question's rows in a fork of its own freed with it, a spill) — grows its
 resident set by no more than the two budgets plus OVERHEAD_MB. And ten first requests for one
 new video cost one prefill."""
 
@@ -29,8 +29,7 @@ MiB = 2 ** 20
 # fragmentation between the cache's slabs and the request's activations, which come and go
 # at different sizes), the latency store's rows and the metrics' series. Measured on the
 # 2-core CPU machine: 35-77 MiB past the cache's bytes over the long chats, 23 over the re-asks
-# (with the worker's malloc_trim after every request; without it 25-60 more). A slab kept past
-# its count (no trim back to its room) grew it by 150 MiB: past the bound on what /metrics counts.
+# (with the worker's malloc_trim after every request; without it 25-60 more).
 OVERHEAD_MB = 100
 LONG = "Describe every frame of the clip again, slowly, in detail, in order. " * 8
 

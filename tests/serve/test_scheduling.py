@@ -138,18 +138,25 @@ def test_answers_decoding_together_keep_their_own_tokens(server):
     assert 'id="now"' in page and "paused for short work" in page
 
 
-def test_questions_about_one_cached_video_take_turns_on_its_entry(server):
-    """Three questions about one cached video at once: one at a time appends to its entry;
-    the others wait for the entry with their turn on the model given away (else the one
-    holding the entry, paused between decode steps, could never finish): all answered."""
+def test_questions_about_one_cached_video_decode_together(server):
+    """Three questions about one cached video at once: each forks the video's entry (the
+    prefix shared and read only, its own rows apart), so none waits for another's answer:
+    they decode in the same batched steps, each answer the one it gets asked alone."""
     url, w = server.url, server.app.state.worker
-    clip = SAMPLES / "needle_1.mp4"
-    alone = ask(url, clip, max_new_tokens=6)
-    assert alone.status_code == 200
+    clip = SAMPLES / "order_1.mp4"           # a video no other test here asks about
+    questions = [QUESTION, "What color is the ball?", "How many red flashes are there?"]
+    alone = []
+    for q in questions:                       # one by one: a miss, then hits
+        r = ask(url, clip, q, max_new_tokens=6)
+        assert r.status_code == 200, r.text
+        alone.append(r.json())
+    assert [a["cache"] for a in alone] == ["miss", "hit", "hit"]
+    cache = w.pipeline.video_cache.stats()
+    batches, steps = w.scheduler.batches, w.scheduler.batched_steps
     out = [None] * 3
 
     def go(i):
-        out[i] = ask(url, clip, max_new_tokens=6)
+        out[i] = ask(url, clip, questions[i], max_new_tokens=6)
 
     hold = w.scheduler.turn("test")
     assert hold.acquire()
@@ -163,10 +170,17 @@ def test_questions_about_one_cached_video_take_turns_on_its_entry(server):
         hold.close()
     for th in threads:
         th.join(120)
-    assert not any(th.is_alive() for th in threads), "questions on one entry deadlocked"
+    assert not any(th.is_alive() for th in threads)
     assert [r.status_code for r in out] == [200] * 3
-    assert {r.json()["answer"] for r in out} == {alone.json()["answer"]}
     assert [r.json()["cache"] for r in out] == ["hit"] * 3
+    assert [r.json()["answer"] for r in out] == [a["answer"] for a in alone]
+    assert [r.json()["tokens"]["generated"] for r in out] == \
+        [a["tokens"]["generated"] for a in alone]
+    # one entry, read by the three at once: their steps shared batches
+    assert w.scheduler.batched_steps - steps > w.scheduler.batches - batches
+    now = w.pipeline.video_cache.stats()
+    assert now["hits"] - cache["hits"] == 3 and now["misses"] == cache["misses"]
+    assert now["gpu_bytes"] == cache["gpu_bytes"]      # the questions' rows were their own
 
 
 def test_shutdown_answers_a_paused_prefill_and_a_hit_with_json_503(tmp_path, live_server):
