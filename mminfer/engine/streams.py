@@ -518,7 +518,7 @@ class Stream:
         if budget is None:
             return drop, 1 << 62
         if need > budget and window:
-            drop = max(drop, -(-(need - budget) // (ut * bpt)))
+            drop += -(-(need - budget) // (ut * bpt))
             need = (new_len - drop * ut + QUESTION_ROOM) * bpt
         if need > budget or drop > self.held_units:
             where = "the stream budget leaves it" if self.registry is None else \

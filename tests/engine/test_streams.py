@@ -296,3 +296,21 @@ def test_a_window_drops_the_oldest_frames_and_says_so(model, request):
     first = (4 // uf + 1) * uf / FPS           # the units past the budget's, oldest first
     assert win.status()["window"]["seen_from"] == first
     assert win.ask(Q, max_new_tokens=4).video["seen_from"] == first
+
+
+def test_a_window_makes_room_for_the_context_and_the_budget(qwen, monkeypatch):
+    """Past the model's context a windowed stream drops what the context asks, and past its
+    byte budget as well what that asks on top; a stream keeping everything is full."""
+    frames = random_frames(8, 56, 84, seed=10)
+    win = Stream(qwen, fps=FPS, options=PIXELS, keep="window")
+    full = Stream(qwen, fps=FPS, options=PIXELS)
+    for s in (win, full):
+        s.append_frames(frames[:4])
+    head, ut = len(win.layout.head_ids), win.layout.unit_tokens
+    monkeypatch.setattr(qwen.adapter, "max_context", head + 3 * ut + QUESTION_ROOM)
+    with pytest.raises(StreamFull, match="context"):
+        full.append_frames(frames[4:])
+    win.budget_bytes = (head + 2 * ut + QUESTION_ROOM) * qwen.kv_bytes_per_token
+    win.append_frames(frames[4:])          # 4 units: 1 over the context, 1 more over the bytes
+    assert win.held_units == 2 and win.status()["window"]["dropped_frames"] == 4
+    assert win.seen_from == 2.0 and win.held_bytes <= win.budget_bytes
