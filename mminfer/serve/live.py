@@ -28,8 +28,8 @@ frame size, going back in time) is a 400 with the reason, recorded in the stream
 when the streams' device budget (``--stream-kv-gb``) is spent (``--stream-host-kv-gb``) and
 come back on their next piece or question. A stream whose cache would pass both, or the
 model's context, is ``full`` (409 ``stream_full``) and still answers, unless it was created
-with ``keep: "window"``: then its oldest frames go and its answers say ``seen_from``. Streams belong to the tenant of the API key that created them (another's is
-404).
+with ``keep: "window"``: then its oldest frames go and its answers say ``seen_from``. Streams
+belong to the tenant of the API key that created them (another's is 404).
 
 Pull mode: ``source`` is allowed as remote media is (``--allowed-media-domains``, private
 addresses only with ``--allow-private-media-addresses``; http, https, rtsp, rtmp and HLS

@@ -325,7 +325,7 @@ def test_a_windowed_stream_drops_its_oldest_frames_and_says_so(pieces, tmp_path,
                     timeout=30).json()
     sid = st["id"]
     assert st["keep"] == "window" and st["window"]["dropped_frames"] == 0
-    for i, p in enumerate(pieces[:3]):
+    for p in pieces[:3]:
         r = push(srv.url, sid, p)
         assert r.status_code == 200, r.text
         st = r.json()["stream"]
