@@ -30,16 +30,35 @@ checked between layers); a question is short work, its suffix then its decode st
 of a stream's cache at a time (a piece appends rows, a question appends and then drops its
 own): the other waits with its turn given away.
 
-Memory: the streams of a :class:`Streams` registry share a byte budget (every byte their caches
-hold, room included; default: the video cache's device budget, ``kv_cache_gb``). A piece that
-would take a stream over it, or past the model's context, is refused: the stream becomes
-``full`` (a clear error says why), stops ingesting and stays answerable. Nothing is dropped.
-The cache grows geometrically (room of half its length), so appending N rows in pieces copies
-O(N) rows in all.
+Memory: the streams of a :class:`Streams` registry share a device budget (every byte their
+caches hold on the model's device, room included; default: the video cache's device budget,
+``kv_cache_gb``) and a host budget (pinned host memory; default 0: none). A stream is used
+whole on the device (a piece's rows and a question's attend to every key it holds; keys left on
+the host would cross PCIe on every layer of every question), so the tiers hold whole streams,
+as the video cache holds whole prefixes: when a piece or a restore needs device room, the
+least recently used idle streams move to the host (their rows alone, no room), and a stream
+on the host comes back on its next piece or question. A move copies every byte as it is
+(FP8 too), so a stream that went to the host and back answers exactly as one that never
+moved. On a CPU device both tiers are the same memory, counted apart.
+
+Past both budgets (a piece that would take the stream over what the device can give it once
+the idle streams that fit on the host are there), or past the model's context, a piece is
+refused: the stream becomes ``full`` (a clear error says why), stops ingesting and stays
+answerable. Nothing is dropped, unless the stream was created with ``keep="window"``: then
+the oldest whole units (after the prompt's head) are dropped to make the piece's room, and the
+status and every answer say what is gone (``seen_from``: the media time of the oldest frame
+held). A windowed stream's positions stay absolute, and the rows it keeps were computed with
+the dropped ones in context (as ReKV's and StreamingVLM's evictions are): what a question sees
+is not the prompt of the kept frames alone. Its room is made before the piece's prefill, so a
+piece that then fails has moved the window on all the same. The cache grows geometrically
+(room of half its length, within the budget), so appending N rows in pieces copies O(N) rows
+in all; a windowed stream moves its kept rows down once per piece that drops (one pass over
+the cache at memory speed).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -50,11 +69,12 @@ import numpy as np
 import torch
 
 from mminfer import video as videolib
+from mminfer.engine.cache import Tier
 from mminfer.engine.pipeline import AnswerResult, _check_context, check_request
 from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
-from mminfer.errors import (Cancelled, InputError, StreamClosed, StreamFull, StreamNotFound,
-                            VideoError)
+from mminfer.errors import (Cancelled, InputError, ServiceUnavailable, StreamClosed, StreamFull,
+                            StreamNotFound, VideoError)
 from mminfer.kernels import sparsity
 from mminfer.models.base import Conversation, PrepareOptions
 from mminfer.models.hooks import MODES, choose_attention, sparse_refusal
@@ -62,6 +82,8 @@ from mminfer.models.kv import HEADROOM, PrefixKV
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.video.sampling import nearest
+
+log = logging.getLogger(__name__)
 
 MAX_FPS = 60.0
 # rows kept free past a stream for a question and its answer, when the budget is checked
@@ -75,6 +97,8 @@ RECENT = 32
 SPARSE_MIN_PIECE_TOKENS = 2048
 
 OPEN, FULL, CLOSED = "open", "full", "closed"
+# what a stream keeps past its budgets: everything (it becomes full), or the latest window
+KEEPS = ("all", "window")
 
 
 def _index(layout, units: int) -> ModalityIndex:
@@ -103,7 +127,7 @@ class Stream:
     def __init__(self, pipeline, *, fps: float = 2.0, options: PrepareOptions | None = None,
                  stream_id: str | None = None, tenant: str | None = None, registry=None,
                  budget_bytes: int | None = None, mode: str | None = None,
-                 sparse_min_tokens: int = SPARSE_MIN_PIECE_TOKENS):
+                 sparse_min_tokens: int = SPARSE_MIN_PIECE_TOKENS, keep: str = "all"):
         self.pipeline = pipeline
         self.ad = pipeline.adapter
         self.fps = _check_fps(fps)
@@ -115,6 +139,9 @@ class Stream:
             if why:
                 raise InputError(why)
         self.mode = mode
+        if keep not in KEEPS:
+            raise InputError(f"keep must be one of {KEEPS}, not {keep!r}")
+        self.keep = keep
         self.sparse_min_tokens = int(sparse_min_tokens)
         self.options = options or PrepareOptions()
         self.id = stream_id or uuid.uuid4().hex[:16]
@@ -126,9 +153,15 @@ class Stream:
         self.layout = None            # models.streaming.StreamLayout, from the first piece
         self.kv = None                # models.kv.PrefixKV: the stream's rows
         self.length = 0               # rows of the stream in kv
-        self.units = 0                # units (Qwen: temporal pairs; LongVILA: frames) in kv
+        self.units = 0                # units (Qwen: temporal pairs; LongVILA: frames) taken in
         self.rope_delta = 0
+        self.tier = Tier.GPU          # where kv lives (Tier.HOST: spilled, back when used)
+        self.used_at = 0.0            # monotonic time of its last piece or question (LRU)
+        self.dropped_units = 0        # keep="window": the oldest units dropped
+        self.dropped_rows = 0         # and their rows
+        self.unit_samples: list[int] = []   # the sample index of each held unit's first frame
         self.pending = None           # frames waiting for the rest of their unit
+        self.pending_samples: list[int] = []
         self.next_sample = 0          # the next sample is media time next_sample / fps
         self.media_end = 0.0          # media time the pieces received cover
         self.state = OPEN
@@ -148,9 +181,28 @@ class Stream:
 
     # ------------------------------------------------------------ facts
     @property
+    def held_units(self) -> int:
+        return self.units - self.dropped_units
+
+    @property
     def frames(self) -> int:
         """Model frames in the cache."""
-        return self.units * (self.layout.unit_frames if self.layout else 1)
+        return self.held_units * (self.layout.unit_frames if self.layout else 1)
+
+    @property
+    def seen_from(self) -> float:
+        """Media time of the oldest frame the cache holds (0 until a window dropped any)."""
+        if not self.dropped_units or not self.unit_samples:
+            return 0.0
+        return self.unit_samples[0] / self.fps
+
+    def window(self) -> dict | None:
+        """What a window dropped (None: the stream keeps everything)."""
+        if self.keep != "window":
+            return None
+        uf = self.layout.unit_frames if self.layout else 1
+        return {"dropped_frames": self.dropped_units * uf, "dropped_tokens": self.dropped_rows,
+                "seen_from": round(self.seen_from, 3)}
 
     @property
     def seen_until(self) -> float:
@@ -165,7 +217,7 @@ class Stream:
         """The ModalityIndex of the rows in the cache."""
         if self.layout is None or not self.length:
             return None
-        return _index(self.layout, self.units)
+        return _index(self.layout, self.held_units)
 
     @property
     def held_bytes(self) -> int:
@@ -181,7 +233,8 @@ class Stream:
             lag = round(max(0.0, (now - self.first_piece_at) - self.seen_until), 3)
         kv_where = None
         if self.kv is not None and self.kv.layers[0].k_buf is not None:
-            kv_where = "gpu" if self.kv.layers[0].k_buf.is_cuda else "cpu"
+            kv_where = "host" if self.tier is Tier.HOST else \
+                "gpu" if self.kv.layers[0].k_buf.is_cuda else "cpu"
         last = self.recent[-1] if self.recent else None
         return {
             "id": self.id, "object": "stream", "state": self.state, "reason": self.reason,
@@ -190,13 +243,14 @@ class Stream:
             "pixels": {k: v for k, v in vars(self.options).items() if v is not None},
             "pieces": self.pieces, "frames": self.frames,
             "pending_frames": 0 if self.pending is None else len(self.pending),
-            "tokens": self.length, "visual_tokens": self.units * (self.layout.unit_tokens
-                                                                  if self.layout else 0),
+            "tokens": self.length, "visual_tokens": self.held_units * (
+                self.layout.unit_tokens if self.layout else 0),
+            "keep": self.keep, "window": self.window(),
             "media_seconds": round(self.media_end, 3), "seen_until": round(self.seen_until, 3),
             "lag_seconds": lag, "ingest_seconds": round(self.ingest_s, 3),
             "last_piece": last, "last_error": self.last_error, "questions": self.questions,
-            "kv": {"where": kv_where, "bytes": self.held_bytes,
-                   "dtype": self.pipeline.kv_cache_dtype},
+            "kv": {"where": kv_where, "tier": self.tier.value if kv_where else None,
+                   "bytes": self.held_bytes, "dtype": self.pipeline.kv_cache_dtype},
             "created": int(self.created),
         }
 
@@ -205,20 +259,49 @@ class Stream:
     def _hold(self, turn):
         """The stream's cache for this block: one piece or one question at a time; a waiter
         gives its turn on the model away meanwhile."""
-        me = object()
-        while True:
-            with self._mutex:
-                if self._holder is None:
-                    self._holder = me
-                    self.free.clear()
-                    break
+        while not self._try_hold():
             turn.wait_for(self.free)
         try:
+            self.used_at = time.monotonic()
             yield
         finally:
-            with self._mutex:
-                self._holder = None
-                self.free.set()
+            self._release()
+
+    def _try_hold(self) -> bool:
+        """The stream's cache taken if nobody uses it (else False at once)."""
+        with self._mutex:
+            if self._holder is not None:
+                return False
+            self._holder = object()
+            self.free.clear()
+            return True
+
+    def _release(self) -> None:
+        with self._mutex:
+            self._holder = None
+            self.free.set()
+
+    def _on_device(self) -> None:
+        """The stream's cache on the model's device (brought back from the host tier, its
+        room made by the registry first); the stream is held."""
+        if self.tier is Tier.GPU or self.kv is None:
+            return
+        need = self.kv.bytes_at(self.length + QUESTION_ROOM)
+        if self.registry is not None and self.registry.make_room(self, need) < need:
+            raise ServiceUnavailable(
+                f"stream {self.id} is in the host tier and the streams' device budget has no "
+                f"room for its {need} bytes now (the streams there are in use, or the host "
+                "tier has no room for them): try again shortly", stream=self.id)
+        self.kv.move(self.pipeline.device, headroom=QUESTION_ROOM)
+        self.tier = Tier.GPU
+        if self.registry is not None:
+            self.registry.counts["restores"] += 1
+
+    def _spill(self, pin: bool) -> None:
+        """The stream's rows (no room) to host memory (pinned with ``pin``); the stream is
+        held. All or nothing: a failed copy leaves it on the device."""
+        self.kv.move("cpu", pin=pin, headroom=0)
+        self.tier = Tier.HOST
 
     def _open_for_pieces(self):
         if self.state == CLOSED:
@@ -285,14 +368,16 @@ class Stream:
         t0 = time.perf_counter()
         if not turn.acquire():
             raise Cancelled("request cancelled while waiting for the model")
+        ns = (self.next_sample + len(frames)) if next_sample is None else int(next_sample)
+        samples = list(range(ns - len(frames), ns))   # the frames' sample indices
         with self._hold(turn):
             self._open_for_pieces()            # it may have filled while this one waited
-            report = self._ingest(layout, frames, turn, cancel)
+            self._on_device()
+            report = self._ingest(layout, frames, samples, turn, cancel)
             self.layout = layout if self.layout is None else self.layout
             self.media_end += len(frames) / self.fps if media_seconds is None \
                 else max(float(media_seconds), 0.0)
-            self.next_sample = (self.next_sample + len(frames)) if next_sample is None \
-                else next_sample
+            self.next_sample = ns
             if self.first_piece_at is None:
                 self.first_piece_at = time.time() - self.media_end
             self.pieces += 1
@@ -308,21 +393,27 @@ class Stream:
         self.last_error = error.to_dict() if hasattr(error, "to_dict") else {
             "code": "error", "message": str(error)}
 
-    def _ingest(self, layout, frames, turn, cancel) -> dict:
-        """Units of ``pending + frames`` encoded and prefilled (stream held, turn acquired)."""
+    def _ingest(self, layout, frames, samples, turn, cancel) -> dict:
+        """Units of ``pending + frames`` (``samples``: the frames' sample indices) encoded and
+        prefilled (stream held, turn acquired)."""
         if self.pending is not None and len(self.pending):
             frames = torch.cat([self.pending, frames]) if len(frames) else self.pending
+            samples = self.pending_samples + samples
         n_units = len(frames) // layout.unit_frames if layout is not None else 0
         used = n_units * layout.unit_frames if layout is not None else 0
         rest = frames[used:]
         report = {"frames": int(used), "tokens": 0, "vision_ms": 0.0, "prefill_ms": 0.0}
         if n_units == 0:
             self.pending = rest if len(rest) else None
+            self.pending_samples = samples[used:]
             return report
         head = len(layout.head_ids) if self.length == 0 else 0
         rows = head + n_units * layout.unit_tokens
+        drop, room_rows = self._check_room(layout, self.length + rows, n_units)
+        if drop:
+            self._drop(layout, drop)
+            report["dropped_frames"] = drop * layout.unit_frames
         new_len = self.length + rows
-        self._check_room(new_len)
 
         def check():
             return turn.checkpoint() or (cancel is not None and bool(cancel()))
@@ -332,7 +423,8 @@ class Stream:
         if kv is None:
             kv = PrefixKV.for_model(ad.text_model, HEADROOM, dtype=ad.kv_cache_dtype)
         for layer in kv.layers:              # geometric growth: O(N) copies over a stream
-            layer.headroom = max(QUESTION_ROOM, new_len // 2)
+            layer.headroom = min(max(QUESTION_ROOM, new_len // 2),
+                                 max(room_rows - new_len, QUESTION_ROOM))
         before = self.length
         try:
             with turn.long():
@@ -343,10 +435,11 @@ class Stream:
                 if head:
                     embeds = torch.cat([layout.head_embeds(), embeds], dim=1)
                 report["vision_ms"] = round((time.perf_counter() - t) * 1e3, 3)
-                pos = layout.positions(before + head, self.units, n_units)
+                # positions are absolute: the rows a window dropped still count
+                pos = layout.positions(before + head + self.dropped_rows, self.units, n_units)
                 if head:
                     pos = torch.cat([layout.head_positions(), pos], dim=-1)
-                index = _index(layout, self.units + n_units)
+                index = _index(layout, self.held_units + n_units)
                 attention = self._piece_attention(rows, index)
                 sparse = attention == "sparse"
                 ctx = self.pipeline.prefill_context(
@@ -373,9 +466,12 @@ class Stream:
         self.kv = kv
         self.length = new_len
         self.units += n_units
+        self.unit_samples += samples[:used:layout.unit_frames]
         self.sparse_pieces += attention == "sparse"
-        self.rope_delta = layout.rope_delta(self.units, self.length)
+        self.rope_delta = layout.rope_delta(self.units, self.length + self.dropped_rows) + \
+            self.dropped_rows
         self.pending = rest if len(rest) else None
+        self.pending_samples = samples[used:]
         report["tokens"] = rows
         self.ingest_s += (report["vision_ms"] + report["prefill_ms"]) / 1e3
         return report
@@ -389,21 +485,58 @@ class Stream:
         return choose_attention(self.mode, index.n, patterns=self.ad.patterns, index=index,
                                 min_sparse_len=p.min_sparse_len, unavailable=p.sparse_unavailable)
 
-    def _check_room(self, new_len: int) -> None:
-        """StreamFull (and the stream full) when ``new_len`` rows and a question's room would
-        pass the model's context or the byte budget."""
+    def _check_room(self, layout, new_len: int, n_units: int) -> tuple[int, int]:
+        """Room for the stream to hold ``new_len`` rows (``n_units`` units more) and a
+        question's: ``(units to drop, rows the device budget leaves it)`` (the drop only with
+        ``keep="window"``); else StreamFull (and the stream full) when they would pass the
+        model's context or both byte budgets. Idle streams move to the host tier for it."""
         ad = self.ad
+        window = self.keep == "window"
+        ut = layout.unit_tokens
+        drop = 0
         if new_len + QUESTION_ROOM > ad.max_context:
-            self._full(f"the stream would hold {new_len} tokens, and the model's context is "
-                       f"{ad.max_context} (with {QUESTION_ROOM} kept for a question)",
-                       tokens=new_len, limit=ad.max_context)
-        budget = self.budget_bytes if self.registry is None else self.registry.room_for(self)
-        if budget is not None:
-            need = (new_len + QUESTION_ROOM) * self.pipeline.kv_bytes_per_token
-            if need > budget:
-                self._full(f"the stream's KV cache would need {need} bytes, over the "
-                           f"{budget} bytes the stream budget leaves it", bytes=need,
-                           limit=budget)
+            if window:
+                drop = -(-(new_len + QUESTION_ROOM - ad.max_context) // ut)
+            if not window or drop > self.held_units:
+                self._full(f"the stream would hold {new_len} tokens, and the model's context "
+                           f"is {ad.max_context} (with {QUESTION_ROOM} kept for a question)",
+                           tokens=new_len, limit=ad.max_context)
+        if window:          # positions stay absolute: the next one must be in the model's
+            units = self.units + n_units
+            top = new_len + self.dropped_rows
+            top += layout.rope_delta(units, top)
+            if top + QUESTION_ROOM > ad.max_context:
+                self._full(f"the stream's positions would reach {top}, and the model's "
+                           f"context is {ad.max_context} (with {QUESTION_ROOM} kept for a "
+                           "question)", position=top, limit=ad.max_context)
+        bpt = self.pipeline.kv_bytes_per_token
+        need = (new_len - drop * ut + QUESTION_ROOM) * bpt
+        if self.registry is not None:
+            budget = self.registry.make_room(self, need, force=window)
+        else:
+            budget = self.budget_bytes
+        if budget is None:
+            return drop, 1 << 62
+        if need > budget and window:
+            drop += -(-(need - budget) // (ut * bpt))
+            need = (new_len - drop * ut + QUESTION_ROOM) * bpt
+        if need > budget or drop > self.held_units:
+            where = "the stream budget leaves it" if self.registry is None else \
+                self.registry.budget_words()
+            self._full(f"the stream's KV cache would need {need} bytes, over the {budget} "
+                       f"bytes {where}", bytes=need, limit=budget)
+        return drop, budget // bpt
+
+    def _drop(self, layout, units: int) -> None:
+        """The oldest ``units`` units (after the head) out of the cache (keep="window")."""
+        rows = units * layout.unit_tokens
+        self.kv.cut(len(layout.head_ids), rows)
+        self.length -= rows
+        self.dropped_units += units
+        self.dropped_rows += rows
+        del self.unit_samples[:units]
+        if self.registry is not None:
+            self.registry.counts["dropped_units"] += units
 
     def _full(self, why: str, **details):
         self.state, self.reason = FULL, why
@@ -434,7 +567,8 @@ class Stream:
             attention="sparse" if self.sparse_pieces else "dense",
             attention_requested=self.mode,
             video={"stream": self.id, "frames": seen["frames"], "sampled_fps": self.fps,
-                   "seen_until": seen["seen_until"], "media_seconds": seen["media_seconds"]},
+                   "seen_until": seen["seen_until"], "media_seconds": seen["media_seconds"],
+                   **({"seen_from": seen["seen_from"]} if "seen_from" in seen else {})},
             tokens={"total": n, "visual": visual, "text": n - visual, "prefix": length,
                     "generated": len(gen.token_ids), "cached": length},
             sparsity=None, timings_ms=timings, cache="stream",
@@ -445,7 +579,8 @@ class Stream:
                  cancel=None, timer=None):
         """The question's mminfer.models.base.Generated (its prompt's last logits too) and
         what it saw: ``{"frames", "tokens", "visual_tokens", "seen_until",
-        "media_seconds"}``. Arguments as :meth:`ask`."""
+        "media_seconds"}`` and, once a window dropped frames, ``seen_from`` (the media time of
+        the oldest frame held). Arguments as :meth:`ask`."""
         if conversation is None:
             conv = Conversation.single(check_request(question, self.fps, 1, max_new_tokens,
                                                      None, None, "dense"))
@@ -472,13 +607,16 @@ class Stream:
             if self.state == CLOSED or self.kv is None or not self.length:
                 raise InputError(f"stream {self.id} has no video yet: append a piece first",
                                  stream=self.id)
+            self._on_device()
             suffix = self.layout.question_embeds(conv)
-            visual = self.units * self.layout.unit_tokens
+            visual = self.held_units * self.layout.unit_tokens
             _check_context(self.length + suffix.shape[1], visual, max_new_tokens,
                            ad.max_context)
             seen = {"frames": self.frames, "tokens": self.length, "visual_tokens": visual,
                     "seen_until": round(self.seen_until, 3),
                     "media_seconds": round(self.media_end, 3)}
+            if self.dropped_units:
+                seen["seen_from"] = round(self.seen_from, 3)
             try:
                 if check():
                     raise Cancelled("request cancelled before the question's prefill")
@@ -504,19 +642,25 @@ class Stream:
 
 
 class Streams:
-    """The live streams of one pipeline, sharing ``budget_bytes`` (every byte their caches
-    hold; None: the video cache's device budget). Each belongs to a tenant: another tenant's
-    stream is not found."""
+    """The live streams of one pipeline, sharing ``budget_bytes`` of the device (every byte
+    their caches hold there; None: the video cache's device budget) and ``host_bytes`` of
+    pinned host memory the least recently used idle streams move to (0: none; see the module
+    doc). Each belongs to a tenant: another tenant's stream is not found."""
 
-    def __init__(self, pipeline, budget_bytes: int | None = None, max_streams: int = 64):
+    def __init__(self, pipeline, budget_bytes: int | None = None, max_streams: int = 64,
+                 host_bytes: int = 0):
         self.pipeline = pipeline
         if budget_bytes is None:
             budget_bytes = pipeline.video_cache.gpu_budget
         self.budget_bytes = int(budget_bytes)
+        self.host_budget_bytes = max(int(host_bytes or 0), 0)
         self.max_streams = int(max_streams)
         self._streams: dict[str, Stream] = {}
+        # guards the list and the tiers' accounting; a spill copies under it (as the video
+        # cache's does), so two streams never plan on the same free bytes
         self._lock = threading.Lock()
-        self.counts = dict(created=0, deleted=0, pieces=0, refused=0, questions=0)
+        self.counts = dict(created=0, deleted=0, pieces=0, refused=0, questions=0, spills=0,
+                           restores=0, dropped_units=0)
 
     def create(self, *, fps: float = 2.0, options: PrepareOptions | None = None,
                tenant: str | None = None, stream_id: str | None = None, **kw) -> Stream:
@@ -558,11 +702,56 @@ class Streams:
         with self._lock:
             return list(self._streams.values())
 
-    def room_for(self, stream: Stream) -> int:
-        """Bytes the budget leaves ``stream`` (what the others hold subtracted)."""
+    def _bytes(self, tier: Tier, but: Stream | None = None) -> int:
+        return sum(s.held_bytes for s in self._streams.values()
+                   if s.tier is tier and s is not but)
+
+    def make_room(self, stream: Stream, need: int, force: bool = False) -> int:
+        """Device bytes the budget can give ``stream`` (held by its caller) once the least
+        recently used idle streams there have moved to the host tier, as many as it takes for
+        ``need`` bytes and as fit there (``stream``'s own host copy counted as gone: it is
+        coming back). Nothing moves unless that makes ``need`` fit, or ``force``."""
+        pin = self.pipeline.device.type == "cuda"
         with self._lock:
-            others = sum(s.held_bytes for s in self._streams.values() if s is not stream)
-        return max(self.budget_bytes - others, 0)
+            others = [s for s in self._streams.values()
+                      if s is not stream and s.tier is Tier.GPU and s.kv is not None]
+            dev = sum(s.held_bytes for s in others)
+            if dev + need <= self.budget_bytes:
+                return self.budget_bytes - dev
+            host = self._bytes(Tier.HOST, but=stream)
+            plan, freed = [], 0
+            for s in sorted(others, key=lambda s: s.used_at):
+                if dev - freed + need <= self.budget_bytes:
+                    break
+                size = s.kv.bytes_at(s.length)            # on the host: its rows alone
+                if s._holder is None and host + size <= self.host_budget_bytes:
+                    plan.append(s)
+                    host += size
+                    freed += s.held_bytes
+            if not force and dev - freed + need > self.budget_bytes:
+                return max(self.budget_bytes - dev, 0)
+            for s in plan:
+                if not s._try_hold():                     # taken meanwhile: it stays
+                    continue
+                try:
+                    held = s.held_bytes
+                    if s.kv is not None and s.tier is Tier.GPU:
+                        s._spill(pin)
+                        dev -= held
+                        self.counts["spills"] += 1
+                except Exception as err:    # noqa: BLE001 - no host memory: it stays put
+                    log.warning("stream %s: moving it to the host failed (%s)", s.id, err)
+                finally:
+                    s._release()
+            return max(self.budget_bytes - dev, 0)
+
+    def budget_words(self) -> str:
+        """The budgets a full stream passed, for its error."""
+        if self.host_budget_bytes:
+            return (f"the streams' device budget leaves it with the idle streams moved to "
+                    f"the host tier as far as its {self.host_budget_bytes} bytes take them "
+                    "(--stream-kv-gb, --stream-host-kv-gb)")
+        return "the streams' device budget leaves it (--stream-kv-gb; no host tier)"
 
     def stats(self) -> dict:
         with self._lock:
@@ -572,8 +761,12 @@ class Streams:
         secs = sum(r["vision_ms"] + r["prefill_ms"] for r in recent) / 1e3
         return {**self.counts, "active": len(streams),
                 "full": sum(s.state == FULL for s in streams),
+                "windowed": sum(s.keep == "window" for s in streams),
                 "tokens": sum(s.length for s in streams),
-                "bytes": sum(s.held_bytes for s in streams), "budget_bytes": self.budget_bytes,
+                "bytes": sum(s.held_bytes for s in streams),
+                "gpu_bytes": sum(s.held_bytes for s in streams if s.tier is Tier.GPU),
+                "host_bytes": sum(s.held_bytes for s in streams if s.tier is Tier.HOST),
+                "budget_bytes": self.budget_bytes, "host_budget_bytes": self.host_budget_bytes,
                 "ingest_tokens_per_s": round(tokens / secs, 1) if secs > 0 else None,
                 "max_lag_seconds": max((s.status()["lag_seconds"] or 0.0 for s in streams),
                                        default=0.0)}

@@ -228,8 +228,12 @@ class Adapter:
     def positions_after(self, rope_delta: int, start: int, length: int):
         """position_ids of tokens [start, start+length) after the video, from the prefix's
         ``rope_delta`` alone (a cached prefix has no Prepared); None: the model counts them
-        from the cache's length."""
-        return None
+        from the cache's length (``rope_delta`` 0; else 1-D positions ``i + rope_delta``: a
+        stream whose oldest rows were dropped keeps its positions absolute)."""
+        if not rope_delta:
+            return None
+        start += int(rope_delta)
+        return torch.arange(start, start + length, device=self.device)[None]
 
     def stream_layout(self, conversation, fps: float, frame_hw, options=None):
         """How a live stream's prompt is laid out on this model, for a stream sampled at

@@ -41,6 +41,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0          # e4m3fn's largest finite value
 # rows quantised at a time: fp32 temporaries of 32K x Hkv x d (64 MB at 4 x 128)
 QUANT_CHUNK = 32768
+# rows moved at a time when rows are cut out of a cache (a temporary of this many rows of
+# one layer when the cut is shorter: the source and destination of a chunk overlap then)
+CUT_CHUNK = 8192
 # what "--kv-cache-dtype" takes (vLLM's names): "auto" is the model's dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
 
@@ -199,6 +202,22 @@ class SlabLayer(DynamicLayer):
             return 0
         return self._row_bytes() * rows + self._scale_bytes()
 
+    def cut(self, start: int, n: int) -> None:
+        """Rows ``[start, start + n)`` dropped: the rows after them move down ``n`` rows in
+        place (the buffers keep their size; the freed rows become room). The rows keep the
+        values they have (their positions were applied when they were written)."""
+        n = min(max(int(n), 0), self.length - start)
+        if self.k_buf is None or n <= 0:
+            return
+        c = max(n, CUT_CHUNK)
+        with torch.inference_mode():         # the buffers are written under it by a prefill
+            for buf in (self.k_buf, self.v_buf):
+                for a in range(start, self.length - n, c):
+                    b = min(a + c, self.length - n)
+                    src = buf[..., a + n:b + n, :]
+                    buf[..., a:b, :].copy_(src if b - a <= n else src.clone())
+        self._set_length(self.length - n)
+
     def _copied(self, device, pin: bool, headroom: int) -> tuple:
         """New buffers on ``device`` holding the rows, with ``headroom`` rows of room, and the
         scales there; the layer itself is not changed."""
@@ -279,6 +298,11 @@ class PrefixKV(DynamicCache):
         """Back to the first ``n`` rows (a question's rows after its prefix are dropped)."""
         for layer in self.layers:
             layer.crop(n)
+
+    def cut(self, start: int, n: int) -> None:
+        """Rows ``[start, start + n)`` of every layer dropped (:meth:`SlabLayer.cut`)."""
+        for layer in self.layers:
+            layer.cut(start, n)
 
     def trim(self, room: int) -> None:
         """Leave at most ``room`` rows of room past the rows held: a layer with more is copied

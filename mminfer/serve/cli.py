@@ -180,6 +180,10 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="memory the live streams' KV caches share (/v1/streams), GiB; a "
                         "stream that would pass it becomes full: it takes no more video and "
                         "still answers (default: --kv-cache-gb's budget)")
+    g.add_argument("--stream-host-kv-gb", type=float, default=d.stream_host_kv_gb,
+                   help="pinned host memory the least recently used idle streams move to "
+                        "when --stream-kv-gb is spent, GiB; a stream comes back on its next "
+                        "piece or question (0: none, a stream past --stream-kv-gb is full)")
 
     g = p.add_argument_group("video store (POST /v1/videos: upload once, ask by id)")
     g.add_argument("--video-store-gb", type=float, default=d.video_store_gb,
@@ -283,6 +287,8 @@ def settings_from(args):
         raise ConfigError("--kv-cache-gb and --kv-host-cache-gb must be >= 0")
     if args.stream_kv_gb is not None and not args.stream_kv_gb > 0:
         raise ConfigError("--stream-kv-gb must be positive")
+    if not args.stream_host_kv_gb >= 0:
+        raise ConfigError("--stream-host-kv-gb must be >= 0")
     if not 1 <= args.max_frames <= args.max_frames_limit:
         raise ConfigError(f"--max-frames ({args.max_frames}) must be in [1, --max-frames-limit "
                           f"({args.max_frames_limit})]: requests without max_frames ask for it")
@@ -337,7 +343,7 @@ def settings_from(args):
         media_fetch_deadline_s=args.media_fetch_deadline_s,
         report_retention_days=args.report_retention_days,
         kv_cache_gb=args.kv_cache_gb, kv_host_cache_gb=args.kv_host_cache_gb,
-        stream_kv_gb=args.stream_kv_gb,
+        stream_kv_gb=args.stream_kv_gb, stream_host_kv_gb=args.stream_host_kv_gb,
         video_cache=not args.no_video_cache, video_store_gb=args.video_store_gb,
         video_store_max=args.video_store_max, video_ttl_s=args.video_ttl_s,
         report_max_rows=args.report_max_rows, shadow_rate=args.shadow_rate,

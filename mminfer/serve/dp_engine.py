@@ -231,7 +231,8 @@ class Engine:
         p = w.pipeline
         live_ops.attach(p, w, None if self.settings.stream_kv_gb is None
                         else int(self.settings.stream_kv_gb * 2**30),
-                        self.settings.media_fetch_timeout_s)
+                        self.settings.media_fetch_timeout_s,
+                        int((self.settings.stream_host_kv_gb or 0) * 2**30))
         self.send("ready", facts(p))
         self.send_status()
         threading.Thread(target=self._heartbeat, name="mminfer-engine-status",

@@ -1,9 +1,11 @@
 """Live video over HTTP: ``/v1/streams`` (mminfer.engine.streams does the work; the calls that
 run where the model is are live_ops.py).
 
-    POST   /v1/streams                 JSON {fps, min_pixels, max_pixels, model, source}
-                                       -> the stream; ``source``: a live URL (or an allowed
-                                       local path) the server reads itself (pull mode)
+    POST   /v1/streams                 JSON {fps, min_pixels, max_pixels, model, attention,
+                                       keep, source} -> the stream; ``source``: a live URL
+                                       (or an allowed local path) the server reads itself
+                                       (pull mode); ``keep``: "all" (full past the budgets)
+                                       or "window" (the oldest frames dropped past them)
     POST   /v1/streams/{id}/segments   multipart ``file``: a piece of video in any container the
                                        decoders read (an MP4 fragment, an MPEG-TS segment, a
                                        short file); ``start`` form field: its media time
@@ -22,10 +24,12 @@ request's deadline, cancelled when the client leaves): a piece's vision and pref
 work the scheduler admits one at a time and pauses between layers for questions and decode
 steps, a question is short work. A piece the decoder or the stream refuses (corrupt, another
 frame size, going back in time) is a 400 with the reason, recorded in the stream's
-``last_error``; the stream keeps everything before it. A stream whose cache would pass the
-streams' budget (``--stream-kv-gb``) or the model's context is ``full`` (409 ``stream_full``)
-and still answers. Streams belong to the tenant of the API key that created them (another's is
-404).
+``last_error``; the stream keeps everything before it. Idle streams move to pinned host memory
+when the streams' device budget (``--stream-kv-gb``) is spent (``--stream-host-kv-gb``) and
+come back on their next piece or question. A stream whose cache would pass both, or the
+model's context, is ``full`` (409 ``stream_full``) and still answers, unless it was created
+with ``keep: "window"``: then its oldest frames go and its answers say ``seen_from``. Streams
+belong to the tenant of the API key that created them (another's is 404).
 
 Pull mode: ``source`` is allowed as remote media is (``--allowed-media-domains``, private
 addresses only with ``--allow-private-media-addresses``; http, https, rtsp, rtmp and HLS
@@ -46,6 +50,7 @@ import json
 import os
 import time
 import uuid
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,6 +95,12 @@ class StreamCreate(BaseModel):
                                     "rtsp URL on --allowed-media-domains; a local path inside "
                                     "--allowed-local-media-path); absent: push pieces to "
                                     ".../segments")
+    keep: Literal["all", "window"] = Field(
+        "all", description="past the streams' memory (device and host tiers) or the model's "
+                           "context: all (the stream becomes full: it takes no more video and "
+                           "answers over everything it holds) or window (the oldest frames "
+                           "are dropped to make room; the status's window and each answer's "
+                           "seen_from say from which media time it holds frames)")
 
 
 def data_parallel(svc) -> bool:
@@ -101,12 +112,17 @@ def _budget(svc) -> int | None:
     return None if gb is None else int(gb * 2**30)
 
 
+def _host_budget(settings) -> int:
+    return int((settings.stream_host_kv_gb or 0) * 2**30)
+
+
 def local(svc) -> live_ops.Live:
     """This process's streams (one server: the model worker's pipeline)."""
     pipe = svc.worker.pipeline
     if svc.worker.state != "ready" or pipe is None:
         raise WorkerDead(f"the model is not ready ({svc.worker.state})")
-    return live_ops.attach(pipe, svc.worker, _budget(svc), svc.s.media_fetch_timeout_s)
+    return live_ops.attach(pipe, svc.worker, _budget(svc), svc.s.media_fetch_timeout_s,
+                           _host_budget(svc.s))
 
 
 # ------------------------------------------------------------------ where a stream is
@@ -297,7 +313,7 @@ async def create_stream(request: Request):
     source = None if form.source is None else await check_source(svc, form.source)
     sid = uuid.uuid4().hex[:16]
     call = live_ops.call(live_ops.create, sid, form.fps, form.min_pixels, form.max_pixels,
-                         tenant.name, source, form.attention)
+                         tenant.name, source, form.attention, form.keep)
     if data_parallel(svc):
         if svc.worker.state != "ready":
             raise WorkerDead(f"the model is not ready ({svc.worker.state})")

@@ -43,12 +43,14 @@ _LOCK = threading.Lock()
 ATTR = "_mminfer_live"
 
 
-def attach(pipeline, worker, budget_bytes: int | None = None, source_timeout_s: float = 10.0):
-    """The pipeline's :class:`Live` (made on first use with the worker that runs its jobs)."""
+def attach(pipeline, worker, budget_bytes: int | None = None, source_timeout_s: float = 10.0,
+           host_bytes: int = 0):
+    """The pipeline's :class:`Live` (made on first use with the worker that runs its jobs;
+    ``budget_bytes`` and ``host_bytes``: the streams' device and host tiers)."""
     with _LOCK:
         live = getattr(pipeline, ATTR, None)
         if live is None:
-            live = Live(pipeline, worker, budget_bytes, source_timeout_s)
+            live = Live(pipeline, worker, budget_bytes, source_timeout_s, host_bytes)
             setattr(pipeline, ATTR, live)
         return live
 
@@ -61,8 +63,8 @@ def live_of(pipeline) -> "Live":
 
 
 class Live:
-    def __init__(self, pipeline, worker, budget_bytes, source_timeout_s):
-        self.streams = Streams(pipeline, budget_bytes)
+    def __init__(self, pipeline, worker, budget_bytes, source_timeout_s, host_bytes=0):
+        self.streams = Streams(pipeline, budget_bytes, host_bytes=host_bytes)
         self.worker = worker
         self.source_timeout_s = source_timeout_s
         self.pulls: dict[str, Pull] = {}
@@ -102,12 +104,13 @@ class Live:
 
 # ------------------------------------------------------------------ the operations
 
-def create(stream_id, fps, min_pixels, max_pixels, tenant, source, attention, pipeline, turn,
-           cancel):
+def create(stream_id, fps, min_pixels, max_pixels, tenant, source, attention, keep, pipeline,
+           turn, cancel):
     """A new stream (``source``: a URL or path the server may read, pulled from now on;
-    ``attention``: its pieces', None for the server's)."""
+    ``attention``: its pieces', None for the server's; ``keep``: "all" or "window")."""
     live = live_of(pipeline)
     s = live.streams.create(fps=fps, tenant=tenant, stream_id=stream_id, mode=attention,
+                            keep=keep,
                             options=PrepareOptions(min_pixels=min_pixels,
                                                    max_pixels=max_pixels))
     if source is not None:

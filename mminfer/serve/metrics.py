@@ -20,7 +20,8 @@ Live streams (serve/live.py), read at scrape time as well (``StreamsCollector``;
 ``mminfer:streams_pulling`` (reading a source), ``mminfer:stream_ingest_tokens_per_second``
 (over the streams' recent pieces: tokens over their vision and prefill time),
 ``mminfer:stream_lag_seconds`` (the largest: how far a stream's media trails the wall clock),
-``mminfer:stream_kv_bytes`` and ``mminfer:stream_kv_budget_bytes``, the counters
+``mminfer:stream_kv_bytes{tier}`` and ``mminfer:stream_kv_budget_bytes{tier}`` (gpu: the
+model's device; host: the streams' host tier), the counters
 ``mminfer:stream_pieces_total`` and ``mminfer:stream_ingested_tokens_total``, and the
 histogram ``mminfer:stream_piece_seconds`` (one piece's vision and prefill).
 """
@@ -290,11 +291,18 @@ class StreamsCollector:
                 ("stream_ingest_tokens_per_second", "ingest_tokens_per_s",
                  "Tokens per second of the streams' recent pieces (vision and prefill time)"),
                 ("stream_lag_seconds", "max_lag_seconds",
-                 "The largest lag of a stream's media behind the wall clock"),
-                ("stream_kv_bytes", "bytes", "Bytes the streams' KV caches hold"),
-                ("stream_kv_budget_bytes", "budget_bytes", "The streams' byte budget")):
+                 "The largest lag of a stream's media behind the wall clock")):
             f = GaugeMetricFamily(f"mminfer:{name}", doc, labels=lab)
             f.add_metric(m, st.get(key) or 0)
+            yield f
+        for name, keys, doc in (
+                ("stream_kv_bytes", ("gpu_bytes", "host_bytes"),
+                 "Bytes the streams' KV caches hold per tier (gpu: the model's device)"),
+                ("stream_kv_budget_bytes", ("budget_bytes", "host_budget_bytes"),
+                 "The streams' byte budget per tier")):
+            f = GaugeMetricFamily(f"mminfer:{name}", doc, labels=lab + ["tier"])
+            for tier, key in zip(("gpu", "host"), keys):
+                f.add_metric(m + [tier], st.get(key) or 0)
             yield f
         for name, key, doc in (("stream_pieces", "pieces", "Pieces appended to live streams"),
                                ("stream_ingested_tokens", "tokens_ingested",

@@ -104,6 +104,7 @@ class Settings:
     kv_host_cache_gb: float = 0.0      # pinned host tier the GPU tier spills to (0: none)
     video_cache: bool = True           # False: every request prefills its whole prompt
     stream_kv_gb: float | None = None  # the live streams' KV caches together; None: kv_cache_gb's
+    stream_host_kv_gb: float = 0.0     # pinned host tier idle streams move to (0: none)
 
     # the video store (POST /v1/videos: upload once, ask by id)
     video_store_gb: float = 20.0       # distinct stored files, bytes at most

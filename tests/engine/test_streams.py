@@ -3,7 +3,9 @@ one-shot prompt of the same frames — last-token logits within 1e-4 in fp32 and
 answer — on the tiny Qwen2.5-VL (M-RoPE in media time, temporal pairs across pieces) and
 LongVILA (1-D positions) checkpoints; a question between pieces sees exactly the frames so
 far; a piece that fails, changes size or goes back in time leaves the stream as it was; a
-stream past its budget is full and still answers."""
+stream past its budget is full and still answers; idle streams move to the host tier and come
+back exact; past both budgets a stream is full, or (keep="window") drops its oldest frames and
+says so, its positions absolute."""
 
 import numpy as np
 import pytest
@@ -11,9 +13,10 @@ import torch
 
 from lab.toy.tiny_longvila import save_tiny_longvila
 from mminfer.engine.pipeline import Pipeline
-from mminfer.engine.streams import FULL, Stream, Streams
+from mminfer.engine.streams import FULL, QUESTION_ROOM, Stream, Streams
 from mminfer.errors import Cancelled, InputError, StreamFull, StreamNotFound, VideoError
-from mminfer.models.base import Conversation, PrepareOptions
+from mminfer.models.base import VIDEO, Conversation, PrepareOptions, Turn
+from mminfer.models.kv import PrefixKV
 
 Q = "where does the red square move?"
 FPS = 2.0
@@ -104,7 +107,6 @@ def test_conversation_turns_after_the_video(qwen):
     frames = random_frames(4, 56, 84, seed=3)
     s = Stream(qwen, fps=FPS, options=PIXELS)
     s.append_frames(frames)
-    from mminfer.models.base import VIDEO, Turn
     conv = Conversation((Turn("user", (VIDEO, "what is shown?")),
                          Turn("assistant", ("a square",)), Turn("user", (Q,))))
     ad = qwen.adapter
@@ -181,3 +183,134 @@ def test_empty_stream_and_bad_fps(qwen):
     with pytest.raises(VideoError):
         s.append_frames(np.zeros((2, 56, 84), np.uint8))
     assert torch.is_tensor(s.pending) and len(s.pending) == 1
+
+
+def test_idle_streams_move_to_the_host_tier_and_come_back_exact(qwen):
+    """Two streams, a device budget for one: each piece or question of one moves the other
+    (idle) to the host tier, its rows alone; a question on a stream that went to the host and
+    back gives the bit-identical logits it gave before."""
+    frames = random_frames(4, 56, 84, seed=6)
+    reg = Streams(qwen, budget_bytes=1 << 30, host_bytes=1 << 30)
+    a = reg.create(fps=FPS, options=PIXELS)
+    a.append_frames(frames)
+    before = a.generate(Q, max_new_tokens=6)[0]
+    assert_same(before, one_shot(qwen, frames))
+    reg.budget_bytes = a.held_bytes                 # room for one stream of this size
+    b = reg.create(fps=FPS, options=PIXELS)
+    b.append_frames(frames)
+    st = reg.stats()
+    assert a.status()["kv"]["where"] == "host" and b.status()["kv"]["tier"] == "gpu"
+    assert st["host_bytes"] == a.held_bytes == a.length * qwen.kv_bytes_per_token
+    assert st["gpu_bytes"] == b.held_bytes <= reg.budget_bytes
+    after = a.generate(Q, max_new_tokens=6)[0]     # a back on the device, b to the host
+    assert torch.equal(after.prefill_logits, before.prefill_logits)
+    assert after.token_ids == before.token_ids
+    assert a.status()["kv"]["tier"] == "gpu" and b.status()["kv"]["where"] == "host"
+    assert reg.stats()["gpu_bytes"] <= reg.budget_bytes
+    assert_same(b.generate(Q, max_new_tokens=6)[0], before)
+    assert (reg.counts["spills"], reg.counts["restores"]) == (3, 2)
+
+
+def test_past_both_budgets_a_stream_is_full_and_answers(qwen):
+    """The host tier has no room for the idle stream: the piece that needed its device room
+    is refused, the stream is full, says which budgets, and answers over what it held."""
+    frames = random_frames(6, 56, 84, seed=7)
+    reg = Streams(qwen, budget_bytes=1 << 30, host_bytes=1024)
+    a = reg.create(fps=FPS, options=PIXELS)
+    a.append_frames(frames[:4])
+    b = reg.create(fps=FPS, options=PIXELS)
+    b.append_frames(frames[:2])
+    reg.budget_bytes = a.held_bytes + b.held_bytes
+    with pytest.raises(StreamFull, match="stream-host-kv-gb"):
+        b.append_frames(frames[2:])
+    assert b.state == FULL and "host tier" in b.status()["reason"]
+    assert a.status()["kv"]["tier"] == b.status()["kv"]["tier"] == "gpu"   # nothing moved
+    assert_same(b.generate(Q, max_new_tokens=6)[0], one_shot(qwen, frames[:2]))
+    assert_same(a.generate(Q, max_new_tokens=6)[0], one_shot(qwen, frames[:4]))
+
+
+def test_cut_drops_rows_and_keeps_the_rest():
+    kv = PrefixKV(2, headroom=3)
+    k = torch.randn(1, 2, 20000, 4)
+    v = torch.randn(1, 2, 20000, 4)
+    for layer in kv.layers:
+        layer.update(k, v)
+    size = kv.held_bytes
+    kv.cut(5, 7)
+    want = torch.cat([k[..., :5, :], k[..., 12:, :]], dim=-2)
+    assert kv.length == 19993 and kv.held_bytes == size
+    assert all(torch.equal(layer.keys, want) for layer in kv.layers)
+    kept_v = torch.cat([v[..., :5, :], v[..., 12:, :]], dim=-2)
+    kv.layers[0].cut(3, 9000)             # shorter than the rows it moves: chunks overlap
+    assert torch.equal(kv.layers[0].values,
+                       torch.cat([kept_v[..., :3, :], kept_v[..., 9003:, :]], dim=-2))
+
+
+def layer0(s):
+    return s.kv.layers[0].keys, s.kv.layers[0].values
+
+
+@pytest.mark.parametrize("model", ["qwen", "longvila"])
+def test_a_window_drops_the_oldest_frames_and_says_so(model, request):
+    """keep="window" past the budget: the oldest whole units after the head go, the bytes
+    stay within the budget, the status and the answer say from which media time the stream
+    holds frames. Positions stay absolute: every row the window kept (the new piece's too)
+    has the first layer's K/V (a function of its input and position alone) that a stream
+    keeping everything has for it, and a question continues from the absolute position."""
+    pipe = request.getfixturevalue(model)
+    qwen_like = model == "qwen"
+    hw, opts = ((56, 84), PIXELS) if qwen_like else ((40, 70), None)
+    frames = random_frames(8, *hw, seed=8)
+    full = Stream(pipe, fps=FPS, options=opts)
+    win = Stream(pipe, fps=FPS, options=opts, keep="window")
+    with pytest.raises(InputError, match="keep"):
+        Stream(pipe, fps=FPS, keep="some")
+    for s in (full, win):
+        s.append_frames(frames[:4])
+    lay = win.layout
+    head, ut, uf = len(lay.head_ids), lay.unit_tokens, lay.unit_frames
+    assert win.status()["window"] == {"dropped_frames": 0, "dropped_tokens": 0,
+                                      "seen_from": 0.0}
+    # room for three units more than the head: the next piece (2 units / 4 frames) drops
+    bpt = pipe.kv_bytes_per_token
+    units_held = 4 // uf
+    win.budget_bytes = (head + (units_held + 4 // uf - 1) * ut + QUESTION_ROOM) * bpt
+    win.append_frames(frames[4:8])
+    full.append_frames(frames[4:8])
+    st = win.status()
+    assert st["state"] == "open" and st["window"]["dropped_frames"] == uf
+    assert st["window"]["seen_from"] == uf / FPS > 0
+    assert st["last_piece"]["dropped_frames"] == uf
+    assert win.held_bytes <= win.budget_bytes and win.length == full.length - ut
+    assert st["frames"] == 8 - uf
+    for got, ref in zip(layer0(win), layer0(full)):
+        want = torch.cat([ref[..., :head, :], ref[..., head + ut:, :]], dim=-2)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert win.rope_delta == full.rope_delta + ut
+    res = win.ask(Q, max_new_tokens=4)
+    assert res.video["seen_from"] == uf / FPS and res.video["seen_until"] == 4.0
+    assert "seen_from" not in full.ask(Q, max_new_tokens=4).video
+    # more pieces: the window moves on, the bytes stay bounded
+    win.append_frames(random_frames(4, *hw, seed=9))
+    assert win.held_bytes <= win.budget_bytes
+    first = (4 // uf + 1) * uf / FPS           # the units past the budget's, oldest first
+    assert win.status()["window"]["seen_from"] == first
+    assert win.ask(Q, max_new_tokens=4).video["seen_from"] == first
+
+
+def test_a_window_makes_room_for_the_context_and_the_budget(qwen, monkeypatch):
+    """Past the model's context a windowed stream drops what the context asks, and past its
+    byte budget as well what that asks on top; a stream keeping everything is full."""
+    frames = random_frames(8, 56, 84, seed=10)
+    win = Stream(qwen, fps=FPS, options=PIXELS, keep="window")
+    full = Stream(qwen, fps=FPS, options=PIXELS)
+    for s in (win, full):
+        s.append_frames(frames[:4])
+    head, ut = len(win.layout.head_ids), win.layout.unit_tokens
+    monkeypatch.setattr(qwen.adapter, "max_context", head + 3 * ut + QUESTION_ROOM)
+    with pytest.raises(StreamFull, match="context"):
+        full.append_frames(frames[4:])
+    win.budget_bytes = (head + 2 * ut + QUESTION_ROOM) * qwen.kv_bytes_per_token
+    win.append_frames(frames[4:])          # 4 units: 1 over the context, 1 more over the bytes
+    assert win.held_units == 2 and win.status()["window"]["dropped_frames"] == 4
+    assert win.seen_from == 2.0 and win.held_bytes <= win.budget_bytes

@@ -4,7 +4,8 @@ question sees exactly the frames so far (its answer is the dense one-shot answer
 frames, and says up to which media time it saw), on /v1/answer and in chat
 (``mminfer://streams/{id}``, streamed or not); bad pieces (corrupt, another frame size, going
 back in time) are clear 400s that leave the stream answerable; the streams show in /metrics
-and /report; delete -> 404. Pull mode: tests/serve/test_live_pull.py."""
+and /report; delete -> 404; idle streams move to the host tier and come back; a windowed
+stream drops its oldest frames and says so. Pull mode: tests/serve/test_live_pull.py."""
 
 import argparse
 import json
@@ -17,6 +18,7 @@ import pytest
 
 from mminfer import video as videolib
 from mminfer.engine.streams import QUESTION_ROOM
+from mminfer.errors import ConfigError
 from mminfer.models.base import Conversation
 from mminfer.serve import cli as serve_cli
 from mminfer.serve.app import Settings, create_app
@@ -255,3 +257,83 @@ def test_a_stream_chooses_its_pieces_attention(tmp_path, live_server):
     assert r.status_code == 403 and "attention=sparse" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{srv.url}/v1/streams", json={"attention": "fast"}, timeout=30)
     assert 400 <= r.status_code < 500 and "attention" in r.text
+
+
+def tier_metric(text: str, name: str, tier: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'tier="{tier}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{tier={tier}}} not in /metrics")
+
+
+def first_piece_rows(pipe):
+    frames = source_frames(NEEDLE)
+    layout = pipe.adapter.stream_layout(Conversation.single("?"), 2.0, frames[0].shape[:2])
+    return layout, len(layout.head_ids) + 2 * layout.unit_tokens       # 4 frames: 2 pairs
+
+
+def test_idle_streams_move_to_the_host_tier_and_come_back(pieces, tmp_path, live_server):
+    """--stream-host-kv-gb: a device budget for one stream's first piece and a question. The
+    second stream's piece moves the first (idle) to the host tier, where its status says it
+    is; a question on it brings it back (the other goes) and answers as before it moved."""
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(["--stream-host-kv-gb", "2"])
+    assert serve_cli.settings_from(args).stream_host_kv_gb == 2.0
+    with pytest.raises(ConfigError, match="stream-host-kv-gb"):
+        serve_cli.settings_from(parser.parse_args(["--stream-host-kv-gb", "-1"]))
+
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path), timeout_s=120,
+                                          stream_host_kv_gb=1.0)))
+    pipe = srv.app.state.worker.pipeline
+    _, first = first_piece_rows(pipe)
+    srv.app.state.settings.stream_kv_gb = (first + QUESTION_ROOM + 1) * \
+        pipe.kv_bytes_per_token / 2**30
+    a, b = (httpx.post(f"{srv.url}/v1/streams", json={"fps": 2}, timeout=30).json()["id"]
+            for _ in range(2))
+    assert push(srv.url, a, pieces[0]).status_code == 200
+    before = ask(srv.url, a).json()
+    r = push(srv.url, b, pieces[1])
+    assert r.status_code == 200, r.text
+    st_a = httpx.get(f"{srv.url}/v1/streams/{a}").json()
+    assert st_a["kv"]["where"] == "host" and st_a["kv"]["tier"] == "host"
+    assert st_a["kv"]["bytes"] == first * pipe.kv_bytes_per_token      # its rows, no room
+    assert r.json()["stream"]["kv"]["tier"] == "gpu"
+    m = httpx.get(f"{srv.url}/metrics").text
+    assert tier_metric(m, "mminfer:stream_kv_bytes", "host") == st_a["kv"]["bytes"]
+    assert tier_metric(m, "mminfer:stream_kv_budget_bytes", "host") == 2**30
+    after = ask(srv.url, a).json()
+    assert (after["answer"], after["video"]) == (before["answer"], before["video"])
+    assert httpx.get(f"{srv.url}/v1/streams/{a}").json()["kv"]["tier"] == "gpu"
+    assert httpx.get(f"{srv.url}/v1/streams/{b}").json()["kv"]["where"] == "host"
+    assert ask(srv.url, b).status_code == 200
+
+
+def test_a_windowed_stream_drops_its_oldest_frames_and_says_so(pieces, tmp_path, live_server):
+    """``keep: "window"``: past the budget the oldest frames go; the stream stays open, its
+    bytes within the budget, and its status and answers say from which media time it holds
+    frames."""
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path),
+                                          timeout_s=120)))
+    pipe = srv.app.state.worker.pipeline
+    layout, first = first_piece_rows(pipe)
+    budget = (first + layout.unit_tokens + QUESTION_ROOM) * pipe.kv_bytes_per_token
+    srv.app.state.settings.stream_kv_gb = budget / 2**30       # three pairs and a question
+    r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "keep": "some"}, timeout=30)
+    assert r.status_code in (400, 422) and "keep" in r.text
+    st = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "keep": "window"},
+                    timeout=30).json()
+    sid = st["id"]
+    assert st["keep"] == "window" and st["window"]["dropped_frames"] == 0
+    for p in pieces[:3]:
+        r = push(srv.url, sid, p)
+        assert r.status_code == 200, r.text
+        st = r.json()["stream"]
+        assert st["state"] == "open" and st["kv"]["bytes"] <= budget
+    # 12 frames in, 6 held: the first three pairs went
+    assert st["frames"] == 6 and st["window"]["dropped_frames"] == 6
+    assert st["window"]["seen_from"] == 3.0 and st["seen_until"] == 6.0
+    got = ask(srv.url, sid).json()
+    assert got["video"]["seen_from"] == 3.0 and got["video"]["seen_until"] == 6.0
+    c = chat(srv.url, sid).json()
+    assert c["mminfer"]["video"]["seen_from"] == 3.0
