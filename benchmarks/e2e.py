@@ -950,8 +950,8 @@ def probe_dense(pipe, entry: dict, args) -> dict:
     dp = _dense_probe()
     tok = entry.get("tokens") or {}
     n = int(tok.get("prefix") or tok["total"])
-    # the Pipeline's headroom: the question's rows and the answer's
-    headroom = max(int(tok["total"]) - n + args.max_new_tokens, 64)
+    # the Pipeline's: a prefix is built with its rows alone (each question forks it)
+    headroom = 0
     ad = pipe.adapter
     try:
         out = dp.probe_layers(ad.text_model, n, layers=args.dense_layers,
