@@ -27,10 +27,14 @@ MiB = 2 ** 20
 # What the server's resident set may grow by past the cache's budgets once warmed up: memory
 # the allocator keeps after a request (freed blocks it has not given back: per-thread arenas,
 # fragmentation between the cache's slabs and the request's activations, which come and go
-# at different sizes), the latency store's rows and the metrics' series. Measured on the
-# 2-core CPU machine: 35-77 MiB past the cache's bytes over the long chats, 23 over the re-asks
-# (with the worker's malloc_trim after every request; without it 25-60 more).
-OVERHEAD_MB = 100
+# at different sizes), the latency store's rows and the metrics' series. Each question forks
+# the cached prefix, so its rows and its suffix prefill's buffers are the request's own,
+# allocated and freed per request. Measured on the 2-core CPU machine over the long chats,
+# sampled after each request: 0-75 MiB most of the time, peaks of 98-116 MiB after the
+# longest turns (1.3K-token suffixes) that fall back on the next requests (no growth with the
+# request count: a leak of a request's rows would add their bytes on each of the 130); 23
+# over the re-asks (with the worker's malloc_trim after every request; without it 25-60 more).
+OVERHEAD_MB = 130
 LONG = "Describe every frame of the clip again, slowly, in detail, in order. " * 8
 
 
