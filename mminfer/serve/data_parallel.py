@@ -56,7 +56,7 @@ import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mminfer.engine.cache import file_digest
-from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, MMInferError, QueueFull,
+from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, QueueFull,
                             ShuttingDown, StreamNotFound, WorkerDead)
 
 from . import dp_engine
@@ -246,43 +246,31 @@ def engine_devices(n: int, device: str | None) -> list[str | None]:
     return ids[:n]
 
 
-class DataParallelWorker:
-    """The front end's model worker over ``n`` engine processes (see the module doc).
-    ``settings``: the server's (each engine loads the model as one server would);
-    ``model_path``: resolved; ``routing``: "affinity" or "round_robin"."""
+class FrontWorker:
+    """What the front end's worker over several engines (``DataParallelWorker``: processes;
+    ray_serve.RayServeWorker: Ray Serve replicas) does the same way: the queue's budget and
+    places, the counts the service reads, a job's future settled. A subclass keeps its
+    flights in ``_flights`` (values with ``job`` and ``started``), says how many engines
+    serve (``_serving``) and their last statuses (``_statuses``), and sends a new flight on
+    its way (``_new_flight`` under the lock, ``_dispatch`` after it)."""
 
-    def __init__(self, settings, model_path: str, n: int, *, routing: str = "affinity",
-                 max_imbalance: int = DEFAULT_MAX_IMBALANCE, log_level: str = "WARNING"):
-        gpus = engine_devices(n, settings.device)
-        self.s, self.model_path, self.n = settings, model_path, n
-        self.router = Router(n, routing, max_imbalance)
-        self.log_level = log_level
-        self.queue_size = settings.queue_size * n       # each engine's queue, as one queue
-        self.max_active = settings.max_num_seqs * n
+    def _init_queue(self, settings, engines: int):
+        self.queue_size = settings.queue_size * engines   # each engine's queue, as one queue
+        self.max_active = settings.max_num_seqs * engines
         self.shadow = None            # the shadow monitor is the engines' business: off here
         self.selfcal = None           # so is self-calibration
         self.pipeline: EngineFacts | None = None
         self.error: str | None = None
-        self.served = 0
-        self.stopped = 0
+        self.served = self.stopped = 0
         self.moved = 0                # jobs moved from an engine that died
         self.recent_s: collections.deque[float] = collections.deque(maxlen=32)
-        self.engines = [EngineHandle(i, g) for i, g in enumerate(gpus)]
         self._metrics = None
         self._state = "new"
         self._lock = threading.Condition()
         self._ready = threading.Event()
         self._stopping = False
         self._reserved = 0
-        self._flights: dict[int, _Flight] = {}
-        self._by_job: dict[int, _Flight] = {}           # id(job) -> its flight
-        self._parked: collections.deque[_Flight] = collections.deque()
-        self.streams: dict[str, int] = {}             # live stream id -> its engine
-        self.lost_streams: dict[str, str] = {}        # id -> why it is gone
-        self._ids = itertools.count(1)
-        self._ctx = multiprocessing.get_context("spawn")
-        self._hashers = concurrent.futures.ThreadPoolExecutor(
-            4, thread_name_prefix="mminfer-route")
+        self._flights: dict = {}
 
     # ------------------------------------------------------------------ metrics
     @property
@@ -294,6 +282,130 @@ class DataParallelWorker:
         self._metrics = metrics
         if metrics is not None:
             metrics.registry.register(EngineCollector(self, metrics.model))
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def alive(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def waiting(self) -> int:
+        """Jobs not running yet: being placed, waiting for an engine, or queued on one."""
+        with self._lock:
+            return self._queued()
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return sum(1 for f in self._flights.values() if f.started)
+
+    def active_jobs(self) -> list:
+        with self._lock:
+            return [f.job for f in self._flights.values() if f.started]
+
+    def running_job(self):
+        active = self.active_jobs()
+        return active[0] if active else None
+
+    def progress(self) -> dict:
+        """The engines' schedulers' counts, summed."""
+        out = collections.Counter()
+        for st in self._statuses():
+            out.update(st.get("progress") or {})
+        return {"active": 0, "prefilling": 0, "paused": 0, "decoding": 0,
+                "waiting_admission": 0, "switches": 0, **out}
+
+    def retry_after(self, cap: int = 120) -> int:
+        per_job = statistics.median(self.recent_s) if self.recent_s else 1.0
+        ahead = self.waiting + self.reserved + self.running
+        serving = max(1, self._serving())
+        return int(min(cap, max(1, math.ceil(per_job * max(ahead, 1) / serving))))
+
+    # ------------------------------------------------------------------ jobs
+    def _refusal(self):
+        if self._state == "dead":
+            return WorkerDead(f"the model worker is dead: {self.error}")
+        if self._stopping or self._state == "stopped":
+            return ShuttingDown("the server is shutting down")
+        return None
+
+    def _queued(self) -> int:
+        return sum(1 for f in self._flights.values() if not f.started)
+
+    def reserve(self) -> QueuePlace:
+        with self._lock:
+            refused = self._refusal()
+            if refused is not None:
+                raise refused
+            if self._queued() + self._reserved >= self.queue_size:
+                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
+                                f"retry later", queue_size=self.queue_size)
+            self._reserved += 1
+        return QueuePlace(self)        # its release calls our _unreserve
+
+    def _unreserve(self):
+        with self._lock:
+            self._reserved -= 1
+
+    def submit(self, job, slot: QueuePlace | None = None):
+        """Queue a job (in ``slot`` if given) and send it on its way."""
+        with self._lock:
+            refused = self._refusal()
+            if refused is not None:
+                raise refused
+            if slot is not None and slot.held:
+                slot.held = False
+                self._reserved -= 1
+            elif self._queued() + self._reserved >= self.queue_size:
+                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
+                                f"retry later", queue_size=self.queue_size)
+            job.enqueued = time.monotonic()
+            job.worker = self
+            f = self._new_flight(job)
+        self._dispatch(f)
+        return job
+
+    def _answer(self, job, result=None, error: BaseException | None = None):
+        """Settle a job's future (its file released first, as ModelWorker does)."""
+        job.finished = time.monotonic()
+        job.remove_file()
+        fut = job.future
+        if not fut.done() and not fut.running() and not fut.set_running_or_notify_cancel():
+            return                                  # cancelled meanwhile
+        try:
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+
+class DataParallelWorker(FrontWorker):
+    """The front end's model worker over ``n`` engine processes (see the module doc).
+    ``settings``: the server's (each engine loads the model as one server would);
+    ``model_path``: resolved; ``routing``: "affinity" or "round_robin"."""
+
+    def __init__(self, settings, model_path: str, n: int, *, routing: str = "affinity",
+                 max_imbalance: int = DEFAULT_MAX_IMBALANCE, log_level: str = "WARNING"):
+        gpus = engine_devices(n, settings.device)
+        self.s, self.model_path, self.n = settings, model_path, n
+        self.router = Router(n, routing, max_imbalance)
+        self.log_level = log_level
+        self._init_queue(settings, n)
+        self.engines = [EngineHandle(i, g) for i, g in enumerate(gpus)]
+        self._by_job: dict[int, _Flight] = {}           # id(job) -> its flight
+        self._parked: collections.deque[_Flight] = collections.deque()
+        self.streams: dict[str, int] = {}             # live stream id -> its engine
+        self.lost_streams: dict[str, str] = {}        # id -> why it is gone
+        self._ids = itertools.count(1)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._hashers = concurrent.futures.ThreadPoolExecutor(
+            4, thread_name_prefix="mminfer-route")
 
     # ------------------------------------------------------------------ control
     def start(self):
@@ -400,47 +512,11 @@ class DataParallelWorker:
             return "restarting"
         return self._state
 
-    @property
-    def alive(self) -> bool:
-        return self.state == "ready"
+    def _serving(self) -> int:
+        return sum(1 for e in self.engines if e.state == "ready")
 
-    @property
-    def waiting(self) -> int:
-        """Jobs not running yet: being placed, waiting for an engine, or queued on one."""
-        with self._lock:
-            return sum(1 for f in self._flights.values() if not f.started)
-
-    @property
-    def reserved(self) -> int:
-        return self._reserved
-
-    @property
-    def running(self) -> int:
-        with self._lock:
-            return sum(1 for f in self._flights.values() if f.started)
-
-    def active_jobs(self) -> list:
-        with self._lock:
-            return [f.job for f in self._flights.values() if f.started]
-
-    def running_job(self):
-        active = self.active_jobs()
-        return active[0] if active else None
-
-    def progress(self) -> dict:
-        """The engines' schedulers' counts, summed."""
-        out = collections.Counter()
-        for e in self.engines:
-            if e.state == "ready":
-                out.update(e.status.get("progress") or {})
-        return {"active": 0, "prefilling": 0, "paused": 0, "decoding": 0,
-                "waiting_admission": 0, "switches": 0, **out}
-
-    def retry_after(self, cap: int = 120) -> int:
-        per_job = statistics.median(self.recent_s) if self.recent_s else 1.0
-        ahead = self.waiting + self.reserved + self.running
-        serving = max(1, sum(1 for e in self.engines if e.state == "ready"))
-        return int(min(cap, max(1, math.ceil(per_job * max(ahead, 1) / serving))))
+    def _statuses(self) -> list[dict]:
+        return [e.status for e in self.engines if e.state == "ready"]
 
     def cache_stats(self) -> dict | None:
         """The engines' video caches, summed (``pipeline.video_cache.stats()``)."""
@@ -475,52 +551,16 @@ class DataParallelWorker:
         return out
 
     # ------------------------------------------------------------------ jobs
-    def _refusal(self):
-        state = self.state
-        if state == "dead":
-            return WorkerDead(f"the model worker is dead: {self.error}")
-        if self._stopping or state == "stopped":
-            return ShuttingDown("the server is shutting down")
-        return None
+    def _new_flight(self, job) -> _Flight:
+        f = _Flight(next(self._ids), job)
+        self._flights[f.id] = f
+        self._by_job[id(job)] = f
+        return f
 
-    def _queued(self) -> int:
-        return sum(1 for f in self._flights.values() if not f.started)
-
-    def reserve(self) -> QueuePlace:
-        with self._lock:
-            refused = self._refusal()
-            if refused is not None:
-                raise refused
-            if self._queued() + self._reserved >= self.queue_size:
-                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
-                                f"retry later", queue_size=self.queue_size)
-            self._reserved += 1
-        return QueuePlace(self)        # its release calls our _unreserve
-
-    def _unreserve(self):
-        with self._lock:
-            self._reserved -= 1
-
-    def submit(self, job, slot: QueuePlace | None = None):
-        """Queue a job (in ``slot`` if given); it is placed on an engine once its video's key
-        is known (hashed on a thread of the front end: never on the event loop)."""
-        with self._lock:
-            refused = self._refusal()
-            if refused is not None:
-                raise refused
-            if slot is not None and slot.held:
-                slot.held = False
-                self._reserved -= 1
-            elif self._queued() + self._reserved >= self.queue_size:
-                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
-                                f"retry later", queue_size=self.queue_size)
-            job.enqueued = time.monotonic()
-            job.worker = self
-            f = _Flight(next(self._ids), job)
-            self._flights[f.id] = f
-            self._by_job[id(job)] = f
+    def _dispatch(self, f: _Flight):
+        """Placed on an engine once its video's key is known (hashed on a thread of the front
+        end: never on the event loop)."""
         self._hashers.submit(self._place_new, f)
-        return job
 
     def _place_new(self, f: _Flight):
         try:
@@ -637,21 +677,6 @@ class DataParallelWorker:
             self._answer(job, error=job.stop)
         else:
             self.engines[engine].send("cancel", f.id, job.stop)
-
-    def _answer(self, job, result=None, error: BaseException | None = None):
-        """Settle a job's future (its file released first, as ModelWorker does)."""
-        job.finished = time.monotonic()
-        job.remove_file()
-        fut = job.future
-        if not fut.done() and not fut.running() and not fut.set_running_or_notify_cancel():
-            return                                  # cancelled meanwhile
-        try:
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass
 
     # ------------------------------------------------------------------ the engines' messages
     def _read(self, e: EngineHandle, gen: int, conn):

@@ -68,15 +68,15 @@ from ray.serve.request_router import RequestRouter
 
 from mminfer.engine.cache import file_digest
 from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, InputError, MMInferError,
-                            QueueFull, ShuttingDown, WorkerDead)
+                            ShuttingDown)
 
 from .app import load_pipeline
 from .budget import configure_decoding
-from .data_parallel import (CACHE_COUNTERS, ROUTING_MODES, EngineCollector, EngineFacts,
+from .data_parallel import (CACHE_COUNTERS, ROUTING_MODES, EngineFacts, FrontWorker,
                             choose_engine)
 from .dp_engine import ENGINE_QUEUE, EngineWorker, facts, portable
 from .settings import DEFAULT_MAX_IMBALANCE
-from .worker import Job, QueuePlace
+from .worker import Job
 
 log = logging.getLogger("mminfer.serve")
 
@@ -407,7 +407,7 @@ class _Flight:
         self.started = self.streamed = self.moved = False
 
 
-class RayServeWorker:
+class RayServeWorker(FrontWorker):
     """The front end's model worker over the Ray Serve deployment (see the module doc): the
     ``ModelWorker`` interface the service uses, each job sent to a replica by the handle."""
 
@@ -424,39 +424,14 @@ class RayServeWorker:
         self.s, self.model_path, self.address, self.app = settings, model_path, address, app
         self.routing, self.max_imbalance = routing, int(max_imbalance)
         self.n = replicas
-        self.queue_size = settings.queue_size * (replicas or 1)
-        self.max_active = settings.max_num_seqs * (replicas or 1)
-        self.shadow = None            # idle-time work of one process's model: not here
-        self.selfcal = None
-        self.pipeline: EngineFacts | None = None
-        self.error: str | None = None
-        self.served = self.stopped = self.moved = 0
-        self.recent_s: collections.deque[float] = collections.deque(maxlen=32)
+        self._init_queue(settings, replicas or 1)       # _flights: id(job) -> its flight
         self.handle = None
-        self._metrics = None
-        self._state = "new"
-        self._lock = threading.Condition()
-        self._ready = threading.Event()
-        self._stopping = False
-        self._reserved = 0
-        self._flights: dict[int, _Flight] = {}          # id(job) -> its flight
         self._refs: collections.OrderedDict = collections.OrderedDict()   # key -> (ref, n)
         self._refs_lock = threading.Lock()
         self._gone = collections.Counter()      # the cache counters of replicas gone
         self._seen: dict[str, dict] = {}        # replica -> its last routing stats
         self._runner = concurrent.futures.ThreadPoolExecutor(
             max(8, self.queue_size + self.max_active), thread_name_prefix="mminfer-ray")
-
-    # ------------------------------------------------------------------ metrics
-    @property
-    def metrics(self):
-        return self._metrics
-
-    @metrics.setter
-    def metrics(self, metrics):
-        self._metrics = metrics
-        if metrics is not None:
-            metrics.registry.register(EngineCollector(self, metrics.model))
 
     # ------------------------------------------------------------------ control
     def start(self):
@@ -576,44 +551,11 @@ class RayServeWorker:
             return "restarting"
         return self._state
 
-    @property
-    def alive(self) -> bool:
-        return self.state == "ready"
+    def _serving(self) -> int:
+        return len(self._replicas())
 
-    @property
-    def waiting(self) -> int:
-        with self._lock:
-            return sum(1 for f in self._flights.values() if not f.started)
-
-    @property
-    def reserved(self) -> int:
-        return self._reserved
-
-    @property
-    def running(self) -> int:
-        with self._lock:
-            return sum(1 for f in self._flights.values() if f.started)
-
-    def active_jobs(self) -> list:
-        with self._lock:
-            return [f.job for f in self._flights.values() if f.started]
-
-    def running_job(self):
-        active = self.active_jobs()
-        return active[0] if active else None
-
-    def progress(self) -> dict:
-        out = collections.Counter()
-        for _, st, _ in self._replicas():
-            out.update(st.get("progress") or {})
-        return {"active": 0, "prefilling": 0, "paused": 0, "decoding": 0,
-                "waiting_admission": 0, "switches": 0, **out}
-
-    def retry_after(self, cap: int = 120) -> int:
-        per_job = sorted(self.recent_s)[len(self.recent_s) // 2] if self.recent_s else 1.0
-        ahead = self.waiting + self.reserved + self.running
-        serving = max(1, len(self._replicas()))
-        return int(min(cap, max(1, -(-per_job * max(ahead, 1) // serving))))
+    def _statuses(self) -> list[dict]:
+        return [st for _, st, _ in self._replicas()]
 
     def cache_stats(self) -> dict | None:
         """The replicas' video caches, summed (those gone included)."""
@@ -657,48 +599,12 @@ class RayServeWorker:
         return out
 
     # ------------------------------------------------------------------ jobs
-    def _refusal(self):
-        state = self._state
-        if state == "dead":
-            return WorkerDead(f"the model worker is dead: {self.error}")
-        if self._stopping or state == "stopped":
-            return ShuttingDown("the server is shutting down")
-        return None
+    def _new_flight(self, job) -> _Flight:
+        f = self._flights[id(job)] = _Flight(job)
+        return f
 
-    def _queued(self) -> int:
-        return sum(1 for f in self._flights.values() if not f.started)
-
-    def reserve(self) -> QueuePlace:
-        with self._lock:
-            refused = self._refusal()
-            if refused is not None:
-                raise refused
-            if self._queued() + self._reserved >= self.queue_size:
-                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
-                                f"retry later", queue_size=self.queue_size)
-            self._reserved += 1
-        return QueuePlace(self)
-
-    def _unreserve(self):
-        with self._lock:
-            self._reserved -= 1
-
-    def submit(self, job, slot: QueuePlace | None = None):
-        with self._lock:
-            refused = self._refusal()
-            if refused is not None:
-                raise refused
-            if slot is not None and slot.held:
-                slot.held = False
-                self._reserved -= 1
-            elif self._queued() + self._reserved >= self.queue_size:
-                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); "
-                                f"retry later", queue_size=self.queue_size)
-            job.enqueued = time.monotonic()
-            job.worker = self
-            f = self._flights[id(job)] = _Flight(job)
+    def _dispatch(self, f: _Flight):
         self._runner.submit(self._run, f)
-        return job
 
     def _ref(self, key: str, path: str):
         """The object-store reference of the video's bytes (put once, the last ones kept)."""
@@ -823,17 +729,3 @@ class RayServeWorker:
     def _stop_running(self, job):
         """``Job.cancel`` of a running job (``job.stop`` says why): its replica stops it."""
         self._remove(job)
-
-    def _answer(self, job, result=None, error: BaseException | None = None):
-        job.finished = time.monotonic()
-        job.remove_file()
-        fut = job.future
-        if not fut.done() and not fut.running() and not fut.set_running_or_notify_cancel():
-            return
-        try:
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass
