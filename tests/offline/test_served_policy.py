@@ -145,7 +145,9 @@ def test_the_ladder_draws_from_the_settings_families_and_hard(pipe):
             step()
 
     full = searched(base)
-    assert full.head_config.provenance["candidates"] != ["grid"]
+    # on a prefix of text and video the search builds every family --families may name
+    from mminfer.offline.cli import FAMILIES
+    assert sorted(full.head_config.provenance["candidates"]) == sorted(FAMILIES)
 
     def rungs(**kw):
         """The rungs under other settings, from the full search's numbers."""
