@@ -48,7 +48,7 @@ from mminfer.sparse.patterns import (QUERY_MODALITIES, HeadPattern,
                                      default_config, dense,
                                      grid, provenance, vertical_slash)
 
-from .cli import HARD
+from .cli import FAMILIES, HARD
 
 _REF_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 25}   # fp32 scores per dense-reference chunk
 
@@ -298,6 +298,23 @@ def _candidate_set(make, index, n_ref, budgets, gammas, min_density, max_density
     return cands
 
 
+def _of_families(cands: dict, families: Sequence[str]) -> dict:
+    """The candidates of ``families``; an unknown family, or none of them among ``cands``
+    (they depend on the budgets, the gammas and the inputs' modalities), is an error."""
+    built = sorted({key[0] for key in cands})
+    unknown = sorted(set(families) - set(FAMILIES) - set(built))
+    if unknown:
+        raise ConfigError(f"unknown candidate families {unknown} (known: "
+                          f"{', '.join(FAMILIES)})")
+    out = {key: hp for key, hp in cands.items() if key[0] in families}
+    if not out:
+        raise ConfigError(f"no candidate of families {sorted(families)} with these budgets, "
+                          f"gammas and inputs (they give {', '.join(built)}; a_shape, grid, "
+                          f"grid_cols, k:vs and 2d are fixed-budget candidates, block_ad and "
+                          f"q:vs mass-budget ones)")
+    return out
+
+
 def _choose(score: dict, density: dict, max_error: float, hard: str) -> tuple:
     """One head's choice among candidates (key -> score, key -> mean density):
     ``(key, is_hard)``, the key being ``DENSE`` for the dense fallback."""
@@ -462,7 +479,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
               candidates: Mapping | Callable | None = None, objective: str = "output_error",
               max_error: float = 0.05, quantile: float = 1.0, hard: str = "dense",
               engine: str = "auto", block_m: int | None = None, block_n: int | None = None,
-              progress: bool = True, spread_q: int = 0, cancel: Callable | None = None):
+              progress: bool = True, spread_q: int = 0, cancel: Callable | None = None,
+              families: Sequence[str] | None = None):
     """Search every captured layer; returns ``(HeadPatternConfig, report)``. ``cancel()`` is
     checked before every candidate's run (:class:`mminfer.errors.Cancelled`): a server runs
     the search in idle time and stops it when a request arrives.
@@ -471,7 +489,9 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
     ``candidates`` (a mapping name -> HeadPattern used at every budget, or a callable
     ``(index, n, budget, block_m=, block_n=) -> mapping``; default ``candidate_patterns``),
     and for each of ``gammas`` the mass-budget patterns of ``mass_candidate_patterns``
-    (floor ``min_density``, ceiling ``max_density``). Every candidate runs on every input.
+    (floor ``min_density``, ceiling ``max_density``). ``families``: only the candidates of
+    these families (e.g. ``grid vertical_slash``; None: all). Every candidate runs on every
+    input.
 
     Choice per head: a candidate's score (output error, or 1 - mass) over the inputs is its
     ``quantile`` across them (1.0: the worst input; ``torch.quantile`` 'higher', so always
@@ -522,6 +542,8 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
         (lambda *a, **kw: dict(candidates)) if candidates is not None else candidate_patterns)
     cands = _candidate_set(make, caps[0].index, n_ref, budgets, gammas, min_density,
                            max_density, block_m, block_n)
+    if families:
+        cands = _of_families(cands, families)
 
     total = sum(len(c.layers) for c in caps) * len(cands)
     bar = _progress(total, progress)
@@ -603,6 +625,7 @@ def calibrate(qk_source, identity: ModelIdentity, *, budgets: Sequence[float] = 
                                 engine == "kernel" else "logical pairs / causal triangle",
                                 engine=engine, block_m=block_m, block_n=block_n,
                                 candidates=sorted({key[0] for key in cands}),
+                                **({"families": sorted(families)} if families else {}),
                                 layers_calibrated=layer_ids, device=_device_name(dev)),
                             estimation={"spread_queries": spread_q} if spread_q else {})
     return cfg, report

@@ -10,6 +10,11 @@ from .thresholds import add_threshold_arguments
 
 # what a head no candidate holds the bound for becomes (--hard; calibrate() checks it too)
 HARD = ("dense", "best")
+# the candidate families the search builds (calibrate.candidate_patterns: fixed budgets;
+# calibrate.mass_candidate_patterns: mass budgets; the q:/k:/2d ones on inputs of text and
+# video only): what --families may name
+FAMILIES = ("a_shape", "vertical_slash", "block", "block_ad", "grid", "grid_cols", "q:vs",
+            "q:grid|vs", "k:vs", "2d")
 # --max-error without a model to score a ladder on answers: one bound
 MAX_ERROR = 0.05
 
@@ -88,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "worst tenth)")
     parser.add_argument("--hard", choices=HARD, default="dense",
                         help="a head that no candidate holds the bound for: dense (holds it) "
-                        "or best (the candidate with the lowest objective)")
+                        "or best (the candidate with the lowest objective); with --model, at "
+                        "every bound of the ladder")
     parser.add_argument("--engine", choices=["auto", "kernel", "reference"], default="auto",
                         help="kernel: the sparse kernels with physical-tile density; "
                         "reference: exact masked attention by row chunks (no Triton) with "
@@ -122,15 +128,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "measured stay dense; what was kept holds the bound) (default: no "
                         "limit)")
     parser.add_argument("--families", nargs="+", default=None, metavar="FAMILY",
-                        help="with --reselect or --answer-kl: choose only among these "
-                        "candidate families, e.g. 'vertical_slash block' (default: all the report "
-                        "has)")
+                        choices=FAMILIES,
+                        help="draw candidates only from these families, e.g. 'vertical_slash "
+                        "block': the search measures only them, and every rung of the ladder, "
+                        "--reselect and --answer-kl choose only among them (a head none of "
+                        "them holds is hard: --hard) (one or more of: " + ", ".join(FAMILIES) +
+                        "; default: all the search builds, or all the report has)")
     parser.add_argument("--dense-text", action=argparse.BooleanOptionalAction, default=None,
                         help="make the text rows (the question) of every sparse head dense, "
                         "visual rows keeping their pattern: it costs about 2 x text tokens / N "
                         "of density and moves the answer much less; the answer step measures "
                         "its candidates so (default: on for inputs of text and video; "
-                        "--reselect: as the calibration was)")
+                        "--reselect: as the calibration was). Not with --model and --videos "
+                        "alone: the served policy computes the question's rows dense over the "
+                        "prefix whatever the config says, and the ladder's configs keep the "
+                        "prefix's few text rows dense")
     parser.add_argument("--device", default=None, help="move the captures here, and capture "
                         "there (e.g. cuda) (default: the model's device, cuda if available)")
 

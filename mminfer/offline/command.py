@@ -41,6 +41,13 @@ def run(args) -> int:
                              "that needs --model and --videos (and no --answer-kl or "
                              "--reselect)")
         args.max_error = bounds[0] if bounds else MAX_ERROR
+    if served and args.dense_text is not None:
+        raise InputError(f"--{'' if args.dense_text else 'no-'}dense-text does not apply to "
+                         "the ladder scored as served (--model with --videos): the served "
+                         "policy computes the question's rows dense over the prefix's cache "
+                         "whatever the config says, and every rung keeps the prefix's few text "
+                         "rows dense; it applies to a search from captures, --reselect and "
+                         "--answer-kl")
     if args.gate_videos and not served:
         raise InputError("--gate-videos are scored with the model: give --model and --videos "
                          "(not with --answer-kl, which holds its own KL bound, or --reselect, "
@@ -87,7 +94,7 @@ def run(args) -> int:
                             objective=args.objective, max_error=args.max_error,
                             quantile=args.error_quantile, hard=args.hard, engine=args.engine,
                             block_m=args.block_m, block_n=args.block_n,
-                            spread_q=args.spread_queries)
+                            spread_q=args.spread_queries, families=args.families)
     if args.dense_text is not False and len(caps[0].index.modalities()) > 1:
         cfg = with_dense_text(cfg)
     if args.answer_kl is not None:
@@ -129,7 +136,8 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
     winner; FAIL writes the search's config marked uncalibrated (``--attention auto`` stays
     dense with it, as a server stays dense when its gate fails) with the rungs' numbers."""
     lo, hi = args.calibration_min_agreement, args.calibration_max_kl
-    settings = replace(SearchSettings.for_device(ad.device), bounds=ladder,
+    settings = replace(SearchSettings.for_device(ad.device), bounds=ladder, hard=args.hard,
+                       families=tuple(args.families) if args.families else None,
                        engine=None if args.engine == "auto" else args.engine)
     cal = ServedCalibration(ad, _served_inputs(ad, args.videos, args), min_agreement=lo,
                             max_kl=hi, settings=settings, log=print)
@@ -160,7 +168,8 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
     if cal.winner is not None:
         out = cal.config(gate=gate, made_by="mminfer calibrate (served policy)")
         out.provenance["served_policy"]["verdict"] = "pass"
-        _, rows = reselect(cfg, report, cal.head_config_index, max_error=cal.winner.bound)
+        _, rows = reselect(cfg, report, cal.head_config_index, max_error=cal.winner.bound,
+                           hard=settings.hard, families=settings.families)
         out.save(args.out)
         Path(report_path).write_text(json.dumps(rows, indent=1))
         c = cal.winner.summary()

@@ -193,7 +193,10 @@ class SearchSettings:
     """The candidates and the ladder. ``budgets``/``gammas``/``min_density``/``max_density``:
     the per-head search's (``calibrate.calibrate``); ``bounds``: the per-head output-error
     bounds of the ladder's rungs, tightest first (each rung is the search re-selected under
-    one bound, ``calibrate.reselect``, with the question's rows dense); ``search_tokens``:
+    one bound, ``calibrate.reselect``, with the text rows dense); ``hard``: what a head that
+    no candidate holds a rung's bound for becomes (``"dense"``, or ``"best"``: its
+    lowest-error candidate), at every rung; ``families``: the candidate families the search
+    measures and every rung chooses among (None: all); ``search_tokens``:
     inputs longer than this are scored but not searched (their q/k/v of every layer would
     not fit the host: 8 GB at 32K tokens for a 7B); ``engine``/``block``: how a sparse layer
     runs while measuring (None: the kernels with 128 x 64 tiles on a GPU; on a CPU the exact
@@ -203,6 +206,8 @@ class SearchSettings:
     min_density: float = 0.0
     max_density: float = 0.3
     bounds: tuple = (0.02, 0.05, 0.1, 0.2, 0.4)
+    hard: str = "dense"
+    families: tuple | None = None
     max_new_tokens: int = 8
     search_tokens: int = 32768
     engine: str | None = None
@@ -372,9 +377,9 @@ class ServedCalibration:
                        for c in caps if layer in c.capture]
                 results[layer] = calibrate(
                     got, ident, budgets=s.budgets, gammas=s.gammas, min_density=s.min_density,
-                    max_density=s.max_density, max_error=max(s.bounds), hard="dense",
+                    max_density=s.max_density, max_error=max(s.bounds), hard=s.hard,
                     engine=self.engine, block_m=self.block[0], block_n=self.block[1],
-                    progress=False, cancel=cancel)
+                    progress=False, cancel=cancel, families=s.families)
             yield Step(f"per-head search of layer {layer}", fn)
         cfg, report = _merge(results, ident)
         self.head_config, self.head_report = cfg, report
@@ -382,12 +387,16 @@ class ServedCalibration:
             c.capture = None
 
     def _ladder(self) -> list:
-        """One config per bound, from the search's numbers (``reselect``: nothing measured),
-        with the question's rows dense."""
+        """One config per bound, from the search's numbers (``reselect``: nothing measured;
+        the settings' ``hard`` and ``families``), with the text rows dense: the question's
+        rows are dense by the policy already, and the prefix's few text rows (the chat
+        template around the video) cost nothing dense."""
         index = self.head_config_index
+        s = self.settings
         rungs = []
-        for b in self.settings.bounds:
-            cfg, _ = reselect(self.head_config, self.head_report, index, max_error=b)
+        for b in s.bounds:
+            cfg, _ = reselect(self.head_config, self.head_report, index, max_error=b,
+                              hard=s.hard, families=s.families)
             cfg = with_dense_text(cfg)
             cfg.uncalibrated = False
             rungs.append(Rung(b, cfg))
@@ -413,7 +422,10 @@ class ServedCalibration:
             cfg.provenance, made_by=made_by,
             served_policy={
                 "objective": OBJECTIVE,
-                "per_head_bound": self.winner.bound, "min_agreement": self.min_agreement,
+                "per_head_bound": self.winner.bound, "hard": self.settings.hard,
+                **({"families": sorted(self.settings.families)} if self.settings.families
+                   else {}),
+                "min_agreement": self.min_agreement,
                 "max_kl": self.max_kl, "engine": self.engine, "block": list(self.block),
                 "max_new_tokens": self.settings.max_new_tokens,
                 "inputs": [{"name": i.name, "source": i.source, "tokens": i.tokens}

@@ -8,10 +8,11 @@ the server's flags with the server's defaults.
 The embedded model on the CPU, 8-frame synthetic videos (77 tokens), the reference engine."""
 
 import argparse
+import json
 
 import pytest
 
-from mminfer.errors import InputError
+from mminfer.errors import ConfigError, InputError
 from mminfer.models.embedded import default_model
 from mminfer.offline import served_policy as SP
 from mminfer.offline.command import run
@@ -99,3 +100,65 @@ def test_what_needs_the_model_says_so(tmp_path):
         run(parse([str(tmp_path), "--gate-videos", VIDEOS[0], *out]))
     with pytest.raises(InputError, match="--calibration-min-agreement must be in"):
         run(parse([str(tmp_path), "--calibration-min-agreement", "1.5", *out]))
+
+
+def _kinds(cfg) -> set:
+    """The pattern kinds of every head's regions, dense ones left out."""
+    return {p.kind for row in cfg.layers for hp in row for p in hp.patterns.values()
+            if p.kind != "dense"}
+
+
+def test_families_restrict_every_rung_of_the_ladder(tmp_path):
+    """--families grid: the search measures only grid candidates and the rung that passes
+    draws every sparse head from them; without it the same ladder picks other families."""
+    argv = ["--model", str(default_model()), "--videos", VIDEOS[0], *SMALL]
+    assert run(parse([*argv, "--out", str(tmp_path / "all.json")])) == 0
+    assert run(parse([*argv, "--families", "grid", "--out", str(tmp_path / "grid.json")])) == 0
+    default = HeadPatternConfig.load(tmp_path / "all.json")
+    grid = HeadPatternConfig.load(tmp_path / "grid.json")
+    assert _kinds(default) - {"grid"}              # the default ladder's choice is not all grid
+    assert _kinds(grid) == {"grid"}
+    assert grid.provenance["families"] == ["grid"]
+    assert grid.provenance["served_policy"]["families"] == ["grid"]
+    assert grid.provenance["served_policy"]["verdict"] == "pass"
+    # the report written with it holds only what it chose among
+    rows = json.loads((tmp_path / "grid.report.json").read_text())
+    assert {lab.split("@")[0] for r in rows for lab in r["candidates"]} == {"grid"}
+    # a family the candidates of these budgets do not have is refused, not ignored
+    with pytest.raises(ConfigError, match="no candidate of families \\['block_ad'\\]"):
+        run(parse([*argv[:-2], "--gamma", "--families", "block_ad",
+                   "--out", str(tmp_path / "x.json")]))
+
+
+def test_hard_best_holds_at_every_rung(tmp_path):
+    """A bound no sparse candidate holds for most heads: the ladder's rung makes them dense
+    by default, and with --hard best gives each its lowest-error candidate instead."""
+    argv = ["--model", str(default_model()), "--videos", VIDEOS[0], *SMALL, "--max-error",
+            "0.001"]
+    assert run(parse([*argv, "--out", str(tmp_path / "dense.json")])) == 0
+    assert run(parse([*argv, "--hard", "best", "--out", str(tmp_path / "best.json")])) == 0
+    dense_cfg = HeadPatternConfig.load(tmp_path / "dense.json")
+    best = HeadPatternConfig.load(tmp_path / "best.json")
+    assert dense_cfg.provenance["served_policy"]["per_head_bound"] == 0.001
+    assert best.provenance["served_policy"]["per_head_bound"] == 0.001
+
+    def dense_heads(cfg):
+        return sum(all(p.kind == "dense" for p in hp.patterns.values())
+                   for row in cfg.layers for hp in row)
+    assert dense_heads(dense_cfg) > 0 and dense_cfg.provenance["hard"] == "dense"
+    assert dense_heads(best) == 0 and best.provenance["hard"] == "best"
+    assert best.provenance["served_policy"]["hard"] == "best"
+    sp = [c.provenance["served_policy"]["rungs"][0]["mean_density"] for c in (dense_cfg, best)]
+    assert sp[1] < sp[0]
+
+
+def test_dense_text_is_refused_where_the_served_policy_fixes_it(tmp_path):
+    """The served policy computes the question's rows dense whatever the config says: the
+    flag cannot change what the ladder measures, so it is an error there, not a no-op."""
+    argv = ["--model", str(default_model()), "--videos", VIDEOS[0], "--out",
+            str(tmp_path / "x.json"), *SMALL]
+    for flag in ("--dense-text", "--no-dense-text"):
+        with pytest.raises(InputError, match=f"{flag} does not apply to the ladder scored "
+                           "as served"):
+            run(parse([*argv, flag]))
+    assert not (tmp_path / "x.json").exists()

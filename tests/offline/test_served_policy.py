@@ -112,3 +112,56 @@ def test_calibration_steps_choose_the_cheapest_rung_that_holds(pipe):
     assert inputs[0].reference is before
     step()
     assert inputs[0].reference.token_ids == before.token_ids
+
+
+def _kinds(cfg) -> set:
+    return {p.kind for row in cfg.layers for hp in row for p in hp.patterns.values()
+            if p.kind != "dense"}
+
+
+def _dense_heads(cfg) -> int:
+    return sum(all(p.kind == "dense" for p in hp.patterns.values())
+               for row in cfg.layers for hp in row)
+
+
+def test_the_ladder_draws_from_the_settings_families_and_hard(pipe):
+    """The server's ladder and `mminfer calibrate`'s are one (ServedCalibration): its
+    settings' ``families`` limit what the search measures and every rung chooses among, and
+    ``hard`` decides what a head no candidate holds a rung's bound for becomes."""
+    from dataclasses import replace
+    ad = pipe.adapter
+    base = replace(SP.SearchSettings.for_device(ad.device), bounds=(0.001, 0.5))
+
+    def prepared():
+        decoded, question, name = load_video("synth:needle:8:910000", ad, "")
+        return [SP.prepare(ad, decoded, question, name)]
+
+    def searched(settings):
+        cal = SP.ServedCalibration(ad, prepared(), settings=settings)
+        steps = cal.steps()
+        for step in steps:                  # references and the search, up to the ladder
+            if step.what.startswith("rung"):
+                return cal
+            step()
+
+    full = searched(base)
+    # on a prefix of text and video the search builds every family --families may name
+    from mminfer.offline.cli import FAMILIES
+    assert sorted(full.head_config.provenance["candidates"]) == sorted(FAMILIES)
+
+    def rungs(**kw):
+        """The rungs under other settings, from the full search's numbers."""
+        cal = SP.ServedCalibration(ad, full.inputs, settings=replace(base, **kw))
+        cal.head_config, cal.head_report = full.head_config, full.head_report
+        assert next(cal.steps()).what.startswith("rung")
+        return {r.bound: r.config for r in cal.rungs}
+
+    default, grid, best = rungs(), rungs(families=("grid",)), rungs(hard="best")
+    assert _kinds(default[0.5]) - {"grid"}
+    assert _kinds(grid[0.5]) == {"grid"} and _kinds(grid[0.001]) <= {"grid"}
+    assert _dense_heads(default[0.001]) > 0 and _dense_heads(best[0.001]) == 0
+    assert best[0.001].provenance["hard"] == "best"
+    # the server's own search (no search given) measures only the families it is set to
+    own = searched(replace(base, families=("grid",)))
+    assert {lab.split("@")[0] for r in own.head_report for lab in r["candidates"]} == {"grid"}
+    assert all(_kinds(r.config) <= {"grid"} for r in own.rungs)
