@@ -100,6 +100,68 @@ def test_two_segments_read_as_their_concatenation(q_len, at, splits, fp8):
                               atol=1e-3)
 
 
+def _readers(M, H, Hkv, P, owns, D, fp8, seed=0):
+    """M readers of one prefix of P rows, reader j with ``owns[j]`` rows of its own after it
+    (separate buffers, views of larger ones): the queries ``[M, H, 1, D]`` (a strided view of
+    the step's q), the prefix, the own segments, scales; FP8 or fp32."""
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.rand(Hkv, generator=g) + 0.05
+    vs = torch.rand(Hkv, generator=g) + 0.05
+
+    def cache(n):
+        k = torch.randn(1, Hkv, n + 3, D, generator=g) * 3
+        v = torch.randn(1, Hkv, n + 3, D, generator=g) * 3
+        if fp8:
+            k, v = k.to(F.FP8), v.to(F.FP8)
+        return k[:, :, :n], v[:, :, :n]
+
+    q = torch.randn(M, 1, H, D, generator=g).transpose(1, 2)
+    return q, cache(P), [cache(n) for n in owns], (ks, vs) if fp8 else (None, None)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("M,H,Hkv,P,owns,D,splits", [
+    (3, 6, 2, 61, [1, 9, 4], 16, None),     # readers with own segments of several lengths
+    (5, 4, 1, 40, [2, 2, 30, 1, 7], 24, 3),  # 20 rows: two row blocks, 3 prefix key ranges
+    (1, 6, 2, 33, [5], 16, 2),               # one reader
+])
+def test_shared_prefix_readers_match_each_alone(M, H, Hkv, P, owns, D, splits, fp8):
+    """Cascade attention: M readers of one prefix at once (the prefix read in one launch for
+    all) give each reader's attention over the prefix and its own rows: the fp32 oracle on
+    their concatenation; the Triton kernel under the interpreter where it runs, and the
+    PyTorch fallback."""
+    q, (pk, pv), segs, (ks, vs) = _readers(M, H, Hkv, P, owns, D, fp8)
+    one = torch.ones(Hkv)
+    refs = []
+    for j, (k, v) in enumerate(segs):
+        kk, vv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        refs.append(reference(q[j:j + 1], kk, vv, ks if fp8 else one, vs if fp8 else one,
+                              0.3))
+    ref = torch.cat(refs)                                         # [M, 1, H, D]
+    got = F._shared_prefix_chunked(q, (pk, pv), segs, ks if fp8 else one,
+                                   vs if fp8 else one, 0.3)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    if INTERP:
+        got = F.shared_prefix_attention(q, (pk, pv), segs, ks, vs, 0.3, n_splits=splits)
+        assert got.shape == (M, 1, H, D) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+        # the reader each output belongs to matters: its own rows, its own query
+        if M > 1:
+            swapped = F.shared_prefix_attention(q, (pk, pv), segs[::-1], ks, vs, 0.3)
+            assert not torch.allclose(swapped, ref, atol=1e-3)
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 on the CPU")
+def test_shared_prefix_fp16_queries_over_fp8():
+    """fp16 queries over an FP8 prefix (the tile conversion and the output's dtype)."""
+    q, (pk, pv), segs, (ks, vs) = _readers(4, 6, 2, 50, [3, 1, 12, 6], 16, True, seed=2)
+    ref = torch.cat([reference(q[j:j + 1].half(), torch.cat([pk, k], 2),
+                               torch.cat([pv, v], 2), ks, vs) for j, (k, v) in enumerate(segs)])
+    got = F.shared_prefix_attention(q.half(), (pk, pv), segs, ks, vs)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref, atol=3e-3, rtol=3e-3)
+
+
 def test_split_plan_covers_the_keys():
     for n in (1, 63, 64, 1000, 1 << 20):
         for progs in (1, 4, 300):
@@ -200,11 +262,15 @@ def _lower_for_hopper():
             "O": "*bf16"}
     for block_m, warps in ((16, 4), (32, 4), (64, 4), (128, 8)):
         lower(F._fp8_split_fwd, ptrs, dict(G=7, D=128, BLOCK_M=block_m, BLOCK_N=64,
-                                            BLOCK_D=128, PRECISION="tf32"), warps)
+                                            BLOCK_D=128, PRECISION="tf32", CAUSAL=True), warps)
     # a forked reader of a bf16 cache: the same kernel, K/V in the query's dtype
     bf16 = {**ptrs, **{n: "*bf16" for n in ("K", "V", "K2", "V2")}}
     lower(F._fp8_split_fwd, bf16, dict(G=7, D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
-                                       PRECISION="tf32"), 4)
+                                       PRECISION="tf32", CAUSAL=True), 4)
+    # readers of one prefix decoding together: their rows over the prefix, none causal
+    for dt in (ptrs, bf16):
+        lower(F._fp8_split_fwd, dt, dict(G=7, D=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
+                                         PRECISION="tf32", CAUSAL=False), 4)
     lower(F._fp8_merge, ptrs, dict(G=7, D=128, BLOCK_M=16, BLOCK_D=128), 4)
     print("lowered")
 
