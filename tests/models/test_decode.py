@@ -379,6 +379,9 @@ def test_benchmark_tiny_run(tmp_path):
     for r in rep["rows"]:
         assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
         assert r["same_tokens"] == {"lean": True, "fork": True} and r["fork_ms"] > 0
+        # 8 questions about one cache in batched steps: the shared prefix read once or per
+        # question, the same tokens
+        assert r["fork8_ms"] > 0 and r["fork8_each_ms"] > 0 and r["fork8_same_tokens"]
         assert len(r["tokens"]["step"]) == 1 + rep["steps"]
         # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
         assert r["splitk_max_abs_err"] < 1e-5, r
