@@ -154,6 +154,8 @@ class LeanDecoder:
         cos, sin = self._rope(h, pos)
         groups = prefix_groups(caches)
         alone = sorted(set(range(b)) - {j for g in groups for j in g})
+        # each group's rows of the step, on the device once a step (not once a layer)
+        index = [torch.tensor(g, device=dev) for g in groups]
         for i in range(len(self.layers)):
             q, k, v = self._pre(i, h, cos, sin)
             if not groups:
@@ -163,18 +165,20 @@ class LeanDecoder:
                 out = q.new_empty(b, 1, q.shape[1], q.shape[-1])
                 for j in alone:
                     out[j] = self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], caches[j])[0]
-                for g in groups:
-                    out[g] = self._attend_group(i, q, k, v, [caches[j] for j in g], g)
+                for g, at in zip(groups, index):
+                    out.index_copy_(0, at, self._attend_group(i, q, k, v, caches, g, at))
             h = self._post(i, h, out)
         return self._logits(h)[:, -1]                                        # [B, vocab]
 
-    def _attend_group(self, i, q, k, v, caches, rows):
-        """K/V of layer ``i`` into each of ``caches`` (forks of one prefix: rows ``rows`` of
-        the step), attention of them all in one call: ``[M, 1, H, d]``."""
+    def _attend_group(self, i, q, k, v, caches, rows, at):
+        """K/V of layer ``i`` into ``caches[j]`` for j in ``rows`` (forks of one prefix; ``at``
+        the same indices on the device), attention of them all in one call:
+        ``[M, 1, H, d]``."""
         attn = self.layers[i].self_attn
-        keys, values = zip(*(c.update(k[j:j + 1], v[j:j + 1], attn.layer_idx)
-                             for j, c in zip(rows, caches)))
-        return fork_group_attention(q[rows], keys, values, attn.scaling, current())
+        keys, values = zip(*(caches[j].update(k[j:j + 1], v[j:j + 1], attn.layer_idx)
+                             for j in rows))
+        return fork_group_attention(q.index_select(0, at), keys, values, attn.scaling,
+                                    current())
 
     def position_ids(self, position_ids, cache):
         if position_ids is None:     # the model's default: counted from the cache's length

@@ -11,7 +11,9 @@ key range. Decode steps, a question's suffix (no context, or keys past its index
 last-row-only call stay dense (SDPA). Rows over an FP8 cache (``--kv-cache-dtype fp8``: the
 views carry their scales) go to the FP8 flash-decoding kernel, and so do a question's rows
 over a kept prefix it shares with other readers (a ForkKV: the views carry the prefix's), in
-either dtype; a sparse piece over an FP8 cache attends to the same quantised keys,
+either dtype (the decode steps of several readers of one prefix, batched, read it once for
+all of them: :func:`fork_group_attention`); a sparse piece over an FP8 cache attends to the
+same quantised keys,
 dequantised for the layer (one layer's K/V in the model dtype, as a one-shot prefill holds).
 Per-request state
 (the ModalityIndex, the head patterns, the timer, per-layer densities) lives in a context
