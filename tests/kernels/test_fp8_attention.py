@@ -223,6 +223,35 @@ def test_kernel_matches_the_reference_on_cuda_at_long_lengths(q_len, kv_len):
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("P", [4097, 131072])
+def test_shared_prefix_readers_on_cuda_at_long_lengths(P, fp8):
+    """8 readers of one long prefix (bf16 queries, 28/4 heads of 128, FP8 or bf16 K/V): each
+    output is that reader's split_attention alone and the fp32 chunked form's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, owns = 8, [1, 5, 64, 300, 2, 17, 1000, 9]
+    ks = torch.rand(4, generator=g, device="cuda") + 0.05
+    vs = torch.rand(4, generator=g, device="cuda") + 0.05
+
+    def cache(n):
+        kv = [torch.randn(1, 4, n, 128, generator=g, device="cuda") * 3 for _ in range(2)]
+        return tuple(t.to(F.FP8 if fp8 else torch.bfloat16) for t in kv)
+
+    prefix, segs = cache(P), [cache(n) for n in owns]
+    q = torch.randn(M, 28, 1, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    scales = (ks, vs) if fp8 else (None, None)
+    one = torch.ones(4, device="cuda")
+    got = F.shared_prefix_attention(q, prefix, segs, *scales)
+    for j, seg in enumerate(segs):
+        alone = F.split_attention(q[j:j + 1], [prefix, seg], *scales)
+        ref = F.chunked(q[j:j + 1].float(), None, None, ks if fp8 else one, vs if fp8 else one,
+                        segments=[prefix, seg])
+        torch.testing.assert_close(got[j:j + 1].float(), alone.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[j:j + 1].float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def _lower_for_hopper():
     """Both kernels through Triton's sm_90 pipeline down to a cubin (ptxas), bf16 queries over
     e4m3 K/V at the H200 shapes (GQA 7, d 128) and each row block the launcher picks; prints
