@@ -8,7 +8,11 @@ mminfer.models.decode, side by side in one run on the same cache:
 and ``fork``: the fastest of those that runs the lean step (``graph`` on a GPU) over a ForkKV
 of the same cache, as a question on a kept video reads it (the prefix shared and read only,
 the answer's rows in buffers of its own; attention is the two-segment flash-decoding kernel,
-mminfer.kernels.fp8_attention.split_attention, in place of SDPA).
+mminfer.kernels.fp8_attention.split_attention, in place of SDPA); ``fork8``: one batched step
+(``LeanDecoder.step_many``, eager) of 8 such forks of the cache, as 8 questions about one kept
+video decode together, their attention reading the prefix once a step for all of them
+(shared-prefix attention), and ``fork8_each``: the same step attending once per question (the
+prefix read 8 times); ms a batched step of 8 tokens, and tokens a second.
 
 A random-weight language model at the Qwen2.5-VL-7B text shape (28 layers, hidden 3584, 28/4
 heads, d 128, MLP 18944, vocab 152064; bf16) with a PrefixKV filled with random K/V to N tokens
@@ -132,6 +136,42 @@ def time_fork(ad, kv, n, mode, steps, warm, first):
                              mode=mode)
     sync(dev)
     return (time.perf_counter() - t0) * 1e3 / steps, out, first_s
+
+
+READERS = 8
+
+
+def time_readers(ad, kv, n, steps, warm, first, *, shared=True):
+    """(ms a batched step, each reader's tokens) of ``steps`` steps of ``LeanDecoder.step_many``
+    over READERS ForkKVs of ``kv``'s ``n`` rows, as that many questions about one cached video
+    decode together (one host sync a step for the tokens); ``shared``: their attention reads
+    the prefix once for all of them (decode.prefix_groups), else once per reader."""
+    dec = decode.decoder_of(ad)
+    vocab = dec.embed.num_embeddings
+    groups = decode.prefix_groups
+
+    def run(k):
+        forks = [ForkKV(kv, n, k + 1) for _ in range(READERS)]
+        toks = [(first + j) % vocab for j in range(READERS)]
+        out = [[t] for t in toks]
+        for _ in range(k):
+            pos = [ad.positions_after(7, f.get_seq_length(), 1) for f in forks]
+            toks = dec.step_many(toks, pos, forks).argmax(-1).tolist()
+            for o, t in zip(out, toks):
+                o.append(t)
+        return out
+
+    if not shared:
+        decode.prefix_groups = lambda caches: []
+    try:
+        run(warm)
+        sync(ad.device)
+        t0 = time.perf_counter()
+        out = run(steps)
+        sync(ad.device)
+        return (time.perf_counter() - t0) * 1e3 / steps, out
+    finally:
+        decode.prefix_groups = groups
 
 
 def attention_ms(ad, kv, n):
@@ -360,6 +400,16 @@ def main(argv=None):
                 row["fork_ms"] = None
                 row["fork_error"] = f"{type(e).__name__}: {e}"
                 print(f"  fork failed at {n} tokens: {row['fork_error']}")
+            try:
+                got = {}
+                for name, shared in (("fork8", True), ("fork8_each", False)):
+                    ms, got[name] = time_readers(ad, kv, n, steps, warm, first, shared=shared)
+                    row[f"{name}_ms"] = round(ms, 3)
+                    row[f"{name}_tokens_per_s"] = round(READERS * 1e3 / ms, 1)
+                row["fork8_same_tokens"] = got["fork8"] == got["fork8_each"]
+            except Exception as e:          # reported, the other paths still measured
+                row["fork8_error"] = f"{type(e).__name__}: {e}"
+                print(f"  {READERS} readers failed at {n} tokens: {row['fork8_error']}")
             if device.type == "cuda":
                 row["attention_ms"] = round(attention_ms(ad, kv, n), 3)
                 row["attention_GBps"] = round(kv_bytes / row["attention_ms"] / 1e6, 1)
@@ -388,17 +438,20 @@ def main(argv=None):
 
     print()
     print(f"{'tokens':>9} {'floor':>7} {'step':>8} {'lean':>8} {'graph':>8} {'fork':>8} "
-          f"{'attn':>7} {'splitK':>7} {'segs':>7}  same tokens")
+          f"{'fork8':>8} {'each8':>8} {'attn':>7} {'splitK':>7} {'segs':>7}  same tokens")
     for r in report["rows"]:
         def f(key):
             v = r.get(key)
             return f"{v:8.2f}" if isinstance(v, (int, float)) else f"{'-':>8}"
         print(f"{r['n']:>9} {r['floor_ms']:7.2f} {f('step_ms')} {f('lean_ms')} "
-              f"{f('graph_ms')} {f('fork_ms')} {f('attention_ms')[1:]} {f('splitk_ms')[1:]} "
+              f"{f('graph_ms')} {f('fork_ms')} {f('fork8_ms')} {f('fork8_each_ms')} "
+              f"{f('attention_ms')[1:]} {f('splitk_ms')[1:]} "
               f"{f('segments_ms')[1:]}  "
               f"{r['same_tokens']}{'  (' + r['note'] + ')' if r['note'] else ''}")
     print("ms a decode step; fork: the lean step's fastest path over a fork of the cache (a "
-          "question on a kept video); floor: weights + K/V once at 4.8 TB/s; attn: every "
+          "question on a kept video); fork8: one batched step of 8 questions about one "
+          "kept video (the prefix read once a step for all), each8: the same step attending "
+          "per question; floor: weights + K/V once at 4.8 TB/s; attn: every "
           "layer's decode "
           "attention alone (SDPA, as the step runs it); splitK: the same with the split-K Triton "
           "kernel (measured only); segs: the graphs without attention")

@@ -24,6 +24,11 @@ throughput against N = 1's (``scaling``); ``health_after`` lists what each engin
 ``--ray ADDRESS`` runs each N > 1 as ``mminfer serve --ray ADDRESS --ray-replicas N`` (Ray
 Serve replicas, the same routing modes) instead.
 
+``--decoders N`` then runs a decode phase: N answers decoding at once, each over its own
+cached prefix, against one alone; ``--decode-shared`` adds N answers about ONE cached prefix
+(distinct question texts, so N requests of their own fork that one entry and their decode
+steps read it once for all: shared-prefix attention), reported under ``decode.shared``.
+
 Reported per mode and class: count, errors (no request may be lost: every one answered 200),
 time to first token percentiles (the server's ``timings_ms.ttft``, arrival to first token),
 the ``wait`` stage, client latency; new videos per minute; and the ratio of the new videos'
@@ -213,7 +218,11 @@ def run_decoders(serve_args, a, env) -> dict:
     the decode video (one video under ``--decoders`` cache keys: the same frames, distinct
     entries), sent at once, against one of them asked alone. Time per token is the server's
     ``generate`` stage over the tokens after the first; the aggregate rate counts every
-    generated token over the window from the first answer's first token to the last answer."""
+    generated token over the window from the first answer's first token to the last answer.
+    With ``--decode-shared``, then (the same server) as many questions about ONE of those
+    prefixes, each its own text, so they fork that one entry and their decode steps read it
+    once for all of them (shared-prefix attention), against the first asked alone: the result
+    under ``"shared"``."""
     srv = Server(serve_args, env)
     try:
         video, n = Path(a.decode_video), a.decoders
@@ -223,40 +232,54 @@ def run_decoders(serve_args, a, env) -> dict:
             r = ask(srv.url, video, a.question, k, a.timeout_s)
             if r["status"] != 200:
                 raise RuntimeError(f"decoders: caching failed: {r}")
-        alone = [ask(srv.url, video, a.question, keys[0], a.timeout_s) for _ in range(2)][-1]
-        rows = [None] * n
-
-        def one(i):
-            rows[i] = ask(srv.url, video, a.question, keys[i], a.timeout_s)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        ok = [r for r in rows if r["status"] == 200]
-
-        def per_token(r):
-            return r["generate_ms"] / max(1, r["generated"] - 1)
-        first = min(r["start"] + r["ttft_ms"] / 1e3 for r in ok) if ok else 0.0
-        window = (max(r["end"] for r in ok) - first) if ok else 0.0
-        agg = sum(r["generated"] - 1 for r in ok) / window if window > 0 else None
-        one_rate = 1e3 / per_token(alone) if alone["status"] == 200 else None
-        out = {"decoders": n, "errors": n - len(ok), "cache": [r["cache"] for r in ok],
-               "prefix_tokens": alone.get("tokens"),
-               "alone_ms_per_token": round(per_token(alone), 3) if one_rate else None,
-               "ms_per_token": [round(per_token(r), 3) for r in ok],
-               "aggregate_tokens_per_s": round(agg, 2) if agg else None,
-               "alone_tokens_per_s": round(one_rate, 2) if one_rate else None}
-        if agg and one_rate:
-            out["aggregate_vs_alone"] = round(agg / one_rate, 3)
-            out["worst_per_token_vs_alone"] = round(
-                max(out["ms_per_token"]) / out["alone_ms_per_token"], 3)
+        out = _decode_at_once(srv, video, [(a.question, k) for k in keys], a)
+        if a.decode_shared:
+            # distinct texts: N requests of their own (their answers differ), one prefix
+            asks = [(a.question if i == 0 else f"{a.question} (reader {i + 1})", keys[0])
+                    for i in range(n)]
+            out["shared"] = _decode_at_once(srv, video, asks, a)
         return out
     except Exception as e:  # noqa: BLE001 - reported; the modes' figures stand
         return {"failed": f"{type(e).__name__}: {e}", "server_log": "".join(srv.tail)[-8000:]}
     finally:
         srv.close()
+
+
+def _decode_at_once(srv, video, asks, a) -> dict:
+    """``asks`` ((question, form data) each, every prefix cached) sent at once, against the
+    first asked alone (twice: the second is the one timed)."""
+    n = len(asks)
+    alone = [ask(srv.url, video, *asks[0], a.timeout_s) for _ in range(2)][-1]
+    rows = [None] * n
+
+    def one(i):
+        rows[i] = ask(srv.url, video, *asks[i], a.timeout_s)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [r for r in rows if r["status"] == 200]
+
+    def per_token(r):
+        return r["generate_ms"] / max(1, r["generated"] - 1)
+    first = min(r["start"] + r["ttft_ms"] / 1e3 for r in ok) if ok else 0.0
+    window = (max(r["end"] for r in ok) - first) if ok else 0.0
+    agg = sum(r["generated"] - 1 for r in ok) / window if window > 0 else None
+    one_rate = 1e3 / per_token(alone) if alone["status"] == 200 else None
+    out = {"decoders": n, "errors": n - len(ok), "cache": [r["cache"] for r in ok],
+           "prefixes": len({tuple(sorted(d.items())) for _, d in asks}),
+           "prefix_tokens": alone.get("tokens"),
+           "alone_ms_per_token": round(per_token(alone), 3) if one_rate else None,
+           "ms_per_token": [round(per_token(r), 3) for r in ok],
+           "aggregate_tokens_per_s": round(agg, 2) if agg else None,
+           "alone_tokens_per_s": round(one_rate, 2) if one_rate else None}
+    if agg and one_rate:
+        out["aggregate_vs_alone"] = round(agg / one_rate, 3)
+        out["worst_per_token_vs_alone"] = round(
+            max(out["ms_per_token"]) / out["alone_ms_per_token"], 3)
+    return out
 
 
 def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
@@ -314,6 +337,10 @@ def main(argv=None):
     p.add_argument("--decoders", type=int, default=0,
                    help="after the modes: this many answers decoding at once (each over its "
                         "own cached prefix of --decode-video) against one alone")
+    p.add_argument("--decode-shared", action="store_true",
+                   help="then as many answers decoding at once about ONE cached prefix (each "
+                        "question its own text: they fork one entry and share its attention), "
+                        "reported as decode.shared")
     p.add_argument("--decode-video", default=None,
                    help="the video of the decode phase (default: the first --cached-video)")
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -338,8 +365,10 @@ def main(argv=None):
     if a.decoders:
         a.decode_video = a.decode_video or a.cached_video[0]
         out["decode"] = d = run_decoders(common, a, env)
-        print("decode: " + json.dumps({k: v for k, v in d.items() if k != "server_log"}),
-              flush=True)
+        print("decode: " + json.dumps({k: v for k, v in d.items()
+                                       if k not in ("server_log", "shared")}), flush=True)
+        if "shared" in d:
+            print("decode (one shared prefix): " + json.dumps(d["shared"]), flush=True)
         if "failed" in d:
             print(d["server_log"][-3000:])
         if a.out is not None:

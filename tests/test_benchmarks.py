@@ -513,21 +513,25 @@ def test_load_benchmark_drives_both_server_modes(tmp_path):
 
 def test_load_benchmark_decoders_phase(tmp_path):
     """--decoders alone (no load modes): N answers over N distinct cached prefixes decode at
-    once through the real server; per-token times and the aggregate rate are reported."""
+    once through the real server, then (--decode-shared) N questions about one of them;
+    per-token times and the aggregate rate are reported for both."""
     videos = ROOT / "samples" / "videos"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--modes", "",
          "--new-video", str(videos / "needle_2.mp4"), "--cached-video",
          str(videos / "needle_0.mp4"), "--max-frames", "12", "--decoders", "3",
-         "--decode-tokens", "6", "--serve-arg=--device", "--serve-arg=cpu",
-         "--out", str(tmp_path)],
+         "--decode-tokens", "6", "--decode-shared", "--serve-arg=--device",
+         "--serve-arg=cpu", "--out", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     d = json.loads((tmp_path / "load.json").read_text())["decode"]
-    assert d["decoders"] == 3 and d["errors"] == 0 and d["cache"] == ["hit"] * 3
-    assert len(d["ms_per_token"]) == 3 and d["aggregate_tokens_per_s"] > 0
-    assert d["aggregate_vs_alone"] > 0 and d["worst_per_token_vs_alone"] > 0
+    for phase, prefixes in ((d, 3), (d["shared"], 1)):
+        assert phase["decoders"] == 3 and phase["errors"] == 0
+        assert phase["cache"] == ["hit"] * 3 and phase["prefixes"] == prefixes
+        assert len(phase["ms_per_token"]) == 3 and phase["aggregate_tokens_per_s"] > 0
+        assert phase["aggregate_vs_alone"] > 0 and phase["worst_per_token_vs_alone"] > 0
+    assert "one shared prefix" in proc.stdout
 
 
 @pytest.mark.slow

@@ -54,8 +54,9 @@ import torch
 from mminfer.errors import Cancelled
 from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
-from mminfer.models.hooks import decode_backends, fork_attention
-from mminfer.models.kv import ForkLayer, SlabLayer
+from mminfer.models.hooks import (current, decode_backends, fork_attention,
+                                  fork_group_attention)
+from mminfer.models.kv import ForkKV, ForkLayer, SlabLayer
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -139,21 +140,45 @@ class LeanDecoder:
         Everything token-wise (embedding, norms, the q/k/v/o projections, rotary, MLP,
         lm_head) runs once over the B rows, so the weights are read once for all answers — what
         a decode step's time is made of; attention runs per answer over its own cache (the
-        function the attention module calls, as in ``step``). Row b's arithmetic is that of
-        ``step`` on answer b alone except where a GEMM of B rows sums in another order than
-        one of 1 row."""
+        function the attention module calls, as in ``step``), except for answers whose caches
+        fork one prefix (:func:`prefix_groups`): their attention is one call per layer
+        (``fork_group_attention``: the prefix read once for all of them, each one's own rows,
+        merged through the log-sum-exp). Row b's arithmetic is that of ``step`` on answer b
+        alone except where a GEMM of B rows sums in another order than one of 1 row, and where
+        a group's attention sums its two segments in another order."""
         b = len(tokens)
         dev = self.embed.weight.device
         h = self.embed(torch.tensor(tokens, device=dev).view(b, 1))          # [B, 1, hidden]
         # [3, 1, 1] (M-RoPE) or [1, 1] per answer -> [3, B, 1] or [B, 1]
         pos = torch.cat([self.position_ids(p, c) for p, c in zip(position_ids, caches)], -2)
         cos, sin = self._rope(h, pos)
+        groups = prefix_groups(caches)
+        alone = sorted(set(range(b)) - {j for g in groups for j in g})
+        # each group's rows of the step, on the device once a step (not once a layer)
+        index = [torch.tensor(g, device=dev) for g in groups]
         for i in range(len(self.layers)):
             q, k, v = self._pre(i, h, cos, sin)
-            out = torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
-                             for j, cache in enumerate(caches)])
+            if not groups:
+                out = torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
+                                 for j, cache in enumerate(caches)])
+            else:
+                out = q.new_empty(b, 1, q.shape[1], q.shape[-1])
+                for j in alone:
+                    out[j] = self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], caches[j])[0]
+                for g, at in zip(groups, index):
+                    out.index_copy_(0, at, self._attend_group(i, q, k, v, caches, g, at))
             h = self._post(i, h, out)
         return self._logits(h)[:, -1]                                        # [B, vocab]
+
+    def _attend_group(self, i, q, k, v, caches, rows, at):
+        """K/V of layer ``i`` into ``caches[j]`` for j in ``rows`` (forks of one prefix; ``at``
+        the same indices on the device), attention of them all in one call:
+        ``[M, 1, H, d]``."""
+        attn = self.layers[i].self_attn
+        keys, values = zip(*(caches[j].update(k[j:j + 1], v[j:j + 1], attn.layer_idx)
+                             for j in rows))
+        return fork_group_attention(q.index_select(0, at), keys, values, attn.scaling,
+                                    current())
 
     def position_ids(self, position_ids, cache):
         if position_ids is None:     # the model's default: counted from the cache's length
@@ -317,6 +342,17 @@ def _capture(dev, fns) -> list:
         graphs.append(g)
     torch.cuda.synchronize(dev)
     return graphs
+
+
+def prefix_groups(caches) -> list[list[int]]:
+    """The indices of ``caches`` that fork one prefix (ForkKV over the same PrefixKV, the
+    same number of rows shared), for each prefix forked by two or more: their decode step's
+    attention reads the prefix once for all of them (``LeanDecoder.step_many``)."""
+    by_prefix: dict = {}
+    for j, c in enumerate(caches):
+        if isinstance(c, ForkKV) and c.layers:
+            by_prefix.setdefault((id(c.prefix), c.layers[0].shared), []).append(j)
+    return [g for g in by_prefix.values() if len(g) > 1]
 
 
 # ---------------------------------------------------------------- the loop

@@ -11,7 +11,9 @@ key range. Decode steps, a question's suffix (no context, or keys past its index
 last-row-only call stay dense (SDPA). Rows over an FP8 cache (``--kv-cache-dtype fp8``: the
 views carry their scales) go to the FP8 flash-decoding kernel, and so do a question's rows
 over a kept prefix it shares with other readers (a ForkKV: the views carry the prefix's), in
-either dtype; a sparse piece over an FP8 cache attends to the same quantised keys,
+either dtype (the decode steps of several readers of one prefix, batched, read it once for
+all of them: :func:`fork_group_attention`); a sparse piece over an FP8 cache attends to the
+same quantised keys,
 dequantised for the layer (one layer's K/V in the model dtype, as a one-shot prefill holds).
 Per-request state
 (the ModalityIndex, the head patterns, the timer, per-layer densities) lives in a context
@@ -33,7 +35,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from mminfer.errors import InputError
-from mminfer.kernels.fp8_attention import fp8_attention, split_attention
+from mminfer.kernels.fp8_attention import (fp8_attention, merge_partials,
+                                           shared_prefix_attention, split_attention)
 from mminfer.kernels.runtime import compiled_gpu, interpreted
 from mminfer.models.kv import dequantize, prefix_of, scale_of
 from mminfer.sparse.attention import layer_attention
@@ -250,6 +253,51 @@ def fork_attention(query, key, value, scaling=None, ctx=None):
         with timer("attention"):
             return run(query, segments, *scales, scaling)
     return run(query, segments, *scales, scaling)
+
+
+def fork_group_attention(query, keys, values, scaling=None, ctx=None):
+    """One decode step of M readers of one shared prefix together (cascade attention):
+    ``query`` ``[M, H, 1, D]`` (reader j's query), ``keys``/``values`` each reader's own rows
+    as :func:`fork_attention` takes them (the ForkLayer views, all carrying the same prefix's).
+    The prefix is attended once for the M readers' queries (their query heads as rows of each
+    KV head), each reader's own rows on their own, the two merged through their log-sum-exp:
+    what :func:`fork_attention` gives each reader alone, the prefix read once instead of M
+    times. On the GPU, or FP8, the flash-decoding kernel's form
+    (mminfer.kernels.fp8_attention.shared_prefix_attention); off the GPU in the model's
+    dtype PyTorch's CPU flash attention, as :func:`_cpu_fork`. Returns ``[M, 1, H, D]``."""
+    prefix = (prefix_of(keys[0]), prefix_of(values[0]))
+    owns = list(zip(keys, values))
+    if scale_of(keys[0]) is not None:
+        args = (query, prefix, owns, keys[0].kv_scale, values[0].kv_scale, scaling)
+        run = shared_prefix_attention
+    else:
+        args = (query, prefix, owns, None, None, scaling)
+        run = shared_prefix_attention if compiled_gpu(query.is_cuda) else _cpu_fork_group
+    timer = ctx.timer if ctx is not None else None
+    if timer is not None:
+        with timer("attention"):
+            return run(*args)
+    return run(*args)
+
+
+def _cpu_fork_group(query, prefix, owns, k_scale, v_scale, scaling):
+    """:func:`fork_group_attention` on the CPU in the model's dtype: one CPU flash attention
+    over the prefix with the M readers' query heads of a KV head as its rows (every reader
+    sees the whole prefix), one per reader over its own rows (its one query sees them all),
+    the merge."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    M, H, _, D = query.shape
+    Hkv = prefix[0].shape[1]
+    G = H // Hkv
+    scale = scaling if scaling is not None else D ** -0.5
+    rows = query.reshape(M, Hkv, G, D)
+    o1, l1 = flash(rows.transpose(0, 1).reshape(1, Hkv, M * G, D), *prefix, 0.0, False,
+                   scale=scale)                                  # rows (reader, g)
+    own = [flash(rows[j:j + 1], k, v, 0.0, False, scale=scale) for j, (k, v) in enumerate(owns)]
+    o2 = torch.cat([o for o, _ in own], 0).transpose(0, 1).reshape(1, Hkv, M * G, D)
+    l2 = torch.cat([lse for _, lse in own], 0).transpose(0, 1).reshape(1, Hkv, M * G)
+    out = merge_partials(o1, l1.unsqueeze(-1), o2, l2.unsqueeze(-1))
+    return out.reshape(Hkv, M, G, D).transpose(0, 1).reshape(M, 1, H, D).to(query.dtype)
 
 
 def _cpu_fork(query, segments, k_scale, v_scale, scaling):

@@ -100,6 +100,68 @@ def test_two_segments_read_as_their_concatenation(q_len, at, splits, fp8):
                               atol=1e-3)
 
 
+def _readers(M, H, Hkv, P, owns, D, fp8, seed=0):
+    """M readers of one prefix of P rows, reader j with ``owns[j]`` rows of its own after it
+    (separate buffers, views of larger ones): the queries ``[M, H, 1, D]`` (a strided view of
+    the step's q), the prefix, the own segments, scales; FP8 or fp32."""
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.rand(Hkv, generator=g) + 0.05
+    vs = torch.rand(Hkv, generator=g) + 0.05
+
+    def cache(n):
+        k = torch.randn(1, Hkv, n + 3, D, generator=g) * 3
+        v = torch.randn(1, Hkv, n + 3, D, generator=g) * 3
+        if fp8:
+            k, v = k.to(F.FP8), v.to(F.FP8)
+        return k[:, :, :n], v[:, :, :n]
+
+    q = torch.randn(M, 1, H, D, generator=g).transpose(1, 2)
+    return q, cache(P), [cache(n) for n in owns], (ks, vs) if fp8 else (None, None)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("M,H,Hkv,P,owns,D,splits", [
+    (3, 6, 2, 61, [1, 9, 4], 16, None),     # readers with own segments of several lengths
+    (5, 4, 1, 40, [2, 2, 30, 1, 7], 24, 3),  # 20 rows: two row blocks, 3 prefix key ranges
+    (1, 6, 2, 33, [5], 16, 2),               # one reader
+])
+def test_shared_prefix_readers_match_each_alone(M, H, Hkv, P, owns, D, splits, fp8):
+    """Cascade attention: M readers of one prefix at once (the prefix read in one launch for
+    all) give each reader's attention over the prefix and its own rows: the fp32 oracle on
+    their concatenation; the Triton kernel under the interpreter where it runs, and the
+    PyTorch fallback."""
+    q, (pk, pv), segs, (ks, vs) = _readers(M, H, Hkv, P, owns, D, fp8)
+    one = torch.ones(Hkv)
+    refs = []
+    for j, (k, v) in enumerate(segs):
+        kk, vv = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        refs.append(reference(q[j:j + 1], kk, vv, ks if fp8 else one, vs if fp8 else one,
+                              0.3))
+    ref = torch.cat(refs)                                         # [M, 1, H, D]
+    got = F._shared_prefix_chunked(q, (pk, pv), segs, ks if fp8 else one,
+                                   vs if fp8 else one, 0.3)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    if INTERP:
+        got = F.shared_prefix_attention(q, (pk, pv), segs, ks, vs, 0.3, n_splits=splits)
+        assert got.shape == (M, 1, H, D) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+        # the reader each output belongs to matters: its own rows, its own query
+        if M > 1:
+            swapped = F.shared_prefix_attention(q, (pk, pv), segs[::-1], ks, vs, 0.3)
+            assert not torch.allclose(swapped, ref, atol=1e-3)
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 on the CPU")
+def test_shared_prefix_fp16_queries_over_fp8():
+    """fp16 queries over an FP8 prefix (the tile conversion and the output's dtype)."""
+    q, (pk, pv), segs, (ks, vs) = _readers(4, 6, 2, 50, [3, 1, 12, 6], 16, True, seed=2)
+    ref = torch.cat([reference(q[j:j + 1].half(), torch.cat([pk, k], 2),
+                               torch.cat([pv, v], 2), ks, vs) for j, (k, v) in enumerate(segs)])
+    got = F.shared_prefix_attention(q.half(), (pk, pv), segs, ks, vs)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref, atol=3e-3, rtol=3e-3)
+
+
 def test_split_plan_covers_the_keys():
     for n in (1, 63, 64, 1000, 1 << 20):
         for progs in (1, 4, 300):
@@ -161,6 +223,35 @@ def test_kernel_matches_the_reference_on_cuda_at_long_lengths(q_len, kv_len):
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("P", [4097, 131072])
+def test_shared_prefix_readers_on_cuda_at_long_lengths(P, fp8):
+    """8 readers of one long prefix (bf16 queries, 28/4 heads of 128, FP8 or bf16 K/V): each
+    output is that reader's split_attention alone and the fp32 chunked form's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, owns = 8, [1, 5, 64, 300, 2, 17, 1000, 9]
+    ks = torch.rand(4, generator=g, device="cuda") + 0.05
+    vs = torch.rand(4, generator=g, device="cuda") + 0.05
+
+    def cache(n):
+        kv = [torch.randn(1, 4, n, 128, generator=g, device="cuda") * 3 for _ in range(2)]
+        return tuple(t.to(F.FP8 if fp8 else torch.bfloat16) for t in kv)
+
+    prefix, segs = cache(P), [cache(n) for n in owns]
+    q = torch.randn(M, 28, 1, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    scales = (ks, vs) if fp8 else (None, None)
+    one = torch.ones(4, device="cuda")
+    got = F.shared_prefix_attention(q, prefix, segs, *scales)
+    for j, seg in enumerate(segs):
+        alone = F.split_attention(q[j:j + 1], [prefix, seg], *scales)
+        ref = F.chunked(q[j:j + 1].float(), None, None, ks if fp8 else one, vs if fp8 else one,
+                        segments=[prefix, seg])
+        torch.testing.assert_close(got[j:j + 1].float(), alone.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[j:j + 1].float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def _lower_for_hopper():
     """Both kernels through Triton's sm_90 pipeline down to a cubin (ptxas), bf16 queries over
     e4m3 K/V at the H200 shapes (GQA 7, d 128) and each row block the launcher picks; prints
@@ -200,11 +291,15 @@ def _lower_for_hopper():
             "O": "*bf16"}
     for block_m, warps in ((16, 4), (32, 4), (64, 4), (128, 8)):
         lower(F._fp8_split_fwd, ptrs, dict(G=7, D=128, BLOCK_M=block_m, BLOCK_N=64,
-                                            BLOCK_D=128, PRECISION="tf32"), warps)
+                                            BLOCK_D=128, PRECISION="tf32", CAUSAL=True), warps)
     # a forked reader of a bf16 cache: the same kernel, K/V in the query's dtype
     bf16 = {**ptrs, **{n: "*bf16" for n in ("K", "V", "K2", "V2")}}
     lower(F._fp8_split_fwd, bf16, dict(G=7, D=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
-                                       PRECISION="tf32"), 4)
+                                       PRECISION="tf32", CAUSAL=True), 4)
+    # readers of one prefix decoding together: their rows over the prefix, none causal
+    for dt in (ptrs, bf16):
+        lower(F._fp8_split_fwd, dt, dict(G=7, D=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
+                                         PRECISION="tf32", CAUSAL=False), 4)
     lower(F._fp8_merge, ptrs, dict(G=7, D=128, BLOCK_M=16, BLOCK_D=128), 4)
     print("lowered")
 

@@ -9,7 +9,7 @@ import torch
 from mminfer.errors import Cancelled
 from mminfer.models import decode
 from mminfer.models.base import Adapter
-from mminfer.models.kv import PrefixKV
+from mminfer.models.kv import ForkKV, PrefixKV, kv_dtype
 from mminfer.models.sampler import SamplingParams
 
 from conftest import write_video
@@ -379,6 +379,9 @@ def test_benchmark_tiny_run(tmp_path):
     for r in rep["rows"]:
         assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
         assert r["same_tokens"] == {"lean": True, "fork": True} and r["fork_ms"] > 0
+        # 8 questions about one cache in batched steps: the shared prefix read once or per
+        # question, the same tokens
+        assert r["fork8_ms"] > 0 and r["fork8_each_ms"] > 0 and r["fork8_same_tokens"]
         assert len(r["tokens"]["step"]) == 1 + rep["steps"]
         # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
         assert r["splitk_max_abs_err"] < 1e-5, r
@@ -494,6 +497,85 @@ def test_forked_readers_answer_as_the_in_place_path(kind, kv_dtype, prepared):
             assert layer.quantized == (kv_dtype == "fp8")
     finally:
         ad.kv_cache_dtype = saved
+
+
+@pytest.mark.parametrize("kind,kv", [("qwen", None), ("longvila", None), ("qwen", "fp8")])
+def test_readers_of_one_prefix_share_its_attention(kind, kv, prepared, monkeypatch):
+    """A batched step over three forks of prefix A, two of prefix B, a lone fork of prefix C
+    and a cache of its own: each answer's logits and greedy tokens are those of that answer
+    decoded alone, and each layer's attention runs once per group of forks (A's three, B's
+    two: the prefix read once for the group), the lone fork and the own cache on their own."""
+    ad, prep, embeds = prepared[kind]
+    P = prep.prefix_len
+    suffix = embeds[:, P:]
+    S = suffix.shape[1]
+    emb = ad.text_model.get_input_embeddings()
+    dec = decode.decoder_of(ad)
+    g = torch.Generator().manual_seed(1)
+    saved = ad.kv_cache_dtype
+    ad.kv_cache_dtype = kv_dtype(kv)
+    with torch.inference_mode():
+        prefixes = []
+        for p in range(3):       # three videos: the same layout, other frames
+            e = embeds.clone()
+            e[:, :P] += p * 0.05 * torch.randn(e[:, :P].shape, generator=g)
+            prefixes.append((ad.prefill_prefix(prep, e, headroom=0), e))
+        questions = []
+        for _ in range(7):       # each answer's question: other tokens but the last rows
+            q = suffix.clone()
+            q[:, :-2] = emb(torch.randint(0, emb.num_embeddings, (1, S - 2), generator=g))
+            questions.append(q)
+    which = [0, 0, 0, 1, 1, 2, None]      # the prefix each answer forks (None: its own)
+
+    def caches():
+        out, first = [], []
+        for w, q in zip(which, questions):
+            if w is None:
+                c = ad.prefill_prefix(prep, prefixes[0][1].clone())
+            else:
+                c = ForkKV(prefixes[w][0], P, headroom=3)
+            logits = ad.lm_head(ad._step(q, ad.positions_after(prep.rope_delta, P, S), c))
+            out.append(c)
+            first.append(int(logits[:, -1].argmax(-1)))
+        return out, first
+
+    calls = []
+    real = decode.fork_group_attention
+    monkeypatch.setattr(decode, "fork_group_attention",
+                        lambda q, k, *a: calls.append(len(k)) or real(q, k, *a))
+    try:
+        with torch.inference_mode():
+            alone, tokens = caches()
+            want, ref_logits = [], []
+            for c, t in zip(alone, tokens):
+                toks, lg = [t], []
+                for _ in range(4):
+                    pos = ad.positions_after(prep.rope_delta, c.get_seq_length(), 1)
+                    lg.append(dec.logits(torch.tensor([[toks[-1]]]), pos, c)[0, -1])
+                    toks.append(int(lg[-1].argmax()))
+                want.append(toks)
+                ref_logits.append(torch.stack(lg))
+            assert calls == []                       # alone: never grouped
+            batched, first = caches()
+            assert first == tokens
+            got, logits = [[t] for t in first], []
+            for _ in range(4):
+                pos = [ad.positions_after(prep.rope_delta, c.get_seq_length(), 1)
+                       for c in batched]
+                lg = dec.step_many([t[-1] for t in got], pos, batched)
+                logits.append(lg)
+                for t, n in zip(got, lg.argmax(-1).tolist()):
+                    t.append(n)
+    finally:
+        ad.kv_cache_dtype = saved
+    assert got == want
+    # each answer read its own rows: their logits differ by several times the tolerance
+    assert all((r - ref_logits[0]).abs().max() > 5e-4 for r in ref_logits[1:])
+    for j, ref in enumerate(ref_logits):
+        torch.testing.assert_close(torch.stack([lg[j] for lg in logits]), ref, atol=1e-4,
+                                   rtol=1e-4)
+    assert decode.prefix_groups(batched) == [[0, 1, 2], [3, 4]]
+    assert calls == [3, 2] * (4 * len(dec.layers))
 
 
 def test_graph_plumbing_writes_and_attends_a_fork_directly(prepared, monkeypatch):
