@@ -387,6 +387,13 @@ def test_benchmark_tiny_run(tmp_path):
         # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
         assert r["splitk_max_abs_err"] < 1e-5, r
     assert "same tokens" in proc.stdout
+    # 8 answers decoding together, each over its own cache: eager only on the CPU
+    (b,) = rep["batched"]
+    assert b["answers"] == 8 and b["n"] == 300 and b["lean_ms"] > 0 and "graph_ms" not in b
+    assert b["lean_ms_per_token"] == pytest.approx(b["lean_ms"] / 8, abs=1e-3)
+    assert [len(t) for t in b["tokens"]["lean"]] == [1 + rep["steps"]] * 8
+    assert len({tuple(t) for t in b["tokens"]["lean"]}) == 8     # each its own answer
+    assert b["same_tokens_as_alone"] == {"lean": [True] * 8}
 
 
 @pytest.mark.parametrize("kind", ["qwen", "longvila"])
@@ -668,3 +675,80 @@ def test_a_failed_batched_capture_steps_eagerly(prepared, monkeypatch, caplog):
     for g, r in zip(got, ref):
         assert [x if isinstance(x, int) else int(x.argmax(-1)) for x in g] == \
             [x if isinstance(x, int) else int(x.argmax(-1)) for x in r]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_batched_graph_replay_steps_as_step_many_on_cuda(kind):
+    """Batched steps replayed from CUDA graphs (captured here at 2, 4 and 8 answers; batches of
+    3 and 5 padded, with another batch's rows left in the padding) against the eager step_many
+    over the same batches, in lock step (both fed the eager step's tokens), over caches of
+    other lengths and kinds (PrefixKV, DynamicCache, a ForkKV); between the batches a lone
+    answer replays its own graphs (the same memory pool) against the eager lean step. Greedy
+    tokens equal wherever the eager logits' top two are further apart than bf16 rounding of
+    GEMMs of other row counts (another summation order) can move them; logits and the
+    cache rows written within bf16 tolerance."""
+    from transformers import DynamicCache
+    from mminfer.models.kv import ForkKV
+    from mminfer.models.prefill import prefill
+    tm, head = _small_gpu_model(kind)
+    ad = _Bare(tm, head, mrope=kind == "qwen")
+    assert decode.choose_path(ad) == "graph"
+    lengths = (3000, 1234, 2048, 777, 1500, 2500)          # the last one decodes alone
+
+    def caches():
+        out = []
+        for j, n in enumerate(lengths):
+            g = torch.Generator(device="cuda").manual_seed(n)
+            embeds = torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+            kv = DynamicCache() if j == 1 else PrefixKV.for_model(tm, headroom=4)
+            prefill(tm, embeds, kv, ad.positions_after(5, 0, n), kv_only_last=True)
+            out.append(ForkKV(kv, n, headroom=4) if j == 3 else kv)
+        return out
+
+    def step(kvs, batch, mode, want):
+        ad.decode_mode = mode
+        try:
+            return decode.step_batch(ad, [(tokens[a], ad.positions_after(
+                5, kvs[a].get_seq_length(), 1), kvs[a], want(j)) for j, a in enumerate(batch)])
+        finally:
+            ad.decode_mode = "auto"
+
+    schedule = [[0, 1, 2], [2, 0], [4, 3, 1, 0, 2], [1, 3, 4], [0, 1, 2, 3],
+                [3, 0, 4, 2, 1]] * 3
+    tokens = [7, 100, 200, 300, 400, 500]
+    compared = rows = 0
+    with torch.inference_mode():
+        eager_kv, graph_kv = caches(), caches()
+        for batch in schedule:
+            ref = step(eager_kv, batch, "lean", lambda j: True)
+            got = step(graph_kv, batch, "graph", lambda j: j == 1)
+            for j, (a, r, g) in enumerate(zip(batch, ref, got)):
+                r = r.float().view(-1)
+                top = r.topk(2).values
+                if j == 1:
+                    torch.testing.assert_close(g.float().view(-1), r, atol=5e-2, rtol=5e-2)
+                    g = int(g.argmax(-1))
+                if top[0] - top[1] > 0.05:
+                    assert g == int(r.argmax()), (batch, a)
+                    compared += 1
+                rows += 1
+                tokens[a] = int(r.argmax())
+            # the lone answer: its own graphs, in the pool the batched ones share
+            lone = step(graph_kv, [5], "graph", lambda j: False)
+            assert lone == step(eager_kv, [5], "lean", lambda j: False)
+            tokens[5] = lone[0]
+    dec = decode.decoder_of(ad)
+    d = 3 if kind == "qwen" else 2
+    assert sorted(dec._batch) == [(2, d), (4, d), (8, d)] and dec._batch_failed is None
+    assert dec._graphs is not None and dec._pool is not None
+    assert compared >= 0.5 * rows, (compared, rows)
+    for a, b, n in zip(graph_kv, eager_kv, lengths):
+        assert a.get_seq_length() == b.get_seq_length() > n
+        k = a.get_seq_length() - n                  # the rows the steps wrote: the last k
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(la.keys[..., -k:, :], lb.keys[..., -k:, :], atol=2e-2,
+                                       rtol=2e-2)
+            torch.testing.assert_close(la.values[..., -k:, :], lb.values[..., -k:, :],
+                                       atol=2e-2, rtol=2e-2)
