@@ -192,7 +192,8 @@ def batched_row(ad, n_asked, answers, modes, steps, warm, headroom, g, alone_ms)
         except torch.cuda.OutOfMemoryError:
             caches = None
             torch.cuda.empty_cache()
-            note = f"{answers} caches of {n_asked} tokens did not fit: measured at a smaller length"
+            note = (f"{answers} caches of {n_asked} tokens did not fit: measured at a smaller "
+                    "length")
             n //= 2
             print(f"out of memory for {answers} caches of {2 * n} tokens: trying {n}")
             if n < 4096:
