@@ -23,6 +23,13 @@ memory floor (weights + K/V read once at 4.8 TB/s), attention alone (28 layers' 
 step, CUDA events) and the segments alone (the graphs without attention), and whether the three
 paths gave the same greedy tokens.
 
+Batched (``--batch`` answers, default 8, each over a PrefixKV of its own of ``--batch-lengths``
+random rows, default 115K): the answers decode together through ``step_batch`` (the server's
+batched step), eagerly (``lean``: ``LeanDecoder.step_many``) and replayed from CUDA graphs
+(``graph``: BatchGraphs), side by side: ms a step, ms a token (a step / answers), tokens a
+second against one answer alone at the same length, the same tokens on both paths (and,
+reported only, as each answer alone), and the memory the batched graphs reserved.
+
     python benchmarks/decode_step.py --out decode_step.json            # H200, ~1-2 min
     python benchmarks/decode_step.py --tiny --out /tmp/decode.json     # CPU, seconds
 """
@@ -83,12 +90,12 @@ def text_model(shape, device, dtype):
     return model.eval(), head
 
 
-def filled_cache(tm, n, headroom, device, dtype):
+def filled_cache(tm, n, headroom, device, dtype, seed=None):
     """A PrefixKV holding ``n`` rows of random K/V in every layer (no prefill)."""
     kv = PrefixKV.for_model(tm, headroom=headroom)
     attn = tm.layers[0].self_attn
     hkv = attn.k_proj.out_features // attn.head_dim
-    g = torch.Generator(device=device).manual_seed(n)
+    g = torch.Generator(device=device).manual_seed(n if seed is None else seed)
     for layer in kv.layers:
         shape = (1, hkv, n + headroom, attn.head_dim)
         layer.k_buf = torch.empty(shape, device=device, dtype=dtype).normal_(generator=g)
@@ -142,9 +149,10 @@ READERS = 8
 
 
 def time_readers(ad, kv, n, steps, warm, first, *, shared=True):
-    """(ms a batched step, each reader's tokens) of ``steps`` steps of ``LeanDecoder.step_many``
-    over READERS ForkKVs of ``kv``'s ``n`` rows, as that many questions about one cached video
-    decode together (one host sync a step for the tokens); ``shared``: their attention reads
+    """(ms a batched step, each reader's tokens) of ``steps`` steps of ``decode.step_batch``
+    (the scheduler's batched step, replayed from CUDA graphs where they run) over READERS
+    ForkKVs of ``kv``'s ``n`` rows, as that many questions about one cached video decode
+    together (one host sync a step for the tokens); ``shared``: their attention reads
     the prefix once for all of them (decode.prefix_groups), else once per reader."""
     dec = decode.decoder_of(ad)
     vocab = dec.embed.num_embeddings
@@ -155,8 +163,9 @@ def time_readers(ad, kv, n, steps, warm, first, *, shared=True):
         toks = [(first + j) % vocab for j in range(READERS)]
         out = [[t] for t in toks]
         for _ in range(k):
-            pos = [ad.positions_after(7, f.get_seq_length(), 1) for f in forks]
-            toks = dec.step_many(toks, pos, forks).argmax(-1).tolist()
+            items = [(t, ad.positions_after(7, f.get_seq_length(), 1), f, False)
+                     for t, f in zip(toks, forks)]
+            toks = decode.step_batch(ad, items)
             for o, t in zip(out, toks):
                 o.append(t)
         return out
@@ -172,6 +181,111 @@ def time_readers(ad, kv, n, steps, warm, first, *, shared=True):
         return (time.perf_counter() - t0) * 1e3 / steps, out
     finally:
         decode.prefix_groups = groups
+
+
+def time_batched(ad, caches, n, mode, steps, warm, first):
+    """(ms a step, each answer's tokens, first call's seconds) of ``steps`` steps of the
+    answers over ``caches`` (``n`` rows each) decoding together through ``step_batch`` (the
+    scheduler's batched step: one host sync a step for the token ids), on the path ``mode``
+    gives it: "lean" runs step_many eagerly, "graph" replays it from CUDA graphs."""
+    dev = ad.device
+
+    def run(k):
+        toks = [[t] for t in first]
+        for _ in range(k):
+            items = [(t[-1], ad.positions_after(7, c.get_seq_length(), 1), c, False)
+                     for t, c in zip(toks, caches)]
+            for t, got in zip(toks, decode.step_batch(ad, items)):
+                t.append(got)
+        return toks
+
+    ad.decode_mode = mode
+    try:
+        t0 = time.perf_counter()
+        run(warm)
+        sync(dev)
+        first_s = time.perf_counter() - t0
+        for c in caches:
+            c.truncate(n)
+        sync(dev)
+        t0 = time.perf_counter()
+        out = run(steps)
+        sync(dev)
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+    finally:
+        ad.decode_mode = "auto"
+        for c in caches:
+            c.truncate(n)
+    return ms, out, first_s
+
+
+def batched_row(ad, n_asked, answers, modes, steps, warm, headroom, g, alone_ms):
+    """``answers`` answers over caches of their own (``n`` random rows each, halved until
+    they fit) decoding together: ms a step and a token, eager (``lean``: step_many) and
+    replayed (``graph``), the same tokens on both and as each answer alone, and the memory
+    the batched graphs took (allocator reservation across their capture)."""
+    tm, dev = ad.text_model, ad.device
+    dtype = tm.get_input_embeddings().weight.dtype
+    n, caches, note = n_asked, None, None
+    while caches is None:
+        try:
+            caches = [filled_cache(tm, n, headroom, dev, dtype, seed=n + j)
+                      for j in range(answers)]
+        except torch.cuda.OutOfMemoryError:
+            caches = None
+            torch.cuda.empty_cache()
+            note = (f"{answers} caches of {n_asked} tokens did not fit: measured at a smaller "
+                    "length")
+            n //= 2
+            print(f"out of memory for {answers} caches of {2 * n} tokens: trying {n}")
+            if n < 4096:
+                raise
+    vocab = tm.get_input_embeddings().num_embeddings
+    first = [int(t) for t in torch.randint(0, vocab, (answers,), generator=g)]
+    row = dict(answers=answers, n_asked=n_asked, n=n, note=note, kv_bytes=caches[0].nbytes)
+    tokens = {}
+    for mode in [m for m in ("lean", "graph") if m in modes]:
+        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        try:
+            ms, out, first_s = time_batched(ad, caches, n, mode, steps, warm, first)
+        except Exception as e:          # reported, the other path still measured
+            row[f"{mode}_ms"] = None
+            row[f"{mode}_error"] = f"{type(e).__name__}: {e}"
+            print(f"  batched {mode} failed at {answers} x {n} tokens: {row[f'{mode}_error']}")
+            continue
+        row[f"{mode}_ms"] = round(ms, 3)
+        row[f"{mode}_ms_per_token"] = round(ms / answers, 3)
+        row[f"{mode}_first_call_s"] = round(first_s, 3)
+        tokens[mode] = out
+        if mode == "graph":
+            dec = decode.decoder_of(ad)
+            row["graph_sizes"] = sorted(size for size, _ in dec._batch)
+            row["graph_failed"] = dec._batch_failed
+            if dev.type == "cuda":     # the capture's pool and its warm-up's temporaries
+                row["graph_mem_reserved_bytes"] = torch.cuda.memory_reserved(dev) - mem0
+    if alone_ms:
+        row["alone_ms"] = alone_ms
+        for mode in ("lean", "graph"):
+            if row.get(f"{mode}_ms"):
+                row[f"{mode}_tokens_per_s_vs_alone"] = round(alone_ms * answers
+                                                             / row[f"{mode}_ms"], 2)
+    # each answer alone (the lone step's fastest path): GEMMs of one row may sum in another
+    # order than of several, so this is reported, not required
+    alone = []
+    with torch.inference_mode():
+        for t, c in zip(first, caches):
+            alone.append(decode.decode_loop(ad, c, [t], rope_delta=7, max_new_tokens=1 + steps,
+                                            mode=modes[-1]))
+            c.truncate(n)
+    ref = tokens.get("lean")
+    row["same_tokens"] = tokens.get("graph") == ref if "graph" in tokens and ref else None
+    row["same_tokens_as_alone"] = {m: [a == b for a, b in zip(tokens[m], alone)]
+                                   for m in tokens}
+    row["tokens"] = tokens
+    del caches
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def attention_ms(ad, kv, n):
@@ -319,6 +433,11 @@ def main(argv=None):
     ap.add_argument("--lengths", default=None,
                     help="comma-separated cache lengths (default 115000,1050000; tiny 300,700)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 24; tiny 6)")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="answers decoding together in the batched measurement (0: none)")
+    ap.add_argument("--batch-lengths", default=None,
+                    help="comma-separated cache lengths of the batched answers, each its own "
+                    "cache (default 115000; tiny 300)")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
 
@@ -348,7 +467,7 @@ def main(argv=None):
                   gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                   torch=torch.__version__, python=platform.python_version(), steps=steps,
                   build_s=round(time.perf_counter() - t0, 1), weight_bytes=weight_bytes,
-                  modes=modes, rows=[])
+                  modes=modes, rows=[], batched=[])
     if "graph" not in modes:
         report["graph"] = decode.decoder_of(ad).graph_unsupported()
     print(f"model built in {report['build_s']} s on {device} ({dtype}); paths: {modes}")
@@ -436,6 +555,13 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    batch_lengths = [int(x) for x in (args.batch_lengths or ("300" if tiny else "115000"))
+                     .split(",")] if args.batch > 1 else []
+    alone = {r["n"]: r.get(f"{modes[-1]}_ms") for r in report["rows"]}
+    for n_asked in batch_lengths:
+        report["batched"].append(batched_row(ad, n_asked, args.batch, modes, steps, warm,
+                                             headroom, g, alone.get(n_asked)))
+
     print()
     print(f"{'tokens':>9} {'floor':>7} {'step':>8} {'lean':>8} {'graph':>8} {'fork':>8} "
           f"{'fork8':>8} {'each8':>8} {'attn':>7} {'splitK':>7} {'segs':>7}  same tokens")
@@ -455,6 +581,24 @@ def main(argv=None):
           "layer's decode "
           "attention alone (SDPA, as the step runs it); splitK: the same with the split-K Triton "
           "kernel (measured only); segs: the graphs without attention")
+    if report["batched"]:
+        print()
+        print(f"{'answers':>7} {'tokens':>9} {'lean':>8} {'graph':>8} {'lean/tok':>8} "
+              f"{'graph/tok':>9} {'alone':>8} {'x alone':>7}  same tokens (lean = graph)")
+    for r in report["batched"]:
+        def f(key, w=8):
+            v = r.get(key)
+            return f"{v:{w}.2f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        best = "graph" if r.get("graph_ms") else "lean"
+        print(f"{r['answers']:>7} {r['n']:>9} {f('lean_ms')} {f('graph_ms')} "
+              f"{f('lean_ms_per_token')} {f('graph_ms_per_token', 9)} {f('alone_ms')} "
+              f"{f(best + '_tokens_per_s_vs_alone', 7)}  {r['same_tokens']}"
+              f"{'  (' + r['note'] + ')' if r['note'] else ''}")
+    if report["batched"]:
+        print(f"ms a step of {args.batch} answers decoding together, each over its own cache "
+              "(lean: step_many eagerly; graph: replayed from CUDA graphs), and a token "
+              "(/tok: a step / answers); alone: one answer's ms a token on the lone step's "
+              "fastest path; x alone: tokens a second against one answer alone")
     for r in report["rows"]:
         if "splitk_max_abs_err" in r:
             err = r["splitk_max_abs_err"]

@@ -53,6 +53,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from mminfer.engine.timing import SERVED_STAGES  # noqa: E402
 
 
 def pct(xs, q):
@@ -75,7 +77,19 @@ def summary(rows):
             "latency_ms": {"p50": pct([r["latency_ms"] for r in ok], 0.5),
                            "p99": pct([r["latency_ms"] for r in ok], 0.99)},
             "cache": {c: sum(1 for r in ok if r["cache"] == c)
-                      for c in sorted({r["cache"] for r in ok})}}
+                      for c in sorted({r["cache"] for r in ok})},
+            "stages_ms": stages(ok)}
+
+
+def stages(ok) -> dict:
+    """Where the answers' time went (upload, queue, wait, suffix, generate, ...): each stage's
+    [p50, p99] in ms, the stages no answer spent time in left out."""
+    out = {}
+    for k in SERVED_STAGES:
+        v = [r.get("stages", {}).get(k) or 0.0 for r in ok]
+        if any(v):
+            out[k] = [pct(v, 0.5), pct(v, 0.99)]
+    return out
 
 
 class Server:
@@ -131,7 +145,7 @@ def ask(url, video: Path, question: str, data: dict, timeout: float) -> dict:
             "ttft_ms": t.get("ttft"), "wait_ms": t.get("wait", 0.0), "cache": body.get("cache"),
             "tokens": (body.get("tokens") or {}).get("total"),
             "generated": (body.get("tokens") or {}).get("generated"),
-            "generate_ms": t.get("generate"),
+            "generate_ms": t.get("generate"), "stages": t,
             "error": None if r.status_code == 200 else body.get("error")}
 
 

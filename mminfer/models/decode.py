@@ -30,6 +30,14 @@ reads e4m3 tiles (mminfer.kernels.fp8_attention), the one the hook runs in the e
 so is a reader's ForkKV over a kept prefix (its own rows after the shared ones, either dtype).
 Capture happens on a model's first decode (its time falls in that request's "generate").
 
+Answers decoding together (``step_batch``, the scheduler's batched step) run
+``LeanDecoder.step_many``: the token-wise work once over their B rows (the weights read once for
+all), attention per answer over its own cache. On a GPU that step is captured the same way
+(BatchGraphs), at each of BATCH_SIZES on its first use, into the memory pool of the lone step's
+graphs: each step's tokens and positions are written into the static buffers, a batch pads up
+to the next captured size (the padding rows are computed and ignored) and the host attends
+between the replays as step_many does, so the tokens are step_many's.
+
 Where a step cannot be captured (the CPU, tensor-parallel layers whose collectives run inside
 the modules, rotary embeddings that rescale with the position) the lean step runs eagerly; a
 model whose layers the lean step does not cover (sliding-window attention) decodes through
@@ -60,6 +68,15 @@ from mminfer.models.kv import ForkKV, ForkLayer, SlabLayer
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
+# The batch sizes the batched step is captured at (each on its first use). A batch pads up to
+# the next one: its token-wise GEMMs read the weights once whatever their rows (memory-bound
+# far past 64 rows), so the padding rows add no launch and little time. Up to 64, the most the
+# scheduler gathers (mminfer.engine.scheduler; --max-num-seqs 8 by default: sizes 2, 4, 8); a
+# larger batch replays in chunks of 64 (each chunk reads the weights again: still far less than
+# the ~15 launches a layer an eager step makes from Python). Memory, in the shared pool: a row
+# holds its q/k/v of every layer and a row of logits, ≈ 0.6 MB at the 7B shape (28 layers,
+# vocab 152064, bf16): ≈ 5 MB at 8 answers, ≈ 75 MB with every size up to 64 captured.
+BATCH_SIZES = (2, 4, 8, 16, 32, 64)
 
 
 class LeanDecoder:
@@ -74,6 +91,10 @@ class LeanDecoder:
         self.unsupported = _lean_unsupported(text_model)
         self._graphs = None
         self._graph_failed: str | None = None
+        self._batch: dict[tuple[int, int], BatchGraphs] = {}   # (size, position dims)
+        self._batch_failed: str | None = None
+        self._pool = None
+        # held by whoever replays this model's graphs (one step, or a lone answer's loop)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ the segments
@@ -152,23 +173,37 @@ class LeanDecoder:
         # [3, 1, 1] (M-RoPE) or [1, 1] per answer -> [3, B, 1] or [B, 1]
         pos = torch.cat([self.position_ids(p, c) for p, c in zip(position_ids, caches)], -2)
         cos, sin = self._rope(h, pos)
-        groups = prefix_groups(caches)
-        alone = sorted(set(range(b)) - {j for g in groups for j in g})
-        # each group's rows of the step, on the device once a step (not once a layer)
-        index = [torch.tensor(g, device=dev) for g in groups]
+        plan = self.group_plan(caches)
         for i in range(len(self.layers)):
             q, k, v = self._pre(i, h, cos, sin)
-            if not groups:
-                out = torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
-                                 for j, cache in enumerate(caches)])
-            else:
-                out = q.new_empty(b, 1, q.shape[1], q.shape[-1])
-                for j in alone:
-                    out[j] = self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], caches[j])[0]
-                for g, at in zip(groups, index):
-                    out.index_copy_(0, at, self._attend_group(i, q, k, v, caches, g, at))
-            h = self._post(i, h, out)
+            h = self._post(i, h, self._attend_many(i, q, k, v, caches, plan))
         return self._logits(h)[:, -1]                                        # [B, vocab]
+
+    def group_plan(self, caches):
+        """Which answers of a batch attend together: (groups of forks of one prefix, each
+        with its rows as a device index — made once a step, not once a layer — and the
+        answers that attend alone)."""
+        groups = prefix_groups(caches)
+        dev = self.embed.weight.device
+        index = [torch.tensor(g, device=dev) for g in groups]
+        alone = sorted(set(range(len(caches))) - {j for g in groups for j in g})
+        return groups, index, alone
+
+    def _attend_many(self, i, q, k, v, caches, plan=None):
+        """Layer ``i``'s K/V and attention of B answers, row j over ``caches[j]``: q
+        ``[B, H, 1, d]``, k/v ``[B, Hkv, 1, d]`` → ``[B, 1, H, d]``; ``plan``: group_plan's
+        (None: made here). The eager batched step and its CUDA-graph replay (BatchGraphs)
+        both attend through here."""
+        groups, index, alone = plan if plan is not None else self.group_plan(caches)
+        if not groups:
+            return torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
+                              for j, cache in enumerate(caches)])
+        out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[-1])
+        for j in alone:
+            out[j] = self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], caches[j])[0]
+        for g, at in zip(groups, index):
+            out.index_copy_(0, at, self._attend_group(i, q, k, v, caches, g, at))
+        return out
 
     def _attend_group(self, i, q, k, v, caches, rows, at):
         """K/V of layer ``i`` into ``caches[j]`` for j in ``rows`` (forks of one prefix; ``at``
@@ -207,28 +242,60 @@ class LeanDecoder:
         if self._graphs is None or self._graphs.pos.shape != shape:
             self._graphs = None
             try:
-                self._graphs = StepGraphs(self, position_ids)
+                self._graphs = StepGraphs(self, position_ids, pool=self.graph_pool())
             except Exception as e:     # capture refused: this model decodes eagerly from now on
                 self._graph_failed = f"capture failed: {type(e).__name__}: {e}"
                 raise
         return self._graphs
 
+    def batch_graphs(self, n: int, position_ids) -> "BatchGraphs | None":
+        """The batched step for ``n`` ≤ ``BATCH_SIZES[-1]`` answers, captured at the smallest
+        of BATCH_SIZES that holds them (on its first use); ``position_ids``: one answer's.
+        None where batched steps run eagerly: a capture failed (logged once, not tried
+        again; the lone answer's graphs are not affected)."""
+        size = next(s for s in BATCH_SIZES if s >= n)
+        key = (size, position_ids.dim())
+        graphs = self._batch.get(key)
+        if graphs is None and self._batch_failed is None:
+            try:
+                graphs = BatchGraphs(self, size, position_ids, pool=self.graph_pool())
+            except Exception as e:     # capture refused: batched steps run eagerly from now on
+                self._batch_failed = f"capture failed: {type(e).__name__}: {e}"
+                logging.getLogger(__name__).warning(
+                    "batched decode steps run eagerly: CUDA graph capture at %d answers "
+                    "failed (%s: %s)", size, type(e).__name__, e)
+                return None
+            self._batch[key] = graphs
+        return graphs
 
-class StepGraphs:
-    """The lean step's segments captured in CUDA graphs over static buffers: ``tok`` (the
-    token fed, then the one produced), ``pos`` (its position ids, advanced by one per step),
-    ``logits`` (the last segment's, valid until the next replay); between the replays the
-    host writes K/V and runs attention (``LeanDecoder._attend``)."""
+    def graph_pool(self):
+        """The memory pool every capture of this model shares (None off CUDA): one step's
+        graphs replay at a time (``_lock``), so the captures' temporaries share memory."""
+        if self._pool is None and self.embed.weight.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
-    def __init__(self, dec: LeanDecoder, position_ids, warmup: int = 2):
+
+class _Segments:
+    """The lean step's ``L + 1`` segments over static buffers of ``rows`` answers, captured
+    in CUDA graphs (into ``pool``, shared by every capture of one decoder: they are replayed
+    one whole step at a time, under the decoder's lock, and every buffer a segment reads in
+    the pool is written earlier in the same step). Buffers: ``tok`` ``[rows, 1]`` (token
+    ids), ``pos`` (position ids: ``[3, rows, 1]`` M-RoPE, else ``[rows, 1]``), ``attn``
+    ``[rows, 1, H, d]`` (what the host's attention wrote); each segment's outputs (``q/k/v``
+    of each layer, the residual ``h``, ``logits``, ``next``) are read at the addresses the
+    capture left them at. The segments are plain code over those attributes: run eagerly
+    (the CPU tests replace the capture by calling them) they are the step itself."""
+
+    def __init__(self, dec: LeanDecoder, rows: int, position_ids):
         self.dec = dec
         L = len(dec.layers)
         dev = dec.embed.weight.device
-        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.pos = position_ids.detach().clone(memory_format=torch.contiguous_format)
         attn0 = dec.layers[0].self_attn
         H = attn0.q_proj.out_features // attn0.head_dim
-        self.attn = torch.zeros(1, 1, H, attn0.head_dim, dtype=dec.embed.weight.dtype,
+        self.attn = torch.zeros(rows, 1, H, attn0.head_dim, dtype=dec.embed.weight.dtype,
                                 device=dev)
         # filled at capture: each segment's outputs, read by the host and the next segment
         self.q, self.k, self.v = [None] * L, [None] * L, [None] * L
@@ -236,31 +303,53 @@ class StepGraphs:
         self.next = None
         self.logits = None
         self.scale = attn0.scaling
-        self.direct = None                 # direct_slabs' check, made on the first cache
 
-        def seg(j):
-            if j == 0:
-                h = dec.embed(self.tok)
-                self.cos, self.sin = dec._rope(h, self.pos)
-            else:
-                h = dec._post(j - 1, self.h, self.attn)
-            self.h = h
-            if j < L:
-                self.q[j], self.k[j], self.v[j] = dec._pre(j, h, self.cos, self.sin)
-            else:
-                # the logits a sampler reads stay referenced (the graph's output buffer, in
-                # the shared pool: read before the next replay of the first segment); the
-                # argmax is the one _head computes, so greedy replays are unchanged
-                self.logits = dec._logits(h)
-                self.next = self.logits.argmax(-1)
-                self.tok.copy_(self.next)
-                self.pos.add_(1)
+    def _seg(self, j):
+        dec, L = self.dec, len(self.dec.layers)
+        if j == 0:
+            h = dec.embed(self.tok)
+            self.cos, self.sin = dec._rope(h, self.pos)
+        else:
+            h = dec._post(j - 1, self.h, self.attn)
+        self.h = h
+        if j < L:
+            self.q[j], self.k[j], self.v[j] = dec._pre(j, h, self.cos, self.sin)
+        else:
+            self._last(h)
 
+    def _last(self, h):
+        raise NotImplementedError
+
+    def _record(self, warmup: int, pool):
+        """Warm the segments up (twice each, on a side stream), restore the token and
+        position buffers the warm-up may have advanced, capture one graph per segment."""
+        dev, n = self.tok.device, len(self.dec.layers) + 1
         saved_tok, saved_pos = self.tok.clone(), self.pos.clone()
-        _warm_up(dev, lambda: [seg(j) for _ in range(warmup) for j in range(L + 1)])
+        _warm_up(dev, lambda: [self._seg(j) for _ in range(warmup) for j in range(n)])
         self.tok.copy_(saved_tok)
         self.pos.copy_(saved_pos)
-        self.graphs = _capture(dev, [lambda j=j: seg(j) for j in range(L + 1)])
+        self.graphs = _capture(dev, [lambda j=j: self._seg(j) for j in range(n)], pool)
+
+
+class StepGraphs(_Segments):
+    """The lean step of one answer captured in CUDA graphs: ``tok`` (the token fed, then the
+    one produced), ``pos`` (its position ids, advanced by one per step), ``logits`` (the last
+    segment's, valid until the next replay); between the replays the host writes K/V and runs
+    attention (``LeanDecoder._attend``)."""
+
+    def __init__(self, dec: LeanDecoder, position_ids, warmup: int = 2, pool=None):
+        super().__init__(dec, 1, position_ids)
+        self.direct = None                 # direct_slabs' check, made on the first cache
+        self._record(warmup, pool)
+
+    def _last(self, h):
+        # the logits a sampler reads stay referenced (the graph's output buffer, in the
+        # shared pool: read before the next replay of the first segment); the argmax is the
+        # one _head computes, so greedy replays are unchanged
+        self.logits = self.dec._logits(h)
+        self.next = self.logits.argmax(-1)
+        self.tok.copy_(self.next)
+        self.pos.add_(1)
 
     def step(self, cache, slabs=None):
         """One step from the token and position in ``tok``/``pos``; returns ``tok`` (now the
@@ -321,6 +410,43 @@ class StepGraphs:
         return list(layers) if self.direct else None
 
 
+class BatchGraphs(_Segments):
+    """The batched step (``LeanDecoder.step_many``) of up to ``size`` answers captured in CUDA
+    graphs: the token-wise work over ``size`` rows replayed, K/V and attention per answer run
+    by the host between the replays (``LeanDecoder._attend_many``, as in step_many), the
+    tokens and positions of each step written into ``tok``/``pos`` first (the answers of a
+    batch change from step to step). A batch of B < size answers fills rows 0..B-1; the rows
+    after them keep whatever an earlier batch left there (token ids, positions, attention
+    outputs: finite values). Every token-wise kernel computes a row from that row alone, so
+    they change nothing in rows 0..B-1, and nothing reads their outputs."""
+
+    def __init__(self, dec: LeanDecoder, size: int, position_ids, warmup: int = 2, pool=None):
+        # position_ids: one answer's ([3, 1, 1] M-RoPE or [1, 1]), as a row of the buffer
+        super().__init__(dec, size, position_ids.expand(*position_ids.shape[:-2], size, 1))
+        self.size = size
+        self._record(warmup, pool)
+
+    def _last(self, h):
+        self.logits = self.dec._logits(h)[:, -1]                             # [size, vocab]
+        self.next = self.logits.argmax(-1)                                   # [size]
+
+    def step(self, tokens, position_ids, caches):
+        """One step of B = ``len(caches)`` ≤ size answers: ``tokens`` (ints) and
+        ``position_ids`` (each ``LeanDecoder.position_ids``'s, one answer's) into rows 0..B-1.
+        Returns the logits ``[B, vocab]`` and the greedy tokens ``[B]``: views of the graphs'
+        buffers, valid until their next replay."""
+        b, dec, g = len(caches), self.dec, self.graphs
+        self.tok[:b, 0].copy_(torch.tensor(tokens))
+        self.pos[..., :b, :].copy_(torch.cat(position_ids, -2))
+        plan = dec.group_plan(caches)
+        g[0].replay()
+        for i in range(len(dec.layers)):
+            self.attn[:b].copy_(dec._attend_many(i, self.q[i][:b], self.k[i][:b],
+                                                 self.v[i][:b], caches, plan))
+            g[i + 1].replay()
+        return self.logits[:b], self.next[:b]
+
+
 def _warm_up(dev, fn):
     """``fn()`` on a side stream (cuBLAS handles and lazy inits happen before a capture)."""
     side = torch.cuda.Stream(device=dev)
@@ -330,10 +456,12 @@ def _warm_up(dev, fn):
     torch.cuda.current_stream(dev).wait_stream(side)
 
 
-def _capture(dev, fns) -> list:
-    """One CUDA graph per function, captured in order into one memory pool (they are replayed
-    in that order, never concurrently, so their temporaries may share memory)."""
-    pool = torch.cuda.graph_pool_handle()
+def _capture(dev, fns, pool=None) -> list:
+    """One CUDA graph per function, captured in order into one memory pool (``pool``, else a
+    new one; they are replayed in that order, never concurrently, so their temporaries may
+    share memory)."""
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
     graphs = []
     for fn in fns:
         g = torch.cuda.CUDAGraph()
@@ -392,16 +520,43 @@ def step_batch(adapter, items) -> list:
     (``LeanDecoder.step_many``); a batch of one takes the path a lone answer takes (the CUDA
     graphs where they run: its token and position are written into their buffers first, as
     another answer may have replayed them since), so an answer decoding alone is as fast as
-    without batching. Returns, in order, the next greedy token id, or the step's logits
-    ``[1, 1, vocab]`` (a copy) where an item asks for them (its sampler chooses)."""
+    without batching. A batch of several is replayed from CUDA graphs (BatchGraphs, padded
+    up to the next of BATCH_SIZES; above the largest, in chunks of it) where a lone answer's
+    step would be (``choose_path`` says "graph") and no other thread is replaying this
+    model's graphs; else step_many runs eagerly. Returns, in order, the next greedy token id,
+    or the step's logits ``[1, 1, vocab]`` (a copy) where an item asks for them (its sampler
+    chooses)."""
     with torch.inference_mode():
         dec = decoder_of(adapter)
         if len(items) > 1 and dec.unsupported is None:
-            tokens, pos, caches, want = zip(*items)
-            logits = dec.step_many(list(tokens), list(pos), list(caches))
-            top = logits.argmax(-1).tolist()
-            return [logits[j].view(1, 1, -1) if w else top[j] for j, w in enumerate(want)]
+            return _step_many(adapter, dec, items)
         return [_step_one(adapter, dec, *item) for item in items]
+
+
+def _step_many(adapter, dec, items) -> list:
+    out, rest = [], list(items)
+    if choose_path(adapter) == "graph" and dec._lock.acquire(blocking=False):
+        try:
+            while rest:
+                chunk = rest[:BATCH_SIZES[-1]]
+                tokens, pos, caches, want = zip(*chunk)
+                pos = [dec.position_ids(p, c) for p, c in zip(pos, caches)]
+                graphs = dec.batch_graphs(len(chunk), pos[0])
+                if graphs is None:         # capture failed: eager from here
+                    break
+                logits, top = graphs.step(list(tokens), pos, list(caches))
+                top = top.tolist()
+                out += [logits[j].view(1, 1, -1).clone() if w else top[j]
+                        for j, w in enumerate(want)]
+                rest = rest[len(chunk):]
+        finally:
+            dec._lock.release()
+    if rest:
+        tokens, pos, caches, want = zip(*rest)
+        logits = dec.step_many(list(tokens), list(pos), list(caches))
+        top = logits.argmax(-1).tolist()
+        out += [logits[j].view(1, 1, -1) if w else top[j] for j, w in enumerate(want)]
+    return out
 
 
 def _step_one(adapter, dec, token: int, pos, cache, want_logits: bool):

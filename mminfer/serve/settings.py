@@ -11,9 +11,9 @@ from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
 from .tenants import env_keys
 
 # --affinity-max-imbalance: requests in flight on a video's engine beyond the least loaded
-# engine before a question about it goes to the least loaded one instead: one engine's
-# --max-num-seqs by default, so a follow-up waits behind a full engine rather than pay a whole
-# prefill elsewhere. A first guess until measured on several GPUs (docs/deployment.md).
+# engine before a question about it goes to the least loaded one instead, so a follow-up waits
+# behind a busy engine rather than pay a whole prefill elsewhere. A first guess until measured
+# on several GPUs (docs/deployment.md).
 DEFAULT_MAX_IMBALANCE = 8
 
 
@@ -50,8 +50,11 @@ class Settings:
     # the queue and time
     queue_size: int = 8                # waiting (or uploading) requests; more get 503
     # requests in progress at once, taking turns on the model (engine/scheduler.py; vLLM's
-    # name); 1 answers them one after the other
-    max_num_seqs: int = 8
+    # name); 1 answers them one after the other. A question about a cached video holds a place
+    # until its last token, so at 8 places they fill with decoding answers while a long
+    # prefill runs and new questions queue (H100: cache hits' p50 TTFT 25 s, BENCHMARKS.md);
+    # a place costs a thread and the fork's own rows, not the prefix
+    max_num_seqs: int = 32
     # the share of the GPU's time decode steps (answers' tokens after the first) get while a
     # long prefill waits to resume
     decode_share: float = 0.25

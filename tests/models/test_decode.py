@@ -144,13 +144,17 @@ class _Replay:
         self.fn()
 
 
+def _replayed(dev, fns, pool=None):
+    return [_Replay(f) for f in fns]
+
+
 @pytest.mark.parametrize("kind", ["qwen", "longvila"])
 def test_graph_plumbing_replayed_on_the_cpu(kind, prepared, monkeypatch):
     from transformers import DynamicCache
     from mminfer.models.prefill import prefill
     ad, prep, embeds = prepared[kind]
     monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
-    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode, "_capture", _replayed)
     monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
     ad._lean_decoder = None
     try:
@@ -196,7 +200,7 @@ def test_sampling_and_logprobs_on_every_path(kind, prepared, monkeypatch):
     through the same loop as ``continue_on``."""
     ad, prep, embeds = prepared[kind]
     monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
-    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode, "_capture", _replayed)
     monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
     ad._lean_decoder = None
     lp = SamplingParams(logprobs=True, top_logprobs=2)
@@ -386,6 +390,13 @@ def test_benchmark_tiny_run(tmp_path):
         # the measured-only split-K kernel computes the attention SDPA does (fp32 here)
         assert r["splitk_max_abs_err"] < 1e-5, r
     assert "same tokens" in proc.stdout
+    # 8 answers decoding together, each over its own cache: eager only on the CPU
+    (b,) = rep["batched"]
+    assert b["answers"] == 8 and b["n"] == 300 and b["lean_ms"] > 0 and "graph_ms" not in b
+    assert b["lean_ms_per_token"] == pytest.approx(b["lean_ms"] / 8, abs=1e-3)
+    assert [len(t) for t in b["tokens"]["lean"]] == [1 + rep["steps"]] * 8
+    assert len({tuple(t) for t in b["tokens"]["lean"]}) == 8     # each its own answer
+    assert b["same_tokens_as_alone"] == {"lean": [True] * 8}
 
 
 @pytest.mark.parametrize("kind", ["qwen", "longvila"])
@@ -584,7 +595,7 @@ def test_graph_plumbing_writes_and_attends_a_fork_directly(prepared, monkeypatch
     from mminfer.models.kv import ForkKV
     ad, prep, embeds = prepared["qwen"]
     monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
-    monkeypatch.setattr(decode, "_capture", lambda dev, fns: [_Replay(f) for f in fns])
+    monkeypatch.setattr(decode, "_capture", _replayed)
     monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
     ad._lean_decoder = None
     P = prep.prefix_len
@@ -612,3 +623,214 @@ def _answer_on(ad, cache, prep, embeds, mode, n=6):
                               max_new_tokens=n).token_ids
     finally:
         ad.decode_mode, ad.eos_token_ids = "auto", eos
+
+
+# ------------------------------------------------------------------ batched steps in CUDA graphs
+def _answers(ad, prep, embeds, extras):
+    """One cache per entry of ``extras``: the prefix alone (0), or the suffix prefilled and
+    ``extra - 1`` lean steps after it: answers at different lengths with different rows."""
+    P = prep.prefix_len
+    suffix = embeds[:, P:]
+    S = suffix.shape[1]
+    dec = decode.decoder_of(ad)
+    out = []
+    with torch.inference_mode():
+        for extra in extras:
+            kv = ad.prefill_prefix(prep, embeds.clone(), headroom=2)     # grows while decoding
+            if extra:
+                ad._step(suffix, ad.positions_after(prep.rope_delta, P, S), kv)
+                tok = torch.tensor([[3 + extra]])
+                for _ in range(extra - 1):
+                    n = kv.get_seq_length()
+                    tok = dec.step(tok, ad.positions_after(prep.rope_delta, n, 1), kv)
+            out.append(kv)
+    return out
+
+
+def _run_batches(ad, prep, caches, schedule, tokens, mode):
+    """``schedule``: the answers (indices) of each batched step, through step_batch; the
+    second answer of each batch asks for its logits. Returns each step's results."""
+    ad.decode_mode, got = mode, []
+    try:
+        for batch in schedule:
+            items = [(tokens[a], ad.positions_after(prep.rope_delta, caches[a].get_seq_length(),
+                                                    1), caches[a], j == 1)
+                     for j, a in enumerate(batch)]
+            res = decode.step_batch(ad, items)
+            got.append(res)
+            for a, r in zip(batch, res):
+                tokens[a] = r if isinstance(r, int) else int(r.argmax(-1))
+    finally:
+        ad.decode_mode = "auto"
+    return got
+
+
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_batched_graphs_replayed_on_the_cpu(kind, prepared, monkeypatch):
+    """The batched step's segments over their static buffers, replayed on the CPU (the code
+    a capture records): batches that pad (3 -> 4, 5 -> 8), reuse a size with other answers
+    in other rows, and split above the largest size give each answer the tokens, logits and
+    cache rows of the eager step_many over the same batches, and the tokens of each answer
+    stepped alone; while another thread holds the graphs, the step runs eagerly."""
+    ad, prep, embeds = prepared[kind]
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", _replayed)
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
+    extras = (0, 1, 3, 2, 4)
+    first = [5, 11, 17, 23, 29]
+    schedule = [[0, 1, 2], [2, 0], [4, 3, 1, 0, 2], [1, 3, 4], [3, 0, 4, 2, 1]]
+    ad._lean_decoder = None
+    try:
+        dec = decode.decoder_of(ad)
+        eager_kv = _answers(ad, prep, embeds, extras)
+        eager = _run_batches(ad, prep, eager_kv, schedule, list(first), "lean")
+        assert dec._batch == {}                          # "lean": step_many, no capture
+        graph_kv = _answers(ad, prep, embeds, extras)
+        tokens = list(first)
+        with dec._lock:                  # another thread replays: this step runs eagerly
+            held = _run_batches(ad, prep, graph_kv, schedule[:1], tokens, "graph")
+        assert dec._batch == {}
+        monkeypatch.setattr(decode, "BATCH_SIZES", (2, 4, 8))
+        graph = _run_batches(ad, prep, graph_kv, schedule[1:4], tokens, "graph")
+        d = 3 if kind == "qwen" else 2                  # M-RoPE [3, B, 1], else [B, 1]
+        assert sorted(dec._batch) == [(2, d), (4, d), (8, d)]
+        assert dec._batch[(8, d)].pos.shape[-2:] == (8, 1)
+        monkeypatch.setattr(decode, "BATCH_SIZES", (2, 4))   # 5 answers: 4, then 1 (-> 2)
+        graph += _run_batches(ad, prep, graph_kv, schedule[4:], tokens, "graph")
+        assert sorted(dec._batch) == [(2, d), (4, d), (8, d)]
+        graph = held + graph
+    finally:
+        ad._lean_decoder = None
+    for step, (g, e) in enumerate(zip(graph, eager)):
+        for r, want in zip(g, e):
+            if isinstance(want, int):
+                assert r == want, (step, g, e)
+            else:                                    # the logits a sampler reads
+                assert r.shape == want.shape == (1, 1, ad.lm_head.out_features)
+                torch.testing.assert_close(r, want, atol=1e-5, rtol=1e-5)
+    assert sum(isinstance(r, int) for g in graph for r in g) > 10
+    for a, b in zip(graph_kv, eager_kv):
+        n = a.get_seq_length()
+        assert n == b.get_seq_length()
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(la.keys[..., :n, :], lb.keys[..., :n, :], atol=1e-5,
+                                       rtol=1e-5)
+            torch.testing.assert_close(la.values[..., :n, :], lb.values[..., :n, :],
+                                       atol=1e-5, rtol=1e-5)
+    # each answer alone, step by step: the same tokens
+    alone_kv = _answers(ad, prep, embeds, extras)
+    dec = decode.decoder_of(ad)
+    tokens = list(first)
+    with torch.inference_mode():
+        for batch, g in zip(schedule, graph):
+            for a, r in zip(batch, g):
+                n = alone_kv[a].get_seq_length()
+                tokens[a] = int(dec.step(torch.tensor([[tokens[a]]]),
+                                         ad.positions_after(prep.rope_delta, n, 1),
+                                         alone_kv[a]))
+                assert tokens[a] == (r if isinstance(r, int) else int(r.argmax(-1)))
+
+
+def test_a_failed_batched_capture_steps_eagerly(prepared, monkeypatch, caplog):
+    ad, prep, embeds = prepared["qwen"]
+
+    def refuse(dev, fns, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
+    monkeypatch.setattr(decode, "_capture", refuse)
+    monkeypatch.setattr(decode.LeanDecoder, "graph_unsupported", lambda self: None)
+    schedule = [[0, 1, 2], [2, 1], [0, 2, 1]]
+    ad._lean_decoder = None
+    try:
+        ref = _run_batches(ad, prep, _answers(ad, prep, embeds, (0, 1, 2)), schedule,
+                           [5, 11, 17], "lean")
+        with caplog.at_level("WARNING", logger="mminfer.models.decode"):
+            got = _run_batches(ad, prep, _answers(ad, prep, embeds, (0, 1, 2)), schedule,
+                               [5, 11, 17], "graph")
+        dec = decode.decoder_of(ad)
+        assert dec._batch == {} and "capture failed" in dec._batch_failed
+        assert caplog.text.count("batched decode steps run eagerly") == 1   # not tried again
+        assert dec._graph_failed is None               # a lone answer's graphs still may run
+    finally:
+        ad._lean_decoder = None
+    for g, r in zip(got, ref):
+        assert [x if isinstance(x, int) else int(x.argmax(-1)) for x in g] == \
+            [x if isinstance(x, int) else int(x.argmax(-1)) for x in r]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+def test_batched_graph_replay_steps_as_step_many_on_cuda(kind):
+    """Batched steps replayed from CUDA graphs (captured here at 2, 4 and 8 answers; batches of
+    3 and 5 padded, with another batch's rows left in the padding) against the eager step_many
+    over the same batches, in lock step (both fed the eager step's tokens), over caches of
+    other lengths and kinds (PrefixKV, DynamicCache, a ForkKV); between the batches a lone
+    answer replays its own graphs (the same memory pool) against the eager lean step. Greedy
+    tokens equal wherever the eager logits' top two are further apart than bf16 rounding of
+    GEMMs of other row counts (another summation order) can move them; logits and the
+    cache rows written within bf16 tolerance."""
+    from transformers import DynamicCache
+    from mminfer.models.kv import ForkKV
+    from mminfer.models.prefill import prefill
+    tm, head = _small_gpu_model(kind)
+    ad = _Bare(tm, head, mrope=kind == "qwen")
+    assert decode.choose_path(ad) == "graph"
+    lengths = (3000, 1234, 2048, 777, 1500, 2500)          # the last one decodes alone
+
+    def caches():
+        out = []
+        for j, n in enumerate(lengths):
+            g = torch.Generator(device="cuda").manual_seed(n)
+            embeds = torch.randn(1, n, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+            kv = DynamicCache() if j == 1 else PrefixKV.for_model(tm, headroom=4)
+            prefill(tm, embeds, kv, ad.positions_after(5, 0, n), kv_only_last=True)
+            out.append(ForkKV(kv, n, headroom=4) if j == 3 else kv)
+        return out
+
+    def step(kvs, batch, mode, want):
+        ad.decode_mode = mode
+        try:
+            return decode.step_batch(ad, [(tokens[a], ad.positions_after(
+                5, kvs[a].get_seq_length(), 1), kvs[a], want(j)) for j, a in enumerate(batch)])
+        finally:
+            ad.decode_mode = "auto"
+
+    schedule = [[0, 1, 2], [2, 0], [4, 3, 1, 0, 2], [1, 3, 4], [0, 1, 2, 3],
+                [3, 0, 4, 2, 1]] * 3
+    tokens = [7, 100, 200, 300, 400, 500]
+    compared = rows = 0
+    with torch.inference_mode():
+        eager_kv, graph_kv = caches(), caches()
+        for batch in schedule:
+            ref = step(eager_kv, batch, "lean", lambda j: True)
+            got = step(graph_kv, batch, "graph", lambda j: j == 1)
+            for j, (a, r, g) in enumerate(zip(batch, ref, got)):
+                r = r.float().view(-1)
+                top = r.topk(2).values
+                if j == 1:
+                    torch.testing.assert_close(g.float().view(-1), r, atol=5e-2, rtol=5e-2)
+                    g = int(g.argmax(-1))
+                if top[0] - top[1] > 0.05:
+                    assert g == int(r.argmax()), (batch, a)
+                    compared += 1
+                rows += 1
+                tokens[a] = int(r.argmax())
+            # the lone answer: its own graphs, in the pool the batched ones share
+            lone = step(graph_kv, [5], "graph", lambda j: False)
+            assert lone == step(eager_kv, [5], "lean", lambda j: False)
+            tokens[5] = lone[0]
+    dec = decode.decoder_of(ad)
+    d = 3 if kind == "qwen" else 2
+    assert sorted(dec._batch) == [(2, d), (4, d), (8, d)] and dec._batch_failed is None
+    assert dec._graphs is not None and dec._pool is not None
+    assert compared >= 0.5 * rows, (compared, rows)
+    for a, b, n in zip(graph_kv, eager_kv, lengths):
+        assert a.get_seq_length() == b.get_seq_length() > n
+        k = a.get_seq_length() - n                  # the rows the steps wrote: the last k
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(la.keys[..., -k:, :], lb.keys[..., -k:, :], atol=2e-2,
+                                       rtol=2e-2)
+            torch.testing.assert_close(la.values[..., -k:, :], lb.values[..., -k:, :],
+                                       atol=2e-2, rtol=2e-2)

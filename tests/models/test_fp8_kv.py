@@ -265,7 +265,7 @@ def test_graph_path_logic_on_fp8_slabs_emulated_on_the_cpu(prepared, monkeypatch
     from types import SimpleNamespace
     monkeypatch.setattr(decode, "_warm_up", lambda dev, fn: fn())
     monkeypatch.setattr(decode, "_capture",
-                        lambda dev, fns: [SimpleNamespace(replay=f) for f in fns])
+                        lambda dev, fns, pool=None: [SimpleNamespace(replay=f) for f in fns])
     ad, prep, embeds = prepared["qwen"]
     kv_lean, first = _answer(ad, prep, embeds, FP8, n=1)
     kv_graph, again = _answer(ad, prep, embeds, FP8, n=1)
