@@ -16,6 +16,7 @@ import numpy as np
 
 from mminfer.errors import VideoError
 from mminfer.video import wire
+from mminfer.video.live import serve_source
 from mminfer.video.session import Session
 
 
@@ -114,7 +115,6 @@ def main(fd: int, nice: int = 0) -> None:
                 # a live source read to its end: the parent kills this process after it
                 _, url, fps, piece_seconds, timeout_s, extra = msg
                 _limit_memory(base, extra)
-                from mminfer.video.live import serve_source  # lazy: only a source's worker
                 serve_source(sock, url, fps, piece_seconds, timeout_s)
             elif op == "close":
                 session.close()
