@@ -14,7 +14,7 @@ timestamp is taken to come one frame (the source's rate) after the last.
 
 The server reads a source in a process of its own (:class:`SandboxedSource`, from
 :func:`open_source`): a decode worker (mminfer.video.sandbox: a fresh interpreter under a
-memory limit, dying with the thread that started it) runs :class:`LiveSource` and sends each
+memory limit, taken from the pool of started ones) runs :class:`LiveSource` and sends each
 piece back, its frames in a ``memfd`` whose descriptor rides along with the message, and a
 word of progress whenever data arrived (at most twice a second). A crafted source that crashes
 the demuxer or decoder, exhausts the memory limit or hangs in them (no word from the process
@@ -210,10 +210,10 @@ class SandboxedSource:
             w.proc.kill()           # the reading thread sees the end and cleans up
 
     def pieces(self, stop: threading.Event | None = None):
-        """As :meth:`LiveSource.pieces`; the process is started by the calling thread (it
-        dies with it) and killed when the pieces end, whatever the reason."""
+        """As :meth:`LiveSource.pieces`; the process (one the decode pool kept started, so
+        the source is opened at once) is killed when the pieces end, whatever the reason."""
         stop = stop or threading.Event()
-        w = sandbox.Worker()
+        w = sandbox.decoder_pool().take()
         self._worker, self.pid = w, w.pid
         try:
             if self._closed:

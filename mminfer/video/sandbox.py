@@ -241,6 +241,22 @@ class Pool:
             self._done()
             raise
 
+    def take(self) -> Worker:
+        """A started worker for the caller to keep (a live source's reader, which runs until
+        the source ends and is killed then, never given back); not counted busy, so uploads
+        do not wait behind it. Another is started in the background in its place."""
+        w = None
+        with self._lock:
+            while self._idle and w is None:
+                w = self._idle.pop()
+                if not w.alive():
+                    w.kill()
+                    w = None
+        if w is None:
+            w = self._start()
+        self.warm()
+        return w
+
     def _done(self):
         with self._lock:
             self._busy -= 1
