@@ -41,6 +41,8 @@ from mminfer.video import sandbox, wire
 
 # the child's word of progress while data arrives: at most this often (seconds)
 PROGRESS_S = 0.5
+# media a source's opening reads to learn its streams (microseconds)
+ANALYZE_US = 1_000_000
 
 
 @dataclass
@@ -67,7 +69,10 @@ class LiveSource:
 
     def _open(self):
         try:
-            return av.open(self.url, timeout=(self.timeout_s, self.timeout_s))
+            # the streams' facts from one second of media (FFmpeg's default, five, holds a
+            # live source's first piece back by as much)
+            return av.open(self.url, timeout=(self.timeout_s, self.timeout_s),
+                           options={"analyzeduration": str(ANALYZE_US)})
         except av.FFmpegError as e:
             raise VideoError(f"the source could not be opened: {_why(e)}",
                              reason="source") from None

@@ -227,8 +227,11 @@ def test_pull_from_ffmpeg_serving_the_sample_in_real_time(tmp_path, live_server)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/live.ts"
+    # a live encoder's settings: each frame sent as it comes (x264's default lookahead would
+    # hold the whole 10-s sample back to its end)
     ff = subprocess.Popen(["ffmpeg", "-loglevel", "error", "-re", "-i", str(NEEDLE),
-                           "-c:v", "libx264", "-f", "mpegts", "-listen", "1", url])
+                           "-c:v", "libx264", "-tune", "zerolatency", "-f", "mpegts",
+                           "-listen", "1", url])
     try:
         srv = live_server(create_app(settings(tmp_path)))
         time.sleep(0.5)                 # ffmpeg listening
