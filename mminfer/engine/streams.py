@@ -321,8 +321,10 @@ class Stream:
         the questions reading the stream to end (their turns go on meanwhile)."""
         with self._mutex:
             self._moving = True
+            forks = self._forks
         try:
-            turn.wait_for(_Until(self._changed, lambda: not self._forks))
+            if forks:
+                turn.wait_for(_Until(self._changed, lambda: not self._forks))
             yield
         finally:
             with self._mutex:

@@ -16,7 +16,9 @@ The server reads a source in a process of its own (:class:`SandboxedSource`, fro
 :func:`open_source`): a decode worker (mminfer.video.sandbox: a fresh interpreter under a
 memory limit, taken from the pool of started ones) runs :class:`LiveSource` and sends each
 piece back, its frames in a ``memfd`` whose descriptor rides along with the message, and a
-word of progress whenever data arrived (at most twice a second). A crafted source that crashes
+word of progress whenever data arrived (at most twice a second). It reads on once the piece
+is taken, as a reader in this process does: a model slower than the source holds the source
+back (its lag grows) instead of pieces piling up in memory. A crafted source that crashes
 the demuxer or decoder, exhausts the memory limit or hangs in them (no word from the process
 for ``2 * timeout_s + piece_seconds``: it is killed) ends the read with a VideoError that says
 so; the server and its other streams go on. ``mminfer watch`` reads in its own process
@@ -252,6 +254,13 @@ class SandboxedSource:
                     if stop.is_set():
                         return
                     yield piece
+                    try:             # taken: the process reads on (it waited meanwhile)
+                        w.send(("next",))
+                    except sandbox.WorkerFailed as e:
+                        if stop.is_set() or self._closed:
+                            return
+                        raise VideoError(f"reading the source failed: {e.why}",
+                                         reason="source") from None
                 elif kind == "end":
                     return
                 else:
@@ -293,8 +302,9 @@ def _received(msg, fds) -> Piece:
 
 def serve_source(sock, url: str, fps: float, piece_seconds: float, timeout_s: float) -> None:
     """The reading process's side (mminfer.video.worker, command ``live``): the source's
-    pieces, progress and end sent to the parent over ``sock``; a VideoError propagates (the
-    worker's loop sends it)."""
+    pieces, progress and end sent to the parent over ``sock``, each piece once the parent
+    took the one before (``("next",)``); a VideoError propagates (the worker's loop sends
+    it)."""
     src = LiveSource(url, fps, piece_seconds=piece_seconds, timeout_s=timeout_s)
     last = [time.monotonic()]
 
@@ -319,5 +329,10 @@ def serve_source(sock, url: str, fps: float, piece_seconds: float, timeout_s: fl
         finally:
             for fd in fds:
                 os.close(fd)
+        msg, fds = wire.recv(sock)
+        for fd in fds:
+            os.close(fd)
+        if msg[0] != "next":
+            return
         last[0] = time.monotonic()
     wire.send(sock, ("end", src.frames_read, src.backwards))
