@@ -26,13 +26,30 @@ waits for the next piece, and an answer reports ``seen_until``, the media time o
 the cache.
 
 Turns: a piece's vision and prefill are long work for the scheduler (``with turn.long()``,
-checked between layers); a question is short work, its suffix then its decode steps. One user
-of a stream's cache at a time (a piece appends rows, a question appends and then drops its
-own): the other waits with its turn given away.
+checked between layers); a question is short work, its suffix then its decode steps. One piece
+at a time appends to a stream (a second waits, its turn given away). A question forks the
+stream's cache (mminfer.models.kv.ForkKV) at what it holds when the question starts: the
+first ``length`` rows shared and read only, the question's and answer's rows in buffers of its
+own. So any number of questions about one stream decode together in the scheduler's batched
+steps, and a piece is ingested while they are answered: its rows go after every fork's shared
+rows and never write them. A piece that grows the cache copies the rows into a larger buffer;
+a fork reads the prefix through the stream's current buffer at each step (the rows it shares
+are the same in both), and the old buffer lives until the forks' views of it are gone (a
+step later). A question that arrives while a piece is prefilled forks the stream as it was
+before the piece: the piece's state (rows, units, positions, media time) is published at
+once when it ends.
+
+Rows move in place only while no fork reads them: a window's drop (``keep="window"``) waits
+for the questions in progress to end, and new questions wait for the drop (one pass over the
+cache at memory speed); a stream with a question in progress is in use, never moved to the
+host tier (as one with a piece in progress is not). A question about a stream on the host
+tier brings it back first.
 
 Memory: the streams of a :class:`Streams` registry share a device budget (every byte their
 caches hold on the model's device, room included; default: the video cache's device budget,
-``kv_cache_gb``) and a host budget (pinned host memory; default 0: none). A stream is used
+``kv_cache_gb``) and a host budget (pinned host memory; default 0: none). A question's fork
+holds its own rows on top until it ends, as a question's on a cached video does; a piece's
+budget check keeps ``QUESTION_ROOM`` rows' bytes free for one. A stream is used
 whole on the device (a piece's rows and a question's attend to every key it holds; keys left on
 the host would cross PCIe on every layer of every question), so the tiers hold whole streams,
 as the video cache holds whole prefixes: when a piece or a restore needs device room, the
@@ -78,7 +95,7 @@ from mminfer.errors import (Cancelled, InputError, ServiceUnavailable, StreamClo
 from mminfer.kernels import sparsity
 from mminfer.models.base import Conversation, PrepareOptions
 from mminfer.models.hooks import MODES, choose_attention, sparse_refusal
-from mminfer.models.kv import HEADROOM, PrefixKV
+from mminfer.models.kv import HEADROOM, ForkKV, PrefixKV
 from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 from mminfer.sparse.modality import ModalityIndex
 from mminfer.video.sampling import nearest
@@ -86,7 +103,7 @@ from mminfer.video.sampling import nearest
 log = logging.getLogger(__name__)
 
 MAX_FPS = 60.0
-# rows kept free past a stream for a question and its answer, when the budget is checked
+# rows kept free in the budget past a stream for a question and its answer (its fork's)
 QUESTION_ROOM = 1024
 # pieces' prefill times kept for the status and the metrics
 RECENT = 32
@@ -107,6 +124,17 @@ def _index(layout, units: int) -> ModalityIndex:
     return ModalityIndex.from_segments(
         [("text", len(layout.head_ids)), ("video", units, sp["grid_h"], sp["grid_w"],
                                           sp["separators"])])
+
+
+class _Until:
+    """What ``Turn.wait_for`` waits on: ``pred()`` under ``cond``, re-checked on each notify."""
+
+    def __init__(self, cond: threading.Condition, pred):
+        self.cond, self.pred = cond, pred
+
+    def wait(self, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(self.pred, timeout)
 
 
 def _check_fps(fps) -> float:
@@ -174,10 +202,13 @@ class Stream:
         self.recent: list[dict] = []  # the last pieces' reports
         self.ingest_s = 0.0           # time spent ingesting, all pieces
         self.questions = 0
+        # guards the holder, the forks and the state a question snapshots; notified on each
+        # change of them
         self._mutex = threading.Lock()
-        self._holder = None
-        self.free = threading.Event()
-        self.free.set()
+        self._changed = threading.Condition(self._mutex)
+        self._holder = None           # the piece (or spill, restore, close) using the stream
+        self._forks = 0               # questions reading the stream's rows (their forks)
+        self._moving = False          # rows move in place (a drop, a spill): no new fork
 
     # ------------------------------------------------------------ facts
     @property
@@ -249,37 +280,93 @@ class Stream:
             "media_seconds": round(self.media_end, 3), "seen_until": round(self.seen_until, 3),
             "lag_seconds": lag, "ingest_seconds": round(self.ingest_s, 3),
             "last_piece": last, "last_error": self.last_error, "questions": self.questions,
+            "questions_open": self._forks,
             "kv": {"where": kv_where, "tier": self.tier.value if kv_where else None,
                    "bytes": self.held_bytes, "dtype": self.pipeline.kv_cache_dtype},
             "created": int(self.created),
         }
 
-    # ------------------------------------------------------------ one user at a time
+    # ------------------------------------------------------------ who uses the cache
     @contextmanager
     def _hold(self, turn):
-        """The stream's cache for this block: one piece or one question at a time; a waiter
-        gives its turn on the model away meanwhile."""
+        """The stream for this block: one piece (or close) at a time, questions' forks going
+        on beside it; a waiter gives its turn on the model away meanwhile."""
         while not self._try_hold():
-            turn.wait_for(self.free)
+            turn.wait_for(_Until(self._changed, lambda: self._holder is None))
         try:
             self.used_at = time.monotonic()
             yield
         finally:
             self._release()
 
-    def _try_hold(self) -> bool:
-        """The stream's cache taken if nobody uses it (else False at once)."""
+    def _try_hold(self, unforked: bool = False) -> bool:
+        """The stream taken if nobody holds it (else False at once); ``unforked``: only if no
+        question reads it either, and none forks it until it is released (its rows move)."""
         with self._mutex:
-            if self._holder is not None:
+            if self._holder is not None or (unforked and self._forks):
                 return False
             self._holder = object()
-            self.free.clear()
+            self._moving = unforked
             return True
 
     def _release(self) -> None:
         with self._mutex:
             self._holder = None
-            self.free.set()
+            self._moving = False
+            self._changed.notify_all()
+
+    @contextmanager
+    def _rows_moving(self, turn):
+        """Held: the block moves rows in place; new questions wait for it, and it waits for
+        the questions reading the stream to end (their turns go on meanwhile)."""
+        with self._mutex:
+            self._moving = True
+            forks = self._forks
+        try:
+            if forks:
+                turn.wait_for(_Until(self._changed, lambda: not self._forks))
+            yield
+        finally:
+            with self._mutex:
+                self._moving = False
+                self._changed.notify_all()
+
+    def _fork(self, turn, headroom: int):
+        """A fork of the stream's rows as they are now, counted open (:meth:`_unfork` after),
+        and what it saw; a stream on the host tier comes back first, and a drop in progress
+        is waited for."""
+        while True:
+            with self._mutex:
+                if self.state == CLOSED:
+                    raise StreamClosed(f"stream {self.id} is closed", stream=self.id)
+                if self.kv is None or not self.length:
+                    raise InputError(f"stream {self.id} has no video yet: append a piece "
+                                     "first", stream=self.id)
+                if not self._moving and self.tier is Tier.GPU:
+                    fork = ForkKV(self.kv, self.length, headroom=headroom)
+                    self._forks += 1
+                    self.used_at = time.monotonic()
+                    seen = {"frames": self.frames, "tokens": self.length,
+                            "visual_tokens": self.held_units * self.layout.unit_tokens,
+                            "seen_until": round(self.seen_until, 3),
+                            "media_seconds": round(self.media_end, 3)}
+                    if self.dropped_units:
+                        seen["seen_from"] = round(self.seen_from, 3)
+                    return fork, seen, self.rope_delta
+            if self._try_hold():
+                try:
+                    self._on_device()
+                finally:
+                    self._release()
+                continue
+            turn.wait_for(_Until(self._changed, lambda: self.state == CLOSED or (
+                not self._moving and (self.tier is Tier.GPU or self._holder is None))))
+
+    def _unfork(self) -> None:
+        with self._mutex:
+            self._forks -= 1
+            self.used_at = time.monotonic()
+            self._changed.notify_all()
 
     def _on_device(self) -> None:
         """The stream's cache on the model's device (brought back from the host tier, its
@@ -293,13 +380,16 @@ class Stream:
                 f"room for its {need} bytes now (the streams there are in use, or the host "
                 "tier has no room for them): try again shortly", stream=self.id)
         self.kv.move(self.pipeline.device, headroom=QUESTION_ROOM)
-        self.tier = Tier.GPU
+        with self._mutex:
+            self.tier = Tier.GPU
+            self._changed.notify_all()
         if self.registry is not None:
             self.registry.counts["restores"] += 1
 
     def _spill(self, pin: bool) -> None:
         """The stream's rows (no room) to host memory (pinned with ``pin``); the stream is
-        held. All or nothing: a failed copy leaves it on the device."""
+        held with no fork (``_try_hold(unforked=True)``). All or nothing: a failed copy leaves
+        it on the device."""
         self.kv.move("cpu", pin=pin, headroom=0)
         self.tier = Tier.HOST
 
@@ -370,17 +460,12 @@ class Stream:
             raise Cancelled("request cancelled while waiting for the model")
         ns = (self.next_sample + len(frames)) if next_sample is None else int(next_sample)
         samples = list(range(ns - len(frames), ns))   # the frames' sample indices
+        media = len(frames) / self.fps if media_seconds is None \
+            else max(float(media_seconds), 0.0)
         with self._hold(turn):
             self._open_for_pieces()            # it may have filled while this one waited
             self._on_device()
-            report = self._ingest(layout, frames, samples, turn, cancel)
-            self.layout = layout if self.layout is None else self.layout
-            self.media_end += len(frames) / self.fps if media_seconds is None \
-                else max(float(media_seconds), 0.0)
-            self.next_sample = ns
-            if self.first_piece_at is None:
-                self.first_piece_at = time.time() - self.media_end
-            self.pieces += 1
+            report = self._ingest(layout, frames, samples, turn, cancel, media, ns)
             report.update(piece=self.pieces, media_seconds=round(self.media_end, 3),
                           seen_until=round(self.seen_until, 3),
                           total_ms=round((time.perf_counter() - t0) * 1e3, 3))
@@ -393,9 +478,11 @@ class Stream:
         self.last_error = error.to_dict() if hasattr(error, "to_dict") else {
             "code": "error", "message": str(error)}
 
-    def _ingest(self, layout, frames, samples, turn, cancel) -> dict:
+    def _ingest(self, layout, frames, samples, turn, cancel, media: float, ns: int) -> dict:
         """Units of ``pending + frames`` (``samples``: the frames' sample indices) encoded and
-        prefilled (stream held, turn acquired)."""
+        prefilled (stream held, turn acquired); ``media``: the media time the piece covers,
+        ``ns``: the next sample after it. What a question snapshots changes at once, at the
+        end (:meth:`_commit`)."""
         if self.pending is not None and len(self.pending):
             frames = torch.cat([self.pending, frames]) if len(frames) else self.pending
             samples = self.pending_samples + samples
@@ -404,14 +491,15 @@ class Stream:
         rest = frames[used:]
         report = {"frames": int(used), "tokens": 0, "vision_ms": 0.0, "prefill_ms": 0.0}
         if n_units == 0:
-            self.pending = rest if len(rest) else None
-            self.pending_samples = samples[used:]
+            with self._mutex:
+                self._commit(layout, media, ns, rest, samples[used:])
             return report
         head = len(layout.head_ids) if self.length == 0 else 0
         rows = head + n_units * layout.unit_tokens
         drop, room_rows = self._check_room(layout, self.length + rows, n_units)
         if drop:
-            self._drop(layout, drop)
+            with self._rows_moving(turn):
+                self._drop(layout, drop)
             report["dropped_frames"] = drop * layout.unit_frames
         new_len = self.length + rows
 
@@ -463,18 +551,29 @@ class Stream:
                 if layer.k_buf is not None:
                     layer.crop(before)
             raise
-        self.kv = kv
-        self.length = new_len
-        self.units += n_units
-        self.unit_samples += samples[:used:layout.unit_frames]
-        self.sparse_pieces += attention == "sparse"
-        self.rope_delta = layout.rope_delta(self.units, self.length + self.dropped_rows) + \
-            self.dropped_rows
-        self.pending = rest if len(rest) else None
-        self.pending_samples = samples[used:]
         report["tokens"] = rows
-        self.ingest_s += (report["vision_ms"] + report["prefill_ms"]) / 1e3
+        with self._mutex:
+            self.kv = kv
+            self.length = new_len
+            self.units += n_units
+            self.unit_samples += samples[:used:layout.unit_frames]
+            self.sparse_pieces += attention == "sparse"
+            self.rope_delta = layout.rope_delta(self.units, self.length + self.dropped_rows) + \
+                self.dropped_rows
+            self.ingest_s += (report["vision_ms"] + report["prefill_ms"]) / 1e3
+            self._commit(layout, media, ns, rest, samples[used:])
         return report
+
+    def _commit(self, layout, media: float, ns: int, rest, rest_samples) -> None:
+        """The piece's media time and waiting frames (the mutex held: with its rows)."""
+        self.layout = layout if self.layout is None else self.layout
+        self.pending = rest if len(rest) else None
+        self.pending_samples = rest_samples
+        self.media_end += media
+        self.next_sample = ns
+        if self.first_piece_at is None:
+            self.first_piece_at = time.time() - self.media_end
+        self.pieces += 1
 
     def _piece_attention(self, rows: int, index: ModalityIndex) -> str:
         """"sparse" or "dense" for a piece of ``rows`` rows after which the stream's rows are
@@ -528,12 +627,14 @@ class Stream:
         return drop, budget // bpt
 
     def _drop(self, layout, units: int) -> None:
-        """The oldest ``units`` units (after the head) out of the cache (keep="window")."""
+        """The oldest ``units`` units (after the head) out of the cache (keep="window"; no
+        fork reads the rows: :meth:`_rows_moving`)."""
         rows = units * layout.unit_tokens
         self.kv.cut(len(layout.head_ids), rows)
         self.length -= rows
         self.dropped_units += units
         self.dropped_rows += rows
+        self.rope_delta += rows           # the rows after them keep their positions
         del self.unit_samples[:units]
         if self.registry is not None:
             self.registry.counts["dropped_units"] += units
@@ -603,30 +704,22 @@ class Stream:
 
         if not turn.acquire():
             raise Cancelled("request cancelled while waiting for the model")
-        with self._hold(turn):
-            if self.state == CLOSED or self.kv is None or not self.length:
-                raise InputError(f"stream {self.id} has no video yet: append a piece first",
-                                 stream=self.id)
-            self._on_device()
+        fork, seen, rope_delta = self._fork(turn, max_new_tokens)
+        try:
             suffix = self.layout.question_embeds(conv)
-            visual = self.held_units * self.layout.unit_tokens
-            _check_context(self.length + suffix.shape[1], visual, max_new_tokens,
-                           ad.max_context)
-            seen = {"frames": self.frames, "tokens": self.length, "visual_tokens": visual,
-                    "seen_until": round(self.seen_until, 3),
-                    "media_seconds": round(self.media_end, 3)}
-            if self.dropped_units:
-                seen["seen_from"] = round(self.seen_from, 3)
-            try:
-                if check():
-                    raise Cancelled("request cancelled before the question's prefill")
-                gen = ad.continue_on(self.kv, suffix, rope_delta=self.rope_delta,
-                                     max_new_tokens=max_new_tokens, cancel=decode_check,
-                                     on_token=on_token, timer=timer,
-                                     sampling_params=sampling_params,
-                                     stepper=self.pipeline._stepper(turn))
-            finally:
-                self.kv.truncate(self.length)     # the question's rows go, the stream stays
+            _check_context(seen["tokens"] + suffix.shape[1], seen["visual_tokens"],
+                           max_new_tokens, ad.max_context)
+            if check():
+                raise Cancelled("request cancelled before the question's prefill")
+            gen = ad.continue_on(fork, suffix, rope_delta=rope_delta,
+                                 max_new_tokens=max_new_tokens, cancel=decode_check,
+                                 on_token=on_token, timer=timer,
+                                 sampling_params=sampling_params,
+                                 stepper=self.pipeline._stepper(turn))
+        finally:
+            del fork                  # its own rows go; the stream's are untouched
+            self._unfork()
+        with self._mutex:
             self.questions += 1
         return gen, seen
 
@@ -708,7 +801,8 @@ class Streams:
 
     def make_room(self, stream: Stream, need: int, force: bool = False) -> int:
         """Device bytes the budget can give ``stream`` (held by its caller) once the least
-        recently used idle streams there have moved to the host tier, as many as it takes for
+        recently used idle streams there (no piece or question in progress) have moved to the
+        host tier, as many as it takes for
         ``need`` bytes and as fit there (``stream``'s own host copy counted as gone: it is
         coming back). Nothing moves unless that makes ``need`` fit, or ``force``."""
         pin = self.pipeline.device.type == "cuda"
@@ -724,14 +818,15 @@ class Streams:
                 if dev - freed + need <= self.budget_bytes:
                     break
                 size = s.kv.bytes_at(s.length)            # on the host: its rows alone
-                if s._holder is None and host + size <= self.host_budget_bytes:
+                if s._holder is None and not s._forks and \
+                        host + size <= self.host_budget_bytes:
                     plan.append(s)
                     host += size
                     freed += s.held_bytes
             if not force and dev - freed + need > self.budget_bytes:
                 return max(self.budget_bytes - dev, 0)
             for s in plan:
-                if not s._try_hold():                     # taken meanwhile: it stays
+                if not s._try_hold(unforked=True):        # taken meanwhile: it stays
                     continue
                 try:
                     held = s.held_bytes

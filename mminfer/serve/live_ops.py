@@ -9,10 +9,13 @@ pipeline, kept on it: ``attach``), which also pulls live sources (:class:`Pull`)
 streams took in for /metrics and /report (``report``).
 
 Pull mode: a stream created with a ``source`` is fed by a thread of its own that reads the
-source (mminfer.video.live.LiveSource) and submits each piece to the model worker as a job
+source through a process of its own (mminfer.video.live.open_source: a crafted source that
+crashes or hangs the demuxer or decoder takes that process down, never the server) and
+submits each piece to the model worker as a job
 (without a queue place of a request: when the queue is full it waits and tries again). Its
 state: connecting, reading, ended (the source ended), failed (``error`` says why: it could not
-be opened or read, it stalled past the timeout, a piece was refused), full (the stream's budget
+be opened or read, it stalled past the timeout, its reading process died or hung, a piece was
+refused), full (the stream's budget
 or context), stopped (the stream was deleted).
 """
 
@@ -28,7 +31,7 @@ from mminfer.engine.streams import FULL, Streams
 from mminfer.errors import (InputError, MMInferError, QueueFull, StreamClosed,
                             StreamFull, VideoError, WorkerDead)
 from mminfer.models.base import PrepareOptions
-from mminfer.video.live import LiveSource
+from mminfer.video.live import open_source
 
 from .metrics import PIECE_BUCKETS
 from .worker import Job
@@ -188,8 +191,8 @@ class Pull:
         self.state = "connecting"
         self.error: dict | None = None
         self.pieces = 0
-        self.reader = LiveSource(source, stream.fps, piece_seconds=PULL_PIECE_S,
-                                 timeout_s=live.source_timeout_s)
+        self.reader = open_source(source, stream.fps, piece_seconds=PULL_PIECE_S,
+                                  timeout_s=live.source_timeout_s)
         self._stop = threading.Event()
         self._job: Job | None = None
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -202,6 +205,7 @@ class Pull:
         self._stop.set()
         if self.state in ("connecting", "reading"):
             self.state = "stopped"
+        self.reader.close()
         job = self._job
         if job is not None:
             job.cancel(StreamClosed(f"stream {self.stream.id} was deleted",
@@ -236,6 +240,8 @@ class Pull:
             log.exception("stream %s: reading its source failed", self.stream.id)
             self._fail("failed", MMInferError(f"internal error reading the source "
                                               f"({type(e).__name__})"))
+        finally:
+            self.reader.close()            # its process ends with the read
 
     def _fail(self, state: str, e: MMInferError):
         self.state = state

@@ -157,9 +157,16 @@ class Worker:
         except (EOFError, OSError):
             raise self._death() from None
 
-    def recv(self, timeout_s: float | None = None):
+    def recv(self, timeout_s: float | None = None, with_fds: bool = False):
+        """The next message (and, ``with_fds``, the descriptors that came with it: the
+        caller's to close); a VideoError the worker sent is raised, a failure of the worker
+        is WorkerFailed."""
         t = _config.timeout_s if timeout_s is None else timeout_s
         msg, fds = self._recv(time.monotonic() + t)
+        if fds and not with_fds:
+            for fd in fds:
+                os.close(fd)
+            fds = []
         kind = msg[0]
         if kind == "video_error":
             raise VideoError(msg[1], **msg[2])
@@ -171,7 +178,7 @@ class Worker:
             # text are Python internals): the server's log has them, the client a sentence
             log.warning("the decode worker failed on a file: %s", msg[1])
             raise WorkerFailed("error", "the decoding library failed on it")
-        return msg
+        return (msg, fds) if with_fds else msg
 
     def _death(self) -> WorkerFailed:
         try:
@@ -233,6 +240,22 @@ class Pool:
         except BaseException:
             self._done()
             raise
+
+    def take(self) -> Worker:
+        """A started worker for the caller to keep (a live source's reader, which runs until
+        the source ends and is killed then, never given back); not counted busy, so uploads
+        do not wait behind it. Another is started in the background in its place."""
+        w = None
+        with self._lock:
+            while self._idle and w is None:
+                w = self._idle.pop()
+                if not w.alive():
+                    w.kill()
+                    w = None
+        if w is None:
+            w = self._start()
+        self.warm()
+        return w
 
     def _done(self):
         with self._lock:

@@ -16,6 +16,7 @@ import numpy as np
 
 from mminfer.errors import VideoError
 from mminfer.video import wire
+from mminfer.video.live import serve_source
 from mminfer.video.session import Session
 
 
@@ -110,6 +111,11 @@ def main(fd: int, nice: int = 0) -> None:
                 shape = frames.shape
                 del frames, out
                 wire.send(sock, ("batch", buf, shape, session.backend))
+            elif op == "live":
+                # a live source read to its end: the parent kills this process after it
+                _, url, fps, piece_seconds, timeout_s, extra = msg
+                _limit_memory(base, extra)
+                serve_source(sock, url, fps, piece_seconds, timeout_s)
             elif op == "close":
                 session.close()
                 for m in buffers.values():

@@ -7,12 +7,15 @@ stream past its budget is full and still answers; idle streams move to the host 
 back exact; past both budgets a stream is full, or (keep="window") drops its oldest frames and
 says so, its positions absolute."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from lab.toy.tiny_longvila import save_tiny_longvila
 from mminfer.engine.pipeline import Pipeline
+from mminfer.engine.scheduler import Scheduler
 from mminfer.engine.streams import FULL, QUESTION_ROOM, Stream, Streams
 from mminfer.errors import Cancelled, InputError, StreamFull, StreamNotFound, VideoError
 from mminfer.models.base import VIDEO, Conversation, PrepareOptions, Turn
@@ -314,3 +317,184 @@ def test_a_window_makes_room_for_the_context_and_the_budget(qwen, monkeypatch):
     win.append_frames(frames[4:])          # 4 units: 1 over the context, 1 more over the bytes
     assert win.held_units == 2 and win.status()["window"]["dropped_frames"] == 4
     assert win.seen_from == 2.0 and win.held_bytes <= win.budget_bytes
+
+
+# ------------------------------------------------------------------ questions fork the stream
+
+QUESTIONS = [Q, "what colour is the background?", "how many objects are there?"]
+
+
+def take_turns(s, question, new=8):
+    """A question the way it was answered before questions forked: appended to the stream's
+    own cache and cropped back (the reference a fork must equal)."""
+    suffix = s.layout.question_embeds(Conversation.single(question))
+    try:
+        return s.ad.continue_on(s.kv, suffix, rope_delta=s.rope_delta, max_new_tokens=new)
+    finally:
+        s.kv.truncate(s.length)
+
+
+def run_threads(fns, timeout=120):
+    """``fns`` each in a thread of its own; their results (errors raised here)."""
+    out, errors = [None] * len(fns), []
+
+    def go(i):
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:          # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def asked(sched, s, question, new=8, on_token=None):
+    """``s.generate`` with a turn of ``sched`` (a request of the server)."""
+    turn = sched.turn(question)
+    try:
+        return s.generate(question, max_new_tokens=new, turn=turn, on_token=on_token)
+    finally:
+        turn.close()
+
+
+def test_questions_fork_the_stream_and_decode_together(qwen):
+    """Three questions about one stream at once: each forks the stream's rows (shared, read
+    only), so they decode in the same batched steps; each answer is the take-turns answer
+    (the question appended to the stream's cache), and the stream's cache is untouched."""
+    s = Stream(qwen, fps=FPS, options=PIXELS)
+    s.append_frames(random_frames(4, 56, 84, seed=11))
+    alone = [take_turns(s, q) for q in QUESTIONS]
+    for q, want in zip(QUESTIONS, alone):
+        assert_same(s.generate(q, max_new_tokens=8)[0], want, tol=1e-5)
+    rows, size = s.kv.length, s.held_bytes
+    sched = Scheduler()
+    hold = sched.turn("hold")                # they arrive while the model is busy
+    assert hold.acquire()
+    threading.Timer(0.3, hold.close).start()
+    out = run_threads([lambda q=q: asked(sched, s, q) for q in QUESTIONS])
+    for (gen, seen), want in zip(out, alone):
+        assert_same(gen, want, tol=1e-5)
+        assert seen["seen_until"] == 2.0
+    assert sched.batched_steps > sched.batches           # several answers in a step
+    assert s.kv.length == s.length == rows and s.held_bytes == size
+    assert s.status()["questions_open"] == 0 and s.questions == 2 * len(QUESTIONS)
+
+
+def _blocked_question(sched, s, while_open, new=8):
+    """A question whose second token (after a decode step: the turn is free) runs
+    ``while_open()`` before the answer goes on; its Generated and what it saw."""
+    calls = []
+
+    def on_token(piece, token_id):
+        calls.append(token_id)
+        if len(calls) == 2:
+            while_open()
+
+    gen, seen = asked(sched, s, Q, new=new, on_token=on_token)
+    assert len(calls) >= 2, "the answer ended before its second token"
+    return gen, seen
+
+
+def test_a_piece_is_ingested_while_a_question_decodes(qwen):
+    """A piece appended while a question about the stream decodes goes in at once (no turn
+    taking): it even grows the stream's buffer under the fork, whose answer is still the one
+    over the rows it forked; the next question sees the piece."""
+    frames = random_frames(8, 56, 84, seed=12)
+    s = Stream(qwen, fps=FPS, options=PIXELS)
+    s.append_frames(frames[:4])
+    want = take_turns(s, Q)
+    s.kv.trim(0)                     # no room left: the piece must move the rows to grow
+    buf = s.kv.layers[0].k_buf
+    sched, done = Scheduler(), threading.Event()
+    seen_open = []
+
+    def piece():
+        asked_turn = sched.turn("piece")
+        try:
+            s.append_frames(frames[4:], turn=asked_turn)
+        finally:
+            asked_turn.close()
+            done.set()
+
+    def while_open():
+        seen_open.append(s.status()["questions_open"])
+        threading.Thread(target=piece).start()
+        seen_open.append(done.wait(60))
+
+    gen, seen = _blocked_question(sched, s, while_open)
+    assert seen_open == [1, True]                 # the piece went in while the fork was open
+    assert s.kv.layers[0].k_buf is not buf and s.frames == 8
+    assert_same(gen, want, tol=1e-5)
+    assert seen["seen_until"] == 2.0 and seen["frames"] == 4
+    after = s.generate(Q, max_new_tokens=6)
+    assert after[1]["seen_until"] == 4.0
+    assert_same(after[0], one_shot(qwen, frames))
+
+
+def test_a_window_drop_waits_for_the_open_questions(qwen):
+    """keep="window": a piece that drops the oldest frames moves rows in place, so it waits
+    for the questions reading the stream; the open question's answer is over the rows it
+    forked, and the drop happens right after it."""
+    frames = random_frames(8, 56, 84, seed=13)
+    win = Stream(qwen, fps=FPS, options=PIXELS, keep="window")
+    win.append_frames(frames[:4])
+    want = take_turns(win, Q)
+    head, ut = len(win.layout.head_ids), win.layout.unit_tokens
+    win.budget_bytes = (head + 3 * ut + QUESTION_ROOM) * qwen.kv_bytes_per_token
+    sched, done = Scheduler(), threading.Event()
+    during = []
+
+    def piece():
+        t = sched.turn("piece")
+        try:
+            win.append_frames(frames[4:], turn=t)
+        finally:
+            t.close()
+            done.set()
+
+    def while_open():
+        threading.Thread(target=piece).start()
+        during.append(done.wait(1.5))        # held back by this question's fork
+
+    gen, _ = _blocked_question(sched, win, while_open)
+    assert during == [False]
+    assert done.wait(60) and win.status()["window"]["dropped_frames"] == 2
+    assert_same(gen, want, tol=1e-5)
+    assert win.ask(Q, max_new_tokens=4).video["seen_from"] == 1.0
+
+
+def test_a_stream_with_an_open_question_is_not_moved_to_the_host(qwen):
+    """A stream a question reads is in use: another stream's piece that needs its device
+    room does not move it to the host tier (the piece is refused, past the budgets), and
+    the question's answer is the one over its rows; idle again, it moves."""
+    frames = random_frames(6, 56, 84, seed=14)
+    reg = Streams(qwen, budget_bytes=1 << 30, host_bytes=1 << 30)
+    a = reg.create(fps=FPS, options=PIXELS)
+    a.append_frames(frames[:4])
+    want = take_turns(a, Q)
+    b = reg.create(fps=FPS, options=PIXELS)
+    b.append_frames(frames[:2])
+    reg.budget_bytes = a.held_bytes + b.held_bytes
+    sched, refused = Scheduler(), []
+
+    def while_open():
+        try:
+            b.append_frames(frames[2:4])
+        except StreamFull as e:
+            refused.append(e)
+
+    gen, _ = _blocked_question(sched, a, while_open)
+    assert refused and a.status()["kv"]["tier"] == "gpu"
+    assert_same(gen, want, tol=1e-5)
+    b.generate(Q, max_new_tokens=2)              # b used last: a is the idle one to move
+    c = reg.create(fps=FPS, options=PIXELS)
+    c.append_frames(frames[:2])                 # a is idle now: it moves
+    assert a.status()["kv"]["where"] == "host" and reg.counts["spills"] >= 1
+    assert_same(a.generate(Q, max_new_tokens=8)[0], want, tol=1e-5)

@@ -9,6 +9,8 @@ stream drops its oldest frames and says so. Pull mode: tests/serve/test_live_pul
 
 import argparse
 import json
+import threading
+import time
 from pathlib import Path
 
 import av
@@ -22,6 +24,7 @@ from mminfer.errors import ConfigError
 from mminfer.models.base import Conversation
 from mminfer.serve import cli as serve_cli
 from mminfer.serve.app import Settings, create_app
+from mminfer.serve.live_ops import live_of
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
 NEEDLE = SAMPLES / "needle_0.mp4"
@@ -337,3 +340,140 @@ def test_a_windowed_stream_drops_its_oldest_frames_and_says_so(pieces, tmp_path,
     assert got["video"]["seen_from"] == 3.0 and got["video"]["seen_until"] == 6.0
     c = chat(srv.url, sid).json()
     assert c["mminfer"]["video"]["seen_from"] == 3.0
+
+
+# ------------------------------------------------------------------ questions fork the stream
+
+QUESTIONS = [Q, "What color is the ball?", "How many red flashes are there?"]
+
+
+def ask_n(url, sid, question, new):
+    return httpx.post(f"{url}/v1/answer", data={"question": question, "stream_id": sid,
+                                                "max_new_tokens": str(new)},
+                      files={"dummy": ("x.bin", b"", "application/octet-stream")}, timeout=120)
+
+
+def wait_for(pred, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def in_threads(fns):
+    out = [None] * len(fns)
+
+    def go(i):
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def gate_after_first_step(monkeypatch, pipe):
+    """Every answer stops after its first decode step (the model's turn given back) until the
+    returned gate opens; ``reached`` is set when one is stopped there."""
+    gate, reached, real = threading.Event(), threading.Event(), pipe._stepper
+
+    def stepper(turn):
+        step, n = real(turn), [0]
+
+        def run(*a):
+            out = step(*a)
+            n[0] += 1
+            if n[0] == 1:
+                reached.set()
+                gate.wait(60)
+            return out
+        return run
+
+    monkeypatch.setattr(pipe, "_stepper", stepper)
+    return gate, reached
+
+
+def test_questions_about_one_stream_decode_together(pieces, tmp_path, live_server):
+    """Three questions about one stream sent at once: each forks the stream's cache, so none
+    waits for another's answer: their decode steps share batches, each answer is the one it
+    gets asked alone, and the stream's bytes are unchanged."""
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path),
+                                          timeout_s=120)))
+    w = srv.app.state.worker
+    sid = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2}, timeout=30).json()["id"]
+    assert push(srv.url, sid, pieces[0]).status_code == 200
+    alone = [ask_n(srv.url, sid, q, 6).json() for q in QUESTIONS]
+    size = httpx.get(f"{srv.url}/v1/streams/{sid}").json()["kv"]["bytes"]
+    batches, steps = w.scheduler.batches, w.scheduler.batched_steps
+    hold = w.scheduler.turn("test")          # the model is busy while the three arrive
+    assert hold.acquire()
+    try:
+        threads, out = in_threads([lambda q=q: ask_n(srv.url, sid, q, 6) for q in QUESTIONS])
+        wait_for(lambda: w.running == 3)
+        time.sleep(0.2)
+    finally:
+        hold.close()
+    for t in threads:
+        t.join(120)
+    assert [r.status_code for r in out] == [200] * 3
+    assert [r.json()["answer"] for r in out] == [a["answer"] for a in alone]
+    assert [r.json()["video"]["seen_until"] for r in out] == [2.0] * 3
+    assert w.scheduler.batched_steps - steps > w.scheduler.batches - batches
+    st = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+    assert st["kv"]["bytes"] == size and st["questions_open"] == 0
+
+
+def test_a_piece_goes_in_while_a_question_decodes(pieces, tmp_path, live_server,
+                                                  monkeypatch):
+    """A question stopped in its decode phase (its fork open) does not hold the stream: a
+    piece pushed meanwhile is taken in; the question answers over what it forked (its
+    answer and seen_until those of the question asked before the piece), the next one sees
+    the piece. A windowed stream's piece that must drop frames waits for the question."""
+    srv = live_server(create_app(Settings(device="cpu", data_dir=str(tmp_path),
+                                          timeout_s=120)))
+    pipe = srv.app.state.worker.pipeline
+    layout, first = first_piece_rows(pipe)
+    sid = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2}, timeout=30).json()["id"]
+    assert push(srv.url, sid, pieces[0]).status_code == 200
+    before = ask_n(srv.url, sid, QUESTIONS[1], 6).json()
+    gate, reached = gate_after_first_step(monkeypatch, pipe)
+    threads, out = in_threads([lambda: ask_n(srv.url, sid, QUESTIONS[1], 6)])
+    try:
+        assert reached.wait(60)
+        assert httpx.get(f"{srv.url}/v1/streams/{sid}").json()["questions_open"] == 1
+        t0 = time.monotonic()
+        r = push(srv.url, sid, pieces[1])
+        assert r.status_code == 200, r.text
+        # in while the question is stopped (it would wait 60 s for the gate)
+        assert time.monotonic() - t0 < 30 and out[0] is None
+        assert r.json()["stream"]["seen_until"] == 4.0
+    finally:
+        gate.set()
+    threads[0].join(120)
+    got = out[0].json()
+    assert (got["answer"], got["video"]["seen_until"]) == (before["answer"], 2.0)
+    assert ask_n(srv.url, sid, Q, 4).json()["video"]["seen_until"] == 4.0
+
+    # a window's drop moves rows in place: it waits for the open question
+    assert httpx.delete(f"{srv.url}/v1/streams/{sid}").status_code == 200
+    live_of(pipe).streams.budget_bytes = (first + layout.unit_tokens + QUESTION_ROOM) * \
+        pipe.kv_bytes_per_token
+    win = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "keep": "window"},
+                     timeout=30).json()["id"]
+    assert push(srv.url, win, pieces[0]).status_code == 200
+    gate.clear(), reached.clear()
+    threads, out = in_threads([lambda: ask_n(srv.url, win, QUESTIONS[1], 6),
+                               lambda: (reached.wait(60), push(srv.url, win, pieces[1]))[1]])
+    try:
+        assert reached.wait(60)
+        time.sleep(1.5)
+        assert out[1] is None                     # the piece waits for the question
+        st = httpx.get(f"{srv.url}/v1/streams/{win}").json()
+        assert st["questions_open"] == 1 and st["window"]["dropped_frames"] == 0
+    finally:
+        gate.set()
+    for t in threads:
+        t.join(120)
+    assert out[1].status_code == 200 and out[1].json()["piece"]["dropped_frames"] == 2
+    got = out[0].json()
+    assert got["answer"] == before["answer"] and "seen_from" not in got["video"]

@@ -7,7 +7,9 @@ that sends the TS bytes slowly, and (where ffmpeg is installed: `make system-dep
 -re`` serving the sample in real time."""
 
 import http.server
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -21,6 +23,7 @@ import pytest
 
 from mminfer.models.base import Conversation
 from mminfer.serve.app import Settings, create_app
+from mminfer.serve.live_ops import live_of
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "videos"
 NEEDLE = SAMPLES / "needle_0.mp4"
@@ -36,6 +39,22 @@ def ts_bytes(tmp_path) -> bytes:
         s = c.add_stream("libx264", rate=2)
         s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
         for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path.read_bytes()
+
+
+def noise_ts(tmp_path, n=60) -> bytes:
+    """``n`` frames of noise (2 fps) as one MPEG-TS: every frame a large packet."""
+    path = tmp_path / "noise.ts"
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w", format="mpegts") as c:
+        s = c.add_stream("libx264", rate=2)
+        s.width, s.height, s.pix_fmt = 224, 224, "yuv420p"
+        for _ in range(n):
+            f = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
             for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                 c.mux(p)
         for p in s.encode():
@@ -208,8 +227,11 @@ def test_pull_from_ffmpeg_serving_the_sample_in_real_time(tmp_path, live_server)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/live.ts"
+    # a live encoder's settings: each frame sent as it comes (x264's default lookahead would
+    # hold the whole 10-s sample back to its end)
     ff = subprocess.Popen(["ffmpeg", "-loglevel", "error", "-re", "-i", str(NEEDLE),
-                           "-c:v", "libx264", "-f", "mpegts", "-listen", "1", url])
+                           "-c:v", "libx264", "-tune", "zerolatency", "-f", "mpegts",
+                           "-listen", "1", url])
     try:
         srv = live_server(create_app(settings(tmp_path)))
         time.sleep(0.5)                 # ffmpeg listening
@@ -225,3 +247,63 @@ def test_pull_from_ffmpeg_serving_the_sample_in_real_time(tmp_path, live_server)
     # read in real time: the stream grew over the sample's 10 s, and kept up with it
     assert any(0 < s["frames"] < 20 for s in seen)
     assert max(s["source"]["lag_seconds"] or 0 for s in seen) < 8
+
+
+def test_the_source_reader_process_dying_fails_the_source_not_the_server(tmp_path,
+                                                                          live_server):
+    """The source is read in a process of its own. Killed mid-read (as a crafted source that
+    crashes the demuxer or decoder would end it): the source is ``failed`` with the reason,
+    what came before stays answerable, and the server serves on. Stopped mid-read (as one
+    that hangs the decoder would leave it): after ``2 * timeout + 2`` s without a word it is
+    killed and the source fails as hung. A new pull then reads to its end in a fresh
+    process, which ends with the read."""
+    data = ts_bytes(tmp_path)
+    frames = decoded(data, tmp_path)
+    noise = noise_ts(tmp_path)          # 30 s of noise: past the demuxer's buffers
+    srv = live_server(create_app(settings(tmp_path, media_fetch_timeout_s=2.0)))
+    lasts = []
+    for sig in (signal.SIGKILL, signal.SIGSTOP):
+        src = SlowSource(noise, pieces=60, gap_s=0.25)         # 15 s of sending
+        try:
+            r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "source": src.url},
+                           timeout=30)
+            assert r.status_code == 200, r.text
+            sid = r.json()["id"]
+            follow_until(srv.url, sid, lambda st: st["frames"] > 0)
+            pid = live_of(srv.app.state.worker.pipeline).pulls[sid].reader.pid
+            assert pid is not None and pid != os.getpid()
+            os.kill(pid, sig)
+            lasts.append(follow(srv.url, sid)[-1])
+        finally:
+            src.close()
+        last = lasts[-1]
+        assert last["source"]["state"] == "failed", last
+        assert last["last_error"]["reason"] == "source"
+        assert 0 < last["frames"] < 60
+        a = ask(srv.url, sid)
+        assert a.status_code == 200 and a.json()["video"]["seen_until"] == last["seen_until"]
+    assert "SIGKILL" in lasts[0]["source"]["error"]["message"]
+    assert "hung (nothing from it for 6 s)" in lasts[1]["source"]["error"]["message"]
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+    src = SlowSource(data, pieces=4, gap_s=0.1)
+    try:
+        r = httpx.post(f"{srv.url}/v1/streams", json={"fps": 2, "source": src.url}, timeout=30)
+        sid2 = r.json()["id"]
+        last = follow(srv.url, sid2)[-1]
+    finally:
+        src.close()
+    assert last["source"]["state"] == "ended", last
+    assert live_of(srv.app.state.worker.pipeline).pulls[sid2].reader.pid is None
+    check_whole(srv, sid2, frames)
+
+
+def follow_until(url, sid, pred, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = httpx.get(f"{url}/v1/streams/{sid}", timeout=30).json()
+        if pred(st):
+            return st
+        assert st["source"]["state"] in ("connecting", "reading"), st
+        time.sleep(0.1)
+    raise AssertionError("timed out")
