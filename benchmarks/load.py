@@ -78,7 +78,10 @@ def summary(rows):
                            "p99": pct([r["latency_ms"] for r in ok], 0.99)},
             "cache": {c: sum(1 for r in ok if r["cache"] == c)
                       for c in sorted({r["cache"] for r in ok})},
-            "stages_ms": stages(ok)}
+            "stages_ms": stages(ok),
+            # what each lost request was told (status 0: no answer at all), counted
+            "lost": dict(collections.Counter(f"{r['status']}: {str(r.get('error'))[:300]}"
+                                             for r in rows if r["status"] != 200))}
 
 
 def stages(ok) -> dict:
@@ -283,6 +286,8 @@ def _decode_at_once(srv, video, asks, a) -> dict:
     agg = sum(r["generated"] - 1 for r in ok) / window if window > 0 else None
     one_rate = 1e3 / per_token(alone) if alone["status"] == 200 else None
     out = {"decoders": n, "errors": n - len(ok), "cache": [r["cache"] for r in ok],
+           "lost": [f"{r['status']}: {str(r.get('error'))[:300]}" for r in rows
+                    if r["status"] != 200],
            "prefixes": len({tuple(sorted(d.items())) for _, d in asks}),
            "prefix_tokens": alone.get("tokens"),
            "alone_ms_per_token": round(per_token(alone), 3) if one_rate else None,
