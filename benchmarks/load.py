@@ -220,9 +220,12 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
         hit["hit_rate"] = round(sum(r["cache"] in ("hit", "host") for r in hit_ok)
                                 / len(hit_ok), 4) if hit_ok else None
         answered = sum(1 for r in new_rows + hit_rows if r["status"] == 200)
-        return {"mode": name, "serve_args": serve_args, "engines": scale,
-                "elapsed_s": round(elapsed, 3), "answers_per_s": round(answered / elapsed, 3),
-                "new_video": new, "hit": hit, "health_after": health}
+        out = {"mode": name, "serve_args": serve_args, "engines": scale,
+               "elapsed_s": round(elapsed, 3), "answers_per_s": round(answered / elapsed, 3),
+               "new_video": new, "hit": hit, "health_after": health}
+        if new["errors"] or hit["errors"]:         # the server's side of a lost request
+            out["server_log"] = "".join(srv.tail)[-8000:]
+        return out
     except Exception as e:  # noqa: BLE001 - one mode's failure is reported, the next one runs
         return {"mode": name, "serve_args": serve_args, "engines": scale,
                 "failed": f"{type(e).__name__}: {e}", "server_log": "".join(srv.tail)[-8000:]}
