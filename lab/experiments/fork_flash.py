@@ -112,7 +112,8 @@ def merge_flash(o1, l1, po, pl, slot_factor, dtype):
         raise ValueError("the partial outputs' head dim must be contiguous")
     _merge_flash[(Hkv,)](o1, l1, po, pl, out, o1.stride(1), o1.stride(2), l1.stride(1),
                          l1.stride(2), po.stride(0), po.stride(1), po.stride(2), pl.stride(0),
-                         pl.stride(1), pl.stride(2), out.stride(2), po.shape[0], float(slot_factor), G=G, D=D,
+                         pl.stride(1), pl.stride(2), out.stride(2), po.shape[0],
+                         float(slot_factor), G=G, D=D,
                          BLOCK_G=triton.next_power_of_2(G),
                          BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
     return out
