@@ -168,6 +168,8 @@ def _one_token(query, prefix, mine, scaling, own, merge):
     G = H // Hkv
     scale = scaling if scaling is not None else D ** -0.5
     q = query.reshape(1, Hkv, G, D)           # head kvh * G + g: the group's heads as rows
+    if q.stride(-1) != 1:                     # the flash kernels read rows of d contiguous
+        q = q.contiguous()
     o1, l1 = flash_partial(q, *prefix, scale)
     triton_ok = fa.available(query.device)
     if own == "split":
