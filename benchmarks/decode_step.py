@@ -14,6 +14,14 @@ video decode together, their attention reading the prefix once a step for all of
 (shared-prefix attention), and ``fork8_each``: the same step attending once per question (the
 prefix read 8 times); ms a batched step of 8 tokens, and tokens a second.
 
+``fork_flash``, ``fork_flash_split``, ``fork_flash_torchmerge`` (lab/experiments/fork_flash.py,
+measured only): ``fork`` again with the fork's attention swapped for PyTorch's flash kernel
+over the prefix (query heads folded into the query length), the own rows by the same kernel
+or the split kernel's partial pass, the log-sum-exp merge in one Triton launch or in torch;
+and, on a GPU, 28 layers' attention alone of one token over a fork with FORK_OWN_ROWS own rows
+(CUDA events): the split kernel (``fork_attention_split_ms``) against each variant, with
+their largest difference from it.
+
 A random-weight language model at the Qwen2.5-VL-7B text shape (28 layers, hidden 3584, 28/4
 heads, d 128, MLP 18944, vocab 152064; bf16) with a PrefixKV filled with random K/V to N tokens
 (default 115K and 1.05M; a length that does not fit falls back to half of it, marked). Each path
@@ -50,6 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mminfer.models import decode, hooks  # noqa: E402
 from mminfer.models.base import Adapter  # noqa: E402
 from mminfer.models.kv import ForkKV, PrefixKV  # noqa: E402
+from lab.experiments import fork_flash  # noqa: E402
 
 HBM_BYTES_S = 4.8e12          # H200
 SHAPE_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -143,6 +152,52 @@ def time_fork(ad, kv, n, mode, steps, warm, first):
                              mode=mode)
     sync(dev)
     return (time.perf_counter() - t0) * 1e3 / steps, out, first_s
+
+
+def time_fork_with(fn, ad, kv, n, mode, steps, warm, first):
+    """:func:`time_fork` with ``fn`` as the fork's attention: the name the graph step calls
+    (decode.fork_attention) and the one the attention hook calls (hooks.fork_attention, the
+    eager paths) both swapped, then restored."""
+    saved = decode.fork_attention, hooks.fork_attention
+    decode.fork_attention = hooks.fork_attention = fn
+    try:
+        return time_fork(ad, kv, n, mode, steps, warm, first)
+    finally:
+        decode.fork_attention, hooks.fork_attention = saved
+
+
+FORK_OWN_ROWS = 32     # a question's rows and the answer's so far
+
+
+def fork_attention_alone(ad, kv, n, fns):
+    """28 layers' attention of one decode token over a ForkKV of ``kv``'s ``n`` rows with
+    FORK_OWN_ROWS random rows of its own, for each of ``fns`` (name: a function called as
+    fork_attention is), CUDA events: ({name: ms a step}, {name: max |difference| from the
+    first one's output, layer 0})."""
+    from cuda_events import events_ms
+    attn = ad.text_model.layers[0].self_attn
+    H = attn.q_proj.out_features // attn.head_dim
+    dtype = kv.layers[0].k_buf.dtype
+    hkv = kv.layers[0].k_buf.shape[1]
+    g = torch.Generator(device=ad.device).manual_seed(5)
+    fork = ForkKV(kv, n, FORK_OWN_ROWS)
+
+    def rows(*shape):
+        return torch.randn(*shape, generator=g, device=ad.device, dtype=dtype)
+    views = [layer.update(rows(1, hkv, FORK_OWN_ROWS, attn.head_dim),
+                          rows(1, hkv, FORK_OWN_ROWS, attn.head_dim)) for layer in fork.layers]
+    q = rows(1, H, 1, attn.head_dim)
+    times, errs = {}, {}
+    ref = None
+    for name, fn in fns.items():
+        def run(fn=fn):
+            for keys, values in views:
+                fn(q, keys, values, attn.scaling)
+        times[name] = events_ms(run, reps=5)
+        out = fn(q, *views[0], attn.scaling).float()
+        ref = out if ref is None else ref
+        errs[name] = float((out - ref).abs().max())
+    return times, errs
 
 
 READERS = 8
@@ -519,6 +574,28 @@ def main(argv=None):
                 row["fork_ms"] = None
                 row["fork_error"] = f"{type(e).__name__}: {e}"
                 print(f"  fork failed at {n} tokens: {row['fork_error']}")
+            for name in fork_flash.VARIANTS:     # measured only: lab/experiments/fork_flash.py
+                try:
+                    ms, out, _ = time_fork_with(fork_flash.variant(name), ad, kv, n, modes[-1],
+                                                steps, warm, first)
+                    row[f"{name}_ms"] = round(ms, 3)
+                    row.setdefault("fork_flash_same_tokens", {})[name] = \
+                        out == tokens.get("fork")
+                except Exception as e:      # reported, the other paths still measured
+                    row[f"{name}_ms"] = None
+                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  {name} failed at {n} tokens: {row[f'{name}_error']}")
+            if device.type == "cuda":
+                try:
+                    fns = {"fork_attention_split": fork_flash.PRODUCT,
+                           **{name: fork_flash.variant(name) for name in fork_flash.VARIANTS}}
+                    times, errs = fork_attention_alone(ad, kv, n, fns)
+                    for name, t in times.items():
+                        row[f"{name}_attention_ms"] = round(t, 3)
+                    row["fork_flash_max_abs_diff"] = errs
+                except Exception as e:      # measured only: a failure is reported
+                    row["fork_flash_attention_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  fork attention alone failed: {row['fork_flash_attention_error']}")
             try:
                 got = {}
                 for name, shared in (("fork8", True), ("fork8_each", False)):
@@ -581,6 +658,23 @@ def main(argv=None):
           "layer's decode "
           "attention alone (SDPA, as the step runs it); splitK: the same with the split-K Triton "
           "kernel (measured only); segs: the graphs without attention")
+    print()
+    print(f"{'tokens':>9} {'fork':>8} {'flash':>8} {'fl+split':>8} {'fl+torch':>8}  "
+          f"{'a.split':>7} {'a.flash':>7} {'a.fl+sp':>7} {'a.fl+to':>7}  same tokens as fork")
+    for r in report["rows"]:
+        def f(key, w=8):
+            v = r.get(key)
+            return f"{v:{w}.2f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        names = list(fork_flash.VARIANTS)
+        print(f"{r['n']:>9} {f('fork_ms')} " + " ".join(f(f"{m}_ms") for m in names) + "  "
+              + " ".join(f(f"{m}_attention_ms", 7)
+                         for m in ["fork_attention_split", *names])
+              + f"  {r.get('fork_flash_same_tokens')}")
+    print("the fork's step with its attention swapped (lab/experiments/fork_flash.py): "
+          "flash: PyTorch's flash kernel over the prefix and the own rows, one Triton merge; "
+          "fl+split: the own rows by the split kernel's pass; fl+torch: the merge in torch; "
+          f"a.*: 28 layers' attention alone over a fork with {FORK_OWN_ROWS} own rows (a.split: "
+          "the product's split kernel)")
     if report["batched"]:
         print()
         print(f"{'answers':>7} {'tokens':>9} {'lean':>8} {'graph':>8} {'lean/tok':>8} "

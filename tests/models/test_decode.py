@@ -383,6 +383,11 @@ def test_benchmark_tiny_run(tmp_path):
     for r in rep["rows"]:
         assert r["step_ms"] > 0 and r["lean_ms"] > 0 and r["kv_bytes"] > 0
         assert r["same_tokens"] == {"lean": True, "fork": True} and r["fork_ms"] > 0
+        # the fork's attention swapped for lab/experiments/fork_flash.py's variants (the
+        # split pass and the Triton merge on the interpreter): the fork's own tokens
+        assert r["fork_flash_same_tokens"] == {"fork_flash": True, "fork_flash_split": True,
+                                               "fork_flash_torchmerge": True}, r
+        assert r["fork_flash_ms"] > 0 and r["fork_flash_split_ms"] > 0
         # 8 questions about one cache in batched steps: the shared prefix read once or per
         # question, the same tokens
         assert r["fork8_ms"] > 0 and r["fork8_each_ms"] > 0 and r["fork8_same_tokens"]
