@@ -36,8 +36,8 @@ agreement of the greedy first token with dense, mean last-token KL(dense || conf
 density (the whole prompt's causal triangle, the question's rows dense), for both side by side.
 It prints the same as a table.
 
-The GPU run (one H100/H200, the embedded model in bf16, the kernels; the evaluation at 16K and
-32K tokens, needle over five depths and two videos per other task per length)::
+The GPU run (one H100 or H200, the kernels; the evaluation at 16K and 32K tokens, needle
+over five depths and two videos per other task per length)::
 
     python3 benchmarks/calib_quality.py --out $OUT/calib_quality --lengths 16384 32768 \\
         --max-minutes 6
@@ -68,8 +68,8 @@ import quality  # noqa: E402
 from mminfer.models.base import PrepareOptions  # noqa: E402
 from mminfer.offline.answer_kl import AnswerProbe  # noqa: E402
 from mminfer.offline.capture import load_video  # noqa: E402
-from mminfer.offline.served_policy import (SearchSettings, ServedCalibration, ServedRun,  # noqa: E402,E501
-                                           Step, compare, keep)
+from mminfer.offline.served_policy import (  # noqa: E402
+    SearchSettings, ServedCalibration, ServedRun, Step, compare, keep)
 from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT  # noqa: E402
 
 TASKS = quality.TASKS
@@ -176,6 +176,10 @@ def calibrate_both(ad, videos, settings, lo, hi) -> tuple:
         inp = keep(ad, prep, emb, name, source="synthetic")
         served_in.append(inp)
         one_in.append(dataclasses.replace(inp))     # its own reference, the same embeddings
+        # the one-shot prefill needs the prompt's index and positions, not its pixels (0.6 GB
+        # of frames at 4096)
+        prep.tensors = {k: v for k, v in prep.tensors.items()
+                        if k not in ("frames", "pixel_values", "pixel_values_videos")}
         preps[name] = prep
         log(f"calibration video {name}: {inp.tokens} tokens (prefix {inp.prefix_len})")
     vision_s = round(time.perf_counter() - t0, 3)
@@ -323,6 +327,13 @@ def main(argv=None):
                        "forwards": forwards, "times": times}
         log(f"{side}: {scored['verdict']}, per-head bound {scored['per_head_bound']:g}; "
             f"wrote {path}")
+    result = {"model": str(model), "engine": engine, "block": block,
+              "calibration_videos": list(videos), "vision_s": vision_s,
+              "thresholds": {"min_agreement": args.min_agreement, "max_kl": args.max_kl},
+              "ladder": list(settings.bounds), "budgets": list(settings.budgets),
+              "gammas": list(settings.gammas), "calibration": calib, "evaluation": None}
+    # written now too: a run stopped during the evaluation keeps its calibrations' numbers
+    (out / "calib_quality.json").write_text(json.dumps(result, indent=1, default=str))
     del ad, sides
     if cuda:
         torch.cuda.empty_cache()
@@ -342,12 +353,8 @@ def main(argv=None):
     log("evaluation: quality.py " + " ".join(qargs))
     q = quality.main(qargs)
     records = q["examples"]
-    result = {
-        "model": str(model), "device": q["device"], "dtype": q["dtype"], "engine": engine,
-        "block": block, "calibration_videos": list(videos), "vision_s": vision_s,
-        "thresholds": {"min_agreement": args.min_agreement, "max_kl": args.max_kl},
-        "ladder": list(settings.bounds), "budgets": list(settings.budgets),
-        "gammas": list(settings.gammas), "calibration": calib,
+    result.update({
+        "device": q["device"], "dtype": q["dtype"],
         "held_out": {"lengths": q["lengths"], "depths": q["depths"],
                      "seeds": sorted(r["seed"] for r in records),
                      "held_out_seeds": q["held_out_seeds"], "stopped": q["stopped"],
@@ -355,7 +362,7 @@ def main(argv=None):
                      "quality_json": str(out / "quality" / "quality.json")},
         "evaluation": per_task(records, q["lengths"]),
         "agreement_with_dense": {side: q["summary"]["agreement_with_dense"][f"cfg:{side}"]
-                                 for side in SIDES}}
+                                 for side in SIDES}})
     (out / "calib_quality.json").write_text(json.dumps(result, indent=1, default=str))
     print(table(result), flush=True)
     log(f"wrote {out / 'calib_quality.json'}")
