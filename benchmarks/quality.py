@@ -23,7 +23,9 @@ pairs; then one prefill per attention mode, through mminfer's attention hook:
 * ``config``: sparse with the same config over the whole prompt in one pass, estimated from
   the prompt's last queries, which are the question's (the policy before the video cache);
 * ``cfg:<stem>``: sparse with each config file of ``--configs`` (several configs compared on
-  one rendering of each video);
+  one rendering of each video), as ``config`` runs the model's own (one pass), or as
+  ``prefix`` does with ``--served-configs`` (the served policy); ``quality.json`` gives each
+  file's sha256 (``configs``);
 * ``d=0.10`` ...: sparse with every head's pattern (its kind, boundary and regions kept)
   re-sized by ``mminfer.offline.calibrate.resize_config`` to that density of the causal
   triangle at the example's length. The measured density (logical pairs, kernel count mode)
@@ -50,6 +52,7 @@ ordered so that a cut run still covers every length).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -457,6 +460,10 @@ def main(argv=None):
                     help="more sparse modes, one per head-pattern config file (mode "
                     "'cfg:<file stem>'), on the same rendered videos: comparing configs this "
                     "way renders each video once")
+    ap.add_argument("--served-configs", action="store_true",
+                    help="run the --configs modes as 'prefix' runs the model's own config (the "
+                    "served policy: the prefix sparse, the question dense over it) instead of "
+                    "one sparse pass over the whole prompt")
     ap.add_argument("--fp8", action="store_true",
                     help="add mode 'fp8': the model loaded again with quantization='fp8', "
                     "dense (agreement with dense and last-token KL)")
@@ -501,6 +508,8 @@ def main(argv=None):
         max(0, min(14, (os.cpu_count() or 2) - 2)) if cuda else 0)
     lengths, depths = sorted(args.lengths), [float(x) for x in args.depths]
     extra = extra_configs(args.configs, ad.identity)
+    configs_info = {f"cfg:{Path(p).stem}": {"path": str(p), "sha256": hashlib.sha256(
+        Path(p).read_bytes()).hexdigest()} for p in args.configs}
     modes = ["dense"] + ([] if args.no_config else ["prefix", "config"]) + list(extra) + \
         [f"d={x:.2f}" for x in args.densities] + (["fp8"] if args.fp8 else [])
     runner8 = Runner(model_dir, args.device, args.dtype, quantization="fp8") if args.fp8 \
@@ -526,6 +535,8 @@ def main(argv=None):
             "lengths": lengths, "depths": depths, "renderer": args.renderer,
             "held_out_seeds": [E.HELDOUT_SEED_MIN, E.HELDOUT_SEED_MAX], "stopped": stopped_now,
             "patterns_uncalibrated": bool(getattr(ad.patterns, "uncalibrated", True)),
+            "configs": configs_info, "configs_policy": "served" if args.served_configs
+            else "one pass",
             "summary": summary, "examples": records}
 
     def write_json(stopped_now):
@@ -554,9 +565,10 @@ def main(argv=None):
                                        "correct": tok == want, "density": None,
                                        "sparse": False, "kl": kl_divergence(dense_logp, logp)}
                     continue
-                if m == "prefix":
+                if m == "prefix" or (args.served_configs and m in extra):
                     tok, dens, ran_sparse, logp = runner.first_token_prefix(
-                        prep, emb, ad.patterns, not args.no_density)
+                        prep, emb, ad.patterns if m == "prefix" else extra[m],
+                        not args.no_density)
                     rec["modes"][m] = {"answer": ad.tokenizer.decode([tok]).strip(),
                                        "correct": tok == want, "density": dens,
                                        "sparse": ran_sparse,

@@ -559,3 +559,83 @@ def test_load_benchmark_compares_data_parallel_routing(tmp_path):
         assert 0 <= mode["hit"]["hit_rate"] <= 1
     assert rep["modes"]["dp2-affinity"]["hit"]["hit_rate"] == 1.0
     assert "dp2-round_robin" in proc.stdout and "hit%" in proc.stdout
+
+
+def test_calib_quality_calibrates_both_scorings_and_evaluates_both_as_served(tmp_path):
+    """benchmarks/calib_quality.py --tiny (the smallest honest setting: two 8-frame calibration
+    videos, the CPU's ladder of three rungs, one 8-frame held-out video per task, the reference
+    engine): a config per scoring, each one's calibration numbers being its own scoring's
+    (measured again here), both evaluated as served on the same held-out videos."""
+    import hashlib
+
+    from mminfer.engine.pipeline import Pipeline
+    from mminfer.models.embedded import default_model
+    from mminfer.offline import served_policy as SP
+    from mminfer.offline.answer_kl import AnswerProbe
+    from mminfer.offline.capture import load_video
+    from mminfer.sparse.patterns import HeadPatternConfig
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "calib_quality.py"),
+                           "--tiny", "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "calib_quality.json").read_text())
+    assert "agree S" in proc.stdout and "one_shot" in proc.stdout     # the printed table
+    cal, held = r["calibration"], r["held_out"]
+    # the files the evaluation ran are the ones each calibration wrote
+    cfgs = {}
+    for side, key in (("served", "served_policy"), ("one_shot", "one_shot")):
+        path = out / f"{side}.json"
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == cal[side]["sha256"] \
+            == held["configs"][f"cfg:{side}"]["sha256"]
+        cfgs[side] = HeadPatternConfig.load(path)
+        prov = cfgs[side].provenance
+        assert prov["calibration_scoring"] == {"served": "served", "one_shot": "one-shot"}[side]
+        assert prov[key]["per_head_bound"] == cal[side]["per_head_bound"] in r["ladder"]
+        t = cal[side]["times"]
+        assert t["search_s"] > 0 and t["ladder_s"] > 0 and t["total_s"] >= t["search_s"]
+    assert held["configs_policy"] == "served"
+    # each config's calibration numbers are its own scoring's on the calibration videos: a
+    # side that took the other's config (or numbers) fails here, whichever rung each chose
+    ad = Pipeline(str(default_model()), attention="dense", device="cpu").adapter
+    block = tuple(r["block"])
+    probe = AnswerProbe(ad, engine="reference", block=block, one_shot=True)
+    got = {"served": [], "one_shot": []}
+    for v in r["calibration_videos"]:
+        decoded, question, name = load_video(v, ad, "")
+        inp = SP.prepare(ad, decoded, question, name)
+        dense = SP.run_served(ad, inp, None, max_new_tokens=4)
+        run = SP.run_served(ad, inp, cfgs["served"], max_new_tokens=4, engine="reference",
+                            block=block)
+        got["served"].append(SP.compare(dense, run))
+        kl, dens = probe.kl(probe.prepare(name, decoded, question), cfgs["one_shot"])
+        got["one_shot"].append({"kl": kl, "density": dens})
+    for side in ("served", "one_shot"):
+        want = cal[side]["calibration"]
+        n = len(got[side])
+        assert want["n"] == n == 2
+        assert sum(g["kl"] for g in got[side]) / n == pytest.approx(want["mean_kl"], abs=2e-6)
+        assert sum(g["density"] for g in got[side]) / n == pytest.approx(
+            want["mean_density"], abs=2e-5)
+    # both evaluated on the same held-out videos, numbers in range
+    q = json.loads(Path(held["quality_json"]).read_text())
+    assert len(q["examples"]) == 4 and held["seeds"] == sorted(e["seed"] for e in q["examples"])
+    cal_seeds = {int(v.rsplit(":", 1)[1]) for v in r["calibration_videos"]}
+    for e in q["examples"]:
+        assert set(e["modes"]) == {"dense", "cfg:served", "cfg:one_shot"}
+        assert held["held_out_seeds"][0] <= e["seed"] < held["held_out_seeds"][1]
+        assert e["seed"] not in cal_seeds
+        for m in ("cfg:served", "cfg:one_shot"):
+            assert e["modes"][m]["sparse"] and 0 < e["modes"][m]["density"] < 1
+            assert e["modes"][m]["kl"] >= 0
+    for side in ("served", "one_shot"):
+        ev = r["evaluation"][side]
+        assert set(ev) == {"needle", "colour", "count", "order"}
+        for task, rows in ev.items():
+            a = rows["all"]
+            assert a["n"] == 1 and 0 <= a["agreement"] <= 1 and a["kl"] >= 0
+            assert 0 < a["density"] < 1
+            one = next(e for e in q["examples"] if e["task"] == task)["modes"][f"cfg:{side}"]
+            assert a["kl"] == pytest.approx(one["kl"]) and a["density"] == pytest.approx(
+                one["density"])

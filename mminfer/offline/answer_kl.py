@@ -52,7 +52,7 @@ class AnswerProbe:
     rows dense over its KV cache (``served_policy.py``). ``one_shot``: the whole prompt in
     one sparse prefill instead, estimated from the question's last queries: what calibration
     measured before it measured the served policy, kept for the benchmark that compares the
-    two."""
+    two (``benchmarks/calib_quality.py``)."""
     adapter: object
     engine: str = "kernel"
     block: tuple | None = None
