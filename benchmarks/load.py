@@ -418,8 +418,12 @@ def selfcal_summary(rows: list, limit_s: float) -> dict:
     verdict = (f"first sparse answer {first['answered_s']:.1f} s after the server started "
                f"(request {first['i']})" if first else
                f"no sparse answer within {limit_s:g} s ({len(ok)} answered, all dense)")
-    verdict += (f"; TTFT at most {max(ratios):.3f}x dense's, {len(over)} of {len(ratios)} "
-                f"requests over {SELFCAL_MARGIN:g}x" if ratios else "; no TTFT to compare")
+    dense_max = max((r["ttft_vs_dense"] for r in ok
+                     if r["attention"] == "dense" and "ttft_vs_dense" in r), default=None)
+    verdict += (f"; TTFT at most {max(ratios):.3f}x dense's ("
+                + (f"{dense_max:.3f}x" if dense_max is not None else "none") +
+                f" over the answers still dense), {len(over)} of {len(ratios)} requests over "
+                f"{SELFCAL_MARGIN:g}x" if ratios else "; no TTFT to compare")
     return {
         "requests": rows, "errors": len(rows) - len(ok), "sent_while_busy": _busy(rows),
         "answers": {"dense": sum(r["attention"] == "dense" for r in ok),
@@ -433,10 +437,36 @@ def selfcal_summary(rows: list, limit_s: float) -> dict:
             "n": len(ratios), "max": max(ratios) if ratios else None,
             "p99": pct(ratios, 0.99), "p50": pct(ratios, 0.5), "over_margin": len(over),
             "over_margin_requests": over,
-            "dense_answers_max": max((r["ttft_vs_dense"] for r in ok
-                                      if r["attention"] == "dense" and "ttft_vs_dense" in r),
-                                     default=None)},
+            "dense_answers_max": dense_max},
         "verdict": verdict}
+
+
+def _baseline(common, a, env) -> dict:
+    """The dense baseline: ``--selfcal-baseline`` requests of the phase's stream on a server
+    that does not calibrate. Its TTFT references: the first (cold) request's, and the median
+    of the others' (with one request, its own)."""
+    try:
+        srv = Server(common + ["--no-self-calibrate"], env)
+    except Exception as e:  # noqa: BLE001 - reported; no baseline, no phase
+        return {"failed": f"baseline: {type(e).__name__}: {e}"}
+    try:
+        base = _stream(srv, a, a.selfcal_baseline, float("inf"), None)
+        st = selfcal_status(srv.url)
+    except Exception as e:  # noqa: BLE001 - reported; no baseline, no phase
+        return {"failed": f"baseline: {type(e).__name__}: {e}",
+                "server_log": "".join(srv.tail)[-8000:]}
+    finally:
+        srv.close()
+    rows = [_row(r, None, None) for r in base]
+    ok = [r for r in base if r["status"] == 200]
+    bad = [r["attention"] for r in ok if r["attention"] != "dense"]
+    if len(ok) < len(base) or bad or not ok:
+        return {"failed": f"baseline: {len(base) - len(ok)} of {len(base)} lost, {len(bad)} "
+                f"not dense ({st and st.get('summary')})", "baseline": {"requests": rows}}
+    warm = [r["ttft_ms"] for r in ok if r["i"] > 0] or [r["ttft_ms"] for r in ok]
+    return {"requests": rows, "sent_while_busy": _busy(rows),
+            "ttft_ms_first": ok[0]["ttft_ms"] if ok[0]["i"] == 0 else None,
+            "ttft_ms_median": pct(warm, 0.5), "ready_s": round(srv.ready_s, 3)}
 
 
 def run_selfcal(common, a, env, save=None) -> dict:
@@ -447,35 +477,25 @@ def run_selfcal(common, a, env, save=None) -> dict:
     save = save or (lambda _r: None)
     out: dict = {"video": a.selfcal_video, "rate_per_s": a.selfcal_rate,
                  "limit_s": a.selfcal_s, "margin": SELFCAL_MARGIN}
-    # the baseline: the same stream, no calibration (auto on the uncalibrated config: dense)
-    try:
-        srv = Server(common + ["--no-self-calibrate"], env)
-    except Exception as e:  # noqa: BLE001 - reported; no baseline, no phase
-        return {**out, "failed": f"baseline: {type(e).__name__}: {e}"}
-    try:
-        base = _stream(srv, a, a.selfcal_baseline, float("inf"), None)
-        st = selfcal_status(srv.url)
-    except Exception as e:  # noqa: BLE001 - reported; no baseline, no phase
-        return {**out, "failed": f"baseline: {type(e).__name__}: {e}",
-                "server_log": "".join(srv.tail)[-8000:]}
-    finally:
-        srv.close()
-    ok = [r for r in base if r["status"] == 200]
-    bad = [r["attention"] for r in ok if r["attention"] != "dense"]
-    if len(ok) < len(base) or bad or not ok:
-        return {**out, "failed": f"baseline: {len(base) - len(ok)} of {len(base)} lost, "
-                f"{len(bad)} not dense ({st and st.get('summary')})",
-                "baseline": {"requests": [_row(r, None, None) for r in base]}}
-    # a cold first request is compared with the baseline's, the others with the median of
-    # the baseline's others (with one baseline request, with it)
-    cold = ok[0]["ttft_ms"] if ok[0]["i"] == 0 else None
-    warm = [r["ttft_ms"] for r in ok if r["i"] > 0] or [r["ttft_ms"] for r in ok]
-    ref_warm = pct(warm, 0.5)
-    ref_cold = cold or ref_warm
-    rows = [_row(r, None, None) for r in base]
-    out["baseline"] = {"requests": rows, "sent_while_busy": _busy(rows),
-                       "ttft_ms_median": ref_warm, "ttft_ms_first": cold,
-                       "ready_s": round(srv.ready_s, 3)}
+    # the baseline: the same stream, no calibration (auto on the uncalibrated config: dense);
+    # one measured earlier on this machine for the same stream is reused (--selfcal-baseline-file)
+    same = {"model": a.model, "video": a.selfcal_video, "rate_per_s": a.selfcal_rate,
+            "max_frames": a.max_frames, "max_new_tokens": a.max_new_tokens,
+            "question": a.question, "requests": a.selfcal_baseline, "serve_arg": a.serve_arg}
+    kept = Path(a.selfcal_baseline_file) if a.selfcal_baseline_file else None
+    b = json.loads(kept.read_text()) if kept is not None and kept.is_file() else None
+    if b is not None and b.get("stream") == same:
+        b["reused_from"] = str(kept)
+    else:
+        b = _baseline(common, a, env)
+        if "failed" in b:
+            return {**out, "failed": b.pop("failed"), **b}
+        b["stream"] = same
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(json.dumps(b, indent=1))
+    out["baseline"] = b
+    ref_cold, ref_warm = b["ttft_ms_first"] or b["ttft_ms_median"], b["ttft_ms_median"]
     save(out)
 
     caldir = tempfile.TemporaryDirectory(prefix="mminfer-selfcal-")
@@ -624,6 +644,11 @@ def main(argv=None):
                    help="requests of the dense baseline's stream (the first is compared with "
                         "the phase's cold first request, the median of the others with the "
                         "rest)")
+    p.add_argument("--selfcal-baseline-file", default=None,
+                   help="the dense baseline is kept in this file and, where it holds one of "
+                        "the same stream (model, video, rate, frames, tokens, question, serve "
+                        "arguments, requests), read from it instead of measured: measure it "
+                        "on the same machine, e.g. a device call before")
     p.add_argument("--selfcal-poll-s", type=float, default=2.0,
                    help="how often the calibration state is read from /v1/models")
     p.add_argument("--serve-arg", action="append", default=[],

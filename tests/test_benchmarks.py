@@ -580,22 +580,32 @@ def test_load_benchmark_selfcal_phase(tmp_path):
     requests; it starts dense and calibrating, its answers turn sparse (the stream stops at
     the first), the first sparse answer's time and every request's TTFT against dense's are
     reported, the config is stored in the phase's own folder, the state's changes recorded.
+    Then again with the baseline kept in a file, read from it, and a limit too short for the
+    calibration and the gate's four requests: no answer comes sparse, and it says so.
     The server's fast-calibration flags are tests/serve/test_selfcal.py's (8-frame synthetic
-    videos, two requests calibrated on, two gated on)."""
+    videos, two requests calibrated on, two gated on); a request every 4 s leaves idle gaps
+    longer than its longest calibration step (up to 2 s on a loaded 2-core machine: a step a
+    request stops runs again from its start, so shorter gaps could starve it)."""
     model = _embedded_without_config(tmp_path / "model")
     video = ROOT / "samples" / "videos" / "needle_2.mp4"
     serve = ["--device", "cpu", "--min-sparse-len", "0", "--calibration-requests", "2",
              "--calibration-gate-requests", "2", "--calibration-max-kl", "0.05",
              "--calibration-synthetic", "2", "--calibration-synthetic-frames", "8"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--model", str(model),
-         "--selfcal-video", str(video), "--selfcal-rate", "0.5", "--selfcal-s", "150",
-         "--selfcal-baseline", "3", "--selfcal-sparse", "1", "--max-frames", "12",
-         "--max-new-tokens", "3", *(f"--serve-arg={x}" for x in serve), "--out", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rep = json.loads((tmp_path / "load.json").read_text())
+    kept = tmp_path / "baseline.json"
+
+    def run(limit_s, out):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--model", str(model),
+             "--selfcal-video", str(video), "--selfcal-rate", "0.25", "--selfcal-s", limit_s,
+             "--selfcal-baseline", "3", "--selfcal-sparse", "1", "--selfcal-baseline-file",
+             str(kept), "--max-frames", "12", "--max-new-tokens", "3",
+             *(f"--serve-arg={x}" for x in serve), "--out", str(out)],
+            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads((out / "load.json").read_text()), proc
+
+    rep, proc = run("150", tmp_path)
     assert rep["modes"] == {} and "decode" not in rep
     sc = rep["selfcal"]
     base = sc["baseline"]
@@ -633,6 +643,20 @@ def test_load_benchmark_selfcal_phase(tmp_path):
     assert sc["status_after"]["config"] == "self-calibration"
     assert len(sc["stored"]) == 1 and sc["stored"][0].endswith(".json")
     assert "first sparse answer" in proc.stdout and "selfcal: dense baseline" in proc.stdout
+    assert "reused_from" not in base and json.loads(kept.read_text())["requests"] == \
+        base["requests"]
+
+    # calibration needs the fourth request (two calibrated on, two gated on) before any
+    # answer can come sparse, and the fourth goes 12 s after the first
+    again, proc = run("10", tmp_path / "again")
+    sc = again["selfcal"]
+    assert sc["baseline"]["reused_from"] == str(kept)
+    assert sc["baseline"]["requests"] == base["requests"]
+    assert sc["first_sparse"] is None and sc["first_sparse_s"] is None
+    assert sc["verdict"].startswith("no sparse answer within 10 s"), sc["verdict"]
+    assert sc["answers"]["sparse"] == 0 and len(sc["requests"]) <= 3
+    assert all(r["sent_s"] <= 10 for r in sc["requests"])
+    assert "no sparse answer within 10 s" in proc.stdout
 
 
 def test_selfcal_summary_says_when_no_answer_came_sparse():
@@ -652,4 +676,5 @@ def test_selfcal_summary_says_when_no_answer_came_sparse():
     assert s["ttft_vs_dense"]["max"] == 1.1 and s["ttft_vs_dense"]["over_margin"] == 1
     assert s["ttft_vs_dense"]["over_margin_requests"] == [1]
     assert s["sent_while_busy"] == 1           # request 2 went while request 1 ran
-    assert "1 of 2 requests over 1.05x" in s["verdict"]
+    assert "1.100x dense's (1.100x over the answers still dense), 1 of 2 requests over 1.05x" \
+        in s["verdict"]
