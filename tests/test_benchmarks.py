@@ -583,9 +583,9 @@ def test_load_benchmark_selfcal_phase(tmp_path):
     Then again with the baseline kept in a file, read from it, and a limit too short for the
     calibration and the gate's four requests: no answer comes sparse, and it says so.
     The server's fast-calibration flags are tests/serve/test_selfcal.py's (8-frame synthetic
-    videos, two requests calibrated on, two gated on); a request every 4 s leaves idle gaps
-    longer than its longest calibration step (up to 2 s on a loaded 2-core machine: a step a
-    request stops runs again from its start, so shorter gaps could starve it)."""
+    videos, two requests calibrated on, two gated on); a request every 8 s leaves idle gaps
+    longer than its longest calibration step (up to 4 s measured on a loaded 2-core machine:
+    a step a request stops runs again from its start, so shorter gaps can starve it)."""
     model = _embedded_without_config(tmp_path / "model")
     video = ROOT / "samples" / "videos" / "needle_2.mp4"
     serve = ["--device", "cpu", "--min-sparse-len", "0", "--calibration-requests", "2",
@@ -597,7 +597,7 @@ def test_load_benchmark_selfcal_phase(tmp_path):
     def run(limit_s, out):
         proc = subprocess.run(
             [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--model", str(model),
-             "--selfcal-video", str(video), "--selfcal-rate", "0.25", "--selfcal-s", limit_s,
+             "--selfcal-video", str(video), "--selfcal-rate", "0.125", "--selfcal-s", limit_s,
              "--selfcal-baseline", "3", "--selfcal-sparse", "1", "--selfcal-baseline-file",
              str(kept), "--max-frames", "12", "--max-new-tokens", "3",
              *(f"--serve-arg={x}" for x in serve), "--out", str(out)],
@@ -605,7 +605,7 @@ def test_load_benchmark_selfcal_phase(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return json.loads((out / "load.json").read_text()), proc
 
-    rep, proc = run("150", tmp_path)
+    rep, proc = run("240", tmp_path)
     assert rep["modes"] == {} and "decode" not in rep
     sc = rep["selfcal"]
     base = sc["baseline"]
@@ -641,13 +641,15 @@ def test_load_benchmark_selfcal_phase(tmp_path):
     assert states[0] == ("calibrating", "dense") and ("serving", "sparse") in states
     assert sc["status_after"]["state"] == "serving"
     assert sc["status_after"]["config"] == "self-calibration"
+    # the serve flags took: two 8-frame synthetic videos and two requests calibrated on
+    assert sc["status_after"]["measured"]["inputs"] == {"requests": 2, "synthetic": 2}
     assert len(sc["stored"]) == 1 and sc["stored"][0].endswith(".json")
     assert "first sparse answer" in proc.stdout and "selfcal: dense baseline" in proc.stdout
     assert "reused_from" not in base and json.loads(kept.read_text())["requests"] == \
         base["requests"]
 
     # calibration needs the fourth request (two calibrated on, two gated on) before any
-    # answer can come sparse, and the fourth goes 12 s after the first
+    # answer can come sparse, and the fourth goes 24 s after the first
     again, proc = run("10", tmp_path / "again")
     sc = again["selfcal"]
     assert sc["baseline"]["reused_from"] == str(kept)
@@ -659,7 +661,7 @@ def test_load_benchmark_selfcal_phase(tmp_path):
     assert "no sparse answer within 10 s" in proc.stdout
 
 
-def test_selfcal_summary_says_when_no_answer_came_sparse():
+def test_load_selfcal_summary_says_when_no_answer_came_sparse():
     """The phase's figures where every answer stayed dense (and one was lost): no first
     sparse time, a verdict that says so, the ratios and the count over the margin."""
     load = load_script("benchmarks/load.py", "load_bench")
