@@ -43,7 +43,9 @@ TTFT over the baseline's (a cold first request against the baseline's first, the
 against the median of the baseline's others); the time to the first sparse answer (or that
 none came within ``--selfcal-s``), the ratios' max and p99 and how many exceed 1.05; the
 calibration state over time (``/v1/models``' ``self_calibration``, polled, each change kept)
-and at the end, and whether the config was stored.
+and at the end, and whether the config was stored. ``--selfcal-baseline-file F`` keeps the
+baseline in F and reuses it for the same stream (a later run on the same machine). The load
+modes' and the decode phase's servers do not calibrate (``--no-self-calibrate``).
 
 Reported per mode and class: count, errors (no request may be lost: every one answered 200),
 time to first token percentiles (the server's ``timings_ms.ttft``, arrival to first token),
