@@ -29,6 +29,24 @@ cached prefix, against one alone; ``--decode-shared`` adds N answers about ONE c
 (distinct question texts, so N requests of their own fork that one entry and their decode
 steps read it once for all: shared-prefix attention), reported under ``decode.shared``.
 
+``--selfcal-video V`` runs a self-calibration phase: a server with no measured config for
+the checkpoint (its calibration folder a new temporary one), from its start, under a steady
+stream of requests for V (one every 1/``--selfcal-rate`` s, each under its own cache key,
+``max_frames`` = ``--max-frames`` + i: a full prefill each; ``attention=auto``), for up to
+``--selfcal-s`` s or until ``--selfcal-sparse`` answers came sparse. Before it, in the same
+run, the dense baseline: the same stream (``--selfcal-baseline`` requests) on a server that
+does not calibrate (``--no-self-calibrate``: attention auto on an uncalibrated config, dense),
+so "dense's TTFT" is measured on the same machine, by the same path, without calibration's
+idle-time work. Reported under ``selfcal``: per request its send time and answer time since
+the server started, its TTFT (the server's, arrival to first token), dense or sparse, and its
+TTFT over the baseline's (a cold first request against the baseline's first, the others
+against the median of the baseline's others); the time to the first sparse answer (or that
+none came within ``--selfcal-s``), the ratios' max and p99 and how many exceed 1.05; the
+calibration state over time (``/v1/models``' ``self_calibration``, polled, each change kept)
+and at the end, and whether the config was stored. ``--selfcal-baseline-file F`` keeps the
+baseline in F and reuses it for the same stream (a later run on the same machine). The load
+modes' and the decode phase's servers do not calibrate (``--no-self-calibrate``).
+
 Reported per mode and class: count, errors (no request may be lost: every one answered 200),
 time to first token percentiles (the server's ``timings_ms.ttft``, arrival to first token),
 the ``wait`` stage, client latency; new videos per minute; and the ratio of the new videos'
@@ -100,6 +118,7 @@ class Server:
 
     def __init__(self, args: list[str], env: dict):
         self.data = tempfile.TemporaryDirectory(prefix="mminfer-load-")
+        self.started = time.monotonic()          # the clock of "time since the start"
         cmd = [sys.executable, "-m", "mminfer.cli", "serve", "--port", "0", "--data-dir",
                self.data.name, "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -115,6 +134,7 @@ class Server:
             lines.append(line)
             if " at http://" in line:
                 self.url = line.split(" at ", 1)[1].split()[0]
+                self.ready_s = time.monotonic() - self.started
         if self.url is None:
             raise RuntimeError("the server did not start in time")
         threading.Thread(target=self._drain, daemon=True).start()
@@ -149,6 +169,8 @@ def ask(url, video: Path, question: str, data: dict, timeout: float) -> dict:
             "tokens": (body.get("tokens") or {}).get("total"),
             "generated": (body.get("tokens") or {}).get("generated"),
             "generate_ms": t.get("generate"), "stages": t,
+            "attention": body.get("attention"),
+            "density": (body.get("sparsity") or {}).get("mean_density"),
             "error": None if r.status_code == 200 else body.get("error")}
 
 
@@ -304,6 +326,249 @@ def _decode_at_once(srv, video, asks, a) -> dict:
     return out
 
 
+SELFCAL_MARGIN = 1.05     # the target: no request's TTFT more than 5 % above dense's
+
+
+def selfcal_status(url) -> dict | None:
+    """The server's self-calibration status (``/v1/models``, the served model's
+    ``mminfer.self_calibration``), or None where it says none."""
+    for d in httpx.get(f"{url}/v1/models", timeout=30).json().get("data", []):
+        sc = (d.get("mminfer") or {}).get("self_calibration")
+        if sc is not None:
+            return sc
+    return None
+
+
+def _stream(srv, a, n_max: int, until_s: float, stop_after_sparse: int | None,
+            on_row=None) -> list:
+    """Requests for ``--selfcal-video`` at ``--selfcal-rate`` (open loop: each in its own
+    connection, sent on time whatever the earlier ones are doing), request i under cache key
+    ``max_frames`` = ``--max-frames`` + i, at most ``n_max`` of them, none sent after
+    ``until_s`` s since the server started, none after ``stop_after_sparse`` sparse answers;
+    then the ones in flight are awaited. Rows in send order, times since the server start."""
+    video, rows, lock = Path(a.selfcal_video), [], threading.Lock()
+    base = dict(max_new_tokens=a.max_new_tokens, attention="auto")
+    sparse = threading.Event()
+    n_sparse = [0]
+
+    def one(i):
+        r = ask(srv.url, video, a.question, {**base, "max_frames": a.max_frames + i},
+                a.timeout_s)
+        r["i"] = i
+        r["sent_s"] = round(r["start"] - srv.started, 3)
+        if "end" in r:
+            r["answered_s"] = round(r["end"] - srv.started, 3)
+        with lock:
+            rows.append(r)
+            if r["status"] == 200 and r["attention"] == "sparse":
+                n_sparse[0] += 1
+                if stop_after_sparse and n_sparse[0] >= stop_after_sparse:
+                    sparse.set()
+            if on_row is not None:
+                on_row(sorted(rows, key=lambda x: x["i"]))
+
+    threads = []
+    next_at = time.monotonic()
+    for i in range(n_max):
+        if next_at - srv.started > until_s or sparse.is_set():
+            break
+        sparse.wait(max(0.0, next_at - time.monotonic()))
+        if sparse.is_set():
+            break
+        th = threading.Thread(target=one, args=(i,))
+        th.start()
+        threads.append(th)
+        next_at += 1.0 / a.selfcal_rate
+    for th in threads:
+        th.join()
+    return sorted(rows, key=lambda x: x["i"])
+
+
+def _row(r, ref_cold, ref_warm) -> dict:
+    out = {k: r.get(k) for k in ("i", "status", "sent_s", "answered_s", "ttft_ms", "attention",
+                                 "density", "cache", "latency_ms")}
+    out["stages_ms"] = r.get("stages")     # where its time went (queue, vision, prefill...)
+    if r["status"] != 200:
+        out["error"] = str(r.get("error"))[:300]
+    ref = ref_cold if r["i"] == 0 else ref_warm
+    if r["status"] == 200 and r.get("ttft_ms") and ref:
+        out["ttft_vs_dense"] = round(r["ttft_ms"] / ref, 4)
+    return out
+
+
+def _busy(rows) -> int:
+    """Requests sent while an earlier one was still unanswered (the stream was faster than
+    the server: their TTFT counts a wait for the other's work)."""
+    n, until = 0, float("-inf")
+    for r in rows:
+        n += r["sent_s"] < until
+        until = max(until, r.get("answered_s") or float("inf"))
+    return n
+
+
+def selfcal_summary(rows: list, limit_s: float) -> dict:
+    """The phase's figures from its rows (:func:`_row`, send order): answers dense and
+    sparse, the first sparse answer (by its arrival) or that none came within ``limit_s``,
+    the TTFT ratios against dense's (max, p99, p50, how many over ``SELFCAL_MARGIN``), and a
+    one-line verdict."""
+    ok = [r for r in rows if r["status"] == 200]
+    sparse = sorted((r for r in ok if r["attention"] == "sparse"),
+                    key=lambda r: r["answered_s"])
+    ratios = [r["ttft_vs_dense"] for r in ok if "ttft_vs_dense" in r]
+    over = [r["i"] for r in ok if r.get("ttft_vs_dense", 0) > SELFCAL_MARGIN]
+    first = sparse[0] if sparse else None
+    verdict = (f"first sparse answer {first['answered_s']:.1f} s after the server started "
+               f"(request {first['i']})" if first else
+               f"no sparse answer within {limit_s:g} s ({len(ok)} answered, all dense)")
+    dense_max = max((r["ttft_vs_dense"] for r in ok
+                     if r["attention"] == "dense" and "ttft_vs_dense" in r), default=None)
+    verdict += (f"; TTFT at most {max(ratios):.3f}x dense's ("
+                + (f"{dense_max:.3f}x" if dense_max is not None else "none") +
+                f" over the answers still dense), {len(over)} of {len(ratios)} requests over "
+                f"{SELFCAL_MARGIN:g}x" if ratios else "; no TTFT to compare")
+    return {
+        "requests": rows, "errors": len(rows) - len(ok), "sent_while_busy": _busy(rows),
+        "answers": {"dense": sum(r["attention"] == "dense" for r in ok),
+                    "sparse": len(sparse)},
+        "first_sparse_s": first["answered_s"] if first else None,
+        "first_sparse": first and {
+            "answered_s": first["answered_s"], "request": first["i"],
+            "sent_s": first["sent_s"], "ttft_ms": first["ttft_ms"],
+            "within_limit": first["answered_s"] <= limit_s},
+        "ttft_vs_dense": {
+            "n": len(ratios), "max": max(ratios) if ratios else None,
+            "p99": pct(ratios, 0.99), "p50": pct(ratios, 0.5), "over_margin": len(over),
+            "over_margin_requests": over,
+            "dense_answers_max": dense_max},
+        "verdict": verdict}
+
+
+def _baseline(common, a, env) -> dict:
+    """The dense baseline: ``--selfcal-baseline`` requests of the phase's stream on a server
+    that does not calibrate. Its TTFT references: the first (cold) request's, and the median
+    of the others' (with one request, its own)."""
+    try:
+        srv = Server(common + ["--no-self-calibrate"], env)
+    except Exception as e:  # noqa: BLE001 - reported; no baseline, no phase
+        return {"failed": f"baseline: {type(e).__name__}: {e}"}
+    try:
+        base = _stream(srv, a, a.selfcal_baseline, float("inf"), None)
+        st = selfcal_status(srv.url)
+    except Exception as e:  # noqa: BLE001 - reported; no baseline, no phase
+        return {"failed": f"baseline: {type(e).__name__}: {e}",
+                "server_log": "".join(srv.tail)[-8000:]}
+    finally:
+        srv.close()
+    rows = [_row(r, None, None) for r in base]
+    ok = [r for r in base if r["status"] == 200]
+    bad = [r["attention"] for r in ok if r["attention"] != "dense"]
+    if len(ok) < len(base) or bad or not ok:
+        return {"failed": f"baseline: {len(base) - len(ok)} of {len(base)} lost, {len(bad)} "
+                f"not dense ({st and st.get('summary')})", "baseline": {"requests": rows}}
+    warm = [r["ttft_ms"] for r in ok if r["i"] > 0] or [r["ttft_ms"] for r in ok]
+    return {"requests": rows, "sent_while_busy": _busy(rows),
+            "ttft_ms_first": ok[0]["ttft_ms"] if ok[0]["i"] == 0 else None,
+            "ttft_ms_median": pct(warm, 0.5), "ready_s": round(srv.ready_s, 3)}
+
+
+def run_selfcal(common, a, env, save=None) -> dict:
+    """The self-calibration phase (the module doc): the dense baseline's stream on a server
+    that does not calibrate, then a new server with an empty calibration folder under the
+    stream until its answers come sparse or ``--selfcal-s`` runs out. ``save(result)`` is
+    called as answers come (a run stopped later keeps what it had)."""
+    save = save or (lambda _r: None)
+    out: dict = {"video": a.selfcal_video, "rate_per_s": a.selfcal_rate,
+                 "limit_s": a.selfcal_s, "margin": SELFCAL_MARGIN}
+    # the baseline: the same stream, no calibration (auto on the uncalibrated config: dense);
+    # one measured earlier on this machine for the same stream is reused (--selfcal-baseline-file)
+    same = {"model": a.model, "video": a.selfcal_video, "rate_per_s": a.selfcal_rate,
+            "max_frames": a.max_frames, "max_new_tokens": a.max_new_tokens,
+            "question": a.question, "requests": a.selfcal_baseline, "serve_arg": a.serve_arg}
+    kept = Path(a.selfcal_baseline_file) if a.selfcal_baseline_file else None
+    b = json.loads(kept.read_text()) if kept is not None and kept.is_file() else None
+    if b is not None and b.get("stream") == same:
+        b["reused_from"] = str(kept)
+    else:
+        b = _baseline(common, a, env)
+        if "failed" in b:
+            return {**out, "failed": b.pop("failed"), **b}
+        b["stream"] = same
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(json.dumps(b, indent=1))
+    out["baseline"] = b
+    ref_cold, ref_warm = b["ttft_ms_first"] or b["ttft_ms_median"], b["ttft_ms_median"]
+    save(out)
+
+    caldir = tempfile.TemporaryDirectory(prefix="mminfer-selfcal-")
+    assert not any(Path(caldir.name).iterdir())   # no config measured for any weights
+    try:
+        srv = Server(common + ["--calibration-dir", caldir.name], env)
+    except Exception as e:  # noqa: BLE001 - reported with the baseline
+        caldir.cleanup()
+        return {**out, "failed": f"{type(e).__name__}: {e}"}
+    timeline, done = [], threading.Event()
+    out["ready_s"] = round(srv.ready_s, 3)
+    try:            # what it says before any request: calibrating, or why not
+        st = selfcal_status(srv.url) or {}
+    except Exception as e:  # noqa: BLE001 - the poll below reports the same
+        st = {"state": f"unreadable: {type(e).__name__}: {e}"}
+    out["at_start"] = {k: st.get(k) for k in ("state", "serving", "config", "why", "summary")}
+
+    def poll():
+        last = None
+        while not done.is_set():
+            try:
+                st = selfcal_status(srv.url)
+            except Exception as e:  # noqa: BLE001 - a poll that failed is a data point
+                st = {"state": f"unreadable: {type(e).__name__}"}
+            st = st or {"state": "none"}
+            prog = st.get("progress") or {}
+            key = (st.get("state"), st.get("serving"), json.dumps(prog.get("inputs")),
+                   prog.get("gate"), prog.get("round"))
+            if key != last:
+                c = st.get("counts") or {}
+                timeline.append({"t_s": round(time.monotonic() - srv.started, 3),
+                                 "state": st.get("state"), "serving": st.get("serving"),
+                                 "inputs": prog.get("inputs"), "gate": prog.get("gate"),
+                                 "round": prog.get("round"),
+                                 "steps_run": c.get("steps_run"),
+                                 "steps_stopped": c.get("steps_stopped")})
+                last = key
+            done.wait(a.selfcal_poll_s)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+
+    def report(rows, final_status=None):
+        res = {**out, **selfcal_summary([_row(r, ref_cold, ref_warm) for r in rows],
+                                        a.selfcal_s)}
+        res["timeline"] = list(timeline)
+        if final_status is not None:
+            res["status_after"] = final_status
+        return res
+
+    try:
+        rows = _stream(srv, a, 1 + int(a.selfcal_s * a.selfcal_rate), a.selfcal_s,
+                       a.selfcal_sparse, on_row=lambda rows: save(report(rows)))
+        done.set()
+        poller.join(60)
+        final = selfcal_status(srv.url)
+        res = report(rows, final)
+        res["stored"] = sorted(p.name for p in Path(caldir.name).iterdir())
+        if res["errors"]:
+            res["server_log"] = "".join(srv.tail)[-8000:]
+        return res
+    except Exception as e:  # noqa: BLE001 - reported with what came
+        done.set()
+        return {**out, "failed": f"{type(e).__name__}: {e}", "timeline": timeline,
+                "server_log": "".join(srv.tail)[-8000:]}
+    finally:
+        done.set()
+        srv.close()
+        caldir.cleanup()
+
+
 def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
     """(name, `mminfer serve` arguments, engines) of each server mode the flags ask for."""
     named = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
@@ -326,10 +591,10 @@ def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
-    p.add_argument("--new-video", required=True, help="the long video sent back to back")
-    p.add_argument("--cached-video", action="append", required=True,
+    p.add_argument("--new-video", help="the long video sent back to back (the modes')")
+    p.add_argument("--cached-video", action="append", default=[],
                    help="a video cached before the load; questions about it arrive at "
-                        "--hit-rate (repeatable)")
+                        "--hit-rate (repeatable; the modes')")
     p.add_argument("--question", default="What number appears in the video?")
     p.add_argument("--duration-s", type=float, default=120.0)
     p.add_argument("--hit-rate", type=float, default=2.0, help="cache-hit questions a second")
@@ -366,18 +631,56 @@ def main(argv=None):
     p.add_argument("--decode-video", default=None,
                    help="the video of the decode phase (default: the first --cached-video)")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--selfcal-video", default=None,
+                   help="run the self-calibration phase on this video: the dense baseline's "
+                        "stream on a server that does not calibrate, then a server with no "
+                        "measured config under a steady stream of it, each request its own "
+                        "cache key (--max-frames + i), reported as selfcal")
+    p.add_argument("--selfcal-rate", type=float, default=1 / 30,
+                   help="the self-calibration stream's requests a second (open loop)")
+    p.add_argument("--selfcal-s", type=float, default=600.0,
+                   help="the stream's length at most, seconds since the server started")
+    p.add_argument("--selfcal-sparse", type=int, default=2,
+                   help="the stream stops after this many sparse answers (0: runs --selfcal-s)")
+    p.add_argument("--selfcal-baseline", type=int, default=4,
+                   help="requests of the dense baseline's stream (the first is compared with "
+                        "the phase's cold first request, the median of the others with the "
+                        "rest)")
+    p.add_argument("--selfcal-baseline-file", default=None,
+                   help="the dense baseline is kept in this file and, where it holds one of "
+                        "the same stream (model, video, rate, frames, tokens, question, serve "
+                        "arguments, requests), read from it instead of measured: measure it "
+                        "on the same machine, e.g. a device call before")
+    p.add_argument("--selfcal-poll-s", type=float, default=2.0,
+                   help="how often the calibration state is read from /v1/models")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more argument for `mminfer serve` (repeatable)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    if a.modes is None and not a.new_video and not a.data_parallel:
+        a.modes = ""                    # no load's videos: the other phases alone
+    if modes_of(a, []) and not (a.new_video and a.cached_video):
+        p.error("the load modes need --new-video and --cached-video")
+    if a.decoders and not (a.decode_video or a.cached_video):
+        p.error("--decoders needs --decode-video or a --cached-video")
+    if a.selfcal_video and not (a.selfcal_rate > 0 and a.selfcal_s > 0
+                                and a.selfcal_baseline >= 1 and a.selfcal_sparse >= 0):
+        p.error("--selfcal-rate and --selfcal-s must be positive, --selfcal-baseline >= 1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    n_selfcal = 2 + int(a.selfcal_s * a.selfcal_rate) + a.selfcal_baseline \
+        if a.selfcal_video else 0
     common = (["--model", a.model] if a.model else []) + a.serve_arg + [
         "--queue-size", "256", "--timeout-s", str(a.timeout_s), "--shadow-rate", "0",
-        "--max-frames-limit", str(max(a.max_frames + a.key_span + a.decoders + 1, 768))]
+        "--max-frames-limit", str(max(a.max_frames + a.key_span + a.decoders + 1,
+                                      a.max_frames + n_selfcal, 768))]
+    # the modes and the decode phase measure serving, not calibration's idle-time work
+    # (a checkpoint without a measured config would calibrate under them): --selfcal-video
+    # measures that
+    fixed = common + ["--no-self-calibrate"]
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
-    for name, args, scale in modes_of(a, common):
+    for name, args, scale in modes_of(a, fixed):
         out["modes"][name] = m = run_mode(name, args, a, env, scale)
         print(f"{name}: " + (f"FAILED {m['failed']}\n{m['server_log'][-3000:]}" if "failed" in m
               else json.dumps({c: m[c] for c in ("new_video", "hit")})), flush=True)
@@ -386,7 +689,7 @@ def main(argv=None):
             (a.out / "load.json").write_text(json.dumps(out, indent=1))
     if a.decoders:
         a.decode_video = a.decode_video or a.cached_video[0]
-        out["decode"] = d = run_decoders(common, a, env)
+        out["decode"] = d = run_decoders(fixed, a, env)
         print("decode: " + json.dumps({k: v for k, v in d.items()
                                        if k not in ("server_log", "shared")}), flush=True)
         if "shared" in d:
@@ -395,6 +698,30 @@ def main(argv=None):
             print(d["server_log"][-3000:])
         if a.out is not None:
             (a.out / "load.json").write_text(json.dumps(out, indent=1))
+    if a.selfcal_video:
+        def save(res):
+            out["selfcal"] = res
+            if a.out is not None:
+                a.out.mkdir(parents=True, exist_ok=True)
+                (a.out / "load.json").write_text(json.dumps(out, indent=1))
+        res = run_selfcal(common, a, env, save)
+        save(res)
+        if "failed" in res:
+            print(f"selfcal: FAILED {res['failed']}\n{res.get('server_log', '')[-3000:]}")
+        else:
+            b = res["baseline"]
+            print(f"selfcal: dense baseline TTFT first {b['ttft_ms_first']} ms, median of the "
+                  f"others {b['ttft_ms_median']} ms ({b['sent_while_busy']} of "
+                  f"{len(b['requests'])} sent while one was in flight); at the start: "
+                  f"{res['at_start']['summary']}", flush=True)
+            print("selfcal: " + res["verdict"], flush=True)
+            for r in res["requests"]:
+                print(f"  request {r['i']:>3} sent {r['sent_s']:>8.1f} s  ttft "
+                      f"{r['ttft_ms'] or 0:>10.1f} ms  {r['attention'] or r['status']!s:<7}"
+                      f" x{r.get('ttft_vs_dense', 0):.3f}")
+            for t in res["timeline"]:
+                print(f"  state at {t['t_s']:>8.1f} s: {t['state']} ({t['serving']}) "
+                      f"inputs {t['inputs']} gate {t['gate']}")
     failed = [n for n, m in out["modes"].items() if "failed" in m]
     for n in failed:
         print(f"{n}: FAILED {out['modes'][n]['failed']}")
@@ -421,7 +748,9 @@ def main(argv=None):
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "load.json").write_text(json.dumps(out, indent=1))
     lost = sum(m[c]["errors"] for m in out["modes"].values() for c in ("new_video", "hit"))
-    return 1 if lost or failed or "failed" in out.get("decode", {}) else 0
+    sc = out.get("selfcal", {})
+    return 1 if lost or failed or "failed" in out.get("decode", {}) or "failed" in sc \
+        or sc.get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -639,3 +639,124 @@ def test_calib_quality_calibrates_both_scorings_and_evaluates_both_as_served(tmp
             one = next(e for e in q["examples"] if e["task"] == task)["modes"][f"cfg:{side}"]
             assert a["kl"] == pytest.approx(one["kl"]) and a["density"] == pytest.approx(
                 one["density"])
+
+
+def _embedded_without_config(where: Path) -> Path:
+    """The embedded model's files without its head-pattern config (the folder keeps the
+    model's name): weights no calibration has measured."""
+    import shutil
+    from mminfer.models.embedded import DEFAULT_MODEL_DIR
+    d = where / "mminfer-embedded"
+    d.mkdir(parents=True)
+    for f in Path(DEFAULT_MODEL_DIR).iterdir():
+        if not f.name.startswith("mminfer_patterns"):
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def test_load_benchmark_selfcal_phase(tmp_path):
+    """--selfcal-video alone: the dense baseline's stream on a server that does not
+    calibrate, then a server with no measured config under a steady stream of distinct
+    requests; it starts dense and calibrating, its answers turn sparse (the stream stops at
+    the first), the first sparse answer's time and every request's TTFT against dense's are
+    reported, the config is stored in the phase's own folder, the state's changes recorded.
+    Then again with the baseline kept in a file, read from it, and a limit too short for the
+    calibration and the gate's four requests: no answer comes sparse, and it says so.
+    The server's fast-calibration flags are tests/serve/test_selfcal.py's (8-frame synthetic
+    videos, two requests calibrated on, two gated on); a request every 8 s leaves idle gaps
+    longer than its longest calibration step (up to 4 s measured on a loaded 2-core machine:
+    a step a request stops runs again from its start, so shorter gaps can starve it)."""
+    model = _embedded_without_config(tmp_path / "model")
+    video = ROOT / "samples" / "videos" / "needle_2.mp4"
+    serve = ["--device", "cpu", "--min-sparse-len", "0", "--calibration-requests", "2",
+             "--calibration-gate-requests", "2", "--calibration-max-kl", "0.05",
+             "--calibration-synthetic", "2", "--calibration-synthetic-frames", "8"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    kept = tmp_path / "baseline.json"
+
+    def run(limit_s, out):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--model", str(model),
+             "--selfcal-video", str(video), "--selfcal-rate", "0.125", "--selfcal-s", limit_s,
+             "--selfcal-baseline", "3", "--selfcal-sparse", "1", "--selfcal-baseline-file",
+             str(kept), "--max-frames", "12", "--max-new-tokens", "3",
+             *(f"--serve-arg={x}" for x in serve), "--out", str(out)],
+            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads((out / "load.json").read_text()), proc
+
+    rep, proc = run("240", tmp_path)
+    assert rep["modes"] == {} and "decode" not in rep
+    sc = rep["selfcal"]
+    base = sc["baseline"]
+    assert [r["attention"] for r in base["requests"]] == ["dense"] * 3
+    assert base["ttft_ms_first"] == base["requests"][0]["ttft_ms"]
+    assert base["ttft_ms_median"] == pytest.approx(
+        float(np.median([r["ttft_ms"] for r in base["requests"][1:]])), abs=1e-3)
+    assert sc["at_start"]["state"] == "calibrating" and sc["at_start"]["serving"] == "dense"
+    rows = sc["requests"]
+    assert sc["errors"] == 0 and [r["i"] for r in rows] == list(range(len(rows)))
+    assert {r["cache"] for r in rows} == {"miss"}           # distinct keys: full prefills
+    assert rows[0]["attention"] == "dense"                  # dense until a config passed
+    first = sc["first_sparse"]
+    assert first is not None, sc["verdict"]
+    assert rows[first["request"]]["attention"] == "sparse"
+    assert sc["first_sparse_s"] == first["answered_s"] == min(
+        r["answered_s"] for r in rows if r["attention"] == "sparse")
+    assert first["within_limit"] and first["answered_s"] > sc["ready_s"]
+    assert sc["answers"] == {"dense": sum(r["attention"] == "dense" for r in rows),
+                             "sparse": sum(r["attention"] == "sparse" for r in rows)}
+    # each request's TTFT over dense's: the cold first one over the baseline's first
+    assert rows[0]["ttft_vs_dense"] == pytest.approx(
+        rows[0]["ttft_ms"] / base["ttft_ms_first"], rel=1e-3)
+    for r in rows[1:]:
+        assert r["ttft_vs_dense"] == pytest.approx(r["ttft_ms"] / base["ttft_ms_median"],
+                                                   rel=1e-3)
+    ratios = [r["ttft_vs_dense"] for r in rows]
+    t = sc["ttft_vs_dense"]
+    assert t["n"] == len(rows) and t["max"] == max(ratios)
+    assert t["over_margin"] == sum(x > 1.05 for x in ratios)
+    # the state over time: calibrating (dense) first, serving (sparse) by the end
+    states = [(e["state"], e["serving"]) for e in sc["timeline"]]
+    assert states[0] == ("calibrating", "dense") and ("serving", "sparse") in states
+    assert sc["status_after"]["state"] == "serving"
+    assert sc["status_after"]["config"] == "self-calibration"
+    # the serve flags took: two 8-frame synthetic videos and two requests calibrated on
+    assert sc["status_after"]["measured"]["inputs"] == {"requests": 2, "synthetic": 2}
+    assert len(sc["stored"]) == 1 and sc["stored"][0].endswith(".json")
+    assert "first sparse answer" in proc.stdout and "selfcal: dense baseline" in proc.stdout
+    assert "reused_from" not in base and json.loads(kept.read_text())["requests"] == \
+        base["requests"]
+
+    # calibration needs the fourth request (two calibrated on, two gated on) before any
+    # answer can come sparse, and the fourth goes 24 s after the first
+    again, proc = run("10", tmp_path / "again")
+    sc = again["selfcal"]
+    assert sc["baseline"]["reused_from"] == str(kept)
+    assert sc["baseline"]["requests"] == base["requests"]
+    assert sc["first_sparse"] is None and sc["first_sparse_s"] is None
+    assert sc["verdict"].startswith("no sparse answer within 10 s"), sc["verdict"]
+    assert sc["answers"]["sparse"] == 0 and len(sc["requests"]) <= 3
+    assert all(r["sent_s"] <= 10 for r in sc["requests"])
+    assert "no sparse answer within 10 s" in proc.stdout
+
+
+def test_load_selfcal_summary_says_when_no_answer_came_sparse():
+    """The phase's figures where every answer stayed dense (and one was lost): no first
+    sparse time, a verdict that says so, the ratios and the count over the margin."""
+    load = load_script("benchmarks/load.py", "load_bench")
+    rows = [{"i": 0, "status": 200, "sent_s": 5.0, "answered_s": 6.0, "ttft_ms": 900.0,
+             "attention": "dense", "ttft_vs_dense": 0.9},
+            {"i": 1, "status": 200, "sent_s": 7.0, "answered_s": 9.5, "ttft_ms": 1100.0,
+             "attention": "dense", "ttft_vs_dense": 1.1},
+            {"i": 2, "status": 0, "sent_s": 9.0, "answered_s": None, "ttft_ms": None,
+             "attention": None}]
+    s = load.selfcal_summary(rows, 30)
+    assert s["first_sparse_s"] is None and s["first_sparse"] is None
+    assert s["verdict"].startswith("no sparse answer within 30 s (2 answered, all dense)")
+    assert s["answers"] == {"dense": 2, "sparse": 0} and s["errors"] == 1
+    assert s["ttft_vs_dense"]["max"] == 1.1 and s["ttft_vs_dense"]["over_margin"] == 1
+    assert s["ttft_vs_dense"]["over_margin_requests"] == [1]
+    assert s["sent_while_busy"] == 1           # request 2 went while request 1 ran
+    assert "1.100x dense's (1.100x over the answers still dense), 1 of 2 requests over 1.05x" \
+        in s["verdict"]

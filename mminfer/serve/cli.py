@@ -266,6 +266,12 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--calibration-window", type=int, default=d.calibration_window,
                    help="shadow comparisons of the serving config judged together: past the "
                         "thresholds, back to dense and recalibrate")
+    g.add_argument("--calibration-synthetic", type=int, default=d.calibration_synthetic,
+                   help="synthetic videos calibrated on, rendered in-process before any "
+                        "request arrives")
+    g.add_argument("--calibration-synthetic-frames", type=int,
+                   default=d.calibration_synthetic_frames,
+                   help="their frames (0: the most, up to 768, whose visual tokens fit 16K)")
 
 
 def settings_from(args):
@@ -304,10 +310,12 @@ def settings_from(args):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if not (0 <= args.calibration_min_agreement <= 1 and args.calibration_max_kl >= 0
             and args.calibration_capture_mb >= 0 and args.calibration_requests >= 0
-            and args.calibration_gate_requests >= 1 and args.calibration_window >= 1):
+            and args.calibration_gate_requests >= 1 and args.calibration_window >= 1
+            and args.calibration_synthetic >= 1 and args.calibration_synthetic_frames >= 0):
         raise ConfigError("--calibration-min-agreement must be in [0, 1], --calibration-max-kl "
                           "and --calibration-capture-mb >= 0, --calibration-requests >= 0, "
-                          "--calibration-gate-requests and --calibration-window >= 1")
+                          "--calibration-gate-requests, --calibration-window and "
+                          "--calibration-synthetic >= 1, --calibration-synthetic-frames >= 0")
     keys = {"api_key": args.api_key} if args.api_key else {}
     if args.metrics_token:
         keys["metrics_token"] = args.metrics_token
@@ -355,7 +363,9 @@ def settings_from(args):
         calibration_max_kl=args.calibration_max_kl,
         calibration_requests=args.calibration_requests,
         calibration_gate_requests=args.calibration_gate_requests,
-        calibration_window=args.calibration_window)
+        calibration_window=args.calibration_window,
+        calibration_synthetic=args.calibration_synthetic,
+        calibration_synthetic_frames=args.calibration_synthetic_frames)
 
 
 def check_port(host: str, port: int):
