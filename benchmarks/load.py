@@ -58,9 +58,11 @@ exercises the same path (tests/test_benchmarks.py runs it briefly).
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -113,6 +115,30 @@ def stages(ok) -> dict:
     return out
 
 
+# the servers started and not yet closed: stopped when load.py is (a device script's
+# `timeout` sends SIGTERM; a server left running would hold the GPU for the next command)
+LIVE: set = set()
+
+
+def stop_live(grace_s: float = 3.0) -> None:
+    """Terminate every server still running, kill those not gone within ``grace_s``."""
+    procs = [srv.proc for srv in list(LIVE)]
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def on_sigterm(signum, frame):
+    stop_live()
+    raise SystemExit(128 + signum)
+
+
 class Server:
     """``mminfer serve`` in a subprocess on a free loopback port."""
 
@@ -123,6 +149,7 @@ class Server:
                self.data.name, "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
+        LIVE.add(self)
         self.url = None
         self.tail = collections.deque(maxlen=200)   # the server's last lines, for a failure
         deadline = time.monotonic() + 600
@@ -136,7 +163,9 @@ class Server:
                 self.url = line.split(" at ", 1)[1].split()[0]
                 self.ready_s = time.monotonic() - self.started
         if self.url is None:
+            self.close()
             raise RuntimeError("the server did not start in time")
+        print(f"server pid {self.proc.pid} at {self.url}", flush=True)
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self):
@@ -149,6 +178,7 @@ class Server:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        LIVE.discard(self)
         self.data.cleanup()
 
 
@@ -754,4 +784,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, on_sigterm)
+    atexit.register(stop_live)
     sys.exit(main())

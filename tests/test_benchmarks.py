@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -509,6 +510,45 @@ def test_load_benchmark_drives_both_server_modes(tmp_path):
         assert hit["ttft_ms"]["p99"] is not None and new["per_minute"] > 0
     assert "--max-num-seqs" in " ".join(rep["modes"]["serial"]["serve_args"])
     assert "serial" in proc.stdout and "scheduler" in proc.stdout
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a container's init may not reap orphans)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_load_benchmark_stops_its_server_when_stopped(tmp_path):
+    """A device script's `timeout` stops load.py with SIGTERM: the server it started goes too
+    (left running, it would hold the GPU for the script's next command)."""
+    videos = ROOT / "samples" / "videos"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--modes", "scheduler",
+         "--new-video", str(videos / "needle_2.mp4"), "--cached-video",
+         str(videos / "needle_0.mp4"), "--duration-s", "600", "--max-frames", "12",
+         "--serve-arg=--device", "--serve-arg=cpu", "--out", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    pid = None
+    try:
+        for line in proc.stdout:
+            m = re.match(r"server pid (\d+) at http", line)
+            if m:
+                pid = int(m.group(1))
+                break
+        assert pid is not None and _alive(pid), "load.py printed no server pid"
+        proc.terminate()
+        assert proc.wait(60) == 128 + 15
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(pid), "the server outlived load.py"
+    finally:
+        proc.kill()
+        if pid is not None and _alive(pid):
+            os.kill(pid, 9)
 
 
 def test_load_benchmark_decoders_phase(tmp_path):
