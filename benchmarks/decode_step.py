@@ -45,6 +45,7 @@ reported only, as each answer alone), and the memory the batched graphs reserved
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -482,6 +483,12 @@ def segments_ms(ad, graphs):
     return ms
 
 
+def cell(row: dict, key: str, w: int = 8) -> str:
+    """``row[key]`` as a table cell ``w`` wide, two decimals ("-" where not measured)."""
+    v = row.get(key)
+    return f"{v:{w}.2f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (seconds)")
@@ -643,9 +650,7 @@ def main(argv=None):
     print(f"{'tokens':>9} {'floor':>7} {'step':>8} {'lean':>8} {'graph':>8} {'fork':>8} "
           f"{'fork8':>8} {'each8':>8} {'attn':>7} {'splitK':>7} {'segs':>7}  same tokens")
     for r in report["rows"]:
-        def f(key):
-            v = r.get(key)
-            return f"{v:8.2f}" if isinstance(v, (int, float)) else f"{'-':>8}"
+        f = functools.partial(cell, r)
         print(f"{r['n']:>9} {r['floor_ms']:7.2f} {f('step_ms')} {f('lean_ms')} "
               f"{f('graph_ms')} {f('fork_ms')} {f('fork8_ms')} {f('fork8_each_ms')} "
               f"{f('attention_ms')[1:]} {f('splitk_ms')[1:]} "
@@ -662,9 +667,7 @@ def main(argv=None):
     print(f"{'tokens':>9} {'fork':>8} {'flash':>8} {'fl+split':>8} {'fl+torch':>8}  "
           f"{'a.split':>7} {'a.flash':>7} {'a.fl+sp':>7} {'a.fl+to':>7}  same tokens as fork")
     for r in report["rows"]:
-        def f(key, w=8):
-            v = r.get(key)
-            return f"{v:{w}.2f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        f = functools.partial(cell, r)
         names = list(fork_flash.VARIANTS)
         print(f"{r['n']:>9} {f('fork_ms')} " + " ".join(f(f"{m}_ms") for m in names) + "  "
               + " ".join(f(f"{m}_attention_ms", 7)
@@ -680,9 +683,7 @@ def main(argv=None):
         print(f"{'answers':>7} {'tokens':>9} {'lean':>8} {'graph':>8} {'lean/tok':>8} "
               f"{'graph/tok':>9} {'alone':>8} {'x alone':>7}  same tokens (lean = graph)")
     for r in report["batched"]:
-        def f(key, w=8):
-            v = r.get(key)
-            return f"{v:{w}.2f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        f = functools.partial(cell, r)
         best = "graph" if r.get("graph_ms") else "lean"
         print(f"{r['answers']:>7} {r['n']:>9} {f('lean_ms')} {f('graph_ms')} "
               f"{f('lean_ms_per_token')} {f('graph_ms_per_token', 9)} {f('alone_ms')} "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from fractions import Fraction
 from pathlib import Path
 
@@ -29,6 +30,18 @@ def load_script(relpath: str, name: str | None = None):
     finally:
         sys.path.remove(str(path.parent))
     return mod
+
+
+def embedded_without_config(where: Path) -> Path:
+    """The embedded model's files, copied, without its head-pattern config (the folder keeps
+    the model's name: its identity): weights no calibration has measured."""
+    from mminfer.models.embedded import DEFAULT_MODEL_DIR
+    d = where / "mminfer-embedded"
+    d.mkdir(parents=True)
+    for f in Path(DEFAULT_MODEL_DIR).iterdir():
+        if not f.name.startswith("mminfer_patterns"):
+            shutil.copy(f, d / f.name)
+    return d
 
 
 def gray_level(i: int, n_frames: int) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import load_script
+from conftest import embedded_without_config, load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "benchmarks" / "e2e.py"
@@ -681,19 +681,6 @@ def test_calib_quality_calibrates_both_scorings_and_evaluates_both_as_served(tmp
                 one["density"])
 
 
-def _embedded_without_config(where: Path) -> Path:
-    """The embedded model's files without its head-pattern config (the folder keeps the
-    model's name): weights no calibration has measured."""
-    import shutil
-    from mminfer.models.embedded import DEFAULT_MODEL_DIR
-    d = where / "mminfer-embedded"
-    d.mkdir(parents=True)
-    for f in Path(DEFAULT_MODEL_DIR).iterdir():
-        if not f.name.startswith("mminfer_patterns"):
-            shutil.copy(f, d / f.name)
-    return d
-
-
 def test_load_benchmark_selfcal_phase(tmp_path):
     """--selfcal-video alone: the dense baseline's stream on a server that does not
     calibrate, then a server with no measured config under a steady stream of distinct
@@ -706,7 +693,7 @@ def test_load_benchmark_selfcal_phase(tmp_path):
     videos, two requests calibrated on, two gated on); a request every 8 s leaves idle gaps
     longer than its longest calibration step (up to 4 s measured on a loaded 2-core machine:
     a step a request stops runs again from its start, so shorter gaps can starve it)."""
-    model = _embedded_without_config(tmp_path / "model")
+    model = embedded_without_config(tmp_path / "model")
     video = ROOT / "samples" / "videos" / "needle_2.mp4"
     serve = ["--device", "cpu", "--min-sparse-len", "0", "--calibration-requests", "2",
              "--calibration-gate-requests", "2", "--calibration-max-kl", "0.05",

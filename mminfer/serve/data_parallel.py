@@ -43,11 +43,9 @@ import collections
 import concurrent.futures
 import itertools
 import logging
-import math
 import multiprocessing
 import os
 import pickle
-import statistics
 import threading
 import time
 from types import SimpleNamespace
@@ -57,11 +55,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mminfer.engine.cache import file_digest
 from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, QueueFull,
-                            ShuttingDown, StreamNotFound, WorkerDead)
+                            ShuttingDown, StreamNotFound)
 
 from . import dp_engine
 from .settings import DEFAULT_MAX_IMBALANCE
-from .worker import QueuePlace
+from .worker import QueuePlace, refusal, retry_after_s
 
 log = logging.getLogger("mminfer.serve")
 
@@ -320,18 +318,12 @@ class FrontWorker:
                 "waiting_admission": 0, "switches": 0, **out}
 
     def retry_after(self, cap: int = 120) -> int:
-        per_job = statistics.median(self.recent_s) if self.recent_s else 1.0
-        ahead = self.waiting + self.reserved + self.running
-        serving = max(1, self._serving())
-        return int(min(cap, max(1, math.ceil(per_job * max(ahead, 1) / serving))))
+        return retry_after_s(self.recent_s, self.waiting + self.reserved + self.running,
+                             self._serving(), cap)
 
     # ------------------------------------------------------------------ jobs
     def _refusal(self):
-        if self._state == "dead":
-            return WorkerDead(f"the model worker is dead: {self.error}")
-        if self._stopping or self._state == "stopped":
-            return ShuttingDown("the server is shutting down")
-        return None
+        return refusal(self._state, self._stopping, self.error)
 
     def _queued(self) -> int:
         return sum(1 for f in self._flights.values() if not f.started)

@@ -196,6 +196,23 @@ def freeze_heap():
     gc.freeze()
 
 
+def retry_after_s(recent_s, ahead: int, serving: int = 1, cap: int = 120) -> int:
+    """Seconds until a queue place is likely free: the median of recent job times (a few old
+    long jobs do not inflate it, as a mean would) times the jobs ahead, over the engines
+    serving them, capped."""
+    per_job = statistics.median(recent_s) if recent_s else 1.0
+    return int(min(cap, max(1, math.ceil(per_job * max(ahead, 1) / max(1, serving)))))
+
+
+def refusal(state: str, stopping: bool, error) -> MMInferError | None:
+    """Why a worker in ``state`` takes no new request (WorkerDead, ShuttingDown), or None."""
+    if state == "dead":
+        return WorkerDead(f"the model worker is dead: {error}")
+    if stopping or state == "stopped":
+        return ShuttingDown("the server is shutting down")
+    return None
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
@@ -312,19 +329,12 @@ class ModelWorker:
         return self.scheduler.state()
 
     def retry_after(self, cap: int = 120) -> int:
-        """Seconds until a queue place is likely free: the median of recent job times (a few old
-        long jobs do not inflate it, as a mean would) times the jobs ahead, capped."""
-        per_job = statistics.median(self.recent_s) if self.recent_s else 1.0
-        ahead = self.waiting + self.reserved + self.running
-        return int(min(cap, max(1, math.ceil(per_job * max(ahead, 1)))))
+        """Seconds until a queue place is likely free (:func:`retry_after_s`)."""
+        return retry_after_s(self.recent_s, self.waiting + self.reserved + self.running, 1, cap)
 
     # ------------------------------------------------------------------ jobs
     def _refusal(self):
-        if self.state == "dead":
-            return WorkerDead(f"the model worker is dead: {self.error}")
-        if self._stopping or self.state == "stopped":
-            return ShuttingDown("the server is shutting down")
-        return None
+        return refusal(self.state, self._stopping, self.error)
 
     def reserve(self) -> QueuePlace:
         """A place in the queue for a request whose body is still to come; raises QueueFull,

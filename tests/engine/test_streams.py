@@ -402,6 +402,19 @@ def _blocked_question(sched, s, while_open, new=8):
     return gen, seen
 
 
+def _piece(sched, stream, frames, done):
+    """A function appending ``frames`` to ``stream`` on a turn of ``sched`` of its own, as
+    the server's ingest does, setting ``done`` when it is over."""
+    def piece():
+        t = sched.turn("piece")
+        try:
+            stream.append_frames(frames, turn=t)
+        finally:
+            t.close()
+            done.set()
+    return piece
+
+
 def test_a_piece_is_ingested_while_a_question_decodes(qwen):
     """A piece appended while a question about the stream decodes goes in at once (no turn
     taking): it even grows the stream's buffer under the fork, whose answer is still the one
@@ -415,13 +428,7 @@ def test_a_piece_is_ingested_while_a_question_decodes(qwen):
     sched, done = Scheduler(), threading.Event()
     seen_open = []
 
-    def piece():
-        asked_turn = sched.turn("piece")
-        try:
-            s.append_frames(frames[4:], turn=asked_turn)
-        finally:
-            asked_turn.close()
-            done.set()
+    piece = _piece(sched, s, frames[4:], done)
 
     def while_open():
         seen_open.append(s.status()["questions_open"])
@@ -451,13 +458,7 @@ def test_a_window_drop_waits_for_the_open_questions(qwen):
     sched, done = Scheduler(), threading.Event()
     during = []
 
-    def piece():
-        t = sched.turn("piece")
-        try:
-            win.append_frames(frames[4:], turn=t)
-        finally:
-            t.close()
-            done.set()
+    piece = _piece(sched, win, frames[4:], done)
 
     def while_open():
         threading.Thread(target=piece).start()

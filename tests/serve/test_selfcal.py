@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from conftest import embedded_without_config
 
-from mminfer.models.embedded import DEFAULT_MODEL_DIR
 from mminfer.serve.app import Settings, create_app
 from mminfer.serve.selfcal import CalibrationCache, weights_digest
 from mminfer.sparse.patterns import HeadPattern, HeadPatternConfig, a_shape
@@ -37,17 +37,6 @@ QUESTIONS = {"needle": "What number appears in the video?",
 needs_sparse = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
     reason="sparse prefill needs a GPU or TRITON_INTERPRET=1")
-
-
-def embedded_without_config(where: Path) -> Path:
-    """The embedded model's files, copied, without its head-pattern config (the folder keeps
-    the model's name: its identity)."""
-    d = where / "mminfer-embedded"
-    d.mkdir(parents=True)
-    for f in Path(DEFAULT_MODEL_DIR).iterdir():
-        if not f.name.startswith("mminfer_patterns"):
-            shutil.copy(f, d / f.name)
-    return d
 
 
 # ---------------------------------------------------------------------- the digest
