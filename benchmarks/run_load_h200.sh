@@ -8,6 +8,8 @@
 #   bash benchmarks/run_load_h200.sh                  # DURATION=120 s per mode
 # Then DECODERS (8) answers of 64 tokens decode at once, each over its own cached 115K-token
 # prefix, against one alone (the decode target: aggregate >= 4x alone, each <= 2x per token),
+# (DECODE_KV_GB: the video cache's room in that phase, e.g. 60 on an 80 GB H100, where the
+# default half of the card holds 6 of the 8 entries and the rest are rebuilt under the others),
 # and then as many questions about ONE cached 115K-token prefix (--decode-shared: they fork
 # one entry and each decode step reads it once for all of them), reported as decode.shared.
 # Requests ask for sparse attention (the shipped 7B head patterns: meaningless on random
@@ -75,5 +77,5 @@ timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/qwen7b
   --new-video "$WORK/new.mp4" $(for i in 0 1 2 3; do echo --cached-video "$WORK/cached$i.mp4"; done) \
   --duration-s "${DURATION:-120}" --hit-rate 2 --max-frames 768 --max-new-tokens 16 \
   --attention sparse --alone --decoders "${DECODERS:-8}" --decode-video "$WORK/decode.mp4" --decode-tokens 64 \
-  --decode-shared \
+  --decode-shared $([ -n "${DECODE_KV_GB:-}" ] && echo --decode-kv-cache-gb "$DECODE_KV_GB") \
   --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"

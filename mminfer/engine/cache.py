@@ -39,7 +39,9 @@ prefill. Every wait goes through :meth:`VideoCache.wait`, which a scheduler over
 its GPU turn away while it waits. One lock guards the bookkeeping; no lock is held while a
 prefix is built or restored from the host (a spill, which makes room for whoever asked,
 copies under it). A prefill that needs the memory asks :meth:`VideoCache.make_room`
-first. Only a finished prefix is kept: a cancelled or failed prefill leaves nothing behind.
+first: idle entries are spilled, and while the room is still short and other requests are in
+the cache (their entries pinned, their own rows held), it waits a bounded time for them to
+end. Only a finished prefix is kept: a cancelled or failed prefill leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -67,9 +69,9 @@ log = logging.getLogger(__name__)
 # spills what it needs room for: make_room); on the CPU, 2 GiB.
 GPU_SHARE = 0.5
 CPU_DEFAULT_BYTES = 2 << 30
-# Free memory kept for a new prefill on top of its KV cache: activations of its chunked
-# prefill (models/prefill.py: the MLP's chunk temporaries, q and the attention output).
-PREFILL_SLACK = 0.25
+# A prefill's working memory past the estimate its caller gives (Pipeline.prefill_bytes):
+# the allocator's rounding and fragmentation, the sparse plans, small temporaries.
+PREFILL_MARGIN = 0.10
 # how often a plain wait looks up from its event (an interrupt lands within this)
 WAIT_POLL_S = 0.1
 
@@ -217,8 +219,11 @@ class VideoCache:
         # idempotent, whatever interrupts it)
         self._reserving: set[Lease] = set()
         self._lock = threading.RLock()
+        self._in_use = 0                      # requests inside use() (leases open)
+        self._room_waiters: set[threading.Event] = set()   # make_room: set when one leaves
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
-                           evictions_host=0, inserted=0, rejected=0, build_waits=0)
+                           evictions_host=0, inserted=0, rejected=0, build_waits=0,
+                           room_waits=0)
 
     @property
     def _reserved(self) -> int:
@@ -250,15 +255,23 @@ class VideoCache:
         if it was on the host), read by this lease and any others at once; a miss yields a
         lease to :meth:`Lease.store` into. ``key`` None: the cache is off for this
         request."""
-        if key is None or not self.enabled:
-            yield Lease(None, None, "off")
-            return
-        lease = Lease(self, key)
+        with self._lock:
+            self._in_use += 1
         try:
-            self._open(lease)
-            yield lease
+            if key is None or not self.enabled:
+                yield Lease(None, None, "off")
+                return
+            lease = Lease(self, key)
+            try:
+                self._open(lease)
+                yield lease
+            finally:
+                self._close(lease)
         finally:
-            self._close(lease)
+            with self._lock:        # whoever waits for room looks again
+                self._in_use -= 1
+                for waiter in self._room_waiters:
+                    waiter.set()
 
     def _open(self, lease: Lease) -> None:
         t0 = time.perf_counter()
@@ -421,20 +434,65 @@ class VideoCache:
     def _bytes(self, tier: Tier) -> int:
         return sum(e.nbytes for e in self._entries.values() if e.tier is tier)
 
-    def make_room(self, need_bytes: int) -> None:
-        """Before a prefill that will hold ``need_bytes`` of KV cache: spill idle entries
-        until the device has that much free (plus the prefill's slack) or none is left."""
+    def make_room(self, need_bytes: int, wait_s: float = 0.0) -> int:
+        """Before a prefill that will hold ``need_bytes`` (its KV cache and working memory):
+        spill idle entries, least recently used first, until the device has that much free
+        (plus a margin) or none is left. While memory is still short and other requests are
+        in the cache (their entries pinned, their own rows held), wait for one of them to end
+        and try again, for up to ``wait_s`` seconds (through :meth:`wait`, so a scheduler
+        gives the turn away meanwhile: the others finish their work). Returns the bytes still
+        missing: 0 when there is room, or on a device it cannot measure."""
+        want = int(need_bytes * (1 + PREFILL_MARGIN))
+        deadline = time.monotonic() + wait_s
+        while True:
+            woken = threading.Event()      # a request leaving the cache, or the deadline
+            with self._lock:
+                short = self._spill_for(want)
+                others = self._in_use > 1
+                left = deadline - time.monotonic()
+                if short > 0 and others and left > 0:
+                    self._room_waiters.add(woken)
+                    self.counts["room_waits"] += 1
+            if woken not in self._room_waiters:
+                if short > 0:
+                    log.warning("video cache: %.2f GiB short of the %.2f GiB a prefill needs "
+                                "(other requests hold the rest); it runs anyway",
+                                short / 2**30, want / 2**30)
+                return max(short, 0)
+            timer = threading.Timer(left, woken.set)
+            timer.daemon = True
+            timer.start()
+            try:
+                self.wait(woken)
+            finally:
+                timer.cancel()
+                with self._lock:
+                    self._room_waiters.discard(woken)
+
+    def free_bytes(self) -> int | None:
+        """Bytes a new tensor can take on the device now: the driver's free memory and the
+        allocator's cached free blocks. None where it cannot be measured (the CPU)."""
         if self.device.type != "cuda":
-            return
-        want = int(need_bytes * (1 + PREFILL_SLACK))
-        with self._lock:
-            for key, e in list(self._entries.items()):
-                free, _ = torch.cuda.mem_get_info(self.device)
-                if free >= want:
-                    break
-                if e.tier is Tier.GPU and not e.readers:
-                    self._spill(key, e)
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+
+    def _spill_for(self, want: int) -> int:
+        """(Lock held.) Spill idle device entries until ``want`` bytes are free; the bytes
+        still missing (<= 0: room)."""
+        free = self.free_bytes()
+        if free is None:
+            return 0
+        for key, e in list(self._entries.items()):
+            if free >= want:
+                break
+            if e.tier is Tier.GPU and not e.readers:
+                self._spill(key, e)
+                if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+                free = self.free_bytes()
+        return want - free
 
     def offload(self) -> int:
         """Move every idle device entry to the host tier (within its budget); returns how

@@ -46,12 +46,16 @@ from mminfer.models.embedded import default_model
 from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
                                   sparse_refusal, sparse_unavailable)
 from mminfer.models.kv import ForkKV, kv_dtype
+from mminfer.models.prefill import DEFAULT_CHUNK as PREFILL_CHUNK
 from mminfer.video import DecodedVideo
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
 ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
 MAX_FPS = 60.0
 MAX_NEW_TOKENS = 4096
+# How long a new prefill waits for other requests to give back the device memory it needs
+# (their answers decoding over pinned entries end within seconds); then it runs anyway.
+ROOM_WAIT_S = 30.0
 STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engine.timing)
 # the scheduler turn of the request this thread runs (Pipeline.answer), for the cache's waits
 _current_turn: contextvars.ContextVar = contextvars.ContextVar("mminfer_turn", default=None)
@@ -281,6 +285,21 @@ class Pipeline:
         bits = torch.finfo(ad.kv_cache_dtype or self.dtype).bits
         return 2 * len(ad.text_model.layers) * k.out_features * bits // 8
 
+    def prefill_bytes(self, n: int) -> int:
+        """Device bytes a prefill of ``n`` tokens holds at its peak (models/prefill.py): the
+        KV cache it writes; per token, the residual stream (the embeddings, updated in
+        place), one layer's queries, K and V and attention output, and the rotary tables;
+        and one chunk's MLP temporaries (gate, up and their product)."""
+        ad = self.adapter
+        attn, mlp = ad.text_model.layers[0].self_attn, ad.text_model.layers[0].mlp
+        elt = torch.finfo(self.dtype).bits // 8
+        hidden, q_dim = attn.q_proj.in_features, attn.q_proj.out_features
+        kv_dim = attn.k_proj.out_features
+        per_token = (hidden + 2 * q_dim + 2 * kv_dim + 2 * attn.head_dim) * elt
+        chunk = min(n, ad.prefill_chunk or PREFILL_CHUNK)
+        return n * (self.kv_bytes_per_token + per_token) \
+            + chunk * mlp.gate_proj.out_features * elt * 3
+
     def _kv_key(self) -> str:
         """What the prefix's cache stores, for its key (read per request: an FP8 prefix is
         never a hit for a bf16 request, nor the other way)."""
@@ -489,7 +508,7 @@ class Pipeline:
                         built = self._build_prefix(video_path, conv, sampling, mode, options,
                                                    timer, check, keep_for_shadow,
                                                    shadow_max_bytes, max_new_tokens,
-                                                   cached=key is not None, digest=digest)
+                                                   digest=digest)
                     lease.store(built.entry)
                 entry = lease.entry
                 suffix = built.suffix if built else ad.suffix_embeds(conv)
@@ -559,7 +578,7 @@ class Pipeline:
         return lambda token, pos, cache, logits: turn.decode((token, pos, cache, logits), run)
 
     def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
-                      keep_for_shadow, shadow_max_bytes, max_new_tokens, cached,
+                      keep_for_shadow, shadow_max_bytes, max_new_tokens,
                       digest=None) -> BuiltPrefix:
         """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
         embeddings, and what the answer reports of the build. ``digest``: the video's
@@ -577,6 +596,11 @@ class Pipeline:
                 prep = ad.prepare(stream, conv, options or PrepareOptions())
             n = prep.total_tokens
             _check_context(n, prep.visual_tokens, max_new_tokens, ad.max_context)
+            # room for the embeddings and the prefill before the vision tower makes them:
+            # idle entries spill; what others pin (their questions decoding) is waited for
+            # while they finish, a bounded time, so the prefill does not run out of memory
+            self.video_cache.make_room(self.prefill_bytes(n + max_new_tokens),
+                                       wait_s=ROOM_WAIT_S)
             # tensor parallel: each rank runs the tower on its share of the chunks of frames,
             # then every rank gathers the others' features (mminfer.engine.parallel)
             shard = self._frame_shards()
@@ -603,9 +627,6 @@ class Pipeline:
         if observer is not None:                  # before the prefill overwrites embeds
             observer(ad, prep, embeds)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
-        if cached:     # the prefix, and this question's and answer's rows (its fork's)
-            self.video_cache.make_room((P + suffix.shape[1] + max_new_tokens)
-                                       * self.kv_bytes_per_token)
         # the prefix's rows alone: no question appends to them (each forks the prefix)
         kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=0)
         del embeds

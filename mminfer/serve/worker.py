@@ -213,6 +213,20 @@ def refusal(state: str, stopping: bool, error) -> MMInferError | None:
     return None
 
 
+def _memory_state() -> str:
+    """The device's memory in a log line (what an out-of-memory report needs)."""
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        free, total = torch.cuda.mem_get_info()
+        return (f"device free {free / 2**30:.2f} of {total / 2**30:.2f} GiB, allocated "
+                f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
+                f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB, peak "
+                f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    except Exception as e:      # noqa: BLE001 - a report, best effort
+        return f"memory state unknown ({e})"
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
@@ -537,6 +551,9 @@ class ModelWorker:
                 error = e
             except BaseException as e:     # noqa: BLE001
                 if _is_oom(e):
+                    log.warning("request %s ran out of memory (%s); %s", job.request_id,
+                                str(e).splitlines()[0][:300] if str(e) else type(e).__name__,
+                                _memory_state())
                     self._free_memory()
                     error = OutOfMemory("out of memory for this request; lower fps or "
                                         "max_frames")

@@ -273,6 +273,79 @@ def test_readers_of_a_host_entry_restore_it_once(monkeypatch):
     _consistent(cache)
 
 
+# ------------------------------------------------------------------ room for a prefill
+
+
+def _device_of(cache, capacity):
+    """The cache measures free memory as a device of ``capacity`` bytes holding its device
+    entries and nothing else."""
+    cache.free_bytes = lambda: capacity - cache._bytes(Tier.GPU)
+
+
+def test_make_room_spills_idle_entries_then_waits_for_a_reader_to_end():
+    cache = _cache(4, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    _device_of(cache, 3 * DEVICE_BYTES)          # one entry's room is free
+    pinned, ended, done = threading.Event(), threading.Event(), {}
+
+    def reader():                                # another request reading K[1]
+        with cache.use(K[1]) as lease:
+            assert lease.status == "hit"
+            pinned.set()
+            while cache.counts["room_waits"] == 0:
+                threading.Event().wait(0.01)
+            ended.set()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert pinned.wait(30)
+    with cache.use(K[2]) as lease:               # the prefill's own request
+        assert lease.status == "miss"
+        # room for all three entries' bytes: both must go, one is pinned until its reader ends
+        short = cache.make_room(int(2.5 * DEVICE_BYTES / 1.1), wait_s=60)
+        done["ended_first"] = ended.is_set()
+    t.join(30)
+    assert short == 0 and done["ended_first"]
+    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.HOST}
+    assert cache.counts["room_waits"] >= 1
+    _consistent(cache)
+
+
+def test_make_room_says_what_is_missing_when_nobody_else_can_free_it():
+    cache = _cache(4, 4)
+    _put(cache, K[0])
+    _device_of(cache, 2 * DEVICE_BYTES)
+    with cache.use(K[0]) as lease:               # its own entry: nobody else to wait for
+        assert lease.status == "hit"
+        short = cache.make_room(2 * DEVICE_BYTES, wait_s=60)
+    assert short > 0 and cache.counts["room_waits"] == 0
+    assert _tiers(cache) == {K[0]: Tier.GPU}
+
+
+def test_make_room_waits_no_longer_than_it_is_given():
+    cache = _cache(4, 4)
+    _put(cache, K[0])
+    _device_of(cache, 2 * DEVICE_BYTES)
+    pinned, stop = threading.Event(), threading.Event()
+
+    def reader():
+        with cache.use(K[0]):
+            pinned.set()
+            stop.wait(60)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert pinned.wait(30)
+    with cache.use(K[1]):
+        short = cache.make_room(2 * DEVICE_BYTES, wait_s=0.2)
+        still_reading = not stop.is_set()
+    stop.set()
+    t.join(30)
+    assert short > 0 and still_reading and cache.counts["room_waits"] >= 1
+    assert _tiers(cache) == {K[0]: Tier.GPU}
+
+
 # ------------------------------------------------------------------ one build, many waiters
 
 

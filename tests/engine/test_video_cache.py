@@ -358,3 +358,29 @@ def test_a_kept_prefix_answers_as_the_one_shot_prefill_on_the_gpu(qwen, mp4):
     a = pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=6)
     b = pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=6)
     assert (a.cache, b.cache, a.answer) == ("miss", "hit", b.answer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_prefill_stays_within_the_room_it_asks_for(tmp_path, kv_cache_dtype):
+    """What a new prefill asks the video cache to free (Pipeline.prefill_bytes) covers what it
+    holds at its peak on the GPU, and not by a wide margin (a 7B-like width, 40K tokens)."""
+    from mminfer.models.kv import PrefixKV
+    from mminfer.models.prefill import prefill
+    path = save_tiny_qwen2_5_vl(tmp_path / "wide", hidden=896, layers=2, heads=7, kv_heads=1,
+                                max_position_embeddings=65536)
+    pipe = Pipeline(str(path), attention="dense", device="cuda")
+    pipe.kv_cache_dtype = kv_cache_dtype
+    ad, n = pipe.adapter, 40000
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    embeds = torch.randn(1, n, 896, device="cuda", dtype=pipe.dtype)
+    kv = PrefixKV.for_model(ad.text_model, 0, dtype=ad.kv_cache_dtype)
+    prefill(ad.text_model, embeds, kv, kv_only_last=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    want = pipe.prefill_bytes(n)
+    assert peak <= want, (peak, want)
+    assert peak >= 0.5 * want, (peak, want)
