@@ -605,7 +605,12 @@ def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
     # the scheduler first: where a device call runs out of time, its figures are the ones kept
     chosen = a.modes if a.modes is not None else \
         ("" if a.data_parallel else "scheduler,serial")
-    out = [(name, named[name], 1) for name in chosen.split(",") if name]
+    out = []
+    for name in (n for n in chosen.split(",") if n):
+        if name.startswith("scheduler@"):       # the scheduler with another --decode-share
+            out.append((name, common + ["--decode-share", name.split("@", 1)[1]], 1))
+        else:
+            out.append((name, named[name], 1))
     for n in (int(x) for x in (a.data_parallel or "").split(",") if x):
         if n == 1:
             out.append(("dp1", common, 1))
@@ -639,8 +644,9 @@ def main(argv=None):
     p.add_argument("--alone", action="store_true",
                    help="ask the new video once alone first (the TTFT ratio's baseline)")
     p.add_argument("--modes", default=None,
-                   help="serial (--max-num-seqs 1) and/or scheduler (the default server); "
-                        "default: both, or none with --data-parallel")
+                   help="serial (--max-num-seqs 1), scheduler (the default server), "
+                        "scheduler@F (with --decode-share F), comma-separated; "
+                        "default: scheduler,serial, or none with --data-parallel")
     p.add_argument("--data-parallel", default=None, metavar="N,N...",
                    help="engine counts to compare, e.g. 1,2: N > 1 runs `mminfer serve "
                         "--data-parallel N` per --dp-routing mode, N = 1 the ordinary server; "

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -787,3 +788,13 @@ def test_load_selfcal_summary_says_when_no_answer_came_sparse():
     assert s["sent_while_busy"] == 1           # request 2 went while request 1 ran
     assert "1.100x dense's (1.100x over the answers still dense), 1 of 2 requests over 1.05x" \
         in s["verdict"]
+
+
+def test_load_modes_name_the_servers_they_start():
+    """`--modes scheduler@0.1` is the default server with that decode share, beside the others."""
+    load = load_script("benchmarks/load.py", "load_bench")
+    a = SimpleNamespace(modes="scheduler,scheduler@0.1,serial", data_parallel=None)
+    got = {name: args for name, args, _ in load.modes_of(a, ["--model", "m"])}
+    assert got == {"scheduler": ["--model", "m"],
+                   "scheduler@0.1": ["--model", "m", "--decode-share", "0.1"],
+                   "serial": ["--model", "m", "--max-num-seqs", "1"]}
