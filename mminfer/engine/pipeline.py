@@ -41,7 +41,7 @@ from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
 from mminfer.kernels import fp8_attention, sparsity
 from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Turn,
                                  resolve_checkpoint)
-from mminfer.models.decode import step_batch
+from mminfer.models.decode import choose_path, decoder_of, step_batch
 from mminfer.models.embedded import default_model
 from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
                                   sparse_refusal, sparse_unavailable)
@@ -369,13 +369,15 @@ class Pipeline:
             return None
         return FrameShards(self.rank, self.tensor_parallel)
 
-    def warmup(self, *, force: bool = False, frames: int = 16) -> dict:
+    def warmup(self, *, force: bool = False, frames: int = 16, batch: int = 0) -> dict:
         """Compile, before the first user waits, what the first long request would compile:
         the vision tower's and the prefill's kernels and, where sparse attention can run, the
         estimator's proxy and the sparse kernel variants of the head patterns (measured on the
         H200: a first LongVILA request took 27.9 s instead of 11.4 s). A short synthetic
         video, two prompt lengths, one divisible by 16 and one not (Triton specialises integer
-        arguments on that). On the CPU nothing is compiled, so it does nothing unless
+        arguments on that). ``batch``: also capture the batched decode step's CUDA graphs for
+        up to that many answers at once (each size's first use would otherwise stall every
+        request for its capture). On the CPU nothing is compiled, so it does nothing unless
         ``force``. Returns what it ran and how long it took."""
         if self.device.type != "cuda" and not force:
             return {"ran": False, "why": "nothing to compile on the CPU"}
@@ -419,6 +421,9 @@ class Pipeline:
             out["row_tiles"] = fp8_attention.warm(
                 layer.keys, layer.values, layer.k_scale, layer.v_scale,
                 group * layer.keys.shape[1], embeds.dtype)
+        if batch > 1 and self.device.type == "cuda" and choose_path(ad) == "graph":
+            dec = decoder_of(ad)
+            out["batch_graphs"] = dec.capture_batches(batch, dec.position_ids(None, kv))
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out
 

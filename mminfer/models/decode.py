@@ -268,6 +268,16 @@ class LeanDecoder:
             self._batch[key] = graphs
         return graphs
 
+    def capture_batches(self, most: int, position_ids) -> list[int]:
+        """Capture the batched step now for every size of BATCH_SIZES that batches of up to
+        ``most`` answers use (a server's warm-up: a size's first use would otherwise stall
+        every request while it is captured); ``position_ids``: one answer's. Returns the
+        sizes captured."""
+        sizes = [s for s in BATCH_SIZES if s < most] + \
+            [next((s for s in BATCH_SIZES if s >= most), BATCH_SIZES[-1])]
+        with self._lock:
+            return [s for s in sizes if self.batch_graphs(s, position_ids) is not None]
+
     def graph_pool(self):
         """The memory pool every capture of this model shares (None off CUDA): one step's
         graphs replay at a time (``_lock``), so the captures' temporaries share memory."""

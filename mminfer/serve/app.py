@@ -150,7 +150,7 @@ def load_pipeline(s: Settings, model_path: str) -> Pipeline:
                     kv_host_cache_gb=s.kv_host_cache_gb,
                     kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization)
     # kernels compile here, before /health says ready, not in a user's first request
-    warm = pipe.warmup()
+    warm = pipe.warmup(batch=s.max_num_seqs)
     if warm.get("ran"):
         log.info("warm-up: %s", warm)
     return pipe

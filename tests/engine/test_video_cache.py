@@ -384,3 +384,16 @@ def test_a_prefill_stays_within_the_room_it_asks_for(tmp_path, kv_cache_dtype):
     want = pipe.prefill_bytes(n)
     assert peak <= want, (peak, want)
     assert peak >= 0.5 * want, (peak, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_warm_up_captures_the_batched_decode_steps(qwen, mp4):
+    """A server's warm-up (batch = --max-num-seqs) captures every batch size its batches use,
+    so no request stalls for a capture; a batch then replays them with each answer's own
+    tokens."""
+    from mminfer.models.decode import decoder_of
+    pipe = Pipeline(str(qwen), attention="dense", device="cuda")
+    warm = pipe.warmup(batch=6)
+    assert warm["batch_graphs"] == [2, 4, 8]
+    assert sorted(size for size, _ in decoder_of(pipe.adapter)._batch) == [2, 4, 8]
