@@ -45,7 +45,7 @@ from mminfer.models.decode import step_batch
 from mminfer.models.embedded import default_model
 from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
                                   sparse_refusal, sparse_unavailable)
-from mminfer.models.kv import ForkKV, kv_dtype
+from mminfer.models.kv import ForkKV, kv_dtype, tail_rows
 from mminfer.video import DecodedVideo
 
 # Adapter modules, tried in order; each exposes ``ADAPTER`` (see mminfer.models.base).
@@ -497,13 +497,18 @@ class Pipeline:
                 _check_context(n, entry.facts.visual_tokens, max_new_tokens, ad.max_context)
                 _check(check, "before the question's prefill")
                 # the prefix is read only, shared with every other question about it: this
-                # question's and answer's rows go into a fork of its own
-                fork = ForkKV(entry.kv, entry.length, headroom=max_new_tokens)
-                gen = ad.continue_on(fork, suffix, rope_delta=entry.rope_delta,
-                                     max_new_tokens=max_new_tokens, cancel=generation_check,
-                                     on_token=on_token, timer=timer,
-                                     sampling_params=sampling_params,
-                                     stepper=self._stepper(turn))
+                # question's and answer's rows go into a fork of its own, in the prefix's
+                # tail if no other question holds it (then it decodes over a cache in one
+                # piece); given back before the lease ends, however the answer ends
+                fork = ForkKV(entry.kv, entry.length, headroom=max_new_tokens, claim=True)
+                try:
+                    gen = ad.continue_on(fork, suffix, rope_delta=entry.rope_delta,
+                                         max_new_tokens=max_new_tokens, cancel=generation_check,
+                                         on_token=on_token, timer=timer,
+                                         sampling_params=sampling_params,
+                                         stepper=self._stepper(turn))
+                finally:
+                    fork.release()
                 status, restore_ms = lease.status, lease.restore_ms
                 # after the last token (never in the time to first token) and inside the
                 # total: the stages add up to it; wall clock, as the count ends on host reads.
@@ -603,11 +608,16 @@ class Pipeline:
         if observer is not None:                  # before the prefill overwrites embeds
             observer(ad, prep, embeds)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
-        if cached:     # the prefix, and this question's and answer's rows (its fork's)
-            self.video_cache.make_room((P + suffix.shape[1] + max_new_tokens)
+        # the prefix's rows and its tail, where one question at a time (this one first)
+        # writes its rows (ForkKV claim=True); no question writes the prefix's rows. A kept
+        # prefix's tail is tail_rows (charged while kept); one kept by nobody, this question's
+        own = suffix.shape[1] + max_new_tokens
+        tail = tail_rows(P) if cached else own
+        if cached:     # the prefix and its tail, and this question's and answer's rows if
+            # the tail has no room for them (its fork's)
+            self.video_cache.make_room((P + tail + (own if own > tail else 0))
                                        * self.kv_bytes_per_token)
-        # the prefix's rows alone: no question appends to them (each forks the prefix)
-        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=0)
+        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=tail)
         del embeds
         resized = prep.tensors.get("resized")
         facts = PrefixFacts(

@@ -15,7 +15,7 @@ from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import Cancelled, InputError
 from mminfer.models.base import VIDEO, Conversation, Turn
 from mminfer.models.hooks import PrefillContext
-from mminfer.models.kv import ForkKV, PrefixKV
+from mminfer.models.kv import TAIL_ROWS, ForkKV, PrefixKV, tail_rows
 from mminfer.sparse.modality import ModalityIndex
 
 from conftest import write_video
@@ -227,15 +227,21 @@ def test_an_entry_over_the_budget_is_served_not_kept():
     assert cache.stats()["gpu_entries"] == 0 and cache.stats()["rejected"] == 1
 
 
-def test_an_entry_holds_its_prefix_alone_and_questions_never_change_it(pipe, mp4):
+def test_an_entry_holds_its_prefix_and_tail_and_questions_never_change_its_rows(pipe, mp4):
     pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=4)
     (entry,) = pipe.video_cache._entries.values()
-    # the prefix's rows, no room past them: its builder's question went into a fork
-    assert entry.kv.length == entry.kv.capacity == entry.length
+    # the prefix's rows and its tail, charged: its builder's question wrote into the tail
+    # through a fork, and gave it back
+    room = tail_rows(entry.length)
+    assert 0 < room <= TAIL_ROWS
+    assert entry.kv.length == entry.length and entry.kv.capacity == entry.length + room
+    assert entry.nbytes == entry.kv.held_bytes == entry.kv.bytes_at(entry.length + room)
+    assert entry.kv.claims == 1 and not entry.kv.tail_claimed
     rows = [layer.keys.clone() for layer in entry.kv.layers]
     nbytes = entry.nbytes
     assert pipe.answer(mp4, "and the colour?", fps=4.0, max_new_tokens=4).cache == "hit"
-    assert entry.kv.length == entry.kv.capacity == entry.length and entry.nbytes == nbytes
+    assert entry.kv.length == entry.length and entry.kv.capacity == entry.length + room
+    assert entry.nbytes == nbytes and entry.kv.claims == 2 and not entry.kv.tail_claimed
     assert all(torch.equal(layer.keys, r) for layer, r in zip(entry.kv.layers, rows))
 
 
