@@ -235,6 +235,29 @@ def test_readers_share_an_entry_and_never_change_it():
     _consistent(cache)
 
 
+def test_an_entry_spills_without_its_tail_and_comes_back_with_it():
+    """On the host an entry keeps its rows alone; restored, its tail again, which a reader
+    claims (its rows written after the entry's, which stay as they were)."""
+    cache = _cache(1, 2)
+    first = _put(cache, K[0])
+    rows = _rows(first)
+    _put(cache, K[1])
+    assert first.tier is Tier.HOST and first.kv.capacity == ROWS
+    assert first.nbytes == first.kv.held_bytes == HOST_BYTES
+    with cache.use(K[0]) as lease:
+        assert lease.status == "host" and first.tier is Tier.GPU
+        assert first.kv.capacity == ROWS + tail_rows(ROWS) and first.nbytes == DEVICE_BYTES
+        fork = ForkKV(first.kv, ROWS, headroom=2, claim=True)
+        assert fork.in_tail
+        for layer in range(2):
+            k, _ = fork.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), layer)
+            assert k.shape[-2] == ROWS + 3 and k.data_ptr() == \
+                first.kv.layers[layer].k_buf.data_ptr()
+        fork.release()
+    assert _same_rows(first, rows) and first.kv.length == ROWS
+    _consistent(cache)
+
+
 def test_readers_of_a_host_entry_restore_it_once(monkeypatch):
     """Two readers of an entry on the host at once: one brings it back, the other waits for
     that (pinned meanwhile) and reads it on the device."""
