@@ -8,7 +8,10 @@ buffer with room past the prompt (``headroom`` tokens); an update writes its row
 the layer's ``keys``/``values`` are views of the rows written so far. Rows ``[0, prefix)`` are
 never written again once the prefix is built, so a question appends its own rows after the
 prefix, reads every row, and :meth:`PrefixKV.truncate` gives the buffer back to the prefix for
-the next question without copying anything.
+the next question without copying anything. A kept prefix that many questions read at once
+is forked instead (:class:`ForkKV`): each reader's rows in buffers of its own, except one
+reader at a time, which writes its rows in place into the prefix's room past its rows (its
+tail: :data:`TAIL_ROWS`) and so reads a cache in one piece.
 
 The layers subclass transformers' ``DynamicLayer`` and keep its ``keys``/``values`` attributes,
 so the mask sizes and sequence lengths transformers reads from them stay right (5.17 and 5.24).
