@@ -64,8 +64,8 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
 
 def tail_rows(length: int) -> int:
     """The tail a kept prefix of ``length`` rows keeps past them: TAIL_ROWS, but never more
-    than the prefix's own rows (a prefix of a few frames at most doubles; its decode steps
-    are not the ones the split kernel slows)."""
+    than the prefix's own rows (a prefix of a few frames at most doubles; at its length
+    attention is a small part of a decode step, so its readers lose little outside it)."""
     return max(0, min(TAIL_ROWS, int(length)))
 
 
@@ -452,11 +452,12 @@ class ForkLayer(DynamicLayer):
 
     @property
     def k_scale(self):
-        return self.base.k_scale
+        """The prefix's FP8 scales (as they were when it was forked), which its rows use."""
+        return self.own.k_scale
 
     @property
     def v_scale(self):
-        return self.base.v_scale
+        return self.own.v_scale
 
     @property
     def in_tail(self) -> bool:
@@ -559,9 +560,8 @@ class ForkKV(DynamicCache):
     tail, this reader takes it (:attr:`in_tail`) and writes its rows there in place: its
     layers' ``keys``/``values`` are plain views of the prefix's buffers, carrying no
     ``kv_prefix``, so every attention path (the hook, the lean step and its CUDA graphs, the
-    batched step) runs the kernels of a cache in one piece — a lone reader decodes as fast
-    as over a prefix of its own (the split kernel costs +28 % a step at 115K tokens on an
-    H100). One reader at a time: the others read ``[0, shared)`` alone, as ordinary forks,
+    batched step) runs the kernels a prefix of its own would run (the split kernel over two
+    segments measured +28 % a decode step at 115K tokens on an H100). One reader at a time: the others read ``[0, shared)`` alone, as ordinary forks,
     and never see the tail. Rows the tail has no room for move the reader's rows into
     buffers of its own (:class:`ForkLayer`). The tail is given back by :meth:`release`
     (call it when the answer is done: a reader that held the tail cannot be used after),
