@@ -11,14 +11,19 @@ the linear layers (fp8 or none), and the turns before the video. A changed byte,
 config is another key: a miss, never a stale hit. An FP8 entry holds half of bf16's bytes
 and moves between the tiers as it is.
 
-Memory: an entry is charged every byte it keeps (``PrefixKV.held_bytes``: its rows and the
-FP8 scales; it is built and restored without room past them). An entry is read only: every
-question about it, its builder's too, forks it (mminfer.models.kv.ForkKV: the prefix's rows
-shared, the question's and answer's rows in buffers of the request's own), so any number of
-questions read one entry at once and none changes its bytes. So the tensors of idle entries
-stay within ``gpu_bytes`` and ``host_bytes``; a request being answered holds its own
+Memory: an entry is charged every byte it keeps (``PrefixKV.held_bytes``: its rows, the FP8
+scales and, on the device, its tail: ``tail_rows`` rows of room past them, at most
+mminfer.models.kv.TAIL_ROWS; built and restored with it, spilled to the host without it).
+An entry's rows are read only: every question about it, its builder's too, forks it
+(mminfer.models.kv.ForkKV: the prefix's rows shared). One of them at a time claims the tail
+and writes its question's and answer's rows there in place, so that lone reader decodes over
+a cache in one piece (the split attention over two segments is slower); the others write
+theirs into buffers of the request's own. So any number of questions read one entry at
+once and none changes its bytes or rows. So the tensors of idle entries stay within
+``gpu_bytes`` and ``host_bytes``; a request being answered outside the tail holds its own
 question's and answer's rows on top until it ends, and a prefix being built or restored has
-its room reserved (other entries spilled) before it is kept or moved in.
+its room reserved (other entries spilled) before it is kept or moved in. An entry is pinned
+while read, so one whose tail is claimed is never moved.
 
 Tiers (vLLM's v1 KV offload, at entry granularity): entries live on the model's device within
 ``gpu_bytes`` (``--kv-cache-gb``); the least recently used spill to pinned host memory within
@@ -59,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mminfer.models.kv import PrefixKV
+from mminfer.models.kv import PrefixKV, tail_rows
 from mminfer.sparse.modality import ModalityIndex
 
 log = logging.getLogger(__name__)
@@ -377,12 +382,13 @@ class VideoCache:
     def _restore(self, lease: Lease, entry: Entry) -> None:
         """A host entry back on the device, its room made first. All or nothing: if the move
         raises, the entry is still on the host, counted there."""
-        need = entry.kv.bytes_at(entry.length)
+        room = tail_rows(entry.length)            # the tail a lone reader writes in
+        need = entry.kv.bytes_at(entry.length + room)
         with self._lock:
             lease.reserved = need
             self._reserving.add(lease)
             self._fit_gpu(self.gpu_budget)
-        entry.kv.move(self.device)
+        entry.kv.move(self.device, headroom=room)
         with self._lock:
             entry.tier, entry.nbytes = Tier.GPU, entry.kv.held_bytes
             self._reserving.discard(lease)

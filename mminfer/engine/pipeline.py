@@ -45,7 +45,7 @@ from mminfer.models.decode import choose_path, decoder_of, step_batch
 from mminfer.models.embedded import default_model
 from mminfer.models.hooks import (AUTO_NEVER, MODES, PrefillContext, auto_min_tokens,
                                   sparse_refusal, sparse_unavailable)
-from mminfer.models.kv import ForkKV, kv_dtype
+from mminfer.models.kv import ForkKV, kv_dtype, tail_rows
 from mminfer.models.prefill import DEFAULT_CHUNK as PREFILL_CHUNK
 from mminfer.video import DecodedVideo
 
@@ -513,7 +513,7 @@ class Pipeline:
                         built = self._build_prefix(video_path, conv, sampling, mode, options,
                                                    timer, check, keep_for_shadow,
                                                    shadow_max_bytes, max_new_tokens,
-                                                   digest=digest)
+                                                   cached=key is not None, digest=digest)
                     lease.store(built.entry)
                 entry = lease.entry
                 suffix = built.suffix if built else ad.suffix_embeds(conv)
@@ -521,13 +521,18 @@ class Pipeline:
                 _check_context(n, entry.facts.visual_tokens, max_new_tokens, ad.max_context)
                 _check(check, "before the question's prefill")
                 # the prefix is read only, shared with every other question about it: this
-                # question's and answer's rows go into a fork of its own
-                fork = ForkKV(entry.kv, entry.length, headroom=max_new_tokens)
-                gen = ad.continue_on(fork, suffix, rope_delta=entry.rope_delta,
-                                     max_new_tokens=max_new_tokens, cancel=generation_check,
-                                     on_token=on_token, timer=timer,
-                                     sampling_params=sampling_params,
-                                     stepper=self._stepper(turn))
+                # question's and answer's rows go into a fork of its own, in the prefix's
+                # tail if no other question holds it (then it decodes over a cache in one
+                # piece); given back before the lease ends, however the answer ends
+                fork = ForkKV(entry.kv, entry.length, headroom=max_new_tokens, claim=True)
+                try:
+                    gen = ad.continue_on(fork, suffix, rope_delta=entry.rope_delta,
+                                         max_new_tokens=max_new_tokens, cancel=generation_check,
+                                         on_token=on_token, timer=timer,
+                                         sampling_params=sampling_params,
+                                         stepper=self._stepper(turn))
+                finally:
+                    fork.release()
                 status, restore_ms = lease.status, lease.restore_ms
                 # after the last token (never in the time to first token) and inside the
                 # total: the stages add up to it; wall clock, as the count ends on host reads.
@@ -583,7 +588,7 @@ class Pipeline:
         return lambda token, pos, cache, logits: turn.decode((token, pos, cache, logits), run)
 
     def _build_prefix(self, video_path, conv, sampling, mode, options, timer, cancel,
-                      keep_for_shadow, shadow_max_bytes, max_new_tokens,
+                      keep_for_shadow, shadow_max_bytes, max_new_tokens, cached,
                       digest=None) -> BuiltPrefix:
         """decode -> preprocess -> vision -> the prefix's prefill: an Entry, the suffix's
         embeddings, and what the answer reports of the build. ``digest``: the video's
@@ -604,8 +609,9 @@ class Pipeline:
             # room for the embeddings and the prefill before the vision tower makes them:
             # idle entries spill; what others pin (their questions decoding) is waited for
             # while they finish, a bounded time, so the prefill does not run out of memory
-            self.video_cache.make_room(self.prefill_bytes(n + max_new_tokens),
-                                       wait_s=ROOM_WAIT_S)
+            self.video_cache.make_room(
+                self.prefill_bytes(n + max_new_tokens + tail_rows(prep.prefix_len)),
+                wait_s=ROOM_WAIT_S)
             # tensor parallel: each rank runs the tower on its share of the chunks of frames,
             # then every rank gathers the others' features (mminfer.engine.parallel)
             shard = self._frame_shards()
@@ -632,8 +638,12 @@ class Pipeline:
         if observer is not None:                  # before the prefill overwrites embeds
             observer(ad, prep, embeds)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
-        # the prefix's rows alone: no question appends to them (each forks the prefix)
-        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=0)
+        # the prefix's rows and its tail, where one question at a time (this one first)
+        # writes its rows (ForkKV claim=True); no question writes the prefix's rows. A kept
+        # prefix's tail is tail_rows (charged while kept); one kept by nobody, this question's
+        own = suffix.shape[1] + max_new_tokens
+        tail = tail_rows(P) if cached else own
+        kv = ad.prefill_prefix(prep, embeds, ctx=ctx, timer=timer, headroom=tail)
         del embeds
         resized = prep.tensors.get("resized")
         facts = PrefixFacts(

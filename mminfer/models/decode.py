@@ -27,7 +27,9 @@ module machinery, keeps the graphs independent of any cache (one capture serves 
 question), and replays exactly the eager step's kernels, so the tokens are the eager step's.
 An FP8 cache (``--kv-cache-dtype fp8``) is attended there by the flash-decoding kernel that
 reads e4m3 tiles (mminfer.kernels.fp8_attention), the one the hook runs in the eager step, and
-so is a reader's ForkKV over a kept prefix (its own rows after the shared ones, either dtype).
+so is a reader's ForkKV over a kept prefix (its own rows after the shared ones, either dtype);
+a reader whose rows are in the prefix's tail (``ForkKV(claim=True)``) is a cache in one piece,
+written and attended as a PrefixKV is.
 Capture happens on a model's first decode (its time falls in that request's "generate").
 
 Answers decoding together (``step_batch``, the scheduler's batched step) run
@@ -64,7 +66,7 @@ from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
 from mminfer.models.hooks import (current, decode_backends, fork_attention,
                                   fork_group_attention)
-from mminfer.models.kv import ForkKV, ForkLayer, SlabLayer
+from mminfer.models.kv import ForkKV, ForkLayer, SlabLayer, prefix_of
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -376,7 +378,7 @@ class StepGraphs(_Segments):
         with decode_backends(self.q[0], 1):
             for i, slab in enumerate(slabs):
                 keys, values = slab.update(self.k[i], self.v[i])
-                if isinstance(slab, ForkLayer):    # a reader of a shared prefix: the hook's
+                if prefix_of(keys) is not None:    # a reader of a shared prefix: the hook's
                     self.attn.copy_(fork_attention(self.q[i], keys, values, self.scale))
                 elif slab.quantized:   # FP8 cache: the kernel the attention hook runs
                     self.attn.copy_(fp8_attention(self.q[i], keys, values, slab.k_scale,
@@ -396,10 +398,14 @@ class StepGraphs(_Segments):
         if (not layers or len(layers) != len(self.dec.layers)
                 or any(a.self_attn.layer_idx != i for i, a in enumerate(self.dec.layers))):
             return None
-        if all(isinstance(x, ForkLayer) for x in layers):
+        forks = all(isinstance(x, ForkLayer) for x in layers)
+        if forks and not any(x.in_tail for x in layers):
             # a ForkKV: the hook and the direct step call the same launcher (fork_attention)
             return list(layers)
-        if not all(isinstance(x, SlabLayer) and x.length > 0 for x in layers):
+        # a PrefixKV, or a ForkKV whose rows are in its prefix's tail (a cache in one piece,
+        # attended as one; should its rows leave the tail, the step sees their kv_prefix)
+        if not (forks or all(isinstance(x, SlabLayer) for x in layers)) or any(
+                x.get_seq_length() == 0 or x.keys is None for x in layers):
             return None
         if all(x.quantized for x in layers):
             # FP8: the hook and the direct step call the same launcher (fp8_attention) on the
@@ -484,11 +490,13 @@ def _capture(dev, fns, pool=None) -> list:
 
 def prefix_groups(caches) -> list[list[int]]:
     """The indices of ``caches`` that fork one prefix (ForkKV over the same PrefixKV, the
-    same number of rows shared), for each prefix forked by two or more: their decode step's
+    same number of rows shared, their rows not in its tail), for each prefix forked by two or
+    more: their decode step's
     attention reads the prefix once for all of them (``LeanDecoder.step_many``)."""
     by_prefix: dict = {}
     for j, c in enumerate(caches):
-        if isinstance(c, ForkKV) and c.layers:
+        # a reader in its prefix's tail attends as a cache in one piece, alone
+        if isinstance(c, ForkKV) and c.layers and not c.in_tail:
             by_prefix.setdefault((id(c.prefix), c.layers[0].shared), []).append(j)
     return [g for g in by_prefix.values() if len(g) > 1]
 

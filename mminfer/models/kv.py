@@ -8,7 +8,10 @@ buffer with room past the prompt (``headroom`` tokens); an update writes its row
 the layer's ``keys``/``values`` are views of the rows written so far. Rows ``[0, prefix)`` are
 never written again once the prefix is built, so a question appends its own rows after the
 prefix, reads every row, and :meth:`PrefixKV.truncate` gives the buffer back to the prefix for
-the next question without copying anything.
+the next question without copying anything. A kept prefix that many questions read at once
+is forked instead (:class:`ForkKV`): each reader's rows in buffers of its own, except one
+reader at a time, which writes its rows in place into the prefix's room past its rows (its
+tail: :data:`TAIL_ROWS`) and so reads a cache in one piece.
 
 The layers subclass transformers' ``DynamicLayer`` and keep its ``keys``/``values`` attributes,
 so the mask sizes and sequence lengths transformers reads from them stay right (5.17 and 5.24).
@@ -30,12 +33,23 @@ Quantising runs a chunk of rows at a time, so its fp32 temporaries stay small at
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 # Rows of room past the prompt: a question and its answer (grown, one copy, when more is asked).
 HEADROOM = 1024
+# Rows a kept prefix keeps past its own (its tail, :func:`tail_rows`), where one reader at a
+# time writes its question's and answer's rows in place (ForkKV ``claim=True``) and so decodes
+# over a cache in one piece. A question and its answer: a chat template's question is tens of
+# tokens, an answer tens to a few hundred (the server's default max_tokens is 32). At the 7B
+# shapes (28 layers, 4 KV heads of 128, bf16) 1024 rows are 58.7 MB: 0.9 % of a 115K-token
+# prefix (6.6 GB), 0.1 % of a 1.05M-token one; a longer question or answer leaves the tail
+# for buffers of its own (ForkLayer).
+TAIL_ROWS = 1024
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0          # e4m3fn's largest finite value
@@ -46,6 +60,17 @@ QUANT_CHUNK = 32768
 CUT_CHUNK = 8192
 # what "--kv-cache-dtype" takes (vLLM's names): "auto" is the model's dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
+
+
+def tail_rows(length: int) -> int:
+    """The tail a kept prefix of ``length`` rows keeps past them: TAIL_ROWS, but never more
+    than the prefix's own rows (a prefix of a few frames at most doubles; at its length
+    attention is a small part of a decode step, so its readers lose little outside it)."""
+    return max(0, min(TAIL_ROWS, int(length)))
+
+
+# guards every prefix's tail claim (taken and given back by whichever request thread)
+_CLAIM_LOCK = threading.Lock()
 
 
 def kv_dtype(name):
@@ -144,6 +169,18 @@ class SlabLayer(DynamicLayer):
             k_new[..., :self.length, :].copy_(self.k_buf[..., :self.length, :])
             v_new[..., :self.length, :].copy_(self.v_buf[..., :self.length, :])
         self.k_buf, self.v_buf = k_new, v_new
+
+    def load(self, k, v) -> None:
+        """``k``/``v`` ``[B, Hkv, n, D]``, rows already in the storage dtype (FP8: quantised
+        with this layer's scales), as the layer's only rows, with ``headroom`` rows of room
+        past them."""
+        n = k.shape[-2]
+        self.k_buf = self.v_buf = None
+        self._grow(n + self.headroom, k, v)
+        self.k_buf[..., :n, :].copy_(k)
+        self.v_buf[..., :n, :].copy_(v)
+        self.device, self.is_initialized = k.device, True
+        self._set_length(n)
 
     def _set_length(self, n: int) -> None:
         self.length = n
@@ -262,6 +299,10 @@ class PrefixKV(DynamicCache):
             super().__init__(config=None)
         self.store_dtype = kv_dtype(dtype)
         self.layers = [SlabLayer(headroom, self.store_dtype) for _ in range(n_layers)]
+        # the reader whose rows are in the tail now (a weak reference to its _TailClaim: a
+        # fork dropped without ForkKV.release frees the tail with it), and how many claimed it
+        self._tail = None
+        self.claims = 0
 
     @classmethod
     def for_model(cls, text_model, headroom: int = HEADROOM, dtype=None) -> "PrefixKV":
@@ -294,13 +335,39 @@ class PrefixKV(DynamicCache):
         """:attr:`held_bytes` once every layer has room for ``rows`` rows."""
         return sum(layer.bytes_at(rows) for layer in self.layers)
 
+    @property
+    def tail_claimed(self) -> bool:
+        """A reader's rows are in the room past the rows (ForkKV ``claim=True``)."""
+        held = self._tail
+        return held is not None and held() is not None
+
+    def _claim_tail(self, shared: int) -> "_TailClaim | None":
+        """The room past the rows for one reader of all of them, or None: another reader
+        holds it, there is none, or ``shared`` is not every row (the rows after it are the
+        prefix's, never a reader's to write)."""
+        with _CLAIM_LOCK:
+            if self.tail_claimed or not self.layers or any(
+                    layer.k_buf is None or layer.length != shared or layer.capacity <= shared
+                    for layer in self.layers):
+                return None
+            claim = _TailClaim(self, len(self.layers))
+            self._tail = weakref.ref(claim)
+            self.claims += 1
+            return claim
+
+    def _unclaimed(self, what: str) -> None:
+        if self.tail_claimed:
+            raise RuntimeError(f"cannot {what} a prefix while a reader's rows are in its tail")
+
     def truncate(self, n: int) -> None:
         """Back to the first ``n`` rows (a question's rows after its prefix are dropped)."""
+        self._unclaimed("truncate")
         for layer in self.layers:
             layer.crop(n)
 
     def cut(self, start: int, n: int) -> None:
         """Rows ``[start, start + n)`` of every layer dropped (:meth:`SlabLayer.cut`)."""
+        self._unclaimed("cut rows of")
         for layer in self.layers:
             layer.cut(start, n)
 
@@ -308,6 +375,7 @@ class PrefixKV(DynamicCache):
         """Leave at most ``room`` rows of room past the rows held: a layer with more is copied
         into a smaller buffer, one layer at a time (one layer's rows of extra memory while it
         runs; a failure part way leaves every layer whole)."""
+        self._unclaimed("trim")
         for layer in self.layers:
             if layer.capacity > layer.length + room:
                 layer.move(layer.device, headroom=room)
@@ -315,12 +383,39 @@ class PrefixKV(DynamicCache):
     def move(self, device, *, pin: bool = False, headroom: int = 0) -> None:
         """Every layer to ``device`` (see :meth:`SlabLayer.move`), all or nothing: the new
         buffers are allocated and filled for every layer before any layer takes them, so an
-        error while copying (out of memory, an interrupt) leaves the cache where it was."""
+        error while copying (out of memory, an interrupt) leaves the cache where it was. A
+        reader holding the tail (never one of a video cache entry's: its readers pin it)
+        keeps the old buffers, which it writes and reads alone from then on; the new ones'
+        tail is free."""
         copied = [layer._copied(device, pin, headroom) if layer.k_buf is not None else None
                   for layer in self.layers]
         for layer, c in zip(self.layers, copied):
             if c is not None:
                 layer._adopt(device, c)
+        with _CLAIM_LOCK:
+            self._tail = None
+
+
+class _TailClaim:
+    """One reader's hold on a prefix's tail, shared by its ForkLayers: given back by
+    :meth:`ForkKV.release`, when the last of its layers has left the tail, or when the fork
+    is dropped (the prefix refers to it weakly)."""
+
+    __slots__ = ("prefix", "left", "__weakref__")
+
+    def __init__(self, prefix: PrefixKV, layers: int):
+        self.prefix, self.left = prefix, layers
+
+    def layer_left(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.give_back()
+
+    def give_back(self) -> None:
+        with _CLAIM_LOCK:
+            p, self.prefix = self.prefix, None
+            if p is not None and p._tail is not None and p._tail() is self:
+                p._tail = None
 
 
 class ForkLayer(DynamicLayer):
@@ -329,17 +424,45 @@ class ForkLayer(DynamicLayer):
     prefix's storage dtype; FP8 rows quantised with the prefix's scales, as rows appended
     to the prefix's own slab would be). ``keys``/``values`` are the views of the reader's
     rows, carrying the prefix's views as ``kv_prefix`` (:func:`prefix_of`) and, FP8, their
-    scales as ``kv_scale``."""
+    scales as ``kv_scale``.
 
-    def __init__(self, base: SlabLayer, shared: int, headroom: int):
+    With a claim on the prefix's tail (``claim``), the reader's rows go instead into the
+    prefix's own buffers after the shared rows, through ``tail`` (a SlabLayer over those
+    buffers), and ``keys``/``values`` are plain views ``[..., :shared + own, :]`` of them:
+    a cache in one piece, attended as one. A write the tail has no room for first moves the
+    rows written there into the own SlabLayer (at most TAIL_ROWS rows: a small copy, once),
+    and the layer is an ordinary one from then on; the prefix's rows are never moved."""
+
+    def __init__(self, base: SlabLayer, shared: int, headroom: int, claim=None):
         super().__init__()
         self.base, self.shared = base, int(shared)
         self.own = SlabLayer(headroom, base.store_dtype)
         self.own.k_scale, self.own.v_scale = base.k_scale, base.v_scale
+        self.claim, self.tail, self.released = claim, None, False
+        if claim is not None:
+            tail = self.tail = SlabLayer(0, base.store_dtype)
+            tail.k_buf, tail.v_buf = base.k_buf, base.v_buf
+            tail.k_scale, tail.v_scale = base.k_scale, base.v_scale
+            tail.device, tail.is_initialized = base.k_buf.device, True
+            tail.length = self.shared
 
     @property
     def quantized(self) -> bool:
         return self.own.quantized
+
+    @property
+    def k_scale(self):
+        """The prefix's FP8 scales (as they were when it was forked), which its rows use."""
+        return self.own.k_scale
+
+    @property
+    def v_scale(self):
+        return self.own.v_scale
+
+    @property
+    def in_tail(self) -> bool:
+        """Its rows are in the prefix's tail: ``keys``/``values`` are a cache in one piece."""
+        return self.tail is not None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
@@ -353,26 +476,59 @@ class ForkLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        tail = self.tail
+        if tail is not None:
+            if tail.length + key_states.shape[-2] <= tail.k_buf.shape[-2]:
+                self.keys, self.values = tail.update(key_states, value_states)
+                return self.keys, self.values
+            self._leave_tail()
+        elif self.released:
+            raise RuntimeError("this fork gave its prefix's tail back (ForkKV.release): its "
+                               "rows there are not its own any more")
         self.own.update(key_states, value_states)
         self._views()
         return self.keys, self.values
+
+    def _leave_tail(self) -> None:
+        """The rows written in the tail into the own SlabLayer (as they are stored), the
+        tail left: an ordinary fork layer from here."""
+        tail, a = self.tail, self.shared
+        if tail.length > a:
+            self.own.load(tail.k_buf[..., a:tail.length, :], tail.v_buf[..., a:tail.length, :])
+        self.tail = None
+        self._views()
+        self.claim.layer_left()
 
     def _views(self) -> None:
         self.keys, self.values = self.own.keys, self.own.values
         if self.keys is not None:
             self.keys.kv_prefix, self.values.kv_prefix = self.prefix()
 
+    def _release(self) -> None:
+        """The tail given back: its rows there are no longer this layer's."""
+        if self.tail is not None:
+            self.tail = None
+            self.keys = self.values = None
+            self.released = True
+
     def get_seq_length(self, *args) -> int:
+        if self.tail is not None:
+            return self.tail.length
         return self.shared + self.own.length
 
     def crop(self, max_length: int) -> None:
         if max_length < 0:
             max_length = self.get_seq_length() + max_length
-        if self.own.k_buf is not None:
+        if self.tail is not None:
+            self.tail.crop(max(max_length, self.shared))
+            self.keys, self.values = self.tail.keys, self.tail.values
+        elif self.own.k_buf is not None:
             self.own.crop(max(max_length - self.shared, 0))
             self._views()
 
     def reset(self) -> None:
+        if self.tail is not None:
+            self.tail.length = self.shared
         self.own.reset()
         self.own.k_scale, self.own.v_scale = self.base.k_scale, self.base.v_scale
         self.keys = self.values = None
@@ -380,7 +536,7 @@ class ForkLayer(DynamicLayer):
 
     @property
     def held_bytes(self) -> int:
-        """The reader's own buffers (the shared rows are the prefix's)."""
+        """The reader's own buffers (the shared rows and the tail are the prefix's)."""
         return self.own.held_bytes
 
 
@@ -397,9 +553,23 @@ class ForkKV(DynamicCache):
     Any number of readers fork one prefix at once; the attention over the two segments is
     one flash-decoding launch (mminfer.kernels.fp8_attention.split_attention, through
     mminfer.models.hooks), which reads them as their concatenation without making it. Its
-    owner drops it when the answer is done: nothing to truncate."""
+    owner drops it when the answer is done: nothing to truncate.
 
-    def __init__(self, prefix: PrefixKV, shared: int, headroom: int = HEADROOM):
+    ``claim=True``: where the prefix keeps room past its rows (its tail: a video cache
+    entry's, :func:`tail_rows`), ``shared`` is all of them and no other reader holds the
+    tail, this reader takes it (:attr:`in_tail`) and writes its rows there in place: its
+    layers' ``keys``/``values`` are plain views of the prefix's buffers, carrying no
+    ``kv_prefix``, so every attention path (the hook, the lean step and its CUDA graphs, the
+    batched step) runs the kernels a prefix of its own would run (the split kernel over two
+    segments measured +28 % a decode step at 115K tokens on an H100). One reader at a time: the others read ``[0, shared)`` alone, as ordinary forks,
+    and never see the tail. Rows the tail has no room for move the reader's rows into
+    buffers of its own (:class:`ForkLayer`). The tail is given back by :meth:`release`
+    (call it when the answer is done: a reader that held the tail cannot be used after),
+    when every layer has left it, or when the fork is dropped. Only a prefix no one appends
+    to may be claimed (a video cache entry; a live stream's cache is never)."""
+
+    def __init__(self, prefix: PrefixKV, shared: int, headroom: int = HEADROOM,
+                 claim: bool = False):
         try:
             super().__init__()
         except TypeError:     # pragma: no cover - signatures that insist on arguments
@@ -408,7 +578,9 @@ class ForkKV(DynamicCache):
             raise ValueError(f"the prefix holds fewer than the {shared} rows to share")
         self.prefix = prefix
         self.store_dtype = prefix.store_dtype
-        self.layers = [ForkLayer(layer, shared, headroom) for layer in prefix.layers]
+        self._claim = prefix._claim_tail(shared) if claim else None
+        self.layers = [ForkLayer(layer, shared, headroom, self._claim)
+                       for layer in prefix.layers]
 
     def get_seq_length(self, layer_idx: int = 0, *args) -> int:
         return self.layers[layer_idx].get_seq_length() if self.layers else 0
@@ -416,6 +588,25 @@ class ForkKV(DynamicCache):
     @property
     def length(self) -> int:
         return self.get_seq_length()
+
+    @property
+    def in_tail(self) -> bool:
+        """It holds the prefix's tail and its layers' rows are there (a cache in one
+        piece); once a write outgrows the tail, or after :meth:`release`, False."""
+        claim = self._claim
+        return claim is not None and claim.left > 0
+
+    def release(self) -> None:
+        """Give the prefix's tail back, if this reader holds it (idempotent; nothing for an
+        ordinary fork). Its rows there become the next claimer's to overwrite: a reader that
+        held the tail raises on its next write."""
+        claim, self._claim = self._claim, None
+        if claim is None:
+            return
+        for layer in self.layers:
+            layer._release()
+        claim.left = 0
+        claim.give_back()
 
     @property
     def held_bytes(self) -> int:

@@ -14,9 +14,10 @@ from conftest import write_video
 GiB = 2 ** 30
 BYTES_PER_ROW = 4096          # the embedded model: K and V of every layer, fp32
 PREFIX_ROWS = 48              # about what the tiny clips' prefixes hold (checked below)
-ENTRY = PREFIX_ROWS * BYTES_PER_ROW          # an entry keeps its rows alone
-# two or three entries on the device, two to four host copies
-GPU_BUDGET, HOST_BUDGET = 2 * ENTRY, 2 * ENTRY
+ENTRY = PREFIX_ROWS * BYTES_PER_ROW          # an entry's rows (its host copy keeps them alone)
+# two or three entries on the device (each keeps a tail as long as its rows, tail_rows: these
+# prefixes are short), two to four host copies
+GPU_BUDGET, HOST_BUDGET = 4 * ENTRY, 2 * ENTRY
 OTHERS = [(1, 2.0), (2, 2.0), (1, 4.0)]
 LONG = "Describe every frame of the clip again, slowly and in detail. " * 6   # > a prefix
 

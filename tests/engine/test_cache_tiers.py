@@ -14,7 +14,7 @@ from mminfer.engine.cache import Entry, PrefixFacts, Tier, VideoCache, cache_key
 from mminfer.engine.pipeline import Pipeline
 from mminfer.engine.scheduler import Scheduler
 from mminfer.errors import Cancelled
-from mminfer.models.kv import ForkKV, PrefixKV
+from mminfer.models.kv import ForkKV, PrefixKV, tail_rows
 from mminfer.sparse.modality import ModalityIndex
 
 from conftest import write_video
@@ -23,8 +23,8 @@ ROWS = 16
 
 
 def _entry(rows=ROWS):
-    """A prefix of ``rows`` random rows (2 layers), no room past them (as a build keeps)."""
-    kv = PrefixKV(2, headroom=0)
+    """A prefix of ``rows`` random rows (2 layers) and its tail (as a build keeps)."""
+    kv = PrefixKV(2, headroom=tail_rows(rows))
     for layer in range(2):
         kv.update(torch.randn(1, 2, rows, 8), torch.randn(1, 2, rows, 8), layer)
     return Entry(kv=kv, length=rows, rope_delta=0,
@@ -32,7 +32,7 @@ def _entry(rows=ROWS):
                  facts=PrefixFacts(attention="dense", visual_tokens=0, video={}))
 
 
-DEVICE_BYTES = _entry().kv.held_bytes          # an entry on the device
+DEVICE_BYTES = _entry().kv.held_bytes          # an entry on the device: rows and tail
 HOST_BYTES = _entry().kv.nbytes                # on the host: its rows alone
 K = [cache_key(v=i) for i in range(8)]
 
@@ -216,11 +216,12 @@ def test_an_interrupted_wait_pins_nothing(monkeypatch):
 
 
 def test_readers_share_an_entry_and_never_change_it():
-    """Several leases read one entry at once (each forks it), it is charged its rows alone,
-    and the readers' own rows leave its bytes and its tensors as they were."""
+    """Several leases read one entry at once (each forks it), it is charged its rows and
+    its tail, and the readers' own rows leave its bytes and its tensors as they were."""
     cache = _cache(2, 1)
     entry = _put(cache, K[0])
-    assert entry.nbytes == DEVICE_BYTES == entry.kv.bytes_at(ROWS)
+    assert entry.nbytes == DEVICE_BYTES == entry.kv.bytes_at(ROWS + tail_rows(ROWS))
+    assert DEVICE_BYTES == 2 * HOST_BYTES      # a short prefix: a tail as long as its rows
     rows = _rows(entry)
     with cache.use(K[0]) as a, cache.use(K[0]) as b:
         assert (a.status, b.status) == ("hit", "hit") and entry.readers == {a, b}
@@ -231,6 +232,29 @@ def test_readers_share_an_entry_and_never_change_it():
             assert fork.get_seq_length() == ROWS + 500
         assert entry.kv.held_bytes == DEVICE_BYTES and _same_rows(entry, rows)
     assert entry.nbytes == entry.kv.held_bytes == DEVICE_BYTES
+    _consistent(cache)
+
+
+def test_an_entry_spills_without_its_tail_and_comes_back_with_it():
+    """On the host an entry keeps its rows alone; restored, its tail again, which a reader
+    claims (its rows written after the entry's, which stay as they were)."""
+    cache = _cache(1, 2)
+    first = _put(cache, K[0])
+    rows = _rows(first)
+    _put(cache, K[1])
+    assert first.tier is Tier.HOST and first.kv.capacity == ROWS
+    assert first.nbytes == first.kv.held_bytes == HOST_BYTES
+    with cache.use(K[0]) as lease:
+        assert lease.status == "host" and first.tier is Tier.GPU
+        assert first.kv.capacity == ROWS + tail_rows(ROWS) and first.nbytes == DEVICE_BYTES
+        fork = ForkKV(first.kv, ROWS, headroom=2, claim=True)
+        assert fork.in_tail
+        for layer in range(2):
+            k, _ = fork.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), layer)
+            assert k.shape[-2] == ROWS + 3 and k.data_ptr() == \
+                first.kv.layers[layer].k_buf.data_ptr()
+        fork.release()
+    assert _same_rows(first, rows) and first.kv.length == ROWS
     _consistent(cache)
 
 

@@ -10,7 +10,7 @@ import torch
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import ConfigError
-from mminfer.models.kv import FP8
+from mminfer.models.kv import FP8, tail_rows
 
 from conftest import write_video
 
@@ -75,15 +75,20 @@ def test_host_tier_moves_fp8_rows_and_scales(qwen, mp4):
     entry = _entry(pipe)
     layer = entry.kv.layers[0]
     bits, scale = layer.keys.view(torch.uint8).clone(), layer.k_scale.clone()
-    nbytes = entry.nbytes
+    nbytes, rows = entry.nbytes, entry.kv.nbytes
+    # on the device the rows, their scales and the tail; on the host the rows and scales
+    assert nbytes == entry.kv.bytes_at(entry.length + tail_rows(entry.length)) > rows
     assert pipe.video_cache.offload() == 1 and entry.tier == "host"
-    # the host copy holds the rows and their scales alone, as the device's does
-    assert pipe.video_cache.stats()["host_bytes"] == entry.nbytes == entry.kv.nbytes == nbytes
+    assert pipe.video_cache.stats()["host_bytes"] == entry.nbytes == entry.kv.nbytes == rows
+    assert entry.kv.capacity == entry.length
     assert layer.k_buf.dtype == FP8 and layer.k_scale is not None
     back = pipe.answer(mp4, Q, fps=4.0, max_new_tokens=3)
     assert back.cache == "host" and back.answer == a.answer
     assert torch.equal(layer.keys[..., :entry.length, :].view(torch.uint8), bits)
     assert torch.equal(layer.k_scale, scale) and entry.nbytes == nbytes
+    # restored with its tail, which the hit's question claimed and gave back
+    assert entry.kv.capacity == entry.length + tail_rows(entry.length)
+    assert entry.kv.claims == 2 and not entry.kv.tail_claimed
 
 
 def test_the_flag_reaches_pipeline_settings_and_batch():

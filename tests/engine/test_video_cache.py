@@ -15,7 +15,7 @@ from mminfer.engine.pipeline import Pipeline
 from mminfer.errors import Cancelled, InputError
 from mminfer.models.base import VIDEO, Conversation, Turn
 from mminfer.models.hooks import PrefillContext
-from mminfer.models.kv import ForkKV, PrefixKV
+from mminfer.models.kv import TAIL_ROWS, ForkKV, PrefixKV, tail_rows
 from mminfer.sparse.modality import ModalityIndex
 
 from conftest import write_video
@@ -227,16 +227,51 @@ def test_an_entry_over_the_budget_is_served_not_kept():
     assert cache.stats()["gpu_entries"] == 0 and cache.stats()["rejected"] == 1
 
 
-def test_an_entry_holds_its_prefix_alone_and_questions_never_change_it(pipe, mp4):
+def test_an_entry_holds_its_prefix_and_tail_and_questions_never_change_its_rows(pipe, mp4):
     pipe.answer(mp4, "where does the red square move?", fps=4.0, max_new_tokens=4)
     (entry,) = pipe.video_cache._entries.values()
-    # the prefix's rows, no room past them: its builder's question went into a fork
-    assert entry.kv.length == entry.kv.capacity == entry.length
+    # the prefix's rows and its tail, charged: its builder's question wrote into the tail
+    # through a fork, and gave it back
+    room = tail_rows(entry.length)
+    assert 0 < room <= TAIL_ROWS
+    assert entry.kv.length == entry.length and entry.kv.capacity == entry.length + room
+    assert entry.nbytes == entry.kv.held_bytes == entry.kv.bytes_at(entry.length + room)
+    assert entry.kv.claims == 1 and not entry.kv.tail_claimed
     rows = [layer.keys.clone() for layer in entry.kv.layers]
     nbytes = entry.nbytes
     assert pipe.answer(mp4, "and the colour?", fps=4.0, max_new_tokens=4).cache == "hit"
-    assert entry.kv.length == entry.kv.capacity == entry.length and entry.nbytes == nbytes
+    assert entry.kv.length == entry.length and entry.kv.capacity == entry.length + room
+    assert entry.nbytes == nbytes and entry.kv.claims == 2 and not entry.kv.tail_claimed
     assert all(torch.equal(layer.keys, r) for layer, r in zip(entry.kv.layers, rows))
+
+
+def test_questions_on_a_cached_video_decode_in_its_tail_one_at_a_time(pipe, mp4):
+    """The builder's question and each hit's claim the entry's tail (they decode over a
+    cache in one piece) and give it back when they end, cancelled too; a hit asked while
+    another reader holds the tail decodes through an ordinary fork. Every time the same
+    answer."""
+    q = "where does the red square move?"
+    first = pipe.answer(mp4, q, fps=4.0, max_new_tokens=6)
+    (entry,) = pipe.video_cache._entries.values()
+    kv = entry.kv
+    assert first.cache == "miss" and kv.claims == 1 and not kv.tail_claimed
+    again = pipe.answer(mp4, q, fps=4.0, max_new_tokens=6)
+    assert again.cache == "hit" and kv.claims == 2 and not kv.tail_claimed
+    assert again.answer == first.answer and again.tokens["generated"] == \
+        first.tokens["generated"]
+    holder = ForkKV(kv, entry.length, claim=True)          # another reader's answer
+    assert holder.in_tail and kv.claims == 3
+    other = pipe.answer(mp4, q, fps=4.0, max_new_tokens=6)
+    assert other.cache == "hit" and kv.claims == 3 and kv.tail_claimed
+    assert other.answer == first.answer
+    holder.release()
+    tokens = []
+    with pytest.raises(Cancelled):
+        pipe.answer(mp4, q, fps=4.0, max_new_tokens=6, on_token=lambda t, i: tokens.append(i),
+                    cancel=lambda: len(tokens) > 1)
+    assert kv.claims == 4 and not kv.tail_claimed and len(tokens) == 2
+    assert pipe.answer(mp4, q, fps=4.0, max_new_tokens=6).answer == first.answer
+    assert kv.claims == 5 and not kv.tail_claimed
 
 
 def test_cancel_mid_prefill_leaves_nothing(pipe, mp4):
