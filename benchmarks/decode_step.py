@@ -138,21 +138,28 @@ def time_path(ad, kv, n, mode, steps, warm, first):
     return ms, out, first_s
 
 
-def time_fork(ad, kv, n, mode, steps, warm, first):
-    """:func:`time_path` on a fresh ForkKV of ``kv``'s ``n`` rows each time."""
+def time_fork(ad, kv, n, mode, steps, warm, first, claim=False):
+    """:func:`time_path` on a fresh ForkKV of ``kv``'s ``n`` rows each time; ``claim``: the
+    fork writes into the prefix's tail (a lone question on a kept video: its cache in one
+    piece), given back after each run."""
     dev = ad.device
     t0 = time.perf_counter()
-    decode.decode_loop(ad, ForkKV(kv, n, warm + 1), [first], rope_delta=7,
-                       max_new_tokens=1 + warm, mode=mode)
+    fork = ForkKV(kv, n, warm + 1, claim=claim)
+    decode.decode_loop(ad, fork, [first], rope_delta=7, max_new_tokens=1 + warm, mode=mode)
+    fork.release()
     sync(dev)
     first_s = time.perf_counter() - t0
-    fork = ForkKV(kv, n, steps + 1)
+    fork = ForkKV(kv, n, steps + 1, claim=claim)
+    if claim and not kv.tail_claimed:
+        raise RuntimeError("the fork did not claim the prefix's tail (no room past the rows)")
     sync(dev)
     t0 = time.perf_counter()
     out = decode.decode_loop(ad, fork, [first], rope_delta=7, max_new_tokens=1 + steps,
                              mode=mode)
     sync(dev)
-    return (time.perf_counter() - t0) * 1e3 / steps, out, first_s
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    fork.release()
+    return ms, out, first_s
 
 
 def time_fork_with(fn, ad, kv, n, mode, steps, warm, first):
@@ -581,6 +588,14 @@ def main(argv=None):
                 row["fork_ms"] = None
                 row["fork_error"] = f"{type(e).__name__}: {e}"
                 print(f"  fork failed at {n} tokens: {row['fork_error']}")
+            try:        # a lone question on a kept video: its rows in the prefix's tail
+                ms, out, _ = time_fork(ad, kv, n, modes[-1], steps, warm, first, claim=True)
+                row["tail_ms"] = round(ms, 3)
+                tokens["tail"] = out
+            except Exception as e:          # reported, the other paths still measured
+                row["tail_ms"] = None
+                row["tail_error"] = f"{type(e).__name__}: {e}"
+                print(f"  tail failed at {n} tokens: {row['tail_error']}")
             for name in fork_flash.VARIANTS:     # measured only: lab/experiments/fork_flash.py
                 try:
                     ms, out, _ = time_fork_with(fork_flash.variant(name), ad, kv, n, modes[-1],
@@ -648,16 +663,19 @@ def main(argv=None):
 
     print()
     print(f"{'tokens':>9} {'floor':>7} {'step':>8} {'lean':>8} {'graph':>8} {'fork':>8} "
-          f"{'fork8':>8} {'each8':>8} {'attn':>7} {'splitK':>7} {'segs':>7}  same tokens")
+          f"{'tail':>8} {'fork8':>8} {'each8':>8} {'attn':>7} {'splitK':>7} {'segs':>7}  "
+          f"same tokens")
     for r in report["rows"]:
         f = functools.partial(cell, r)
         print(f"{r['n']:>9} {r['floor_ms']:7.2f} {f('step_ms')} {f('lean_ms')} "
-              f"{f('graph_ms')} {f('fork_ms')} {f('fork8_ms')} {f('fork8_each_ms')} "
+              f"{f('graph_ms')} {f('fork_ms')} {f('tail_ms')} {f('fork8_ms')} "
+              f"{f('fork8_each_ms')} "
               f"{f('attention_ms')[1:]} {f('splitk_ms')[1:]} "
               f"{f('segments_ms')[1:]}  "
               f"{r['same_tokens']}{'  (' + r['note'] + ')' if r['note'] else ''}")
     print("ms a decode step; fork: the lean step's fastest path over a fork of the cache (a "
-          "question on a kept video); fork8: one batched step of 8 questions about one "
+          "question on a kept video, beside others); tail: the same fork writing into the "
+          "prefix's tail (a lone question: its cache in one piece); fork8: one batched step of 8 questions about one "
           "kept video (the prefix read once a step for all), each8: the same step attending "
           "per question; floor: weights + K/V once at 4.8 TB/s; attn: every "
           "layer's decode "
