@@ -387,3 +387,40 @@ def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
     # it came back only after the step, with its result
     assert events.index("step done") < events.index(f"{rider} back")
     assert out[rider] == rider
+
+
+def test_a_batch_waits_for_nobody_once_every_decoding_answer_is_pending():
+    """The last answer back to its step wakes the turn gathering the batch: with a gather
+    window far longer than the test, every step still runs as soon as all four are pending
+    (no gather ends by its timeout), and every batch holds all four."""
+    s = Scheduler(gather_s=30.0)
+    sizes, lock = [], threading.Lock()
+
+    def run(items):
+        with lock:
+            sizes.append(len(items))
+        return [i + 1 for i in items]
+
+    got, both = {}, threading.Barrier(4)
+
+    def answer(name):
+        t = s.turn(name)
+        try:
+            t.decoding()                   # all four decoding before the first step
+            both.wait(10)
+            i = 0
+            for _ in range(5):
+                i = t.decode(i, run)
+            got[name] = i
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer, args=(f"a{k}",), daemon=True)
+               for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert not any(th.is_alive() for th in threads), "a batch waited for its gather window"
+    assert got == {f"a{k}": 5 for k in range(4)}
+    assert sizes == [4] * 5 and s.gather_timeouts == 0
