@@ -397,7 +397,9 @@ class Turn:
                         s._grant()
                     self._gap_end(gap)
                     raise Cancelled("request cancelled while waiting for its decode step")
-                self._cond.wait(s.poll_s)
+                # in a running batch, the batch's end wakes it (and nothing else may): no
+                # polling that would take the GIL from the thread launching the step
+                self._cond.wait(None if self._in_batch else s.poll_s)
             if s._holder is self and self._result is _NONE and self._error is None:
                 batch = self._gather()
             else:
