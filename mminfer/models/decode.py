@@ -606,10 +606,18 @@ def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_token
 def _stepped_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, choose,
                   stepper):
     eos = adapter.eos_token_ids
+    # every step's position at once: a step takes a view of it (no device work of its own
+    # between the batched steps, where the answers' threads run one at a time)
+    start = cache.get_seq_length()
+    ahead = adapter.positions_after(rope_delta, start, max(max_new_tokens - len(out), 1))
     while len(out) < max_new_tokens and out[-1] not in eos:
         if cancel is not None and cancel():
             raise Cancelled(f"request cancelled after {len(out)} answer tokens")
-        pos = adapter.positions_after(rope_delta, cache.get_seq_length(), 1)
+        i = cache.get_seq_length() - start
+        if ahead is not None and 0 <= i < ahead.shape[-1]:
+            pos = ahead[..., i:i + 1]
+        else:
+            pos = adapter.positions_after(rope_delta, start + i, 1)
         got = stepper(out[-1], pos, cache, choose is not None)
         out.append(int(got) if choose is None else choose(got))
         if emit is not None and emit(out[-1]):

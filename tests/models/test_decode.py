@@ -58,6 +58,28 @@ def test_lean_step_decodes_as_the_models_forward(kind, prepared):
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, seed=3)])
+def test_a_stepper_decodes_as_the_loop(kind, sampling, prepared):
+    """The loop the server runs (each step through a stepper: step_batch, as the scheduler's
+    batch of one) gives the loop's own tokens and writes the same cache rows: every step at
+    its own position."""
+    ad, prep, embeds = prepared[kind]
+    steps = []
+
+    def stepper(token, pos, cache, logits):
+        steps.append(token)
+        return decode.step_batch(ad, [(token, pos, cache, logits)])[0]
+
+    kv_ref, ref = _answer(ad, prep, embeds, "lean", headroom=3, sampling_params=sampling)
+    kv, got = _answer(ad, prep, embeds, "lean", headroom=3, sampling_params=sampling,
+                      stepper=stepper)
+    assert got.token_ids == ref.token_ids and len(steps) == 13
+    assert kv.get_seq_length() == kv_ref.get_seq_length()
+    for a, b in zip(kv.layers, kv_ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_lean_step_logits_track_the_forward_step_by_step(prepared):
     """Each lean step's token is the argmax of the forward's logits at that step, and a wrong
     position would show: the step takes the positions the adapter gives."""
