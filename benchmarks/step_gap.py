@@ -53,8 +53,12 @@ def _timed_step_batch(log):
     return real, step_batch
 
 
-def measure(pipe, n: int, tokens: int, clip: Path, sampling_params=None) -> dict:
-    """N answers about ``clip`` (cached) decoding together: the gaps between their steps."""
+def measure(pipe, n: int, tokens: int, clip: Path, temperature: float = 0.0,
+            stagger: int = 0) -> dict:
+    """N answers about ``clip`` (cached) decoding together: the gaps between their steps
+    (``temperature`` > 0: each answer sampled, seeded by its index; answer i asks for
+    ``tokens - i * stagger`` tokens, so they end one after another)."""
+    from mminfer.models.sampler import SamplingParams
     sched = Scheduler()
     log: list = []
     real, timed = _timed_step_batch(log)
@@ -66,9 +70,11 @@ def measure(pipe, n: int, tokens: int, clip: Path, sampling_params=None) -> dict
         turn = sched.turn(f"a{i}")
         try:
             results[i] = pipe.answer(clip, QUESTIONS[i % len(QUESTIONS)], fps=2.0,
-                                     max_new_tokens=tokens, turn=turn,
+                                     max_new_tokens=max(tokens - i * stagger, 2), turn=turn,
                                      on_token=lambda text, tid: texts[i].append(tid),
-                                     sampling_params=sampling_params)
+                                     sampling_params=SamplingParams(
+                                         temperature=temperature, seed=i)
+                                     if temperature else None)
         except BaseException as e:     # noqa: BLE001 - reported
             errors.append(e)
         finally:
@@ -113,6 +119,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--answers", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=32, help="max_new_tokens of each answer")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: every answer sampled (seeded), its sampler run on each step's "
+                         "logits")
+    ap.add_argument("--stagger", type=int, default=0,
+                    help="answer i asks for --tokens minus i times this (they end apart)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per N (the best median kept)")
     ap.add_argument("--model", default=None, help="default: the embedded model")
     ap.add_argument("--device", default="cpu")
@@ -129,7 +140,8 @@ def main(argv=None):
     pipe.adapter.eos_token_ids = ()
     rows = []
     for n in args.answers:
-        runs = [measure(pipe, n, args.tokens, clip) for _ in range(args.repeat)]
+        runs = [measure(pipe, n, args.tokens, clip, args.temperature, args.stagger)
+                for _ in range(args.repeat)]
         best = min(runs, key=lambda r: r["gap_ms_median"] if r["gap_ms_median"] is not None
                    else float("inf"))
         rows.append(best)
@@ -139,7 +151,9 @@ def main(argv=None):
               f"gather timeouts {best['gather_timeouts']}  wall {best['wall_s']} s",
               flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "tokens": args.tokens}, indent=1))
+        Path(args.out).write_text(json.dumps({"rows": rows, "tokens": args.tokens,
+                                              "temperature": args.temperature,
+                                              "stagger": args.stagger}, indent=1))
 
 
 if __name__ == "__main__":
