@@ -31,11 +31,12 @@ step), then the prefill resumes. An ``IDLE`` class (the shadow monitor's dense r
 only when nothing else waits and yields to anything.
 
 Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
-steps and gives the turn up; whichever of them is granted the turn first waits a moment for
-the other answers in their decode phase to join (they come back within microseconds of their
-last token), runs every pending step as one batched step (the caller's ``run``: one pass of
-the decoder layers over all of them, attention per answer over its own cache), hands each its
-result and gives the turn back. A batch of one is an answer decoding alone, on its own path.
+steps and gives the turn up; whichever of them is granted the turn first waits for the other
+answers in their decode phase to join (they come back within microseconds of their last token,
+and the last one wakes it; ``gather_s`` bounds the wait for one that is late), runs every
+pending step as one batched step (the caller's ``run``: one pass of the decoder layers over all
+of them, attention per answer over its own cache), hands each its result, waking only those
+answers, and gives the turn back. A batch of one is an answer decoding alone, on its own path.
 
 Time spent waiting for others before the first token is reported as a stage of its own
 (``wait``): the turn records a gap in the request's StageTimer, which subtracts it from the
