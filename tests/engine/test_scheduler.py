@@ -424,3 +424,51 @@ def test_a_batch_waits_for_nobody_once_every_decoding_answer_is_pending():
     assert not any(th.is_alive() for th in threads), "a batch waited for its gather window"
     assert got == {f"a{k}": 5 for k in range(4)}
     assert sizes == [4] * 5 and s.gather_timeouts == 0
+
+
+def test_every_wake_up_of_answers_decoding_together_is_a_notify():
+    """Polling only looks for stops: with poll and gather windows far longer than the test,
+    answers still get the turn, decode in batches and finish while other requests take turns
+    for their first work — every hand-over wakes its thread (the granted turn, the gathering
+    turn, the answers of a finished batch)."""
+    s = Scheduler(poll_s=600.0, gather_s=600.0)
+    done, lock = [], threading.Lock()
+
+    def run(items):
+        return [i + 1 for i in items]
+
+    def answer(name):
+        t = s.turn(name)
+        try:
+            assert t.acquire()              # first work: its question's rows
+            t.checkpoint()
+            t.decoding()
+            i = 0
+            for _ in range(6):
+                t.checkpoint()
+                i = t.decode(i, run)
+            with lock:
+                done.append((name, i))
+        finally:
+            t.close()
+
+    def hit(name):
+        t = s.turn(name)
+        try:
+            assert t.acquire()
+            t.checkpoint()
+            with lock:
+                done.append((name, "first"))
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer, args=(f"a{k}",), daemon=True) for k in range(4)]
+    threads += [threading.Thread(target=hit, args=(f"h{k}",), daemon=True) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not any(th.is_alive() for th in threads), "a hand-over waited for a poll"
+    assert sorted(done) == [(f"a{k}", 6) for k in range(4)] + [(f"h{k}", "first")
+                                                              for k in range(2)]
+    assert s.state()["active"] == 0 and s.batched_steps == 24
