@@ -205,11 +205,13 @@ class Scheduler:
         return True
 
     def _batch_ready(self) -> bool:
-        """(Under the lock.) Every answer in its decode phase has its step pending (or the
-        batch is full): a batch gathered now waits for nobody."""
+        """(Under the lock.) Every answer in its decode phase waits: its step pending, or it
+        waits for the turn at a step boundary (it cannot come before the batch has run); or
+        the batch is full. A batch gathered now waits for nobody."""
         if len(self._pending) >= self.max_batch:
             return True
-        return all(t in self._pending for t in self._turns if t.kind == DECODE and not t.closed)
+        return all(t in self._pending or t in self._waiting
+                   for t in self._turns if t.kind == DECODE and not t.closed)
 
     def _poke_gatherer(self):
         """(Under the lock.) The set of pending or decoding answers changed: the turn gathering
