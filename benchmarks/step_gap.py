@@ -12,6 +12,10 @@ and p90 between two full steps (all N answers in both), the step's median, and t
 gather waits (steps that began after waiting the whole ``gather_s`` for an answer that was not
 back yet).
 
+Every answer decodes all ``--tokens`` (end tokens are off: the steps are what is measured).
+On a GPU, ``--device cuda --model CKPT --clip LONG.mp4`` measures the same path over a long
+cache (a step's end is its host read of the tokens, so the times are the device's).
+
     PYTHONPATH=$PWD python benchmarks/step_gap.py                 # CPU, embedded model, ~1 min
     PYTHONPATH=$PWD python benchmarks/step_gap.py --tokens 48 --answers 1 8 --out gap.json
 """

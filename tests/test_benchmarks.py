@@ -787,3 +787,16 @@ def test_load_selfcal_summary_says_when_no_answer_came_sparse():
     assert s["sent_while_busy"] == 1           # request 2 went while request 1 ran
     assert "1.100x dense's (1.100x over the answers still dense), 1 of 2 requests over 1.05x" \
         in s["verdict"]
+
+
+def test_step_gap_measures_answers_decoding_together_through_the_pipeline(tmp_path):
+    """benchmarks/step_gap.py on the embedded model: two answers about one cached video decode
+    through Pipeline.answer and the scheduler in shared batched steps, every token asked for,
+    and the gap between two full steps is measured; no batch waited out its gather window."""
+    bench = load_script("benchmarks/step_gap.py", "step_gap_bench")
+    out = tmp_path / "gap.json"
+    bench.main(["--answers", "2", "--tokens", "6", "--repeat", "1", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["answers"] == 2 and row["generated"] == [6, 6]
+    assert row["mean_batch"] > 1 and row["full_pairs"] >= 1
+    assert row["gap_ms_median"] is not None and row["gather_timeouts"] == 0
