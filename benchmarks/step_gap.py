@@ -58,10 +58,11 @@ def _timed_step_batch(log):
 
 
 def measure(pipe, n: int, tokens: int, clip: Path, temperature: float = 0.0,
-            stagger: int = 0) -> dict:
+            stagger: int = 0, sampling: dict | None = None) -> dict:
     """N answers about ``clip`` (cached) decoding together: the gaps between their steps
     (``temperature`` > 0: each answer sampled, seeded by its index; answer i asks for
-    ``tokens - i * stagger`` tokens, so they end one after another)."""
+    ``tokens - i * stagger`` tokens, so they end one after another; ``sampling``: the
+    video's fps and max_frames, as the cached one was asked)."""
     from mminfer.models.sampler import SamplingParams
     sched = Scheduler()
     log: list = []
@@ -73,7 +74,7 @@ def measure(pipe, n: int, tokens: int, clip: Path, temperature: float = 0.0,
     def ask(i):
         turn = sched.turn(f"a{i}")
         try:
-            results[i] = pipe.answer(clip, QUESTIONS[i % len(QUESTIONS)], fps=2.0,
+            results[i] = pipe.answer(clip, QUESTIONS[i % len(QUESTIONS)], **(sampling or {}),
                                      max_new_tokens=max(tokens - i * stagger, 2), turn=turn,
                                      on_token=lambda text, tid: texts[i].append(tid),
                                      sampling_params=SamplingParams(
@@ -132,19 +133,22 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="default: the embedded model")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--clip", default=str(CLIP))
+    ap.add_argument("--fps", type=float, default=2.0)
+    ap.add_argument("--max-frames", type=int, default=768)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     from mminfer.engine.pipeline import Pipeline
     pipe = Pipeline(args.model, attention="dense", device=args.device)
     clip = Path(args.clip)
-    pipe.answer(clip, QUESTIONS[0], fps=2.0, max_new_tokens=2)      # cached, warm
+    sampling = {"fps": args.fps, "max_frames": args.max_frames}
+    pipe.answer(clip, QUESTIONS[0], **sampling, max_new_tokens=2)      # cached, warm
     # every answer decodes all its tokens (the embedded model's answers end in a few): the
     # steps to measure, not the answers' words
     pipe.adapter.eos_token_ids = ()
     rows = []
     for n in args.answers:
-        runs = [measure(pipe, n, args.tokens, clip, args.temperature, args.stagger)
+        runs = [measure(pipe, n, args.tokens, clip, args.temperature, args.stagger, sampling)
                 for _ in range(args.repeat)]
         best = min(runs, key=lambda r: r["gap_ms_median"] if r["gap_ms_median"] is not None
                    else float("inf"))
