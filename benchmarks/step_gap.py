@@ -135,10 +135,17 @@ def main(argv=None):
     ap.add_argument("--clip", default=str(CLIP))
     ap.add_argument("--fps", type=float, default=2.0)
     ap.add_argument("--max-frames", type=int, default=768)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch's CPU threads (a machine shared with other work: 1 gives steady "
+                         "figures, a team of several stalls when another process holds a core)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
+    import torch
+
     from mminfer.engine.pipeline import Pipeline
+    if args.threads:
+        torch.set_num_threads(args.threads)
     pipe = Pipeline(args.model, attention="dense", device=args.device)
     clip = Path(args.clip)
     sampling = {"fps": args.fps, "max_frames": args.max_frames}
@@ -161,7 +168,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "tokens": args.tokens,
                                               "temperature": args.temperature,
-                                              "stagger": args.stagger}, indent=1))
+                                              "stagger": args.stagger,
+                                              "threads": torch.get_num_threads()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -674,6 +674,35 @@ def _answers(ad, prep, embeds, extras):
     return out
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_samplers_choose_in_the_batched_step(n, prepared):
+    """An item's chooser (its answer's Sampler) picks its token in the step, from the logits
+    the step gives that item when asked for them; a chooser that raises fails its own item
+    alone (the exception is its result); the others get their tokens."""
+    from mminfer.models.sampler import Sampler
+    ad, prep, embeds = prepared["qwen"]
+    extras = (1, 3, 0)[:n]
+    ref, got = _answers(ad, prep, embeds, extras), _answers(ad, prep, embeds, extras)
+    params = SamplingParams(temperature=0.9, seed=7)
+
+    def items(caches, want):
+        return [(5 + j, ad.positions_after(prep.rope_delta, c.get_seq_length(), 1), c, want(j))
+                for j, c in enumerate(caches)]
+
+    logits = decode.step_batch(ad, items(ref, lambda j: True))
+    expect = [Sampler(params)(x) for x in logits]
+
+    def bad(_logits):
+        raise ValueError("no token")
+
+    chosen = decode.step_batch(ad, items(got, lambda j: bad if j == 1 else Sampler(params)))
+    for j, (e, c) in enumerate(zip(expect, chosen)):
+        if j == 1:
+            assert isinstance(c, ValueError)
+        else:
+            assert isinstance(c, int) and c == e
+
+
 def _run_batches(ad, prep, caches, schedule, tokens, mode):
     """``schedule``: the answers (indices) of each batched step, through step_batch; the
     second answer of each batch asks for its logits. Returns each step's results."""
