@@ -144,8 +144,10 @@ def main(argv=None):
     import torch
 
     from mminfer.engine.pipeline import Pipeline
+    from mminfer.serve.worker import SWITCH_INTERVAL_S
     if args.threads:
         torch.set_num_threads(args.threads)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)        # as the server's model worker runs
     pipe = Pipeline(args.model, attention="dense", device=args.device)
     clip = Path(args.clip)
     sampling = {"fps": args.fps, "max_frames": args.max_frames}
