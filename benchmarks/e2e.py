@@ -950,8 +950,11 @@ def probe_dense(pipe, entry: dict, args) -> dict:
     dp = _dense_probe()
     tok = entry.get("tokens") or {}
     n = int(tok.get("prefix") or tok["total"])
-    # the Pipeline's: a prefix is built with its rows alone (each question forks it)
-    headroom = 0
+    from mminfer.models.kv import tail_rows
+    # the Pipeline's: a prefix is built with a tail where a lone question's rows go: a kept
+    # one tail_rows, one kept by nobody (cache off) its own question's and answer's rows
+    headroom = tail_rows(n) if entry.get("cache") != "off" else \
+        int(tok["total"]) - n + int(args.max_new_tokens)
     ad = pipe.adapter
     try:
         out = dp.probe_layers(ad.text_model, n, layers=args.dense_layers,

@@ -252,8 +252,9 @@ def test_the_probe_times_the_call_the_dense_prefill_makes(tmp_path):
     assert product[0]["callers"][:2] == ["transformers.integrations.sdpa_attention:"
                                          "sdpa_attention_forward",
                                          "mminfer.models.hooks:attention_forward"]
-    # the prefix's slab holds its rows alone (questions fork it): the probe's cache likewise
-    assert product[0]["k"]["contiguous"]
+    # the prefix's slab holds its rows and its tail (a lone question's rows go there): K is
+    # a view of the slab, and the probe's cache is the same
+    assert not product[0]["k"]["contiguous"]
     # the request's suffix and decode steps continue the cache: other calls, not timed here
     assert len(during_request) > len(product)
 
@@ -798,3 +799,16 @@ def test_load_modes_name_the_servers_they_start():
     assert got == {"scheduler": ["--model", "m"],
                    "scheduler@0.1": ["--model", "m", "--decode-share", "0.1"],
                    "serial": ["--model", "m", "--max-num-seqs", "1"]}
+
+
+def test_step_gap_measures_answers_decoding_together_through_the_pipeline(tmp_path):
+    """benchmarks/step_gap.py on the embedded model: two answers about one cached video decode
+    through Pipeline.answer and the scheduler in shared batched steps, every token asked for,
+    and the gap between two full steps is measured; no batch waited out its gather window."""
+    bench = load_script("benchmarks/step_gap.py", "step_gap_bench")
+    out = tmp_path / "gap.json"
+    bench.main(["--answers", "2", "--tokens", "6", "--repeat", "1", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["answers"] == 2 and row["generated"] == [6, 6]
+    assert row["mean_batch"] > 1 and row["full_pairs"] >= 1
+    assert row["gap_ms_median"] is not None and row["gather_timeouts"] == 0

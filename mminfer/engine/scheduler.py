@@ -31,11 +31,12 @@ step), then the prefill resumes. An ``IDLE`` class (the shadow monitor's dense r
 only when nothing else waits and yields to anything.
 
 Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
-steps and gives the turn up; whichever of them is granted the turn first waits a moment for
-the other answers in their decode phase to join (they come back within microseconds of their
-last token), runs every pending step as one batched step (the caller's ``run``: one pass of
-the decoder layers over all of them, attention per answer over its own cache), hands each its
-result and gives the turn back. A batch of one is an answer decoding alone, on its own path.
+steps and gives the turn up; whichever of them is granted the turn first waits for the other
+answers in their decode phase to join (they come back within microseconds of their last token,
+and the last one wakes it; ``gather_s`` bounds the wait for one that is late), runs every
+pending step as one batched step (the caller's ``run``: one pass of the decoder layers over all
+of them, attention per answer over its own cache), hands each its result, waking only those
+answers, and gives the turn back. A batch of one is an answer decoding alone, on its own path.
 
 Time spent waiting for others before the first token is reported as a stage of its own
 (``wait``): the turn records a gap in the request's StageTimer, which subtracts it from the
@@ -74,7 +75,11 @@ class Scheduler:
         self._pending: dict[Turn, int] = {}      # decode steps waiting for a batch -> seq
         self.batches = 0                         # batched decode steps run
         self.batched_steps = 0                   # answers' steps in them
-        self._cv = threading.Condition()
+        # one lock; each turn waits on a condition of its own over it, so a wake-up reaches
+        # the threads it concerns (a batch's answers, the turn granted), not every waiter
+        self._lock = threading.RLock()
+        self._gathering: Turn | None = None      # the turn gathering a decode batch
+        self.gather_timeouts = 0                 # batches that waited all of gather_s
         self._holder: Turn | None = None
         self._granted_at = 0.0
         self._waiting: dict[Turn, int] = {}      # turn -> seq when it began to wait
@@ -95,7 +100,7 @@ class Scheduler:
 
     def state(self) -> dict:
         """Counts for /health and /metrics."""
-        with self._cv:
+        with self._lock:
             turns = list(self._turns)
             held = self._holder
         paused = sum(1 for t in turns if t.kind == LONG and t is not held)
@@ -110,8 +115,9 @@ class Scheduler:
 
     def wake(self):
         """Someone was asked to stop: let waiting threads look."""
-        with self._cv:
-            self._cv.notify_all()
+        with self._lock:
+            for t in self._turns:
+                t._cond.notify()
 
     # ------------------------------------------------------------ the choice (under the lock)
     def _pick(self) -> "Turn | None":
@@ -143,7 +149,7 @@ class Scheduler:
         del self._waiting[t]
         self._holder = t
         self._granted_at = time.perf_counter()
-        self._cv.notify_all()
+        t._cond.notify()
 
     def _step_done(self, t: "Turn", now: float):
         """(Under the lock, ``t`` holding.) ``t`` reached a step boundary: when it is the long
@@ -174,7 +180,7 @@ class Scheduler:
                 continue
             self._long = t
             self._new_round()
-            self._cv.notify_all()
+            t._cond.notify()
 
     def _new_round(self):
         """(Under the lock.) A prefill was admitted: the FIRST work waiting now goes before its
@@ -195,8 +201,24 @@ class Scheduler:
             if self._holder is None:
                 self._grant()
                 continue
-            self._cv.wait(self.poll_s)
+            t._cond.wait(self.poll_s)
         return True
+
+    def _batch_ready(self) -> bool:
+        """(Under the lock.) Every answer in its decode phase waits: its step pending, or it
+        waits for the turn at a step boundary (it cannot come before the batch has run); or
+        the batch is full. A batch gathered now waits for nobody."""
+        if len(self._pending) >= self.max_batch:
+            return True
+        return all(t in self._pending or t in self._waiting
+                   for t in self._turns if t.kind == DECODE and not t.closed)
+
+    def _poke_gatherer(self):
+        """(Under the lock.) The set of pending or decoding answers changed: the turn gathering
+        a batch runs it now if nobody else is to come."""
+        g = self._gathering
+        if g is not None and self._batch_ready():
+            g._cond.notify()
 
 
 class Turn:
@@ -221,7 +243,8 @@ class Turn:
         self._first_token = False
         self._item, self._result, self._error = None, _NONE, None
         self._in_batch = False              # its step is in a batch being run
-        with sched._cv:
+        self._cond = threading.Condition(sched._lock)     # this turn's wake-ups
+        with sched._lock:
             sched._turns.add(self)
 
     # ------------------------------------------------------------ state
@@ -240,8 +263,9 @@ class Turn:
     def _enter(self, kind: str) -> bool:
         s = self.sched
         gap = self._gap_start()
-        with s._cv:
+        with s._lock:
             self.kind = kind
+            s._poke_gatherer()              # an answer that stops decoding is not waited for
             ok = self._queue_for_turn()
         self._gap_end(gap)
         return ok
@@ -266,7 +290,7 @@ class Turn:
         if not self.held:
             return False
         s = self.sched
-        with s._cv:
+        with s._lock:
             now = time.perf_counter()
             s._step_done(self, now)
             if not s._waiting:
@@ -296,7 +320,7 @@ class Turn:
 
     def _begin_long(self) -> bool:
         s = self.sched
-        with s._cv:
+        with s._lock:
             if s._long is None and not s._admission:
                 s._long = self
                 s._new_round()
@@ -309,7 +333,7 @@ class Turn:
             return True
         # another prefill is admitted: give the turn up until this one is
         gap = self._gap_start()
-        with s._cv:
+        with s._lock:
             if s._holder is self:
                 s._leave_holder(self, time.perf_counter())
                 s.switches += 1
@@ -321,7 +345,7 @@ class Turn:
                         s._admission.remove(self)
                     self._gap_end(gap)
                     return False
-                s._cv.wait(s.poll_s)
+                self._cond.wait(s.poll_s)
             self.kind = LONG
             ok = self._queue_for_turn()
         self._gap_end(gap)
@@ -329,13 +353,12 @@ class Turn:
 
     def _end_long(self):
         s = self.sched
-        with s._cv:
+        with s._lock:
             if s._long is self:
                 s._long = None
                 s._admit()
             if self.kind == LONG:
                 self.kind = FIRST
-            s._cv.notify_all()
 
     def decoding(self):
         """From here on, the request's steps are decode steps."""
@@ -348,7 +371,7 @@ class Turn:
         result; raises what ``run`` raised, or Cancelled when asked to stop while waiting."""
         s = self.sched
         gap = self._gap_start()
-        with s._cv:
+        with s._lock:
             self.kind = DECODE
             self._first_token = True
             self._item, self._result, self._error = item, _NONE, None
@@ -361,6 +384,8 @@ class Turn:
             s._waiting[self] = s._pending[self]
             if s._holder is None:
                 s._grant()
+            else:
+                s._poke_gatherer()
             while True:
                 if self._result is not _NONE or self._error is not None:
                     break
@@ -375,7 +400,9 @@ class Turn:
                         s._grant()
                     self._gap_end(gap)
                     raise Cancelled("request cancelled while waiting for its decode step")
-                s._cv.wait(s.poll_s)
+                # in a running batch, the batch's end wakes it (and nothing else may): no
+                # polling that would take the GIL from the thread launching the step
+                self._cond.wait(None if self._in_batch else s.poll_s)
             if s._holder is self and self._result is _NONE and self._error is None:
                 batch = self._gather()
             else:
@@ -387,7 +414,7 @@ class Turn:
                 results = run([t._item for t in batch])
             except BaseException as e:     # noqa: BLE001 - each answer raises it
                 error = e
-            with s._cv:
+            with s._lock:
                 s.batches += 1
                 s.batched_steps += len(batch)
                 for i, t in enumerate(batch):
@@ -396,12 +423,12 @@ class Turn:
                         t._error = error
                     else:
                         t._result = results[i]
+                    t._cond.notify()
                 now = time.perf_counter()
                 s._leave_holder(self, now)
                 s.switches += 1
                 self.held = False
                 s._grant()
-                s._cv.notify_all()
         self._gap_end(gap)
         if self._error is not None:
             raise self._error
@@ -412,14 +439,17 @@ class Turn:
         waiting up to ``gather_s`` for the answers in their decode phase to be pending."""
         s = self.sched
         end = time.perf_counter() + s.gather_s
-        while True:
-            decoding = [t for t in s._turns if t.kind == DECODE and not t.closed]
-            if all(t in s._pending for t in decoding) or len(s._pending) >= s.max_batch:
-                break
-            left = end - time.perf_counter()
-            if left <= 0:
-                break
-            s._cv.wait(left)
+        s._gathering = self
+        try:
+            while not s._batch_ready():
+                left = end - time.perf_counter()
+                if left <= 0:
+                    s.gather_timeouts += 1
+                    break
+                # the last answer to come back wakes this one (Scheduler._poke_gatherer)
+                self._cond.wait(left)
+        finally:
+            s._gathering = None
         batch = sorted(s._pending, key=s._pending.get)[:s.max_batch]
         if self not in batch:
             batch = [self] + batch[:-1]
@@ -435,7 +465,7 @@ class Turn:
         holds the turn again on return. Raises Cancelled when asked to stop meanwhile."""
         s = self.sched
         gap = self._gap_start()
-        with s._cv:
+        with s._lock:
             if s._holder is self:
                 now = time.perf_counter()
                 s._step_done(self, now)
@@ -448,7 +478,7 @@ class Turn:
                 if self.stopping():
                     raise Cancelled("request cancelled while waiting for another request's "
                                     "work on its video")
-            with s._cv:
+            with s._lock:
                 ok = self._queue_for_turn()
             if not ok:
                 raise Cancelled("request cancelled while waiting for the model")
@@ -458,7 +488,7 @@ class Turn:
     def close(self):
         """The request is done (answered, failed or stopped): give everything back."""
         s = self.sched
-        with s._cv:
+        with s._lock:
             self.closed = True
             s._pending.pop(self, None)
             s._waiting.pop(self, None)
@@ -473,7 +503,7 @@ class Turn:
             s._turns.discard(self)
             if s._holder is None:
                 s._grant()
-            s._cv.notify_all()
+            s._poke_gatherer()
 
     # ------------------------------------------------------------ the wait stage
     def _gap_start(self):

@@ -542,13 +542,24 @@ def step_batch(adapter, items) -> list:
     up to the next of BATCH_SIZES; above the largest, in chunks of it) where a lone answer's
     step would be (``choose_path`` says "graph") and no other thread is replaying this
     model's graphs; else step_many runs eagerly. Returns, in order, the next greedy token id,
-    or the step's logits ``[1, 1, vocab]`` (a copy) where an item asks for them (its sampler
-    chooses)."""
+    or where an item's ``logits?`` is True the step's logits ``[1, 1, vocab]`` (a copy), or
+    where it is a chooser (a mminfer.models.sampler.Sampler: logits -> token id) the token it
+    chooses from them, chosen here (the answers' samplers run in the step that made their
+    logits, not each on its own thread between steps); what a chooser raised is returned as
+    that item's result, for its answer alone to raise."""
     with torch.inference_mode():
         dec = decoder_of(adapter)
         if len(items) > 1 and dec.unsupported is None:
-            return _step_many(adapter, dec, items)
-        return [_step_one(adapter, dec, *item) for item in items]
+            got = _step_many(adapter, dec, items)
+        else:
+            got = [_step_one(adapter, dec, *item) for item in items]
+        for j, item in enumerate(items):
+            if callable(item[3]):
+                try:
+                    got[j] = item[3](got[j])
+                except Exception as e:     # noqa: BLE001 - its answer's error, not the batch's
+                    got[j] = e
+        return got
 
 
 def _step_many(adapter, dec, items) -> list:
@@ -609,9 +620,11 @@ def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_token
     True (a stop string), calling ``cancel()`` before each step (raises
     mminfer.errors.Cancelled). ``sampler`` (mminfer.models.sampler.Sampler) chooses each token
     from the step's logits where it needs them; else the step's argmax. Returns ``out``.
-    ``stepper(token, position_ids, cache, logits?)``: who runs each step (the server's
-    scheduler batches the steps of answers decoding at the same time: ``step_batch``); None:
-    this loop, on this thread."""
+    ``stepper(token, position_ids, cache, chooser)``: who runs each step (the server's
+    scheduler batches the steps of answers decoding at the same time: ``step_batch``), giving
+    the next token id (``chooser``: the sampler that chooses it from the step's logits, or
+    None: their argmax) or the exception its chooser raised; None: this loop, on this
+    thread."""
     choose = sampler if sampler is not None and sampler.needs_logits else None
     with torch.inference_mode():
         if stepper is not None:
@@ -624,12 +637,22 @@ def decode_loop(adapter, cache, out: list, *, rope_delta: int = 0, max_new_token
 def _stepped_loop(adapter, cache, out, rope_delta, max_new_tokens, cancel, emit, choose,
                   stepper):
     eos = adapter.eos_token_ids
+    # every step's position at once: a step takes a view of it (no device work of its own
+    # between the batched steps, where the answers' threads run one at a time)
+    start = cache.get_seq_length()
+    ahead = adapter.positions_after(rope_delta, start, max(max_new_tokens - len(out), 1))
     while len(out) < max_new_tokens and out[-1] not in eos:
         if cancel is not None and cancel():
             raise Cancelled(f"request cancelled after {len(out)} answer tokens")
-        pos = adapter.positions_after(rope_delta, cache.get_seq_length(), 1)
-        got = stepper(out[-1], pos, cache, choose is not None)
-        out.append(int(got) if choose is None else choose(got))
+        i = cache.get_seq_length() - start
+        if ahead is not None and 0 <= i < ahead.shape[-1]:
+            pos = ahead[..., i:i + 1]
+        else:
+            pos = adapter.positions_after(rope_delta, start + i, 1)
+        got = stepper(out[-1], pos, cache, choose)
+        if isinstance(got, BaseException):
+            raise got
+        out.append(int(got))
         if emit is not None and emit(out[-1]):
             break
     return out

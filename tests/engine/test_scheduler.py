@@ -387,3 +387,123 @@ def test_an_answer_in_a_running_batch_waits_for_it_even_when_asked_to_stop():
     # it came back only after the step, with its result
     assert events.index("step done") < events.index(f"{rider} back")
     assert out[rider] == rider
+
+
+def test_a_batch_waits_for_nobody_once_every_decoding_answer_is_pending():
+    """The last answer back to its step wakes the turn gathering the batch: with a gather
+    window far longer than the test, every step still runs as soon as all four are pending
+    (no gather ends by its timeout), and every batch holds all four."""
+    s = Scheduler(gather_s=30.0)
+    sizes, lock = [], threading.Lock()
+
+    def run(items):
+        with lock:
+            sizes.append(len(items))
+        return [i + 1 for i in items]
+
+    got, both = {}, threading.Barrier(4)
+
+    def answer(name):
+        t = s.turn(name)
+        try:
+            t.decoding()                   # all four decoding before the first step
+            both.wait(10)
+            i = 0
+            for _ in range(5):
+                i = t.decode(i, run)
+            got[name] = i
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer, args=(f"a{k}",), daemon=True)
+               for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert not any(th.is_alive() for th in threads), "a batch waited for its gather window"
+    assert got == {f"a{k}": 5 for k in range(4)}
+    assert sizes == [4] * 5 and s.gather_timeouts == 0
+
+
+def test_every_wake_up_of_answers_decoding_together_is_a_notify():
+    """Polling only looks for stops: with poll and gather windows far longer than the test,
+    answers still get the turn, decode in batches and finish while other requests take turns
+    for their first work — every hand-over wakes its thread (the granted turn, the gathering
+    turn, the answers of a finished batch)."""
+    s = Scheduler(poll_s=600.0, gather_s=600.0)
+    done, lock = [], threading.Lock()
+
+    def run(items):
+        return [i + 1 for i in items]
+
+    def answer(name):
+        t = s.turn(name)
+        try:
+            assert t.acquire()              # first work: its question's rows
+            t.checkpoint()
+            t.decoding()
+            i = 0
+            for _ in range(6):
+                t.checkpoint()
+                i = t.decode(i, run)
+            with lock:
+                done.append((name, i))
+        finally:
+            t.close()
+
+    def hit(name):
+        t = s.turn(name)
+        try:
+            assert t.acquire()
+            t.checkpoint()
+            with lock:
+                done.append((name, "first"))
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=answer, args=(f"a{k}",), daemon=True) for k in range(4)]
+    threads += [threading.Thread(target=hit, args=(f"h{k}",), daemon=True) for k in range(2)]
+    for th in threads:
+        th.start()
+    end = time.monotonic() + 30
+    for th in threads:
+        th.join(max(end - time.monotonic(), 0.01))
+    assert not any(th.is_alive() for th in threads), "a hand-over waited for a poll"
+    assert sorted(done) == [(f"a{k}", 6) for k in range(4)] + [(f"h{k}", "first")
+                                                              for k in range(2)]
+    assert s.state()["active"] == 0 and s.batched_steps == 24
+
+
+def test_a_batch_does_not_wait_for_an_answer_waiting_for_the_turn():
+    """An answer in its decode phase that gave the turn up at a step boundary cannot join a
+    batch before the batch has run: the batch goes without it, at once (not after its
+    gather window)."""
+    s = Scheduler(gather_s=15.0, poll_s=15.0)
+    sizes, log = [], Log()
+
+    def run(items):
+        sizes.append(len(items))
+        return list(items)
+
+    a, b = s.turn("a"), s.turn("b")
+    assert a.acquire()
+    a.decoding()
+
+    def answer_b():
+        try:
+            b.decoding()
+            log.add("b", b.decode("b1", run))
+        finally:
+            b.close()
+
+    th = threading.Thread(target=answer_b, daemon=True)
+    th.start()
+    _wait_for(lambda: b in s._pending)
+    a.checkpoint()                         # hands the turn to b's step, waits to get it back
+    log.add("a", a.decode("a1", run))
+    a.close()
+    th.join(20)
+    assert not th.is_alive()
+    assert log.items == [("b", "b1"), ("a", "a1")]
+    assert sizes == [1, 1] and s.gather_timeouts == 0

@@ -58,6 +58,28 @@ def test_lean_step_decodes_as_the_models_forward(kind, prepared):
         torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["qwen", "longvila"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, seed=3)])
+def test_a_stepper_decodes_as_the_loop(kind, sampling, prepared):
+    """The loop the server runs (each step through a stepper: step_batch, as the scheduler's
+    batch of one) gives the loop's own tokens and writes the same cache rows: every step at
+    its own position."""
+    ad, prep, embeds = prepared[kind]
+    steps = []
+
+    def stepper(token, pos, cache, logits):
+        steps.append(token)
+        return decode.step_batch(ad, [(token, pos, cache, logits)])[0]
+
+    kv_ref, ref = _answer(ad, prep, embeds, "lean", headroom=3, sampling_params=sampling)
+    kv, got = _answer(ad, prep, embeds, "lean", headroom=3, sampling_params=sampling,
+                      stepper=stepper)
+    assert got.token_ids == ref.token_ids and len(steps) == 13
+    assert kv.get_seq_length() == kv_ref.get_seq_length()
+    for a, b in zip(kv.layers, kv_ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_lean_step_logits_track_the_forward_step_by_step(prepared):
     """Each lean step's token is the argmax of the forward's logits at that step, and a wrong
     position would show: the step takes the positions the adapter gives."""
@@ -650,6 +672,35 @@ def _answers(ad, prep, embeds, extras):
                     tok = dec.step(tok, ad.positions_after(prep.rope_delta, n, 1), kv)
             out.append(kv)
     return out
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_samplers_choose_in_the_batched_step(n, prepared):
+    """An item's chooser (its answer's Sampler) picks its token in the step, from the logits
+    the step gives that item when asked for them; a chooser that raises fails its own item
+    alone (the exception is its result); the others get their tokens."""
+    from mminfer.models.sampler import Sampler
+    ad, prep, embeds = prepared["qwen"]
+    extras = (1, 3, 0)[:n]
+    ref, got = _answers(ad, prep, embeds, extras), _answers(ad, prep, embeds, extras)
+    params = SamplingParams(temperature=0.9, seed=7)
+
+    def items(caches, want):
+        return [(5 + j, ad.positions_after(prep.rope_delta, c.get_seq_length(), 1), c, want(j))
+                for j, c in enumerate(caches)]
+
+    logits = decode.step_batch(ad, items(ref, lambda j: True))
+    expect = [Sampler(params)(x) for x in logits]
+
+    def bad(_logits):
+        raise ValueError("no token")
+
+    chosen = decode.step_batch(ad, items(got, lambda j: bad if j == 1 else Sampler(params)))
+    for j, (e, c) in enumerate(zip(expect, chosen)):
+        if j == 1:
+            assert isinstance(c, ValueError)
+        else:
+            assert isinstance(c, int) and c == e
 
 
 def _run_batches(ad, prep, caches, schedule, tokens, mode):
