@@ -228,7 +228,10 @@ def _memory_state() -> str:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    """Out of memory: the request fails, the model serves on. cuBLAS reports the same as an
+    allocation failure (a new request thread's first GEMM creates its handle and workspace)."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
+        "CUBLAS_STATUS_ALLOC_FAILED" in str(exc)
 
 
 class ModelWorker:

@@ -569,6 +569,30 @@ def test_worker_killed_by_a_cuda_error_makes_health_503(ckpt, tmp_path, live_ser
     assert is_fatal(KeyboardInterrupt()) and not is_fatal(ValueError("bad fps"))
 
 
+def test_a_cublas_allocation_failure_fails_the_request_not_the_worker(ckpt, tmp_path,
+                                                                      live_server):
+    """A request thread's first GEMM creates its cuBLAS handle and workspace; with the device
+    full that fails as CUBLAS_STATUS_ALLOC_FAILED (seen on an H100 under load): out of memory
+    for that request, and the next one is served."""
+    class FullGPU:
+        model_id = "tiny-qwen"
+        calls = 0
+
+        def answer(self, *args, **kwargs):
+            FullGPU.calls += 1
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                               "`cublasCreate(handle)`")
+
+    app = create_app(Settings(model=str(ckpt), data_dir=str(tmp_path)),
+                     worker=ModelWorker(FullGPU, queue_size=4))
+    s = live_server(app)
+    for _ in range(2):
+        r = post_answer(s.url, NEEDLE.read_bytes())
+        assert r.status_code == 500 and r.json()["error"]["code"] == "out_of_memory"
+    assert FullGPU.calls == 2
+    assert httpx.get(f"{s.url}/health").status_code == 200
+
+
 def test_the_loaded_model_is_kept_out_of_garbage_collections():
     """A full collection walks every tracked object holding the interpreter lock, and the
     event loop waits with it: the embedded model's 370,000 objects made 0.3 s /health stalls
