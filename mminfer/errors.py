@@ -152,6 +152,12 @@ class ServiceUnavailable(MMInferError):
     http_status = 503
 
 
+class MemoryBusy(ServiceUnavailable):
+    """A new prefill's device memory is held by other requests (their cached videos being
+    read, their answers' rows) past the time it may wait for them."""
+    code = "device_memory_busy"
+
+
 class QueueFull(ServiceUnavailable):
     code = "queue_full"
 

@@ -447,7 +447,9 @@ class VideoCache:
         in the cache (their entries pinned, their own rows held), wait for one of them to end
         and try again, for up to ``wait_s`` seconds (through :meth:`wait`, so a scheduler
         gives the turn away meanwhile: the others finish their work). Returns the bytes still
-        missing: 0 when there is room, or on a device it cannot measure."""
+        missing that other requests hold: 0 when there is room, on a device it cannot
+        measure, or when nobody else holds memory (the prefill then runs, and fails out of
+        memory by itself if it must)."""
         want = int(need_bytes * (1 + PREFILL_MARGIN))
         deadline = time.monotonic() + wait_s
         while True:
@@ -460,10 +462,11 @@ class VideoCache:
                     self._room_waiters.add(woken)
                     self.counts["room_waits"] += 1
             if woken not in self._room_waiters:
-                if short > 0:
+                if short > 0 and not others:
                     log.warning("video cache: %.2f GiB short of the %.2f GiB a prefill needs "
-                                "(other requests hold the rest); it runs anyway",
+                                "and no other request holds memory; it runs anyway",
                                 short / 2**30, want / 2**30)
+                    return 0
                 return max(short, 0)
             timer = threading.Timer(left, woken.set)
             timer.daemon = True

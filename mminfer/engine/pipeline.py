@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from mminfer import video as videolib
-from mminfer.errors import Cancelled, ConfigError, InputError
+from mminfer.errors import Cancelled, ConfigError, InputError, MemoryBusy
 from mminfer.engine.cache import (Entry, PrefixFacts, PrefixKey, VideoCache, cache_key,
                                   file_digest)
 from mminfer.engine.parallel import FrameShards, init_from_env, shard_decoder
@@ -54,8 +54,9 @@ ADAPTER_MODULES = ("mminfer.models.qwen2_5_vl", "mminfer.models.longvila")
 MAX_FPS = 60.0
 MAX_NEW_TOKENS = 4096
 # How long a new prefill waits for other requests to give back the device memory it needs
-# (their answers decoding over pinned entries end within seconds); then it runs anyway.
-ROOM_WAIT_S = 30.0
+# (their answers decoding over pinned entries end within seconds); then it is refused (503)
+# rather than started into an out-of-memory error.
+ROOM_WAIT_S = 10.0
 STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engine.timing)
 # the scheduler turn of the request this thread runs (Pipeline.answer), for the cache's waits
 _current_turn: contextvars.ContextVar = contextvars.ContextVar("mminfer_turn", default=None)
@@ -609,9 +610,14 @@ class Pipeline:
             # room for the embeddings and the prefill before the vision tower makes them:
             # idle entries spill; what others pin (their questions decoding) is waited for
             # while they finish, a bounded time, so the prefill does not run out of memory
-            self.video_cache.make_room(
-                self.prefill_bytes(n + max_new_tokens + tail_rows(prep.prefix_len)),
-                wait_s=ROOM_WAIT_S)
+            need = self.prefill_bytes(n + max_new_tokens + tail_rows(prep.prefix_len))
+            short = self.video_cache.make_room(need, wait_s=ROOM_WAIT_S)
+            if short > 0 and self.tensor_parallel == 1:   # ranks' memory may differ: no
+                raise MemoryBusy(                          # refusal one rank alone makes
+                    f"this video's prefill needs {need / 2**30:.1f} GiB of device memory and "
+                    f"{short / 2**30:.1f} GiB of it is held by other requests (videos being "
+                    f"asked about, answers decoding); try again shortly, or ask for fewer "
+                    f"frames")
             # tensor parallel: each rank runs the tower on its share of the chunks of frames,
             # then every rank gathers the others' features (mminfer.engine.parallel)
             shard = self._frame_shards()

@@ -336,14 +336,14 @@ def test_make_room_spills_idle_entries_then_waits_for_a_reader_to_end():
     _consistent(cache)
 
 
-def test_make_room_says_what_is_missing_when_nobody_else_can_free_it():
+def test_make_room_lets_a_prefill_run_when_nobody_else_holds_memory():
     cache = _cache(4, 4)
     _put(cache, K[0])
     _device_of(cache, 2 * DEVICE_BYTES)
     with cache.use(K[0]) as lease:               # its own entry: nobody else to wait for
         assert lease.status == "hit"
         short = cache.make_room(2 * DEVICE_BYTES, wait_s=60)
-    assert short > 0 and cache.counts["room_waits"] == 0
+    assert short == 0 and cache.counts["room_waits"] == 0
     assert _tiers(cache) == {K[0]: Tier.GPU}
 
 
@@ -478,3 +478,36 @@ def test_a_cancelled_build_is_built_again_by_its_waiter(qwen, mp4, monkeypatch):
     assert (s["misses"], s["build_waits"], s["gpu_entries"]) == (2, 1, 1)
     _consistent(cache)
     assert pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2).cache == "hit"
+
+
+def test_a_prefill_whose_memory_others_hold_is_refused_then_served(qwen, mp4, monkeypatch):
+    """A new video's prefill that finds its device memory held by another request past the
+    wait is refused with a 503 (MemoryBusy) before its vision tower runs, and served once
+    the other request has left."""
+    from mminfer.engine import pipeline as pipeline_mod
+    from mminfer.errors import MemoryBusy
+    monkeypatch.setattr(pipeline_mod, "ROOM_WAIT_S", 0.2)
+    pipe = Pipeline(str(qwen), attention="dense", device="cpu")
+    cache = pipe.video_cache
+    room = {"free": 0}
+    cache.free_bytes = lambda: room["free"]
+    builds = _count_builds(pipe)
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():                                 # another request, in the cache meanwhile
+        with cache.use(K[7]):
+            inside.set()
+            leave.wait(60)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(30)
+    with pytest.raises(MemoryBusy, match="held by other requests"):
+        pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2)
+    assert builds == [] and cache.counts["room_waits"] >= 1
+    leave.set()
+    t.join(30)
+    room["free"] = 1 << 40
+    assert pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2).cache == "miss"
+    assert len(builds) == 1
+    _consistent(cache)
