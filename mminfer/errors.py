@@ -158,6 +158,12 @@ class MemoryBusy(ServiceUnavailable):
     code = "device_memory_busy"
 
 
+class StreamBusy(ServiceUnavailable):
+    """A live stream's piece needs device room that other streams hold while questions read
+    them: the piece is refused for now, the stream stays open."""
+    code = "stream_budget_busy"
+
+
 class QueueFull(ServiceUnavailable):
     code = "queue_full"
 

@@ -90,8 +90,8 @@ from mminfer.engine.cache import Tier
 from mminfer.engine.pipeline import AnswerResult, _check_context, check_request
 from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
-from mminfer.errors import (Cancelled, InputError, ServiceUnavailable, StreamClosed, StreamFull,
-                            StreamNotFound, VideoError)
+from mminfer.errors import (Cancelled, InputError, ServiceUnavailable, StreamBusy, StreamClosed,
+                            StreamFull, StreamNotFound, VideoError)
 from mminfer.kernels import sparsity
 from mminfer.models.base import Conversation, PrepareOptions
 from mminfer.models.hooks import MODES, choose_attention, sparse_refusal
@@ -619,6 +619,14 @@ class Stream:
         if need > budget and window:
             drop += -(-(need - budget) // (ut * bpt))
             need = (new_len - drop * ut + QUESTION_ROOM) * bpt
+        if need > budget and not window and self.registry is not None and \
+                self.registry.fits_when_idle(self, need):
+            # the room is there once streams that questions read now are idle: this piece
+            # waits for that (the client or the pull retries), the stream stays open
+            raise StreamBusy(
+                f"stream {self.id}: this piece needs {need} bytes of the streams' device "
+                f"budget, {budget} are free and the rest is held by streams that questions are "
+                f"reading; try again shortly", stream=self.id, bytes=need, limit=budget)
         if need > budget or drop > self.held_units:
             where = "the stream budget leaves it" if self.registry is None else \
                 self.registry.budget_words()
@@ -839,6 +847,25 @@ class Streams:
                 finally:
                     s._release()
             return max(self.budget_bytes - dev, 0)
+
+    def fits_when_idle(self, stream: Stream, need: int) -> bool:
+        """Whether ``need`` device bytes for ``stream`` would fit once every other stream on
+        the device were idle and moved to the host tier as far as it has room: what the
+        streams in use hold now is held only for a while."""
+        with self._lock:
+            others = sorted((s for s in self._streams.values()
+                             if s is not stream and s.tier is Tier.GPU and s.kv is not None),
+                            key=lambda s: s.used_at)
+            dev = sum(s.held_bytes for s in others)
+            host = self._bytes(Tier.HOST, but=stream)
+            for s in others:
+                if dev + need <= self.budget_bytes:
+                    break
+                size = s.kv.bytes_at(s.length)
+                if host + size <= self.host_budget_bytes:
+                    host += size
+                    dev -= s.held_bytes
+            return dev + need <= self.budget_bytes
 
     def budget_words(self) -> str:
         """The budgets a full stream passed, for its error."""

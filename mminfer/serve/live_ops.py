@@ -28,7 +28,7 @@ import threading
 import time
 
 from mminfer.engine.streams import FULL, Streams
-from mminfer.errors import (InputError, MMInferError, QueueFull, StreamClosed,
+from mminfer.errors import (InputError, MMInferError, QueueFull, StreamBusy, StreamClosed,
                             StreamFull, VideoError, WorkerDead)
 from mminfer.models.base import PrepareOptions
 from mminfer.video.live import open_source
@@ -39,7 +39,7 @@ from .worker import Job
 log = logging.getLogger("mminfer.serve")
 
 PULL_PIECE_S = 2.0          # media (or wall) seconds a pulled piece covers
-PULL_RETRY_S = 0.5          # the queue was full: try the piece again after this
+PULL_RETRY_S = 0.5          # the queue was full, or the streams' room busy: try again then
 
 _LOCK = threading.Lock()
 # the attribute of the pipeline its Live is kept in: it lives and dies with the model
@@ -131,7 +131,7 @@ def append(stream_id, tenant, path, start, pipeline, turn, cancel):
                          "pieces", stream=stream_id)
     try:
         report = s.append_file(path, start=start, turn=turn, cancel=cancel)
-    except (VideoError, StreamFull) as e:
+    except (VideoError, StreamFull, StreamBusy) as e:
         s.refused(e)
         live.streams.counts["refused"] += 1
         raise
@@ -266,5 +266,9 @@ class Pull:
             self._job = job
             try:
                 return job.future.result()
+            except StreamBusy:      # the room comes back when the questions end: retry
+                if self._stop.wait(PULL_RETRY_S):
+                    raise StreamClosed(f"stream {self.stream.id} was deleted",
+                                       stream=self.stream.id) from None
             finally:
                 self._job = None
