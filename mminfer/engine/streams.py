@@ -815,22 +815,9 @@ class Streams:
         coming back). Nothing moves unless that makes ``need`` fit, or ``force``."""
         pin = self.pipeline.device.type == "cuda"
         with self._lock:
-            others = [s for s in self._streams.values()
-                      if s is not stream and s.tier is Tier.GPU and s.kv is not None]
-            dev = sum(s.held_bytes for s in others)
+            dev, plan, freed = self._moves(stream, need, idle_only=True)
             if dev + need <= self.budget_bytes:
                 return self.budget_bytes - dev
-            host = self._bytes(Tier.HOST, but=stream)
-            plan, freed = [], 0
-            for s in sorted(others, key=lambda s: s.used_at):
-                if dev - freed + need <= self.budget_bytes:
-                    break
-                size = s.kv.bytes_at(s.length)            # on the host: its rows alone
-                if s._holder is None and not s._forks and \
-                        host + size <= self.host_budget_bytes:
-                    plan.append(s)
-                    host += size
-                    freed += s.held_bytes
             if not force and dev - freed + need > self.budget_bytes:
                 return max(self.budget_bytes - dev, 0)
             for s in plan:
@@ -853,19 +840,28 @@ class Streams:
         the device were idle and moved to the host tier as far as it has room: what the
         streams in use hold now is held only for a while."""
         with self._lock:
-            others = sorted((s for s in self._streams.values()
-                             if s is not stream and s.tier is Tier.GPU and s.kv is not None),
-                            key=lambda s: s.used_at)
-            dev = sum(s.held_bytes for s in others)
-            host = self._bytes(Tier.HOST, but=stream)
-            for s in others:
-                if dev + need <= self.budget_bytes:
-                    break
-                size = s.kv.bytes_at(s.length)
-                if host + size <= self.host_budget_bytes:
-                    host += size
-                    dev -= s.held_bytes
-            return dev + need <= self.budget_bytes
+            dev, _, freed = self._moves(stream, need, idle_only=False)
+            return dev - freed + need <= self.budget_bytes
+
+    def _moves(self, stream: Stream, need: int, idle_only: bool) -> tuple[int, list, int]:
+        """(Lock held.) The other streams' device bytes, and the streams to move to the host
+        tier for ``need`` bytes (least recently used first, as far as the host tier has
+        room; ``idle_only``: none in use) with the bytes that frees."""
+        others = [s for s in self._streams.values()
+                  if s is not stream and s.tier is Tier.GPU and s.kv is not None]
+        dev = sum(s.held_bytes for s in others)
+        host = self._bytes(Tier.HOST, but=stream)
+        plan, freed = [], 0
+        for s in sorted(others, key=lambda s: s.used_at):
+            if dev - freed + need <= self.budget_bytes:
+                break
+            size = s.kv.bytes_at(s.length)            # on the host: its rows alone
+            idle = s._holder is None and not s._forks
+            if (idle or not idle_only) and host + size <= self.host_budget_bytes:
+                plan.append(s)
+                host += size
+                freed += s.held_bytes
+        return dev, plan, freed
 
     def budget_words(self) -> str:
         """The budgets a full stream passed, for its error."""
