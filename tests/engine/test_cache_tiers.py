@@ -2,18 +2,22 @@
 (out of memory, an interrupt) leaves the entry in one tier, counted, unpinned and evictable,
 and a later request restores or rebuilds it; a host entry being restored is never evicted;
 the host tier evicts its least recently used entry; an interrupted wait pins nothing;
-concurrent first requests for one prefix share one build (and a failed build is rebuilt)."""
+concurrent first requests for one prefix share one build (and a failed build is rebuilt); a
+new prefill makes its room: idle entries spill, what other requests pin is waited for a bounded
+time, and a prefill still short is refused (503) before its vision tower runs."""
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
+from mminfer.engine import pipeline as pipeline_mod
 from mminfer.engine.cache import Entry, PrefixFacts, Tier, VideoCache, cache_key
 from mminfer.engine.pipeline import Pipeline
 from mminfer.engine.scheduler import Scheduler
-from mminfer.errors import Cancelled
+from mminfer.errors import Cancelled, MemoryBusy
 from mminfer.models.kv import ForkKV, PrefixKV, tail_rows
 from mminfer.sparse.modality import ModalityIndex
 
@@ -347,25 +351,35 @@ def test_make_room_lets_a_prefill_run_when_nobody_else_holds_memory():
     assert _tiers(cache) == {K[0]: Tier.GPU}
 
 
+@contextmanager
+def _another_request(cache, key):
+    """Another request inside ``cache.use(key)`` on a thread of its own for the block (it
+    leaves when the block ends): ``still_in()`` says it has not left yet."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with cache.use(key):
+            inside.set()
+            leave.wait(60)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(30)
+    try:
+        yield lambda: not leave.is_set()
+    finally:
+        leave.set()
+        t.join(30)
+
+
 def test_make_room_waits_no_longer_than_it_is_given():
     cache = _cache(4, 4)
     _put(cache, K[0])
     _device_of(cache, 2 * DEVICE_BYTES)
-    pinned, stop = threading.Event(), threading.Event()
-
-    def reader():
-        with cache.use(K[0]):
-            pinned.set()
-            stop.wait(60)
-
-    t = threading.Thread(target=reader)
-    t.start()
-    assert pinned.wait(30)
-    with cache.use(K[1]):
-        short = cache.make_room(2 * DEVICE_BYTES, wait_s=0.2)
-        still_reading = not stop.is_set()
-    stop.set()
-    t.join(30)
+    with _another_request(cache, K[0]) as still_in:      # it reads K[0]: pinned
+        with cache.use(K[1]):
+            short = cache.make_room(2 * DEVICE_BYTES, wait_s=0.2)
+            still_reading = still_in()
     assert short > 0 and still_reading and cache.counts["room_waits"] >= 1
     assert _tiers(cache) == {K[0]: Tier.GPU}
 
@@ -484,29 +498,16 @@ def test_a_prefill_whose_memory_others_hold_is_refused_then_served(qwen, mp4, mo
     """A new video's prefill that finds its device memory held by another request past the
     wait is refused with a 503 (MemoryBusy) before its vision tower runs, and served once
     the other request has left."""
-    from mminfer.engine import pipeline as pipeline_mod
-    from mminfer.errors import MemoryBusy
     monkeypatch.setattr(pipeline_mod, "ROOM_WAIT_S", 0.2)
     pipe = Pipeline(str(qwen), attention="dense", device="cpu")
     cache = pipe.video_cache
     room = {"free": 0}
     cache.free_bytes = lambda: room["free"]
     builds = _count_builds(pipe)
-    inside, leave = threading.Event(), threading.Event()
-
-    def other():                                 # another request, in the cache meanwhile
-        with cache.use(K[7]):
-            inside.set()
-            leave.wait(60)
-
-    t = threading.Thread(target=other)
-    t.start()
-    assert inside.wait(30)
-    with pytest.raises(MemoryBusy, match="held by other requests"):
-        pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2)
+    with _another_request(cache, K[7]):
+        with pytest.raises(MemoryBusy, match="held by other requests"):
+            pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2)
     assert builds == [] and cache.counts["room_waits"] >= 1
-    leave.set()
-    t.join(30)
     room["free"] = 1 << 40
     assert pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2).cache == "miss"
     assert len(builds) == 1
