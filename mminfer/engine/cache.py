@@ -228,7 +228,7 @@ class VideoCache:
         self._room_waiters: set[threading.Event] = set()   # make_room: set when one leaves
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
                            evictions_host=0, inserted=0, rejected=0, build_waits=0,
-                           room_waits=0)
+                           room_waits=0, tail_reads=0)
 
     @property
     def _reserved(self) -> int:
@@ -477,6 +477,11 @@ class VideoCache:
                 timer.cancel()
                 with self._lock:
                     self._room_waiters.discard(woken)
+
+    def read_in_tail(self) -> None:
+        """A question decodes in its entry's tail (ForkKV ``claim=True``): counted."""
+        with self._lock:
+            self.counts["tail_reads"] += 1
 
     def free_bytes(self) -> int | None:
         """Bytes new tensors can take on the device now: the driver's free memory once the

@@ -526,6 +526,8 @@ class Pipeline:
                 # tail if no other question holds it (then it decodes over a cache in one
                 # piece); given back before the lease ends, however the answer ends
                 fork = ForkKV(entry.kv, entry.length, headroom=max_new_tokens, claim=True)
+                if fork.in_tail:
+                    self.video_cache.read_in_tail()
                 try:
                     gen = ad.continue_on(fork, suffix, rope_delta=entry.rope_delta,
                                          max_new_tokens=max_new_tokens, cancel=generation_check,

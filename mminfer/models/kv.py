@@ -300,9 +300,8 @@ class PrefixKV(DynamicCache):
         self.store_dtype = kv_dtype(dtype)
         self.layers = [SlabLayer(headroom, self.store_dtype) for _ in range(n_layers)]
         # the reader whose rows are in the tail now (a weak reference to its _TailClaim: a
-        # fork dropped without ForkKV.release frees the tail with it), and how many claimed it
+        # fork dropped without ForkKV.release frees the tail with it)
         self._tail = None
-        self.claims = 0
 
     @classmethod
     def for_model(cls, text_model, headroom: int = HEADROOM, dtype=None) -> "PrefixKV":
@@ -352,7 +351,6 @@ class PrefixKV(DynamicCache):
                 return None
             claim = _TailClaim(self, len(self.layers))
             self._tail = weakref.ref(claim)
-            self.claims += 1
             return claim
 
     def _unclaimed(self, what: str) -> None:

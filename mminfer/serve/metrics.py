@@ -233,7 +233,11 @@ class CacheCollector:
                     ("queries", "queries", "Requests that looked their video's prefix up"),
                     ("hits", "hits", "Lookups that found the prefix cached (either tier)"),
                     ("host_hits", "host_hits", "Hits served from the host tier"),
-                    ("misses", "misses", "Lookups that prefilled the prefix")):
+                    ("misses", "misses", "Lookups that prefilled the prefix"),
+                    ("tail_reads", "tail_reads", "Questions that decoded in their cached "
+                     "prefix's tail (alone on it: a cache in one piece)"),
+                    ("room_waits", "room_waits", "Times a new prefill waited for other "
+                     "requests to give back the device memory it needs")):
                 f = CounterMetricFamily(f"mminfer:prefix_cache_{name}", doc, labels=lab)
                 f.add_metric(m, c.get(key, 0))
                 yield f

@@ -88,7 +88,7 @@ def test_host_tier_moves_fp8_rows_and_scales(qwen, mp4):
     assert torch.equal(layer.k_scale, scale) and entry.nbytes == nbytes
     # restored with its tail, which the hit's question claimed and gave back
     assert entry.kv.capacity == entry.length + tail_rows(entry.length)
-    assert entry.kv.claims == 2 and not entry.kv.tail_claimed
+    assert pipe.video_cache.counts["tail_reads"] == 2 and not entry.kv.tail_claimed
 
 
 def test_the_flag_reaches_pipeline_settings_and_batch():

@@ -120,6 +120,9 @@ def test_metrics_and_report_count_the_cache_per_tier(tmp_path, live_server):
     assert m[("mminfer:prefix_cache_hits_total", None)] == 2          # vLLM's pair
     assert m[("mminfer:prefix_cache_host_hits_total", None)] == 1
     assert m[("mminfer:prefix_cache_misses_total", None)] == 2
+    # one question at a time: each decoded in its entry's tail; no prefill waited for memory
+    assert m[("mminfer:prefix_cache_tail_reads_total", None)] == 4
+    assert m[("mminfer:prefix_cache_room_waits_total", None)] == 0
     # a spilled for b, then b for a coming back
     assert m[("mminfer:prefix_cache_evictions_total", "gpu")] == 2
     assert m[("mminfer:prefix_cache_evictions_total", "host")] == 0
