@@ -116,7 +116,7 @@ def measure(pipe, n: int, tokens: int, clip: Path, temperature: float = 0.0,
             "gap_ms_mean": round(statistics.mean(gaps), 3) if gaps else None,
             "gap_ms_p90": pct(gaps, 0.9),
             "step_ms_median": round(statistics.median(steps), 3) if steps else None,
-            "gather_timeouts": getattr(sched, "gather_timeouts", None),
+            "gather_timeouts": sched.state().get("decode_gather_timeouts"),
             "wall_s": round(wall, 3), "token_ids": [[t for t in x if t is not None] for x in texts]}
 
 

@@ -111,7 +111,8 @@ class Scheduler:
                 "waiting_admission": len(self._admission),
                 "switches": self.switches,
                 "decode_batches": self.batches,
-                "decode_batched_steps": self.batched_steps}
+                "decode_batched_steps": self.batched_steps,
+                "decode_gather_timeouts": self.gather_timeouts}
 
     def wake(self):
         """Someone was asked to stop: let waiting threads look."""
