@@ -599,6 +599,19 @@ def run_selfcal(common, a, env, save=None) -> dict:
         caldir.cleanup()
 
 
+# A mode named with this suffix (scheduler-classic, serial-classic) runs its server with
+# PyTorch's default CUDA allocator (fixed segments) instead of the expandable segments
+# `mminfer serve` sets unless told otherwise: the two side by side in one call.
+CLASSIC = "-classic"
+
+
+def mode_env(name: str, env: dict) -> dict:
+    """The environment of mode ``name``'s server."""
+    if name.endswith(CLASSIC):
+        return {**env, "PYTORCH_CUDA_ALLOC_CONF": ""}     # set, empty: PyTorch's default
+    return env
+
+
 def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
     """(name, `mminfer serve` arguments, engines) of each server mode the flags ask for."""
     named = {"serial": common + ["--max-num-seqs", "1"], "scheduler": common}
@@ -607,10 +620,11 @@ def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
         ("" if a.data_parallel else "scheduler,serial")
     out = []
     for name in (n for n in chosen.split(",") if n):
-        if name.startswith("scheduler@"):       # the scheduler with another --decode-share
-            out.append((name, common + ["--decode-share", name.split("@", 1)[1]], 1))
+        base = name.removesuffix(CLASSIC)      # the allocator: mode_env
+        if base.startswith("scheduler@"):       # the scheduler with another --decode-share
+            out.append((name, common + ["--decode-share", base.split("@", 1)[1]], 1))
         else:
-            out.append((name, named[name], 1))
+            out.append((name, named[base], 1))
     for n in (int(x) for x in (a.data_parallel or "").split(",") if x):
         if n == 1:
             out.append(("dp1", common, 1))
@@ -645,7 +659,9 @@ def main(argv=None):
                    help="ask the new video once alone first (the TTFT ratio's baseline)")
     p.add_argument("--modes", default=None,
                    help="serial (--max-num-seqs 1), scheduler (the default server), "
-                        "scheduler@F (with --decode-share F), comma-separated; "
+                        "scheduler@F (with --decode-share F), each with the suffix "
+                        f"{CLASSIC} for PyTorch's default CUDA allocator instead of "
+                        "expandable segments, comma-separated; "
                         "default: scheduler,serial, or none with --data-parallel")
     p.add_argument("--data-parallel", default=None, metavar="N,N...",
                    help="engine counts to compare, e.g. 1,2: N > 1 runs `mminfer serve "
@@ -721,7 +737,7 @@ def main(argv=None):
     out = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": {}}
     for name, args, scale in modes_of(a, fixed):
-        out["modes"][name] = m = run_mode(name, args, a, env, scale)
+        out["modes"][name] = m = run_mode(name, args, a, mode_env(name, env), scale)
         print(f"{name}: " + (f"FAILED {m['failed']}\n{m['server_log'][-3000:]}" if "failed" in m
               else json.dumps({c: m[c] for c in ("new_video", "hit")})), flush=True)
         if a.out is not None:       # each mode as it ends: a run stopped later keeps it

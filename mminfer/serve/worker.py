@@ -222,7 +222,8 @@ def _memory_state() -> str:
         return (f"device free {free / 2**30:.2f} of {total / 2**30:.2f} GiB, allocated "
                 f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
                 f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB, peak "
-                f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+                f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, allocator "
+                f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'default'}")
     except Exception as e:      # noqa: BLE001 - a report, best effort
         return f"memory state unknown ({e})"
 
