@@ -135,6 +135,8 @@ def stop_live(grace_s: float = 3.0) -> None:
 
 
 def on_sigterm(signum, frame):
+    for srv in list(LIVE):     # where each server was when the call's time ran out
+        srv.dump_threads()
     stop_live()
     raise SystemExit(128 + signum)
 
@@ -142,11 +144,14 @@ def on_sigterm(signum, frame):
 class Server:
     """``mminfer serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, args: list[str], env: dict):
+    def __init__(self, args: list[str], env: dict, log: Path | None = None,
+                 log_level: str = "warning"):
         self.data = tempfile.TemporaryDirectory(prefix="mminfer-load-")
         self.started = time.monotonic()          # the clock of "time since the start"
+        # every line the server prints, as it prints it (a call stopped mid-mode keeps them)
+        self.log = open(log, "a", buffering=1) if log is not None else None
         cmd = [sys.executable, "-m", "mminfer.cli", "serve", "--port", "0", "--data-dir",
-               self.data.name, "--log-level", "warning", *args]
+               self.data.name, "--log-level", log_level, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
         LIVE.add(self)
@@ -159,6 +164,8 @@ class Server:
             if not line and self.proc.poll() is not None:
                 raise RuntimeError("the server did not start:\n" + "".join(lines[-30:]))
             lines.append(line)
+            if self.log is not None:
+                self.log.write(line)
             if " at http://" in line:
                 self.url = line.split(" at ", 1)[1].split()[0]
                 self.ready_s = time.monotonic() - self.started
@@ -171,6 +178,15 @@ class Server:
     def _drain(self):
         for line in self.proc.stdout:
             self.tail.append(line)
+            if self.log is not None:
+                self.log.write(line)
+
+    def dump_threads(self, wait_s: float = 2.0) -> None:
+        """Have the server print every thread's stack (``mminfer serve`` registers SIGUSR1
+        with faulthandler) into its output: where a request that never came back is."""
+        if self.proc.poll() is None and hasattr(signal, "SIGUSR1"):
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(wait_s)
 
     def close(self):
         self.proc.terminate()
@@ -180,6 +196,16 @@ class Server:
             self.proc.kill()
         LIVE.discard(self)
         self.data.cleanup()
+        if self.log is not None:
+            self.log.close()
+
+
+def start_server(a, tag: str, args: list[str], env: dict) -> Server:
+    """A server for one phase; its output goes to ``--out``/server-``tag``.log as it comes."""
+    log = a.out / f"server-{tag}.log" if a.out is not None else None
+    if log is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+    return Server(args, env, log=log, log_level=a.server_log_level)
 
 
 def ask(url, video: Path, question: str, data: dict, timeout: float) -> dict:
@@ -207,7 +233,12 @@ def ask(url, video: Path, question: str, data: dict, timeout: float) -> dict:
 def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
     """One server mode under the mixed workload, ``scale`` times over (``scale`` new-video
     clients, ``scale`` x the hit rate: one engine's load per engine)."""
-    srv = Server(serve_args, env)
+    srv = start_server(a, name, serve_args, env)
+    t0 = time.monotonic()
+
+    def say(what):          # the phase's progress, as it goes (a stopped call shows where)
+        print(f"{name} +{time.monotonic() - t0:.1f}s: {what}", flush=True)
+
     try:
         q = a.question
         base = dict(max_new_tokens=a.max_new_tokens, attention=a.attention)
@@ -215,10 +246,13 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
             r = ask(srv.url, Path(v), q, base, a.timeout_s)
             if r["status"] != 200:
                 raise RuntimeError(f"{name}: caching {v} failed: {r}")
+            say(f"cached {Path(v).name} (ttft {r['ttft_ms']} ms)")
         alone = None
         if a.alone:
             alone = ask(srv.url, Path(a.new_video), q,
                         {**base, "max_frames": a.max_frames + a.key_span}, a.timeout_s)
+            say(f"alone: {alone['status']} ttft {alone.get('ttft_ms')} ms "
+                f"{alone.get('error') or ''}")
         new_rows, hit_rows = [], []
         lock = threading.Lock()
         stop_at = time.monotonic() + a.duration_s
@@ -232,6 +266,8 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
                 i += 1
                 with lock:
                     new_rows.append(r)
+                say(f"new video: {r['status']} ttft {r.get('ttft_ms')} ms "
+                    f"{r.get('error') or ''}")
 
         def one_hit(v):
             r = ask(srv.url, Path(v), q, base, a.timeout_s)
@@ -253,10 +289,13 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
             hits.append(th)
             k += 1
             next_at += 1.0 / rate
+        say(f"{len(hits)} hits sent; waiting for the last answers")
         for t in new_threads:
             t.join()
         for th in hits:
             th.join()
+        if any(r["status"] == 0 for r in new_rows + hit_rows):     # a request never came back
+            srv.dump_threads()
         elapsed = max([r.get("end", r["start"]) for r in new_rows + hit_rows] +
                       [stop_at]) - (stop_at - a.duration_s)
         new = summary(new_rows)
@@ -279,6 +318,7 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
             out["server_log"] = "".join(srv.tail)[-8000:]
         return out
     except Exception as e:  # noqa: BLE001 - one mode's failure is reported, the next one runs
+        srv.dump_threads()
         return {"mode": name, "serve_args": serve_args, "engines": scale,
                 "failed": f"{type(e).__name__}: {e}", "server_log": "".join(srv.tail)[-8000:]}
     finally:
@@ -295,7 +335,7 @@ def run_decoders(serve_args, a, env) -> dict:
     prefixes, each its own text, so they fork that one entry and their decode steps read it
     once for all of them (shared-prefix attention), against the first asked alone: the result
     under ``"shared"``."""
-    srv = Server(serve_args, env)
+    srv = start_server(a, "decode", serve_args, env)
     try:
         video, n = Path(a.decode_video), a.decoders
         base = dict(max_new_tokens=a.decode_tokens, attention=a.attention)
@@ -478,7 +518,7 @@ def _baseline(common, a, env) -> dict:
     that does not calibrate. Its TTFT references: the first (cold) request's, and the median
     of the others' (with one request, its own)."""
     try:
-        srv = Server(common + ["--no-self-calibrate"], env)
+        srv = start_server(a, "selfcal-baseline", common + ["--no-self-calibrate"], env)
     except Exception as e:  # noqa: BLE001 - reported; no baseline, no phase
         return {"failed": f"baseline: {type(e).__name__}: {e}"}
     try:
@@ -533,7 +573,7 @@ def run_selfcal(common, a, env, save=None) -> dict:
     caldir = tempfile.TemporaryDirectory(prefix="mminfer-selfcal-")
     assert not any(Path(caldir.name).iterdir())   # no config measured for any weights
     try:
-        srv = Server(common + ["--calibration-dir", caldir.name], env)
+        srv = start_server(a, "selfcal", common + ["--calibration-dir", caldir.name], env)
     except Exception as e:  # noqa: BLE001 - reported with the baseline
         caldir.cleanup()
         return {**out, "failed": f"{type(e).__name__}: {e}"}
@@ -712,6 +752,8 @@ def main(argv=None):
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more argument for `mminfer serve` (repeatable)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--server-log-level", default="warning",
+                   help="each server's --log-level (its output goes to OUT/server-MODE.log)")
     a = p.parse_args(argv)
     if a.modes is None and not a.new_video and not a.data_parallel:
         a.modes = ""                    # no load's videos: the other phases alone

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import faulthandler
 import logging
 import os
 import shlex
+import signal
 import socket
 from pathlib import Path
 
@@ -462,6 +464,10 @@ def default_allocator(environ=os.environ) -> None:
 
 def run(args) -> int:
     default_allocator()
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: where a request is stuck,
+    # without stopping the server
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1,15 +1,23 @@
-"""The CUDA allocator a server runs with: expandable segments unless the operator's environment
-names a configuration (mminfer.serve.cli.default_allocator), and on a GPU that configuration
-is the one PyTorch's allocator runs, CUDA graphs included."""
+"""The `mminfer serve` process: the CUDA allocator it runs with (expandable segments unless the
+operator's environment names a configuration; on a GPU the configuration PyTorch's allocator
+then runs, CUDA graphs included), and SIGUSR1 printing every thread's stack while it serves
+(what benchmarks/load.py asks of a server whose request never came back)."""
 
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from mminfer.serve.cli import CUDA_ALLOC_CONF, default_allocator
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import load  # noqa: E402 - benchmarks/ is not a package
 
 
 def test_expandable_segments_unless_the_operator_says_otherwise():
@@ -55,3 +63,24 @@ def test_the_allocator_runs_the_configuration_and_graphs(conf, expandable):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == expandable
+
+
+def test_sigusr1_prints_every_thread_and_the_server_goes_on(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("MMINFER_API_KEY", None)
+    log = tmp_path / "server.log"
+    srv = load.Server(["--device", "cpu"], env, log=log)
+    try:
+        srv.dump_threads(wait_s=0.0)
+        text = ""
+        for _ in range(100):           # the dump comes through the server's output pipe
+            text = log.read_text()
+            if "most recent call first" in text and "Thread 0x" in text:
+                break
+            time.sleep(0.1)
+        assert "most recent call first" in text and "Thread 0x" in text, text[-2000:]
+        assert srv.proc.poll() is None
+        assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+    finally:
+        srv.close()
