@@ -639,16 +639,16 @@ def run_selfcal(common, a, env, save=None) -> dict:
         caldir.cleanup()
 
 
-# A mode named with this suffix (scheduler-classic, serial-classic) runs its server with
-# PyTorch's default CUDA allocator (fixed segments) instead of the expandable segments
-# `mminfer serve` sets unless told otherwise: the two side by side in one call.
-CLASSIC = "-classic"
+# A mode named with this suffix (scheduler-expandable, serial-expandable) runs its server with
+# PyTorch's expandable CUDA segments instead of its default fixed segments (the 80 GB H100 load
+# runs lost prefills out of memory with 9-10 GB reserved in fragments): the two side by side.
+EXPANDABLE = "-expandable"
 
 
 def mode_env(name: str, env: dict) -> dict:
     """The environment of mode ``name``'s server."""
-    if name.endswith(CLASSIC):
-        return {**env, "PYTORCH_CUDA_ALLOC_CONF": ""}     # set, empty: PyTorch's default
+    if name.endswith(EXPANDABLE):
+        return {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     return env
 
 
@@ -660,7 +660,7 @@ def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
         ("" if a.data_parallel else "scheduler,serial")
     out = []
     for name in (n for n in chosen.split(",") if n):
-        base = name.removesuffix(CLASSIC)      # the allocator: mode_env
+        base = name.removesuffix(EXPANDABLE)      # the allocator: mode_env
         if base.startswith("scheduler@"):       # the scheduler with another --decode-share
             out.append((name, common + ["--decode-share", base.split("@", 1)[1]], 1))
         else:
@@ -700,8 +700,8 @@ def main(argv=None):
     p.add_argument("--modes", default=None,
                    help="serial (--max-num-seqs 1), scheduler (the default server), "
                         "scheduler@F (with --decode-share F), each with the suffix "
-                        f"{CLASSIC} for PyTorch's default CUDA allocator instead of "
-                        "expandable segments, comma-separated; "
+                        f"{EXPANDABLE} for PyTorch's expandable CUDA segments, "
+                        "comma-separated; "
                         "default: scheduler,serial, or none with --data-parallel")
     p.add_argument("--data-parallel", default=None, metavar="N,N...",
                    help="engine counts to compare, e.g. 1,2: N > 1 runs `mminfer serve "

@@ -15,7 +15,6 @@ import asyncio
 import errno
 import faulthandler
 import logging
-import os
 import shlex
 import signal
 import socket
@@ -445,25 +444,7 @@ def ray_serve_worker(settings, args, RayServeWorker):
                           routing=args.dp_routing, max_imbalance=args.affinity_max_imbalance)
 
 
-# The CUDA allocator a server runs with unless the operator's environment names one. A server
-# holds long-lived tensors of every size (cached videos' KV, their tails, decode graphs) between
-# prefills of tens of GB; with PyTorch's fixed segments the load benchmark on an 80 GB H100
-# kept 9-10 GB reserved in fragments no large tensor could use and failed prefills out of
-# memory; expandable segments map pages into one growing range instead (BENCHMARKS.md,
-# "Many users at once"). Read by PyTorch at the first CUDA allocation, so set before the model
-# loads; data-parallel engines inherit it. An operator's PYTORCH_CUDA_ALLOC_CONF (or
-# PYTORCH_ALLOC_CONF), even empty (PyTorch's default), is kept.
-CUDA_ALLOC_CONF = "expandable_segments:True"
-
-
-def default_allocator(environ=os.environ) -> None:
-    """Set CUDA_ALLOC_CONF in ``environ`` unless it names an allocator configuration."""
-    if not any(k in environ for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        environ["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
-
-
 def run(args) -> int:
-    default_allocator()
     # `kill -USR1 <pid>` prints every thread's stack to stderr: where a request is stuck,
     # without stopping the server
     if hasattr(signal, "SIGUSR1"):
