@@ -228,7 +228,7 @@ class VideoCache:
         self._room_waiters: set[threading.Event] = set()   # make_room: set when one leaves
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
                            evictions_host=0, inserted=0, rejected=0, build_waits=0,
-                           room_waits=0, tail_reads=0)
+                           room_waits=0, tail_reads=0, idle_spills=0)
 
     @property
     def _reserved(self) -> int:
@@ -507,6 +507,23 @@ class VideoCache:
                 self._spill(key, e)
                 free = self.free_bytes()
         return want - free
+
+    def spill_idle(self) -> int:
+        """Move every idle device entry off the device (to the host tier where it fits, else
+        dropped) and hand the allocator's free segments back; returns the device bytes the
+        entries held. What a request that ran out of memory gets before it runs again: the
+        room check before a prefill counts free memory, but an allocation can still fail
+        where freed blocks lie in pieces a large tensor cannot use."""
+        with self._lock:
+            idle = [(k, e) for k, e in self._entries.items()
+                    if e.tier is Tier.GPU and not e.readers]
+            freed = sum(e.nbytes for _, e in idle)
+            for key, e in idle:
+                self._spill(key, e)
+            if idle:
+                self.counts["idle_spills"] += 1
+        self.free_bytes()            # empty the allocator's cache (a no-op off CUDA)
+        return freed
 
     def offload(self) -> int:
         """Move every idle device entry to the host tier (within its budget); returns how

@@ -237,7 +237,9 @@ class CacheCollector:
                     ("tail_reads", "tail_reads", "Questions that decoded in their cached "
                      "prefix's tail (alone on it: a cache in one piece)"),
                     ("room_waits", "room_waits", "Times a new prefill waited for other "
-                     "requests to give back the device memory it needs")):
+                     "requests to give back the device memory it needs"),
+                    ("idle_spills", "idle_spills", "Times every idle cached prefix left the "
+                     "device at once (a request that ran out of memory runs again after it)")):
                 f = CounterMetricFamily(f"mminfer:prefix_cache_{name}", doc, labels=lab)
                 f.add_metric(m, c.get(key, 0))
                 yield f

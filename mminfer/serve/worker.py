@@ -463,6 +463,40 @@ class ModelWorker:
         return job.guard.run(self.pipeline.answer, job.video_path, job.question,
                              cancel=job.should_stop, **params, **extra)
 
+    def _run_again_after_oom(self, job: Job):
+        """:meth:`_run`; a request that runs out of memory before its first token was sent
+        runs once more after every idle cached prefix has left the device (moved to the host
+        tier or dropped), so an allocation the room check could not foresee (free memory in
+        pieces too small for a large tensor) costs that request time, not its answer. Where
+        nothing idle is on the device, or a token was sent, the error stands."""
+        sent, first = [], job.on_token
+        if first is not None:
+            def on_token(*args, **kwargs):
+                sent.append(True)
+                return first(*args, **kwargs)
+            job.on_token = on_token
+        try:
+            try:
+                return self._run(job)
+            except BaseException as e:     # noqa: BLE001 - re-raised unless it is retried
+                cache = getattr(self.pipeline, "video_cache", None)
+                if not _is_oom(e) or sent or job.call is not None or job.stop is not None \
+                        or cache is None:
+                    raise
+                error, e.__traceback__ = e, None   # its frames (the attempt's tensors) go
+            gc.collect()
+            freed = cache.spill_idle()
+            if freed <= 0:
+                raise error
+            log.warning("request %s ran out of memory (%s); %.2f GiB of idle cached prefixes "
+                        "left the device and it runs again", job.request_id,
+                        str(error).splitlines()[0][:300] if str(error) else
+                        type(error).__name__, freed / 2**30)
+            del error
+            return self._run(job)
+        finally:
+            job.on_token = first
+
     # ------------------------------------------------------------------ threads
     def _main(self):
         try:
@@ -547,7 +581,7 @@ class ModelWorker:
         try:
             try:
                 try:
-                    result = self._run(job)
+                    result = self._run_again_after_oom(job)
                 except Interrupted:
                     job.guard.disarm()
                     raise Cancelled("the request was interrupted") from None

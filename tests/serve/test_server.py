@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from conftest import LiveServer, write_video
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -591,6 +592,49 @@ def test_a_cublas_allocation_failure_fails_the_request_not_the_worker(ckpt, tmp_
         assert r.status_code == 500 and r.json()["error"]["code"] == "out_of_memory"
     assert FullGPU.calls == 2
     assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+def test_out_of_memory_runs_again_once_idle_prefixes_left_the_device(ckpt, tmp_path,
+                                                                     live_server, caplog):
+    """A prefill that runs out of memory although the room check passed (free memory in pieces
+    too small for its tensors) runs once more after every idle cached prefix has left the
+    device: the request is answered, its answer the one asked again from the cache. With
+    nothing idle to move the error stands (500 out_of_memory) and it is not run again."""
+    app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
+                              api_key=None))
+    s = live_server(app)
+    pipe = app.state.worker.pipeline
+    real, calls, fail = pipe.adapter.prefill_prefix, [], []
+
+    def prefill_prefix(*args, **kwargs):
+        calls.append(1)
+        if fail:
+            fail.pop()
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.85 GiB")
+        return real(*args, **kwargs)
+
+    pipe.adapter.prefill_prefix = prefill_prefix
+    other = (SAMPLES / "colour_0.mp4").read_bytes()
+    fail.append(1)                         # nothing cached yet: nothing to move
+    r = post_answer(s.url, other)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "out_of_memory"
+    assert len(calls) == 1 and pipe.video_cache.stats()["idle_spills"] == 0
+    assert post_answer(s.url, NEEDLE.read_bytes()).status_code == 200    # cached, idle
+    assert pipe.video_cache.stats()["gpu_entries"] == 1
+    fail.append(1)
+    with caplog.at_level("WARNING", logger="mminfer.serve"):
+        r = post_answer(s.url, other)
+    assert r.status_code == 200, r.text
+    assert len(calls) == 4                 # the failed attempt and the one after it
+    st = pipe.video_cache.stats()
+    assert st["idle_spills"] == 1 and st["evictions_gpu"] >= 1
+    assert any("runs again" in m for m in caplog.messages)
+    again = post_answer(s.url, other)
+    assert again.status_code == 200 and again.json()["cache"] in ("hit", "host")
+    assert again.json()["answer"] == r.json()["answer"]
+    assert len(calls) == 4
+    metrics = httpx.get(f"{s.url}/metrics").text
+    assert "mminfer:prefix_cache_idle_spills_total" in metrics
 
 
 def test_the_loaded_model_is_kept_out_of_garbage_collections():
