@@ -9,21 +9,24 @@ one prefix take 37.6 ms a step and 8 separate caches 64.2 ms, against 10.9 ms fo
 alone: ~4.3 ms of weights and 3-26 ms of K/V reads, the rest host work. Here nothing of a
 step is decided on the host:
 
-- ``ptrs`` ``[L, B, 7]`` int64, per layer and answer: its cache's first segment (a kept
+- ``ptrs`` ``[L, B, 9]`` int64, per layer and answer: its cache's first segment (a kept
   prefix, or the whole cache) K and V addresses and head stride, its second segment's (a
-  question's own rows after a shared prefix; none: 0) and which segment takes the new row.
-  Fixed while no buffer moves (an answer joining, leaving or outgrowing its buffer rewrites
-  its rows of the table, not the graph);
+  question's own rows after a shared prefix; none: 0), which segment takes the new row, and
+  an FP8 cache's per-head K and V scales (its segments share them, as mminfer.models.kv's
+  forks do). Fixed while no buffer moves (an answer joining, leaving or outgrowing its buffer
+  rewrites its rows of the table, not the graph);
 - ``lens`` ``[B, 2]`` the two segments' lengths, shared by every layer; :func:`advance`
   counts the step's new row (``lens += inc``) once before the layers;
-- per layer: :func:`append` writes the new K/V row of every answer into its segment, then
-  :func:`attend` runs a static grid (answers x KV heads x ``splits`` key ranges of ``split``
-  keys each); a program whose range lies past its answer's length writes an empty partial,
-  and the merge folds the ranges through their log-sum-exp (flash-decoding).
+- ``groups``: answers that share their first segment (forks of one kept prefix) read it
+  once for all of them, their query heads as the rows of one block;
+- per layer: ``Ragged.append`` writes the new K/V row of every answer into its segment, then
+  ``Ragged.attend`` runs a static grid (groups x KV heads x key ranges of ``split`` keys,
+  plus one program per member for its own rows); ranges past an answer's length are skipped
+  and its merge reads only those its lengths say were written (flash-decoding).
 
 Rows are contiguous (row stride = head dim); K and V of a segment share their strides (they
-do in mminfer.models.kv's slabs). Model dtype only (fp32/fp16/bf16); the FP8 cache's scales
-and the shared-prefix form (one read of a prefix for all its readers) are not here yet.
+do in mminfer.models.kv's slabs). The cache is in the queries' dtype or FP8 (e4m3, the new
+rows quantised as kv.quantize_into does), one of the two per launch.
 Held to a pure-PyTorch fp32 oracle in lab/tests/test_ragged_decode.py; ``bench`` times one
 layer in a CUDA graph against the product's per-answer launches (GPU).
 """
@@ -39,42 +42,61 @@ import triton
 import triton.language as tl
 
 from mminfer.kernels import online_softmax
+from mminfer.kernels.fp8_quant import _to_e4m3
 from mminfer.kernels.runtime import dot_precision
 
 LOG2E = 1.4426950408889634
-K0, V0, SH0, K1, V1, SH1, OWN = range(7)
+FP8_DT = torch.float8_e4m3fn
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+K0, V0, SH0, K1, V1, SH1, OWN, KS, VS = range(9)
+W = 9                                     # the table's columns
+
+
+@triton.jit
+def _ptr(addr, CACHE: tl.constexpr):
+    return addr.to(tl.pointer_type(CACHE))
 
 
 @triton.jit
 def _append_kernel(PTRS, LENS, KN, VN, skn_b, skn_h, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, CACHE: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = PTRS + b * 7
+    row = PTRS + b * 9
     own = tl.load(row + 6)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     if own != 0:
         at = tl.load(LENS + b * 2 + 1) - 1
-        kb = tl.load(row + 3).to(tl.pointer_type(KN.dtype.element_ty))
-        vb = tl.load(row + 4).to(tl.pointer_type(KN.dtype.element_ty))
+        kb = _ptr(tl.load(row + 3), CACHE)
+        vb = _ptr(tl.load(row + 4), CACHE)
         sh = tl.load(row + 5)
     else:
         at = tl.load(LENS + b * 2) - 1
-        kb = tl.load(row + 0).to(tl.pointer_type(KN.dtype.element_ty))
-        vb = tl.load(row + 1).to(tl.pointer_type(KN.dtype.element_ty))
+        kb = _ptr(tl.load(row + 0), CACHE)
+        vb = _ptr(tl.load(row + 1), CACHE)
         sh = tl.load(row + 2)
     dst = h.to(tl.int64) * sh + at.to(tl.int64) * D + d
     src = b * skn_b + h * skn_h + d
-    tl.store(kb + dst, tl.load(KN + src, mask=dm), mask=dm)
-    tl.store(vb + dst, tl.load(VN + src, mask=dm), mask=dm)
+    k = tl.load(KN + src, mask=dm)
+    v = tl.load(VN + src, mask=dm)
+    if FP8:       # quantised with the cache's per-head scales, as kv.quantize_into does
+        ks = tl.load(_ptr(tl.load(row + 7), tl.float32) + h)
+        vs = tl.load(_ptr(tl.load(row + 8), tl.float32) + h)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * (1.0 / ks), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * (1.0 / vs), -448.0), 448.0)
+        k = _to_e4m3(k, CACHE)
+        v = _to_e4m3(v, CACHE)
+    tl.store(kb + dst, k, mask=dm)
+    tl.store(vb + dst, v, mask=dm)
 
 
 @triton.jit
 def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
                    G: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr, S: tl.constexpr,
                    S0: tl.constexpr, MAXM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   CACHE: tl.constexpr, FP8: tl.constexpr):
     g = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -89,9 +111,9 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
         rv = m < n
         ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + m, mask=rv, other=0)
         first = tl.load(GROUPS + g * (MAXM + 1) + 1)
-        row = PTRS + first * 7
-        kb = tl.load(row + 0).to(tl.pointer_type(Q.dtype.element_ty))
-        vb = tl.load(row + 1).to(tl.pointer_type(Q.dtype.element_ty))
+        row = PTRS + first * 9
+        kb = _ptr(tl.load(row + 0), CACHE)
+        vb = _ptr(tl.load(row + 1), CACHE)
         sh = tl.load(row + 2)
         lo = s * SPLIT
         hi = tl.minimum(lo + SPLIT, tl.load(LENS + first * 2))
@@ -102,9 +124,9 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
         rv = (r < G) & (m < n)
         ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + m + r * 0, mask=rv, other=0)
         one = tl.load(GROUPS + g * (MAXM + 1) + 1 + tl.minimum(m, MAXM - 1))
-        row = PTRS + one * 7
-        kb = tl.load(row + 3).to(tl.pointer_type(Q.dtype.element_ty))
-        vb = tl.load(row + 4).to(tl.pointer_type(Q.dtype.element_ty))
+        row = PTRS + one * 9
+        kb = _ptr(tl.load(row + 3), CACHE)
+        vb = _ptr(tl.load(row + 4), CACHE)
         sh = tl.load(row + 5)
         lo = 0
         hi = tl.where(m < n, tl.load(LENS + one * 2 + 1), 0)
@@ -114,6 +136,11 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
                 mask=rv[:, None] & dm[None, :], other=0.0)
     kb = kb + h.to(tl.int64) * sh
     vb = vb + h.to(tl.int64) * sh
+    scale = qk_scale
+    v_scale = 1.0
+    if FP8:       # a fork's rows carry its prefix's scales: one pair per program
+        scale = qk_scale * tl.load(_ptr(tl.load(row + 7), tl.float32) + h)
+        v_scale = tl.load(_ptr(tl.load(row + 8), tl.float32) + h)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -122,14 +149,14 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
         kvalid = kpos < hi
         krow = kpos.to(tl.int64)[:, None] * D + d[None, :]
         mask = kvalid[:, None] & dm[None, :]
-        k = tl.load(kb + krow, mask=mask, other=0.0)
+        k = tl.load(kb + krow, mask=mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        qk = tl.where(kvalid[None, :], qk * qk_scale, float("-inf"))
+        qk = tl.where(kvalid[None, :], qk * scale, float("-inf"))
         p, alpha, m_i, l_i = online_softmax.weights(qk, m_i, l_i)
-        v = tl.load(vb + krow, mask=mask, other=0.0)
+        v = tl.load(vb + krow, mask=mask, other=0.0).to(q.dtype)
         acc = online_softmax.accumulate(acc, alpha, p, v, PRECISION)
     has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     at = (ans.to(tl.int64) * HKV + h) * S + slot          # [BLOCK_M]: each row's answer
     tl.store(PO + (at * G + r % G)[:, None] * D + d[None, :], out,
@@ -176,10 +203,11 @@ class Ragged:
     their first segment read it once for all of them."""
 
     def __init__(self, B, heads, kv_heads, dim, max_len, *, split=4096, max_members=8,
-                 device="cpu", block_n=None):
+                 device="cpu", block_n=None, cache_dtype=None):
         self.B, self.H, self.HKV, self.D = B, heads, kv_heads, dim
         self.G = heads // kv_heads
         self.split, self.maxm = split, max_members
+        self.fp8 = cache_dtype == FP8_DT     # else the cache is in the queries' dtype
         self.S0 = -(-max_len // split)
         self.S = self.S0 + 1                               # the last slot: the second segment
         self.block_m = max(16, triton.next_power_of_2(max_members * self.G))
@@ -206,7 +234,11 @@ class Ragged:
         """Each answer's new K/V row (``[B, Hkv, D]``) into its segment, at its length - 1."""
         assert k_new.stride() == v_new.stride() and k_new.stride(-1) == 1
         _append_kernel[(self.B, self.HKV)](ptrs, lens, k_new, v_new, k_new.stride(0),
-                                           k_new.stride(1), D=self.D, BLOCK_D=self.block_d)
+                                           k_new.stride(1), D=self.D, BLOCK_D=self.block_d,
+                                           CACHE=self._cache(k_new), FP8=self.fp8)
+
+    def _cache(self, like):
+        return tl.float8e4nv if self.fp8 else _TL[like.dtype]
 
     def attend(self, q, ptrs, lens, groups, scale=None, out=None):
         """``q`` ``[B, H, D]`` over each answer's two segments (``lens``): ``[B, H, D]``."""
@@ -216,8 +248,8 @@ class Ragged:
             q, ptrs, lens, groups, self.po, self.pl, q.stride(0), q.stride(1),
             scale * LOG2E, self.split, G=self.G, D=self.D, HKV=self.HKV, S=self.S,
             S0=self.S0, MAXM=self.maxm, BLOCK_M=self.block_m, BLOCK_N=self.block_n,
-            BLOCK_D=self.block_d, PRECISION=dot_precision(q.dtype), num_warps=4,
-            num_stages=3 if q.is_cuda else 1)
+            BLOCK_D=self.block_d, PRECISION=dot_precision(q.dtype), CACHE=self._cache(q),
+            FP8=self.fp8, num_warps=4, num_stages=3 if q.is_cuda else 1)
         _merge_kernel[(self.B, self.HKV)](
             self.po, self.pl, lens, out, out.stride(0), out.stride(1), self.split, G=self.G,
             D=self.D, HKV=self.HKV, S=self.S, BLOCK_G=self.block_g, BLOCK_D=self.block_d)
@@ -229,11 +261,13 @@ def advance(lens, inc):
     lens += inc
 
 
-def table(segments, device):
-    """``[B, 7]`` int64 from each answer's ``(k0, v0, k1, v1, own)``: slabs ``[1, Hkv, cap,
-    D]`` (k1/v1 None: one segment; own: the new rows go to the second)."""
+def table(segments, device, scales=None):
+    """``[B, 9]`` int64 from each answer's ``(k0, v0, k1, v1, own)``: slabs ``[1, Hkv, cap,
+    D]`` (k1/v1 None: one segment; own: the new rows go to the second); ``scales``: each
+    answer's FP8 ``(k_scale, v_scale)`` ``[Hkv]`` fp32 (an FP8 cache; its segments share
+    them)."""
     rows = []
-    for k0, v0, k1, v1, own in segments:
+    for i, (k0, v0, k1, v1, own) in enumerate(segments):
         assert k0.stride() == v0.stride() and k0.stride(-1) == 1 and k0.stride(-2) == k0.shape[-1]
         r = [k0.data_ptr(), v0.data_ptr(), k0.stride(1)]
         if k1 is None:
@@ -241,7 +275,9 @@ def table(segments, device):
         else:
             assert k1.stride() == v1.stride() and k1.stride(-2) == k1.shape[-1]
             r += [k1.data_ptr(), v1.data_ptr(), k1.stride(1)]
-        rows.append(r + [int(own)])
+        ks, vs = scales[i] if scales is not None else (None, None)
+        rows.append(r + [int(own)] + ([ks.data_ptr(), vs.data_ptr()] if ks is not None
+                                      else [0, 0]))
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
@@ -254,30 +290,41 @@ def _time(fn, iters):
     return (time.perf_counter() - t0) / iters * 1e3
 
 
-def case(kind, B, n, own, *, split, dev, dt=torch.bfloat16, H=28, HKV=4, D=128, seed=0):
+def case(kind, B, n, own, *, split, dev, dt=torch.bfloat16, H=28, HKV=4, D=128, seed=0,
+         fp8=False):
     """One layer of B answers at ``n`` keys: ``kind`` "each" (B caches of their own) or
     "fork" (B questions of ``own`` rows over one kept prefix). Returns ``(ours, product,
     out, kv_bytes)``: ``ours()`` writes the step's K/V rows and attends into ``out`` with
     every length on the device; ``product()`` does the same with the product's launchers
     (mminfer.kernels.fp8_attention: split_attention per answer, shared_prefix_attention for
-    the forks), lengths from the host, and returns its output."""
+    the forks), lengths from the host, and returns its output. ``fp8``: the caches in e4m3
+    with per-head scales."""
     from mminfer.kernels.fp8_attention import shared_prefix_attention, split_attention
+    from mminfer.models import kv
     gen = torch.Generator(device=dev).manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, device=dev, dtype=dt, generator=gen)
 
+    def slab(*shape):
+        return rand(*shape).to(FP8_DT) if fp8 else rand(*shape)
+
+    sc = (torch.full((HKV,), 0.05, device=dev), torch.full((HKV,), 0.07, device=dev)) \
+        if fp8 else (None, None)
+
     if kind == "each":
-        segs = [(rand(1, HKV, n + 64, D), rand(1, HKV, n + 64, D)) for _ in range(B)]
+        segs = [(slab(1, HKV, n + 64, D), slab(1, HKV, n + 64, D)) for _ in range(B)]
         rows, sets = [(k, v, None, None, False) for k, v in segs], [[b] for b in range(B)]
         lens = torch.tensor([[n, 0]] * B, device=dev)
     else:
-        prefix = (rand(1, HKV, n, D), rand(1, HKV, n, D))
-        segs = [(rand(1, HKV, own + 64, D), rand(1, HKV, own + 64, D)) for _ in range(B)]
+        prefix = (slab(1, HKV, n, D), slab(1, HKV, n, D))
+        segs = [(slab(1, HKV, own + 64, D), slab(1, HKV, own + 64, D)) for _ in range(B)]
         rows, sets = [(*prefix, k, v, True) for k, v in segs], [list(range(B))]
         lens = torch.tensor([[n, own]] * B, device=dev)
-    rg = Ragged(B, H, HKV, D, n + 64, split=split, max_members=len(sets[0]), device=dev)
-    ptrs, groups = table(rows, dev), rg.groups(sets, dev)
+    rg = Ragged(B, H, HKV, D, n + 64, split=split, max_members=len(sets[0]), device=dev,
+                cache_dtype=FP8_DT if fp8 else None)
+    ptrs = table(rows, dev, scales=[sc] * B if fp8 else None)
+    groups = rg.groups(sets, dev)
     q = rand(B, H, D)
     kn, vn = rand(B, HKV, D), rand(B, HKV, D)
     out = torch.empty_like(q)
@@ -291,18 +338,22 @@ def case(kind, B, n, own, *, split, dev, dt=torch.bfloat16, H=28, HKV=4, D=128, 
 
     def product():
         for b, (k, v) in enumerate(segs):         # the step's row, written by the host
-            k[:, :, at] = kn[b]
-            v[:, :, at] = vn[b]
+            if fp8:
+                kv.quantize_into(k[:, :, at:at + 1], kn[b].view(1, HKV, 1, D), sc[0])
+                kv.quantize_into(v[:, :, at:at + 1], vn[b].view(1, HKV, 1, D), sc[1])
+            else:
+                k[:, :, at] = kn[b]
+                v[:, :, at] = vn[b]
         if kind == "each":
             return torch.cat([split_attention(q[b:b + 1].unsqueeze(2),
-                                               [(k[:, :, :m], v[:, :, :m])])
+                                              [(k[:, :, :m], v[:, :, :m])], *sc)
                               for b, (k, v) in enumerate(segs)]).view(B, H, D)
         return shared_prefix_attention(q.unsqueeze(2), prefix,
-                                       [(k[:, :, :m], v[:, :, :m]) for k, v in segs]
+                                       [(k[:, :, :m], v[:, :, :m]) for k, v in segs], *sc
                                        ).view(B, H, D)
 
-    kv = (B if kind == "each" else 1) * 2 * HKV * n * D * q.element_size()
-    return ours, product, out, kv
+    nbytes = (B if kind == "each" else 1) * 2 * HKV * n * D * (1 if fp8 else q.element_size())
+    return ours, product, out, nbytes
 
 
 def bench(argv=None):
@@ -319,8 +370,9 @@ def bench(argv=None):
     a = p.parse_args(argv)
     rows = []
     for B in a.batch:
-        for kind in ("each", "fork"):
-            ours, product, out, kv = case(kind, B, a.length, a.own, split=a.split, dev="cuda")
+        for kind, fp8 in (("each", False), ("fork", False), ("each", True), ("fork", True)):
+            ours, product, out, kv = case(kind, B, a.length, a.own, split=a.split, dev="cuda",
+                                          fp8=fp8)
             for _ in range(3):
                 ours()
             err = (product().float() - out.float()).abs().max().item()
@@ -329,7 +381,8 @@ def bench(argv=None):
                 ours()
             graph_ms = _time(g.replay, a.iters)
             product_ms = _time(product, a.iters)
-            rows.append({"batch": B, "case": kind, "length": a.length, "max_abs_err": err,
+            rows.append({"batch": B, "case": kind, "kv": "fp8" if fp8 else "bf16",
+                         "length": a.length, "max_abs_err": err,
                          "graph_ms": round(graph_ms, 4), "product_ms": round(product_ms, 4),
                          "graph_GBps": round(kv / graph_ms / 1e6, 1),
                          "graph_x28_ms": round(28 * graph_ms, 2),

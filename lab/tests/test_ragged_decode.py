@@ -80,10 +80,51 @@ def test_an_answer_past_its_ranges_and_an_empty_second_segment():
 
 
 @pytest.mark.parametrize("kind", ["each", "fork"])
-def test_the_benchmark_cases_agree_with_the_product(kind):
-    """The GPU benchmark's two cases, small: this prototype and the product's launchers give
-    the same step (fp32 on the CPU; on the GPU the benchmark reports their difference)."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_benchmark_cases_agree_with_the_product(kind, fp8):
+    """The GPU benchmark's cases, small: this prototype and the product's launchers give the
+    same step (fp32 on the CPU; on the GPU the benchmark reports their difference)."""
     ours, product, out, _ = rd.case(kind, 3, 150, 5, split=64, dev="cpu", dt=torch.float32,
-                                    H=8, HKV=2, D=32)
+                                    H=8, HKV=2, D=32, fp8=fp8)
     ours()
     torch.testing.assert_close(out, product(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_an_fp8_cache_is_written_and_read_as_the_product_does(grouped):
+    """FP8 (e4m3) caches with per-head scales: each new row is the bytes kv.quantize_into
+    writes, and attention equals fp32 attention over the dequantised rows."""
+    from mminfer.models import kv
+    g = torch.Generator().manual_seed(2)
+
+    def quantised(x, scale):
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        kv.quantize_into(out, x, scale)
+        return out
+
+    prefix_f = [torch.randn(1, HKV, 90, D, generator=g) * 3 for _ in range(2)]
+    scales = [kv.head_scales(t) for t in prefix_f]
+    prefix = [quantised(t, sc) for t, sc in zip(prefix_f, scales)]
+    own = [[torch.zeros(1, HKV, 8, D, dtype=torch.float8_e4m3fn) for _ in range(2)]
+           for _ in range(2)]
+    segments = [(*prefix, *own[b], True) for b in range(2)]
+    ptrs = rd.table(segments, "cpu", scales=[tuple(scales)] * 2)
+    lens = torch.tensor([[70, 0], [70, 0]])
+    rg = rd.Ragged(2, H, HKV, D, 96, split=32, max_members=2, cache_dtype=torch.float8_e4m3fn)
+    groups = rg.groups([[0, 1]] if grouped else [[0], [1]], "cpu")
+    for step in range(2):
+        rd.advance(lens, torch.tensor([[0, 1], [0, 1]]))
+        q = torch.randn(2, H, D, generator=g)
+        kn, vn = (torch.randn(2, HKV, D, generator=g) * 3 for _ in range(2))
+        rg.append(ptrs, lens, kn, vn)
+        out = rg.attend(q, ptrs, lens, groups)
+        for b in range(2):
+            want_k = quantised(kn[b].view(1, HKV, 1, D), scales[0])
+            assert torch.equal(own[b][0][:, :, step:step + 1].view(torch.uint8),
+                               want_k.view(torch.uint8))
+            n = step + 1
+            segs = [(kv.dequantize(prefix[0][:, :, :70], scales[0], torch.float32)[0],
+                     kv.dequantize(prefix[1][:, :, :70], scales[1], torch.float32)[0]),
+                    (kv.dequantize(own[b][0][:, :, :n], scales[0], torch.float32)[0],
+                     kv.dequantize(own[b][1][:, :, :n], scales[1], torch.float32)[0])]
+            torch.testing.assert_close(out[b], reference(q[b], segs), atol=1e-5, rtol=1e-5)
