@@ -58,7 +58,7 @@ def _ptr(addr, CACHE: tl.constexpr):
 
 
 @triton.jit
-def _append_kernel(PTRS, LENS, KN, VN, skn_b, skn_h, D: tl.constexpr,
+def _append_kernel(PTRS, LENS, KN, VN, skn_b, skn_h, svn_b, svn_h, D: tl.constexpr,
                    BLOCK_D: tl.constexpr, CACHE: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -77,9 +77,8 @@ def _append_kernel(PTRS, LENS, KN, VN, skn_b, skn_h, D: tl.constexpr,
         vb = _ptr(tl.load(row + 1), CACHE)
         sh = tl.load(row + 2)
     dst = h.to(tl.int64) * sh + at.to(tl.int64) * D + d
-    src = b * skn_b + h * skn_h + d
-    k = tl.load(KN + src, mask=dm)
-    v = tl.load(VN + src, mask=dm)
+    k = tl.load(KN + b * skn_b + h * skn_h + d, mask=dm)
+    v = tl.load(VN + b * svn_b + h * svn_h + d, mask=dm)
     if FP8:       # quantised with the cache's per-head scales, as kv.quantize_into does
         ks = tl.load(_ptr(tl.load(row + 7), tl.float32) + h)
         vs = tl.load(_ptr(tl.load(row + 8), tl.float32) + h)
@@ -232,9 +231,10 @@ class Ragged:
 
     def append(self, ptrs, lens, k_new, v_new):
         """Each answer's new K/V row (``[B, Hkv, D]``) into its segment, at its length - 1."""
-        assert k_new.stride() == v_new.stride() and k_new.stride(-1) == 1
+        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
         _append_kernel[(self.B, self.HKV)](ptrs, lens, k_new, v_new, k_new.stride(0),
-                                           k_new.stride(1), D=self.D, BLOCK_D=self.block_d,
+                                           k_new.stride(1), v_new.stride(0), v_new.stride(1),
+                                           D=self.D, BLOCK_D=self.block_d,
                                            CACHE=self._cache(k_new), FP8=self.fp8)
 
     def _cache(self, like):
