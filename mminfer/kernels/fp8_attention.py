@@ -41,6 +41,7 @@ interpreter).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -334,7 +335,8 @@ def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None
 
 
 def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
-                            scale: float | None = None, *, n_splits: int | None = None):
+                            scale: float | None = None, *, n_splits: int | None = None,
+                            out=None):
     """One decode step of ``M`` readers of one shared prefix (cascade attention): ``q``
     ``[M, H, 1, D]`` (reader j's query), ``prefix`` ``(k, v)`` ``[1, Hkv, P, D]`` the rows
     they share, ``owns`` M ``(k, v)`` ``[1, Hkv, n_j, D]``, each reader's own rows after
@@ -346,17 +348,18 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
     prefix); each reader's own launch writes its key ranges into further slots of the same
     scratch, at its rows; one merge of every slot through the log-sum-exp writes all the
     outputs. FP8 K/V with the per-head scales of the prefix (a reader's rows are quantised
-    with them), or the query's dtype with none. Returns ``[M, 1, H, D]`` in q's dtype.
+    with them), or the query's dtype with none. Returns ``[M, 1, H, D]`` in q's dtype,
+    written into ``out`` (any strides, the last dim contiguous) where given.
     ``n_splits``: force the prefix's number of key ranges (tests)."""
     pk, pv = prefix
     M, H, q_len, D = q.shape
     Hkv = pk.shape[1]
+    lengths = [k.shape[2] for k, _ in owns]
     if q_len != 1 or len(owns) != M:
         raise ValueError(f"one query per reader and one own segment each: q {tuple(q.shape)}, "
                          f"{len(owns)} segments")
-    if H % Hkv or any(k.shape[2] < 1 for k, _ in owns):
-        raise ValueError(f"{H} query heads, {Hkv} KV heads, own lengths "
-                         f"{[k.shape[2] for k, _ in owns]}")
+    if H % Hkv or min(lengths) < 1:
+        raise ValueError(f"{H} query heads, {Hkv} KV heads, own lengths {lengths}")
     if k_scale is None:
         if is_fp8(pk) or any(is_fp8(k) for k, _ in owns):
             raise ValueError("an FP8 cache needs its scales")
@@ -364,18 +367,65 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if not available(q.device):
-        return _shared_prefix_chunked(q, prefix, owns, k_scale, v_scale, scale)
-    if any(t.stride(-1) != 1 for seg in (prefix, *owns) for t in seg):
+        got = _shared_prefix_chunked(q, prefix, owns, k_scale, v_scale, scale)
+        return got if out is None else out.copy_(got)
+    # each segment's (head, row) strides, read once: the launches below take them
+    strides = [(k.stride(), v.stride()) for k, v in ((pk, pv), *owns)]
+    if any(sk[3] != 1 or sv[3] != 1 for sk, sv in strides):
         raise ValueError("the cache's head dim must be contiguous")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if out is None:
+        out = torch.empty(M, 1, H, D, dtype=q.dtype, device=q.device)
+    elif out.shape != (M, 1, H, D) or out.stride(-1) != 1 or out.dtype != q.dtype:
+        raise ValueError(f"out must be [M, 1, H, D] in q's dtype, contiguous in D: "
+                         f"{tuple(out.shape)} {out.dtype}")
+    gpu = compiled_gpu(q.is_cuda)
+    (block_m, block_n, warps, stages, m_blocks, split_len, n_pre,
+     ob_m, ob_n, o_warps, o_stages, o_blocks, n_own, BD) = _shared_plan(
+        M, H // Hkv, Hkv, D, pk.shape[2], max(lengths), gpu, _sm_count(q.device), n_splits)
     G = H // Hkv
     R = M * G
-    gpu = compiled_gpu(q.is_cuda)
-    sms = _sm_count(q.device)
-    P = pk.shape[2]
-    block_m, block_n, warps, stages = tiles(R, gpu)
-    m_blocks = -(-R // block_m)
+    po = torch.empty(n_pre + n_own, Hkv, R, D, dtype=torch.float32, device=q.device)
+    pl = torch.empty(n_pre + n_own, Hkv, R, dtype=torch.float32, device=q.device)
+    po_s, pl_s = po.stride(), pl.stride()
+    prec = dot_precision(q.dtype)
+    qk_scale = float(scale) * LOG2E
+    rows = q.transpose(0, 2)             # [1, H, M, D]: reader j is query row j
+    (sk, sv) = strides[0]
+    _fp8_split_fwd[(Hkv, n_pre, m_blocks)](
+        rows, pk, pv, pk, pv, k_scale, v_scale, po, pl,
+        q.stride(1), q.stride(0), sk[1], sk[2], sv[1], sv[2], sk[1], sk[2], sv[1], sv[2],
+        po_s[0], po_s[1], pl_s[0], pl_s[1],
+        M, pk.shape[2], split_len, 0, 0, G, qk_scale,
+        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=prec,
+        CAUSAL=False, num_warps=warps, num_stages=stages)
+    qs = q.split(1)
+    for j, ((k, v), n, (sk, sv)) in enumerate(zip(owns, lengths, strides[1:])):
+        qj = qs[j]
+        # reader j's rows of the scratch: its own key ranges in the slots after the prefix's
+        _fp8_split_fwd[(Hkv, n_own, o_blocks)](
+            qj, k, v, k, v, k_scale, v_scale, po[n_pre:, :, j * G:], pl[n_pre:, :, j * G:],
+            q.stride(1), q.stride(2), sk[1], sk[2], sv[1], sv[2], sk[1], sk[2], sv[1], sv[2],
+            po_s[0], po_s[1], pl_s[0], pl_s[1],
+            1, n, -(-n // n_own), 0, 0, G, qk_scale,
+            D=D, BLOCK_M=ob_m, BLOCK_N=ob_n, BLOCK_D=BD, PRECISION=prec,
+            CAUSAL=True, num_warps=o_warps, num_stages=o_stages)
+    _fp8_merge[(Hkv, m_blocks)](
+        po, pl, out, po_s[0], po_s[1], pl_s[0], pl_s[1],
+        out.stride(0), out.stride(2), M, n_pre + n_own,
+        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_plan(M, G, Hkv, D, P, longest, gpu, sms, n_splits):
+    """The launch plan of :func:`shared_prefix_attention` (tiles, key ranges), which depends
+    on the shapes alone: every layer of a batched step asks for the same one. ``(block_m,
+    block_n, warps, stages, m_blocks, split_len, n_pre)`` of the prefix launch, ``(ob_m,
+    ob_n, o_warps, o_stages, o_blocks, n_own)`` of each reader's own launch, ``BLOCK_D``."""
+    block_m, block_n, warps, stages = tiles(M * G, gpu)
+    m_blocks = -(-M * G // block_m)
     if n_splits is None:
         split_len, _ = split_plan(P, Hkv * m_blocks, gpu=gpu, block_n=block_n, sms=sms,
                                   waves=waves(block_m))
@@ -385,42 +435,12 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
     # every reader's own rows in the same number of key ranges (a shorter one's last ranges
     # empty: the kernel writes them as nothing seen), planned for the longest
     ob_m, ob_n, o_warps, o_stages = tiles(G, gpu)
-    longest = max(k.shape[2] for k, _ in owns)
-    n_own = split_plan(longest, Hkv * -(-G // ob_m), gpu=gpu, block_n=ob_n, sms=sms,
+    o_blocks = -(-G // ob_m)
+    n_own = split_plan(longest, Hkv * o_blocks, gpu=gpu, block_n=ob_n, sms=sms,
                        waves=waves(ob_m))[1]
-    po = torch.empty(n_pre + n_own, Hkv, R, D, dtype=torch.float32, device=q.device)
-    pl = torch.empty(n_pre + n_own, Hkv, R, dtype=torch.float32, device=q.device)
-    out = torch.empty(M, 1, H, D, dtype=q.dtype, device=q.device)
     BD = max(16, triton.next_power_of_2(D))
-    prec = dot_precision(q.dtype)
-    qk_scale = float(scale) * LOG2E
-    rows = q.transpose(0, 2)             # [1, H, M, D]: reader j is query row j
-    _fp8_split_fwd[(Hkv, n_pre, m_blocks)](
-        rows, pk, pv, pk, pv, k_scale, v_scale, po, pl,
-        rows.stride(1), rows.stride(2), pk.stride(1), pk.stride(2), pv.stride(1), pv.stride(2),
-        pk.stride(1), pk.stride(2), pv.stride(1), pv.stride(2),
-        po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-        M, P, split_len, 0, 0, G, qk_scale,
-        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=prec,
-        CAUSAL=False, num_warps=warps, num_stages=stages)
-    for j, (k, v) in enumerate(owns):
-        n = k.shape[2]
-        qj = q[j:j + 1]
-        # reader j's rows of the scratch: its own key ranges in the slots after the prefix's
-        po_j, pl_j = po[n_pre:, :, j * G:], pl[n_pre:, :, j * G:]
-        _fp8_split_fwd[(Hkv, n_own, -(-G // ob_m))](
-            qj, k, v, k, v, k_scale, v_scale, po_j, pl_j,
-            qj.stride(1), qj.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-            k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-            po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-            1, n, -(-n // n_own), 0, 0, G, qk_scale,
-            D=D, BLOCK_M=ob_m, BLOCK_N=ob_n, BLOCK_D=BD, PRECISION=prec,
-            CAUSAL=True, num_warps=o_warps, num_stages=o_stages)
-    _fp8_merge[(Hkv, m_blocks)](
-        po, pl, out, po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(2), M, n_pre + n_own,
-        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
-    return out
+    return (block_m, block_n, warps, stages, m_blocks, split_len, n_pre,
+            ob_m, ob_n, o_warps, o_stages, o_blocks, n_own, BD)
 
 
 def merge_partials(o1, l1, o2, l2):

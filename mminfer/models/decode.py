@@ -64,9 +64,9 @@ import torch
 from mminfer.errors import Cancelled
 from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
-from mminfer.models.hooks import (current, decode_backends, fork_attention,
+from mminfer.models.hooks import (attention_forward, current, decode_backends, fork_attention,
                                   fork_group_attention)
-from mminfer.models.kv import ForkKV, ForkLayer, SlabLayer, prefix_of
+from mminfer.models.kv import ForkKV, ForkLayer, PrefixKV, SlabLayer, prefix_of
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -89,6 +89,7 @@ class LeanDecoder:
     def __init__(self, text_model, lm_head):
         self.text_model, self.lm_head = text_model, lm_head
         self.layers = list(text_model.layers)
+        self._attns = [layer.self_attn for layer in self.layers]
         self.embed = text_model.get_input_embeddings()
         self.unsupported = _lean_unsupported(text_model)
         self._graphs = None
@@ -181,41 +182,40 @@ class LeanDecoder:
             h = self._post(i, h, self._attend_many(i, q, k, v, caches, plan))
         return self._logits(h)[:, -1]                                        # [B, vocab]
 
-    def group_plan(self, caches):
-        """Which answers of a batch attend together: (groups of forks of one prefix, each
-        with its rows as a device index — made once a step, not once a layer — and the
-        answers that attend alone)."""
-        groups = prefix_groups(caches)
-        dev = self.embed.weight.device
-        index = [torch.tensor(g, device=dev) for g in groups]
-        alone = sorted(set(range(len(caches))) - {j for g in groups for j in g})
-        return groups, index, alone
+    def group_plan(self, caches) -> "BatchPlan":
+        """How the answers of a batch attend (:class:`BatchPlan`), made once a step: no layer
+        changes it."""
+        return BatchPlan(self, caches)
 
-    def _attend_many(self, i, q, k, v, caches, plan=None):
+    def _attend_many(self, i, q, k, v, caches, plan=None, out=None):
         """Layer ``i``'s K/V and attention of B answers, row j over ``caches[j]``: q
-        ``[B, H, 1, d]``, k/v ``[B, Hkv, 1, d]`` → ``[B, 1, H, d]``; ``plan``: group_plan's
-        (None: made here). The eager batched step and its CUDA-graph replay (BatchGraphs)
-        both attend through here."""
-        groups, index, alone = plan if plan is not None else self.group_plan(caches)
-        if not groups:
-            return torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
-                              for j, cache in enumerate(caches)])
-        out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[-1])
-        for j in alone:
-            out[j] = self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], caches[j])[0]
-        for g, at in zip(groups, index):
-            out.index_copy_(0, at, self._attend_group(i, q, k, v, caches, g, at))
+        ``[B, H, 1, d]``, k/v ``[B, Hkv, 1, d]`` → ``[B, 1, H, d]``, written into ``out``
+        where given (BatchGraphs' attention buffer); ``plan``: group_plan's (None: made here).
+        The eager batched step and its CUDA-graph replay (BatchGraphs) both attend through
+        here."""
+        plan = plan if plan is not None else self.group_plan(caches)
+        attn = self._attns[i]
+        ks, vs = k.split(1), v.split(1)
+        if not plan.groups:
+            outs = [plan.attend(attn, i, q[j:j + 1], ks[j], vs[j], c)
+                    for j, c in enumerate(caches)]
+            return torch.cat(outs) if out is None else torch.cat(outs, out=out)
+        if out is None:
+            out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[-1])
+        for j in plan.alone:
+            out[j] = plan.attend(attn, i, q[j:j + 1], ks[j], vs[j], caches[j])[0]
+        for rows, span, at, layers in plan.groups:
+            # K/V of layer i into each reader's own rows, then the group's attention in one
+            # call; a group of adjacent rows reads its queries and writes its outputs in place
+            keys, values = zip(*(layer.update(ks[j], vs[j])
+                                 for j, layer in zip(rows, layers[attn.layer_idx])))
+            if span is not None:
+                fork_group_attention(q[span[0]:span[1]], keys, values, attn.scaling,
+                                     plan.ctx, out[span[0]:span[1]])
+            else:
+                out.index_copy_(0, at, fork_group_attention(q.index_select(0, at), keys,
+                                                            values, attn.scaling, plan.ctx))
         return out
-
-    def _attend_group(self, i, q, k, v, caches, rows, at):
-        """K/V of layer ``i`` into ``caches[j]`` for j in ``rows`` (forks of one prefix; ``at``
-        the same indices on the device), attention of them all in one call:
-        ``[M, 1, H, d]``."""
-        attn = self.layers[i].self_attn
-        keys, values = zip(*(caches[j].update(k[j:j + 1], v[j:j + 1], attn.layer_idx)
-                             for j in rows))
-        return fork_group_attention(q.index_select(0, at), keys, values, attn.scaling,
-                                    current())
 
     def position_ids(self, position_ids, cache):
         if position_ids is None:     # the model's default: counted from the cache's length
@@ -455,10 +455,11 @@ class BatchGraphs(_Segments):
         self.tok[:b, 0].copy_(torch.tensor(tokens))
         self.pos[..., :b, :].copy_(torch.cat(position_ids, -2))
         plan = dec.group_plan(caches)
+        attn = self.attn[:b]
         g[0].replay()
         for i in range(len(dec.layers)):
-            self.attn[:b].copy_(dec._attend_many(i, self.q[i][:b], self.k[i][:b],
-                                                 self.v[i][:b], caches, plan))
+            dec._attend_many(i, self.q[i][:b], self.k[i][:b], self.v[i][:b], caches, plan,
+                             attn)
             g[i + 1].replay()
         return self.logits[:b], self.next[:b]
 
@@ -499,6 +500,44 @@ def prefix_groups(caches) -> list[list[int]]:
         if isinstance(c, ForkKV) and c.layers and not c.in_tail:
             by_prefix.setdefault((id(c.prefix), c.layers[0].shared), []).append(j)
     return [g for g in by_prefix.values() if len(g) > 1]
+
+
+class BatchPlan:
+    """What the attention of a batched step needs that no layer changes, found once a step
+    (not once a layer): the groups of forks of one prefix (:func:`prefix_groups`), each as
+    ``(rows, span, at, layers)`` — its answers' indices, ``(first, end)`` where they are
+    adjacent (their queries and outputs are then slices of the batch's), else their indices
+    on the device (``at``), and per layer the readers' ForkLayers —; the answers that attend
+    alone; and the request context the attention functions take."""
+
+    def __init__(self, dec: LeanDecoder, caches):
+        self.ctx = current()
+        groups = prefix_groups(caches)
+        grouped = {j for g in groups for j in g}
+        self.alone = [j for j in range(len(caches)) if j not in grouped]
+        self.groups = []
+        for rows in groups:
+            adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
+            at = None if adjacent else torch.tensor(rows, device=dec.embed.weight.device)
+            span = (rows[0], rows[0] + len(rows)) if adjacent else None
+            self.groups.append((rows, span, at, list(zip(*(caches[j].layers for j in rows)))))
+        # our attention hook sends a reader's rows over a shared prefix to fork_attention:
+        # called here directly for those (the same function on the same views)
+        attn = dec._attns[0] if dec._attns else None
+        self.hooked = attn is not None and _attention_function(attn) is attention_forward
+
+    def attend(self, attn, i, q, k, v, cache):
+        """Layer ``i``'s K/V into ``cache`` and one answer's attention over it, as
+        ``LeanDecoder._attend``: ``[1, 1, H, d]``."""
+        if not (self.hooked and isinstance(cache, (PrefixKV, ForkKV))):
+            keys, values = cache.update(k, v, attn.layer_idx)
+        else:
+            keys, values = cache.layers[attn.layer_idx].update(k, v)
+            if prefix_of(keys) is not None:
+                return fork_attention(q, keys, values, attn.scaling, self.ctx)
+        out, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
+                                           scaling=attn.scaling)
+        return out
 
 
 # ---------------------------------------------------------------- the loop
