@@ -66,7 +66,7 @@ from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
 from mminfer.models.hooks import (attention_forward, current, decode_backends, fork_attention,
                                   fork_group_attention)
-from mminfer.models.kv import ForkKV, ForkLayer, PrefixKV, SlabLayer, prefix_of
+from mminfer.models.kv import ForkKV, ForkLayer, PrefixKV, SlabLayer, prefix_of, write_rows
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -195,20 +195,20 @@ class LeanDecoder:
         here."""
         plan = plan if plan is not None else self.group_plan(caches)
         attn = self._attns[i]
-        ks, vs = k.split(1), v.split(1)
+        views = plan.write(attn.layer_idx, k, v)
         if not plan.groups:
-            outs = [plan.attend(attn, i, q[j:j + 1], ks[j], vs[j], c)
+            outs = [plan.attend(attn, q[j:j + 1], views[j], k[j:j + 1], v[j:j + 1], c)
                     for j, c in enumerate(caches)]
             return torch.cat(outs) if out is None else torch.cat(outs, out=out)
         if out is None:
             out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[-1])
         for j in plan.alone:
-            out[j] = plan.attend(attn, i, q[j:j + 1], ks[j], vs[j], caches[j])[0]
-        for rows, span, at, layers in plan.groups:
-            # K/V of layer i into each reader's own rows, then the group's attention in one
-            # call; a group of adjacent rows reads its queries and writes its outputs in place
-            keys, values = zip(*(layer.update(ks[j], vs[j])
-                                 for j, layer in zip(rows, layers[attn.layer_idx])))
+            out[j] = plan.attend(attn, q[j:j + 1], views[j], k[j:j + 1], v[j:j + 1],
+                                 caches[j])[0]
+        for rows, span, at in plan.groups:
+            # the group's attention in one call; a group of adjacent rows reads its queries
+            # and writes its outputs in place
+            keys, values = zip(*(views[j] for j in rows))
             if span is not None:
                 fork_group_attention(q[span[0]:span[1]], keys, values, attn.scaling,
                                      plan.ctx, out[span[0]:span[1]])
@@ -505,10 +505,11 @@ def prefix_groups(caches) -> list[list[int]]:
 class BatchPlan:
     """What the attention of a batched step needs that no layer changes, found once a step
     (not once a layer): the groups of forks of one prefix (:func:`prefix_groups`), each as
-    ``(rows, span, at, layers)`` — its answers' indices, ``(first, end)`` where they are
-    adjacent (their queries and outputs are then slices of the batch's), else their indices
-    on the device (``at``), and per layer the readers' ForkLayers —; the answers that attend
-    alone; and the request context the attention functions take."""
+    ``(rows, span, at)`` — its answers' indices, ``(first, end)`` where they are adjacent
+    (their queries and outputs are then slices of the batch's), else their indices on the
+    device (``at``) —; the answers that attend alone; which caches are ours (their layers
+    written together: :func:`mminfer.models.kv.write_rows`); the request context the
+    attention functions take."""
 
     def __init__(self, dec: LeanDecoder, caches):
         self.ctx = current()
@@ -517,23 +518,44 @@ class BatchPlan:
         self.alone = [j for j in range(len(caches)) if j not in grouped]
         self.groups = []
         for rows in groups:
-            adjacent = rows == list(range(rows[0], rows[0] + len(rows)))
-            at = None if adjacent else torch.tensor(rows, device=dec.embed.weight.device)
-            span = (rows[0], rows[0] + len(rows)) if adjacent else None
-            self.groups.append((rows, span, at, list(zip(*(caches[j].layers for j in rows)))))
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                self.groups.append((rows, (rows[0], rows[0] + len(rows)), None))
+            else:
+                at = torch.tensor(rows, device=dec.embed.weight.device)
+                self.groups.append((rows, None, at))
+        # PrefixKV / ForkKV: their layers are written directly (what their update does);
+        # any other cache through its own update
+        self.ours = [isinstance(c, (PrefixKV, ForkKV)) for c in caches]
+        self.caches = caches
         # our attention hook sends a reader's rows over a shared prefix to fork_attention:
         # called here directly for those (the same function on the same views)
         attn = dec._attns[0] if dec._attns else None
         self.hooked = attn is not None and _attention_function(attn) is attention_forward
 
-    def attend(self, attn, i, q, k, v, cache):
-        """Layer ``i``'s K/V into ``cache`` and one answer's attention over it, as
+    def write(self, layer_idx, k, v) -> list:
+        """Layer ``layer_idx``'s K/V rows (``[B, Hkv, 1, d]``) into our caches, all at once:
+        each one's ``(keys, values)``, None for a cache of another kind (written by
+        :meth:`attend`)."""
+        if not any(self.ours):
+            return [None] * len(self.caches)
+        if all(self.ours):
+            return write_rows([c.layers[layer_idx] for c in self.caches], k, v)
+        rows = [j for j, o in enumerate(self.ours) if o]
+        got = write_rows([self.caches[j].layers[layer_idx] for j in rows], k[rows], v[rows])
+        views = [None] * len(self.caches)
+        for j, kv in zip(rows, got):
+            views[j] = kv
+        return views
+
+    def attend(self, attn, q, views, k, v, cache):
+        """One answer's attention over ``cache`` after its K/V were written (``views``:
+        what the write returned; None: written here through ``cache.update``), as
         ``LeanDecoder._attend``: ``[1, 1, H, d]``."""
-        if not (self.hooked and isinstance(cache, (PrefixKV, ForkKV))):
+        if views is None:
             keys, values = cache.update(k, v, attn.layer_idx)
         else:
-            keys, values = cache.layers[attn.layer_idx].update(k, v)
-            if prefix_of(keys) is not None:
+            keys, values = views
+            if self.hooked and prefix_of(keys) is not None:
                 return fork_attention(q, keys, values, attn.scaling, self.ctx)
         out, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
                                            scaling=attn.scaling)
