@@ -301,37 +301,48 @@ def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None
         scale = 1.0 / math.sqrt(D)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if any(t.stride(-1) != 1 for seg in segments for t in seg):
+    sk, sv, sk2, sv2 = k.stride(), v.stride(), k2.stride(), v2.stride()
+    if sk[3] != 1 or sv[3] != 1 or sk2[3] != 1 or sv2[3] != 1:
         raise ValueError("the cache's head dim must be contiguous")
     G = H // Hkv
-    gpu = compiled_gpu(q.is_cuda)
+    block_m, block_n, warps, stages, m_blocks, split_len, seg_splits, n_splits, BD = \
+        _split_plan(q_len, G, Hkv, D, seg_len, kv_len, compiled_gpu(q.is_cuda),
+                    _sm_count(q.device), n_splits)
     R = q_len * G
-    block_m, block_n, warps, stages = tiles(R, gpu)
-    m_blocks = -(-R // block_m)
-    if n_splits is None:
-        split_len, _ = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
-                                  sms=_sm_count(q.device), waves=waves(block_m))
-    else:
-        split_len = -(-kv_len // n_splits)
-    seg_splits = -(-seg_len // split_len)
-    n_splits = seg_splits + -(-(kv_len - seg_len) // split_len)
     po = torch.empty(n_splits, Hkv, R, D, dtype=torch.float32, device=q.device)
     pl = torch.empty(n_splits, Hkv, R, dtype=torch.float32, device=q.device)
     out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
-    BD = max(16, triton.next_power_of_2(D))
+    po_s, pl_s = po.stride(), pl.stride()
     _fp8_split_fwd[(Hkv, n_splits, m_blocks)](
         q, k, v, k2, v2, k_scale, v_scale, po, pl,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        k2.stride(1), k2.stride(2), v2.stride(1), v2.stride(2),
-        po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
+        q.stride(1), q.stride(2), sk[1], sk[2], sv[1], sv[2], sk2[1], sk2[2], sv2[1], sv2[2],
+        po_s[0], po_s[1], pl_s[0], pl_s[1],
         q_len, kv_len, split_len, seg_len, seg_splits, G, float(scale) * LOG2E,
         D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=dot_precision(q.dtype),
         CAUSAL=True, num_warps=warps, num_stages=stages)
     _fp8_merge[(Hkv, m_blocks)](
-        po, pl, out, po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
+        po, pl, out, po_s[0], po_s[1], pl_s[0], pl_s[1],
         out.stride(1), out.stride(2), q_len, n_splits,
         G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _split_plan(q_len, G, Hkv, D, seg_len, kv_len, gpu, sms, n_splits):
+    """The launch plan of :func:`split_attention`, which depends on the shapes alone (every
+    layer of a step asks for the same one): ``(block_m, block_n, warps, stages, m_blocks,
+    split_len, seg_splits, n_splits, BLOCK_D)``."""
+    block_m, block_n, warps, stages = tiles(q_len * G, gpu)
+    m_blocks = -(-q_len * G // block_m)
+    if n_splits is None:
+        split_len, _ = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
+                                  sms=sms, waves=waves(block_m))
+    else:
+        split_len = -(-kv_len // n_splits)
+    seg_splits = -(-seg_len // split_len)
+    n_splits = seg_splits + -(-(kv_len - seg_len) // split_len)
+    return (block_m, block_n, warps, stages, m_blocks, split_len, seg_splits, n_splits,
+            max(16, triton.next_power_of_2(D)))
 
 
 def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
@@ -476,7 +487,7 @@ _ONES: dict = {}
 
 def _ones(n: int, device) -> torch.Tensor:
     """Unit scales ``[n]`` fp32 (K/V stored in the query's dtype), one tensor per device."""
-    key = (n, str(device))
+    key = (n, device)
     t = _ONES.get(key)
     if t is None:
         t = _ONES[key] = torch.ones(n, dtype=torch.float32, device=device)

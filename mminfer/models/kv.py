@@ -560,7 +560,6 @@ def write_rows(layers, k, v) -> list:
     model's dtype) are copied in one launch for all (``torch._foreach_copy_``: a plain copy
     each); the others (FP8 rows, quantised on the way; a prefix's rows; a tail; a buffer
     that must grow) through their ``update``."""
-    ks, vs = k.split(1), v.split(1)
     k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)      # [Hkv, D] each
     out = [None] * len(layers)
     fast, dst, src = [], [], []
@@ -578,7 +577,7 @@ def write_rows(layers, k, v) -> list:
                 dst += (dk, dv)
                 src += (sk, sv)
                 continue
-        out[j] = layer.update(ks[j], vs[j])
+        out[j] = layer.update(k[j:j + 1], v[j:j + 1])
     if fast:
         torch._foreach_copy_(dst, src)
         for j in fast:
