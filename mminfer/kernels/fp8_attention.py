@@ -95,6 +95,50 @@ def _fp8_split_fwd(Q, K, V, K2, V2, KS, VS, PO, PL,
         seg0 = seg_len
         lo = seg_len + (split - seg_splits) * split_len
         seg_end = kv_len
+    _partial(Q, Kb, Vb, KS, VS, PO, PL, kvh, split, mb, sq_h, sq_m, ks_n, vs_n,
+             spo_s, spo_h, spl_s, spl_h, q_len, kv_len, split_len, lo, seg0, seg_end, G,
+             qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, CAUSAL)
+
+
+@triton.jit(do_not_specialize=["sq_r", "spo_s", "spo_h", "spl_s", "spl_h"])
+def _fp8_own_fwd(Q, K, TAB, KS, VS, PO, PL, sq_r, sq_h, spo_s, spo_h, spl_s, spl_h,
+                 G: tl.constexpr, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                 M_BLOCKS: tl.constexpr):
+    """Each reader's own rows after a shared prefix, every reader in one launch (the third
+    grid axis: reader x row block): reader r's query (row r of Q), its K/V wherever they
+    are, from its row of ``TAB`` (int64: K's and V's addresses, their head and row strides,
+    its length, its key ranges' length), into its G rows of the scratch. Each program
+    computes what :func:`_fp8_split_fwd` computes for that reader alone (one segment, one
+    query, causal)."""
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    r = tl.program_id(2) // M_BLOCKS
+    mb = tl.program_id(2) % M_BLOCKS
+    t = TAB + r * 8
+    sk_h = tl.load(t + 2)
+    sk_n = tl.load(t + 3)
+    sv_h = tl.load(t + 4)
+    sv_n = tl.load(t + 5)
+    kv_len = tl.load(t + 6).to(tl.int32)
+    split_len = tl.load(t + 7).to(tl.int32)
+    Kb = tl.load(t).to(tl.pointer_type(K.dtype.element_ty)) + kvh.to(tl.int64) * sk_h
+    Vb = tl.load(t + 1).to(tl.pointer_type(K.dtype.element_ty)) + kvh.to(tl.int64) * sv_h
+    _partial(Q + r * sq_r, Kb, Vb, KS, VS, PO + r * G * D, PL + r * G, kvh, split, mb,
+             sq_h, 0, sk_n, sv_n, spo_s, spo_h, spl_s, spl_h, 1, kv_len, split_len,
+             split * split_len, 0, kv_len, G, qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D,
+             PRECISION, True)
+
+
+@triton.jit
+def _partial(Q, Kb, Vb, KS, VS, PO, PL, kvh, split, mb, sq_h, sq_m, ks_n, vs_n,
+             spo_s, spo_h, spl_s, spl_h, q_len, kv_len, split_len, lo, seg0, seg_end,
+             G: tl.constexpr, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+             CAUSAL: tl.constexpr):
+    """One program's key range ``[lo, lo + split_len)`` (within ``[seg0, seg_end)``, read
+    from ``Kb``/``Vb``: KV head ``kvh``'s rows of that segment) for one block of rows: its
+    normalised partial output and log-sum-exp into slot ``split`` of the scratch."""
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)          # row r: query r // G, head r % G
     rvalid = rows < q_len * G
     qi = rows // G
@@ -411,17 +455,20 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
         M, pk.shape[2], split_len, 0, 0, G, qk_scale,
         D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=prec,
         CAUSAL=False, num_warps=warps, num_stages=stages)
-    qs = q.split(1)
-    for j, ((k, v), n, (sk, sv)) in enumerate(zip(owns, lengths, strides[1:])):
-        qj = qs[j]
-        # reader j's rows of the scratch: its own key ranges in the slots after the prefix's
-        _fp8_split_fwd[(Hkv, n_own, o_blocks)](
-            qj, k, v, k, v, k_scale, v_scale, po[n_pre:, :, j * G:], pl[n_pre:, :, j * G:],
-            q.stride(1), q.stride(2), sk[1], sk[2], sv[1], sv[2], sk[1], sk[2], sv[1], sv[2],
-            po_s[0], po_s[1], pl_s[0], pl_s[1],
-            1, n, -(-n // n_own), 0, 0, G, qk_scale,
-            D=D, BLOCK_M=ob_m, BLOCK_N=ob_n, BLOCK_D=BD, PRECISION=prec,
-            CAUSAL=True, num_warps=o_warps, num_stages=o_stages)
+    # every reader's own rows in one launch: where each one's K/V are, their strides, its
+    # length and key ranges' length, in a table on the device (from pinned memory: the copy
+    # does not wait for the queued kernels)
+    tab = torch.tensor([[k.data_ptr(), v.data_ptr(), sk[1], sk[2], sv[1], sv[2], n,
+                         -(-n // n_own)]
+                        for (k, v), n, (sk, sv) in zip(owns, lengths, strides[1:])],
+                       dtype=torch.int64, pin_memory=q.is_cuda)
+    if q.is_cuda:
+        tab = tab.to(q.device, non_blocking=True)
+    _fp8_own_fwd[(Hkv, n_own, M * o_blocks)](
+        q, pk, tab, k_scale, v_scale, po[n_pre:], pl[n_pre:], q.stride(0), q.stride(1),
+        po_s[0], po_s[1], pl_s[0], pl_s[1], G, qk_scale,
+        D=D, BLOCK_M=ob_m, BLOCK_N=ob_n, BLOCK_D=BD, PRECISION=prec, M_BLOCKS=o_blocks,
+        num_warps=o_warps, num_stages=o_stages)
     _fp8_merge[(Hkv, m_blocks)](
         po, pl, out, po_s[0], po_s[1], pl_s[0], pl_s[1],
         out.stride(0), out.stride(2), M, n_pre + n_own,
