@@ -25,7 +25,9 @@ attention paths (``--path``):
 
 Reported per batch: the median, p10 and p90 of ``--steps`` steps in ms (after ``--warm``),
 one thread (``torch.set_num_threads(1)``), and a step's launches on a GPU: Triton launches and
-PyTorch ops that run a kernel (every aten op but views and empty allocations).
+PyTorch ops that run a kernel (every aten op but views and empty allocations; a
+``_foreach_copy_`` counts once: one launch on a GPU for tensors of one size, dtype and
+layout; a tensor made from a Python list counts once: its copy to the GPU).
 
     PYTHONPATH=$PWD python benchmarks/step_host.py                  # ~1 min
     PYTHONPATH=$PWD python benchmarks/step_host.py --path cpu --out host.json
