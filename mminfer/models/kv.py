@@ -556,10 +556,11 @@ def write_rows(layers, k, v) -> list:
     """One decode step's K/V of several caches at once: ``layers[j]`` (a SlabLayer or a
     ForkLayer, each of another cache) takes row j of ``k``/``v`` (``[M, Hkv, 1, D]``)
     exactly as ``layers[j].update`` would; returns the ``(keys, values)`` each update returns.
-    The rows of ordinary forks (their own rows kept row by row, room for one more, the
-    model's dtype) are copied in one launch for all (``torch._foreach_copy_``: a plain copy
-    each); the others (FP8 rows, quantised on the way; a prefix's rows; a tail; a buffer
-    that must grow) through their ``update``."""
+    The rows of ordinary forks (room for one more row, the model's dtype: a plain copy each)
+    are copied together by one ``torch._foreach_copy_``, one launch on a GPU for all of them
+    (its fast path wants every row contiguous: a fork's own rows are kept row by row); the
+    others (FP8 rows, quantised on the way; a prefix's rows; a tail; a buffer that must
+    grow) through their ``update``."""
     k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)      # [Hkv, D] each
     out = [None] * len(layers)
     fast, dst, src = [], [], []
@@ -569,15 +570,11 @@ def write_rows(layers, k, v) -> list:
                 and layer.is_initialized and own.k_buf is not None and not own.quantized
                 and own.length < own.k_buf.shape[-2]):
             n = own.length
-            dk, dv = own.k_buf[0, :, n], own.v_buf[0, :, n]
-            sk, sv = k_rows[j], v_rows[j]
-            if (dk.is_contiguous() and dv.is_contiguous() and sk.is_contiguous()
-                    and sv.is_contiguous() and dk.dtype == sk.dtype and dv.dtype == sv.dtype):
-                fast.append(j)
-                dst += (dk, dv)
-                src += (sk, sv)
-                continue
-        out[j] = layer.update(k[j:j + 1], v[j:j + 1])
+            fast.append(j)
+            dst += (own.k_buf[0, :, n], own.v_buf[0, :, n])
+            src += (k_rows[j], v_rows[j])
+        else:
+            out[j] = layer.update(k[j:j + 1], v[j:j + 1])
     if fast:
         torch._foreach_copy_(dst, src)
         for j in fast:
