@@ -507,9 +507,8 @@ class BatchPlan:
     (not once a layer): the groups of forks of one prefix (:func:`prefix_groups`), each as
     ``(rows, span, at)`` — its answers' indices, ``(first, end)`` where they are adjacent
     (their queries and outputs are then slices of the batch's), else their indices on the
-    device (``at``) —; the answers that attend alone; which caches are ours (their layers
-    written together: :func:`mminfer.models.kv.write_rows`); the request context the
-    attention functions take."""
+    device (``at``) —; the answers that attend alone; whether their rows are written
+    together (:meth:`write`); the request context the attention functions take."""
 
     def __init__(self, dec: LeanDecoder, caches):
         self.ctx = current()
@@ -523,29 +522,22 @@ class BatchPlan:
             else:
                 at = torch.tensor(rows, device=dec.embed.weight.device)
                 self.groups.append((rows, None, at))
-        # PrefixKV / ForkKV: their layers are written directly (what their update does);
-        # any other cache through its own update
-        self.ours = [isinstance(c, (PrefixKV, ForkKV)) for c in caches]
+        # a batch of PrefixKV / ForkKV: every layer's rows written together (what each
+        # update does); any other cache in it: each one through its own update
         self.caches = caches
+        self.ours = all(isinstance(c, (PrefixKV, ForkKV)) for c in caches)
         # our attention hook sends a reader's rows over a shared prefix to fork_attention:
         # called here directly for those (the same function on the same views)
         attn = dec._attns[0] if dec._attns else None
         self.hooked = attn is not None and _attention_function(attn) is attention_forward
 
     def write(self, layer_idx, k, v) -> list:
-        """Layer ``layer_idx``'s K/V rows (``[B, Hkv, 1, d]``) into our caches, all at once:
-        each one's ``(keys, values)``, None for a cache of another kind (written by
-        :meth:`attend`)."""
-        if not any(self.ours):
-            return [None] * len(self.caches)
-        if all(self.ours):
+        """Layer ``layer_idx``'s K/V rows (``[B, Hkv, 1, d]``) into the caches, all at once
+        (:func:`mminfer.models.kv.write_rows`): each one's ``(keys, values)``; Nones where a
+        cache is of another kind (each written by :meth:`attend`)."""
+        if self.ours:
             return write_rows([c.layers[layer_idx] for c in self.caches], k, v)
-        rows = [j for j, o in enumerate(self.ours) if o]
-        got = write_rows([self.caches[j].layers[layer_idx] for j in rows], k[rows], v[rows])
-        views = [None] * len(self.caches)
-        for j, kv in zip(rows, got):
-            views[j] = kv
-        return views
+        return [None] * len(self.caches)
 
     def attend(self, attn, q, views, k, v, cache):
         """One answer's attention over ``cache`` after its K/V were written (``views``:
