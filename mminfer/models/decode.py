@@ -65,8 +65,9 @@ from mminfer.errors import Cancelled
 from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
 from mminfer.models.hooks import (attention_forward, current, decode_backends, fork_attention,
-                                  fork_group_attention)
-from mminfer.models.kv import ForkKV, ForkLayer, PrefixKV, SlabLayer, prefix_of, write_rows
+                                  fork_group_attention, fp8_cache_attention)
+from mminfer.models.kv import (ForkKV, ForkLayer, PrefixKV, SlabLayer, prefix_of, scale_of,
+                               write_rows)
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -99,6 +100,7 @@ class LeanDecoder:
         self._pool = None
         # held by whoever replays this model's graphs (one step, or a lone answer's loop)
         self._lock = threading.Lock()
+        self._sdpa_direct: bool | None = None       # sdpa_direct's check, made once
 
     # ------------------------------------------------------------ the segments
     def _rope(self, h, position_ids):
@@ -163,8 +165,10 @@ class LeanDecoder:
 
         Everything token-wise (embedding, norms, the q/k/v/o projections, rotary, MLP,
         lm_head) runs once over the B rows, so the weights are read once for all answers — what
-        a decode step's time is made of; attention runs per answer over its own cache (the
-        function the attention module calls, as in ``step``), except for answers whose caches
+        a decode step's time is made of; attention runs per answer over its own cache (what
+        the function the attention module calls would run, as in ``step``: BatchPlan.attend),
+        every answer's K/V rows written first, together (:meth:`BatchPlan.write`), except for
+        answers whose caches
         fork one prefix (:func:`prefix_groups`): their attention is one call per layer
         (``fork_group_attention``: the prefix read once for all of them, each one's own rows,
         merged through the log-sum-exp). Row b's arithmetic is that of ``step`` on answer b
@@ -216,6 +220,22 @@ class LeanDecoder:
                 out.index_copy_(0, at, fork_group_attention(q.index_select(0, at), keys,
                                                             values, attn.scaling, plan.ctx))
         return out
+
+    def sdpa_direct(self, q, keys, values) -> bool:
+        """Whether one SDPA call (GQA by index, the decode backends) gives, bit for bit, what
+        the attention function gives for a decode query ``q`` over a cache in one piece in
+        the model's dtype: checked once, on the first such cache (as StepGraphs checks its
+        own direct step)."""
+        if self._sdpa_direct is None:
+            attn = self._attns[0]
+            probe = torch.randn(q.shape, device=keys.device, dtype=keys.dtype)
+            ref, _ = _attention_function(attn)(attn, probe, keys, values, None, dropout=0.0,
+                                               scaling=attn.scaling)
+            with decode_backends(probe, 1):
+                got = torch.nn.functional.scaled_dot_product_attention(
+                    probe, keys, values, scale=attn.scaling, enable_gqa=True)
+            self._sdpa_direct = bool(torch.equal(ref, got.transpose(1, 2)))
+        return self._sdpa_direct
 
     def position_ids(self, position_ids, cache):
         if position_ids is None:     # the model's default: counted from the cache's length
@@ -526,10 +546,14 @@ class BatchPlan:
         # update does); any other cache in it: each one through its own update
         self.caches = caches
         self.ours = all(isinstance(c, (PrefixKV, ForkKV)) for c in caches)
-        # our attention hook sends a reader's rows over a shared prefix to fork_attention:
-        # called here directly for those (the same function on the same views)
+        # where the attention function is our hook, what it would run for a decode query is
+        # called here directly: fork_attention over a reader's rows after a shared prefix,
+        # fp8_cache_attention over an FP8 cache, and over a cache in one piece SDPA where it
+        # gives the hook's bits (LeanDecoder.sdpa_direct) and no stage timer runs
+        self.dec = dec
         attn = dec._attns[0] if dec._attns else None
         self.hooked = attn is not None and _attention_function(attn) is attention_forward
+        self.sdpa = self.hooked and (self.ctx is None or self.ctx.timer is None)
 
     def write(self, layer_idx, k, v) -> list:
         """Layer ``layer_idx``'s K/V rows (``[B, Hkv, 1, d]``) into the caches, all at once
@@ -549,6 +573,13 @@ class BatchPlan:
             keys, values = views
             if self.hooked and prefix_of(keys) is not None:
                 return fork_attention(q, keys, values, attn.scaling, self.ctx)
+            if self.hooked and scale_of(keys) is not None:
+                return fp8_cache_attention(q, keys, values, attn.scaling, self.ctx)
+            if self.sdpa and self.dec.sdpa_direct(q, keys, values):
+                with decode_backends(q, 1):
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        q, keys, values, scale=attn.scaling, enable_gqa=True)
+                return out.transpose(1, 2)
         out, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
                                            scaling=attn.scaling)
         return out
