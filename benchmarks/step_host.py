@@ -112,7 +112,8 @@ def gpu_launchers(counter):
         put(mod, "compiled_gpu", lambda is_cuda: True)
     put(fa, "available", lambda device: True)
     for name in dir(fa):
-        if isinstance(getattr(fa, name), fa.triton.runtime.jit.JITFunction):
+        # a kernel compiled for the GPU, or run by the interpreter (TRITON_INTERPRET=1)
+        if isinstance(getattr(fa, name), fa.triton.runtime.jit.KernelInterface):
             put(fa, name, _Launches(counter))
     return saved
 
@@ -192,6 +193,9 @@ def main(argv=None):
                   steps=args.steps, torch=torch.__version__, rows={})
     for kind in args.batches.split(","):
         r = measure(ad, kind, args.answers, args.steps, args.warm, counter)
+        if args.path == "gpu" and kind.startswith("fork") and not r["triton_launches"]:
+            raise SystemExit("the GPU's attention launchers were not reached: the names this "
+                             "script replaces (gpu_launchers) moved")
         report["rows"][kind] = r
         print(f"{kind:>11}: {r['median_ms']:8.3f} ms a step (p10 {r['p10_ms']:.3f}, "
               f"p90 {r['p90_ms']:.3f}); a step's GPU launches: {r['triton_launches']} Triton "
