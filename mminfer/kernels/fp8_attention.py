@@ -31,8 +31,9 @@ head as rows of one block (the M readers' G heads as M x G rows, like a question
 causal there since each reader comes after the whole prefix; one more launch takes every
 reader's own rows (each reader's buffers found through a small table of their addresses) and
 writes their key ranges into later slots of the same scratch; one merge writes every reader's
-output: three launches a layer, whatever M (the host's launches are much of a batched step). A decode step is memory bound, so M readers of a 115K prefix
-read 6.6 GB (bf16) once a step instead of M times.
+output: three launches a layer, whatever M (the host's launches are much of a batched step). A
+decode step is memory bound, so M readers of a 115K prefix read 6.6 GB (bf16) once a step
+instead of M times.
 
 The tests hold it to a pure-PyTorch fp32 oracle (tests/kernels/test_fp8_attention.py).
 ``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax
@@ -397,16 +398,16 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
     ``[M, H, 1, D]`` (reader j's query), ``prefix`` ``(k, v)`` ``[1, Hkv, P, D]`` the rows
     they share, ``owns`` M ``(k, v)`` ``[1, Hkv, n_j, D]``, each reader's own rows after
     it (n_j >= 1; lengths differ). Reader j's query sees the prefix and its own rows:
-    :func:`split_attention` over ``[prefix, owns[j]]`` for each j, in 3 launches instead of
-    2M, the prefix read once instead of M times. The prefix launch takes the M readers'
-    query heads of a KV head as rows of one block (``M x G`` rows, GQA by index as the
-    group's heads are), none of them causal there (every reader comes after the whole
-    prefix); the own launch (:func:`_fp8_own_fwd`) computes for each reader what its own
-    launch alone would, writing its key ranges into further slots of the same scratch, at
-    its rows; one merge of every slot through the log-sum-exp writes all the outputs. FP8 K/V with the per-head scales of the prefix (a reader's rows are quantised
-    with them), or the query's dtype with none. Returns ``[M, 1, H, D]`` in q's dtype,
-    written into ``out`` (any strides, the last dim contiguous) where given.
-    ``n_splits``: force the prefix's number of key ranges (tests)."""
+    :func:`split_attention` over ``[prefix, owns[j]]`` for each j, in 3 launches instead of 2M,
+    the prefix read once instead of M times. The prefix launch takes the M readers' query heads
+    of a KV head as rows of one block (``M x G`` rows, GQA by index as the group's heads are),
+    none of them causal there (every reader comes after the whole prefix); the own launch
+    (:func:`_fp8_own_fwd`) computes for each reader what its own launch alone would, writing
+    its key ranges into further slots of the same scratch, at its rows; one merge of every slot
+    through the log-sum-exp writes all the outputs. FP8 K/V with the per-head scales of the
+    prefix (a reader's rows are quantised with them), or the query's dtype with none. Returns
+    ``[M, 1, H, D]`` in q's dtype, written into ``out`` (any strides, the last dim contiguous)
+    where given. ``n_splits``: force the prefix's number of key ranges (tests)."""
     pk, pv = prefix
     M, H, q_len, D = q.shape
     Hkv = pk.shape[1]

@@ -427,11 +427,11 @@ class _TailClaim:
 
 class ForkLayer(DynamicLayer):
     """One layer of a :class:`ForkKV`: the first ``shared`` rows of a prefix's SlabLayer,
-    read and never written, then this reader's own rows in a SlabLayer of its own (row by
-    row in memory, for :func:`write_rows`; in the prefix's storage dtype; FP8 rows quantised with the prefix's scales, as rows appended
-    to the prefix's own slab would be). ``keys``/``values`` are the views of the reader's
-    rows, carrying the prefix's views as ``kv_prefix`` (:func:`prefix_of`) and, FP8, their
-    scales as ``kv_scale``.
+    read and never written, then this reader's own rows in a SlabLayer of its own (row by row
+    in memory, for :func:`write_rows`; in the prefix's storage dtype; FP8 rows quantised with
+    the prefix's scales, as rows appended to the prefix's own slab would be).
+    ``keys``/``values`` are the views of the reader's rows, carrying the prefix's views as
+    ``kv_prefix`` (:func:`prefix_of`) and, FP8, their scales as ``kv_scale``.
 
     With a claim on the prefix's tail (``claim``), the reader's rows go instead into the
     prefix's own buffers after the shared rows, through ``tail`` (a SlabLayer over those
