@@ -812,3 +812,22 @@ def test_step_gap_measures_answers_decoding_together_through_the_pipeline(tmp_pa
     assert row["answers"] == 2 and row["generated"] == [6, 6]
     assert row["mean_batch"] > 1 and row["full_pairs"] >= 1
     assert row["gap_ms_median"] is not None and row["gather_timeouts"] == 0
+
+
+def test_step_host_counts_a_batched_steps_launches(tmp_path):
+    """benchmarks/step_host.py on the CPU reaches the GPU's attention launchers (their Triton
+    launches counted, not run): 8 forks of one prefix attend in 3 launches a layer (the prefix,
+    every reader's own rows, the merge) with one copy of their K/V rows and one of their table;
+    the same forks attending one by one take 2 launches each."""
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_host.py"),
+                           "--steps", "3", "--warm", "1", "--out", str(out)],
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    L = rows["fork8"]["layers"]
+    assert rows["fork8"]["triton_launches"] == 3 * L
+    assert rows["fork8_each"]["triton_launches"] == 2 * 8 * L
+    assert rows["fork8"]["torch_ops"] <= 2 * L + 8
+    assert all(r["median_ms"] > 0 for r in rows.values())

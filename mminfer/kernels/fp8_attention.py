@@ -28,10 +28,12 @@ bf16 prefix it shares.
 Several readers of one prefix decoding together (:func:`shared_prefix_attention`, cascade
 attention) read it once for all of them: one launch takes every reader's query heads of a KV
 head as rows of one block (the M readers' G heads as M x G rows, like a question's rows), none
-causal there since each reader comes after the whole prefix; each reader's own rows take a
-launch of their own that writes its key ranges into later slots of the same scratch; one merge
-writes every reader's output. A decode step is memory bound, so M readers of a 115K prefix
-read 6.6 GB (bf16) once a step instead of M times.
+causal there since each reader comes after the whole prefix; one more launch takes every
+reader's own rows (each reader's buffers found through a small table of their addresses) and
+writes their key ranges into later slots of the same scratch; one merge writes every reader's
+output: three launches a layer, whatever M (the host's launches are much of a batched step). A
+decode step is memory bound, so M readers of a 115K prefix read 6.6 GB (bf16) once a step
+instead of M times.
 
 The tests hold it to a pure-PyTorch fp32 oracle (tests/kernels/test_fp8_attention.py).
 ``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax
@@ -41,6 +43,7 @@ interpreter).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -94,6 +97,50 @@ def _fp8_split_fwd(Q, K, V, K2, V2, KS, VS, PO, PL,
         seg0 = seg_len
         lo = seg_len + (split - seg_splits) * split_len
         seg_end = kv_len
+    _partial(Q, Kb, Vb, KS, VS, PO, PL, kvh, split, mb, sq_h, sq_m, ks_n, vs_n,
+             spo_s, spo_h, spl_s, spl_h, q_len, kv_len, split_len, lo, seg0, seg_end, G,
+             qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, CAUSAL)
+
+
+@triton.jit(do_not_specialize=["sq_r", "spo_s", "spo_h", "spl_s", "spl_h"])
+def _fp8_own_fwd(Q, K, TAB, KS, VS, PO, PL, sq_r, sq_h, spo_s, spo_h, spl_s, spl_h,
+                 G: tl.constexpr, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                 M_BLOCKS: tl.constexpr):
+    """Each reader's own rows after a shared prefix, every reader in one launch (the third
+    grid axis: reader x row block): reader r's query (row r of Q), its K/V wherever they
+    are, from its row of ``TAB`` (int64: K's and V's addresses, their head and row strides,
+    its length, its key ranges' length), into its G rows of the scratch. Each program
+    computes what :func:`_fp8_split_fwd` computes for that reader alone (one segment, one
+    query, causal)."""
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    r = tl.program_id(2) // M_BLOCKS
+    mb = tl.program_id(2) % M_BLOCKS
+    t = TAB + r * 8
+    sk_h = tl.load(t + 2)
+    sk_n = tl.load(t + 3)
+    sv_h = tl.load(t + 4)
+    sv_n = tl.load(t + 5)
+    kv_len = tl.load(t + 6).to(tl.int32)
+    split_len = tl.load(t + 7).to(tl.int32)
+    Kb = tl.load(t).to(tl.pointer_type(K.dtype.element_ty)) + kvh.to(tl.int64) * sk_h
+    Vb = tl.load(t + 1).to(tl.pointer_type(K.dtype.element_ty)) + kvh.to(tl.int64) * sv_h
+    _partial(Q + r * sq_r, Kb, Vb, KS, VS, PO + r * G * D, PL + r * G, kvh, split, mb,
+             sq_h, 0, sk_n, sv_n, spo_s, spo_h, spl_s, spl_h, 1, kv_len, split_len,
+             split * split_len, 0, kv_len, G, qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D,
+             PRECISION, True)
+
+
+@triton.jit
+def _partial(Q, Kb, Vb, KS, VS, PO, PL, kvh, split, mb, sq_h, sq_m, ks_n, vs_n,
+             spo_s, spo_h, spl_s, spl_h, q_len, kv_len, split_len, lo, seg0, seg_end,
+             G: tl.constexpr, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+             CAUSAL: tl.constexpr):
+    """One program's key range ``[lo, lo + split_len)`` (within ``[seg0, seg_end)``, read
+    from ``Kb``/``Vb``: KV head ``kvh``'s rows of that segment) for one block of rows: its
+    normalised partial output and log-sum-exp into slot ``split`` of the scratch."""
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)          # row r: query r // G, head r % G
     rvalid = rows < q_len * G
     qi = rows // G
@@ -300,63 +347,76 @@ def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None
         scale = 1.0 / math.sqrt(D)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if any(t.stride(-1) != 1 for seg in segments for t in seg):
+    sk, sv, sk2, sv2 = k.stride(), v.stride(), k2.stride(), v2.stride()
+    if sk[3] != 1 or sv[3] != 1 or sk2[3] != 1 or sv2[3] != 1:
         raise ValueError("the cache's head dim must be contiguous")
     G = H // Hkv
-    gpu = compiled_gpu(q.is_cuda)
+    block_m, block_n, warps, stages, m_blocks, split_len, seg_splits, n_splits, BD = \
+        _split_plan(q_len, G, Hkv, D, seg_len, kv_len, compiled_gpu(q.is_cuda),
+                    _sm_count(q.device), n_splits)
     R = q_len * G
-    block_m, block_n, warps, stages = tiles(R, gpu)
-    m_blocks = -(-R // block_m)
-    if n_splits is None:
-        split_len, _ = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
-                                  sms=_sm_count(q.device), waves=waves(block_m))
-    else:
-        split_len = -(-kv_len // n_splits)
-    seg_splits = -(-seg_len // split_len)
-    n_splits = seg_splits + -(-(kv_len - seg_len) // split_len)
     po = torch.empty(n_splits, Hkv, R, D, dtype=torch.float32, device=q.device)
     pl = torch.empty(n_splits, Hkv, R, dtype=torch.float32, device=q.device)
     out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
-    BD = max(16, triton.next_power_of_2(D))
+    po_s, pl_s = po.stride(), pl.stride()
     _fp8_split_fwd[(Hkv, n_splits, m_blocks)](
         q, k, v, k2, v2, k_scale, v_scale, po, pl,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        k2.stride(1), k2.stride(2), v2.stride(1), v2.stride(2),
-        po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
+        q.stride(1), q.stride(2), sk[1], sk[2], sv[1], sv[2], sk2[1], sk2[2], sv2[1], sv2[2],
+        po_s[0], po_s[1], pl_s[0], pl_s[1],
         q_len, kv_len, split_len, seg_len, seg_splits, G, float(scale) * LOG2E,
         D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=dot_precision(q.dtype),
         CAUSAL=True, num_warps=warps, num_stages=stages)
     _fp8_merge[(Hkv, m_blocks)](
-        po, pl, out, po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
+        po, pl, out, po_s[0], po_s[1], pl_s[0], pl_s[1],
         out.stride(1), out.stride(2), q_len, n_splits,
         G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _split_plan(q_len, G, Hkv, D, seg_len, kv_len, gpu, sms, n_splits):
+    """The launch plan of :func:`split_attention`, which depends on the shapes alone (every
+    layer of a step asks for the same one): ``(block_m, block_n, warps, stages, m_blocks,
+    split_len, seg_splits, n_splits, BLOCK_D)``."""
+    block_m, block_n, warps, stages = tiles(q_len * G, gpu)
+    m_blocks = -(-q_len * G // block_m)
+    if n_splits is None:
+        split_len, _ = split_plan(kv_len, Hkv * m_blocks, gpu=gpu, block_n=block_n,
+                                  sms=sms, waves=waves(block_m))
+    else:
+        split_len = -(-kv_len // n_splits)
+    seg_splits = -(-seg_len // split_len)
+    n_splits = seg_splits + -(-(kv_len - seg_len) // split_len)
+    return (block_m, block_n, warps, stages, m_blocks, split_len, seg_splits, n_splits,
+            max(16, triton.next_power_of_2(D)))
+
+
 def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
-                            scale: float | None = None, *, n_splits: int | None = None):
+                            scale: float | None = None, *, n_splits: int | None = None,
+                            out=None):
     """One decode step of ``M`` readers of one shared prefix (cascade attention): ``q``
     ``[M, H, 1, D]`` (reader j's query), ``prefix`` ``(k, v)`` ``[1, Hkv, P, D]`` the rows
     they share, ``owns`` M ``(k, v)`` ``[1, Hkv, n_j, D]``, each reader's own rows after
     it (n_j >= 1; lengths differ). Reader j's query sees the prefix and its own rows:
-    :func:`split_attention` over ``[prefix, owns[j]]`` for each j, in ``M + 2`` launches
-    instead of 2M, the prefix read once instead of M times. The prefix launch takes the M
-    readers' query heads of a KV head as rows of one block (``M x G`` rows, GQA by index as
-    the group's heads are), none of them causal there (every reader comes after the whole
-    prefix); each reader's own launch writes its key ranges into further slots of the same
-    scratch, at its rows; one merge of every slot through the log-sum-exp writes all the
-    outputs. FP8 K/V with the per-head scales of the prefix (a reader's rows are quantised
-    with them), or the query's dtype with none. Returns ``[M, 1, H, D]`` in q's dtype.
-    ``n_splits``: force the prefix's number of key ranges (tests)."""
+    :func:`split_attention` over ``[prefix, owns[j]]`` for each j, in 3 launches instead of 2M,
+    the prefix read once instead of M times. The prefix launch takes the M readers' query heads
+    of a KV head as rows of one block (``M x G`` rows, GQA by index as the group's heads are),
+    none of them causal there (every reader comes after the whole prefix); the own launch
+    (:func:`_fp8_own_fwd`) computes for each reader what its own launch alone would, writing
+    its key ranges into further slots of the same scratch, at its rows; one merge of every slot
+    through the log-sum-exp writes all the outputs. FP8 K/V with the per-head scales of the
+    prefix (a reader's rows are quantised with them), or the query's dtype with none. Returns
+    ``[M, 1, H, D]`` in q's dtype, written into ``out`` (any strides, the last dim contiguous)
+    where given. ``n_splits``: force the prefix's number of key ranges (tests)."""
     pk, pv = prefix
     M, H, q_len, D = q.shape
     Hkv = pk.shape[1]
+    lengths = [k.shape[2] for k, _ in owns]
     if q_len != 1 or len(owns) != M:
         raise ValueError(f"one query per reader and one own segment each: q {tuple(q.shape)}, "
                          f"{len(owns)} segments")
-    if H % Hkv or any(k.shape[2] < 1 for k, _ in owns):
-        raise ValueError(f"{H} query heads, {Hkv} KV heads, own lengths "
-                         f"{[k.shape[2] for k, _ in owns]}")
+    if H % Hkv or min(lengths) < 1:
+        raise ValueError(f"{H} query heads, {Hkv} KV heads, own lengths {lengths}")
     if k_scale is None:
         if is_fp8(pk) or any(is_fp8(k) for k, _ in owns):
             raise ValueError("an FP8 cache needs its scales")
@@ -364,18 +424,68 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if not available(q.device):
-        return _shared_prefix_chunked(q, prefix, owns, k_scale, v_scale, scale)
-    if any(t.stride(-1) != 1 for seg in (prefix, *owns) for t in seg):
+        got = _shared_prefix_chunked(q, prefix, owns, k_scale, v_scale, scale)
+        return got if out is None else out.copy_(got)
+    # each segment's (head, row) strides, read once: the launches below take them
+    strides = [(k.stride(), v.stride()) for k, v in ((pk, pv), *owns)]
+    if any(sk[3] != 1 or sv[3] != 1 for sk, sv in strides):
         raise ValueError("the cache's head dim must be contiguous")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if out is None:
+        out = torch.empty(M, 1, H, D, dtype=q.dtype, device=q.device)
+    elif out.shape != (M, 1, H, D) or out.stride(-1) != 1 or out.dtype != q.dtype:
+        raise ValueError(f"out must be [M, 1, H, D] in q's dtype, contiguous in D: "
+                         f"{tuple(out.shape)} {out.dtype}")
+    gpu = compiled_gpu(q.is_cuda)
+    (block_m, block_n, warps, stages, m_blocks, split_len, n_pre,
+     ob_m, ob_n, o_warps, o_stages, o_blocks, n_own, BD) = _shared_plan(
+        M, H // Hkv, Hkv, D, pk.shape[2], max(lengths), gpu, _sm_count(q.device), n_splits)
     G = H // Hkv
     R = M * G
-    gpu = compiled_gpu(q.is_cuda)
-    sms = _sm_count(q.device)
-    P = pk.shape[2]
-    block_m, block_n, warps, stages = tiles(R, gpu)
-    m_blocks = -(-R // block_m)
+    po = torch.empty(n_pre + n_own, Hkv, R, D, dtype=torch.float32, device=q.device)
+    pl = torch.empty(n_pre + n_own, Hkv, R, dtype=torch.float32, device=q.device)
+    po_s, pl_s = po.stride(), pl.stride()
+    prec = dot_precision(q.dtype)
+    qk_scale = float(scale) * LOG2E
+    rows = q.transpose(0, 2)             # [1, H, M, D]: reader j is query row j
+    (sk, sv) = strides[0]
+    _fp8_split_fwd[(Hkv, n_pre, m_blocks)](
+        rows, pk, pv, pk, pv, k_scale, v_scale, po, pl,
+        q.stride(1), q.stride(0), sk[1], sk[2], sv[1], sv[2], sk[1], sk[2], sv[1], sv[2],
+        po_s[0], po_s[1], pl_s[0], pl_s[1],
+        M, pk.shape[2], split_len, 0, 0, G, qk_scale,
+        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=prec,
+        CAUSAL=False, num_warps=warps, num_stages=stages)
+    # every reader's own rows in one launch: where each one's K/V are, their strides, its
+    # length and key ranges' length, in a table on the device (from pinned memory: the copy
+    # does not wait for the queued kernels)
+    tab = torch.tensor([[k.data_ptr(), v.data_ptr(), sk[1], sk[2], sv[1], sv[2], n,
+                         -(-n // n_own)]
+                        for (k, v), n, (sk, sv) in zip(owns, lengths, strides[1:])],
+                       dtype=torch.int64, pin_memory=q.is_cuda)
+    if q.is_cuda:
+        tab = tab.to(q.device, non_blocking=True)
+    _fp8_own_fwd[(Hkv, n_own, M * o_blocks)](
+        q, pk, tab, k_scale, v_scale, po[n_pre:], pl[n_pre:], q.stride(0), q.stride(1),
+        po_s[0], po_s[1], pl_s[0], pl_s[1], G, qk_scale,
+        D=D, BLOCK_M=ob_m, BLOCK_N=ob_n, BLOCK_D=BD, PRECISION=prec, M_BLOCKS=o_blocks,
+        num_warps=o_warps, num_stages=o_stages)
+    _fp8_merge[(Hkv, m_blocks)](
+        po, pl, out, po_s[0], po_s[1], pl_s[0], pl_s[1],
+        out.stride(0), out.stride(2), M, n_pre + n_own,
+        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_plan(M, G, Hkv, D, P, longest, gpu, sms, n_splits):
+    """The launch plan of :func:`shared_prefix_attention` (tiles, key ranges), which depends
+    on the shapes alone: every layer of a batched step asks for the same one. ``(block_m,
+    block_n, warps, stages, m_blocks, split_len, n_pre)`` of the prefix launch, ``(ob_m,
+    ob_n, o_warps, o_stages, o_blocks, n_own)`` of the readers' own launch, ``BLOCK_D``."""
+    block_m, block_n, warps, stages = tiles(M * G, gpu)
+    m_blocks = -(-M * G // block_m)
     if n_splits is None:
         split_len, _ = split_plan(P, Hkv * m_blocks, gpu=gpu, block_n=block_n, sms=sms,
                                   waves=waves(block_m))
@@ -385,42 +495,12 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
     # every reader's own rows in the same number of key ranges (a shorter one's last ranges
     # empty: the kernel writes them as nothing seen), planned for the longest
     ob_m, ob_n, o_warps, o_stages = tiles(G, gpu)
-    longest = max(k.shape[2] for k, _ in owns)
-    n_own = split_plan(longest, Hkv * -(-G // ob_m), gpu=gpu, block_n=ob_n, sms=sms,
+    o_blocks = -(-G // ob_m)
+    n_own = split_plan(longest, Hkv * o_blocks, gpu=gpu, block_n=ob_n, sms=sms,
                        waves=waves(ob_m))[1]
-    po = torch.empty(n_pre + n_own, Hkv, R, D, dtype=torch.float32, device=q.device)
-    pl = torch.empty(n_pre + n_own, Hkv, R, dtype=torch.float32, device=q.device)
-    out = torch.empty(M, 1, H, D, dtype=q.dtype, device=q.device)
     BD = max(16, triton.next_power_of_2(D))
-    prec = dot_precision(q.dtype)
-    qk_scale = float(scale) * LOG2E
-    rows = q.transpose(0, 2)             # [1, H, M, D]: reader j is query row j
-    _fp8_split_fwd[(Hkv, n_pre, m_blocks)](
-        rows, pk, pv, pk, pv, k_scale, v_scale, po, pl,
-        rows.stride(1), rows.stride(2), pk.stride(1), pk.stride(2), pv.stride(1), pv.stride(2),
-        pk.stride(1), pk.stride(2), pv.stride(1), pv.stride(2),
-        po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-        M, P, split_len, 0, 0, G, qk_scale,
-        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=prec,
-        CAUSAL=False, num_warps=warps, num_stages=stages)
-    for j, (k, v) in enumerate(owns):
-        n = k.shape[2]
-        qj = q[j:j + 1]
-        # reader j's rows of the scratch: its own key ranges in the slots after the prefix's
-        po_j, pl_j = po[n_pre:, :, j * G:], pl[n_pre:, :, j * G:]
-        _fp8_split_fwd[(Hkv, n_own, -(-G // ob_m))](
-            qj, k, v, k, v, k_scale, v_scale, po_j, pl_j,
-            qj.stride(1), qj.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-            k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-            po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-            1, n, -(-n // n_own), 0, 0, G, qk_scale,
-            D=D, BLOCK_M=ob_m, BLOCK_N=ob_n, BLOCK_D=BD, PRECISION=prec,
-            CAUSAL=True, num_warps=o_warps, num_stages=o_stages)
-    _fp8_merge[(Hkv, m_blocks)](
-        po, pl, out, po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
-        out.stride(0), out.stride(2), M, n_pre + n_own,
-        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
-    return out
+    return (block_m, block_n, warps, stages, m_blocks, split_len, n_pre,
+            ob_m, ob_n, o_warps, o_stages, o_blocks, n_own, BD)
 
 
 def merge_partials(o1, l1, o2, l2):
@@ -456,7 +536,7 @@ _ONES: dict = {}
 
 def _ones(n: int, device) -> torch.Tensor:
     """Unit scales ``[n]`` fp32 (K/V stored in the query's dtype), one tensor per device."""
-    key = (n, str(device))
+    key = (n, device)
     t = _ONES.get(key)
     if t is None:
         t = _ONES[key] = torch.ones(n, dtype=torch.float32, device=device)

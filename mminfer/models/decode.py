@@ -64,9 +64,10 @@ import torch
 from mminfer.errors import Cancelled
 from mminfer.kernels.fp8_attention import fp8_attention
 from mminfer.models import fp8
-from mminfer.models.hooks import (current, decode_backends, fork_attention,
-                                  fork_group_attention)
-from mminfer.models.kv import ForkKV, ForkLayer, SlabLayer, prefix_of
+from mminfer.models.hooks import (attention_forward, current, decode_backends, fork_attention,
+                                  fork_group_attention, fp8_cache_attention)
+from mminfer.models.kv import (ForkKV, ForkLayer, PrefixKV, SlabLayer, prefix_of, scale_of,
+                               write_rows)
 from mminfer.models.prefill import _attention_function, _module_of, _position_ids
 
 MODES = ("auto", "graph", "lean", "step")
@@ -89,6 +90,7 @@ class LeanDecoder:
     def __init__(self, text_model, lm_head):
         self.text_model, self.lm_head = text_model, lm_head
         self.layers = list(text_model.layers)
+        self._attns = [layer.self_attn for layer in self.layers]
         self.embed = text_model.get_input_embeddings()
         self.unsupported = _lean_unsupported(text_model)
         self._graphs = None
@@ -98,6 +100,7 @@ class LeanDecoder:
         self._pool = None
         # held by whoever replays this model's graphs (one step, or a lone answer's loop)
         self._lock = threading.Lock()
+        self._sdpa_direct: bool | None = None       # sdpa_direct's check, made once
 
     # ------------------------------------------------------------ the segments
     def _rope(self, h, position_ids):
@@ -162,8 +165,10 @@ class LeanDecoder:
 
         Everything token-wise (embedding, norms, the q/k/v/o projections, rotary, MLP,
         lm_head) runs once over the B rows, so the weights are read once for all answers — what
-        a decode step's time is made of; attention runs per answer over its own cache (the
-        function the attention module calls, as in ``step``), except for answers whose caches
+        a decode step's time is made of; attention runs per answer over its own cache (what
+        the function the attention module calls would run, as in ``step``: BatchPlan.attend),
+        every answer's K/V rows written first, together (:meth:`BatchPlan.write`), except for
+        answers whose caches
         fork one prefix (:func:`prefix_groups`): their attention is one call per layer
         (``fork_group_attention``: the prefix read once for all of them, each one's own rows,
         merged through the log-sum-exp). Row b's arithmetic is that of ``step`` on answer b
@@ -181,41 +186,56 @@ class LeanDecoder:
             h = self._post(i, h, self._attend_many(i, q, k, v, caches, plan))
         return self._logits(h)[:, -1]                                        # [B, vocab]
 
-    def group_plan(self, caches):
-        """Which answers of a batch attend together: (groups of forks of one prefix, each
-        with its rows as a device index — made once a step, not once a layer — and the
-        answers that attend alone)."""
-        groups = prefix_groups(caches)
-        dev = self.embed.weight.device
-        index = [torch.tensor(g, device=dev) for g in groups]
-        alone = sorted(set(range(len(caches))) - {j for g in groups for j in g})
-        return groups, index, alone
+    def group_plan(self, caches) -> "BatchPlan":
+        """How the answers of a batch attend (:class:`BatchPlan`), made once a step: no layer
+        changes it."""
+        return BatchPlan(self, caches)
 
-    def _attend_many(self, i, q, k, v, caches, plan=None):
+    def _attend_many(self, i, q, k, v, caches, plan=None, out=None):
         """Layer ``i``'s K/V and attention of B answers, row j over ``caches[j]``: q
-        ``[B, H, 1, d]``, k/v ``[B, Hkv, 1, d]`` → ``[B, 1, H, d]``; ``plan``: group_plan's
-        (None: made here). The eager batched step and its CUDA-graph replay (BatchGraphs)
-        both attend through here."""
-        groups, index, alone = plan if plan is not None else self.group_plan(caches)
-        if not groups:
-            return torch.cat([self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], cache)
-                              for j, cache in enumerate(caches)])
-        out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[-1])
-        for j in alone:
-            out[j] = self._attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], caches[j])[0]
-        for g, at in zip(groups, index):
-            out.index_copy_(0, at, self._attend_group(i, q, k, v, caches, g, at))
+        ``[B, H, 1, d]``, k/v ``[B, Hkv, 1, d]`` → ``[B, 1, H, d]``, written into ``out``
+        where given (BatchGraphs' attention buffer); ``plan``: group_plan's (None: made here).
+        The eager batched step and its CUDA-graph replay (BatchGraphs) both attend through
+        here."""
+        plan = plan if plan is not None else self.group_plan(caches)
+        attn = self._attns[i]
+        views = plan.write(attn.layer_idx, k, v)
+        if not plan.groups:
+            outs = [plan.attend(attn, q[j:j + 1], views[j], k[j:j + 1], v[j:j + 1], c)
+                    for j, c in enumerate(caches)]
+            return torch.cat(outs) if out is None else torch.cat(outs, out=out)
+        if out is None:
+            out = q.new_empty(q.shape[0], 1, q.shape[1], q.shape[-1])
+        for j in plan.alone:
+            out[j] = plan.attend(attn, q[j:j + 1], views[j], k[j:j + 1], v[j:j + 1],
+                                 caches[j])[0]
+        for rows, span, at in plan.groups:
+            # the group's attention in one call; a group of adjacent rows reads its queries
+            # and writes its outputs in place
+            keys, values = zip(*(views[j] for j in rows))
+            if span is not None:
+                fork_group_attention(q[span[0]:span[1]], keys, values, attn.scaling,
+                                     plan.ctx, out[span[0]:span[1]])
+            else:
+                out.index_copy_(0, at, fork_group_attention(q.index_select(0, at), keys,
+                                                            values, attn.scaling, plan.ctx))
         return out
 
-    def _attend_group(self, i, q, k, v, caches, rows, at):
-        """K/V of layer ``i`` into ``caches[j]`` for j in ``rows`` (forks of one prefix; ``at``
-        the same indices on the device), attention of them all in one call:
-        ``[M, 1, H, d]``."""
-        attn = self.layers[i].self_attn
-        keys, values = zip(*(caches[j].update(k[j:j + 1], v[j:j + 1], attn.layer_idx)
-                             for j in rows))
-        return fork_group_attention(q.index_select(0, at), keys, values, attn.scaling,
-                                    current())
+    def sdpa_direct(self, q, keys, values) -> bool:
+        """Whether one SDPA call (GQA by index, the decode backends) gives, bit for bit, what
+        the attention function gives for a decode query ``q`` over a cache in one piece in
+        the model's dtype: checked once, on the first such cache (as StepGraphs checks its
+        own direct step)."""
+        if self._sdpa_direct is None:
+            attn = self._attns[0]
+            probe = torch.randn(q.shape, device=keys.device, dtype=keys.dtype)
+            ref, _ = _attention_function(attn)(attn, probe, keys, values, None, dropout=0.0,
+                                               scaling=attn.scaling)
+            with decode_backends(probe, 1):
+                got = torch.nn.functional.scaled_dot_product_attention(
+                    probe, keys, values, scale=attn.scaling, enable_gqa=True)
+            self._sdpa_direct = bool(torch.equal(ref, got.transpose(1, 2)))
+        return self._sdpa_direct
 
     def position_ids(self, position_ids, cache):
         if position_ids is None:     # the model's default: counted from the cache's length
@@ -455,10 +475,11 @@ class BatchGraphs(_Segments):
         self.tok[:b, 0].copy_(torch.tensor(tokens))
         self.pos[..., :b, :].copy_(torch.cat(position_ids, -2))
         plan = dec.group_plan(caches)
+        attn = self.attn[:b]
         g[0].replay()
         for i in range(len(dec.layers)):
-            self.attn[:b].copy_(dec._attend_many(i, self.q[i][:b], self.k[i][:b],
-                                                 self.v[i][:b], caches, plan))
+            dec._attend_many(i, self.q[i][:b], self.k[i][:b], self.v[i][:b], caches, plan,
+                             attn)
             g[i + 1].replay()
         return self.logits[:b], self.next[:b]
 
@@ -499,6 +520,69 @@ def prefix_groups(caches) -> list[list[int]]:
         if isinstance(c, ForkKV) and c.layers and not c.in_tail:
             by_prefix.setdefault((id(c.prefix), c.layers[0].shared), []).append(j)
     return [g for g in by_prefix.values() if len(g) > 1]
+
+
+class BatchPlan:
+    """What the attention of a batched step needs that no layer changes, found once a step
+    (not once a layer): the groups of forks of one prefix (:func:`prefix_groups`), each as
+    ``(rows, span, at)`` — its answers' indices, ``(first, end)`` where they are adjacent
+    (their queries and outputs are then slices of the batch's), else their indices on the
+    device (``at``) —; the answers that attend alone; whether their rows are written
+    together (:meth:`write`); the request context the attention functions take."""
+
+    def __init__(self, dec: LeanDecoder, caches):
+        self.ctx = current()
+        groups = prefix_groups(caches)
+        grouped = {j for g in groups for j in g}
+        self.alone = [j for j in range(len(caches)) if j not in grouped]
+        self.groups = []
+        for rows in groups:
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                self.groups.append((rows, (rows[0], rows[0] + len(rows)), None))
+            else:
+                at = torch.tensor(rows, device=dec.embed.weight.device)
+                self.groups.append((rows, None, at))
+        # a batch of PrefixKV / ForkKV: every layer's rows written together (what each
+        # update does); any other cache in it: each one through its own update
+        self.caches = caches
+        self.ours = all(isinstance(c, (PrefixKV, ForkKV)) for c in caches)
+        # where the attention function is our hook, what it would run for a decode query is
+        # called here directly: fork_attention over a reader's rows after a shared prefix,
+        # fp8_cache_attention over an FP8 cache, and over a cache in one piece SDPA where it
+        # gives the hook's bits (LeanDecoder.sdpa_direct) and no stage timer runs
+        self.dec = dec
+        attn = dec._attns[0] if dec._attns else None
+        self.hooked = attn is not None and _attention_function(attn) is attention_forward
+        self.sdpa = self.hooked and (self.ctx is None or self.ctx.timer is None)
+
+    def write(self, layer_idx, k, v) -> list:
+        """Layer ``layer_idx``'s K/V rows (``[B, Hkv, 1, d]``) into the caches, all at once
+        (:func:`mminfer.models.kv.write_rows`): each one's ``(keys, values)``; Nones where a
+        cache is of another kind (each written by :meth:`attend`)."""
+        if self.ours:
+            return write_rows([c.layers[layer_idx] for c in self.caches], k, v)
+        return [None] * len(self.caches)
+
+    def attend(self, attn, q, views, k, v, cache):
+        """One answer's attention over ``cache`` after its K/V were written (``views``:
+        what the write returned; None: written here through ``cache.update``), as
+        ``LeanDecoder._attend``: ``[1, 1, H, d]``."""
+        if views is None:
+            keys, values = cache.update(k, v, attn.layer_idx)
+        else:
+            keys, values = views
+            if self.hooked and prefix_of(keys) is not None:
+                return fork_attention(q, keys, values, attn.scaling, self.ctx)
+            if self.hooked and scale_of(keys) is not None:
+                return fp8_cache_attention(q, keys, values, attn.scaling, self.ctx)
+            if self.sdpa and self.dec.sdpa_direct(q, keys, values):
+                with decode_backends(q, 1):
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        q, keys, values, scale=attn.scaling, enable_gqa=True)
+                return out.transpose(1, 2)
+        out, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
+                                           scaling=attn.scaling)
+        return out
 
 
 # ---------------------------------------------------------------- the loop

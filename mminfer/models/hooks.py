@@ -255,7 +255,7 @@ def fork_attention(query, key, value, scaling=None, ctx=None):
     return run(query, segments, *scales, scaling)
 
 
-def fork_group_attention(query, keys, values, scaling=None, ctx=None):
+def fork_group_attention(query, keys, values, scaling=None, ctx=None, out=None):
     """One decode step of M readers of one shared prefix together (cascade attention):
     ``query`` ``[M, H, 1, D]`` (reader j's query), ``keys``/``values`` each reader's own rows
     as :func:`fork_attention` takes them (the ForkLayer views, all carrying the same prefix's).
@@ -264,7 +264,8 @@ def fork_group_attention(query, keys, values, scaling=None, ctx=None):
     what :func:`fork_attention` gives each reader alone, the prefix read once instead of M
     times. On the GPU, or FP8, the flash-decoding kernel's form
     (mminfer.kernels.fp8_attention.shared_prefix_attention); off the GPU in the model's
-    dtype PyTorch's CPU flash attention, as :func:`_cpu_fork`. Returns ``[M, 1, H, D]``."""
+    dtype PyTorch's CPU flash attention, as :func:`_cpu_fork`. Returns ``[M, 1, H, D]``,
+    written into ``out`` where given."""
     prefix = (prefix_of(keys[0]), prefix_of(values[0]))
     owns = list(zip(keys, values))
     if scale_of(keys[0]) is not None:
@@ -276,11 +277,11 @@ def fork_group_attention(query, keys, values, scaling=None, ctx=None):
     timer = ctx.timer if ctx is not None else None
     if timer is not None:
         with timer("attention"):
-            return run(*args)
-    return run(*args)
+            return run(*args, out=out)
+    return run(*args, out=out)
 
 
-def _cpu_fork_group(query, prefix, owns, k_scale, v_scale, scaling):
+def _cpu_fork_group(query, prefix, owns, k_scale, v_scale, scaling, *, out=None):
     """:func:`fork_group_attention` on the CPU in the model's dtype: one CPU flash attention
     over the prefix with the M readers' query heads of a KV head as its rows (every reader
     sees the whole prefix), one per reader over its own rows (its one query sees them all),
@@ -296,8 +297,9 @@ def _cpu_fork_group(query, prefix, owns, k_scale, v_scale, scaling):
     own = [flash(rows[j:j + 1], k, v, 0.0, False, scale=scale) for j, (k, v) in enumerate(owns)]
     o2 = torch.cat([o for o, _ in own], 0).transpose(0, 1).reshape(1, Hkv, M * G, D)
     l2 = torch.cat([lse for _, lse in own], 0).transpose(0, 1).reshape(1, Hkv, M * G)
-    out = merge_partials(o1, l1.unsqueeze(-1), o2, l2.unsqueeze(-1))
-    return out.reshape(Hkv, M, G, D).transpose(0, 1).reshape(M, 1, H, D).to(query.dtype)
+    got = merge_partials(o1, l1.unsqueeze(-1), o2, l2.unsqueeze(-1))
+    got = got.reshape(Hkv, M, G, D).transpose(0, 1).reshape(M, 1, H, D).to(query.dtype)
+    return got if out is None else out.copy_(got)
 
 
 def _cpu_fork(query, segments, k_scale, v_scale, scaling):

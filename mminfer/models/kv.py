@@ -123,12 +123,17 @@ def scale_of(t: torch.Tensor):
 class SlabLayer(DynamicLayer):
     """One layer's K and V in ``[B, Hkv, capacity, D]`` buffers; ``keys``/``values`` are the
     views ``[..., :length, :]``. ``dtype``: what the buffers hold (None: the dtype K/V come
-    in; FP8: quantised, see the module doc)."""
+    in; FP8: quantised, see the module doc). ``rows_outer``: the buffers are laid out row by
+    row in memory (``[B, capacity, Hkv, D]``, seen transposed), so one row of every head is
+    contiguous: a reader's own rows, which a batched decode step writes for many readers in
+    one launch (:func:`write_rows`); a prefix's rows stay head by head."""
 
-    def __init__(self, headroom: int = HEADROOM, dtype: torch.dtype | None = None):
+    def __init__(self, headroom: int = HEADROOM, dtype: torch.dtype | None = None,
+                 rows_outer: bool = False):
         super().__init__()
         self.headroom = int(headroom)
         self.store_dtype = dtype
+        self.rows_outer = rows_outer
         self.k_buf = self.v_buf = None
         self.k_scale = self.v_scale = None
         self.length = 0
@@ -163,8 +168,12 @@ class SlabLayer(DynamicLayer):
     def _grow(self, capacity: int, k, v) -> None:
         B, H, _, D = k.shape
         dt = self.store_dtype or k.dtype
-        k_new = k.new_empty(B, H, capacity, D, dtype=dt)
-        v_new = v.new_empty(B, v.shape[1], capacity, v.shape[-1], dtype=dt)
+        if self.rows_outer:
+            k_new = k.new_empty(B, capacity, H, D, dtype=dt).transpose(1, 2)
+            v_new = v.new_empty(B, capacity, v.shape[1], v.shape[-1], dtype=dt).transpose(1, 2)
+        else:
+            k_new = k.new_empty(B, H, capacity, D, dtype=dt)
+            v_new = v.new_empty(B, v.shape[1], capacity, v.shape[-1], dtype=dt)
         if self.k_buf is not None and self.length:
             k_new[..., :self.length, :].copy_(self.k_buf[..., :self.length, :])
             v_new[..., :self.length, :].copy_(self.v_buf[..., :self.length, :])
@@ -418,11 +427,11 @@ class _TailClaim:
 
 class ForkLayer(DynamicLayer):
     """One layer of a :class:`ForkKV`: the first ``shared`` rows of a prefix's SlabLayer,
-    read and never written, then this reader's own rows in a SlabLayer of its own (in the
-    prefix's storage dtype; FP8 rows quantised with the prefix's scales, as rows appended
-    to the prefix's own slab would be). ``keys``/``values`` are the views of the reader's
-    rows, carrying the prefix's views as ``kv_prefix`` (:func:`prefix_of`) and, FP8, their
-    scales as ``kv_scale``.
+    read and never written, then this reader's own rows in a SlabLayer of its own (row by row
+    in memory, for :func:`write_rows`; in the prefix's storage dtype; FP8 rows quantised with
+    the prefix's scales, as rows appended to the prefix's own slab would be).
+    ``keys``/``values`` are the views of the reader's rows, carrying the prefix's views as
+    ``kv_prefix`` (:func:`prefix_of`) and, FP8, their scales as ``kv_scale``.
 
     With a claim on the prefix's tail (``claim``), the reader's rows go instead into the
     prefix's own buffers after the shared rows, through ``tail`` (a SlabLayer over those
@@ -434,9 +443,10 @@ class ForkLayer(DynamicLayer):
     def __init__(self, base: SlabLayer, shared: int, headroom: int, claim=None):
         super().__init__()
         self.base, self.shared = base, int(shared)
-        self.own = SlabLayer(headroom, base.store_dtype)
+        self.own = SlabLayer(headroom, base.store_dtype, rows_outer=True)
         self.own.k_scale, self.own.v_scale = base.k_scale, base.v_scale
         self.claim, self.tail, self.released = claim, None, False
+        self._prefix = None
         if claim is not None:
             tail = self.tail = SlabLayer(0, base.store_dtype)
             tail.k_buf, tail.v_buf = base.k_buf, base.v_buf
@@ -467,9 +477,13 @@ class ForkLayer(DynamicLayer):
         self.is_initialized = True
 
     def prefix(self) -> tuple:
-        """The shared rows' K and V views ``[1, Hkv, shared, D]``."""
-        b, n = self.base, self.shared
-        return b.k_buf[..., :n, :], b.v_buf[..., :n, :]
+        """The shared rows' K and V views ``[1, Hkv, shared, D]`` (made again only when the
+        prefix's buffers are other tensors: moved, grown)."""
+        b, seen = self.base, self._prefix
+        if seen is None or seen[0] is not b.k_buf or seen[1] is not b.v_buf:
+            n = self.shared
+            seen = self._prefix = (b.k_buf, b.v_buf, b.k_buf[..., :n, :], b.v_buf[..., :n, :])
+        return seen[2], seen[3]
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -536,6 +550,39 @@ class ForkLayer(DynamicLayer):
     def held_bytes(self) -> int:
         """The reader's own buffers (the shared rows and the tail are the prefix's)."""
         return self.own.held_bytes
+
+
+def write_rows(layers, k, v) -> list:
+    """One decode step's K/V of several caches at once: ``layers[j]`` (a SlabLayer or a
+    ForkLayer, each of another cache) takes row j of ``k``/``v`` (``[M, Hkv, 1, D]``)
+    exactly as ``layers[j].update`` would; returns the ``(keys, values)`` each update returns.
+    The rows of ordinary forks (room for one more row, the model's dtype: a plain copy each)
+    are copied together by one ``torch._foreach_copy_``, one launch on a GPU for all of them
+    (its fast path wants every row contiguous: a fork's own rows are kept row by row); the
+    others (FP8 rows, quantised on the way; a prefix's rows; a tail; a buffer that must
+    grow) through their ``update``."""
+    k_rows, v_rows = k[:, :, 0].unbind(0), v[:, :, 0].unbind(0)      # [Hkv, D] each
+    out = [None] * len(layers)
+    fast, dst, src = [], [], []
+    for j, layer in enumerate(layers):
+        own = getattr(layer, "own", None)
+        if (own is not None and layer.tail is None and not layer.released
+                and layer.is_initialized and own.k_buf is not None and not own.quantized
+                and own.length < own.k_buf.shape[-2]):
+            n = own.length
+            fast.append(j)
+            dst += (own.k_buf[0, :, n], own.v_buf[0, :, n])
+            src += (k_rows[j], v_rows[j])
+        else:
+            out[j] = layer.update(k[j:j + 1], v[j:j + 1])
+    if fast:
+        torch._foreach_copy_(dst, src)
+        for j in fast:
+            layer = layers[j]
+            layer.own._set_length(layer.own.length + 1)
+            layer._views()
+            out[j] = layer.keys, layer.values
+    return out
 
 
 def prefix_of(t: torch.Tensor):

@@ -300,6 +300,11 @@ def _lower_for_hopper():
     for dt in (ptrs, bf16):
         lower(F._fp8_split_fwd, dt, dict(G=7, D=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
                                          PRECISION="tf32", CAUSAL=False), 4)
+    # every reader's own rows in one launch, K/V found through the table of addresses
+    for dt in (ptrs, bf16):
+        lower(F._fp8_own_fwd, {**dt, "TAB": "*i64"},
+              dict(G=7, D=128, BLOCK_M=16, BLOCK_N=128, BLOCK_D=128, PRECISION="tf32",
+                   M_BLOCKS=1), 4)
     lower(F._fp8_merge, ptrs, dict(G=7, D=128, BLOCK_M=16, BLOCK_D=128), 4)
     print("lowered")
 

@@ -465,6 +465,8 @@ def test_batched_step_gives_each_answer_its_own_tokens(kind, prepared):
             got = logits.argmax(-1).tolist()
             assert got == want
             tokens = got
+    # the batched step attended with SDPA directly: it checked that SDPA gives the hook's bits
+    assert dec._sdpa_direct is True
     assert len({c.get_seq_length() for c in batched}) == 3
     for a, b in zip(alone, batched):
         assert a.get_seq_length() == b.get_seq_length()
