@@ -9,8 +9,8 @@ one prefix take 37.6 ms a step and 8 separate caches 64.2 ms, against 10.9 ms fo
 alone: ~4.3 ms of weights and 3-26 ms of K/V reads, the rest host work. Here nothing of a
 step is decided on the host:
 
-- ``ptrs`` ``[L, B, 9]`` int64, per layer and answer: its cache's first segment (a kept
-  prefix, or the whole cache) K and V addresses and head stride, its second segment's (a
+- ``ptrs`` ``[L, B, 11]`` int64, per layer and answer: its cache's first segment (a kept
+  prefix, or the whole cache) K and V addresses, head and row strides, its second segment's (a
   question's own rows after a shared prefix; none: 0), which segment takes the new row, and
   an FP8 cache's per-head K and V scales (its segments share them, as mminfer.models.kv's
   forks do). Fixed while no buffer moves (an answer joining, leaving or outgrowing its buffer
@@ -24,9 +24,10 @@ step is decided on the host:
   plus one program per member for its own rows); ranges past an answer's length are skipped
   and its merge reads only those its lengths say were written (flash-decoding).
 
-Rows are contiguous (row stride = head dim); K and V of a segment share their strides (they
-do in mminfer.models.kv's slabs). The cache is in the queries' dtype or FP8 (e4m3, the new
-rows quantised as kv.quantize_into does), one of the two per launch.
+A row's D values are contiguous; K and V of a segment share their strides (they do in
+mminfer.models.kv's slabs, head-major or, a fork's own rows, row-major). The cache is in the
+queries' dtype or FP8 (e4m3, the new rows quantised as kv.quantize_into does), one of the two
+per launch.
 Held to a pure-PyTorch fp32 oracle in lab/tests/test_ragged_decode.py; ``bench`` times one
 layer in a CUDA graph against the product's per-answer launches (GPU).
 """
@@ -48,8 +49,8 @@ from mminfer.kernels.runtime import dot_precision
 LOG2E = 1.4426950408889634
 FP8_DT = torch.float8_e4m3fn
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-K0, V0, SH0, K1, V1, SH1, OWN, KS, VS = range(9)
-W = 9                                     # the table's columns
+K0, V0, SH0, SR0, K1, V1, SH1, SR1, OWN, KS, VS = range(11)
+W = 11                                    # the table's columns
 
 
 @triton.jit
@@ -62,26 +63,28 @@ def _append_kernel(PTRS, LENS, KN, VN, skn_b, skn_h, svn_b, svn_h, D: tl.constex
                    BLOCK_D: tl.constexpr, CACHE: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = PTRS + b * 9
-    own = tl.load(row + 6)
+    row = PTRS + b * 11
+    own = tl.load(row + 8)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     if own != 0:
         at = tl.load(LENS + b * 2 + 1) - 1
-        kb = _ptr(tl.load(row + 3), CACHE)
-        vb = _ptr(tl.load(row + 4), CACHE)
-        sh = tl.load(row + 5)
+        kb = _ptr(tl.load(row + 4), CACHE)
+        vb = _ptr(tl.load(row + 5), CACHE)
+        sh = tl.load(row + 6)
+        sr = tl.load(row + 7)
     else:
         at = tl.load(LENS + b * 2) - 1
         kb = _ptr(tl.load(row + 0), CACHE)
         vb = _ptr(tl.load(row + 1), CACHE)
         sh = tl.load(row + 2)
-    dst = h.to(tl.int64) * sh + at.to(tl.int64) * D + d
+        sr = tl.load(row + 3)
+    dst = h.to(tl.int64) * sh + at.to(tl.int64) * sr + d
     k = tl.load(KN + b * skn_b + h * skn_h + d, mask=dm)
     v = tl.load(VN + b * svn_b + h * svn_h + d, mask=dm)
     if FP8:       # quantised with the cache's per-head scales, as kv.quantize_into does
-        ks = tl.load(_ptr(tl.load(row + 7), tl.float32) + h)
-        vs = tl.load(_ptr(tl.load(row + 8), tl.float32) + h)
+        ks = tl.load(_ptr(tl.load(row + 9), tl.float32) + h)
+        vs = tl.load(_ptr(tl.load(row + 10), tl.float32) + h)
         k = tl.minimum(tl.maximum(k.to(tl.float32) * (1.0 / ks), -448.0), 448.0)
         v = tl.minimum(tl.maximum(v.to(tl.float32) * (1.0 / vs), -448.0), 448.0)
         k = _to_e4m3(k, CACHE)
@@ -110,10 +113,11 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
         rv = m < n
         ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + m, mask=rv, other=0)
         first = tl.load(GROUPS + g * (MAXM + 1) + 1)
-        row = PTRS + first * 9
+        row = PTRS + first * 11
         kb = _ptr(tl.load(row + 0), CACHE)
         vb = _ptr(tl.load(row + 1), CACHE)
         sh = tl.load(row + 2)
+        sr = tl.load(row + 3)
         lo = s * SPLIT
         hi = tl.minimum(lo + SPLIT, tl.load(LENS + first * 2))
         slot = s
@@ -123,10 +127,11 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
         rv = (r < G) & (m < n)
         ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + m + r * 0, mask=rv, other=0)
         one = tl.load(GROUPS + g * (MAXM + 1) + 1 + tl.minimum(m, MAXM - 1))
-        row = PTRS + one * 9
-        kb = _ptr(tl.load(row + 3), CACHE)
-        vb = _ptr(tl.load(row + 4), CACHE)
-        sh = tl.load(row + 5)
+        row = PTRS + one * 11
+        kb = _ptr(tl.load(row + 4), CACHE)
+        vb = _ptr(tl.load(row + 5), CACHE)
+        sh = tl.load(row + 6)
+        sr = tl.load(row + 7)
         lo = 0
         hi = tl.where(m < n, tl.load(LENS + one * 2 + 1), 0)
         slot = S - 1
@@ -138,15 +143,15 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
     scale = qk_scale
     v_scale = 1.0
     if FP8:       # a fork's rows carry its prefix's scales: one pair per program
-        scale = qk_scale * tl.load(_ptr(tl.load(row + 7), tl.float32) + h)
-        v_scale = tl.load(_ptr(tl.load(row + 8), tl.float32) + h)
+        scale = qk_scale * tl.load(_ptr(tl.load(row + 9), tl.float32) + h)
+        v_scale = tl.load(_ptr(tl.load(row + 10), tl.float32) + h)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kvalid = kpos < hi
-        krow = kpos.to(tl.int64)[:, None] * D + d[None, :]
+        krow = kpos.to(tl.int64)[:, None] * sr + d[None, :]
         mask = kvalid[:, None] & dm[None, :]
         k = tl.load(kb + krow, mask=mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -262,19 +267,19 @@ def advance(lens, inc):
 
 
 def table(segments, device, scales=None):
-    """``[B, 9]`` int64 from each answer's ``(k0, v0, k1, v1, own)``: slabs ``[1, Hkv, cap,
+    """``[B, 11]`` int64 from each answer's ``(k0, v0, k1, v1, own)``: slabs ``[1, Hkv, cap,
     D]`` (k1/v1 None: one segment; own: the new rows go to the second); ``scales``: each
     answer's FP8 ``(k_scale, v_scale)`` ``[Hkv]`` fp32 (an FP8 cache; its segments share
     them)."""
     rows = []
     for i, (k0, v0, k1, v1, own) in enumerate(segments):
-        assert k0.stride() == v0.stride() and k0.stride(-1) == 1 and k0.stride(-2) == k0.shape[-1]
-        r = [k0.data_ptr(), v0.data_ptr(), k0.stride(1)]
+        assert k0.stride() == v0.stride() and k0.stride(-1) == 1
+        r = [k0.data_ptr(), v0.data_ptr(), k0.stride(1), k0.stride(2)]
         if k1 is None:
-            r += [0, 0, 0]
+            r += [0, 0, 0, 0]
         else:
-            assert k1.stride() == v1.stride() and k1.stride(-2) == k1.shape[-1]
-            r += [k1.data_ptr(), v1.data_ptr(), k1.stride(1)]
+            assert k1.stride() == v1.stride() and k1.stride(-1) == 1
+            r += [k1.data_ptr(), v1.data_ptr(), k1.stride(1), k1.stride(2)]
         ks, vs = scales[i] if scales is not None else (None, None)
         rows.append(r + [int(own)] + ([ks.data_ptr(), vs.data_ptr()] if ks is not None
                                       else [0, 0]))
