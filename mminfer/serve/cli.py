@@ -446,9 +446,12 @@ def ray_serve_worker(settings, args, RayServeWorker):
 
 def run(args) -> int:
     # `kill -USR1 <pid>` prints every thread's stack to stderr: where a request is stuck,
-    # without stopping the server
+    # without stopping the server (not where stderr is no file, e.g. captured in-process)
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, OSError, ValueError):    # io.UnsupportedOperation: no fileno
+            pass
     settings = settings_from(args)
     settings.model = resolve_model(settings.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
