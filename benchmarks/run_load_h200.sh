@@ -17,6 +17,9 @@
 # The issue's targets (BENCHMARKS.md "Many users at once"): cache-hit TTFT p99 <= 1.0 s, new
 # videos per minute >= 0.95x serial's, each new video's TTFT <= 1.10x alone, nothing lost.
 # These servers do not calibrate (--no-self-calibrate): the next phase measures that.
+# HOST_KV_GB (default 32; 0: none): the servers' --kv-host-cache-gb, where a cached video's
+# entry goes when a new prefill needs its device memory (else it is dropped, and its next
+# question is a miss that prefills the video again behind the new one).
 #
 # SELFCAL_S=600: this call runs the self-calibration phase instead (load.py --selfcal-video;
 # the other phases need a call of their own): the 115K-token decode.mp4 asked with attention
@@ -78,4 +81,4 @@ timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/qwen7b
   --duration-s "${DURATION:-120}" --hit-rate 2 --max-frames 768 --max-new-tokens 16 \
   --attention sparse --alone --decoders "${DECODERS:-8}" --decode-video "$WORK/decode.mp4" --decode-tokens 64 \
   --decode-shared $([ -n "${DECODE_KV_GB:-}" ] && echo --decode-kv-cache-gb "$DECODE_KV_GB") \
-  --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"
+  --serve-arg=--kv-host-cache-gb="${HOST_KV_GB:-32}" --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"
