@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mminfer.kernels import fp8_attention as fa
+from mminfer.kernels import fp8_attention as fa, online_softmax
 from mminfer.kernels.runtime import compiled_gpu
 from mminfer.models import hooks
 from mminfer.models.kv import prefix_of, scale_of
@@ -63,17 +63,6 @@ def flash_partial(q, k, v, scale):
                                                                       scale=scale)
 
 
-@triton.jit
-def _fold(m, w_sum, acc, lse, o):
-    # one more partial (normalised ``o``, base-2 ``lse``; -inf: no key seen) into the
-    # running merge of the rows
-    m_new = tl.maximum(m, lse)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m - m_use)
-    w = tl.math.exp2(lse - m_use)
-    return m_new, w_sum * alpha + w, acc * alpha[:, None] + o * w[:, None]
-
-
 @triton.jit(do_not_specialize=["n_slots"])
 def _merge_flash(O1, L1, PO, PL, O, so1_h, so1_m, sl1_h, sl1_m, spo_s, spo_h, spo_m, spl_s,
                  spl_h, spl_m, so_h, n_slots, l2_factor, G: tl.constexpr, D: tl.constexpr,
@@ -91,12 +80,12 @@ def _merge_flash(O1, L1, PO, PL, O, so1_h, so1_m, sl1_h, sl1_m, spo_s, spo_h, sp
     lse = tl.load(L1 + kvh * sl1_h + g * sl1_m, mask=gv, other=float("-inf"))
     lse = lse * 1.4426950408889634                    # natural log to base 2
     o = tl.load(O1 + kvh * so1_h + g[:, None] * so1_m + d[None, :], mask=mask, other=0.0)
-    m, w_sum, acc = _fold(m, w_sum, acc, lse, o.to(tl.float32))
+    m, w_sum, acc = online_softmax.fold(m, w_sum, acc, lse, o.to(tl.float32))
     for s in range(0, n_slots):
         lse = tl.load(PL + s * spl_s + kvh * spl_h + g * spl_m, mask=gv, other=float("-inf"))
         o = tl.load(PO + s * spo_s + kvh * spo_h + g[:, None] * spo_m + d[None, :], mask=mask,
                     other=0.0)
-        m, w_sum, acc = _fold(m, w_sum, acc, lse * l2_factor, o.to(tl.float32))
+        m, w_sum, acc = online_softmax.fold(m, w_sum, acc, lse * l2_factor, o.to(tl.float32))
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
     tl.store(O + (kvh * G + g)[:, None] * so_h + d[None, :], out.to(O.dtype.element_ty),
              mask=mask)

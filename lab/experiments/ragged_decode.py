@@ -188,13 +188,7 @@ def _merge_kernel(PO, PL, LENS, O, so_b, so_h, SPLIT, G: tl.constexpr, D: tl.con
         at = (b * HKV + h) * S + s
         lse = tl.load(PL + at * G + r, mask=rv & take, other=float("-inf"))
         o = tl.load(PO + (at * G + r)[:, None] * D + d[None, :], mask=mask & take, other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_use)
-        w = tl.math.exp2(lse - m_use)
-        w_sum = w_sum * alpha + w
-        acc = acc * alpha[:, None] + o * w[:, None]
-        m = m_new
+        m, w_sum, acc = online_softmax.fold(m, w_sum, acc, lse, o)
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
     tl.store(O + b * so_b + (h * G + r)[:, None] * so_h + d[None, :],
              out.to(O.dtype.element_ty), mask=mask)

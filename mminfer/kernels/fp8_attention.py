@@ -200,13 +200,7 @@ def _fp8_merge(PO, PL, O, spo_s, spo_h, spl_s, spl_h, so_m, so_h, q_len, n_split
         lse = tl.load(PL + s * spl_s + kvh * spl_h + rows, mask=rvalid, other=float("-inf"))
         o = tl.load(PO + s * spo_s + kvh * spo_h + rows[:, None] * D + offs_d[None, :],
                     mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_use)
-        w = tl.math.exp2(lse - m_use)
-        w_sum = w_sum * alpha + w
-        acc = acc * alpha[:, None] + o * w[:, None]
-        m = m_new
+        m, w_sum, acc = online_softmax.fold(m, w_sum, acc, lse, o)
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
     qi = rows // G
     head = kvh * G + rows % G
