@@ -644,7 +644,7 @@ def main(argv=None):
                 if graphs is not None:
                     row["segments_ms"] = round(segments_ms(ad, graphs), 3)
                     # the host writes K/V and calls SDPA directly (not the attention hook)
-                    row["graph_direct"] = graphs.direct
+                    row["graph_direct"] = graphs.dec._sdpa_direct
         ref = tokens.get("step")
         row["same_tokens"] = {m: tokens[m] == ref for m in tokens if m != "step"} \
             if ref else None

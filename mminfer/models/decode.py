@@ -224,8 +224,8 @@ class LeanDecoder:
     def sdpa_direct(self, q, keys, values) -> bool:
         """Whether one SDPA call (GQA by index, the decode backends) gives, bit for bit, what
         the attention function gives for a decode query ``q`` over a cache in one piece in
-        the model's dtype: checked once, on the first such cache (as StepGraphs checks its
-        own direct step)."""
+        the model's dtype: checked once, on the first such cache (the lone step's direct
+        replay, StepGraphs.direct_slabs, and the batched step's, BatchPlan, both ask)."""
         if self._sdpa_direct is None:
             attn = self._attns[0]
             probe = torch.randn(q.shape, device=keys.device, dtype=keys.dtype)
@@ -371,7 +371,6 @@ class StepGraphs(_Segments):
 
     def __init__(self, dec: LeanDecoder, position_ids, warmup: int = 2, pool=None):
         super().__init__(dec, 1, position_ids)
-        self.direct = None                 # direct_slabs' check, made on the first cache
         self._record(warmup, pool)
 
     def _last(self, h):
@@ -433,17 +432,8 @@ class StepGraphs(_Segments):
             return list(layers)
         if any(x.quantized for x in layers):
             return None
-        if self.direct is None:
-            attn = self.dec.layers[0].self_attn
-            keys, values = layers[0].keys, layers[0].values
-            q = torch.randn(self.q[0].shape, device=keys.device, dtype=keys.dtype)
-            ref, _ = _attention_function(attn)(attn, q, keys, values, None, dropout=0.0,
-                                               scaling=attn.scaling)
-            with decode_backends(q, 1):
-                got = torch.nn.functional.scaled_dot_product_attention(
-                    q, keys, values, scale=self.scale, enable_gqa=True)
-            self.direct = bool(torch.equal(ref, got.transpose(1, 2)))
-        return list(layers) if self.direct else None
+        direct = self.dec.sdpa_direct(self.q[0], layers[0].keys, layers[0].values)
+        return list(layers) if direct else None
 
 
 class BatchGraphs(_Segments):

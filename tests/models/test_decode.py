@@ -185,7 +185,7 @@ def test_graph_plumbing_replayed_on_the_cpu(kind, prepared, monkeypatch):
         kv_ref, ref = _answer(ad, prep, embeds, "lean", headroom=3)
         kv, got = _answer(ad, prep, embeds, "graph", headroom=3)
         graphs = decode.decoder_of(ad)._graphs
-        assert graphs is not None and graphs.direct is True
+        assert graphs is not None and graphs.dec._sdpa_direct is True
         assert got.token_ids == ref.token_ids
         for a, b in zip(kv.layers, kv_ref.layers):
             torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)

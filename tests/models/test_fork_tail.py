@@ -239,7 +239,7 @@ def test_the_graph_step_writes_and_attends_a_claimed_fork_as_a_plain_cache(fp8, 
             if name == "room":
                 graphs = decode.decoder_of(ad)._graphs
                 assert cache.in_tail and graphs.direct_slabs(cache) is not None
-                assert graphs.direct is not False and calls == []
+                assert graphs.dec._sdpa_direct is not False and calls == []
             if name == "outgrown":
                 assert not cache.in_tail and len(calls) > 0
     finally:
