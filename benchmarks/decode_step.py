@@ -246,6 +246,19 @@ def time_readers(ad, kv, n, steps, warm, first, *, shared=True):
         decode.prefix_groups = groups
 
 
+def batched_tokens(ad, caches, first, k):
+    """``k`` steps of the answers over ``caches`` decoding together through ``step_batch``
+    (the scheduler's batched step) from their tokens ``first``: each answer's tokens, its
+    first one included."""
+    toks = [[t] for t in first]
+    for _ in range(k):
+        items = [(t[-1], ad.positions_after(7, c.get_seq_length(), 1), c, False)
+                 for t, c in zip(toks, caches)]
+        for t, got in zip(toks, decode.step_batch(ad, items)):
+            t.append(got)
+    return toks
+
+
 def time_batched(ad, caches, n, mode, steps, warm, first):
     """(ms a step, each answer's tokens, first call's seconds) of ``steps`` steps of the
     answers over ``caches`` (``n`` rows each) decoding together through ``step_batch`` (the
@@ -254,13 +267,7 @@ def time_batched(ad, caches, n, mode, steps, warm, first):
     dev = ad.device
 
     def run(k):
-        toks = [[t] for t in first]
-        for _ in range(k):
-            items = [(t[-1], ad.positions_after(7, c.get_seq_length(), 1), c, False)
-                     for t, c in zip(toks, caches)]
-            for t, got in zip(toks, decode.step_batch(ad, items)):
-                t.append(got)
-        return toks
+        return batched_tokens(ad, caches, first, k)
 
     ad.decode_mode = mode
     try:

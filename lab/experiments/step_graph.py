@@ -199,15 +199,7 @@ def main(argv=None):
     first = [7 + j for j in range(R)]
 
     def product(caches):
-        def run(k):
-            toks = [[t] for t in first]
-            for _ in range(k):
-                items = [(t[-1], ad.positions_after(7, c.get_seq_length(), 1), c, False)
-                         for t, c in zip(toks, caches)]
-                for t, got in zip(toks, decode.step_batch(ad, items)):
-                    t.append(got)
-            return [t[1:] for t in toks]
-        return run
+        return lambda k: [t[1:] for t in ds.batched_tokens(ad, caches, first, k)]
 
     def ours(caches):
         ws = WholeStep(dec, caches, first,
