@@ -27,8 +27,15 @@ decode steps (round robin). When the admitted long prefill pauses at a layer bou
 work that was already waiting when it paused runs (work arriving later waits for the next
 boundary — so the prefill is never starved, and a cache hit waits at most one layer of it),
 then decode steps for up to ``decode_share`` of the time (in proportion to the prefill's last
-step), then the prefill resumes. An ``IDLE`` class (the shadow monitor's dense re-runs) runs
-only when nothing else waits and yields to anything.
+step), then the prefill resumes.
+
+``IDLE`` work (self-calibration's steps, serve/selfcal.py) runs only while no request holds a
+turn at all, and pauses at its checkpoints as soon as one does: it keeps its frame and resumes
+where it stopped once every request has gone, so a long calibration step is not thrown away by
+each cache hit or follow-up question between its layers. A paused step still holds its memory,
+so a long prefill admitted to build a prefix (which needs room), or a request out of memory
+(``evict_idle``), first makes the paused idle work give up: it unwinds, its memory freed, before
+the prefill goes on, and runs again from its start later.
 
 Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
 steps and gives the turn up; whichever of them is granted the turn first waits for the other
@@ -87,16 +94,45 @@ class Scheduler:
         self._admission: list[Turn] = []         # waiting to be admitted, arrival order
         self._turns: set[Turn] = set()
         self._seq = itertools.count()
+        self._idle_gone = None                   # evict_idle's wake-up, while it waits
         self._round = 0                          # FIRST work older than this runs before LONG
         self._short_used = 0.0
         self._short_allow = 0.0
         self.switches = 0                        # turns handed from one request to another
+        self.idle_pauses = 0                     # idle work paused for requests
+        self.idle_evictions = 0                  # paused idle work made to give up its memory
 
     # ------------------------------------------------------------ requests
     def turn(self, name: str = "", stop=None) -> "Turn":
         """A new request's turn (not yet holding it: ``acquire`` first). ``stop()`` (True:
         the request was asked to stop) is checked while it waits."""
         return Turn(self, name, stop)
+
+    def evict_idle(self, timeout_s: float = 10.0) -> int:
+        """Make paused (or waiting) idle work give up and wait, up to ``timeout_s``, for it to
+        unwind (its memory freed). The caller must not hold the turn in a way the idle work
+        needs: it unwinds without the turn. Returns how many idle turns were told to go."""
+        with self._lock:
+            idle = [t for t in self._turns if t.kind == IDLE and not t.closed]
+            if not idle:
+                return 0
+            for t in idle:
+                if not t.evicted:
+                    t.evicted = True
+                    self.idle_evictions += 1
+                t._cond.notify()
+            end = time.perf_counter() + timeout_s
+            gone = threading.Condition(self._lock)
+            self._idle_gone = gone
+            try:
+                while any(not t.closed for t in idle):
+                    left = end - time.perf_counter()
+                    if left <= 0:
+                        break
+                    gone.wait(min(left, self.poll_s))
+            finally:
+                self._idle_gone = None
+        return len(idle)
 
     def state(self) -> dict:
         """Counts for /health and /metrics."""
@@ -140,7 +176,13 @@ class Scheduler:
         if decode:
             return min(decode, key=w.get)
         idle = [t for t in w if t.kind == IDLE]
-        return min(idle, key=w.get) if idle else None
+        if not idle or self._requests_present():
+            return None
+        return min(idle, key=w.get)
+
+    def _requests_present(self) -> bool:
+        """(Under the lock.) A request has a turn, held or not: idle work may not run."""
+        return any(t.kind != IDLE and not t.closed for t in self._turns)
 
     def _grant(self):
         """(Under the lock, nobody holding.) Give the turn to the next one, if any."""
@@ -201,8 +243,9 @@ class Scheduler:
                 return False
             if self._holder is None:
                 self._grant()
-                continue
-            t._cond.wait(self.poll_s)
+                if self._holder is not None:
+                    continue
+            t._cond.wait(self.poll_s)          # idle work waits here while requests run
         return True
 
     def _batch_ready(self) -> bool:
@@ -244,13 +287,15 @@ class Turn:
         self._first_token = False
         self._item, self._result, self._error = None, _NONE, None
         self._in_batch = False              # its step is in a batch being run
+        self.evicted = False                # idle work told to give up (Scheduler.evict_idle)
+        self.pauses = 0                     # idle work: times it paused for requests
         self._cond = threading.Condition(sched._lock)     # this turn's wake-ups
         with sched._lock:
             sched._turns.add(self)
 
     # ------------------------------------------------------------ state
     def stopping(self) -> bool:
-        return self._stop is not None and bool(self._stop())
+        return self.evicted or (self._stop is not None and bool(self._stop()))
 
     def first_token(self):
         """Waits from now on are part of generating the answer, not of its first token."""
@@ -260,6 +305,11 @@ class Turn:
     def acquire(self) -> bool:
         """Wait for the turn as FIRST work; False if asked to stop meanwhile."""
         return self._enter(FIRST)
+
+    def idle(self) -> bool:
+        """Wait for the turn as IDLE work (granted only while no request has a turn); False if
+        asked to stop or evicted meanwhile."""
+        return self._enter(IDLE)
 
     def _enter(self, kind: str) -> bool:
         s = self.sched
@@ -290,6 +340,8 @@ class Turn:
             return True
         if not self.held:
             return False
+        if self.kind == IDLE:
+            return self._idle_checkpoint()
         s = self.sched
         with s._lock:
             now = time.perf_counter()
@@ -311,6 +363,23 @@ class Turn:
         self.held = ok
         self.held_since = time.perf_counter() if ok else None
         self._gap_end(gap)
+        return not ok
+
+    def _idle_checkpoint(self) -> bool:
+        """Idle work's step boundary: go on while no request has a turn; else pause (the turn
+        handed over, the frame kept) until every request has gone. True: stop (asked to, or
+        evicted while paused)."""
+        s = self.sched
+        with s._lock:
+            if not s._requests_present():
+                return False
+            s._leave_holder(self, time.perf_counter())
+            s.switches += 1
+            s.idle_pauses += 1
+            self.pauses += 1
+            self.held = False
+            s._grant()
+            ok = self._queue_for_turn()
         return not ok
 
     def long(self) -> "_Phase":
@@ -505,6 +574,8 @@ class Turn:
             if s._holder is None:
                 s._grant()
             s._poke_gatherer()
+            if self.kind == IDLE and s._idle_gone is not None:
+                s._idle_gone.notify_all()
 
     # ------------------------------------------------------------ the wait stage
     def _gap_start(self):
@@ -529,6 +600,7 @@ class _Phase:
     def __enter__(self):
         if not self.turn._begin_long():
             raise Cancelled("request cancelled while waiting to build its video's prefix")
+        self.turn.sched.evict_idle()       # the prefix needs room: paused idle work goes
         return self.turn
 
     def __exit__(self, *exc):

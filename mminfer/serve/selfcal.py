@@ -14,11 +14,13 @@ The calibration cache (``--calibration-dir``, default ``<data-dir>/calibration``
 ``<digest>.json``, a head-pattern config whose provenance says how it was measured; the next
 start with the same weights serves it at once.
 
-Until a config passes, the server serves dense, and in the worker's idle slot (the dispatcher's,
-as the shadow monitor's re-runs: only while nothing is queued, uploading or in progress; a
-request that arrives stops the step at its next check, before a decoder layer, a decode step or
-a candidate's run, and the step runs again later) it works through small steps
-(offline/served_policy.py):
+Until a config passes, the server serves dense, and in idle time it works through small steps
+(offline/served_policy.py). A step starts only while nothing is queued, uploading or in
+progress. It checks before every decoder layer, decode step and candidate's run; a request
+that arrives meanwhile pauses it there (the scheduler's IDLE work, serve/worker.py): the step
+keeps its frame and resumes where it stopped once no request is left, unless a request
+building a prefix, or one out of memory, needs the room it holds; then it gives up and runs
+again from its start later (as every step does under ``--max-num-seqs 1``). The steps:
 
 1. synthetic videos (``synth:TASK:FRAMES:SEED``, rendered in-process) prepared and run through
    the vision tower, before any request arrives; with ``--calibrate-from-requests`` (the
@@ -198,6 +200,7 @@ class SelfCalibration:
         self.step_seconds: list = []          # each calibration step's wall time
         self.steps_run = 0
         self.steps_stopped = 0                # stopped by a request, run again later
+        self.steps_paused = 0                 # pauses for requests, each resumed in place
         self.round = 0
         self.pipeline = None
         self.baseline = None                  # the uncalibrated config: what dense falls to
@@ -275,9 +278,11 @@ class SelfCalibration:
         """A request arrived: the running step stops at its next check."""
         self._stop.set()
 
-    def run_step(self, pipeline):
-        """One step (on the worker's dispatching thread, which owns the model). Raises only
-        what the worker must die of."""
+    def run_step(self, pipeline, check=None):
+        """One step (on the thread holding the model). ``check()`` is the step's check
+        (before a decoder layer, a decode step, a candidate's run): True stops it (Cancelled;
+        it runs again later), and it may pause inside (the scheduler's idle work); by default
+        the preempt flag. Raises only what the worker must die of."""
         if self.state == "new":
             self.attach(pipeline)
             return
@@ -297,9 +302,18 @@ class SelfCalibration:
                     self._waiting = self._version == seen
                 return
             self._step = step
+        base, paused = check or self._stop.is_set, [0.0]
+
+        def timed_check():              # a pause inside is not the step's time
+            t = time.perf_counter()
+            try:
+                return base()
+            finally:
+                paused[0] += time.perf_counter() - t
+
         t0 = time.perf_counter()
         try:
-            step(self._stop.is_set)
+            step(timed_check)
         except Cancelled:
             self.steps_stopped += 1
             return
@@ -310,7 +324,7 @@ class SelfCalibration:
             return
         self._step = None
         self.steps_run += 1
-        self.step_seconds.append(time.perf_counter() - t0)
+        self.step_seconds.append(time.perf_counter() - t0 - paused[0])
 
     def _error(self, e, step=None):
         self.state, self.why = "error", f"{type(e).__name__}: {e}"
@@ -543,7 +557,8 @@ class SelfCalibration:
                "counts": {"configs_tried": self.configs_tried(), "gates": dict(self.gates),
                           "last_gate": self.last_gate and dict(self.last_gate),
                           "drift_checks": dict(self.drift_checks),
-                          "steps_run": self.steps_run, "steps_stopped": self.steps_stopped}}
+                          "steps_run": self.steps_run, "steps_stopped": self.steps_stopped,
+                          "steps_paused": self.steps_paused}}
         if self.why:
             out["why"] = self.why
         if self.state in ("calibrating", "gating"):
@@ -556,7 +571,9 @@ class SelfCalibration:
                 "gate": f"{len(self.gate_rows)} of "
                 f"{self.gate_requests}", "kept_mb": round(sum(i.nbytes for i in kept) / 2**20, 3),
                 "steps_run": self.steps_run, "steps_stopped": self.steps_stopped,
-                "longest_step_s": round(max(self.step_seconds), 3) if self.step_seconds else None}
+                "steps_paused": self.steps_paused,
+                "longest_step_s": round(max(self.step_seconds), 3) if self.step_seconds
+                else None}
         out["summary"] = self.summary()
         out["checks"] = self.checks()
         return out
@@ -665,8 +682,10 @@ class SelfCalibrationCollector:
             yield gauge("window_mean_kl", "The window's mean last-token KL, nats",
                         sum(k for _, k in win) / len(win))
         yield counter("steps", "Idle-time calibration steps, by outcome (run: to the end; "
-                      "stopped: a request arrived, run again later)",
+                      "stopped: a request stopped it or needed its memory, run again later)",
                       {"run": sc.steps_run, "stopped": sc.steps_stopped}, "outcome")
+        yield counter("step_pauses", "Pauses of a calibration step while requests ran, each "
+                      "resumed where it stopped", value=sc.steps_paused)
 
 
 def _gate_step(sc: SelfCalibration, cal, inp):

@@ -25,8 +25,12 @@ gone, deadline, shutdown).
 Idle time: with a shadow monitor (serve/shadow.py), a sampled sparse request's inputs are
 kept when it ends and re-run dense (on the dispatching thread) while nothing is queued,
 reserved or in progress; a request that arrives drops or stops that re-run (``preempt``)
-before it waits on it. Self-calibration (serve/selfcal.py) runs its steps in the same slot,
-after any pending re-run, and is stopped the same way.
+before it waits on it. Self-calibration (serve/selfcal.py) starts its steps in the same slot,
+after any pending re-run. With the scheduler (``max_active`` > 1) a step runs on a thread of
+its own as the scheduler's IDLE work: a request that arrives pauses it at its next check (the
+step keeps its frame and goes on once every request has gone), and one that builds a prefix or
+runs out of memory makes a paused step give its memory up (it runs again later). One at a
+time (``max_active`` = 1) a request stops the step, which runs again from its start.
 
 The heap the model leaves: once loaded and warmed up, everything alive is moved out of the
 garbage collector's sight (``gc.freeze``). A full collection otherwise walks every object of
@@ -272,6 +276,7 @@ class ModelWorker:
         self._thread: threading.Thread | None = None
         self._switch_was: float | None = None    # the interpreter's switch interval before
         self._fatal: BaseException | None = None
+        self._idle_thread: threading.Thread | None = None    # a calibration step's (IDLE)
 
     # ------------------------------------------------------------------ control
     def start(self):
@@ -406,8 +411,8 @@ class ModelWorker:
         """A request arrived: no shadow re-run (nor calibration step) may stand in its way."""
         if self.shadow is not None:
             self.shadow.preempt()
-        if self.selfcal is not None:
-            self.selfcal.preempt()
+        if self.selfcal is not None and (self.max_active == 1 or self._stopping):
+            self.selfcal.preempt()      # with the scheduler, requests pause the step instead
 
     def _shadow_due(self) -> bool:
         """(Under the lock.) A shadow job waits and nothing else does; one that would be in a
@@ -418,6 +423,8 @@ class ModelWorker:
     def _idle_due(self) -> bool:
         """(Under the lock.) Idle work is due: a shadow re-run, else a self-calibration step
         (serve/selfcal.py)."""
+        if self._idle_thread is not None:         # a step is on its thread (maybe paused)
+            return False
         if self._shadow_due():
             return True
         busy = bool(self._queue or self._reserved or self._active or self._stopping)
@@ -484,14 +491,16 @@ class ModelWorker:
                         or cache is None:
                     raise
                 error, e.__traceback__ = e, None   # its frames (the attempt's tensors) go
+            evicted = self.scheduler.evict_idle()    # a paused calibration step's memory
             gc.collect()
             freed = cache.spill_idle()
-            if freed <= 0:
+            if freed <= 0 and not evicted:
                 raise error
             log.warning("request %s ran out of memory (%s); %.2f GiB of idle cached prefixes "
-                        "left the device and it runs again", job.request_id,
+                        "left the device%s and it runs again", job.request_id,
                         str(error).splitlines()[0][:300] if str(error) else
-                        type(error).__name__, freed / 2**30)
+                        type(error).__name__, freed / 2**30,
+                        ", a paused calibration step gave its memory up" if evicted else "")
             del error
             return self._run(job)
         finally:
@@ -542,8 +551,14 @@ class ModelWorker:
             if job is None:                        # idle: the shadow re-run (serve/shadow.py)
                 if self.shadow is not None and self.shadow.pending:
                     self.shadow.run_pending(self.pipeline)
-                else:                              # or a calibration step (serve/selfcal.py)
+                elif self.max_active == 1:         # or a calibration step (serve/selfcal.py)
                     self._calibration_step()
+                else:                              # as the scheduler's idle work
+                    with self._cv:
+                        self._idle_thread = threading.Thread(
+                            target=self._idle_calibration_step, daemon=True,
+                            name="mminfer-self-calibration")
+                        self._idle_thread.start()
                 continue
             job.started = time.monotonic()
             job.queue_ms = (job.started - job.enqueued) * 1e3
@@ -560,7 +575,8 @@ class ModelWorker:
         # shutting down: wait for the jobs in progress to unwind (they were asked to stop)
         deadline = time.monotonic() + 10.0
         with self._cv:
-            while self._active and time.monotonic() < deadline:
+            while (self._active or self._idle_thread is not None) \
+                    and time.monotonic() < deadline:
                 self._cv.wait(0.1)
 
     def _calibration_step(self):
@@ -574,6 +590,30 @@ class ModelWorker:
                 raise
             log.exception("self-calibration failed and stops")
             self.selfcal = None
+
+    def _idle_calibration_step(self):
+        """One self-calibration step on a thread of its own, holding the scheduler's turn as
+        IDLE work: paused while requests run, evicted when one needs its memory."""
+        sc = self.selfcal
+        turn = self.scheduler.turn("self-calibration", stop=lambda: self._stopping)
+        fatal = None
+        try:
+            if turn.idle():
+                sc.run_step(self.pipeline, check=turn.checkpoint)
+        except BaseException as e:        # noqa: BLE001 - see _calibration_step
+            if is_fatal(e):
+                fatal = e
+            else:
+                log.exception("self-calibration failed and stops")
+                self.selfcal = None
+        finally:
+            turn.close()
+            with self._cv:
+                sc.steps_paused += turn.pauses
+                self._idle_thread = None
+                if fatal is not None and self._fatal is None:
+                    self._fatal = fatal
+                self._cv.notify_all()
 
     def _serve(self, job: Job):
         """One job, start to end (on its own thread unless ``max_active`` is 1)."""

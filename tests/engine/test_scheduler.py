@@ -507,3 +507,96 @@ def test_a_batch_does_not_wait_for_an_answer_waiting_for_the_turn():
     assert not th.is_alive()
     assert log.items == [("b", "b1"), ("a", "a1")]
     assert sizes == [1, 1] and s.gather_timeouts == 0
+
+
+def idle_work(s, log, layers=6, step_s=0.02, started=None, stop=None):
+    """Idle work (a calibration step): its layers in order; "gave up" when evicted."""
+    t = s.turn("idle", stop=stop)
+    try:
+        if not t.idle():
+            log.add("idle", "never ran")
+            return
+        if started is not None:
+            started.set()
+        for i in range(layers):
+            if t.checkpoint():
+                log.add("idle", "gave up", i)
+                return
+            log.add("idle", "layer", i)
+            time.sleep(step_s)
+        log.add("idle", "done")
+    finally:
+        t.close()
+
+
+def test_idle_work_pauses_for_a_hit_and_resumes_where_it_stopped():
+    s, log, started = Scheduler(), Log(), threading.Event()
+    a = threading.Thread(target=idle_work, args=(s, log),
+                         kwargs=dict(layers=8, step_s=0.03, started=started))
+    a.start()
+    started.wait(10)
+    _wait_for(lambda: ("idle", "layer", 1) in log.items)
+    b = threading.Thread(target=hit_request, args=(s, log, "hit"), kwargs=dict(tokens=3))
+    b.start()
+    b.join(10)
+    a.join(10)
+    # the hit ran whole (its question and every token) between two layers of the idle work,
+    # which then went on from the layer it stopped at, not from its start
+    at = log.index(("hit", "suffix"))
+    assert all(log.index(("hit", "token", i)) < log.index(("idle", "layer", 7))
+               for i in range(3))
+    layers = [x[2] for x in log.items if x[:2] == ("idle", "layer")]
+    assert layers == list(range(8)) and ("idle", "done") in log.items
+    after = [x for x in log.items[at:] if x[0] == "idle"]
+    assert after[0][:2] == ("idle", "layer") and after[0][2] >= 2
+    # nothing of the idle work ran while the hit had its turn
+    hit_items = [i for i, x in enumerate(log.items) if x[0] == "hit"]
+    assert not any(x[0] == "idle" for x in log.items[hit_items[0]:hit_items[-1]])
+    assert s.idle_pauses >= 1 and s.idle_evictions == 0
+
+
+def test_idle_work_waits_while_any_request_has_a_turn():
+    """Not granted between a request's steps: only once every request has gone."""
+    s, log = Scheduler(), Log()
+    t = s.turn("req")
+    assert t.acquire()
+    a = threading.Thread(target=idle_work, args=(s, log), kwargs=dict(layers=2))
+    a.start()
+    # the request lets go of the turn (waiting for another's work) but is still there
+    gone = threading.Event()
+    waiter = threading.Thread(target=t.wait_for, args=(gone,))
+    waiter.start()
+    time.sleep(0.3)
+    assert log.items == []                  # nothing ran while the request was there
+    gone.set()
+    waiter.join(10)
+    t.close()
+    a.join(10)
+    assert log.items[-1] == ("idle", "done")
+
+
+def test_a_long_prefill_evicts_paused_idle_work_before_it_builds():
+    s, log, started = Scheduler(), Log(), threading.Event()
+    a = threading.Thread(target=idle_work, args=(s, log),
+                         kwargs=dict(layers=50, step_s=0.02, started=started))
+    a.start()
+    started.wait(10)
+    _wait_for(lambda: ("idle", "layer", 1) in log.items)
+    built = threading.Event()
+    b = threading.Thread(target=long_request, args=(s, log, "long"),
+                         kwargs=dict(layers=3, started=built))
+    b.start()
+    b.join(10)
+    a.join(10)
+    # the idle work gave up (its memory freed) before the prefill's first layer
+    gave_up = next(i for i, x in enumerate(log.items) if x[:2] == ("idle", "gave up"))
+    assert gave_up < log.index(("long", "layer", 0))
+    assert ("idle", "done") not in log.items and s.idle_evictions == 1
+    assert s.state()["active"] == 0
+
+
+def test_evict_idle_returns_at_once_without_idle_work():
+    s = Scheduler()
+    t0 = time.perf_counter()
+    assert s.evict_idle() == 0
+    assert time.perf_counter() - t0 < 1.0     # generous: no wait happens at all

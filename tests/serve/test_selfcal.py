@@ -91,12 +91,20 @@ YIELD_MS = 1000
 
 
 def settings(model, root, **kw):
-    kw = {"calibration_dir": str(root / "calibration"), **kw}
+    kw = {"calibration_dir": str(root / "calibration"), "min_sparse_len": 0, "shadow_rate": 1.0,
+          "video_cache": False, "timeout_s": 600, "calibration_requests": 2,
+          "calibration_gate_requests": 2, "calibration_window": 3,
+          "calibration_min_agreement": MIN_AGREEMENT, "calibration_max_kl": MAX_KL,
+          "calibration_synthetic": 2, "calibration_synthetic_frames": 8, **kw}
     return Settings(model=str(model), device="cpu", data_dir=str(root / "data"), api_key=None,
-                    min_sparse_len=0, shadow_rate=1.0, video_cache=False, timeout_s=600,
-                    calibration_requests=2, calibration_gate_requests=2, calibration_window=3,
-                    calibration_min_agreement=MIN_AGREEMENT, calibration_max_kl=MAX_KL,
-                    calibration_synthetic=2, calibration_synthetic_frames=8, **kw)
+                    **kw)
+
+
+def waited_ms(answer) -> float:
+    """What a request waited before its work: in the queue, and for the model's turn (where a
+    running calibration step reaches its next check)."""
+    t = answer["timings_ms"]
+    return t.get("queue", 0.0) + t.get("wait", 0.0)
 
 
 def ask(url, name, attention="auto", timeout=600):
@@ -166,7 +174,7 @@ def test_calibrates_gates_switches_stores_and_falls_back(model_dir, tmp_path):
             assert answers[name]["attention"] == "dense"
         # every request answered meanwhile waited no more than the margin for calibration
         for name, a in answers.items():
-            assert a["timings_ms"]["queue"] < YIELD_MS, (name, a["timings_ms"])
+            assert waited_ms(a) < YIELD_MS, (name, a["timings_ms"])
         wait_until(lambda: sc.state != "calibrating" and sc.state != "gating")
         st = selfcal_of(url)
         assert st["state"] == "serving" and st["serving"] == "sparse", st
@@ -245,6 +253,45 @@ def test_calibrates_gates_switches_stores_and_falls_back(model_dir, tmp_path):
 
 
 @needs_sparse
+def test_cache_hits_pause_a_calibration_step_and_a_new_video_stops_it(model_dir, tmp_path):
+    """With the scheduler, a question about a cached video (no prefix to build) pauses the
+    running calibration step between its layers, and the step goes on from there afterwards:
+    hits do not throw calibration work away. A new video, whose prefix needs the memory the
+    paused step holds, makes it give up (it runs again later)."""
+    from conftest import LiveServer
+    app = create_app(settings(model_dir, tmp_path, video_cache=True, shadow_rate=0.0,
+                              calibration_requests=8))
+    sc, worker = app.state.selfcal, app.state.worker
+    with LiveServer(app) as s:
+        url = s.url
+        first = ask(url, "needle_0")                   # builds its prefix: a long prefill
+        assert first["cache"] == "miss"
+        stopped, evicted, hits = sc.steps_stopped, worker.scheduler.idle_evictions, 0
+        while worker.scheduler.idle_pauses == 0 and sc.steps_stopped == stopped and hits < 12:
+            # a step is running on its thread when the hit arrives
+            wait_until(lambda: worker._idle_thread is not None and sc._step is not None)
+            hit = ask(url, "needle_0")
+            hits += 1
+            assert hit["cache"] == "hit" and hit["answer"] == first["answer"]
+            assert waited_ms(hit) < YIELD_MS, hit["timings_ms"]
+        # paused, never stopped, by the hits; the paused step went on to its end
+        assert sc.steps_stopped == stopped and worker.scheduler.idle_evictions == evicted
+        assert worker.scheduler.idle_pauses >= 1, "no hit came while a step ran"
+        wait_until(lambda: sc.steps_paused >= 1)
+        # new videos, each arriving while a step runs: the step gives up its memory
+        for name in ("count_0", "order_0", "colour_0", "needle_1", "count_1"):
+            wait_until(lambda: worker._idle_thread is not None and sc._step is not None)
+            a = ask(url, name)
+            assert a["cache"] == "miss" and waited_ms(a) < YIELD_MS, a["timings_ms"]
+            if sc.steps_stopped > stopped:
+                break
+        assert sc.steps_stopped > stopped and worker.scheduler.idle_evictions > evicted
+        met = scrape(url)
+        assert met["step_pauses_total"] == sc.steps_paused
+        assert selfcal_of(url)["counts"]["steps_paused"] == sc.steps_paused
+
+
+@needs_sparse
 def test_synthetic_only_keeps_no_prompt_and_gates_on_held_out_videos(model_dir, tmp_path):
     """--no-calibrate-from-requests: no user's prompt is kept (no observer on the pipeline);
     calibration and gate run on synthetic videos, the gate's held out from the calibration.
@@ -289,6 +336,7 @@ def test_a_failing_calibration_step_stops_calibrating_not_the_server():
 
     class Broken:
         steps = 0
+        steps_paused = 0
 
         def ready(self):
             return True
@@ -296,7 +344,7 @@ def test_a_failing_calibration_step_stops_calibrating_not_the_server():
         def preempt(self):
             pass
 
-        def run_step(self, pipeline):
+        def run_step(self, pipeline, check=None):
             Broken.steps += 1
             raise ValueError("a bug in a calibration step")
 
