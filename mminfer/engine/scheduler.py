@@ -140,7 +140,9 @@ class Scheduler:
             turns = list(self._turns)
             held = self._holder
         paused = sum(1 for t in turns if t.kind == LONG and t is not held)
-        return {"active": len(turns),
+        return {"active": sum(1 for t in turns if t.kind != IDLE),
+                "idle": sum(1 for t in turns if t.kind == IDLE),
+                "idle_pauses": self.idle_pauses, "idle_evictions": self.idle_evictions,
                 "prefilling": sum(1 for t in turns if t.kind == LONG),
                 "paused": paused,
                 "decoding": sum(1 for t in turns if t.kind == DECODE),
