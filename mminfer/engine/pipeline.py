@@ -114,6 +114,7 @@ class BuiltPrefix:
     prep: object                  # models.base.Prepared
     kept: object                  # engine.rerun.ShadowInputs | None
     video_decode_ms: float
+    answered: object = None       # the prefix observer's callback for the answer, or None
 
 
 def pick_adapter(path):
@@ -264,7 +265,9 @@ class Pipeline:
         self.video_cache.wait = _cache_wait
         # the server's self-calibration (serve/selfcal.py): ``prefix_observer(adapter, prep,
         # embeds)`` sees each prompt before its prefix's prefill overwrites the embeddings
-        # (it may keep a copy); ``calibration_status()`` is what attention_policy reports of it
+        # (it may keep a copy, and return ``answered(gen, dense, greedy)``, called with the
+        # answer's models.base.Generated once the answer is complete);
+        # ``calibration_status()`` is what attention_policy reports of it
         self.prefix_observer = None
         self.calibration_status = None
 
@@ -563,6 +566,9 @@ class Pipeline:
         kept = built.kept if built else None
         if kept is not None:
             finish(kept, ad, built.prep, gen, (sparsity or {}).get("mean_density"))
+        if built is not None and built.answered is not None:
+            built.answered(gen, dense=not built.ctx.sparse,
+                           greedy=sampling_params is None or sampling_params.greedy)
         facts = entry.facts
         video = {**facts.video, "path": str(video_path)}
         if built is None:                  # a hit decoded nothing: no decoding to report
@@ -643,8 +649,9 @@ class Pipeline:
         if keep_for_shadow and ctx.decide(P):     # before the prefill overwrites embeds
             kept = keep_inputs(ad, prep, embeds, shadow_max_bytes)
         observer = getattr(self, "prefix_observer", None)
+        answered = None
         if observer is not None:                  # before the prefill overwrites embeds
-            observer(ad, prep, embeds)
+            answered = observer(ad, prep, embeds)
         suffix = embeds[:, P:]                    # the prefill overwrites only [:, :P]
         # the prefix's rows and its tail, where one question at a time (this one first)
         # writes its rows (ForkKV claim=True); no question writes the prefix's rows. A kept
@@ -672,7 +679,7 @@ class Pipeline:
         entry = Entry(kv=kv, length=P, rope_delta=prep.rope_delta, index=prep.prefix_index,
                       facts=facts)
         return BuiltPrefix(entry=entry, suffix=suffix, ctx=ctx, prep=prep, kept=kept,
-                           video_decode_ms=stream.decode_ms)
+                           video_decode_ms=stream.decode_ms, answered=answered)
 
     def shadow_dense(self, kept, *, max_new_tokens: int = 8, cancel=None):
         """The dense prefill of a sparse answer's kept inputs (``answer(keep_for_shadow=True)``

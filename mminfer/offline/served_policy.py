@@ -141,6 +141,19 @@ def run_served(adapter, inp: ServedInput, patterns: HeadPatternConfig | None = N
                      seconds=time.perf_counter() - t0)
 
 
+def answered_reference(gen, max_new_tokens: int, eos_token_ids) -> ServedRun | None:
+    """The dense reference :func:`run_served` would compute for a prompt, taken from a greedy
+    dense answer the server already gave it (``gen``, models.base.Generated): its first
+    token's logits and its first ``max_new_tokens`` tokens. None where that answer cannot
+    stand for it: one that stopped (at its own token limit or a stop string) before
+    ``max_new_tokens`` tokens and not at an end token."""
+    tokens = list(gen.token_ids)
+    if len(tokens) < max_new_tokens and not (tokens and tokens[-1] in eos_token_ids):
+        return None
+    return ServedRun(logits=gen.prefill_logits.detach().float().cpu(),
+                     token_ids=tokens[:max_new_tokens])
+
+
 def plans_density(plans: dict) -> float | None:
     """The density the server reports of these plans (``mminfer.kernels.sparsity``: the
     pairs computed over the causal triangle, mean over heads and planned layers), None
@@ -282,12 +295,16 @@ class ServedCalibration:
         """The dense served run of ``inp`` (its reference), capturing the prefix's q/k/v for
         the search when it is short enough."""
         def fn(cancel):
-            short = inp.prefix_len <= self.settings.search_tokens and self.head_config is None
             inp.reference = run_served(self.adapter, inp, None, cancel=cancel,
                                        max_new_tokens=self.settings.max_new_tokens,
-                                       capture=short)
+                                       capture=self.captures(inp))
             self.forwards += 1
         return Step(f"dense reference of {inp.name}", fn)
+
+    def captures(self, inp: ServedInput) -> bool:
+        """``inp``'s dense reference run keeps its prefix's q/k/v for the per-head search:
+        the search is still to come and the prefix is short enough for it."""
+        return self.head_config is None and inp.prefix_len <= self.settings.search_tokens
 
     def score(self, inp: ServedInput, patterns: HeadPatternConfig, cancel=None) -> dict:
         """``patterns`` served on ``inp`` against its dense reference."""
@@ -332,7 +349,7 @@ class ServedCalibration:
             if ready():
                 break
             yield None
-        inputs = self.freeze()
+        self.freeze()
         # 4. the ladder, scored on the frozen inputs
         self.rungs = self._ladder()
         yield from self.ladder_steps()

@@ -27,7 +27,9 @@ again from its start later (as every step does under ``--max-num-seqs 1``). The 
    default) the first requests' prompts are kept too, on the host (their embeddings after the
    vision tower, never the video), within ``--calibration-capture-mb``;
 2. each input's dense served run (the reference), capturing q/k/v of its prefix for the
-   per-head search; the search (per layer); a ladder of configs from it;
+   per-head search (a request answered greedy and dense, with nothing to capture, has its
+   answer as its reference: no run of its own); the search (per layer); a ladder of configs
+   from it;
 3. once ``--calibration-requests`` requests are kept, the ladder scored on the inputs by what is
    served (the prefix sparse, the question's rows dense over it), cheapest rung first: the
    first that holds the thresholds (``--calibration-min-agreement`` of greedy answers agreeing
@@ -70,8 +72,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from mminfer.errors import Cancelled
 from mminfer.models.base import resolve_checkpoint
 from mminfer.offline.capture import synthetic_video
-from mminfer.offline.served_policy import (ServedCalibration, Step, holds, keep, prepare,
-                                           summarize)
+from mminfer.offline.served_policy import (SearchSettings, ServedCalibration, Step,
+                                           answered_reference, holds, keep, prepare, summarize)
 from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
 from mminfer.models.hooks import AUTO_NEVER
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
@@ -201,6 +203,7 @@ class SelfCalibration:
         self.steps_run = 0
         self.steps_stopped = 0                # stopped by a request, run again later
         self.steps_paused = 0                 # pauses for requests, each resumed in place
+        self.references_from_answers = 0      # dense references the requests' answers gave
         self.round = 0
         self.pipeline = None
         self.baseline = None                  # the uncalibrated config: what dense falls to
@@ -339,7 +342,8 @@ class SelfCalibration:
         """A request's prompt before its prefix's prefill (its thread, holding the model):
         kept on the host while the calibration or the gate wants requests, within the
         capture budget: half of it for the calibration's requests, half for the gate's
-        waiting their turn (a gated prompt is dropped once scored)."""
+        waiting their turn (a gated prompt is dropped once scored). Returns, for a kept
+        prompt, the callback of its answer (Pipeline.prefix_observer)."""
         if self.state not in ("calibrating", "gating"):
             return
         n_bytes = prep.input_ids.shape[1] * embeds.shape[-1] * embeds.element_size()
@@ -367,6 +371,23 @@ class SelfCalibration:
             self.inputs.append(inp)
             self._version += 1
             self._waiting = False
+
+        def answered(gen, dense: bool, greedy: bool):
+            """The request's own answer, when it is what the input's dense reference run
+            would give (dense, greedy, enough tokens) and that run would keep no capture for
+            the search: the reference, so idle time does not prefill the prompt again."""
+            cal = self.cal
+            settings = cal.settings if cal is not None else (
+                self.search or SearchSettings.for_device(adapter.device))
+            if not (dense and greedy) or inp.reference is not None or (
+                    cal.captures(inp) if cal is not None
+                    else inp.prefix_len <= settings.search_tokens):
+                return
+            ref = answered_reference(gen, settings.max_new_tokens, adapter.eos_token_ids)
+            if ref is not None:
+                inp.reference = ref
+                self.references_from_answers += 1
+        return answered
 
     def _in_calibration(self, inp) -> bool:
         frozen = self.cal.frozen if self.cal is not None else None
@@ -558,7 +579,8 @@ class SelfCalibration:
                           "last_gate": self.last_gate and dict(self.last_gate),
                           "drift_checks": dict(self.drift_checks),
                           "steps_run": self.steps_run, "steps_stopped": self.steps_stopped,
-                          "steps_paused": self.steps_paused}}
+                          "steps_paused": self.steps_paused,
+                          "references_from_answers": self.references_from_answers}}
         if self.why:
             out["why"] = self.why
         if self.state in ("calibrating", "gating"):

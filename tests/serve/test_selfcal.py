@@ -194,6 +194,9 @@ def test_calibrates_gates_switches_stores_and_falls_back(model_dir, tmp_path):
         assert "thresholds: agreement &gt;= 0.98, mean KL &lt;= 0.05" in page
         assert "1 gates passed, 0 failed" in page and "0 fallbacks to dense" in page
         assert st["counts"]["gates"] == {"pass": 1, "fail": 0}
+        # requests kept after the search (the gate's among them) had their own dense answers
+        # as references: no reference run of theirs in idle time
+        assert st["counts"]["references_from_answers"] >= 2
         assert st["counts"]["last_gate"]["n"] == 2 and st["counts"]["last_gate"]["passed"]
         met = scrape(url)
         assert met['state{state="serving"}'] == 1 and met['state{state="calibrating"}'] == 0
@@ -319,6 +322,48 @@ def test_synthetic_only_keeps_no_prompt_and_gates_on_held_out_videos(model_dir, 
     calibrated = {i["name"] for i in prov["inputs"]}
     assert len(calibrated) == 2 and all(n.startswith("synth-") for n in calibrated)
     assert (tmp_path / "cal" / f"{sc.digest}.json").is_file()
+
+
+def test_a_requests_dense_answer_is_its_calibration_reference(model_dir, tmp_path):
+    """A kept request's greedy dense answer is its dense reference (its first token's logits
+    and first tokens), so idle time does not prefill the prompt again: equal to the
+    reference run it stands for. A sampled answer, an answer cut short, and a prompt short
+    enough to be captured for the search still get a reference run of their own."""
+    import dataclasses
+
+    from mminfer.engine.pipeline import Pipeline
+    from mminfer.models.sampler import SamplingParams
+    from mminfer.offline.served_policy import SearchSettings, run_served
+    from mminfer.serve.selfcal import SelfCalibration
+    pipe = Pipeline(str(model_dir), device="cpu", min_sparse_len=0)
+    search = dataclasses.replace(SearchSettings.for_device(pipe.adapter.device),
+                                 search_tokens=64)     # the sample prompts are longer
+    sc = SelfCalibration(model_path=str(model_dir), cache_dir=tmp_path / "cal", requests=8,
+                         synthetic=1, synthetic_frames=8, settings=search)
+    sc.attach(pipe)
+    assert sc.state == "calibrating"
+
+    def kept(name, **kw):
+        task = name.split("_")[0]
+        before = len(sc.inputs)
+        res = pipe.answer(VIDEOS / f"{name}.mp4", QUESTIONS[task], **{"max_new_tokens": 8, **kw})
+        assert res.attention == "dense" and len(sc.inputs) == before + 1
+        return sc.inputs[-1], res
+
+    inp, res = kept("needle_0")
+    assert inp.prefix_len > search.search_tokens and inp.reference is not None
+    assert sc.references_from_answers == 1
+    fresh = run_served(pipe.adapter, inp, None, max_new_tokens=search.max_new_tokens)
+    assert inp.reference.token_ids == fresh.token_ids
+    torch.testing.assert_close(inp.reference.logits, fresh.logits, rtol=0, atol=1e-4)
+
+    sampled, _ = kept("count_0", sampling_params=SamplingParams(temperature=1.0, seed=3))
+    short, res = kept("order_0", max_new_tokens=1)
+    assert res.tokens["generated"] == 1 < search.max_new_tokens
+    assert sampled.reference is None and short.reference is None
+    sc.search = dataclasses.replace(search, search_tokens=32768)   # now it would capture
+    captured, _ = kept("colour_0")
+    assert captured.reference is None and sc.references_from_answers == 1
 
 
 def test_a_failing_calibration_step_stops_calibrating_not_the_server():
