@@ -603,7 +603,9 @@ def run_selfcal(common, a, env, save=None) -> dict:
                                  "inputs": prog.get("inputs"), "gate": prog.get("gate"),
                                  "round": prog.get("round"),
                                  "steps_run": c.get("steps_run"),
-                                 "steps_stopped": c.get("steps_stopped")})
+                                 "steps_stopped": c.get("steps_stopped"),
+                                 "steps_paused": c.get("steps_paused"),
+                                 "references_from_answers": c.get("references_from_answers")})
                 last = key
             done.wait(a.selfcal_poll_s)
 
