@@ -41,6 +41,12 @@ the router drops a dead replica, and the retry asks to avoid it); a streaming on
 sent once more already, is answered 503 ``engine_restarted``. Ray Serve starts a replacement.
 ``/health`` lists the replicas (node, queue, running, cached videos, requests routed by
 reason) and ``/metrics`` their series, as for ``--data-parallel``.
+
+Live streams (``/v1/streams``, live.py) are not served here: a stream's KV cache lives in one
+replica's memory and its calls are functions run beside that replica's pipeline, which the
+replicas do not take (they answer about a video's bytes). Every stream route answers 501
+``streams_unsupported`` saying so (``streams_unsupported`` below), and a job that carries a
+call is refused the same way rather than read as a video.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ from ray.serve.request_router import RequestRouter
 
 from mminfer.engine.cache import file_digest
 from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, InputError, MMInferError,
-                            ShuttingDown)
+                            ShuttingDown, StreamsUnsupported)
 
 from .app import load_pipeline
 from .budget import configure_decoding
@@ -411,6 +417,11 @@ class RayServeWorker(FrontWorker):
     """The front end's model worker over the Ray Serve deployment (see the module doc): the
     ``ModelWorker`` interface the service uses, each job sent to a replica by the handle."""
 
+    # live.py answers every stream route 501 with this
+    streams_unsupported = ("live streams are not served under --ray (the engine as Ray Serve "
+                           "replicas): serve them with --data-parallel N or a single engine "
+                           "(mminfer serve without --ray)")
+
     def __init__(self, settings, model_path: str, replicas: int | None = None, *,
                  address: str = "auto", routing: str = "affinity",
                  max_imbalance: int = DEFAULT_MAX_IMBALANCE, app: str = APP):
@@ -626,6 +637,8 @@ class RayServeWorker(FrontWorker):
     def _run(self, f: _Flight):
         job = f.job
         try:
+            if job.call is not None:          # a live stream's work (live_ops.py)
+                raise StreamsUnsupported(self.streams_unsupported)
             try:
                 key = file_digest(job.video_path)
                 ref = self._ref(key, job.video_path)
