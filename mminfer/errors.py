@@ -56,13 +56,6 @@ class StreamNotFound(MMInferError):
     http_status = 404
 
 
-class StreamsUnsupported(MMInferError):
-    """This server does not serve live streams (``--ray``: the engine as Ray Serve replicas);
-    the message says which ways of serving do."""
-    code = "streams_unsupported"
-    http_status = 501
-
-
 class StreamFull(MMInferError):
     """A live stream takes no more video: its KV cache would pass the streams' byte budget
     or the model's context. It stays answerable over what it holds."""

@@ -36,12 +36,10 @@ addresses only with ``--allow-private-media-addresses``; http, https, rtsp, rtmp
 playlists) or, for a local path (a growing file, a FIFO), inside
 ``--allowed-local-media-path``. The stream's ``source`` says its state, lag and last error.
 
-Under ``--data-parallel`` a stream lives on one engine: it is created on the least loaded one
-and every later call about it goes there (the front end's map of stream ids,
-data_parallel.py); its status comes with the engine's reports. A model worker that holds no
-streams says why in its ``streams_unsupported`` (``--ray``): every route here and every
-question naming a stream answers 501 ``streams_unsupported`` with that reason, and the report
-and metrics show no streams.
+Under ``--data-parallel`` a stream lives on one engine, under ``--ray`` on one replica: it is
+created on the least loaded one and every later call about it goes there (the front end's
+map of stream ids, data_parallel.py and ray_serve.py); its status comes with the engines'
+reports (``engines``, each with its last ``status``).
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mminfer.engine.pipeline import MAX_FPS
 from mminfer.engine.scheduler import Solo
 from mminfer.errors import (Forbidden, InputError, MissingField, ModelNotFound, RemoteRefused,
-                            StreamNotFound, StreamsUnsupported, WorkerDead)
+                            StreamNotFound, WorkerDead)
 
 from . import live_ops, media
 from .errors import validate
@@ -106,18 +104,6 @@ class StreamCreate(BaseModel):
                            "seen_from say from which media time it holds frames)")
 
 
-def unsupported(svc) -> str | None:
-    """Why this server's model worker holds no streams, or None when it does."""
-    return getattr(svc.worker, "streams_unsupported", None)
-
-
-def served(svc):
-    """StreamsUnsupported when the model worker holds no streams."""
-    why = unsupported(svc)
-    if why:
-        raise StreamsUnsupported(why)
-
-
 def data_parallel(svc) -> bool:
     return getattr(svc.worker, "engines", None) is not None
 
@@ -154,7 +140,6 @@ def _reported(svc) -> list[dict]:
 
 def status(svc, stream_id: str, tenant: str | None) -> dict:
     """The stream's status (StreamNotFound when it is not the tenant's)."""
-    served(svc)
     if not data_parallel(svc):
         live = local(svc)
         st = live.status(live.streams.get(stream_id, tenant))
@@ -186,7 +171,6 @@ def summary(svc, tenant: str | None, every: bool = False) -> dict | None:
 
 
 def listing(svc, tenant: str | None) -> list[dict]:
-    served(svc)
     if data_parallel(svc):
         return [_public(st) for st in _reported(svc) if st.get("tenant") == tenant]
     if svc.worker.state != "ready":
@@ -198,8 +182,6 @@ def listing(svc, tenant: str | None) -> list[dict]:
 def stats(svc) -> dict | None:
     """The streams' figures for /metrics and /report: one process's, or the engines' summed
     (the piece-time histogram bucket by bucket, the lag the largest)."""
-    if unsupported(svc):
-        return None
     if not data_parallel(svc):
         if svc.worker.state != "ready" or svc.worker.pipeline is None:
             return None
@@ -314,7 +296,6 @@ CREATE_BODY = {"required": False, "content": {"application/json": {
 async def create_stream(request: Request):
     svc = request.app.state.service
     tenant = svc.check_auth(request)
-    served(svc)
     raw = await media.read_body(request, svc.intake.timed(request.stream()), MAX_CREATE_BYTES)
     try:
         data = json.loads(raw or b"{}")

@@ -32,11 +32,10 @@ except ImportError as e:   # ray without its serve extra
                 allow_module_level=True)
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl  # noqa: E402
-from mminfer.errors import ConfigError, StreamsUnsupported  # noqa: E402
+from mminfer.errors import ConfigError  # noqa: E402
 from mminfer.serve import cli as serve_cli  # noqa: E402
 from mminfer.serve.app import Settings, create_app  # noqa: E402
-from mminfer.serve.ray_serve import RayServeWorker, _Flight, routers  # noqa: E402
-from mminfer.serve.worker import Job  # noqa: E402
+from mminfer.serve.ray_serve import RayServeWorker, routers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -60,18 +59,6 @@ def test_cli_flags_build_the_worker(tmp_path):
     args.data_parallel = 2
     with pytest.raises(ConfigError, match="leave out"):
         serve_cli.run(args)
-
-
-def test_a_job_that_carries_a_call_is_refused_not_read_as_a_video(tmp_path):
-    """A live stream's job (its work as a call, no video) reaching the Ray front end is
-    answered streams_unsupported, before anything looks for a video file or a replica."""
-    s = Settings(model="m", device="cpu", data_dir=str(tmp_path), api_key=None)
-    w = RayServeWorker(s, "m", 1)
-    job = Job(video_path="", question="", params={"stream_id": "s"},
-              call=lambda pipeline, turn, cancel: pytest.fail("the call ran"))
-    w._run(_Flight(job))
-    with pytest.raises(StreamsUnsupported, match="--data-parallel"):
-        job.future.result(timeout=0)
 
 
 @pytest.fixture(scope="module")
@@ -179,39 +166,6 @@ def test_health_shows_every_replica(srv):
     assert all(e["pid"] and e["served"] is not None for e in h["engines"]), h["engines"]
     text = httpx.get(f"{srv.url}/metrics").text
     assert text.count("mminfer:engine_up{") == 2
-
-
-def test_live_streams_answer_a_clear_error(srv, videos):
-    """Live streams are not served under --ray: every stream route, and a question naming a
-    stream, answers 501 ``streams_unsupported`` in the server's error shape, saying what
-    serves them; the report and the metrics, which list streams, still answer."""
-    url, sid = srv.url, "0123456789abcdef"
-    calls = [
-        httpx.post(f"{url}/v1/streams", json={"fps": 2}, timeout=60),
-        httpx.get(f"{url}/v1/streams", timeout=60),
-        httpx.get(f"{url}/v1/streams/{sid}", timeout=60),
-        httpx.delete(f"{url}/v1/streams/{sid}", timeout=60),
-        httpx.post(f"{url}/v1/streams/{sid}/segments", timeout=60,
-                   files={"file": ("p.mp4", videos[0], "video/mp4")}),
-        httpx.post(f"{url}/v1/answer", timeout=60,
-                   files={"dummy": ("x.bin", b"", "application/octet-stream")},
-                   data={"question": "what now?", "stream_id": sid, "max_new_tokens": "4"}),
-        httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "max_tokens": 4, "messages": [{"role": "user", "content": [
-                {"type": "video_url", "video_url": {"url": f"mminfer://streams/{sid}"}},
-                {"type": "text", "text": "what now?"}]}]}),
-    ]
-    for r in calls:
-        where = f"{r.request.method} {r.request.url.path}"
-        assert r.status_code == 501, (where, r.status_code, r.text)
-        err = r.json()["error"]
-        assert err["code"] == "streams_unsupported", (where, err)
-        assert "--data-parallel" in err["message"] and "--ray" in err["message"], err
-    for path in ("/v1/latency-report", "/report"):
-        r = httpx.get(f"{url}{path}", timeout=60)
-        assert r.status_code == 200, (path, r.text)
-    assert httpx.get(f"{url}/v1/latency-report", timeout=60).json()["streams"] is None
-    assert httpx.get(f"{url}/health", timeout=60).json()["status"] == "ok"
 
 
 def _stream_chat(url, video: bytes, events: list, first: threading.Event):
