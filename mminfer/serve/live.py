@@ -36,9 +36,10 @@ addresses only with ``--allow-private-media-addresses``; http, https, rtsp, rtmp
 playlists) or, for a local path (a growing file, a FIFO), inside
 ``--allowed-local-media-path``. The stream's ``source`` says its state, lag and last error.
 
-Under ``--data-parallel`` a stream lives on one engine: it is created on the least loaded one
-and every later call about it goes there (the front end's map of stream ids,
-data_parallel.py); its status comes with the engine's reports.
+Under ``--data-parallel`` a stream lives on one engine, under ``--ray`` on one replica: it is
+created on the least loaded one and every later call about it goes there (the front end's
+map of stream ids, data_parallel.py and ray_serve.py); its status comes with the engines'
+reports (``engines``, each with its last ``status``).
 """
 
 from __future__ import annotations

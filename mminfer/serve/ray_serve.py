@@ -41,6 +41,23 @@ the router drops a dead replica, and the retry asks to avoid it); a streaming on
 sent once more already, is answered 503 ``engine_restarted``. Ray Serve starts a replacement.
 ``/health`` lists the replicas (node, queue, running, cached videos, requests routed by
 reason) and ``/metrics`` their series, as for ``--data-parallel``.
+
+Live streams (``/v1/streams``, live.py): a stream lives on one replica, in its pipeline's
+streams (live_ops.py, set up as a ``--data-parallel`` engine sets them up). Its creation goes
+to the least loaded replica (fewer streams on a tie) and every later call naming it
+(``params["stream_id"]``: a piece, a question, its deletion) to that replica: the front end
+keeps each stream's replica and the router sends the call there alone (``pin``). A stream's
+job carries its work as a call (a pickled function of the pipeline) that the replica runs in
+its model worker; a piece's bytes travel with the call through the object store and the
+replica runs the call on its own copy. Each replica reports its streams with its routing
+stats and after every stream call (numbered: the front end keeps the latest), which live.py
+reads for statuses, listings, /metrics and /report. A replica that dies takes its streams: a
+call running there is answered 404 ``stream_not_found`` saying so (503 ``engine_restarted``
+when part of a streamed answer was sent), as is every later call naming one. Such a call is
+never sent once more (no other replica holds the stream); one that Ray Serve routes again
+before the router has dropped the dead replica lands on another, which answers that it holds
+no such stream (404). A pulled stream's source is read by its replica (its node must reach
+the source).
 """
 
 from __future__ import annotations
@@ -49,13 +66,16 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import importlib
+import itertools
 import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,8 +88,9 @@ from ray.serve.request_router import RequestRouter
 
 from mminfer.engine.cache import file_digest
 from mminfer.errors import (Cancelled, ConfigError, EngineRestarted, InputError, MMInferError,
-                            ShuttingDown)
+                            ShuttingDown, StreamNotFound)
 
+from . import live_ops
 from .app import load_pipeline
 from .budget import configure_decoding
 from .data_parallel import (CACHE_COUNTERS, ROUTING_MODES, EngineFacts, FrontWorker,
@@ -99,7 +120,9 @@ class VideoAffinityRouter(RequestRouter):
     """Ray Serve's request router for :class:`EngineReplica` (see the module doc). A call's
     first argument is the request dict: ``video_key`` (sha256, or None), ``avoid`` (a
     replica's id: a retry after that replica died) and ``token`` (the front end's name for
-    the call, to find where it went)."""
+    the call, to find where it went); a live stream's call has ``stream_id``, ``pin`` (the
+    id of the replica that holds the stream; None: its creation) and ``streams`` (replica id
+    -> streams it holds, the creation's tie-break)."""
 
     def initialize_state(self, mode: str = "affinity",
                          max_imbalance: int = DEFAULT_MAX_IMBALANCE, app: str = APP):
@@ -145,7 +168,20 @@ class VideoAffinityRouter(RequestRouter):
         cands = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] \
             or list(candidate_replicas)
         load = {r.replica_id: self.load(r) for r in cands}
-        if self.mode == "round_robin":
+        pin = req.get("pin")
+        home = [r for r in cands if r.replica_id.unique_id == pin] if pin else []
+        if home:           # a stream's call: only its replica holds it
+            if pending_request is not None:
+                self._note(pending_request, home[0].replica_id, None, "stream", req.get("token"))
+            return [[home[0]]]
+        if "stream_id" in req:
+            # a creation goes to the least loaded replica, the one holding fewer streams on
+            # a tie; a call whose replica is gone goes there too, and is answered that the
+            # stream is not found
+            held = req.get("streams") or {}
+            chosen = min(load, key=lambda r: (load[r], held.get(r.unique_id, 0)))
+            reason = "new" if pin is None else "stream"
+        elif self.mode == "round_robin":
             chosen, reason = cands[self._next % len(cands)].replica_id, "round_robin"
             self._next += 1
         else:
@@ -157,6 +193,10 @@ class VideoAffinityRouter(RequestRouter):
         if pending_request is not None and "video_key" in req:      # an answer, not facts
             self._note(pending_request, chosen, key, "moved" if avoid else reason,
                        req.get("token"))
+        if "stream_id" in req:
+            if pending_request is not None:
+                self._note(pending_request, chosen, None, reason, req.get("token"))
+            return [[r for r in cands if r.replica_id == chosen]]
         by_id = {r.replica_id: r for r in cands}
         rest = sorted((r for r in cands if r.replica_id != chosen),
                       key=lambda r: load[r.replica_id])
@@ -272,6 +312,13 @@ class Spool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _with_file(call, theirs: str, ours: str):
+    """A stream call naming the front end's copy of its piece (``theirs``), naming this
+    replica's copy instead: the call was made where the piece was received."""
+    args = tuple(ours if isinstance(a, str) and a == theirs else a for a in call.args)
+    return functools.partial(call.func, *args, **call.keywords)
+
+
 def _write(path: Path, data: bytes):
     tmp = path.with_name(path.name + ".part")
     tmp.write_bytes(data)
@@ -297,6 +344,12 @@ class EngineReplica:
         self.worker.start()
         if not self.worker.wait_ready():
             raise RuntimeError(f"the model did not load: {self.worker.error}")
+        live_ops.attach(self.worker.pipeline, self.worker,
+                        None if settings.stream_kv_gb is None
+                        else int(settings.stream_kv_gb * 2**30),
+                        settings.media_fetch_timeout_s,
+                        int((settings.stream_host_kv_gb or 0) * 2**30))
+        self._seq = itertools.count(1)       # orders this replica's streams reports
         self._facts = {**facts(self.worker.pipeline), "replica": self.id, "node": self.node}
 
     def _started(self, job):
@@ -316,7 +369,13 @@ class EngineReplica:
                 "node": self.node, "pid": os.getpid(), "waiting": w.waiting,
                 "running": w.running, "served": w.served, "stopped": w.stopped,
                 "fetched": self.spool.fetched, "progress": w.progress(),
-                "cache": cache.stats() if cache is not None else None}
+                "cache": cache.stats() if cache is not None else None,
+                "streams": self.streams()}
+
+    def streams(self) -> dict:
+        """The live streams this replica holds (live_ops.report), numbered: the front end
+        keeps the latest of these and the ones that come with each stream call's answer."""
+        return {**(live_ops.report(self.worker.pipeline) or {}), "seq": next(self._seq)}
 
     def check_health(self):
         if self.worker.state == "dead":     # a poisoned device: Ray Serve replaces us
@@ -332,11 +391,21 @@ class EngineReplica:
             loop.call_soon_threadsafe(q.put_nowait, msg)
 
         yield ("queued", self.id, self.node)
-        key = req["video_key"]
-        path = await self.spool.take(key, req["suffix"], req["video_ref"])
+        on_token = (lambda text, tid: put("token", text, tid)) if req["stream"] else None
+        call, key = req.get("call"), req["video_key"]
+        if call is None:
+            path = await self.spool.take(key, req["suffix"], req["video_ref"])
+        else:                       # a live stream's work (live_ops.py), maybe with a piece
+            path = ""
+            if req.get("piece_ref") is not None:
+                path = str(self.spool.dir / f"piece-{uuid.uuid4().hex}{req['suffix']}")
+                await asyncio.to_thread(_write, Path(path), await req["piece_ref"])
+                call = _with_file(call, req["piece_of"], path)
+            if on_token is not None:
+                call = functools.partial(call, on_token=on_token)
         job = Job(video_path=path, question=req["question"], params=req["params"],
-                  request_id=req["request_id"],
-                  on_token=(lambda text, tid: put("token", text, tid)) if req["stream"] else None)
+                  request_id=req["request_id"], on_token=on_token, call=call,
+                  cleanup=path if call is not None and path else None)
         self._starts[id(job)] = lambda: put("started", round(job.queue_ms, 3))
         submitted = False
         try:
@@ -358,6 +427,8 @@ class EngineReplica:
                 job.cancel(Cancelled("the request was cancelled"))
                 raise
             fut = job.future
+            if call is not None:          # what the streams hold after it, for the front end
+                yield ("streams", self.streams())
             if fut.cancelled():
                 yield ("done", False, Cancelled("the request was cancelled"))
             elif fut.exception() is not None:
@@ -368,9 +439,12 @@ class EngineReplica:
             if not submitted:
                 self._finished(job, key)
 
-    def _finished(self, job, key: str):
+    def _finished(self, job, key: str | None):
         self._starts.pop(id(job), None)
-        self.spool.release(key)
+        if job.call is None:
+            self.spool.release(key)
+        else:
+            job.remove_file()
 
     def __del__(self):
         worker = getattr(self, "worker", None)
@@ -430,6 +504,9 @@ class RayServeWorker(FrontWorker):
         self._refs_lock = threading.Lock()
         self._gone = collections.Counter()      # the cache counters of replicas gone
         self._seen: dict[str, dict] = {}        # replica -> its last routing stats
+        self.streams: dict[str, str] = {}             # live stream id -> its replica
+        self.lost_streams: dict[str, str] = {}        # id -> why it is gone
+        self._stream_reports: dict[str, dict] = {}    # replica -> its last streams report
         self._runner = concurrent.futures.ThreadPoolExecutor(
             max(8, self.queue_size + self.max_active), thread_name_prefix="mminfer-ray")
 
@@ -541,7 +618,22 @@ class RayServeWorker(FrontWorker):
             for rid, st, _ in rows:
                 if st:
                     self._seen[rid] = st
+            for sid, rid in list(self.streams.items()):     # a replica gone: its streams
+                if rid not in live:
+                    del self.streams[sid]
+                    self.lost_streams[sid] = f"its replica {rid} stopped"
+            for rid in [r for r in self._stream_reports if r not in live]:
+                del self._stream_reports[rid]
         return rows
+
+    def _streams_of(self, rid: str, st: dict) -> dict | None:
+        """The replica's latest streams report: its routing stats' or a stream call's."""
+        a, b = st.get("streams"), self._stream_reports.get(rid)
+        return max((x for x in (a, b) if x), key=lambda x: x["seq"], default=None)
+
+    def forget_stream(self, stream_id: str):
+        with self._lock:
+            self.streams.pop(stream_id, None)
 
     @property
     def state(self) -> str:
@@ -574,9 +666,12 @@ class RayServeWorker(FrontWorker):
         out = []
         for rid, st, routed in self._replicas():
             c = dict(st.get("cache") or {})
+            with self._lock:
+                streams = self._streams_of(rid, st)
             out.append(SimpleNamespace(index=rid, state="ready", restarts=0,
                                        routed=collections.Counter(routed),
-                                       cache_stats=lambda c=c: c))
+                                       cache_stats=lambda c=c: c,
+                                       status={"streams": streams}))
         return out
 
     def engines_health(self, ids: bool = True) -> list[dict]:
@@ -626,15 +721,7 @@ class RayServeWorker(FrontWorker):
     def _run(self, f: _Flight):
         job = f.job
         try:
-            try:
-                key = file_digest(job.video_path)
-                ref = self._ref(key, job.video_path)
-            except OSError as e:
-                raise InputError(f"the video could not be read: {e.strerror or e}") from None
-            req = {"video_key": key, "video_ref": ref, "suffix": Path(job.video_path).suffix,
-                   "question": job.question, "params": job.params,
-                   "request_id": job.request_id, "stream": job.on_token is not None,
-                   "avoid": None, "token": f"{id(f)}-{time.monotonic_ns()}"}
+            req = self._request(f)
             while True:
                 try:
                     ok, payload = self._call(f, req)
@@ -643,6 +730,11 @@ class RayServeWorker(FrontWorker):
                     router = self._router()
                     placed = router.placed.get(req["token"]) if router is not None else None
                     f.replica = f.replica or placed
+                    if job.call is not None:      # never sent elsewhere: none holds it
+                        lost = self._stream_lost(req, f.replica, e)
+                        if not (job.stop is not None or self._stopping or f.streamed):
+                            raise lost from None
+                        raise
                     if job.stop is not None or self._stopping or f.streamed or f.moved:
                         raise
                     log.error("replica %s died running request %s (%s): sending it once more",
@@ -681,6 +773,50 @@ class RayServeWorker(FrontWorker):
                 self._metrics.stop_latency.observe(time.monotonic() - job.stop_at)
         self._answer(job, payload if ok else None, None if ok else payload)
 
+    def _request(self, f: _Flight) -> dict:
+        """The request dict a replica's ``answer`` takes (and the router reads) for ``f``."""
+        job = f.job
+        req = {"video_key": None, "question": job.question, "params": job.params,
+               "request_id": job.request_id, "stream": job.on_token is not None,
+               "avoid": None, "token": f"{id(f)}-{time.monotonic_ns()}"}
+        if job.call is not None:        # a live stream's: to the replica that holds it
+            sid = job.params.get("stream_id")
+            with self._lock:
+                if sid in self.lost_streams:
+                    raise StreamNotFound(f"stream {sid!r} is gone: {self.lost_streams[sid]}",
+                                         stream=sid)
+                req.update(call=job.call, stream_id=sid, pin=self.streams.get(sid),
+                           streams=dict(collections.Counter(self.streams.values())))
+            if job.video_path:          # a piece: its bytes go with the call
+                try:
+                    data = Path(job.video_path).read_bytes()
+                except OSError as e:
+                    raise InputError(f"the piece could not be read: {e.strerror or e}") \
+                        from None
+                req.update(piece_ref=ray.put(data), piece_of=job.video_path,
+                           suffix=Path(job.video_path).suffix)
+            return req
+        try:
+            key = file_digest(job.video_path)
+            ref = self._ref(key, job.video_path)
+        except OSError as e:
+            raise InputError(f"the video could not be read: {e.strerror or e}") from None
+        req.update(video_key=key, video_ref=ref, suffix=Path(job.video_path).suffix)
+        return req
+
+    def _stream_lost(self, req: dict, rid: str | None, e: BaseException) -> StreamNotFound:
+        """A stream call whose replica (``rid``) died: the replica's streams are gone (and a
+        creation's stream was never made)."""
+        sid = req["stream_id"]
+        why = f"its replica {rid} stopped ({type(e).__name__})"
+        with self._lock:
+            for s_, r in list(self.streams.items()):
+                if r == rid or s_ == sid:
+                    del self.streams[s_]
+                    self.lost_streams[s_] = why
+        log.error("replica %s died running a call of stream %s: its streams are gone", rid, sid)
+        return StreamNotFound(f"stream {sid!r} is gone: {why}", stream=sid)
+
     def _call(self, f: _Flight, req: dict):
         """One call to a replica: (ok, payload) from its "done"."""
         job = f.job
@@ -695,6 +831,13 @@ class RayServeWorker(FrontWorker):
             if kind == "queued":
                 with self._lock:
                     f.replica = msg[1]
+                    if req.get("stream_id") is not None and req["pin"] is None:
+                        self.streams[req["stream_id"]] = msg[1]     # its creation: its home
+            elif kind == "streams":
+                with self._lock:
+                    last = self._stream_reports.get(f.replica)
+                    if last is None or last["seq"] < msg[1]["seq"]:
+                        self._stream_reports[f.replica] = msg[1]
             elif kind == "started":
                 with self._lock:
                     f.started = True
