@@ -316,6 +316,7 @@ def ask(stream, args, after: int, n_pieces: int, j: int) -> dict:
     tm = res.timings_ms
     return {"after_pieces": after, "share": round(after / n_pieces, 3), "repeat": j,
             "stream_tokens": res.tokens.get("prefix"), "seen_until": res.video["seen_until"],
+            "kv": stream.status()["kv"]["tier"],
             "ttft_ms": _r(tm.get("ttft")), "suffix_ms": _r(tm.get("suffix")),
             "generate_ms": _r(tm.get("generate")), "total_ms": _r(tm.get("total")),
             "wall_ms": _r((time.perf_counter() - t) * 1e3), "answer": str(res.answer)[:80]}
@@ -796,7 +797,7 @@ def parse_args(argv=None):
                    help="one more argument for `mminfer serve` (repeatable)")
     g.add_argument("--server-log-level", default="warning")
     g.add_argument("--request-timeout", type=float, default=600.0)
-    g.add_argument("--grace-s", type=float, default=30.0,
+    g.add_argument("--grace-s", type=float, default=20.0,
                    help="past the limit: how long the pieces in flight are waited for")
     g.add_argument("--realtime-max-s", type=float, default=None,
                    help="the realtime part's time limit (counts that do not fit are skipped)")
