@@ -503,31 +503,46 @@ def push_paced(url, rec, a, data: bytes, n: int, start: float, wall: float, t0: 
         c.close()
 
 
-def _join(threads, limit: Limit, stop: threading.Event, grace_s: float):
-    """Wait for the clients; past the limit, tell them to stop and wait ``grace_s`` for the
-    pieces in flight."""
+def _join(threads, limit: Limit, stop: threading.Event, grace_s: float, tick=None,
+          every_s: float = 30.0):
+    """Wait for the clients (``tick()`` every ``every_s``: a progress line); past the limit,
+    tell them to stop and wait ``grace_s`` for the pieces in flight. True when the limit
+    stopped them."""
     for th in threads:
         th.start()
+    last = time.monotonic()
     while any(th.is_alive() for th in threads):
+        if tick is not None and time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            tick()
         if limit.over():
             stop.set()
             end = time.monotonic() + grace_s
             for th in threads:
                 th.join(max(0.0, end - time.monotonic()))
-            return
+            return True
         next(th for th in threads if th.is_alive()).join(0.2)
+    return False
 
 
-def run_step(url: str, n: int, a, files: dict, limit: Limit, clock: Limit) -> dict:
-    """One count of streams: created, head start, paced, one question, deleted."""
+def run_step(url: str, n: int, a, files: dict, limit: Limit, clock: Limit,
+             step: dict) -> dict:
+    """One count of streams: created, head start, paced, one question, deleted; ``step``
+    (in the report already, so a run stopped midway keeps what it holds) filled as it goes."""
     piece_wall = a.piece_s / a.pace
     n_head = round(a.head_start_minutes * 60 / a.head_piece_s)
     n_paced = max(1, round(a.minutes * 60 / a.piece_s))
-    step = {"streams": n, "head_pieces": n_head, "paced_pieces": n_paced,
-            "piece_s": a.piece_s, "pace": a.pace, "piece_wall_s": round(piece_wall, 4),
-            "max_lag_s": a.max_lag_s if a.max_lag_s is not None else 2 * piece_wall,
-            "media_minutes": round(a.head_start_minutes + n_paced * a.piece_s / 60, 3),
-            "sizes": realtime_sizes(n, round(a.head_start_minutes + a.minutes, 3))}
+    step.update({"streams": n, "head_pieces": n_head, "paced_pieces": n_paced,
+                 "piece_s": a.piece_s, "pace": a.pace, "piece_wall_s": round(piece_wall, 4),
+                 "max_lag_s": a.max_lag_s if a.max_lag_s is not None else 2 * piece_wall,
+                 "media_minutes": round(a.head_start_minutes + n_paced * a.piece_s / 60, 3),
+                 "sizes": realtime_sizes(n, round(a.head_start_minutes + a.minutes, 3))})
+
+    def tick(phase):
+        done = [len(r[phase]) for r in recs]
+        lags = [r["pieces"][-1]["lag_s"] for r in recs if r["pieces"]]
+        say(clock, f"realtime {n} streams, {phase}: pieces done {done}"
+                   + (f", last lags {lags} s" if phase == "pieces" else ""))
     main = Client(url, a.request_timeout)
     body = {"fps": a.fps, **({"attention": a.attention} if a.attention else {}),
             **({"max_pixels": a.max_pixels} if a.max_pixels else {})}
@@ -540,37 +555,33 @@ def run_step(url: str, n: int, a, files: dict, limit: Limit, clock: Limit) -> di
         step["stream_records"] = recs
         stop = threading.Event()
         t = time.monotonic()
-        if n_head:
-            _join([threading.Thread(target=push_head, daemon=True, args=(
+        if n_head and _join([threading.Thread(target=push_head, daemon=True, args=(
                 url, r, a, files["head"], n_head, limit, stop)) for r in recs], limit, stop,
-                a.grace_s)
+                a.grace_s, lambda: tick("head")):
+            step["cut_short"] = "time limit in the head start"
         step["head_start_s"] = round(time.monotonic() - t, 3)
         say(clock, f"realtime {n} streams: head start {a.head_start_minutes:g} min each in "
                    f"{step['head_start_s']:.1f} s" + (" (cut short)" if limit.over() else ""))
         if not limit.over() and all(r["state"] == "open" for r in recs):
             t0 = time.monotonic() + 0.05
             step["paced_wall_s_planned"] = round(n_paced * piece_wall, 3)
-            _join([threading.Thread(target=push_paced, daemon=True, args=(
+            if _join([threading.Thread(target=push_paced, daemon=True, args=(
                 url, r, a, files["piece"], n_paced, t0 + r["i"] * piece_wall / n, piece_wall,
-                t0, limit, stop)) for r in recs], limit, stop, a.grace_s)
+                t0, limit, stop)) for r in recs], limit, stop, a.grace_s,
+                    lambda: tick("pieces")):
+                step["cut_short"] = "time limit in the paced part"
             step["paced_wall_s"] = round(time.monotonic() - t0, 3)
-        for r in recs:
-            lags = [p["lag_s"] for p in r["pieces"]]
-            ok = keeps_up(lags, step["max_lag_s"])
-            r.update(pieces_done=len(lags), lag_last_s=lags[-1] if lags else None,
-                     lag_max_s=max(lags) if lags else None,
-                     lag_growth_s_per_min=lag_slope(lags, a.piece_s),
-                     server_lag_last_s=r["pieces"][-1]["server_lag_s"] if lags else None,
-                     kept_up=False if r["state"] != "open" else ok)
-        step["cut_short"] = any("cut_short" in r for r in recs) or None
-        verdicts = [r["kept_up"] for r in recs]
-        step["kept_up"] = None if step["cut_short"] or None in verdicts else all(verdicts)
-        step["streams_kept_up"] = sum(v is True for v in verdicts)
+        elif limit.over():
+            step["cut_short"] = step.get("cut_short") or "time limit before the paced part"
+        judge(step, recs, a)
         if recs and not limit.over():
             step["question"] = http_ask(main, recs[0]["id"], a)
         for r in recs:
             r["status"] = main.http.get(f"/v1/streams/{r['id']}").json()
     finally:
+        if "kept_up" not in step:       # stopped midway: what the pieces done say
+            step["cut_short"] = "stopped"
+            judge(step, recs, a)
         for r in recs:
             try:
                 main.http.delete(f"/v1/streams/{r['id']}")
@@ -581,6 +592,25 @@ def run_step(url: str, n: int, a, files: dict, limit: Limit, clock: Limit) -> di
                f"{[r['lag_last_s'] for r in recs]} s" + (" (cut short)" if step["cut_short"]
                                                           else ""))
     return step
+
+
+def judge(step: dict, recs: list, a) -> None:
+    """Each stream's lags and verdict, and the step's: kept up when every stream did, None
+    when the step was cut short (unless a stream failed outright: full, refused)."""
+    for r in recs:
+        lags = [p["lag_s"] for p in r["pieces"]]
+        r.update(pieces_done=len(lags), lag_last_s=lags[-1] if lags else None,
+                 lag_max_s=max(lags) if lags else None,
+                 lag_growth_s_per_min=lag_slope(lags, a.piece_s),
+                 server_lag_last_s=r["pieces"][-1]["server_lag_s"] if lags else None,
+                 kept_up=False if r["state"] != "open" else keeps_up(lags, step["max_lag_s"]))
+    step["cut_short"] = step.get("cut_short") or any("cut_short" in r for r in recs) or None
+    verdicts = [r["kept_up"] for r in recs]
+    step["kept_up"] = False if False in verdicts and any(r["state"] != "open" for r in recs) \
+        else None if step["cut_short"] or None in verdicts or not verdicts else all(verdicts)
+    step["streams_kept_up"] = sum(v is True for v in verdicts)
+    step["paced_minutes_done"] = round(min((r["pieces_done"] for r in recs), default=0)
+                                       * a.piece_s / 60, 3)
 
 
 def http_ask(client: Client, sid: str, a) -> dict:
@@ -658,18 +688,23 @@ def run_realtime(args, report: dict, save, clock: Limit) -> None:
                 continue
             say(clock, f"realtime {n} streams: {args.head_start_minutes:g} min head start, "
                        f"then {args.minutes:g} min paced at {args.pace:g}x real time")
-            try:
-                step = run_step(srv.url, n, args, files, limit, clock)
-            except Exception as err:      # the server may have died: the step says why
-                step = {"streams": n, **e2e._error(err),
-                        "server_log": "".join(srv.tail)[-4000:]}
+            step = {"streams": n}
             rec["steps"].append(step)
+            try:
+                run_step(srv.url, n, args, files, limit, clock, step)
+            except Exception as err:      # the server may have died: the step says why
+                step.update(e2e._error(err), server_log="".join(srv.tail)[-4000:])
             if step.get("head_pieces") and step.get("head_start_s"):
                 per_head_stream_s = step["head_start_s"] / n
             if step.get("kept_up") is False and args.search == "stop":
                 stopped = f"{n} streams fell behind (--search stop)"
             save()
         rec["metrics"] = _stream_metrics(srv.url)
+    except KeyboardInterrupt:         # stopped: the report first, then the server at once
+        rec["summary"] = realtime_summary(rec, args)
+        save()
+        load.stop_live()
+        raise
     finally:
         srv.close()
     rec["summary"] = realtime_summary(rec, args)
@@ -910,8 +945,8 @@ def summary_text(report: dict) -> str:
                          f"{st.get('skipped') or st.get('error')}"[:300])
             continue
         lags = [rr.get("lag_last_s") for rr in st.get("stream_records", [])]
-        lines.append(f"realtime {st['streams']} streams over {st['media_minutes']} min: kept "
-                     f"up {st['streams_kept_up']}/{st['streams']}, last lags {lags} s"
+        lines.append(f"realtime {st['streams']} streams over {st.get('media_minutes')} min: "
+                     f"kept up {st.get('streams_kept_up')}/{st['streams']}, last lags {lags} s"
                      + (" (cut short)" if st.get("cut_short") else ""))
     if r.get("summary"):
         lines.append(f"realtime: most streams kept up {r['summary']['max_streams_kept_up']} "
