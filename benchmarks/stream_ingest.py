@@ -76,13 +76,15 @@ skipped and says so):
    of the paced part's second half was answered within ``--max-lag-s`` (default: two pieces'
    length) of its media time: a stream whose pieces take longer than their media has a lag
    that grows with each piece and fails. A stream that becomes full (past the memory), or a
-   piece the server refuses, fails too. ``lag_growth_s_per_min``: the slope of the lag over
-   the second half, per minute of media. Then one question about stream 0 (``/v1/answer``
-   with ``stream_id``: the server's TTFT) and the streams are deleted.
+   piece the server refuses, fails too; one the time limit cut short fails if its pieces
+   so far lagged past the limit, else is undecided (``kept_up`` null). A falling-behind
+   stream still sends every piece (back to back), so such a count often ends at the limit.
+   ``lag_growth_s_per_min``: the slope of the lag over the second half, per minute of media.
+   Then one question about stream 0 (``/v1/answer`` with ``stream_id``: the server's TTFT)
+   and the streams are deleted.
 
-The report's ``max_streams_kept_up``: the largest count whose every stream kept up over a
-part that was not cut short; the issue's target is >= 8 over 10 minutes (head start +
-paced). ``--pace`` > 1 sends the media faster than real time (``--tiny`` tests use it to see
+The report's ``max_streams_kept_up``: the largest count whose every stream sent all its
+pieces and kept up; the issue's target is >= 8 over 10 minutes (head start + paced). ``--pace`` > 1 sends the media faster than real time (``--tiny`` tests use it to see
 a stream that cannot keep up reported as falling behind).
 Device time, one call per count (H200, estimated): checkpoint ~30 s, server start and
 warm-up ~1 min, head start of 7 min x 8 streams in one-minute pieces ~1 min, paced 3 min:
@@ -220,13 +222,14 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
         try:
             n_warm = max(1, min(args.piece_frames, wf // 2))
             src = LiveSource(video, case.fps, piece_seconds=n_warm / case.fps)
-            got = []
-            for piece in src.pieces():
+            got, gen = [], src.pieces()
+            for piece in gen:
                 got.append(warm.append_frames(
                     piece.frames, media_seconds=max(piece.media_end - warm.media_end, 0.0),
                     next_sample=piece.next_sample))
                 if len(got) == 2:
                     break
+            gen.close()                   # the file closed now, not when collected
             res = warm.ask(args.question, max_new_tokens=args.max_new_tokens)
             rec["warmup"]["stream"] = {"pieces": got, "ttft_ms": res.timings_ms.get("ttft")}
         finally:
@@ -595,19 +598,26 @@ def run_step(url: str, n: int, a, files: dict, limit: Limit, clock: Limit,
 
 
 def judge(step: dict, recs: list, a) -> None:
-    """Each stream's lags and verdict, and the step's: kept up when every stream did, None
-    when the step was cut short (unless a stream failed outright: full, refused)."""
+    """Each stream's lags and verdict, and the step's. A stream fell behind when it failed
+    (full, a piece refused) or its pieces lagged past the limit, even in a part cut short;
+    one cut short within the limit is undecided (None). The step kept up when every stream
+    did, fell behind when one did, else is undecided."""
     for r in recs:
         lags = [p["lag_s"] for p in r["pieces"]]
+        ok = keeps_up(lags, step["max_lag_s"])
+        if r["state"] != "open":
+            ok = False
+        elif ok and len(lags) < step["paced_pieces"]:
+            ok = None
         r.update(pieces_done=len(lags), lag_last_s=lags[-1] if lags else None,
                  lag_max_s=max(lags) if lags else None,
                  lag_growth_s_per_min=lag_slope(lags, a.piece_s),
                  server_lag_last_s=r["pieces"][-1]["server_lag_s"] if lags else None,
-                 kept_up=False if r["state"] != "open" else keeps_up(lags, step["max_lag_s"]))
+                 kept_up=ok)
     step["cut_short"] = step.get("cut_short") or any("cut_short" in r for r in recs) or None
     verdicts = [r["kept_up"] for r in recs]
-    step["kept_up"] = False if False in verdicts and any(r["state"] != "open" for r in recs) \
-        else None if step["cut_short"] or None in verdicts or not verdicts else all(verdicts)
+    step["kept_up"] = False if False in verdicts else \
+        None if None in verdicts or not verdicts else True
     step["streams_kept_up"] = sum(v is True for v in verdicts)
     step["paced_minutes_done"] = round(min((r["pieces_done"] for r in recs), default=0)
                                        * a.piece_s / 60, 3)
