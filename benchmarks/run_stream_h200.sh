@@ -24,6 +24,7 @@
 #   bash benchmarks/run_stream_h200.sh realtime --streams 12 --kv-cache-dtype fp8
 # (12 streams hold 124 GB bf16, 62 GB in FP8).
 # Arguments after the part replace its defaults and go to stream_ingest.py as they are.
+# E2E_COMMIT=<hash> names the commit in the report (the device's copy has no git history).
 # DEADLINE (s, default 540): the script's --max-s (a part past it reports what it measured);
 # TIMEOUT (default 585) stops it (it still writes the report) inside the tool's 600 s.
 set -uo pipefail
