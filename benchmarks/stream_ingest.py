@@ -84,8 +84,9 @@ skipped and says so):
    and the streams are deleted.
 
 The report's ``max_streams_kept_up``: the largest count whose every stream sent all its
-pieces and kept up; the issue's target is >= 8 over 10 minutes (head start + paced). ``--pace`` > 1 sends the media faster than real time (``--tiny`` tests use it to see
-a stream that cannot keep up reported as falling behind).
+pieces and kept up; the issue's target is >= 8 over 10 minutes (head start + paced).
+``--pace`` > 1 sends the media faster than real time (the ``--tiny`` test uses it to see a
+stream that cannot keep up reported as falling behind).
 Device time, one call per count (H200, estimated): checkpoint ~30 s, server start and
 warm-up ~1 min, head start of 7 min x 8 streams in one-minute pieces ~1 min, paced 3 min:
 ~6 min for ``--streams 8 --head-start-minutes 7 --minutes 3``.
