@@ -831,3 +831,53 @@ def test_step_host_counts_a_batched_steps_launches(tmp_path):
     assert rows["fork8_each"]["triton_launches"] == 2 * 8 * L
     assert rows["fork8"]["torch_ops"] <= 2 * L + 8
     assert all(r["median_ms"] > 0 for r in rows.values())
+
+
+def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
+    """benchmarks/stream_ingest.py --tiny on the CPU: the ingest part times a one-shot sparse
+    prefill and the same video in sparse pieces (their ratio) and questions after shares of
+    the pieces (TTFT); the realtime part drives the real server over HTTP with streams paced
+    200x faster than real time, which the CPU cannot ingest: every stream is reported as
+    falling behind, with its lags. The full-size plan is the issue's (1.05M tokens, minute
+    pieces), and the keep-up rule tells a steady lag from a growing one."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_ingest.py"),
+                           "--tiny", "--pace", "200", "--search", "all", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((tmp_path / "stream_ingest.json").read_text())
+    assert rep["argv"][0] == "--tiny" and rep["env"]["commit"] and rep["device"] == "cpu"
+    plan = rep["full_size_plan"]["ingest"]
+    assert (plan["visual_tokens"], plan["pieces"], plan["piece_tokens"]) == (1_052_672, 35, 30_840)
+    assert plan["kv_gb_bf16"] == 60.4
+    assert rep["full_size_plan"]["realtime"][0]["kv_gb_bf16"] == 82.6     # 8 streams, 10 min
+
+    ing = rep["ingest"]["summary"]
+    assert ing["complete"] and ing["pieces"] == 6 and ing["sparse_pieces"] == 6
+    assert ing["same_visual_tokens"] and ing["one_shot_attention"] == "sparse"
+    assert ing["pieces_s"] > 0 and ing["one_shot_s"] > 0 and ing["one_shot_vision_s"] > 0
+    assert ing["ratio"] == pytest.approx(ing["pieces_s"] / ing["one_shot_s"], abs=2e-3)
+    asks = rep["ingest"]["stream"]["asks"]
+    assert [a["after_pieces"] for a in asks] == [2, 3, 6]          # 25 %, 50 %, 100 %
+    assert all(a["ttft_ms"] > 0 and a["kv"] == "gpu" for a in asks)
+    assert [a["stream_tokens"] for a in asks] == sorted({a["stream_tokens"] for a in asks})
+    assert ing["ttft_max_s"] == max(t["ttft_s"] for t in ing["ttft_s"])
+
+    rt = rep["realtime"]
+    assert [s["streams"] for s in rt["steps"]] == [1, 2]
+    for step in rt["steps"]:
+        assert len(step["stream_records"]) == step["streams"] and step["kept_up"] is False
+        for r in step["stream_records"]:
+            lags = [p["lag_s"] for p in r["pieces"]]
+            assert r["pieces_done"] == step["paced_pieces"] == len(lags) and r["kept_up"] is False
+            assert r["head"] and r["errors"] == [] and r["state"] == "open"
+            assert max(lags[len(lags) // 2:]) > step["max_lag_s"] and min(lags) > 0
+            assert r["pieces"][-1]["server_lag_s"] is not None and r["status"]["tokens"] > 0
+        assert step["question"]["status"] == 200 and step["question"]["ttft_ms"] > 0
+    assert rt["summary"]["max_streams_kept_up"] is None
+    assert rt["summary"]["counts_fell_behind"] == [1, 2]
+
+    bench = load_script("benchmarks/stream_ingest.py", "stream_ingest_bench")
+    assert bench.keeps_up([0.3, 0.5, 0.4, 0.6, 0.5, 0.4], limit_s=8.0) is True
+    assert bench.keeps_up([0.3, 2.0, 4.0, 6.0, 8.0, 10.0], limit_s=8.0) is False
+    assert bench.lag_slope([1.0, 2.0, 3.0, 4.0], piece_media_s=4.0) == 15.0   # 1 s per 4 s
