@@ -79,8 +79,8 @@ def _merge_flash(O1, L1, PO, PL, O, so1_h, so1_m, sl1_h, sl1_m, spo_s, spo_h, sp
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     lse = tl.load(L1 + kvh * sl1_h + g * sl1_m, mask=gv, other=float("-inf"))
     lse = lse * 1.4426950408889634                    # natural log to base 2
-    o = tl.load(O1 + kvh * so1_h + g[:, None] * so1_m + d[None, :], mask=mask, other=0.0)
-    m, w_sum, acc = online_softmax.fold(m, w_sum, acc, lse, o.to(tl.float32))
+    o1 = tl.load(O1 + kvh * so1_h + g[:, None] * so1_m + d[None, :], mask=mask, other=0.0)
+    m, w_sum, acc = online_softmax.fold(m, w_sum, acc, lse, o1.to(tl.float32))
     for s in range(0, n_slots):
         lse = tl.load(PL + s * spl_s + kvh * spl_h + g * spl_m, mask=gv, other=float("-inf"))
         o = tl.load(PO + s * spo_s + kvh * spo_h + g[:, None] * spo_m + d[None, :], mask=mask,

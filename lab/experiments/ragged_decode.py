@@ -109,9 +109,9 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
     if s < S0:
         # range s of the group's shared first segment, for every member's query heads at
         # once: row r is member r // G's head h * G + r % G (the prefix read once for all)
-        m = r // G
-        rv = m < n
-        ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + m, mask=rv, other=0)
+        mv = r // G
+        rv = mv < n
+        ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + mv, mask=rv, other=0)
         first = tl.load(GROUPS + g * (MAXM + 1) + 1)
         row = PTRS + first * 11
         kb = _ptr(tl.load(row + 0), CACHE)
@@ -123,18 +123,18 @@ def _attend_kernel(Q, PTRS, LENS, GROUPS, PO, PL, sq_b, sq_h, qk_scale, SPLIT,
         slot = s
     else:
         # the second segment (rows of its own) of member s - S0, whole, into its last slot
-        m = s - S0
-        rv = (r < G) & (m < n)
-        ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + m + r * 0, mask=rv, other=0)
-        one = tl.load(GROUPS + g * (MAXM + 1) + 1 + tl.minimum(m, MAXM - 1))
+        ms = s - S0
+        rv = (r < G) & (ms < n)
+        ans = tl.load(GROUPS + g * (MAXM + 1) + 1 + ms + r * 0, mask=rv, other=0)
+        one = tl.load(GROUPS + g * (MAXM + 1) + 1 + tl.minimum(ms, MAXM - 1))
         row = PTRS + one * 11
         kb = _ptr(tl.load(row + 4), CACHE)
         vb = _ptr(tl.load(row + 5), CACHE)
         sh = tl.load(row + 6)
         sr = tl.load(row + 7)
-        lo = 0
-        hi = tl.where(m < n, tl.load(LENS + one * 2 + 1), 0)
-        slot = S - 1
+        lo = s * 0                      # (tensors in both branches: the same types)
+        hi = tl.where(ms < n, tl.load(LENS + one * 2 + 1), 0)
+        slot = s * 0 + (S - 1)
     head = h * G + r % G
     q = tl.load(Q + ans[:, None].to(tl.int64) * sq_b + head[:, None] * sq_h + d[None, :],
                 mask=rv[:, None] & dm[None, :], other=0.0)
