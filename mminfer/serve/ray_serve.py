@@ -102,6 +102,7 @@ from .worker import Job
 log = logging.getLogger("mminfer.serve")
 
 APP = "mminfer"                 # the Ray Serve application's name
+LOST_STREAMS_KEPT = 4096       # streams whose replica died, kept with why (newest)
 STATS_PERIOD_S = 1.0            # how often each replica reports its cached videos
 REMEMBER_S = 5 * STATS_PERIOD_S
 # The routers of this process by application name: the router lives in the process that
@@ -505,7 +506,8 @@ class RayServeWorker(FrontWorker):
         self._gone = collections.Counter()      # the cache counters of replicas gone
         self._seen: dict[str, dict] = {}        # replica -> its last routing stats
         self.streams: dict[str, str] = {}             # live stream id -> its replica
-        self.lost_streams: dict[str, str] = {}        # id -> why it is gone
+        # id -> why it is gone; the newest LOST_STREAMS_KEPT (older ones answer a plain 404)
+        self.lost_streams: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._stream_reports: dict[str, dict] = {}    # replica -> its last streams report
         self._runner = concurrent.futures.ThreadPoolExecutor(
             max(8, self.queue_size + self.max_active), thread_name_prefix="mminfer-ray")
@@ -621,7 +623,7 @@ class RayServeWorker(FrontWorker):
             for sid, rid in list(self.streams.items()):     # a replica gone: its streams
                 if rid not in live:
                     del self.streams[sid]
-                    self.lost_streams[sid] = f"its replica {rid} stopped"
+                    self._lose(sid, f"its replica {rid} stopped")
             for rid in [r for r in self._stream_reports if r not in live]:
                 del self._stream_reports[rid]
         return rows
@@ -804,6 +806,12 @@ class RayServeWorker(FrontWorker):
         req.update(video_key=key, video_ref=ref, suffix=Path(job.video_path).suffix)
         return req
 
+    def _lose(self, sid: str, why: str):
+        """(Lock held.) Remember why stream ``sid`` is gone, within LOST_STREAMS_KEPT."""
+        self.lost_streams[sid] = why
+        while len(self.lost_streams) > LOST_STREAMS_KEPT:
+            self.lost_streams.popitem(last=False)
+
     def _stream_lost(self, req: dict, rid: str | None, e: BaseException) -> StreamNotFound:
         """A stream call whose replica (``rid``) died: the replica's streams are gone (and a
         creation's stream was never made)."""
@@ -813,7 +821,7 @@ class RayServeWorker(FrontWorker):
             for s_, r in list(self.streams.items()):
                 if r == rid or s_ == sid:
                     del self.streams[s_]
-                    self.lost_streams[s_] = why
+                    self._lose(s_, why)
         log.error("replica %s died running a call of stream %s: its streams are gone", rid, sid)
         return StreamNotFound(f"stream {sid!r} is gone: {why}", stream=sid)
 
