@@ -262,6 +262,10 @@ def test_cache_hits_pause_a_calibration_step_and_a_new_video_stops_it(model_dir,
     hits do not throw calibration work away. A new video, whose prefix needs the memory the
     paused step holds, makes it give up (it runs again later)."""
     from conftest import LiveServer
+    # every request here is sent while a step runs (the worst case, by design: it waits for
+    # the step's next check), so its wait gets twice the margin of YIELD_MS: measured up to
+    # 1.09 s with three of these tests and a busy loop sharing the 2 cores, 0.1-0.3 s alone
+    margin_ms = 2 * YIELD_MS
     app = create_app(settings(model_dir, tmp_path, video_cache=True, shadow_rate=0.0,
                               calibration_requests=8))
     sc, worker = app.state.selfcal, app.state.worker
@@ -276,7 +280,7 @@ def test_cache_hits_pause_a_calibration_step_and_a_new_video_stops_it(model_dir,
             hit = ask(url, "needle_0")
             hits += 1
             assert hit["cache"] == "hit" and hit["answer"] == first["answer"]
-            assert waited_ms(hit) < YIELD_MS, hit["timings_ms"]
+            assert waited_ms(hit) < margin_ms, hit["timings_ms"]
         # paused, never stopped, by the hits; the paused step went on to its end
         assert sc.steps_stopped == stopped and worker.scheduler.idle_evictions == evicted
         assert worker.scheduler.idle_pauses >= 1, "no hit came while a step ran"
@@ -285,7 +289,7 @@ def test_cache_hits_pause_a_calibration_step_and_a_new_video_stops_it(model_dir,
         for name in ("count_0", "order_0", "colour_0", "needle_1", "count_1"):
             wait_until(lambda: worker._idle_thread is not None and sc._step is not None)
             a = ask(url, name)
-            assert a["cache"] == "miss" and waited_ms(a) < YIELD_MS, a["timings_ms"]
+            assert a["cache"] == "miss" and waited_ms(a) < margin_ms, a["timings_ms"]
             if sc.steps_stopped > stopped:
                 break
         assert sc.steps_stopped > stopped and worker.scheduler.idle_evictions > evicted
