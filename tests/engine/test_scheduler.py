@@ -532,7 +532,7 @@ def idle_work(s, log, layers=6, step_s=0.02, started=None, stop=None):
 def test_idle_work_pauses_for_a_hit_and_resumes_where_it_stopped():
     s, log, started = Scheduler(), Log(), threading.Event()
     a = threading.Thread(target=idle_work, args=(s, log),
-                         kwargs=dict(layers=8, step_s=0.03, started=started))
+                         kwargs=dict(layers=40, step_s=0.03, started=started))
     a.start()
     started.wait(10)
     _wait_for(lambda: ("idle", "layer", 1) in log.items)
@@ -543,10 +543,10 @@ def test_idle_work_pauses_for_a_hit_and_resumes_where_it_stopped():
     # the hit ran whole (its question and every token) between two layers of the idle work,
     # which then went on from the layer it stopped at, not from its start
     at = log.index(("hit", "suffix"))
-    assert all(log.index(("hit", "token", i)) < log.index(("idle", "layer", 7))
+    assert all(log.index(("hit", "token", i)) < log.index(("idle", "layer", 39))
                for i in range(3))
     layers = [x[2] for x in log.items if x[:2] == ("idle", "layer")]
-    assert layers == list(range(8)) and ("idle", "done") in log.items
+    assert layers == list(range(40)) and ("idle", "done") in log.items
     after = [x for x in log.items[at:] if x[0] == "idle"]
     assert after[0][:2] == ("idle", "layer") and after[0][2] >= 2
     # nothing of the idle work ran while the hit had its turn
