@@ -94,7 +94,7 @@ class Scheduler:
         self._admission: list[Turn] = []         # waiting to be admitted, arrival order
         self._turns: set[Turn] = set()
         self._seq = itertools.count()
-        self._idle_gone = None                   # evict_idle's wake-up, while it waits
+        self._idle_gone = threading.Condition(self._lock)   # idle work closed (evict_idle)
         self._round = 0                          # FIRST work older than this runs before LONG
         self._short_used = 0.0
         self._short_allow = 0.0
@@ -122,16 +122,11 @@ class Scheduler:
                     self.idle_evictions += 1
                 t._cond.notify()
             end = time.perf_counter() + timeout_s
-            gone = threading.Condition(self._lock)
-            self._idle_gone = gone
-            try:
-                while any(not t.closed for t in idle):
-                    left = end - time.perf_counter()
-                    if left <= 0:
-                        break
-                    gone.wait(min(left, self.poll_s))
-            finally:
-                self._idle_gone = None
+            while any(not t.closed for t in idle):
+                left = end - time.perf_counter()
+                if left <= 0:
+                    break
+                self._idle_gone.wait(left)
         return len(idle)
 
     def state(self) -> dict:
@@ -576,7 +571,7 @@ class Turn:
             if s._holder is None:
                 s._grant()
             s._poke_gatherer()
-            if self.kind == IDLE and s._idle_gone is not None:
+            if self.kind == IDLE:
                 s._idle_gone.notify_all()
 
     # ------------------------------------------------------------ the wait stage
