@@ -141,6 +141,12 @@ def run_served(adapter, inp: ServedInput, patterns: HeadPatternConfig | None = N
                      seconds=time.perf_counter() - t0)
 
 
+def captures(settings: "SearchSettings", searched: bool, inp: ServedInput) -> bool:
+    """A dense reference run of ``inp`` keeps its prefix's q/k/v for the per-head search:
+    the search is still to come and the prefix is short enough for it."""
+    return not searched and inp.prefix_len <= settings.search_tokens
+
+
 def answered_reference(gen, max_new_tokens: int, eos_token_ids) -> ServedRun | None:
     """The dense reference :func:`run_served` would compute for a prompt, taken from a greedy
     dense answer the server already gave it (``gen``, models.base.Generated): its first
@@ -302,9 +308,8 @@ class ServedCalibration:
         return Step(f"dense reference of {inp.name}", fn)
 
     def captures(self, inp: ServedInput) -> bool:
-        """``inp``'s dense reference run keeps its prefix's q/k/v for the per-head search:
-        the search is still to come and the prefix is short enough for it."""
-        return self.head_config is None and inp.prefix_len <= self.settings.search_tokens
+        """``inp``'s dense reference run keeps its prefix's q/k/v for the per-head search."""
+        return captures(self.settings, self.head_config is not None, inp)
 
     def score(self, inp: ServedInput, patterns: HeadPatternConfig, cancel=None) -> dict:
         """``patterns`` served on ``inp`` against its dense reference."""

@@ -73,7 +73,8 @@ from mminfer.errors import Cancelled
 from mminfer.models.base import resolve_checkpoint
 from mminfer.offline.capture import synthetic_video
 from mminfer.offline.served_policy import (SearchSettings, ServedCalibration, Step,
-                                           answered_reference, holds, keep, prepare, summarize)
+                                           answered_reference, captures, holds, keep, prepare,
+                                           summarize)
 from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
 from mminfer.models.hooks import AUTO_NEVER
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
@@ -375,15 +376,22 @@ class SelfCalibration:
         def answered(gen, dense: bool, greedy: bool):
             """The request's own answer, when it is what the input's dense reference run
             would give (dense, greedy, enough tokens) and that run would keep no capture for
-            the search: the reference, so idle time does not prefill the prompt again."""
+            the search: the reference, so idle time does not prefill the prompt again. A
+            failure here is the calibration's (the input keeps no reference), never the
+            request's."""
             cal = self.cal
             settings = cal.settings if cal is not None else (
                 self.search or SearchSettings.for_device(adapter.device))
-            if not (dense and greedy) or inp.reference is not None or (
-                    cal.captures(inp) if cal is not None
-                    else inp.prefix_len <= settings.search_tokens):
+            searched = cal is not None and cal.head_config is not None
+            if not (dense and greedy) or inp.reference is not None or \
+                    captures(settings, searched, inp):
                 return
-            ref = answered_reference(gen, settings.max_new_tokens, adapter.eos_token_ids)
+            try:
+                ref = answered_reference(gen, settings.max_new_tokens, adapter.eos_token_ids)
+            except Exception:        # noqa: BLE001 - see the docstring
+                log.exception("self-calibration: the answer of %s could not be kept as its "
+                              "reference; it gets a reference run", inp.name)
+                return
             if ref is not None:
                 inp.reference = ref
                 self.references_from_answers += 1
