@@ -341,7 +341,11 @@ async def list_streams(request: Request):
 async def get_stream(request: Request, stream_id: str):
     svc = request.app.state.service
     tenant = svc.check_auth(request)
-    return status(svc, stream_id, tenant.name)
+    st = status(svc, stream_id, tenant.name)
+    now = getattr(svc.worker, "stream_status", None)
+    if now is not None:          # --ray: asked of the stream's replica (ray_serve.py)
+        st = _public(await now(stream_id, tenant.name) or st)
+    return st
 
 
 @router.delete("/v1/streams/{stream_id}", summary="End a live stream and free its cache")
