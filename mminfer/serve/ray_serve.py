@@ -51,13 +51,17 @@ job carries its work as a call (a pickled function of the pipeline) that the rep
 its model worker; a piece's bytes travel with the call through the object store and the
 replica runs the call on its own copy. Each replica reports its streams with its routing
 stats and after every stream call (numbered: the front end keeps the latest), which live.py
-reads for statuses, listings, /metrics and /report. A replica that dies takes its streams: a
+reads for listings, /metrics and /report; a stream's own status (``GET /v1/streams/{id}``)
+is asked of its replica (``peek``, not counted as a request routed), the reports answering
+only when it cannot say. A replica that dies takes its streams: a
 call running there is answered 404 ``stream_not_found`` saying so (503 ``engine_restarted``
 when part of a streamed answer was sent), as is every later call naming one. Such a call is
 never sent once more (no other replica holds the stream); one that Ray Serve routes again
 before the router has dropped the dead replica lands on another, which answers that it holds
 no such stream (404). A pulled stream's source is read by its replica (its node must reach
-the source).
+the source: the front end checks the source against the operator's flags, as one server
+does, and the replica opens it), whose own thread appends the pieces, with no call of the
+front end's: hence a status asked of the replica, whose reports are a period or more behind.
 """
 
 from __future__ import annotations
