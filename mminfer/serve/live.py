@@ -39,7 +39,9 @@ playlists) or, for a local path (a growing file, a FIFO), inside
 Under ``--data-parallel`` a stream lives on one engine, under ``--ray`` on one replica: it is
 created on the least loaded one and every later call about it goes there (the front end's
 map of stream ids, data_parallel.py and ray_serve.py); its status comes with the engines'
-reports (``engines``, each with its last ``status``).
+reports (``engines``, each with its last ``status``), except that under ``--ray`` a stream's
+GET asks its replica (``worker.stream_status``: a pulled stream's replica appends pieces
+between its reports).
 """
 
 from __future__ import annotations
@@ -341,7 +343,11 @@ async def list_streams(request: Request):
 async def get_stream(request: Request, stream_id: str):
     svc = request.app.state.service
     tenant = svc.check_auth(request)
-    return status(svc, stream_id, tenant.name)
+    st = status(svc, stream_id, tenant.name)
+    now = getattr(svc.worker, "stream_status", None)
+    if now is not None:          # --ray: asked of the stream's replica (ray_serve.py)
+        st = _public(await now(stream_id, tenant.name) or st)
+    return st
 
 
 @router.delete("/v1/streams/{stream_id}", summary="End a live stream and free its cache")

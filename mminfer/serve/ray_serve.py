@@ -51,13 +51,17 @@ job carries its work as a call (a pickled function of the pipeline) that the rep
 its model worker; a piece's bytes travel with the call through the object store and the
 replica runs the call on its own copy. Each replica reports its streams with its routing
 stats and after every stream call (numbered: the front end keeps the latest), which live.py
-reads for statuses, listings, /metrics and /report. A replica that dies takes its streams: a
+reads for listings, /metrics and /report; a stream's own status (``GET /v1/streams/{id}``)
+is asked of its replica (``peek``, not counted as a request routed), the reports answering
+only when it cannot say. A replica that dies takes its streams: a
 call running there is answered 404 ``stream_not_found`` saying so (503 ``engine_restarted``
 when part of a streamed answer was sent), as is every later call naming one. Such a call is
 never sent once more (no other replica holds the stream); one that Ray Serve routes again
 before the router has dropped the dead replica lands on another, which answers that it holds
 no such stream (404). A pulled stream's source is read by its replica (its node must reach
-the source).
+the source: the front end checks the source against the operator's flags, as one server
+does, and the replica opens it), whose own thread appends the pieces, with no call of the
+front end's: hence a status asked of the replica, whose reports are a period or more behind.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ log = logging.getLogger("mminfer.serve")
 APP = "mminfer"                 # the Ray Serve application's name
 LOST_STREAMS_KEPT = 4096       # streams whose replica died, kept with why (newest)
 STATS_PERIOD_S = 1.0            # how often each replica reports its cached videos
+PEEK_TIMEOUT_S = 2.0            # a stream's status asked of its replica: the reports past it
 REMEMBER_S = 5 * STATS_PERIOD_S
 # The routers of this process by application name: the router lives in the process that
 # holds the handle (the front end), which reads what it routed where for /health and /metrics.
@@ -123,7 +128,8 @@ class VideoAffinityRouter(RequestRouter):
     replica's id: a retry after that replica died) and ``token`` (the front end's name for
     the call, to find where it went); a live stream's call has ``stream_id``, ``pin`` (the
     id of the replica that holds the stream; None: its creation) and ``streams`` (replica id
-    -> streams it holds, the creation's tie-break)."""
+    -> streams it holds, the creation's tie-break); ``peek``: a read of a stream's status,
+    sent to its replica and not counted as a request routed."""
 
     def initialize_state(self, mode: str = "affinity",
                          max_imbalance: int = DEFAULT_MAX_IMBALANCE, app: str = APP):
@@ -172,9 +178,11 @@ class VideoAffinityRouter(RequestRouter):
         pin = req.get("pin")
         home = [r for r in cands if r.replica_id.unique_id == pin] if pin else []
         if home:           # a stream's call: only its replica holds it
-            if pending_request is not None:
+            if pending_request is not None and not req.get("peek"):
                 self._note(pending_request, home[0].replica_id, None, "stream", req.get("token"))
             return [[home[0]]]
+        if req.get("peek"):     # its replica is gone: another says it holds no such stream
+            return [cands]
         if "stream_id" in req:
             # a creation goes to the least loaded replica, the one holding fewer streams on
             # a tie; a call whose replica is gone goes there too, and is answered that the
@@ -378,6 +386,16 @@ class EngineReplica:
         keeps the latest of these and the ones that come with each stream call's answer."""
         return {**(live_ops.report(self.worker.pipeline) or {}), "seq": next(self._seq)}
 
+    def stream_status(self, req: dict, tenant: str | None) -> dict | None:
+        """The status of stream ``req["stream_id"]`` as it is now (the router sends this to
+        the replica that holds it), None when this replica holds no such stream of
+        ``tenant``. Read beside the model worker's jobs, as one server's GET reads it."""
+        live = live_ops.live_of(self.worker.pipeline)
+        try:
+            return live.status(live.streams.get(req["stream_id"], tenant))
+        except StreamNotFound:
+            return None
+
     def check_health(self):
         if self.worker.state == "dead":     # a poisoned device: Ray Serve replaces us
             raise RuntimeError(f"the model worker died: {self.worker.error}")
@@ -501,6 +519,7 @@ class RayServeWorker(FrontWorker):
         self.n = replicas
         self._init_queue(settings, replicas or 1)       # _flights: id(job) -> its flight
         self.handle = None
+        self.unary_handle = None        # the same deployment, for calls with one answer
         self._refs: collections.OrderedDict = collections.OrderedDict()   # key -> (ref, n)
         self._refs_lock = threading.Lock()
         self._gone = collections.Counter()      # the cache counters of replicas gone
@@ -555,6 +574,7 @@ class RayServeWorker(FrontWorker):
                                name=self.app, route_prefix=None)
             first = handle.facts.remote().result()      # the router starts with this call
             self.handle = handle.options(stream=True)   # and is shared with this handle
+            self.unary_handle = handle
             with self._lock:
                 self.pipeline = EngineFacts(first, self)
                 self._state = "ready"
@@ -636,6 +656,35 @@ class RayServeWorker(FrontWorker):
     def forget_stream(self, stream_id: str):
         with self._lock:
             self.streams.pop(stream_id, None)
+
+    async def stream_status(self, stream_id: str, tenant: str | None) -> dict | None:
+        """The stream's status as its replica has it now (with ``engine``); None when that
+        cannot be had (its replica gone, or silent for PEEK_TIMEOUT_S): the caller answers
+        from the reports. Why a stream's GET asks its replica rather than read the reports:
+        a pulled stream's pieces are appended by a thread of its replica, by no call of the
+        front end's whose answer would carry the replica's streams, so the reports (every
+        STATS_PERIOD_S, through Ray Serve's controller) leave its status a period or more
+        behind its source, where one server's is current. One round trip to one replica
+        makes it current; listings, /metrics and /report, which read every stream, keep to
+        the reports."""
+        with self._lock:
+            rid = self.streams.get(stream_id)
+        handle = self.unary_handle
+        if rid is None or handle is None:
+            return None
+
+        def ask():
+            return handle.stream_status.remote(
+                {"stream_id": stream_id, "pin": rid, "peek": True}, tenant).result(
+                timeout_s=PEEK_TIMEOUT_S)
+
+        try:
+            st = await asyncio.to_thread(ask)
+        except Exception as e:        # noqa: BLE001 - gone or slow: the reports answer
+            log.info("stream %s: its replica %s did not say its status (%s); answering from "
+                     "its last report", stream_id, rid, type(e).__name__)
+            return None
+        return None if st is None else {**st, "engine": rid}
 
     @property
     def state(self) -> str:

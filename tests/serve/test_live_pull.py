@@ -72,12 +72,14 @@ def decoded(data: bytes, tmp_path) -> np.ndarray:
 class SlowSource:
     """An HTTP server on loopback sending ``data`` in ``pieces`` chunks ``gap_s`` apart (a
     live source); ``stall_after``: chunks sent before it stops sending and holds the
-    connection open."""
+    connection open. ``dropped`` is set when a reader closes its connection before all was
+    sent."""
 
     def __init__(self, data: bytes, pieces: int = 10, gap_s: float = 0.3,
                  stall_after: int | None = None):
         outer = self
         self.release = threading.Event()
+        self.dropped = threading.Event()
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
@@ -93,6 +95,7 @@ class SlowSource:
                         self.wfile.write(data[i * step:(i + 1) * step])
                         self.wfile.flush()
                     except OSError:
+                        outer.dropped.set()
                         return
                     time.sleep(gap_s)
 

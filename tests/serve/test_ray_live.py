@@ -1,9 +1,10 @@
 """Live streams under ``mminfer serve --ray`` (2 Ray Serve replicas on a local Ray cluster, on
 the CPU, the tiny Qwen2.5-VL): each stream is created on the least loaded replica and every
 later call about it (pieces, questions in /v1/answer and chat, its status, its deletion) goes
-to that replica, with the answers of one server on the same pieces; a replica killed takes
-its streams, and a call naming one is a 404 that says so while the other replica's streams
-go on."""
+to that replica, with the answers of one server on the same pieces; a pulled stream's source
+(a live MPEG-TS source on loopback) is read by its replica, its status grows at the front end
+as the pieces arrive, and its deletion ends the read; a replica killed takes its streams, and
+a call naming one is a 404 that says so while the other replica's streams go on."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import time
 import httpx
 import pytest
 from conftest import LiveServer, write_video
+from test_live_pull import NEEDLE, SlowSource, follow, ts_bytes
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'mminfer[ray]')")
 try:
@@ -23,6 +25,7 @@ except ImportError as e:   # ray without its serve extra
                 allow_module_level=True)
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl  # noqa: E402
+from mminfer.serve import live_ops  # noqa: E402
 from mminfer.serve.app import Settings, create_app  # noqa: E402
 from mminfer.serve.ray_serve import RayServeWorker, routers  # noqa: E402
 
@@ -57,7 +60,8 @@ def pieces(tmp_path_factory):
 
 def settings(ckpt, data) -> Settings:
     return Settings(model=str(ckpt), device="cpu", data_dir=str(data), queue_size=8,
-                    timeout_s=300, api_key=None, shadow_rate=0.0, self_calibrate=False)
+                    timeout_s=300, api_key=None, shadow_rate=0.0, self_calibrate=False,
+                    allowed_media_domains=("127.0.0.1",))
 
 
 def run(url, pieces) -> tuple[str, list[str]]:
@@ -83,10 +87,16 @@ def ask(url, sid):
 
 
 @pytest.fixture(scope="module")
-def want(ckpt, pieces, tmp_path_factory):
+def one(ckpt, tmp_path_factory):
+    """One server (no Ray) with the same model and settings."""
+    with LiveServer(create_app(settings(ckpt, tmp_path_factory.mktemp("one")))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def want(one, pieces):
     """One server's answers on the same pieces."""
-    with LiveServer(create_app(settings(ckpt, tmp_path_factory.mktemp("one")))) as one:
-        return run(one.url, pieces)[1]
+    return run(one.url, pieces)[1]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +156,71 @@ def test_a_stream_stays_on_its_replica(srv, pieces, want):
     assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
     assert sid not in worker.streams
     assert httpx.delete(f"{srv.url}/v1/streams/{other}").json()["deleted"] is True
+
+
+def pull(url, source) -> str:
+    r = httpx.post(f"{url}/v1/streams", json={"fps": 2, "source": source}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["source"]["url"] == source
+    return r.json()["id"]
+
+
+def test_a_pulled_stream_is_read_by_its_replica(srv, one, tmp_path):
+    """One live source read by a stream on the Ray server and one on a single server; a
+    second, longer one by another stream on the Ray server, deleted while it is read."""
+    worker = srv.worker
+    data = ts_bytes(tmp_path)                   # needle_0: 20 frames, 10 s at 2 fps
+    src = SlowSource(data, pieces=10, gap_s=0.3)
+    long = SlowSource(data, pieces=40, gap_s=0.25)
+    try:
+        sid, ref, gone = pull(srv.url, src.url), pull(one.url, src.url), pull(srv.url, long.url)
+        # each on its own replica (the second creation went to the one holding none)
+        assert {worker.streams[sid], worker.streams[gone]} == \
+            {rid for rid, _, _ in routers()[APP].replicas()}
+        seen = follow(srv.url, sid)
+        want_ = follow(one.url, ref)[-1]
+        # deleted while it is read: its replica stops reading (the source sees the
+        # connection closed before it sent everything)
+        st = follow(srv.url, gone, until=("reading",))[-1]
+        assert st["engine"] == worker.streams[gone]
+        assert httpx.delete(f"{srv.url}/v1/streams/{gone}").json()["deleted"] is True
+        assert long.dropped.wait(15), "the replica still reads the deleted stream's source"
+        assert httpx.get(f"{srv.url}/v1/streams/{gone}").status_code == 404
+    finally:
+        src.close()
+        long.close()
+    last = seen[-1]
+    assert last["engine"] == worker.streams[sid]
+    assert getattr(worker.pipeline, live_ops.ATTR, None) is None    # the front end pulls none
+    assert last["source"]["state"] == "ended" and last["source"]["error"] is None, last
+    assert last["source"]["frames_read"] == 20 and last["frames"] == 20
+    assert last["seen_until"] == 10.0 and last["pieces"] == last["source"]["pieces"] >= 2
+    # the front end's status grew with the pulled pieces as they came (no call of the front
+    # end's appended them): of the four between none and all (4, 8, 12, 16 frames, one about
+    # every 0.6 s), polled every 0.2 s, three at least were seen (the replicas' periodic
+    # reports alone, a second or more apart, showed one or two)
+    growing = [(s["frames"], s["tokens"], s["seen_until"]) for s in seen]
+    assert growing == sorted(growing), growing
+    between = {s["frames"] for s in seen if s["source"]["state"] == "reading"} - {0, 20}
+    assert len(between) >= 3, growing
+    assert 0 < min(s["tokens"] for s in seen if s["frames"]) < last["tokens"]
+    # the same pieces as the single server's: the source sends faster than real time, so
+    # each piece is cut at 2 s of media (4 frames), never by the wall clock
+    for k in ("frames", "tokens", "seen_until"):
+        assert last[k] == want_[k], (k, last, want_)
+    # a question over it: the single server's answer over the same media
+    got, ref_answer = ask(srv.url, sid).json(), ask(one.url, ref).json()
+    assert got["answer"] == ref_answer["answer"]
+    assert got["video"]["seen_until"] == ref_answer["video"]["seen_until"] == 10.0
+    for s_, id_ in ((srv, sid), (one, ref)):
+        assert httpx.delete(f"{s_.url}/v1/streams/{id_}").json()["deleted"] is True
+    # sources the operator did not allow: refused by the front end as by one server
+    for source in ("http://example.com/live.ts", str(NEEDLE)):
+        a, b = (httpx.post(f"{s_.url}/v1/streams", json={"source": source}, timeout=30)
+                for s_ in (srv, one))
+        assert (a.status_code, a.json()) == (b.status_code, b.json()), (a.text, b.text)
+        assert a.json()["error"]["code"] in ("remote_media_refused", "forbidden"), a.text
+    assert httpx.get(f"{srv.url}/v1/streams").json()["data"] == []
 
 
 def test_a_killed_replica_takes_its_streams(srv, pieces):
