@@ -109,6 +109,9 @@ APP = "mminfer"                 # the Ray Serve application's name
 LOST_STREAMS_KEPT = 4096       # streams whose replica died, kept with why (newest)
 STATS_PERIOD_S = 1.0            # how often each replica reports its cached videos
 PEEK_TIMEOUT_S = 2.0            # a stream's status asked of its replica: the reports past it
+# statuses asked of replicas at once: each holds a thread of the event loop's executor (which
+# parses other clients' JSON bodies) for up to PEEK_TIMEOUT_S; past this the reports answer
+PEEKS_AT_ONCE = 4
 REMEMBER_S = 5 * STATS_PERIOD_S
 # The routers of this process by application name: the router lives in the process that
 # holds the handle (the front end), which reads what it routed where for /health and /metrics.
@@ -520,6 +523,7 @@ class RayServeWorker(FrontWorker):
         self._init_queue(settings, replicas or 1)       # _flights: id(job) -> its flight
         self.handle = None
         self.unary_handle = None        # the same deployment, for calls with one answer
+        self._peeks = threading.BoundedSemaphore(PEEKS_AT_ONCE)
         self._refs: collections.OrderedDict = collections.OrderedDict()   # key -> (ref, n)
         self._refs_lock = threading.Lock()
         self._gone = collections.Counter()      # the cache counters of replicas gone
@@ -659,24 +663,27 @@ class RayServeWorker(FrontWorker):
 
     async def stream_status(self, stream_id: str, tenant: str | None) -> dict | None:
         """The stream's status as its replica has it now (with ``engine``); None when that
-        cannot be had (its replica gone, or silent for PEEK_TIMEOUT_S): the caller answers
-        from the reports. Why a stream's GET asks its replica rather than read the reports:
-        a pulled stream's pieces are appended by a thread of its replica, by no call of the
-        front end's whose answer would carry the replica's streams, so the reports (every
-        STATS_PERIOD_S, through Ray Serve's controller) leave its status a period or more
-        behind its source, where one server's is current. One round trip to one replica
-        makes it current; listings, /metrics and /report, which read every stream, keep to
-        the reports."""
+        cannot be had (its replica gone, silent for PEEK_TIMEOUT_S, or PEEKS_AT_ONCE asked
+        already): the caller answers from the reports. Why a stream's GET asks its replica
+        rather than read the reports: a pulled stream's pieces are appended by a thread of
+        its replica, by no call of the front end's whose answer would carry the replica's
+        streams, so the reports (every STATS_PERIOD_S, through Ray Serve's controller) leave
+        its status a period or more behind its source, where one server's is current. One
+        round trip to one replica makes it current; listings, /metrics and /report, which
+        read every stream, keep to the reports."""
         with self._lock:
             rid = self.streams.get(stream_id)
         handle = self.unary_handle
-        if rid is None or handle is None:
+        if rid is None or handle is None or not self._peeks.acquire(blocking=False):
             return None
 
         def ask():
-            return handle.stream_status.remote(
-                {"stream_id": stream_id, "pin": rid, "peek": True}, tenant).result(
-                timeout_s=PEEK_TIMEOUT_S)
+            try:
+                return handle.stream_status.remote(
+                    {"stream_id": stream_id, "pin": rid, "peek": True}, tenant).result(
+                    timeout_s=PEEK_TIMEOUT_S)
+            finally:
+                self._peeks.release()
 
         try:
             st = await asyncio.to_thread(ask)

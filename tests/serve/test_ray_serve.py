@@ -12,6 +12,7 @@ its replica is killed.
 """
 
 import argparse
+import asyncio
 import base64
 import hashlib
 import json
@@ -34,6 +35,7 @@ except ImportError as e:   # ray without its serve extra
 from lab.toy.tiny import save_tiny_qwen2_5_vl  # noqa: E402
 from mminfer.errors import ConfigError  # noqa: E402
 from mminfer.serve import cli as serve_cli  # noqa: E402
+from mminfer.serve import ray_serve  # noqa: E402
 from mminfer.serve.app import Settings, create_app  # noqa: E402
 from mminfer.serve.ray_serve import RayServeWorker, routers  # noqa: E402
 
@@ -59,6 +61,52 @@ def test_cli_flags_build_the_worker(tmp_path):
     args.data_parallel = 2
     with pytest.raises(ConfigError, match="leave out"):
         serve_cli.run(args)
+
+
+def test_stream_statuses_asked_of_replicas_at_once_are_bounded(tmp_path):
+    """A stream's GET asks its replica from a thread of the event loop's executor (shared
+    with other clients' JSON bodies) for up to PEEK_TIMEOUT_S: past PEEKS_AT_ONCE asked at
+    once, one answers from the reports (None) without taking a thread or waiting. The Ray
+    transport is stood in for by a call that blocks until released (no cluster needed: the
+    bound is the front end's)."""
+    release, asked = threading.Event(), []
+
+    class Call:
+        def result(self, timeout_s=None):
+            asked.append(timeout_s)
+            release.wait(10)
+            return {"frames": 4}
+
+    class Method:
+        def remote(self, req, tenant):
+            assert req["peek"] and req["pin"] == "r1"
+            return Call()
+
+    class Handle:
+        stream_status = Method()
+
+    s = Settings(device="cpu", data_dir=tmp_path)
+    w = RayServeWorker(s, "m", 2)
+    w.unary_handle, w.streams["s1"] = Handle(), "r1"
+
+    async def main():
+        held = [asyncio.create_task(w.stream_status("s1", None))
+                for _ in range(ray_serve.PEEKS_AT_ONCE)]
+        while len(asked) < ray_serve.PEEKS_AT_ONCE:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        extra = await w.stream_status("s1", None)
+        waited = time.monotonic() - t0
+        release.set()
+        got = await asyncio.gather(*held)
+        again = await w.stream_status("s1", None)      # the slots were given back
+        return extra, waited, got, again
+
+    extra, waited, got, again = asyncio.run(main())
+    assert extra is None and waited < 1.0          # 1 s: far below the 10 s a slot would hold
+    assert got == [{"frames": 4, "engine": "r1"}] * ray_serve.PEEKS_AT_ONCE
+    assert again == {"frames": 4, "engine": "r1"}
+    assert asked == [ray_serve.PEEK_TIMEOUT_S] * (ray_serve.PEEKS_AT_ONCE + 1)
 
 
 @pytest.fixture(scope="module")
