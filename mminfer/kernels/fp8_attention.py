@@ -33,7 +33,9 @@ reader's own rows (each reader's buffers found through a small table of their ad
 writes their key ranges into later slots of the same scratch; one merge writes every reader's
 output: three launches a layer, whatever M (the host's launches are much of a batched step). A
 decode step is memory bound, so M readers of a 115K prefix read 6.6 GB (bf16) once a step
-instead of M times.
+instead of M times. A prefix in the queries' dtype takes PyTorch's flash attention for that
+first pass instead (its split-KV path reads at the GPU's bandwidth with M x G rows; ours is
+compute bound there); an FP8 prefix, which it cannot read, keeps ours.
 
 The tests hold it to a pure-PyTorch fp32 oracle (tests/kernels/test_fp8_attention.py).
 ``chunked`` is the same attention in PyTorch a chunk of keys at a time with an online softmax
@@ -437,20 +439,26 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
         M, H // Hkv, Hkv, D, pk.shape[2], max(lengths), gpu, _sm_count(q.device), n_splits)
     G = H // Hkv
     R = M * G
+    flash = n_splits is None and _flash_reads(q, pk, pv)
+    if flash:
+        n_pre = 1
     po = torch.empty(n_pre + n_own, Hkv, R, D, dtype=torch.float32, device=q.device)
     pl = torch.empty(n_pre + n_own, Hkv, R, dtype=torch.float32, device=q.device)
     po_s, pl_s = po.stride(), pl.stride()
     prec = dot_precision(q.dtype)
     qk_scale = float(scale) * LOG2E
-    rows = q.transpose(0, 2)             # [1, H, M, D]: reader j is query row j
-    (sk, sv) = strides[0]
-    _fp8_split_fwd[(Hkv, n_pre, m_blocks)](
-        rows, pk, pv, pk, pv, k_scale, v_scale, po, pl,
-        q.stride(1), q.stride(0), sk[1], sk[2], sv[1], sv[2], sk[1], sk[2], sv[1], sv[2],
-        po_s[0], po_s[1], pl_s[0], pl_s[1],
-        M, pk.shape[2], split_len, 0, 0, G, qk_scale,
-        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=prec,
-        CAUSAL=False, num_warps=warps, num_stages=stages)
+    if flash:
+        _flash_prefix(q, pk, pv, scale, po[0], pl[0])
+    else:
+        rows = q.transpose(0, 2)             # [1, H, M, D]: reader j is query row j
+        (sk, sv) = strides[0]
+        _fp8_split_fwd[(Hkv, n_pre, m_blocks)](
+            rows, pk, pv, pk, pv, k_scale, v_scale, po, pl,
+            q.stride(1), q.stride(0), sk[1], sk[2], sv[1], sv[2], sk[1], sk[2], sv[1], sv[2],
+            po_s[0], po_s[1], pl_s[0], pl_s[1],
+            M, pk.shape[2], split_len, 0, 0, G, qk_scale,
+            D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=prec,
+            CAUSAL=False, num_warps=warps, num_stages=stages)
     # every reader's own rows in one launch: where each one's K/V are, their strides, its
     # length and key ranges' length, in a table on the device (from pinned memory: the copy
     # does not wait for the queued kernels)
@@ -470,6 +478,39 @@ def shared_prefix_attention(q, prefix, owns, k_scale=None, v_scale=None,
         out.stride(0), out.stride(2), M, n_pre + n_own,
         G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
     return out
+
+
+def _flash_reads(q, pk, pv) -> bool:
+    """Whether PyTorch's flash attention can take the prefix pass of
+    :func:`shared_prefix_attention`: K/V in the queries' dtype (not FP8), a head dim it
+    compiles, and on the GPU a half dtype (on the CPU its own flash kernel, any float)."""
+    if is_fp8(pk) or pk.dtype != q.dtype or pv.dtype != q.dtype:
+        return False
+    D = q.shape[-1]
+    if D % 8 or D > 256:
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else True
+
+
+def _flash_prefix(q, pk, pv, scale, po, pl):
+    """The prefix pass of :func:`shared_prefix_attention` by PyTorch's flash attention: the
+    M readers' query heads of a KV head as the query rows of that head (``M x G``, reader j's
+    head g at row ``j*G + g``, as the Triton pass has them), none causal. Its split-KV path
+    reads the prefix once for all of them at the GPU's bandwidth, where the Triton pass over
+    the same rows was compute bound (677 us a layer at 56 rows x 115K keys on an H100). Writes
+    the normalised output into ``po`` ``[Hkv, R, D]`` and the base-2 log-sum-exp the merge
+    folds into ``pl`` ``[Hkv, R]``."""
+    M, H, _, D = q.shape
+    Hkv = pk.shape[1]
+    rows = q.reshape(M, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, po.shape[1], D)
+    if q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            rows, pk, pv, 0.0, False, False, scale=scale)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            rows, pk, pv, 0.0, False, scale=scale)
+    po.copy_(o[0])
+    torch.mul(lse[0, :, :po.shape[1]], LOG2E, out=pl)
 
 
 @functools.lru_cache(maxsize=256)

@@ -129,7 +129,8 @@ def test_shared_prefix_readers_match_each_alone(M, H, Hkv, P, owns, D, splits, f
     """Cascade attention: M readers of one prefix at once (the prefix read in one launch for
     all) give each reader's attention over the prefix and its own rows: the fp32 oracle on
     their concatenation; the Triton kernel under the interpreter where it runs, and the
-    PyTorch fallback."""
+    PyTorch fallback. A prefix in the queries' dtype with no forced key ranges takes the
+    flash-attention prefix pass (here the CPU's flash kernel), its partial merged the same."""
     q, (pk, pv), segs, (ks, vs) = _readers(M, H, Hkv, P, owns, D, fp8)
     one = torch.ones(Hkv)
     refs = []
