@@ -12,8 +12,10 @@ from contextlib import contextmanager
 
 import torch
 
-# Every stage of a served request, in the order it happens: the one list. ``upload`` and ``queue``
-# exist only in the service; ``wait`` is the time a running request spent waiting for others' steps
+# Every stage of a served request, in the order it happens: the one list. ``upload``, ``queue``
+# and ``retry`` exist only in the service (``retry``: an attempt that ran out of memory before
+# its first token and the spill of idle cached prefixes after it, the request then run again:
+# mminfer.serve.worker; 0 otherwise); ``wait`` is the time a running request spent waiting for others' steps
 # before its first token (engine/scheduler.py: a long prefill paused for a cache hit, or a hit
 # waiting for the layer in progress), wherever in its work it fell; ``restore`` brings a cached
 # video prefix back from the host tier (0 on a miss and on a GPU hit); ``decode`` (the video's
@@ -21,10 +23,10 @@ import torch
 # are its LLM prefill) and are 0 on a hit; ``suffix`` prefills the question's rows over the
 # prefix's cache; everything before ``generate`` adds up to the time to first token; ``density`` is
 # counting a sparse prefill's density from its plans (no launch), after the last token.
-STAGES = ("upload", "queue", "wait", "restore", "decode", "preprocess", "vision", "index", "attention",
-          "llm_other", "suffix", "generate", "density")
+STAGES = ("upload", "queue", "retry", "wait", "restore", "decode", "preprocess", "vision", "index",
+          "attention", "llm_other", "suffix", "generate", "density")
 TOTALS = ("ttft", "total")                      # sums reported after the stages
-SERVICE_STAGES = ("upload", "queue")
+SERVICE_STAGES = ("upload", "queue", "retry")
 PREFILL_STAGES = ("index", "attention", "llm_other")
 TTFT_STAGES = STAGES[:STAGES.index("generate")]
 # What Pipeline.answer reports, and what the service reports (its own stages first).

@@ -310,12 +310,13 @@ class Service:
                        f"{'while running' if job.started else 'in the queue'})", timeout_s=t)
 
     def timings(self, result, job, upload_ms: float, arrival: float) -> dict:
-        """Request timings: upload and queue, the pipeline's stages in its order, then ttft
-        (arrival to first token) and total (arrival to answer)."""
+        """Request timings: upload, queue and retry (an attempt that ran out of memory: the
+        worker's), the pipeline's stages in its order, then ttft (arrival to first token) and
+        total (arrival to answer)."""
         t = dict(result.timings_ms)
         pipeline_ttft = t.pop("ttft", 0.0)
         t.pop("total", None)
-        out = {"upload": upload_ms, "queue": job.queue_ms, **t,
+        out = {"upload": upload_ms, "queue": job.queue_ms, "retry": t.pop("retry", 0.0), **t,
                "ttft": upload_ms + job.queue_ms + pipeline_ttft,
                "total": (time.monotonic() - arrival) * 1e3}
         return {k: round(float(v), 3) for k, v in out.items()}

@@ -474,9 +474,12 @@ class ModelWorker:
         """:meth:`_run`; a request that runs out of memory before its first token was sent
         runs once more after every idle cached prefix has left the device (moved to the host
         tier or dropped), so an allocation the room check could not foresee (free memory in
-        pieces too small for a large tensor) costs that request time, not its answer. Where
-        nothing idle is on the device, or a token was sent, the error stands."""
+        pieces too small for a large tensor) costs that request time, not its answer. That time
+        (the failed attempt and the spill) is the answer's ``retry`` stage, and in its ``ttft``
+        and ``total``: the stages still add up. Where nothing idle is on the device, or a token
+        was sent, the error stands."""
         sent, first = [], job.on_token
+        t0 = time.perf_counter()
         if first is not None:
             def on_token(*args, **kwargs):
                 sent.append(True)
@@ -502,7 +505,14 @@ class ModelWorker:
                         type(error).__name__, freed / 2**30,
                         ", a paused calibration step gave its memory up" if evicted else "")
             del error
-            return self._run(job)
+            lost_ms = (time.perf_counter() - t0) * 1e3
+            result = self._run(job)
+            t = getattr(result, "timings_ms", None)
+            if isinstance(t, dict) and "ttft" in t:
+                result.timings_ms = {"retry": round(lost_ms, 3), **t,
+                                     "ttft": round(t["ttft"] + lost_ms, 3),
+                                     "total": round(t.get("total", 0.0) + lost_ms, 3)}
+            return result
         finally:
             job.on_token = first
 

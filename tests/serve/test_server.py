@@ -598,8 +598,9 @@ def test_out_of_memory_runs_again_once_idle_prefixes_left_the_device(ckpt, tmp_p
                                                                      live_server, caplog):
     """A prefill that runs out of memory although the room check passed (free memory in pieces
     too small for its tensors) runs once more after every idle cached prefix has left the
-    device: the request is answered, its answer the one asked again from the cache. With
-    nothing idle to move the error stands (500 out_of_memory) and it is not run again."""
+    device: the request is answered, its answer the one asked again from the cache, the failed
+    attempt's time its ``retry`` stage (inside its ttft: the stages add up). With nothing idle
+    to move the error stands (500 out_of_memory) and it is not run again."""
     app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
                               api_key=None))
     s = live_server(app)
@@ -610,6 +611,7 @@ def test_out_of_memory_runs_again_once_idle_prefixes_left_the_device(ckpt, tmp_p
         calls.append(1)
         if fail:
             fail.pop()
+            time.sleep(0.5)                # the failed attempt's work
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.85 GiB")
         return real(*args, **kwargs)
 
@@ -619,7 +621,8 @@ def test_out_of_memory_runs_again_once_idle_prefixes_left_the_device(ckpt, tmp_p
     r = post_answer(s.url, other)
     assert r.status_code == 500 and r.json()["error"]["code"] == "out_of_memory"
     assert len(calls) == 1 and pipe.video_cache.stats()["idle_spills"] == 0
-    assert post_answer(s.url, NEEDLE.read_bytes()).status_code == 200    # cached, idle
+    first = post_answer(s.url, NEEDLE.read_bytes())                    # cached, idle
+    assert first.status_code == 200 and first.json()["timings_ms"]["retry"] == 0
     assert pipe.video_cache.stats()["gpu_entries"] == 1
     fail.append(1)
     with caplog.at_level("WARNING", logger="mminfer.serve"):
@@ -629,6 +632,10 @@ def test_out_of_memory_runs_again_once_idle_prefixes_left_the_device(ckpt, tmp_p
     st = pipe.video_cache.stats()
     assert st["idle_spills"] == 1 and st["evictions_gpu"] >= 1
     assert any("runs again" in m for m in caplog.messages)
+    t = r.json()["timings_ms"]
+    assert t["retry"] >= 500 and list(t)[:4] == ["upload", "queue", "retry", "wait"]
+    assert t["ttft"] >= t["retry"] + t["vision"] + t["index"] + t["suffix"]
+    assert t["total"] >= t["ttft"] + t["generate"] - 5.0
     again = post_answer(s.url, other)
     assert again.status_code == 200 and again.json()["cache"] in ("hit", "host")
     assert again.json()["answer"] == r.json()["answer"]
