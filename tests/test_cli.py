@@ -74,7 +74,7 @@ def test_answer_json(ckpt, mp4, capsys):
     assert {"frames", "fps", "sampled_fps", "duration", "width", "height"} <= set(d["video"])
     assert d["video"]["frames"] == 6 and d["video"]["width"] == 64
     assert d["tokens"]["total"] == d["tokens"]["visual"] + d["tokens"]["text"]
-    assert set(d["timings_ms"]) == {"wait", "restore", "decode", "preprocess", "vision",
+    assert set(d["timings_ms"]) == {"wait", "restore", "room", "decode", "preprocess", "vision",
                                     "index", "attention", "llm_other", "suffix", "generate",
                                     "density", "ttft", "total"}
     assert d["timings_ms"]["wait"] == 0            # the command line has the model to itself

@@ -413,6 +413,7 @@ class VideoCache:
         if need <= self.host_budget:
             self._fit_host(self.host_budget - need)
             if self._bytes(Tier.HOST) + need <= self.host_budget:
+                t0 = time.perf_counter()
                 try:
                     e.kv.move("cpu", pin=self.device.type == "cuda")
                 except Exception as err:      # no host memory for it: dropped instead
@@ -421,6 +422,9 @@ class VideoCache:
                 else:
                     e.tier, e.nbytes = Tier.HOST, e.kv.held_bytes
                     self.counts["evictions_gpu"] += 1
+                    # pinned host memory is slow to allocate: each spill's time is logged
+                    log.info("video cache: %.2f GiB spilled to the host in %.2f s",
+                             need / 2**30, time.perf_counter() - t0)
                     return
         self._drop(key, e)
         self.counts["evictions_gpu"] += 1

@@ -619,7 +619,8 @@ class Pipeline:
             # idle entries spill; what others pin (their questions decoding) is waited for
             # while they finish, a bounded time, so the prefill does not run out of memory
             need = self.prefill_bytes(n + max_new_tokens + tail_rows(prep.prefix_len))
-            short = self.video_cache.make_room(need, wait_s=ROOM_WAIT_S)
+            with timer("room"):
+                short = self.video_cache.make_room(need, wait_s=ROOM_WAIT_S)
             if short > 0 and self.tensor_parallel == 1:   # ranks' memory may differ: no
                 raise MemoryBusy(                          # refusal one rank alone makes
                     f"this video's prefill needs {need / 2**30:.1f} GiB of device memory and "

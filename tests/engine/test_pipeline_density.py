@@ -59,6 +59,25 @@ def test_a_dense_answer_has_nothing_to_count(pipe):
     assert -1.0 <= r.timings_ms["total"] - stages_sum(r.timings_ms) <= 50.0
 
 
+def test_making_room_for_a_prefill_is_a_stage_of_its_own(pipe, monkeypatch):
+    """The device room a miss's prefill needs (idle cached prefixes moved to the host tier)
+    is timed as ``room``, inside the time to first token and the total: without it a load
+    run on an 80 GB card had seconds of a new video's TTFT in no stage."""
+    real = pipe.video_cache.make_room
+
+    def slow_room(need, wait_s=0.0):
+        time.sleep(SLOW_S)                       # the spill's copies and host allocations
+        return real(need, wait_s=wait_s)
+
+    monkeypatch.setattr(pipe.video_cache, "make_room", slow_room)
+    r = pipe.answer(NEEDLE, "What colour is it?", fps=2, max_frames=3, max_new_tokens=2,
+                    attention="dense")
+    t = r.timings_ms
+    assert r.cache == "miss" and t["room"] >= SLOW_S * 1e3
+    assert t["ttft"] >= t["room"] + t["vision"]
+    assert -1.0 <= t["total"] - stages_sum(t) <= 50.0 + 0.005 * t["total"], t
+
+
 # The embedded model's config until 2026-12-01: sparse in every head, 2D-boundary heads in
 # layer 0 (the shipped one since is dense in most heads: calibration found them hard).
 OLD_CONFIG = Path(__file__).resolve().parents[1] / "data" / "embedded_patterns_2026-11-29.json"
