@@ -22,7 +22,12 @@ A live stream (live.py) lives on one engine: the job that creates it goes to the
 engine (requests in flight, then streams held), and every later job naming its id
 (``params["stream_id"]``: a piece, a question, its deletion) to that engine. Such a job
 carries its work as a call (live_ops.py) that goes down the pipe. When the engine dies its
-streams are gone, and a call naming one says so.
+streams are gone, and a call naming one says so. The engines' statuses carry their streams
+(listings, /metrics and /report read those); a stream's own status (``GET
+/v1/streams/{id}``) is asked of its engine (``stream_status``: a ``peek`` down the pipe), the
+last status answering when it cannot say in time: a pulled stream's pieces are appended by a
+thread of its engine, with no job of the front end's whose end would send a status, so the
+periodic statuses alone leave its GET up to ``STATUS_EVERY_S`` behind its source.
 
 An engine that dies (its process ends: a crash, a device error, a kill) is restarted on its
 GPU (again at once; after quick repeated deaths with a growing pause, at most 30 s). Its
@@ -39,6 +44,7 @@ over the engines (a restarted engine's counts are carried over).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import itertools
@@ -70,6 +76,12 @@ HUNG_AFTER_S = 60.0
 # An engine that dies within this long of being ready died quickly: restarts back off.
 QUICK_DEATH_S = 60.0
 MAX_RESTART_DELAY_S = 30.0
+# A stream's status asked of its engine: past this its last status answers (the engine's pipe
+# reader answers between the jobs' messages, within a millisecond unless it is stuck).
+PEEK_TIMEOUT_S = 2.0
+# Statuses asked of the engines at once; past this the last statuses answer, so clients
+# polling many GETs cannot pile messages on an engine's pipe.
+PEEKS_AT_ONCE = 4
 # counters of an engine's video cache (summed over its lives); the rest of its stats are gauges
 CACHE_COUNTERS = ("queries", "hits", "host_hits", "misses", "evictions_gpu", "evictions_host",
                   "inserted", "rejected", "build_waits")
@@ -394,6 +406,7 @@ class DataParallelWorker(FrontWorker):
         self._parked: collections.deque[_Flight] = collections.deque()
         self.streams: dict[str, int] = {}             # live stream id -> its engine
         self.lost_streams: dict[str, str] = {}        # id -> why it is gone
+        self._peeks: dict[int, tuple] = {}    # peek id -> (engine, stream id, future)
         self._ids = itertools.count(1)
         self._ctx = multiprocessing.get_context("spawn")
         self._hashers = concurrent.futures.ThreadPoolExecutor(
@@ -565,6 +578,37 @@ class DataParallelWorker(FrontWorker):
         with self._lock:
             self.streams.pop(stream_id, None)
 
+    async def stream_status(self, stream_id: str, tenant: str | None) -> dict | None:
+        """The stream's status as its engine has it now (with ``engine``), for its GET (see
+        the module doc); None when that cannot be had (no engine holds it, it is not ready,
+        silent for PEEK_TIMEOUT_S, or PEEKS_AT_ONCE asked already): the caller answers from
+        the last statuses. StreamNotFound when its engine holds no such stream of ``tenant``
+        (deleted meanwhile) or died."""
+        fut = concurrent.futures.Future()
+        with self._lock:
+            engine = self.streams.get(stream_id)
+            if engine is None or self.engines[engine].state != "ready" \
+                    or len(self._peeks) >= PEEKS_AT_ONCE:
+                return None
+            pid = next(self._ids)
+            self._peeks[pid] = (engine, stream_id, fut)
+        try:
+            if not self.engines[engine].send("peek", pid, stream_id, tenant):
+                return None
+            st = await asyncio.wait_for(asyncio.wrap_future(fut), PEEK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.info("stream %s: engine %d did not say its status in %.0f s; answering from "
+                     "its last status", stream_id, engine, PEEK_TIMEOUT_S)
+            return None
+        finally:
+            with self._lock:
+                self._peeks.pop(pid, None)
+        if isinstance(st, BaseException):       # the engine's log has why
+            return None
+        if st is None:
+            raise StreamNotFound(f"no stream {stream_id!r}", stream=str(stream_id))
+        return {**st, "engine": str(engine)}
+
     def _place(self, f: _Flight, avoid: int | None = None):
         """Send ``f`` to the engine the router picks (``avoid``: not that one), or park it
         until one is ready."""
@@ -724,6 +768,12 @@ class DataParallelWorker(FrontWorker):
                 e.status, e.status_at = st, time.monotonic()
                 if st.get("videos") is not None:
                     self.router.reported(e.index, st["videos"])
+        elif kind == "peeked":
+            _, pid, st = msg
+            with self._lock:
+                peek = self._peeks.get(pid)
+            if peek is not None and peek[0] == e.index:
+                _settle(peek[2], st)
         elif kind == "ready":
             self._engine_ready(e, msg[1])
         elif kind == "failed":
@@ -786,6 +836,8 @@ class DataParallelWorker(FrontWorker):
             for sid in [k for k, v in self.streams.items() if v == e.index]:
                 del self.streams[sid]
                 self.lost_streams[sid] = f"its engine stopped ({why})"
+            peeks = [(sid, fut) for engine, sid, fut in self._peeks.values()
+                     if engine == e.index]
             mine = [self._flights[j] for j in list(e.flights) if j in self._flights]
             e.flights.clear()
             for f in mine:
@@ -819,6 +871,9 @@ class DataParallelWorker(FrontWorker):
             log.error("engine %d (pid %s): %s; %d request(s) moved to another engine, %d "
                       "answered 503", e.index, e.pid, why, len(move), len(fail))
         self.moved += len(move)
+        for sid, fut in peeks:
+            _settle(fut, error=StreamNotFound(
+                f"stream {sid!r} is gone: its engine stopped ({why})", stream=sid))
         for f, err in fail:
             self._answer(f.job, error=err)
         for f in move:
@@ -842,6 +897,17 @@ class DataParallelWorker(FrontWorker):
         log.warning("restarting engine %d%s", e.index,
                     f" after {delay:.1f} s" if delay else "")
         self._spawn(e)
+
+
+def _settle(fut: concurrent.futures.Future, result=None, error: BaseException | None = None):
+    """Settle a peek's future unless its GET gave up on it already (timed out)."""
+    try:
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class EngineCollector:

@@ -10,6 +10,8 @@ message is a tuple whose first item names it.
                                        ``call``: None (Pipeline.answer), or a live stream's
                                        work (live_ops.py)
         ("cancel", jid, reason)        stop the job (dropped if queued); ``reason`` answers it
+        ("peek", pid, stream_id, tenant)
+                                       a live stream's status as it is now (a GET of it)
         ("shutdown",)                  answer the queued jobs 503, stop the running ones
         ("stop",)                      stop the worker and exit
     engine -> front end
@@ -20,6 +22,9 @@ message is a tuple whose first item names it.
         ("status", status)             queue counts, scheduler, cache stats, cached videos,
                                        live streams (their figures and statuses)
         ("done", jid, ok, payload)     the AnswerResult, or the error that answers it
+        ("peeked", pid, status)        a peek's answer: the stream's status, None when this
+                                       engine holds no such stream of the tenant, or the
+                                       error that kept it from being read
 
 The pipe ending (EOF) means the other side is gone: the front end restarts a dead engine; an
 engine whose front end died stops. Videos are files on the host, passed by path: the front
@@ -44,7 +49,7 @@ import time
 import torch
 from transformers.utils import logging as hf_logging
 
-from mminfer.errors import Cancelled, MMInferError
+from mminfer.errors import Cancelled, MMInferError, StreamNotFound
 
 from .app import load_pipeline
 from . import live_ops
@@ -214,6 +219,22 @@ class Engine:
         if job is not None:
             job.cancel(reason)
 
+    def peek(self, pid, stream_id, tenant):
+        """A stream's status for the front end's GET, read here in the pipe's reader beside
+        the jobs (as the status thread reads the streams, and one server's GET reads them):
+        a pulled stream's pieces are appended by a thread of this engine that sends no
+        message, so only the periodic statuses would carry them."""
+        try:
+            live = live_ops.live_of(self.worker.pipeline)
+            st = live.status(live.streams.get(stream_id, tenant))
+        except StreamNotFound:
+            st = None
+        except Exception as e:   # noqa: BLE001 - a bug: the front end answers from the reports
+            log.exception("engine %d: the status of stream %s could not be read", self.index,
+                          stream_id)
+            st = portable(e)
+        self.send("peeked", pid, st)
+
     def _heartbeat(self):
         while not self._stop.wait(STATUS_EVERY_S):
             self.send_status()
@@ -247,6 +268,8 @@ class Engine:
                 self.submit(*msg[1:])
             elif kind == "cancel":
                 self.cancel(*msg[1:])
+            elif kind == "peek":
+                self.peek(*msg[1:])
             elif kind == "shutdown":
                 w.begin_shutdown()
             elif kind == "stop":

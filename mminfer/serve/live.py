@@ -38,10 +38,10 @@ playlists) or, for a local path (a growing file, a FIFO), inside
 
 Under ``--data-parallel`` a stream lives on one engine, under ``--ray`` on one replica: it is
 created on the least loaded one and every later call about it goes there (the front end's
-map of stream ids, data_parallel.py and ray_serve.py); its status comes with the engines'
-reports (``engines``, each with its last ``status``), except that under ``--ray`` a stream's
-GET asks its replica (``worker.stream_status``: a pulled stream's replica appends pieces
-between its reports).
+map of stream ids, data_parallel.py and ray_serve.py); listings, /metrics and /report read
+the engines' reports (``engines``, each with its last ``status``), and a stream's GET asks its
+engine or replica (``worker.stream_status``: a pulled stream's engine appends pieces between
+its reports), the reports answering when it cannot say in time.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ async def get_stream(request: Request, stream_id: str):
     tenant = svc.check_auth(request)
     st = status(svc, stream_id, tenant.name)
     now = getattr(svc.worker, "stream_status", None)
-    if now is not None:          # --ray: asked of the stream's replica (ray_serve.py)
+    if now is not None:          # asked of the stream's engine or replica (its reports lag)
         st = _public(await now(stream_id, tenant.name) or st)
     return st
 

@@ -1,15 +1,20 @@
 """Live streams under ``mminfer serve --data-parallel 2`` on the CPU (two engine processes, the
 tiny Qwen2.5-VL checkpoint): each stream is created on the least loaded engine and stays there
 (pieces, questions in /v1/answer and chat, its status, its deletion all reach that engine); its
-answers are those of one server on the same pieces; /metrics sums the engines' streams."""
+answers are those of one server on the same pieces; /metrics sums the engines' streams. A
+pulled stream's source (a live MPEG-TS source on loopback) is read by its engine, its GET
+grows as the pieces arrive (asked of the engine, not read from its periodic statuses), and
+its deletion ends the read."""
 
 import httpx
 import pytest
 from conftest import LiveServer, write_video
+from test_live_pull import NEEDLE, SlowSource, ask, follow, pull, ts_bytes
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
+from mminfer.serve import live_ops
 from mminfer.serve.app import Settings, create_app
-from mminfer.serve.data_parallel import DataParallelWorker
+from mminfer.serve.data_parallel import PEEKS_AT_ONCE, DataParallelWorker
 
 Q = "What is shown?"
 
@@ -26,9 +31,9 @@ def pieces(tmp_path_factory):
             for i in range(2)]
 
 
-def settings(ckpt, data) -> Settings:
+def settings(ckpt, data, **kw) -> Settings:
     return Settings(model=str(ckpt), device="cpu", data_dir=str(data), queue_size=8,
-                    timeout_s=300, api_key=None, shadow_rate=0.0)
+                    timeout_s=300, api_key=None, shadow_rate=0.0, **kw)
 
 
 def run(url, pieces) -> tuple[str, list[str]]:
@@ -85,3 +90,100 @@ def test_a_stream_stays_on_its_engine(ckpt, pieces, tmp_path):
         r = httpx.get(f"{srv.url}/v1/streams/{sid}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
         assert sid not in worker.streams
+
+
+def freeze_reports(worker) -> dict:
+    """Hold the streams the engines' periodic statuses carry at what they are when this is
+    called, until the returned dict is cleared: a GET that still grows reads its engine."""
+    held = {e.index: (e.status or {}).get("streams") for e in worker.engines}
+    real = worker._on_message
+
+    def on_message(e, gen, msg):
+        if msg[0] == "status" and held:
+            msg = ("status", {**msg[1], "streams": held[e.index]})
+        real(e, gen, msg)
+
+    worker._on_message = on_message        # the engines' reader threads look it up per message
+    return held
+
+
+def test_a_pulled_stream_is_read_by_its_engine(ckpt, tmp_path):
+    """One live source read by a stream on one server, then on the --data-parallel server; a
+    second, longer one by another stream there, deleted while it is read."""
+    data = ts_bytes(tmp_path)                   # needle_0: 20 frames, 10 s at 2 fps
+    src = SlowSource(data, pieces=10, gap_s=0.3)
+    long = SlowSource(data, pieces=40, gap_s=0.25)
+    allowed = {"allowed_media_domains": ("127.0.0.1",)}
+    refused = ("http://example.com/live.ts", str(NEEDLE))
+    try:
+        with LiveServer(create_app(settings(ckpt, tmp_path / "one", **allowed))) as one:
+            ref = pull(one.url, src.url)
+            want = follow(one.url, ref)[-1]
+            want_answer = ask(one.url, ref).json()
+            want_refusals = [httpx.post(f"{one.url}/v1/streams", json={"source": x},
+                                        timeout=30) for x in refused]
+
+        s = settings(ckpt, tmp_path / "dp", **allowed)
+        worker = DataParallelWorker(s, str(ckpt), 2)
+        with LiveServer(create_app(s, worker=worker)) as srv:
+            assert worker.state == "ready", worker.error
+            sid = pull(srv.url, src.url)
+            home = worker.streams[sid]
+            # the periodic statuses (every 0.5 s, about as often as a piece comes) would show
+            # the stream growing too: held at its creation, its GET grows only by asking its
+            # engine. A reader of the reports alone never sees the source end: 60 s is over
+            # ten times what the read takes on a loaded 2-core machine.
+            held = freeze_reports(worker)
+            seen = follow(srv.url, sid, timeout=60)
+            # past PEEKS_AT_ONCE statuses asked at once, the held reports answer
+            with worker._lock:
+                worker._peeks.update({-1 - k: (home, sid, None) for k in range(PEEKS_AT_ONCE)})
+            stale = httpx.get(f"{srv.url}/v1/streams/{sid}").json()
+            with worker._lock:
+                for k in range(PEEKS_AT_ONCE):
+                    del worker._peeks[-1 - k]
+            assert stale["frames"] < 20 and stale["source"]["state"] != "ended", stale
+            assert httpx.get(f"{srv.url}/v1/streams/{sid}").json()["frames"] == 20
+            held.clear()
+            got_answer = ask(srv.url, sid).json()
+
+            # deleted while it is read: its engine stops reading (the source sees the
+            # connection closed before it sent everything)
+            gone = pull(srv.url, long.url)
+            assert {home, worker.streams[gone]} == {0, 1}
+            st = follow(srv.url, gone, until=("reading",))[-1]
+            assert st["engine"] == str(worker.streams[gone])
+            assert httpx.delete(f"{srv.url}/v1/streams/{gone}").json()["deleted"] is True
+            assert long.dropped.wait(15), "the engine still reads the deleted stream's source"
+            assert httpx.get(f"{srv.url}/v1/streams/{gone}").status_code == 404
+            assert httpx.delete(f"{srv.url}/v1/streams/{sid}").json()["deleted"] is True
+
+            # sources the operator did not allow: refused by the front end as by one server
+            for source, b in zip(refused, want_refusals):
+                a = httpx.post(f"{srv.url}/v1/streams", json={"source": source}, timeout=30)
+                assert (a.status_code, a.json()) == (b.status_code, b.json()), (a.text, b.text)
+                assert a.json()["error"]["code"] in ("remote_media_refused", "forbidden")
+            assert httpx.get(f"{srv.url}/v1/streams").json()["data"] == []
+            assert getattr(worker.pipeline, live_ops.ATTR, None) is None   # pulls none itself
+    finally:
+        src.close()
+        long.close()
+    last = seen[-1]
+    assert last["engine"] == str(home)
+    assert last["source"]["state"] == "ended" and last["source"]["error"] is None, last
+    assert last["source"]["frames_read"] == 20 and last["frames"] == 20
+    assert last["seen_until"] == 10.0 and last["pieces"] == last["source"]["pieces"] >= 2
+    # the GET grew with the pulled pieces as they came: of the four between none and all (4,
+    # 8, 12, 16 frames, one about every 0.6 s), polled every 0.2 s, two at least were seen
+    growing = [(s["frames"], s["tokens"], s["seen_until"]) for s in seen]
+    assert growing == sorted(growing), growing
+    between = {s["frames"] for s in seen if s["source"]["state"] == "reading"} - {0, 20}
+    assert len(between) >= 2, growing
+    assert 0 < min(s["tokens"] for s in seen if s["frames"]) < last["tokens"]
+    # the same pieces as the single server's: the source sends faster than real time, so
+    # each piece is cut at 2 s of media (4 frames), never by the wall clock
+    for k in ("frames", "tokens", "seen_until"):
+        assert last[k] == want[k], (k, last, want)
+    # a question over it: the single server's answer over the same media
+    assert got_answer["answer"] == want_answer["answer"], (got_answer, want_answer)
+    assert got_answer["video"]["seen_until"] == want_answer["video"]["seen_until"] == 10.0

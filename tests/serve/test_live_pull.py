@@ -125,6 +125,14 @@ def follow(url, sid, until=("ended", "failed", "full", "stopped"), timeout=120):
     raise AssertionError(f"the source did not end: {seen[-1]}")
 
 
+def pull(url, source) -> str:
+    """A stream reading ``source`` (2 fps): its id."""
+    r = httpx.post(f"{url}/v1/streams", json={"fps": 2, "source": source}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["source"]["url"] == source
+    return r.json()["id"]
+
+
 def ask(url, sid):
     return httpx.post(f"{url}/v1/answer", data={"question": Q, "stream_id": sid,
                                                 "max_new_tokens": "4"},

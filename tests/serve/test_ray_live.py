@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from conftest import LiveServer, write_video
-from test_live_pull import NEEDLE, SlowSource, follow, ts_bytes
+from test_live_pull import NEEDLE, SlowSource, follow, pull, ts_bytes
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'mminfer[ray]')")
 try:
@@ -156,13 +156,6 @@ def test_a_stream_stays_on_its_replica(srv, pieces, want):
     assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
     assert sid not in worker.streams
     assert httpx.delete(f"{srv.url}/v1/streams/{other}").json()["deleted"] is True
-
-
-def pull(url, source) -> str:
-    r = httpx.post(f"{url}/v1/streams", json={"fps": 2, "source": source}, timeout=120)
-    assert r.status_code == 200, r.text
-    assert r.json()["source"]["url"] == source
-    return r.json()["id"]
 
 
 def test_a_pulled_stream_is_read_by_its_replica(srv, one, tmp_path):
