@@ -264,12 +264,17 @@ def fork_group_attention(query, keys, values, scaling=None, ctx=None, out=None):
     what :func:`fork_attention` gives each reader alone, the prefix read once instead of M
     times. On the GPU, or FP8, the flash-decoding kernel's form
     (mminfer.kernels.fp8_attention.shared_prefix_attention); off the GPU in the model's
-    dtype PyTorch's CPU flash attention, as :func:`_cpu_fork`. Returns ``[M, 1, H, D]``,
-    written into ``out`` where given."""
-    prefix = (prefix_of(keys[0]), prefix_of(values[0]))
-    owns = list(zip(keys, values))
-    if scale_of(keys[0]) is not None:
-        args = (query, prefix, owns, keys[0].kv_scale, values[0].kv_scale, scaling)
+    dtype PyTorch's CPU flash attention, as :func:`_cpu_fork`. A reader whose rows are in the
+    prefix's tail (a cache in one piece: plain views of the prefix's buffers) is one of them,
+    its own rows those after the shared ones. Returns ``[M, 1, H, D]``, written into ``out``
+    where given."""
+    ref = next(j for j, k in enumerate(keys) if prefix_of(k) is not None)
+    prefix = (prefix_of(keys[ref]), prefix_of(values[ref]))
+    shared = prefix[0].shape[2]
+    owns = [(k, v) if prefix_of(k) is not None else (k[:, :, shared:], v[:, :, shared:])
+            for k, v in zip(keys, values)]
+    if scale_of(keys[ref]) is not None:
+        args = (query, prefix, owns, keys[ref].kv_scale, values[ref].kv_scale, scaling)
         run = shared_prefix_attention
     else:
         args = (query, prefix, owns, None, None, scaling)
