@@ -357,11 +357,24 @@ def run_decoders(serve_args, a, env) -> dict:
         srv.close()
 
 
+def decode_batches(url) -> tuple[float, float]:
+    """The server's running counts of batched decode steps and of the answers' steps they
+    carried (``/metrics``: mminfer:decode_batches, mminfer:decode_batched_steps)."""
+    got = {"mminfer:decode_batches": 0.0, "mminfer:decode_batched_steps": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]      # labelled by model: summed
+        if name in got:
+            got[name] += float(line.rsplit(" ", 1)[1])
+    return got["mminfer:decode_batches"], got["mminfer:decode_batched_steps"]
+
+
 def _decode_at_once(srv, video, asks, a) -> dict:
     """``asks`` ((question, form data) each, every prefix cached) sent at once, against the
-    first asked alone (twice: the second is the one timed)."""
+    first asked alone (twice: the second is the one timed). ``mean_batch``: the answers a
+    batched step carried meanwhile, on average (the server's counts)."""
     n = len(asks)
     alone = [ask(srv.url, video, *asks[0], a.timeout_s) for _ in range(2)][-1]
+    before = decode_batches(srv.url)
     rows = [None] * n
 
     def one(i):
@@ -373,6 +386,8 @@ def _decode_at_once(srv, video, asks, a) -> dict:
     for t in threads:
         t.join()
     ok = [r for r in rows if r["status"] == 200]
+    after = decode_batches(srv.url)
+    batches = after[0] - before[0]
 
     def per_token(r):
         return r["generate_ms"] / max(1, r["generated"] - 1)
@@ -388,7 +403,9 @@ def _decode_at_once(srv, video, asks, a) -> dict:
            "alone_ms_per_token": round(per_token(alone), 3) if one_rate else None,
            "ms_per_token": [round(per_token(r), 3) for r in ok],
            "aggregate_tokens_per_s": round(agg, 2) if agg else None,
-           "alone_tokens_per_s": round(one_rate, 2) if one_rate else None}
+           "alone_tokens_per_s": round(one_rate, 2) if one_rate else None,
+           "batches": batches,
+           "mean_batch": round((after[1] - before[1]) / batches, 2) if batches else None}
     if agg and one_rate:
         out["aggregate_vs_alone"] = round(agg / one_rate, 3)
         out["worst_per_token_vs_alone"] = round(

@@ -573,6 +573,8 @@ def test_load_benchmark_decoders_phase(tmp_path):
         assert phase["cache"] == ["hit"] * 3 and phase["prefixes"] == prefixes
         assert len(phase["ms_per_token"]) == 3 and phase["aggregate_tokens_per_s"] > 0
         assert phase["aggregate_vs_alone"] > 0 and phase["worst_per_token_vs_alone"] > 0
+        # the server's batch counts over the phase: every decode step went through a batch
+        assert phase["batches"] > 0 and 1.0 <= phase["mean_batch"] <= 3.0
     assert "one shared prefix" in proc.stdout
 
 

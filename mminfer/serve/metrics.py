@@ -110,6 +110,13 @@ class Metrics:
                                 "Answers generating their tokens (the decode steps)")
         self.turn_switches = gauge("mminfer:scheduler_switches",
                                    "Times the model was handed from one request to another")
+        # two running counts, as the switches: their ratio over a window is the mean number
+        # of answers a batched decode step carried (the decode batch's size)
+        self.decode_batches = gauge("mminfer:decode_batches",
+                                    "Batched decode steps run (one pass of the decoder layers "
+                                    "over every answer in it)")
+        self.decode_batched = gauge("mminfer:decode_batched_steps",
+                                    "Answers' decode steps those batches carried")
         self.wait = hist("mminfer:request_wait_time_seconds",
                          "Time a request in progress waited for others' steps before its first "
                          "token (the wait stage)")
@@ -151,6 +158,8 @@ class Metrics:
         self.paused.set(state.get("paused", 0))
         self.generating.set(state.get("decoding", 0))
         self.turn_switches.set(state.get("switches", 0))
+        self.decode_batches.set(state.get("decode_batches", 0))
+        self.decode_batched.set(state.get("decode_batched_steps", 0))
 
     def observe_success(self, timings_ms: dict, tokens: int, generated: int, density: float):
         s = lambda k: timings_ms.get(k, 0.0) / 1e3     # noqa: E731

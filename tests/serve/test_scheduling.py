@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mminfer.serve.app import Settings, create_app
 
@@ -129,6 +130,10 @@ def test_answers_decoding_together_keep_their_own_tokens(server):
     assert w.scheduler.batched_steps - steps > w.scheduler.batches - batches
     m = httpx.get(f"{url}/metrics").text
     assert "mminfer:num_requests_decoding" in m and "mminfer:request_wait_time_seconds" in m
+    # the batch counts: more answers' steps than batches (several answers in some)
+    got = {f.name: f.samples[0].value for f in text_string_to_metric_families(m)
+           if f.name in ("mminfer:decode_batches", "mminfer:decode_batched_steps")}
+    assert got["mminfer:decode_batched_steps"] > got["mminfer:decode_batches"] > 0
     h = httpx.get(f"{url}/health").json()
     assert {"prefilling", "paused", "decoding", "max_active"} <= set(h)
     now = httpx.get(f"{url}/v1/latency-report").json()["now"]
