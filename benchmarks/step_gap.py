@@ -8,9 +8,10 @@ between its tokens (the token's readback, sampling, the cancel check, detokenisi
 serving many answers at once adds to it.
 
 Reported per N (default 1, 2, 4, 8): batched steps, mean answers a step, the gap's median, mean
-and p90 between two full steps (all N answers in both), the step's median, and the scheduler's
+and p90 between two full steps (all N answers in both), the step's median, the scheduler's
 gather waits (steps that began after waiting the whole ``gather_s`` for an answer that was not
-back yet).
+back yet), the questions' suffix prefills (median ms; they run one at a time before their
+answers decode) and the steps' summed time against the wall time of the N answers.
 
 Every answer decodes all ``--tokens`` (end tokens are off: the steps are what is measured).
 On a GPU, ``--device cuda --model CKPT --clip LONG.mp4`` measures the same path over a long
@@ -117,6 +118,11 @@ def measure(pipe, n: int, tokens: int, clip: Path, temperature: float = 0.0,
             "gap_ms_p90": pct(gaps, 0.9),
             "step_ms_median": round(statistics.median(steps), 3) if steps else None,
             "gather_timeouts": sched.state().get("decode_gather_timeouts"),
+            # each question's rows over the cached prefix: FIRST work, one at a time, inside
+            # the wall (with the steps: what N answers asked together wait for)
+            "suffix_ms_median": round(statistics.median(
+                r.timings_ms.get("suffix", 0.0) for r in results), 3),
+            "steps_s": round(sum(e - s_ for s_, e, _ in log), 3),
             "wall_s": round(wall, 3), "token_ids": [[t for t in x if t is not None] for x in texts]}
 
 
@@ -165,7 +171,8 @@ def main(argv=None):
         print(f"N={n:2d}  batches {best['batches']:4d}  mean batch {best['mean_batch']:5.2f}  "
               f"gap ms median {best['gap_ms_median']}  mean {best['gap_ms_mean']}  "
               f"p90 {best['gap_ms_p90']}  step ms median {best['step_ms_median']}  "
-              f"gather timeouts {best['gather_timeouts']}  wall {best['wall_s']} s",
+              f"gather timeouts {best['gather_timeouts']}  suffix ms median "
+              f"{best['suffix_ms_median']}  steps {best['steps_s']} s  wall {best['wall_s']} s",
               flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "tokens": args.tokens,
