@@ -380,13 +380,7 @@ class FrontWorker:
         fut = job.future
         if not fut.done() and not fut.running() and not fut.set_running_or_notify_cancel():
             return                                  # cancelled meanwhile
-        try:
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass
+        _settle(fut, result, error)
 
 
 class DataParallelWorker(FrontWorker):
@@ -900,7 +894,8 @@ class DataParallelWorker(FrontWorker):
 
 
 def _settle(fut: concurrent.futures.Future, result=None, error: BaseException | None = None):
-    """Settle a peek's future unless its GET gave up on it already (timed out)."""
+    """Settle ``fut`` unless it was settled already (a job answered twice; a peek whose GET
+    gave up on it, timed out)."""
     try:
         if error is None:
             fut.set_result(result)
