@@ -9,7 +9,8 @@ its deletion ends the read."""
 import httpx
 import pytest
 from conftest import LiveServer, write_video
-from test_live_pull import NEEDLE, SlowSource, ask, follow, pull, ts_bytes
+from test_live_pull import (NEEDLE, SlowSource, ask, assert_grew_as_one_server, follow,
+                            pull, ts_bytes)
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from mminfer.serve import live_ops
@@ -168,22 +169,7 @@ def test_a_pulled_stream_is_read_by_its_engine(ckpt, tmp_path):
     finally:
         src.close()
         long.close()
-    last = seen[-1]
-    assert last["engine"] == str(home)
-    assert last["source"]["state"] == "ended" and last["source"]["error"] is None, last
-    assert last["source"]["frames_read"] == 20 and last["frames"] == 20
-    assert last["seen_until"] == 10.0 and last["pieces"] == last["source"]["pieces"] >= 2
-    # the GET grew with the pulled pieces as they came: of the four between none and all (4,
-    # 8, 12, 16 frames, one about every 0.6 s), polled every 0.2 s, two at least were seen
-    growing = [(s["frames"], s["tokens"], s["seen_until"]) for s in seen]
-    assert growing == sorted(growing), growing
-    between = {s["frames"] for s in seen if s["source"]["state"] == "reading"} - {0, 20}
-    assert len(between) >= 2, growing
-    assert 0 < min(s["tokens"] for s in seen if s["frames"]) < last["tokens"]
-    # the same pieces as the single server's: the source sends faster than real time, so
-    # each piece is cut at 2 s of media (4 frames), never by the wall clock
-    for k in ("frames", "tokens", "seen_until"):
-        assert last[k] == want[k], (k, last, want)
+    assert_grew_as_one_server(seen, want, str(home))
     # a question over it: the single server's answer over the same media
     assert got_answer["answer"] == want_answer["answer"], (got_answer, want_answer)
     assert got_answer["video"]["seen_until"] == want_answer["video"]["seen_until"] == 10.0

@@ -125,6 +125,28 @@ def follow(url, sid, until=("ended", "failed", "full", "stopped"), timeout=120):
     raise AssertionError(f"the source did not end: {seen[-1]}")
 
 
+def assert_grew_as_one_server(seen, want, engine):
+    """A pulled stream of the needle's 20 frames (10 s at 2 fps, sent in ten chunks) on a
+    server of several engines or replicas, as ``follow`` saw it: ended cleanly on ``engine``;
+    its GET grew with the pieces as they came (of the four counts between none and all, 4,
+    8, 12 and 16 frames, one about every 0.6 s, polled every 0.2 s, two at least seen: a poll
+    on a loaded machine can pass a piece); the same pieces as one server's last status
+    ``want`` (the source sends faster than real time, so each piece is cut at 2 s of media,
+    never by the wall clock)."""
+    last = seen[-1]
+    assert last["engine"] == engine
+    assert last["source"]["state"] == "ended" and last["source"]["error"] is None, last
+    assert last["source"]["frames_read"] == 20 and last["frames"] == 20
+    assert last["seen_until"] == 10.0 and last["pieces"] == last["source"]["pieces"] >= 2
+    growing = [(s["frames"], s["tokens"], s["seen_until"]) for s in seen]
+    assert growing == sorted(growing), growing
+    between = {s["frames"] for s in seen if s["source"]["state"] == "reading"} - {0, 20}
+    assert len(between) >= 2, growing
+    assert 0 < min(s["tokens"] for s in seen if s["frames"]) < last["tokens"]
+    for k in ("frames", "tokens", "seen_until"):
+        assert last[k] == want[k], (k, last, want)
+
+
 def pull(url, source) -> str:
     """A stream reading ``source`` (2 fps): its id."""
     r = httpx.post(f"{url}/v1/streams", json={"fps": 2, "source": source}, timeout=120)

@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 from conftest import LiveServer, write_video
-from test_live_pull import NEEDLE, SlowSource, follow, pull, ts_bytes
+from test_live_pull import NEEDLE, SlowSource, assert_grew_as_one_server, follow, pull, \
+    ts_bytes
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'mminfer[ray]')")
 try:
@@ -182,27 +183,8 @@ def test_a_pulled_stream_is_read_by_its_replica(srv, one, tmp_path):
     finally:
         src.close()
         long.close()
-    last = seen[-1]
-    assert last["engine"] == worker.streams[sid]
+    assert_grew_as_one_server(seen, want_, worker.streams[sid])
     assert getattr(worker.pipeline, live_ops.ATTR, None) is None    # the front end pulls none
-    assert last["source"]["state"] == "ended" and last["source"]["error"] is None, last
-    assert last["source"]["frames_read"] == 20 and last["frames"] == 20
-    assert last["seen_until"] == 10.0 and last["pieces"] == last["source"]["pieces"] >= 2
-    # the front end's status grew with the pulled pieces as they came (no call of the front
-    # end's appended them): of the four between none and all (4, 8, 12, 16 frames, one about
-    # every 0.6 s), polled every 0.2 s, two at least were seen (the replicas' periodic
-    # reports alone, a second or more apart, showed one or two; three of four were seen 5
-    # times of 5 on an idle machine, but a poll's round trip through Ray on a loaded one can
-    # pass a piece)
-    growing = [(s["frames"], s["tokens"], s["seen_until"]) for s in seen]
-    assert growing == sorted(growing), growing
-    between = {s["frames"] for s in seen if s["source"]["state"] == "reading"} - {0, 20}
-    assert len(between) >= 2, growing
-    assert 0 < min(s["tokens"] for s in seen if s["frames"]) < last["tokens"]
-    # the same pieces as the single server's: the source sends faster than real time, so
-    # each piece is cut at 2 s of media (4 frames), never by the wall clock
-    for k in ("frames", "tokens", "seen_until"):
-        assert last[k] == want_[k], (k, last, want_)
     # a question over it: the single server's answer over the same media
     got, ref_answer = ask(srv.url, sid).json(), ask(one.url, ref).json()
     assert got["answer"] == ref_answer["answer"]
