@@ -492,25 +492,35 @@ def _flash_reads(q, pk, pv) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) if q.is_cuda else True
 
 
-def _flash_prefix(q, pk, pv, scale, po, pl):
-    """The prefix pass of :func:`shared_prefix_attention` by PyTorch's flash attention: the
-    M readers' query heads of a KV head as the query rows of that head (``M x G``, reader j's
-    head g at row ``j*G + g``, as the Triton pass has them), none causal. Its split-KV path
-    reads the prefix once for all of them at the GPU's bandwidth, where the Triton pass over
-    the same rows was compute bound (677 us a layer at 56 rows x 115K keys on an H100). Writes
-    the normalised output into ``po`` ``[Hkv, R, D]`` and the base-2 log-sum-exp the merge
-    folds into ``pl`` ``[Hkv, R]``."""
+def prefix_flash(q, pk, pv, scale):
+    """M readers' decode queries ``q`` ``[M, H, 1, D]`` over one prefix ``(pk, pv)``
+    ``[1, Hkv, P, D]`` (in q's dtype) by PyTorch's flash attention (CUDA's, or the CPU's): the
+    readers' query heads of a KV head as the query rows of that head (``M x G``, reader j's
+    head g at row ``j*G + g``), none causal, so the prefix is read once for all of them. The
+    normalised output ``[1, Hkv, M*G, D]`` and its natural log-sum-exp ``[1, Hkv, M*G]``: a
+    partial to merge with the readers' own rows."""
     M, H, _, D = q.shape
     Hkv = pk.shape[1]
-    rows = q.reshape(M, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, po.shape[1], D)
+    R = M * (H // Hkv)
+    rows = q.reshape(M, Hkv, H // Hkv, D).transpose(0, 1).reshape(1, Hkv, R, D)
     if q.is_cuda:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             rows, pk, pv, 0.0, False, False, scale=scale)[:2]
     else:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             rows, pk, pv, 0.0, False, scale=scale)
+    return o, lse[..., :R]
+
+
+def _flash_prefix(q, pk, pv, scale, po, pl):
+    """The prefix pass of :func:`shared_prefix_attention` by :func:`prefix_flash`: its split-KV
+    path reads the prefix at the GPU's bandwidth, where the Triton pass over the same rows
+    was compute bound (677 us a layer at 56 rows x 115K keys on an H100). Writes the output
+    into ``po`` ``[Hkv, R, D]`` and the base-2 log-sum-exp the merge folds into ``pl``
+    ``[Hkv, R]``."""
+    o, lse = prefix_flash(q, pk, pv, scale)
     po.copy_(o[0])
-    torch.mul(lse[0, :, :po.shape[1]], LOG2E, out=pl)
+    torch.mul(lse[0], LOG2E, out=pl)
 
 
 @functools.lru_cache(maxsize=256)

@@ -35,7 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from mminfer.errors import InputError
-from mminfer.kernels.fp8_attention import (fp8_attention, merge_partials,
+from mminfer.kernels.fp8_attention import (fp8_attention, merge_partials, prefix_flash,
                                            shared_prefix_attention, split_attention)
 from mminfer.kernels.runtime import compiled_gpu, interpreted
 from mminfer.models.kv import dequantize, prefix_of, scale_of
@@ -297,8 +297,7 @@ def _cpu_fork_group(query, prefix, owns, k_scale, v_scale, scaling, *, out=None)
     G = H // Hkv
     scale = scaling if scaling is not None else D ** -0.5
     rows = query.reshape(M, Hkv, G, D)
-    o1, l1 = flash(rows.transpose(0, 1).reshape(1, Hkv, M * G, D), *prefix, 0.0, False,
-                   scale=scale)                                  # rows (reader, g)
+    o1, l1 = prefix_flash(query, *prefix, scale)                 # rows (reader, g)
     own = [flash(rows[j:j + 1], k, v, 0.0, False, scale=scale) for j, (k, v) in enumerate(owns)]
     o2 = torch.cat([o for o, _ in own], 0).transpose(0, 1).reshape(1, Hkv, M * G, D)
     l2 = torch.cat([lse for _, lse in own], 0).transpose(0, 1).reshape(1, Hkv, M * G)
