@@ -15,16 +15,17 @@ import torch
 # Every stage of a served request, in the order it happens: the one list. ``upload``, ``queue``
 # and ``retry`` exist only in the service (``retry``: an attempt that ran out of memory before
 # its first token and the spill of idle cached prefixes after it, the request then run again:
-# mminfer.serve.worker; 0 otherwise); ``wait`` is the time a running request spent waiting for others' steps
-# before its first token (engine/scheduler.py: a long prefill paused for a cache hit, or a hit
-# waiting for the layer in progress), wherever in its work it fell; ``restore`` brings a cached
-# video prefix back from the host tier (0 on a miss and on a GPU hit); ``room`` makes the device
-# memory a miss's prefill needs (idle cached prefixes moved to the host tier; the time it waits
-# for others to give theirs back is ``wait``); ``decode`` (the video's
+# mminfer.serve.worker; 0 otherwise); ``wait`` is the time a running request spent waiting for
+# others' steps before its first token (engine/scheduler.py: a long prefill paused for a cache
+# hit, or a hit waiting for the layer in progress), wherever in its work it fell; ``restore``
+# brings a cached video prefix back from the host tier (0 on a miss and on a GPU hit); ``room``
+# makes the device memory a miss's prefill needs (idle cached prefixes moved to the host tier;
+# the time it waits for others to give theirs back is ``wait``); ``decode`` (the video's
 # frames) .. ``llm_other`` build the prefix on a miss (``index`` + ``attention`` + ``llm_other``
 # are its LLM prefill) and are 0 on a hit; ``suffix`` prefills the question's rows over the
-# prefix's cache; everything before ``generate`` adds up to the time to first token; ``density`` is
-# counting a sparse prefill's density from its plans (no launch), after the last token.
+# prefix's cache; everything before ``generate`` adds up to the time to first token;
+# ``density`` is counting a sparse prefill's density from its plans (no launch), after the
+# last token.
 STAGES = ("upload", "queue", "retry", "wait", "restore", "room", "decode", "preprocess", "vision",
           "index", "attention", "llm_other", "suffix", "generate", "density")
 TOTALS = ("ttft", "total")                      # sums reported after the stages

@@ -22,7 +22,8 @@ from .store import bucket_of
 # Stages that add up to the time to first token, then the answer tokens and the density
 # count: together the whole request.
 BAR_STAGES = TTFT_STAGES + ("generate", "density")
-COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "retry": "#d32f2f", "wait": "#fff176", "restore": "#a1887f", "room": "#ff8a65", "suffix": "#7986cb",
+COLORS = {"upload": "#9e9e9e", "queue": "#bdbdbd", "retry": "#d32f2f", "wait": "#fff176",
+          "restore": "#a1887f", "room": "#ff8a65", "suffix": "#7986cb",
           "decode": "#8d6e63", "preprocess": "#ffb74d",
           "vision": "#4db6ac", "index": "#ba68c8", "attention": "#e57373",
           "llm_other": "#64b5f6", "generate": "#81c784", "density": "#f06292",
