@@ -90,7 +90,6 @@ def main(argv=None):
             row["max_abs_err"] = float((got.float() - ref).abs().max())
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del own, segs, whole
     report = {"prefix": P, "layers": LAYERS, "heads": [H, HKV, D],
               "device": torch.cuda.get_device_name(), "rows": rows}
     if args.out:
