@@ -21,9 +21,11 @@ The keys may lie in two segments (:func:`split_attention`): a kept video prefix,
 every question about it and never written, and one question's own rows after it
 (mminfer.models.kv.ForkKV). The ranges are planned over the two together, none straddling
 them, and each program reads its range from its segment's buffer: the concatenation is read
-without being made, and the merge is the same. In that form the K/V may also be in the
-query's dtype (no scales: the conversion is the identity), which is how a question reads a
-bf16 prefix it shares.
+without being made, and the merge is the same. A prefix in the query's dtype (how a question
+reads a bf16 prefix it shares) goes to PyTorch's flash attention instead (:func:`_flash_fork`:
+its split-KV path reads at the GPU's bandwidth where our pass over a question's hundreds of
+rows is compute bound), the own rows alone to the kernel (no scales: the conversion is the
+identity), into the same scratch and merge.
 
 Several readers of one prefix decoding together (:func:`shared_prefix_attention`, cascade
 attention) read it once for all of them: one launch takes every reader's query heads of a KV
