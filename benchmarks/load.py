@@ -658,17 +658,27 @@ def run_selfcal(common, a, env, save=None) -> dict:
         caldir.cleanup()
 
 
-# A mode named with this suffix (scheduler-expandable, serial-expandable) runs its server with
-# PyTorch's expandable CUDA segments instead of its default fixed segments (the 80 GB H100 load
-# runs lost prefills out of memory with 9-10 GB reserved in fragments): the two side by side.
-EXPANDABLE = "-expandable"
+# A mode named with one of these suffixes runs its server with these CUDA allocator settings,
+# side by side with the same mode without: -expandable, PyTorch's expandable segments instead
+# of fixed ones (the 80 GB H100 load runs lost prefills out of memory with 9-10 GB reserved in
+# fragments); -hostalloc, host memory pinned by cudaHostAlloc (PyTorch's default) instead of
+# the command's cudaHostRegister (mminfer.cli.PINNED_HOST: the video cache's spills).
+ALLOCATORS = {"-expandable": "expandable_segments:True",
+              "-hostalloc": "pinned_use_cuda_host_register:False"}
+
+
+def _allocator(name: str) -> tuple[str, str | None]:
+    """(the mode without its allocator suffix, that suffix's settings or None)."""
+    for suffix, conf in ALLOCATORS.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), conf
+    return name, None
 
 
 def mode_env(name: str, env: dict) -> dict:
     """The environment of mode ``name``'s server."""
-    if name.endswith(EXPANDABLE):
-        return {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    return env
+    conf = _allocator(name)[1]
+    return {**env, "PYTORCH_CUDA_ALLOC_CONF": conf} if conf else env
 
 
 def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
@@ -679,7 +689,7 @@ def modes_of(a, common: list[str]) -> list[tuple[str, list[str], int]]:
         ("" if a.data_parallel else "scheduler,serial")
     out = []
     for name in (n for n in chosen.split(",") if n):
-        base = name.removesuffix(EXPANDABLE)      # the allocator: mode_env
+        base = _allocator(name)[0]               # the allocator: mode_env
         if base.startswith("scheduler@"):       # the scheduler with another --decode-share
             out.append((name, common + ["--decode-share", base.split("@", 1)[1]], 1))
         else:
@@ -719,7 +729,8 @@ def main(argv=None):
     p.add_argument("--modes", default=None,
                    help="serial (--max-num-seqs 1), scheduler (the default server), "
                         "scheduler@F (with --decode-share F), each with the suffix "
-                        f"{EXPANDABLE} for PyTorch's expandable CUDA segments, "
+                        "-expandable (PyTorch's expandable CUDA segments) or -hostalloc "
+                        "(host memory pinned by cudaHostAlloc), "
                         "comma-separated; "
                         "default: scheduler,serial, or none with --data-parallel")
     p.add_argument("--data-parallel", default=None, metavar="N,N...",

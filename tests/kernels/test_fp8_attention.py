@@ -253,6 +253,29 @@ def test_shared_prefix_readers_on_cuda_at_long_lengths(P, fp8):
         torch.testing.assert_close(got[j:j + 1].float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q_len", [1, 32, 200])
+@pytest.mark.parametrize("P", [4097, 131072])
+def test_question_rows_over_a_bf16_prefix_on_cuda(P, q_len):
+    """A question's rows (or a decode step) over a bf16 prefix and its own rows after it (the
+    prefix by PyTorch's flash attention, the own rows causal by the Triton pass, merged):
+    the fp32 chunked form's."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def cache(n):
+        return tuple(torch.randn(1, 4, n + 5, 128, generator=g, device="cuda",
+                                 dtype=torch.bfloat16)[:, :, :n] * 3 for _ in range(2))
+
+    segs = [cache(P), cache(q_len + 3)]
+    q = torch.randn(1, q_len, 28, 128, generator=g, device="cuda",
+                    dtype=torch.bfloat16).transpose(1, 2)
+    one = torch.ones(4, device="cuda")
+    got = F.split_attention(q, segs)
+    ref = F.chunked(q.float(), None, None, one, one, segments=segs)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def _lower_for_hopper():
     """Both kernels through Triton's sm_90 pipeline down to a cubin (ptxas), bf16 queries over
     e4m3 K/V at the H200 shapes (GQA 7, d 128) and each row block the launcher picks; prints
