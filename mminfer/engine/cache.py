@@ -42,11 +42,14 @@ an entry on the host, one restores it and the others wait for that. A miss regis
 first build failed, was cancelled or was not kept: ten first requests for one video cost one
 prefill. Every wait goes through :meth:`VideoCache.wait`, which a scheduler overrides to give
 its GPU turn away while it waits. One lock guards the bookkeeping; no lock is held while a
-prefix is built or restored from the host (a spill, which makes room for whoever asked,
-copies under it). A prefill that needs the memory asks :meth:`VideoCache.make_room`
-first: idle entries are spilled, and while the room is still short and other requests are in
-the cache (their entries pinned, their own rows held), it waits a bounded time for them to
-end. Only a finished prefix is kept: a cancelled or failed prefill leaves nothing behind.
+prefix is built or restored from the host (a spill that keeps a built or restored prefix
+within the device budget copies under it). A prefill that needs the memory asks
+:meth:`VideoCache.make_room` first: idle entries are copied to the host on a thread of their
+own, with no lock held and the turn given away (other questions are answered meanwhile; a
+question about an entry on its way waits for it, then restores it), and while the room is
+still short and other requests are in the cache (their entries pinned, their own rows held),
+it waits a bounded time for them to end. Only a finished prefix is kept: a cancelled or
+failed prefill leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -175,6 +178,8 @@ class Entry:
     readers: set[Lease] = field(default_factory=set, repr=False)     # leases pinning it
     # set while one of its readers brings it back from the host (the others wait for it)
     restoring: threading.Event | None = field(default=None, repr=False)
+    # set while make_room copies it to the host with no lock held (a reader waits for it)
+    moving: threading.Event | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -226,6 +231,7 @@ class VideoCache:
         self._lock = threading.RLock()
         self._in_use = 0                      # requests inside use() (leases open)
         self._room_waiters: set[threading.Event] = set()   # make_room: set when one leaves
+        self._host_moving = 0                 # host bytes of the entries make_room copies now
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
                            evictions_host=0, inserted=0, rejected=0, build_waits=0,
                            room_waits=0, tail_reads=0, idle_spills=0)
@@ -286,7 +292,8 @@ class VideoCache:
         while True:
             with self._lock:
                 entry = self._entries.get(lease.key)
-                if entry is not None:
+                moving = entry.moving if entry is not None else None
+                if entry is not None and moving is None:
                     # a set of leases, not a count: releasing is idempotent, so an interrupt
                     # anywhere in here leaves no pin behind (_close discards it)
                     lease.entry = entry
@@ -294,16 +301,19 @@ class VideoCache:
                     self._entries.move_to_end(lease.key)
                     break
                 pending = self._pending.get(lease.key)
-                if pending is None:            # nobody builds it: this request does
+                if pending is None and moving is None:     # nobody builds it: this one does
                     lease.pending = PendingBuild(lease.key)
                     self._pending[lease.key] = lease.pending
                     lease.status = "miss"
                     self.counts["misses"] += 1
                     lease.wait_ms = (time.perf_counter() - t0) * 1e3
                     return
-                if not waited:
+                if not waited and moving is None:
                     self.counts["build_waits"] += 1
                     waited = True
+            if moving is not None:       # on its way to the host: then restored from there
+                self.wait(moving)
+                continue
             self.wait_for_build(pending)
         status = "hit"
         while True:        # on the host: one reader restores it, the others wait for that
@@ -403,31 +413,42 @@ class VideoCache:
         for key, e in list(self._entries.items()):
             if self._bytes(Tier.GPU) + self._reserved <= budget:
                 break
-            if e.tier is Tier.GPU and not e.readers and e is not keep:
+            if self._idle(e) and e is not keep:
                 self._spill(key, e)
 
     def _spill(self, key: str, e: Entry) -> None:
         """An idle device entry to the host tier (room made there, least recently used host
         entries first), else dropped (lock held)."""
         need = e.kv.bytes_at(e.length)            # the host copy holds the rows alone
-        if need <= self.host_budget:
-            self._fit_host(self.host_budget - need)
-            if self._bytes(Tier.HOST) + need <= self.host_budget:
-                t0 = time.perf_counter()
-                try:
-                    e.kv.move("cpu", pin=self.device.type == "cuda")
-                except Exception as err:      # no host memory for it: dropped instead
-                    log.warning("video cache: spilling %d bytes to the host failed (%s); "
-                                "the entry is dropped", need, err)
-                else:
-                    e.tier, e.nbytes = Tier.HOST, e.kv.held_bytes
-                    self.counts["evictions_gpu"] += 1
-                    # pinned host memory is slow to allocate: each spill's time is logged
-                    log.info("video cache: %.2f GiB spilled to the host in %.2f s",
-                             need / 2**30, time.perf_counter() - t0)
-                    return
+        if self._host_room(need):
+            t0 = time.perf_counter()
+            try:
+                e.kv.move("cpu", pin=self.device.type == "cuda")
+            except Exception as err:      # no host memory for it: dropped instead
+                log.warning("video cache: spilling %d bytes to the host failed (%s); "
+                            "the entry is dropped", need, err)
+            else:
+                e.tier, e.nbytes = Tier.HOST, e.kv.held_bytes
+                self.counts["evictions_gpu"] += 1
+                # pinned host memory is slow to allocate: each spill's time is logged
+                log.info("video cache: %.2f GiB spilled to the host in %.2f s",
+                         need / 2**30, time.perf_counter() - t0)
+                return
         self._drop(key, e)
         self.counts["evictions_gpu"] += 1
+
+    @staticmethod
+    def _idle(e: Entry) -> bool:
+        """On the device, read by nobody, not on its way out: free to move or drop."""
+        return e.tier is Tier.GPU and not e.readers and e.moving is None
+
+    def _host_room(self, need: int) -> bool:
+        """(Lock held.) Room for ``need`` bytes on the host tier, its least recently used
+        entries dropped for it, beside the copies make_room has under way."""
+        if need + self._host_moving > self.host_budget:
+            return False
+        self._fit_host(self.host_budget - need - self._host_moving)
+        return self._bytes(Tier.HOST) + self._host_moving + need <= self.host_budget
 
     def _fit_host(self, budget: int) -> None:
         for key, e in list(self._entries.items()):
@@ -459,12 +480,20 @@ class VideoCache:
         while True:
             woken = threading.Event()      # a request leaving the cache, or the deadline
             with self._lock:
-                short = self._spill_for(want)
+                free = self.free_bytes()
+                if free is None:
+                    return 0
+                short = want - free
+                moves = self._pick_spills(short) if short > 0 else None
                 others = self._in_use > 1
                 left = deadline - time.monotonic()
-                if short > 0 and others and left > 0:
+                if moves is None and short > 0 and others and left > 0:
                     self._room_waiters.add(woken)
                     self.counts["room_waits"] += 1
+            if moves is not None:          # entries dropped or on their way: measure again
+                if moves:
+                    self._copy_out(moves)
+                continue
             if woken not in self._room_waiters:
                 if short > 0 and not others:
                     log.warning("video cache: %.2f GiB short of the %.2f GiB a prefill needs "
@@ -482,6 +511,86 @@ class VideoCache:
                 with self._lock:
                     self._room_waiters.discard(woken)
 
+    def _pick_spills(self, short: int) -> list | None:
+        """(Lock held.) Idle device entries, least recently used first, until their bytes
+        cover ``short``: each that fits the host tier is marked moving (its host room
+        reserved) and returned as ``(key, entry, host bytes)``, any other dropped. None when
+        no entry is idle."""
+        moves, freed, found = [], 0, False
+        for key, e in list(self._entries.items()):
+            if freed >= short:
+                break
+            if not self._idle(e):
+                continue
+            found = True
+            freed += e.nbytes
+            need = e.kv.bytes_at(e.length)
+            if self._host_room(need):
+                e.moving = threading.Event()
+                self._host_moving += need
+                moves.append((key, e, need))
+            else:
+                self._drop(key, e)
+                self.counts["evictions_gpu"] += 1
+        return moves if found else None
+
+    def _copy_out(self, moves: list) -> None:
+        """Copy the entries :meth:`_pick_spills` marked to the host, on a thread of their own
+        and with no lock held, while this request waits through :meth:`wait` (a scheduler
+        gives its turn away: other requests' questions are answered meanwhile; pinning the
+        host memory is most of a spill's time); each entry leaves the device once its copy is
+        whole. A copy that fails drops its entry (no host memory) and the rest go on; a wait
+        that raises (the request cancelled) leaves the thread to finish them."""
+        done = threading.Event()
+        threading.Thread(target=self._copy_out_run, args=(moves, done), daemon=True,
+                         name="mminfer-spill").start()
+        self.wait(done)
+
+    def _copy_out_run(self, moves: list, done: threading.Event) -> None:
+        cuda = self.device.type == "cuda"
+        left = list(moves)
+        try:
+            stream = torch.cuda.Stream(self.device) if cuda else None
+            while left:
+                key, e, need = left[0]
+                t0 = time.perf_counter()
+                copies, err = None, None
+                try:
+                    if stream is not None:     # after the work queued on it so far
+                        stream.wait_stream(torch.cuda.current_stream(self.device))
+                        with torch.cuda.stream(stream):
+                            copies = e.kv.copies("cpu", pin=True)
+                        stream.synchronize()
+                    else:
+                        copies = e.kv.copies("cpu")
+                except Exception as ex:        # noqa: BLE001 - no host memory: dropped
+                    err = ex
+                with self._lock:
+                    self._host_moving -= need
+                    kept = self._entries.get(key) is e and e.kv is not None
+                    if kept and copies is not None:
+                        e.kv.adopt("cpu", copies)
+                        e.tier, e.nbytes = Tier.HOST, e.kv.held_bytes
+                    elif kept:
+                        self._drop(key, e)
+                    self.counts["evictions_gpu"] += kept
+                    moved, e.moving = e.moving, None
+                    left.pop(0)
+                moved.set()
+                if err is not None:
+                    log.warning("video cache: spilling %d bytes to the host failed (%s); "
+                                "the entry is dropped", need, err)
+                elif kept:
+                    log.info("video cache: %.2f GiB spilled to the host in %.2f s",
+                             need / 2**30, time.perf_counter() - t0)
+        finally:
+            with self._lock:             # whatever stopped the loop: the rest stay where
+                for _, e, need in left:  # they are, free again
+                    self._host_moving -= need
+                    moved, e.moving = e.moving, None
+                    moved.set()
+            done.set()
+
     def read_in_tail(self) -> None:
         """A question decodes in its entry's tail (ForkKV ``claim=True``): counted."""
         with self._lock:
@@ -498,20 +607,6 @@ class VideoCache:
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.device)[0]
 
-    def _spill_for(self, want: int) -> int:
-        """(Lock held.) Spill idle device entries until ``want`` bytes are free; the bytes
-        still missing (<= 0: room)."""
-        free = self.free_bytes()
-        if free is None:
-            return 0
-        for key, e in list(self._entries.items()):
-            if free >= want:
-                break
-            if e.tier is Tier.GPU and not e.readers:
-                self._spill(key, e)
-                free = self.free_bytes()
-        return want - free
-
     def spill_idle(self) -> int:
         """Move every idle device entry off the device (to the host tier where it fits, else
         dropped) and hand the allocator's free segments back; returns the device bytes the
@@ -519,8 +614,7 @@ class VideoCache:
         room check before a prefill counts free memory, but an allocation can still fail
         where freed blocks lie in pieces a large tensor cannot use."""
         with self._lock:
-            idle = [(k, e) for k, e in self._entries.items()
-                    if e.tier is Tier.GPU and not e.readers]
+            idle = [(k, e) for k, e in self._entries.items() if self._idle(e)]
             freed = sum(e.nbytes for _, e in idle)
             for key, e in idle:
                 self._spill(key, e)
@@ -535,8 +629,7 @@ class VideoCache:
         moved = 0
         with self._lock:
             for key, e in list(self._entries.items()):
-                if e.tier is Tier.GPU and not e.readers and \
-                        e.kv.bytes_at(e.length) <= self.host_budget:
+                if self._idle(e) and e.kv.bytes_at(e.length) <= self.host_budget:
                     self._spill(key, e)
                     moved += e.tier is Tier.HOST
         return moved

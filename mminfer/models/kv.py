@@ -394,9 +394,17 @@ class PrefixKV(DynamicCache):
         reader holding the tail (never one of a video cache entry's: its readers pin it)
         keeps the old buffers, which it writes and reads alone from then on; the new ones'
         tail is free."""
-        copied = [layer._copied(device, pin, headroom) if layer.k_buf is not None else None
-                  for layer in self.layers]
-        for layer, c in zip(self.layers, copied):
+        self.adopt(device, self.copies(device, pin=pin, headroom=headroom))
+
+    def copies(self, device, *, pin: bool = False, headroom: int = 0) -> list:
+        """:meth:`move`'s first half: every layer's rows in new buffers on ``device``, the
+        cache unchanged (the copies are queued on the current stream)."""
+        return [layer._copied(device, pin, headroom) if layer.k_buf is not None else None
+                for layer in self.layers]
+
+    def adopt(self, device, copies: list) -> None:
+        """:meth:`move`'s second half: every layer takes its copy; the old buffers go."""
+        for layer, c in zip(self.layers, copies):
             if c is not None:
                 layer._adopt(device, c)
         with _CLAIM_LOCK:

@@ -384,6 +384,125 @@ def test_make_room_waits_no_longer_than_it_is_given():
     assert _tiers(cache) == {K[0]: Tier.GPU}
 
 
+@contextmanager
+def _gated_copies(monkeypatch, fail=None):
+    """PrefixKV.copies (a spill's host allocation and copy) held until ``gate`` is set;
+    ``fail``: an entry's cache whose copy raises instead (no host memory)."""
+    gate, started = threading.Event(), threading.Event()
+    real = PrefixKV.copies
+
+    def copies(kv, device, **kw):
+        started.set()
+        assert gate.wait(30)
+        if kv is fail:
+            raise RuntimeError("no host memory")
+        return real(kv, device, **kw)
+
+    monkeypatch.setattr(PrefixKV, "copies", copies)
+    yield gate, started
+    gate.set()
+
+
+def _room_in_thread(cache, key, need, out):
+    """A prefill's request (a miss on ``key``) making room on a thread of its own."""
+    def run():
+        try:
+            with cache.use(key):
+                out["short"] = cache.make_room(need)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_make_room_copies_out_with_no_lock_held_while_others_read(monkeypatch):
+    """The spill make_room asks for copies on a thread of its own while its request waits
+    through ``cache.wait`` (a scheduler gives the turn away there): a question about another
+    video is answered meanwhile, one about the video on its way out waits for it and then
+    restores it, whole."""
+    cache = _cache(4, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    rows = _rows(cache._entries[K[0]])
+    _device_of(cache, 3 * DEVICE_BYTES)          # one entry's room free: K[0] (LRU) must go
+    waits, real_wait = [], cache.wait
+    cache.wait = lambda ev: (waits.append(ev), real_wait(ev))[1]
+    out, got = {}, {}
+    with _gated_copies(monkeypatch) as (gate, started):
+        t = _room_in_thread(cache, K[2], int(1.5 * DEVICE_BYTES / 1.1), out)
+        assert started.wait(30)
+        for _ in range(3000):                    # its request reaches its wait
+            if waits:
+                break
+            threading.Event().wait(0.01)
+        assert cache._entries[K[0]].moving is not None and len(waits) == 1
+        with cache.use(K[1]) as lease:           # the lock is free: another video's question
+            assert lease.status == "hit"
+
+        def read_moving():
+            with cache.use(K[0]) as lease:
+                got["status"], got["tier"] = lease.status, lease.entry.tier
+                got["same"] = _same_rows(lease.entry, rows)
+
+        r = threading.Thread(target=read_moving)
+        r.start()
+        r.join(0.3)
+        assert r.is_alive() and t.is_alive()     # it waits for the copy, as does the prefill
+        gate.set()
+        t.join(30)
+        r.join(30)
+    assert out == {"short": 0}
+    assert got == {"status": "host", "tier": Tier.GPU, "same": True}
+    assert cache._host_moving == 0 and cache._entries[K[0]].moving is None
+    _consistent(cache)
+
+
+def test_a_spill_that_fails_drops_its_entry_and_room_is_made(monkeypatch):
+    cache = _cache(4, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    _device_of(cache, 3 * DEVICE_BYTES)
+    out = {}
+    with _gated_copies(monkeypatch, fail=cache._entries[K[0]].kv) as (gate, started):
+        t = _room_in_thread(cache, K[2], int(1.5 * DEVICE_BYTES / 1.1), out)
+        assert started.wait(30)
+        gate.set()
+        t.join(30)
+    assert out == {"short": 0} and _tiers(cache) == {K[1]: Tier.GPU}
+    assert cache.counts["evictions_gpu"] == 1 and cache._host_moving == 0
+    _consistent(cache)
+
+
+def test_a_request_stopped_while_its_spill_copies_leaves_the_spill_to_finish(monkeypatch):
+    """The request asked to stop while its room is being copied out returns at once (its wait
+    raises); the copy finishes on its own thread and the entry lands on the host, counted."""
+    cache = _cache(4, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    rows = _rows(cache._entries[K[0]])
+    _device_of(cache, 3 * DEVICE_BYTES)
+
+    def stopped(ev):
+        raise Cancelled("request cancelled while waiting")
+
+    cache.wait = stopped
+    out = {}
+    with _gated_copies(monkeypatch) as (gate, started):
+        t = _room_in_thread(cache, K[2], int(1.5 * DEVICE_BYTES / 1.1), out)
+        t.join(30)
+        assert isinstance(out.get("error"), Cancelled)
+        assert cache._entries[K[0]].moving is not None     # still on its way
+        gate.set()
+        for _ in range(300):
+            if cache._entries[K[0]].moving is None:
+                break
+            threading.Event().wait(0.01)
+    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.GPU}
+    assert _same_rows(cache._entries[K[0]], rows) and cache._host_moving == 0
+    _consistent(cache)
+
+
 # ------------------------------------------------------------------ one build, many waiters
 
 
@@ -511,4 +630,87 @@ def test_a_prefill_whose_memory_others_hold_is_refused_then_served(qwen, mp4, mo
     room["free"] = 1 << 40
     assert pipe.answer(mp4, "where?", fps=4.0, max_new_tokens=2).cache == "miss"
     assert len(builds) == 1
+    _consistent(cache)
+
+
+def test_a_hit_is_answered_while_a_new_videos_room_is_copied_out(qwen, mp4, tmp_path,
+                                                                  monkeypatch):
+    """Through Pipeline.answer and the scheduler: a new video's prefill needs room, so an idle
+    cached video is copied to the host tier; while that copy is held, a question about
+    another cached video is answered (the prefill's request gave its turn away), and the
+    spilled video's next question restores it from the host with the same answer."""
+    pipe = Pipeline(str(qwen), attention="dense", device="cpu", kv_host_cache_gb=1.0)
+    cache = pipe.video_cache
+    other = write_video(tmp_path / "other.mp4", n_frames=12, fps=8.0, width=96, height=64)
+    new = write_video(tmp_path / "new.mp4", n_frames=20, fps=8.0, width=96, height=64,
+                      noise=True)
+    q = dict(fps=4.0, max_new_tokens=3)
+    first = pipe.answer(mp4, "where?", **q)
+    assert pipe.answer(other, "where?", **q).cache == "miss"
+    spilled = next(iter(cache._entries.values()))       # mp4's: the least recently used
+    room = {}
+    real_room = cache.make_room
+
+    def make_room(need, wait_s=0.0):
+        room["want"] = int(need * 1.1) + 1
+        return real_room(need, wait_s)
+
+    monkeypatch.setattr(cache, "make_room", make_room)
+    # the device is short by exactly mp4's entry while it is there
+    cache.free_bytes = lambda: room.get("want", 1 << 40) - (
+        spilled.nbytes if spilled.tier is Tier.GPU and spilled.kv is not None else 0)
+    sched, out, order = Scheduler(), {}, []
+
+    def ask(name, path):
+        turn = sched.turn(name)
+        try:
+            out[name] = pipe.answer(path, "where?", turn=turn, **q)
+            order.append(name)
+        except BaseException as e:          # noqa: BLE001 - the test reads it
+            out[name] = e
+        finally:
+            turn.close()
+
+    with _gated_copies(monkeypatch) as (gate, started):
+        a = threading.Thread(target=ask, args=("new", new))
+        a.start()
+        assert started.wait(60)                         # its room being copied out
+        b = threading.Thread(target=ask, args=("hit", other))
+        b.start()
+        b.join(60)
+        assert not b.is_alive() and a.is_alive() and spilled.moving is not None
+        gate.set()
+        a.join(60)
+    assert out["hit"].cache == "hit" and out["new"].cache == "miss"
+    assert order == ["hit", "new"] and spilled.tier is Tier.HOST
+    again = pipe.answer(mp4, "where?", **q)
+    assert again.cache == "host" and again.answer == first.answer
+    _consistent(cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_make_room_copies_out_on_cuda_into_pinned_memory():
+    """On the GPU the copy thread queues the copies on a stream of its own after the work
+    queued so far (here: the rows just written) and lands the entry in pinned host memory,
+    its rows unchanged; the device memory goes back."""
+    cache = VideoCache("cuda", gpu_bytes=1 << 30, host_bytes=1 << 30)
+    kv = PrefixKV(2, headroom=8)
+    for layer in range(2):
+        kv.update(torch.zeros(1, 2, 4096, 64, device="cuda"),
+                  torch.zeros(1, 2, 4096, 64, device="cuda"), layer)
+    with cache.use(K[0]) as lease:
+        lease.store(Entry(kv=kv, length=4096, rope_delta=0,
+                          index=ModalityIndex.from_segments([("text", 4096)]),
+                          facts=PrefixFacts(attention="dense", visual_tokens=0, video={})))
+        for layer in kv.layers:                  # queued just before the spill
+            layer.keys.add_(1.0)
+    entry = cache._entries[K[0]]
+    cache.free_bytes = lambda: (1 << 20) - (entry.nbytes if entry.tier is Tier.GPU else 0)
+    with cache.use(K[1]):
+        assert cache.make_room(1 << 19) == 0
+    assert entry.tier is Tier.HOST and entry.moving is None and cache._host_moving == 0
+    for layer in entry.kv.layers:
+        assert layer.keys.device.type == "cpu" and layer.k_buf.is_pinned()
+        assert bool((layer.keys == 1.0).all())
     _consistent(cache)
