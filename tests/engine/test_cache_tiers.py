@@ -454,6 +454,7 @@ def test_make_room_copies_out_with_no_lock_held_while_others_read(monkeypatch):
         r.join(30)
     assert out == {"short": 0}
     assert got == {"status": "host", "tier": Tier.GPU, "same": True}
+    assert cache.counts["spilled_bytes"] == HOST_BYTES and cache.counts["spill_seconds"] > 0
     assert cache._host_moving == 0 and cache._entries[K[0]].moving is None
     _consistent(cache)
 
