@@ -243,12 +243,13 @@ class VideoCache:
         return sum(lease.reserved for lease in self._reserving)
 
     # ------------------------------------------------------------ waiting
-    def wait(self, event: threading.Event) -> None:
+    def wait(self, event: threading.Event, own: bool = False) -> None:
         """Block until ``event`` is set: every wait of the cache (for another request's build
-        of a prefix, or its restore from the host) goes through here. A plain ``Event.wait``
-        loop; a scheduler whose requests take turns on the GPU overrides
-        it to give its turn away while it waits (else the request it waits for cannot run).
-        It may raise (a cancelled request): the lease is then released as on any error."""
+        of a prefix, or its restore from the host; ``own``: for the copies of the request's
+        own room) goes through here. A plain ``Event.wait`` loop; a scheduler whose requests
+        take turns on the GPU overrides it to give its turn away while it waits (else the
+        request it waits for cannot run). It may raise (a cancelled request): the lease is
+        then released as on any error."""
         while not event.wait(WAIT_POLL_S):
             pass
 
@@ -545,13 +546,14 @@ class VideoCache:
         """Copy the entries :meth:`_pick_spills` marked to the host, on a thread of their own
         and with no lock held, while this request waits through :meth:`wait` (a scheduler
         gives its turn away: other requests' questions are answered meanwhile; pinning the
-        host memory is most of a spill's time); each entry leaves the device once its copy is
+        host memory is most of a spill's time; the wait is the request's own, its ``room``
+        stage); each entry leaves the device once its copy is
         whole. A copy that fails drops its entry (no host memory) and the rest go on; a wait
         that raises (the request cancelled) leaves the thread to finish them."""
         done = threading.Event()
         threading.Thread(target=self._copy_out_run, args=(moves, done), daemon=True,
                          name="mminfer-spill").start()
-        self.wait(done)
+        self.wait(done, own=True)
 
     def _copy_out_run(self, moves: list, done: threading.Event) -> None:
         cuda = self.device.type == "cuda"
