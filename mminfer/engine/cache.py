@@ -234,7 +234,8 @@ class VideoCache:
         self._host_moving = 0                 # host bytes of the entries make_room copies now
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
                            evictions_host=0, inserted=0, rejected=0, build_waits=0,
-                           room_waits=0, tail_reads=0, idle_spills=0)
+                           room_waits=0, tail_reads=0, idle_spills=0, spilled_bytes=0,
+                           spill_seconds=0.0)
 
     @property
     def _reserved(self) -> int:
@@ -242,12 +243,13 @@ class VideoCache:
         return sum(lease.reserved for lease in self._reserving)
 
     # ------------------------------------------------------------ waiting
-    def wait(self, event: threading.Event) -> None:
+    def wait(self, event: threading.Event, own: bool = False) -> None:
         """Block until ``event`` is set: every wait of the cache (for another request's build
-        of a prefix, or its restore from the host) goes through here. A plain ``Event.wait``
-        loop; a scheduler whose requests take turns on the GPU overrides
-        it to give its turn away while it waits (else the request it waits for cannot run).
-        It may raise (a cancelled request): the lease is then released as on any error."""
+        of a prefix, or its restore from the host; ``own``: for the copies of the request's
+        own room) goes through here. A plain ``Event.wait`` loop; a scheduler whose requests
+        take turns on the GPU overrides it to give its turn away while it waits (else the
+        request it waits for cannot run). It may raise (a cancelled request): the lease is
+        then released as on any error."""
         while not event.wait(WAIT_POLL_S):
             pass
 
@@ -430,12 +432,18 @@ class VideoCache:
             else:
                 e.tier, e.nbytes = Tier.HOST, e.kv.held_bytes
                 self.counts["evictions_gpu"] += 1
-                # pinned host memory is slow to allocate: each spill's time is logged
-                log.info("video cache: %.2f GiB spilled to the host in %.2f s",
-                         need / 2**30, time.perf_counter() - t0)
+                self._spilled(need, time.perf_counter() - t0)
                 return
         self._drop(key, e)
         self.counts["evictions_gpu"] += 1
+
+    def _spilled(self, nbytes: int, seconds: float) -> None:
+        """(Lock held.) A spill that landed on the host: counted, and logged with its time
+        (pinned host memory is slow to allocate: /metrics has the totals)."""
+        self.counts["spilled_bytes"] += nbytes
+        self.counts["spill_seconds"] += seconds
+        log.info("video cache: %.2f GiB spilled to the host in %.2f s", nbytes / 2**30,
+                 seconds)
 
     @staticmethod
     def _idle(e: Entry) -> bool:
@@ -538,13 +546,14 @@ class VideoCache:
         """Copy the entries :meth:`_pick_spills` marked to the host, on a thread of their own
         and with no lock held, while this request waits through :meth:`wait` (a scheduler
         gives its turn away: other requests' questions are answered meanwhile; pinning the
-        host memory is most of a spill's time); each entry leaves the device once its copy is
+        host memory is most of a spill's time; the wait is the request's own, its ``room``
+        stage); each entry leaves the device once its copy is
         whole. A copy that fails drops its entry (no host memory) and the rest go on; a wait
         that raises (the request cancelled) leaves the thread to finish them."""
         done = threading.Event()
         threading.Thread(target=self._copy_out_run, args=(moves, done), daemon=True,
                          name="mminfer-spill").start()
-        self.wait(done)
+        self.wait(done, own=True)
 
     def _copy_out_run(self, moves: list, done: threading.Event) -> None:
         cuda = self.device.type == "cuda"
@@ -571,6 +580,7 @@ class VideoCache:
                     if kept and copies is not None:
                         e.kv.adopt("cpu", copies)
                         e.tier, e.nbytes = Tier.HOST, e.kv.held_bytes
+                        self._spilled(need, time.perf_counter() - t0)
                     elif kept:
                         self._drop(key, e)
                     self.counts["evictions_gpu"] += kept
@@ -580,9 +590,6 @@ class VideoCache:
                 if err is not None:
                     log.warning("video cache: spilling %d bytes to the host failed (%s); "
                                 "the entry is dropped", need, err)
-                elif kept:
-                    log.info("video cache: %.2f GiB spilled to the host in %.2f s",
-                             need / 2**30, time.perf_counter() - t0)
         finally:
             with self._lock:             # whatever stopped the loop: the rest stay where
                 for _, e, need in left:  # they are, free again
@@ -637,7 +644,7 @@ class VideoCache:
     def clear(self) -> None:
         with self._lock:
             for key, e in list(self._entries.items()):
-                if not e.readers:
+                if not e.readers and e.moving is None:
                     self._drop(key, e)
 
     def videos(self) -> set[str]:

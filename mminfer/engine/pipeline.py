@@ -62,16 +62,17 @@ STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engin
 _current_turn: contextvars.ContextVar = contextvars.ContextVar("mminfer_turn", default=None)
 
 
-def _cache_wait(event) -> None:
+def _cache_wait(event, own: bool = False) -> None:
     """The video cache's wait (for another request's build of a prefix, or its restore from
-    the host tier): the request's turn on the model is given to others meanwhile, else the
-    request waited for could never run."""
+    the host tier; ``own``: for the request's own room copied to the host): the request's
+    turn on the model is given to others meanwhile, else the request waited for could never
+    run."""
     turn = _current_turn.get()
     if turn is None:
         while not event.wait(0.05):
             pass
         return
-    turn.wait_for(event)
+    turn.wait_for(event, own=own)
 
 
 @dataclass

@@ -526,12 +526,14 @@ class Turn:
             t._in_batch = True
         return batch
 
-    def wait_for(self, event) -> None:
+    def wait_for(self, event, own: bool = False) -> None:
         """Wait for ``event`` (another request's work: the build of the prefix this one needs,
         its question on the entry this one reads) with the turn given to others meanwhile;
-        holds the turn again on return. Raises Cancelled when asked to stop meanwhile."""
+        holds the turn again on return. Raises Cancelled when asked to stop meanwhile.
+        ``own``: the event is this request's own work done off the turn (its room's copies
+        to the host): the time stays in the sections open now instead of ``wait``."""
         s = self.sched
-        gap = self._gap_start()
+        gap = None if own else self._gap_start()
         with s._lock:
             if s._holder is self:
                 now = time.perf_counter()
@@ -632,7 +634,7 @@ class Solo:
     def decoding(self):
         pass
 
-    def wait_for(self, event):
+    def wait_for(self, event, own: bool = False):
         while not event.wait(0.05):
             if self.stopping():
                 raise Cancelled("request cancelled while waiting")

@@ -19,9 +19,9 @@ import torch
 # others' steps before its first token (engine/scheduler.py: a long prefill paused for a cache
 # hit, or a hit waiting for the layer in progress), wherever in its work it fell; ``restore``
 # brings a cached video prefix back from the host tier (0 on a miss and on a GPU hit); ``room``
-# makes the device memory a miss's prefill needs (idle cached prefixes moved to the host tier;
-# the time it waits for others to give theirs back, and under a scheduler the moves' copies,
-# made with the turn given to others, are ``wait``); ``decode`` (the video's
+# makes the device memory a miss's prefill needs (idle cached prefixes moved to the host tier,
+# others' questions answered meanwhile; the time it waits for others to give theirs back is
+# ``wait``); ``decode`` (the video's
 # frames) .. ``llm_other`` build the prefix on a miss (``index`` + ``attention`` + ``llm_other``
 # are its LLM prefill) and are 0 on a hit; ``suffix`` prefills the question's rows over the
 # prefix's cache; everything before ``generate`` adds up to the time to first token;

@@ -11,7 +11,8 @@ read when /metrics is scraped (``CacheCollector``) and exported in vLLM's prefix
 ``mminfer:prefix_cache_queries_total`` and ``mminfer:prefix_cache_hits_total`` (every hit,
 either tier; vLLM's pair, so the hit rate is their ratio), ``..._host_hits_total``,
 ``..._misses_total``, ``mminfer:prefix_cache_evictions_total{tier}`` (gpu: spilled to the
-host tier or dropped; host: dropped), and gauges ``mminfer:kv_cache_bytes{tier}``,
+host tier or dropped; host: dropped), ``..._spilled_bytes_total`` and ``..._spill_seconds_total``
+(the moves to the host tier: their sum over a window is the spills' throughput), and gauges ``mminfer:kv_cache_bytes{tier}``,
 ``mminfer:kv_cache_entries{tier}``, ``mminfer:kv_cache_budget_bytes{tier}``; the video store
 (/v1/videos) as ``mminfer:video_store_bytes`` and ``mminfer:video_store_videos``.
 
@@ -248,7 +249,11 @@ class CacheCollector:
                     ("room_waits", "room_waits", "Times a new prefill waited for other "
                      "requests to give back the device memory it needs"),
                     ("idle_spills", "idle_spills", "Times every idle cached prefix left the "
-                     "device at once (a request that ran out of memory runs again after it)")):
+                     "device at once (a request that ran out of memory runs again after it)"),
+                    ("spilled_bytes", "spilled_bytes", "Bytes of cached prefixes moved to "
+                     "the host tier"),
+                    ("spill_seconds", "spill_seconds", "Seconds spent moving cached prefixes "
+                     "to the host tier (allocating pinned memory and copying)")):
                 f = CounterMetricFamily(f"mminfer:prefix_cache_{name}", doc, labels=lab)
                 f.add_metric(m, c.get(key, 0))
                 yield f

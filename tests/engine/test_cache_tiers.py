@@ -7,6 +7,7 @@ new prefill makes its room: idle entries spill, what other requests pin is waite
 time, and a prefill still short is refused (503) before its vision tower runs."""
 
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -427,7 +428,7 @@ def test_make_room_copies_out_with_no_lock_held_while_others_read(monkeypatch):
     rows = _rows(cache._entries[K[0]])
     _device_of(cache, 3 * DEVICE_BYTES)          # one entry's room free: K[0] (LRU) must go
     waits, real_wait = [], cache.wait
-    cache.wait = lambda ev: (waits.append(ev), real_wait(ev))[1]
+    cache.wait = lambda ev, own=False: (waits.append((ev, own)), real_wait(ev))[1]
     out, got = {}, {}
     with _gated_copies(monkeypatch) as (gate, started):
         t = _room_in_thread(cache, K[2], int(1.5 * DEVICE_BYTES / 1.1), out)
@@ -437,6 +438,7 @@ def test_make_room_copies_out_with_no_lock_held_while_others_read(monkeypatch):
                 break
             threading.Event().wait(0.01)
         assert cache._entries[K[0]].moving is not None and len(waits) == 1
+        assert waits[0][1] is True               # its own work: timed as its room
         with cache.use(K[1]) as lease:           # the lock is free: another video's question
             assert lease.status == "hit"
 
@@ -454,6 +456,10 @@ def test_make_room_copies_out_with_no_lock_held_while_others_read(monkeypatch):
         r.join(30)
     assert out == {"short": 0}
     assert got == {"status": "host", "tier": Tier.GPU, "same": True}
+    # K[0] is read back onto the device at once: if that lands before the prefill measures
+    # again, its room is made by a second spill (K[1], or K[0] once its reader has left)
+    assert cache.counts["spilled_bytes"] in (HOST_BYTES, 2 * HOST_BYTES)
+    assert cache.counts["spill_seconds"] > 0
     assert cache._host_moving == 0 and cache._entries[K[0]].moving is None
     _consistent(cache)
 
@@ -483,7 +489,7 @@ def test_a_request_stopped_while_its_spill_copies_leaves_the_spill_to_finish(mon
     rows = _rows(cache._entries[K[0]])
     _device_of(cache, 3 * DEVICE_BYTES)
 
-    def stopped(ev):
+    def stopped(ev, own=False):
         raise Cancelled("request cancelled while waiting")
 
     cache.wait = stopped
@@ -675,14 +681,19 @@ def test_a_hit_is_answered_while_a_new_videos_room_is_copied_out(qwen, mp4, tmp_
         a = threading.Thread(target=ask, args=("new", new))
         a.start()
         assert started.wait(60)                         # its room being copied out
+        held = time.perf_counter()
         b = threading.Thread(target=ask, args=("hit", other))
         b.start()
         b.join(60)
         assert not b.is_alive() and a.is_alive() and spilled.moving is not None
         gate.set()
+        held = time.perf_counter() - held
         a.join(60)
     assert out["hit"].cache == "hit" and out["new"].cache == "miss"
     assert order == ["hit", "new"] and spilled.tier is Tier.HOST
+    # the copies are the new video's own work: its room stage, not a wait for others
+    t = out["new"].timings_ms
+    assert t["room"] >= held * 1e3 > t["wait"], t
     again = pipe.answer(mp4, "where?", **q)
     assert again.cache == "host" and again.answer == first.answer
     _consistent(cache)

@@ -125,6 +125,10 @@ def test_metrics_and_report_count_the_cache_per_tier(tmp_path, live_server):
     assert m[("mminfer:prefix_cache_room_waits_total", None)] == 0
     # a spilled for b, then b for a coming back
     assert m[("mminfer:prefix_cache_evictions_total", "gpu")] == 2
+    # both spills landed on the host: b's bytes are there now, a's went before them
+    assert m[("mminfer:prefix_cache_spilled_bytes_total", None)] > \
+        m[("mminfer:kv_cache_bytes", "host")] > 0
+    assert m[("mminfer:prefix_cache_spill_seconds_total", None)] > 0
     assert m[("mminfer:prefix_cache_evictions_total", "host")] == 0
     assert m[("mminfer:kv_cache_entries", "gpu")] == 1 and m[("mminfer:kv_cache_entries",
                                                               "host")] == 1
