@@ -12,8 +12,9 @@ read when /metrics is scraped (``CacheCollector``) and exported in vLLM's prefix
 either tier; vLLM's pair, so the hit rate is their ratio), ``..._host_hits_total``,
 ``..._misses_total``, ``mminfer:prefix_cache_evictions_total{tier}`` (gpu: spilled to the
 host tier or dropped; host: dropped), ``..._spilled_bytes_total`` and ``..._spill_seconds_total``
-(the moves to the host tier: their sum over a window is the spills' throughput), and gauges ``mminfer:kv_cache_bytes{tier}``,
-``mminfer:kv_cache_entries{tier}``, ``mminfer:kv_cache_budget_bytes{tier}``; the video store
+(the moves to the host tier: their ratio over a window is the spills' throughput), and gauges
+``mminfer:kv_cache_bytes{tier}``, ``mminfer:kv_cache_entries{tier}``,
+``mminfer:kv_cache_budget_bytes{tier}``; the video store
 (/v1/videos) as ``mminfer:video_store_bytes`` and ``mminfer:video_store_videos``.
 
 Live streams (serve/live.py), read at scrape time as well (``StreamsCollector``; under
