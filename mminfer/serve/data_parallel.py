@@ -84,7 +84,8 @@ PEEK_TIMEOUT_S = 2.0
 PEEKS_AT_ONCE = 4
 # counters of an engine's video cache (summed over its lives); the rest of its stats are gauges
 CACHE_COUNTERS = ("queries", "hits", "host_hits", "misses", "evictions_gpu", "evictions_host",
-                  "inserted", "rejected", "build_waits")
+                  "inserted", "rejected", "build_waits", "room_waits", "tail_reads",
+                  "idle_spills", "spilled_bytes", "spill_seconds")
 
 
 def choose_engine(key: str | None, load: dict, holders, cached: dict, max_imbalance: int):

@@ -302,3 +302,18 @@ def test_killing_an_engine_mid_request_loses_no_request(dp, videos):
     text = httpx.get(f"{dp.url}/metrics").text
     assert f'mminfer:engine_restarts_total{{engine="{victim}",model_name="tiny-qwen"}} 1.0' \
         in text
+
+
+def test_every_video_cache_counter_is_carried_over_an_engine_restart():
+    """An engine that dies takes its video cache's counts with it; the front end carries
+    every counter (CACHE_COUNTERS) into the sums /metrics exports, so none goes back down
+    (a Prometheus counter that drops reads as a reset). A counter the cache adds must be
+    carried too."""
+    from mminfer.engine.cache import VideoCache
+    from mminfer.serve.data_parallel import CACHE_COUNTERS, EngineHandle
+    assert set(VideoCache("cpu").counts) <= set(CACHE_COUNTERS)
+    e = EngineHandle(0, None)
+    e.carried.update({"spilled_bytes": 100, "spill_seconds": 1.5})
+    e.status = {"cache": {"spilled_bytes": 50, "spill_seconds": 0.25, "gpu_bytes": 7}}
+    got = e.cache_stats()
+    assert (got["spilled_bytes"], got["spill_seconds"], got["gpu_bytes"]) == (150, 1.75, 7)
