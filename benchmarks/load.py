@@ -15,6 +15,9 @@ cached video once (its prefix is then in the video cache), then for ``--duration
 * a *hit* client sends a question about one of the cached videos every 1/``--hit-rate`` s
   (round robin), each in its own connection, without waiting for the previous one.
 
+Per mode, ``spills``: the GiB of cached videos the server moved to its host tier meanwhile to
+make room for the new ones, and the seconds that took (its /metrics counters).
+
 Several GPUs (``--data-parallel 1,2,...``): each count N above 1 starts ``mminfer serve
 --data-parallel N`` once per ``--dp-routing`` mode (``affinity``, ``round_robin``), N = 1 the
 ordinary server, and scales the workload by N: N new-video clients, N x ``--hit-rate``, the
@@ -255,6 +258,7 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
                 f"{alone.get('error') or ''}")
         new_rows, hit_rows = [], []
         lock = threading.Lock()
+        spills_before = server_counts(srv.url, *SPILLS)
         stop_at = time.monotonic() + a.duration_s
 
         def new_client(c):
@@ -306,6 +310,8 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
             new["ttft_vs_alone_p50"] = round(new["ttft_ms"]["p50"] / alone["ttft_ms"], 3)
             new["ttft_vs_alone_max"] = round(new["ttft_ms"]["max"] / alone["ttft_ms"], 3)
         health = httpx.get(f"{srv.url}/health", timeout=30).json()
+        spilled, spill_s = (x - y for x, y in zip(server_counts(srv.url, *SPILLS),
+                                                  spills_before))
         hit = summary(hit_rows)
         hit_ok = [r for r in hit_rows if r["status"] == 200]
         hit["hit_rate"] = round(sum(r["cache"] in ("hit", "host") for r in hit_ok)
@@ -313,7 +319,9 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
         answered = sum(1 for r in new_rows + hit_rows if r["status"] == 200)
         out = {"mode": name, "serve_args": serve_args, "engines": scale,
                "elapsed_s": round(elapsed, 3), "answers_per_s": round(answered / elapsed, 3),
-               "new_video": new, "hit": hit, "health_after": health}
+               "new_video": new, "hit": hit, "health_after": health,
+               # cached videos moved to the host tier to make room for new ones
+               "spills": {"gib": round(spilled / 2**30, 3), "seconds": round(spill_s, 3)}}
         if new["errors"] or hit["errors"]:         # the server's side of a lost request
             out["server_log"] = "".join(srv.tail)[-8000:]
         return out
@@ -357,15 +365,23 @@ def run_decoders(serve_args, a, env) -> dict:
         srv.close()
 
 
-def decode_batches(url) -> tuple[float, float]:
-    """The server's running counts of batched decode steps and of the answers' steps they
-    carried (``/metrics``: mminfer:decode_batches, mminfer:decode_batched_steps)."""
-    got = {"mminfer:decode_batches": 0.0, "mminfer:decode_batched_steps": 0.0}
+def server_counts(url, *names) -> list[float]:
+    """The server's series ``names`` on ``/metrics``, each summed over its labels."""
+    got = dict.fromkeys(names, 0.0)
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]      # labelled by model: summed
         if name in got:
             got[name] += float(line.rsplit(" ", 1)[1])
-    return got["mminfer:decode_batches"], got["mminfer:decode_batched_steps"]
+    return [got[n] for n in names]
+
+
+def decode_batches(url) -> tuple[float, float]:
+    """The server's running counts of batched decode steps and of the answers' steps they
+    carried (``/metrics``: mminfer:decode_batches, mminfer:decode_batched_steps)."""
+    return tuple(server_counts(url, "mminfer:decode_batches", "mminfer:decode_batched_steps"))
+
+
+SPILLS = ("mminfer:prefix_cache_spilled_bytes_total", "mminfer:prefix_cache_spill_seconds_total")
 
 
 def _decode_at_once(srv, video, asks, a) -> dict:

@@ -510,6 +510,8 @@ def test_load_benchmark_drives_both_server_modes(tmp_path):
         assert new["errors"] == hit["errors"] == 0
         assert set(hit["cache"]) == {"hit"} and set(new["cache"]) == {"miss"}
         assert hit["ttft_ms"]["p99"] is not None and new["per_minute"] > 0
+        # the CPU's cache measures no free memory: nothing is moved to make room
+        assert mode["spills"] == {"gib": 0.0, "seconds": 0.0}
     assert "--max-num-seqs" in " ".join(rep["modes"]["serial"]["serve_args"])
     assert "serial" in proc.stdout and "scheduler" in proc.stdout
 
