@@ -485,14 +485,18 @@ class VideoCache:
         memory by itself if it must)."""
         want = int(need_bytes * (1 + PREFILL_MARGIN))
         deadline = time.monotonic() + wait_s
-        while True:
+        rounds = None       # of spills: an entry a question brought back meanwhile is not
+        while True:         # chased around forever
             woken = threading.Event()      # a request leaving the cache, or the deadline
             with self._lock:
                 free = self.free_bytes()
                 if free is None:
                     return 0
+                if rounds is None:
+                    rounds = len(self._entries) + 1
                 short = want - free
-                moves = self._pick_spills(short) if short > 0 else None
+                moves = self._pick_spills(short) if short > 0 and rounds > 0 else None
+                rounds -= moves is not None
                 others = self._in_use > 1
                 left = deadline - time.monotonic()
                 if moves is None and short > 0 and others and left > 0:

@@ -464,6 +464,34 @@ def test_make_room_copies_out_with_no_lock_held_while_others_read(monkeypatch):
     _consistent(cache)
 
 
+def test_make_room_does_not_chase_entries_brought_back_meanwhile():
+    """Each entry make_room sends to the host is asked about at once and restored (a busy
+    video): the prefill spills at most one round per entry it found (plus one), then returns
+    what is still short (after its bounded wait for others, none here)."""
+    cache = _cache(4, 4)
+    for k in K[:3]:
+        _put(cache, k)
+    cache.free_bytes = lambda: 0                  # never room
+    real, rounds = cache._copy_out, []
+
+    def copy_out(moves):
+        real(moves)
+        rounds.append([key for key, _, _ in moves])
+        for key, _, _ in moves:                   # a question brings it straight back
+            with cache.use(key) as lease:
+                assert lease.status == "host"
+
+    cache._copy_out = copy_out
+    out = {}
+    with _another_request(cache, K[7]):           # someone else in the cache: it may wait
+        t = _room_in_thread(cache, K[6], DEVICE_BYTES, out)
+        t.join(30)
+        alive = t.is_alive()
+    assert not alive and out["short"] > 0
+    assert len(rounds) == 4
+    _consistent(cache)
+
+
 def test_a_spill_that_fails_drops_its_entry_and_room_is_made(monkeypatch):
     cache = _cache(4, 4)
     for k in K[:2]:
