@@ -7,7 +7,7 @@ the 8 suffix prefills took ~50 ms each, one at a time, where one question alone 
 the prefix's tail, plain SDPA) took ~29: half the engine's wall for 8 answers. The Triton
 pass of split_attention takes a question's ``q_len x 7`` rows over all 115K keys in tiles
 of 128 rows, compute bound (as the shared-prefix pass it replaced for decode groups, 677 us a
-layer at 56 rows); ``_flash_fork`` gives the prefix to PyTorch's flash attention instead.
+layer at 56 rows); split_attention now gives the prefix to PyTorch's flash attention.
 
 Reports, per ``q_len``: ``split_ms`` (split_attention as the imported mminfer has it: run the
 script against another tree with ``PYTHONPATH=<tree>`` for the other side), ``sdpa_ms`` (one

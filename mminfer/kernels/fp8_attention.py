@@ -22,7 +22,7 @@ every question about it and never written, and one question's own rows after it
 (mminfer.models.kv.ForkKV). The ranges are planned over the two together, none straddling
 them, and each program reads its range from its segment's buffer: the concatenation is read
 without being made, and the merge is the same. A prefix in the query's dtype (how a question
-reads a bf16 prefix it shares) goes to PyTorch's flash attention instead (:func:`_flash_fork`:
+reads a bf16 prefix it shares) goes to PyTorch's flash attention instead (:func:`_flash_prefix`:
 its split-KV path reads at the GPU's bandwidth where our pass over a question's hundreds of
 rows is compute bound), the own rows alone to the kernel (no scales: the conversion is the
 identity), into the same scratch and merge.
@@ -322,23 +322,23 @@ def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None
     through their log-sum-exp as for one segment. K/V are FP8 with their per-head scales, or
     the query's dtype with no scales (each tile's conversion is then the identity and the
     scales are 1); a prefix in the query's dtype is read by PyTorch's flash attention
-    (:func:`_flash_fork`). ``q_len`` must not exceed the last segment's length (the rows
+    (where it reads them: :func:`_flash_reads`). ``q_len`` must not exceed the last segment's length (the rows
     attended are the last ones)."""
     if len(segments) not in (1, 2):
         raise ValueError(f"one or two key segments, not {len(segments)}")
     k, v = segments[0]
     k2, v2 = segments[-1]
-    flash = (len(segments) == 2 and k_scale is None and k.dtype == q.dtype
-             and k.shape[2] > 0 and (q.dtype in (torch.float16, torch.bfloat16)
-                                     or not q.is_cuda))
+    # the prefix by PyTorch's flash attention (into the scratch's first slot), the own rows
+    # alone by the kernel: its split-KV path reads the prefix at the GPU's bandwidth where
+    # our pass over a question's hundreds of rows is compute bound
+    flash = (len(segments) == 2 and k_scale is None and k.shape[2] > 0
+             and _flash_reads(q, k, v))
     if k_scale is None:
         if is_fp8(k) or is_fp8(k2):
             raise ValueError("an FP8 cache needs its scales")
         k_scale = v_scale = _ones(k.shape[1], q.device)
     if not available(q.device):
         return chunked(q, None, None, k_scale, v_scale, scale, segments=segments)
-    if flash:
-        return _flash_fork(q, segments, k_scale, scale, n_splits)
     B, H, q_len, D = q.shape
     Hkv = k.shape[1]
     seg_len = k.shape[2] if len(segments) == 2 else 0
@@ -355,16 +355,22 @@ def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None
     if sk[3] != 1 or sv[3] != 1 or sk2[3] != 1 or sv2[3] != 1:
         raise ValueError("the cache's head dim must be contiguous")
     G = H // Hkv
+    first = 0                       # scratch slots before the kernel's key ranges
+    if flash:
+        prefix, first = (k, v), 1
+        k, v, sk, sv, seg_len, kv_len = k2, v2, sk2, sv2, 0, k2.shape[2]
     block_m, block_n, warps, stages, m_blocks, split_len, seg_splits, n_splits, BD = \
         _split_plan(q_len, G, Hkv, D, seg_len, kv_len, compiled_gpu(q.is_cuda),
                     _sm_count(q.device), n_splits)
     R = q_len * G
-    po = torch.empty(n_splits, Hkv, R, D, dtype=torch.float32, device=q.device)
-    pl = torch.empty(n_splits, Hkv, R, dtype=torch.float32, device=q.device)
+    po = torch.empty(first + n_splits, Hkv, R, D, dtype=torch.float32, device=q.device)
+    pl = torch.empty(first + n_splits, Hkv, R, dtype=torch.float32, device=q.device)
+    if flash:             # query j's heads as reader j's: rows j*G + g, the kernel's order
+        _flash_prefix(q[0].transpose(0, 1).unsqueeze(2), *prefix, scale, po[0], pl[0])
     out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
     po_s, pl_s = po.stride(), pl.stride()
     _fp8_split_fwd[(Hkv, n_splits, m_blocks)](
-        q, k, v, k2, v2, k_scale, v_scale, po, pl,
+        q, k, v, k2, v2, k_scale, v_scale, po[first:], pl[first:],
         q.stride(1), q.stride(2), sk[1], sk[2], sv[1], sv[2], sk2[1], sk2[2], sv2[1], sv2[2],
         po_s[0], po_s[1], pl_s[0], pl_s[1],
         q_len, kv_len, split_len, seg_len, seg_splits, G, float(scale) * LOG2E,
@@ -372,53 +378,7 @@ def split_attention(q, segments, k_scale=None, v_scale=None, scale: float | None
         CAUSAL=True, num_warps=warps, num_stages=stages)
     _fp8_merge[(Hkv, m_blocks)](
         po, pl, out, po_s[0], po_s[1], pl_s[0], pl_s[1],
-        out.stride(1), out.stride(2), q_len, n_splits,
-        G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
-    return out
-
-
-def _flash_fork(q, segments, ones, scale, n_splits):
-    """:func:`split_attention` over a prefix in the query's dtype and a reader's own rows: the
-    prefix by :func:`prefix_flash` (the query's ``q_len x G`` rows of a KV head as its rows,
-    none causal: each comes after the whole prefix; its split-KV path reads the prefix at the
-    GPU's bandwidth where the Triton pass over a question's hundreds of rows is compute
-    bound), the own rows by the Triton pass (causal), both into one scratch, one merge."""
-    (pk, pv), (k, v) = segments
-    B, H, q_len, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if B != 1:
-        raise ValueError(f"fp8_attention takes one sequence, not a batch of {B}")
-    if H % Hkv or q_len > S or q_len < 1:
-        raise ValueError(f"{H} query heads, {Hkv} KV heads, {q_len} queries over "
-                         f"{pk.shape[2]} + {S} keys")
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    sk, sv = k.stride(), v.stride()
-    if sk[3] != 1 or sv[3] != 1:
-        raise ValueError("the cache's head dim must be contiguous")
-    G = H // Hkv
-    block_m, block_n, warps, stages, m_blocks, split_len, _, n_own, BD = \
-        _split_plan(q_len, G, Hkv, D, 0, S, compiled_gpu(q.is_cuda), _sm_count(q.device),
-                    n_splits)
-    R = q_len * G
-    po = torch.empty(1 + n_own, Hkv, R, D, dtype=torch.float32, device=q.device)
-    pl = torch.empty(1 + n_own, Hkv, R, dtype=torch.float32, device=q.device)
-    # query j's heads as reader j's: rows j*G + g, the kernel's order
-    _flash_prefix(q[0].transpose(0, 1).unsqueeze(2), pk, pv, scale, po[0], pl[0])
-    out = torch.empty(1, q_len, H, D, dtype=q.dtype, device=q.device)
-    po_s, pl_s = po.stride(), pl.stride()
-    _fp8_split_fwd[(Hkv, n_own, m_blocks)](
-        q, k, v, k, v, ones, ones, po[1:], pl[1:],
-        q.stride(1), q.stride(2), sk[1], sk[2], sv[1], sv[2], sk[1], sk[2], sv[1], sv[2],
-        po_s[0], po_s[1], pl_s[0], pl_s[1],
-        q_len, S, split_len, 0, 0, G, float(scale) * LOG2E,
-        D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=BD, PRECISION=dot_precision(q.dtype),
-        CAUSAL=True, num_warps=warps, num_stages=stages)
-    _fp8_merge[(Hkv, m_blocks)](
-        po, pl, out, po_s[0], po_s[1], pl_s[0], pl_s[1],
-        out.stride(1), out.stride(2), q_len, 1 + n_own,
+        out.stride(1), out.stride(2), q_len, first + n_splits,
         G=G, D=D, BLOCK_M=block_m, BLOCK_D=BD, num_warps=4)
     return out
 
