@@ -400,8 +400,10 @@ def _gated_copies(monkeypatch, fail=None):
         return real(kv, device, **kw)
 
     monkeypatch.setattr(PrefixKV, "copies", copies)
-    yield gate, started
-    gate.set()
+    try:
+        yield gate, started
+    finally:
+        gate.set()
 
 
 def _room_in_thread(cache, key, need, out):
