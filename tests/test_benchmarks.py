@@ -91,8 +91,9 @@ def test_tiny_longvila_figures_are_marked_and_add_up(tiny_run):
     # tiny-qwen's dense run is measured: it validates the probe, and where they disagree
     # by more than 5 % the extrapolated rows take its factor, marked
     v = rep["cases"]["tiny-qwen"]["probe_validation"]
+    # the factor is reported to 4 decimals: within 5e-5 of the ratio whatever its size
     assert v["factor"] == pytest.approx(v["measured_attention_ms"] / v["probe_attention_ms"],
-                                        rel=1e-3)
+                                        rel=1e-3, abs=5e-5)
     corr = rep["probe_correction"]
     assert (corr is None) == v["within"]
     f = 1.0 if corr is None else corr["factor"]
