@@ -59,13 +59,15 @@ def _timed_step_batch(log):
 
 
 def measure(pipe, n: int, tokens: int, clip: Path, temperature: float = 0.0,
-            stagger: int = 0, sampling: dict | None = None) -> dict:
+            stagger: int = 0, sampling: dict | None = None,
+            gather_s: float | None = None) -> dict:
     """N answers about ``clip`` (cached) decoding together: the gaps between their steps
     (``temperature`` > 0: each answer sampled, seeded by its index; answer i asks for
     ``tokens - i * stagger`` tokens, so they end one after another; ``sampling``: the
-    video's fps and max_frames, as the cached one was asked)."""
+    video's fps and max_frames, as the cached one was asked; ``gather_s``: the scheduler's
+    window for a batch's late answers, its default when None)."""
     from mminfer.models.sampler import SamplingParams
-    sched = Scheduler()
+    sched = Scheduler() if gather_s is None else Scheduler(gather_s=gather_s)
     log: list = []
     real, timed = _timed_step_batch(log)
     results, errors, texts = [None] * n, [], [[] for _ in range(n)]
@@ -145,6 +147,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch's CPU threads (a machine shared with other work: 1 gives steady "
                          "figures, a team of several stalls when another process holds a core)")
+    ap.add_argument("--gather-s", type=float, default=None,
+                    help="how long a batched step waits for an answer not back yet (default: "
+                         "the scheduler's; a long one shows whether the last answer back wakes "
+                         "the step, whatever the machine's load)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -164,8 +170,8 @@ def main(argv=None):
     pipe.adapter.eos_token_ids = ()
     rows = []
     for n in args.answers:
-        runs = [measure(pipe, n, args.tokens, clip, args.temperature, args.stagger, sampling)
-                for _ in range(args.repeat)]
+        runs = [measure(pipe, n, args.tokens, clip, args.temperature, args.stagger, sampling,
+                        gather_s=args.gather_s) for _ in range(args.repeat)]
         best = min(runs, key=lambda r: r["gap_ms_median"] if r["gap_ms_median"] is not None
                    else float("inf"))
         rows.append(best)

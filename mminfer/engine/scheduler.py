@@ -510,11 +510,11 @@ class Turn:
         try:
             while not s._batch_ready():
                 left = end - time.perf_counter()
-                if left <= 0:
+                # the last answer to come back wakes this one (Scheduler._poke_gatherer); a
+                # window that ran out counts even if that answer came back meanwhile
+                if left <= 0 or not self._cond.wait(left):
                     s.gather_timeouts += 1
                     break
-                # the last answer to come back wakes this one (Scheduler._poke_gatherer)
-                self._cond.wait(left)
         finally:
             s._gathering = None
         batch = sorted(s._pending, key=s._pending.get)[:s.max_batch]
