@@ -46,9 +46,10 @@ prefix is built or restored from the host (a spill that keeps a built or restore
 within the device budget copies under it). A prefill that needs the memory asks
 :meth:`VideoCache.make_room` first: idle entries are copied to the host on a thread of their
 own, with no lock held and the turn given away (other questions are answered meanwhile; a
-question about an entry on its way waits for it, then restores it), and while the room is
-still short and other requests are in the cache (their entries pinned, their own rows held),
-it waits a bounded time for them to end. Only a finished prefix is kept: a cancelled or
+question about an entry on its way waits for it, then restores it; the copies may go on
+behind the vision tower, the prefill waiting for them), and while the room is still short
+and other requests are in the cache (their entries pinned, their own rows held), it waits a
+bounded time for them to end. Only a finished prefix is kept: a cancelled or
 failed prefill leaves nothing behind.
 """
 
@@ -232,6 +233,7 @@ class VideoCache:
         self._in_use = 0                      # requests inside use() (leases open)
         self._room_waiters: set[threading.Event] = set()   # make_room: set when one leaves
         self._host_moving = 0                 # host bytes of the entries make_room copies now
+        self._copying: set[threading.Event] = set()   # those copies' done events
         self.counts = dict(queries=0, hits=0, host_hits=0, misses=0, evictions_gpu=0,
                            evictions_host=0, inserted=0, rejected=0, build_waits=0,
                            room_waits=0, tail_reads=0, idle_spills=0, spilled_bytes=0,
@@ -473,21 +475,31 @@ class VideoCache:
     def _bytes(self, tier: Tier) -> int:
         return sum(e.nbytes for e in self._entries.values() if e.tier is tier)
 
-    def make_room(self, need_bytes: int, wait_s: float = 0.0) -> int:
+    def make_room(self, need_bytes: int, wait_s: float = 0.0,
+                  ahead_bytes: int | None = None) -> int:
         """Before a prefill that will hold ``need_bytes`` (its KV cache and working memory):
         spill idle entries, least recently used first, until the device has that much free
-        (plus a margin) or none is left. While memory is still short and other requests are
-        in the cache (their entries pinned, their own rows held), wait for one of them to end
-        and try again, for up to ``wait_s`` seconds (through :meth:`wait`, so a scheduler
-        gives the turn away meanwhile: the others finish their work). Returns the bytes still
-        missing that other requests hold: 0 when there is room, on a device it cannot
-        measure, or when nobody else holds memory (the prefill then runs, and fails out of
-        memory by itself if it must)."""
+        (plus a margin) or none is left; copies to the host already on their way (this
+        request's or another's) are waited for before more is spilled. While memory is still
+        short and other requests are in the cache (their entries pinned, their own rows held),
+        wait for one of them to end and try again, for up to ``wait_s`` seconds (through
+        :meth:`wait`, so a scheduler gives the turn away meanwhile: the others finish their
+        work). Returns the bytes still missing that other requests hold: 0 when there is room,
+        on a device it cannot measure, or when nobody else holds memory (the prefill then
+        runs, and fails out of memory by itself if it must).
+
+        ``ahead_bytes``: what the work before the prefill needs (the vision tower: the
+        embeddings and its activations). When the idle entries this call sends to the host
+        cover the whole need, it returns as soon as that much is free and their copies go on
+        meanwhile, overlapping that work; the call before the prefill, without it, waits for
+        what is left of them."""
         want = int(need_bytes * (1 + PREFILL_MARGIN))
+        ahead = None if ahead_bytes is None else int(ahead_bytes * (1 + PREFILL_MARGIN))
         deadline = time.monotonic() + wait_s
         rounds = None       # of spills: an entry a question brought back meanwhile is not
         while True:         # chased around forever
             woken = threading.Event()      # a request leaving the cache, or the deadline
+            copying, moves = None, None
             with self._lock:
                 free = self.free_bytes()
                 if free is None:
@@ -495,16 +507,28 @@ class VideoCache:
                 if rounds is None:
                     rounds = len(self._entries) + 1
                 short = want - free
-                moves = self._pick_spills(short) if short > 0 and rounds > 0 else None
+                if short > 0 and self._copying:      # memory on its way out: wait for it
+                    copying = next(iter(self._copying))
+                elif short > 0 and rounds > 0:
+                    moves, freed = self._pick_spills(short)
                 rounds -= moves is not None
+                covered = moves is not None and freed >= short
+                moved = [e.moving for _, e, _ in moves or ()]
                 others = self._in_use > 1
                 left = deadline - time.monotonic()
-                if moves is None and short > 0 and others and left > 0:
+                if copying is None and moves is None and short > 0 and others and left > 0:
                     self._room_waiters.add(woken)
                     self.counts["room_waits"] += 1
+            if copying is not None:
+                self.wait(copying, own=True)
+                continue
             if moves is not None:          # entries dropped or on their way: measure again
                 if moves:
-                    self._copy_out(moves)
+                    done = self._copy_out(moves)
+                    if ahead is not None and covered:
+                        self._wait_free(ahead, moved)
+                        return 0
+                    self.wait(done, own=True)
                 continue
             if woken not in self._room_waiters:
                 if short > 0 and not others:
@@ -523,11 +547,19 @@ class VideoCache:
                 with self._lock:
                     self._room_waiters.discard(woken)
 
-    def _pick_spills(self, short: int) -> list | None:
+    def _wait_free(self, want: int, moved: list) -> None:
+        """Until ``want`` bytes are free on the device or every entry whose ``moved`` event
+        is listed has left it (one at a time, in the order they are copied)."""
+        for event in moved:
+            if self.free_bytes() >= want:
+                return
+            self.wait(event, own=True)
+
+    def _pick_spills(self, short: int) -> tuple[list | None, int]:
         """(Lock held.) Idle device entries, least recently used first, until their bytes
         cover ``short``: each that fits the host tier is marked moving (its host room
-        reserved) and returned as ``(key, entry, host bytes)``, any other dropped. None when
-        no entry is idle."""
+        reserved) and listed as ``(key, entry, host bytes)``, any other dropped. Returns the
+        list (None when no entry is idle) and the device bytes of all of them."""
         moves, freed, found = [], 0, False
         for key, e in list(self._entries.items()):
             if freed >= short:
@@ -544,20 +576,23 @@ class VideoCache:
             else:
                 self._drop(key, e)
                 self.counts["evictions_gpu"] += 1
-        return moves if found else None
+        return (moves if found else None), freed
 
-    def _copy_out(self, moves: list) -> None:
-        """Copy the entries :meth:`_pick_spills` marked to the host, on a thread of their own
-        and with no lock held, while this request waits through :meth:`wait` (a scheduler
-        gives its turn away: other requests' questions are answered meanwhile; pinning the
-        host memory is most of a spill's time; the wait is the request's own, its ``room``
-        stage); each entry leaves the device once its copy is
-        whole. A copy that fails drops its entry (no host memory) and the rest go on; a wait
-        that raises (the request cancelled) leaves the thread to finish them."""
+    def _copy_out(self, moves: list) -> threading.Event:
+        """Start copying the entries :meth:`_pick_spills` marked to the host, on a thread of
+        their own and with no lock held; returns the event set when all are done. The caller
+        waits through :meth:`wait` (a scheduler gives its turn away: other requests'
+        questions are answered meanwhile; pinning the host memory is most of a spill's time;
+        the wait is the request's own, its ``room`` stage) or does its own work meanwhile
+        (``make_room(ahead_bytes=)``). Each entry leaves the device once its copy is whole.
+        A copy that fails drops its entry (no host memory) and the rest go on; a wait that
+        raises (the request cancelled) leaves the thread to finish them."""
         done = threading.Event()
+        with self._lock:
+            self._copying.add(done)
         threading.Thread(target=self._copy_out_run, args=(moves, done), daemon=True,
                          name="mminfer-spill").start()
-        self.wait(done, own=True)
+        return done
 
     def _copy_out_run(self, moves: list, done: threading.Event) -> None:
         cuda = self.device.type == "cuda"
@@ -600,6 +635,7 @@ class VideoCache:
                     self._host_moving -= need
                     moved, e.moving = e.moving, None
                     moved.set()
+                self._copying.discard(done)
             done.set()
 
     def read_in_tail(self) -> None:

@@ -57,6 +57,12 @@ MAX_NEW_TOKENS = 4096
 # (their answers decoding over pinned entries end within seconds); then it is refused (503)
 # rather than started into an out-of-memory error.
 ROOM_WAIT_S = 10.0
+# Device memory the vision tower takes past the embeddings it fills, at most: one chunk's
+# activations (Qwen2.5-VL-7B: 65536 patches x (1280 x ~8 + 3420 x 3) x 2 bytes, ~2.7 GB;
+# LongVILA-7B: 32 frames x 729 patches x (1152 x ~8 + 4304 x 3) x 2 bytes, ~1 GB), with room
+# to spare. The room a new prefill makes is copied out while the tower runs, once this much
+# is free (VideoCache.make_room's ahead_bytes).
+VISION_WORKSPACE_BYTES = 4 << 30
 STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engine.timing)
 # the scheduler turn of the request this thread runs (Pipeline.answer), for the cache's waits
 _current_turn: contextvars.ContextVar = contextvars.ContextVar("mminfer_turn", default=None)
@@ -304,6 +310,22 @@ class Pipeline:
         chunk = min(n, ad.prefill_chunk or PREFILL_CHUNK)
         return n * (self.kv_bytes_per_token + per_token) \
             + chunk * mlp.gate_proj.out_features * elt * 3
+
+    def embed_bytes(self, n: int) -> int:
+        """Device bytes of the embeddings of ``n`` tokens (the vision tower fills them; the
+        prefill updates them in place, its residual stream)."""
+        hidden = self.adapter.text_model.layers[0].self_attn.q_proj.in_features
+        return n * hidden * (torch.finfo(self.dtype).bits // 8)
+
+    def _refuse_if_short(self, need: int, short: int) -> None:
+        """A prefill still ``short`` of its room after the cache's wait is refused (503)
+        rather than started into an out-of-memory error. Not under tensor parallelism: its
+        ranks' memory may differ, and no refusal is one rank's alone."""
+        if short > 0 and self.tensor_parallel == 1:
+            raise MemoryBusy(
+                f"this video's prefill needs {need / 2**30:.1f} GiB of device memory and "
+                f"{short / 2**30:.1f} GiB of it is held by other requests (videos being "
+                f"asked about, answers decoding); try again shortly, or ask for fewer frames")
 
     def _kv_key(self) -> str:
         """What the prefix's cache stores, for its key (read per request: an FP8 prefix is
@@ -618,16 +640,15 @@ class Pipeline:
             _check_context(n, prep.visual_tokens, max_new_tokens, ad.max_context)
             # room for the embeddings and the prefill before the vision tower makes them:
             # idle entries spill; what others pin (their questions decoding) is waited for
-            # while they finish, a bounded time, so the prefill does not run out of memory
-            need = self.prefill_bytes(n + max_new_tokens + tail_rows(prep.prefix_len))
+            # while they finish, a bounded time, so the prefill does not run out of memory.
+            # Spills that cover it are copied out while the tower runs, once the tower's
+            # own share is free; the prefill waits for the rest of them
+            total = n + max_new_tokens + tail_rows(prep.prefix_len)
+            need, embed_bytes = self.prefill_bytes(total), self.embed_bytes(n)
             with timer("room"):
-                short = self.video_cache.make_room(need, wait_s=ROOM_WAIT_S)
-            if short > 0 and self.tensor_parallel == 1:   # ranks' memory may differ: no
-                raise MemoryBusy(                          # refusal one rank alone makes
-                    f"this video's prefill needs {need / 2**30:.1f} GiB of device memory and "
-                    f"{short / 2**30:.1f} GiB of it is held by other requests (videos being "
-                    f"asked about, answers decoding); try again shortly, or ask for fewer "
-                    f"frames")
+                short = self.video_cache.make_room(
+                    need, wait_s=ROOM_WAIT_S, ahead_bytes=embed_bytes + VISION_WORKSPACE_BYTES)
+            self._refuse_if_short(need, short)
             # tensor parallel: each rank runs the tower on its share of the chunks of frames,
             # then every rank gathers the others' features (mminfer.engine.parallel)
             shard = self._frame_shards()
@@ -639,6 +660,9 @@ class Pipeline:
         finally:
             stream.close()
         _check(cancel, "before the prefill")
+        with timer("room"):          # the embeddings are made: the rest of the need
+            self._refuse_if_short(need, self.video_cache.make_room(need - embed_bytes,
+                                                                   wait_s=ROOM_WAIT_S))
         P = prep.prefix_len
         # the prefix's prefill decides dense or sparse once (hooks.choose_attention) from its
         # own length, and a sparse one estimates from the prefix's own last queries: the

@@ -311,7 +311,11 @@ def _device_of(cache, capacity):
     cache.free_bytes = lambda: capacity - cache._bytes(Tier.GPU)
 
 
-def test_make_room_spills_idle_entries_then_waits_for_a_reader_to_end():
+@pytest.mark.parametrize("ahead", [None, 0])
+def test_make_room_spills_idle_entries_then_waits_for_a_reader_to_end(ahead):
+    """(``ahead``: the idle entry does not cover the need, so it is copied out before the
+    vision tower; the entry the reader leaves is copied behind the tower, and the prefill's
+    own call waits for that copy.)"""
     cache = _cache(4, 4)
     for k in K[:2]:
         _put(cache, k)
@@ -332,8 +336,10 @@ def test_make_room_spills_idle_entries_then_waits_for_a_reader_to_end():
     with cache.use(K[2]) as lease:               # the prefill's own request
         assert lease.status == "miss"
         # room for all three entries' bytes: both must go, one is pinned until its reader ends
-        short = cache.make_room(int(2.5 * DEVICE_BYTES / 1.1), wait_s=60)
+        short = cache.make_room(int(2.5 * DEVICE_BYTES / 1.1), wait_s=60, ahead_bytes=ahead)
         done["ended_first"] = ended.is_set()
+        if ahead is not None:                    # the tower ran: the prefill's call
+            short += cache.make_room(int(2.5 * DEVICE_BYTES / 1.1), wait_s=60)
     t.join(30)
     assert short == 0 and done["ended_first"]
     assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.HOST}
@@ -466,6 +472,66 @@ def test_make_room_copies_out_with_no_lock_held_while_others_read(monkeypatch):
     _consistent(cache)
 
 
+def test_make_room_ahead_returns_once_the_towers_share_is_free_and_the_prefill_waits(
+        monkeypatch):
+    """``ahead_bytes`` (what the vision tower needs): the idle entries picked cover the whole
+    need, so make_room returns once the tower's share is free (the first entry's copy done)
+    while the second one's copy goes on behind the tower; the call before the prefill waits
+    for that copy (its own work: timed as its room), then has its room."""
+    cache = _cache(4, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    _device_of(cache, 2 * DEVICE_BYTES)          # nothing free: both entries must go
+    first, second = cache._entries[K[0]], cache._entries[K[1]]
+    gate, real = threading.Event(), PrefixKV.copies
+
+    def copies(kv, device, **kw):                # the second entry's copy held
+        if kv is second.kv:
+            assert gate.wait(30)
+        return real(kv, device, **kw)
+
+    monkeypatch.setattr(PrefixKV, "copies", copies)
+    waits, real_wait = [], cache.wait
+    cache.wait = lambda ev, own=False: (waits.append(own), real_wait(ev))[1]
+    need = int(1.9 * DEVICE_BYTES / 1.1)
+    out = {}
+    try:
+        with cache.use(K[2]):
+            assert cache.make_room(need, ahead_bytes=int(0.5 * DEVICE_BYTES / 1.1)) == 0
+            assert first.tier is Tier.HOST and second.moving is not None   # the tower runs
+            t = threading.Thread(target=lambda: out.update(short=cache.make_room(need)))
+            t.start()
+            t.join(0.3)
+            assert t.is_alive() and second.moving is not None
+            gate.set()
+            t.join(30)
+    finally:
+        gate.set()
+    assert out == {"short": 0} and waits and all(waits)
+    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.HOST}
+    assert cache.counts["spilled_bytes"] == 2 * HOST_BYTES and not cache._copying
+    _consistent(cache)
+
+
+def test_make_room_ahead_returns_at_once_when_the_tower_fits(monkeypatch):
+    """The tower's share already free: make_room(ahead_bytes=) returns with every copy it
+    started still held; a question about another request's entry meanwhile is answered."""
+    cache = _cache(4, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    _device_of(cache, 2 * DEVICE_BYTES)
+    with _gated_copies(monkeypatch) as (gate, started):
+        with cache.use(K[2]):
+            assert cache.make_room(int(0.9 * DEVICE_BYTES / 1.1), ahead_bytes=0) == 0
+            assert started.wait(30) and cache._entries[K[0]].moving is not None
+            with cache.use(K[1]) as lease:       # not picked: read meanwhile
+                assert lease.status == "hit"
+            gate.set()
+            assert cache.make_room(int(0.9 * DEVICE_BYTES / 1.1)) == 0
+    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.GPU}
+    _consistent(cache)
+
+
 def test_make_room_does_not_chase_entries_brought_back_meanwhile():
     """Each entry make_room sends to the host is asked about at once and restored (a busy
     video): the prefill spills at most one round per entry it found (plus one), then returns
@@ -477,11 +543,13 @@ def test_make_room_does_not_chase_entries_brought_back_meanwhile():
     real, rounds = cache._copy_out, []
 
     def copy_out(moves):
-        real(moves)
+        done = real(moves)
+        assert done.wait(30)
         rounds.append([key for key, _, _ in moves])
         for key, _, _ in moves:                   # a question brings it straight back
             with cache.use(key) as lease:
                 assert lease.status == "host"
+        return done
 
     cache._copy_out = copy_out
     out = {}
@@ -687,8 +755,8 @@ def test_a_hit_is_answered_while_a_new_videos_room_is_copied_out(qwen, mp4, tmp_
     room = {}
     real_room = cache.make_room
 
-    def make_room(need, wait_s=0.0):
-        room["want"] = int(need * 1.1) + 1
+    def make_room(need, wait_s=0.0, ahead_bytes=None):
+        room.setdefault("want", int(need * 1.1) + 1)   # the first call: the whole need
         return real_room(need, wait_s)
 
     monkeypatch.setattr(cache, "make_room", make_room)
@@ -726,6 +794,59 @@ def test_a_hit_is_answered_while_a_new_videos_room_is_copied_out(qwen, mp4, tmp_
     assert t["room"] >= held * 1e3 > t["wait"], t
     again = pipe.answer(mp4, "where?", **q)
     assert again.cache == "host" and again.answer == first.answer
+    _consistent(cache)
+
+
+def test_a_new_videos_room_is_copied_out_while_its_vision_tower_runs(qwen, mp4, tmp_path,
+                                                                     monkeypatch):
+    """Through Pipeline.answer: the idle cached video a new video's prefill needs the room of
+    is still being copied to the host while the new video's vision tower runs (the tower's
+    share of memory is free at once); the prefill then waits for the copy, timed as its
+    room, and the answer is the one a pipeline with room to spare gives."""
+    monkeypatch.setattr(pipeline_mod, "VISION_WORKSPACE_BYTES", 0)
+    pipe = Pipeline(str(qwen), attention="dense", device="cpu", kv_host_cache_gb=1.0)
+    cache, ad = pipe.video_cache, pipe.adapter
+    new = write_video(tmp_path / "new.mp4", n_frames=20, fps=8.0, width=96, height=64,
+                      noise=True)
+    q = dict(fps=4.0, max_new_tokens=3)
+    pipe.answer(mp4, "where?", **q)
+    spilled = next(iter(cache._entries.values()))
+    state = {"free0": 1 << 40, "embeds": 0}
+    real_room, real_embed = cache.make_room, ad.embed
+
+    def make_room(need, wait_s=0.0, ahead_bytes=None):
+        if ahead_bytes is not None:   # short by the entry for the whole need, not the tower's
+            state["free0"] = max(int(need * 1.1), int(ahead_bytes * 1.1) + spilled.nbytes) + 1
+        return real_room(need, wait_s, ahead_bytes)
+
+    def embed(prep, **kw):
+        out = real_embed(prep, **kw)
+        state["embeds"] = pipe.embed_bytes(prep.total_tokens)
+        state["copying_in_tower"] = spilled.moving is not None
+        tower_done.set()
+        return out
+
+    # the device holds the cached entry while it is there and the embeddings once made
+    cache.free_bytes = lambda: state["free0"] - state["embeds"] - (
+        spilled.nbytes if spilled.tier is Tier.GPU and spilled.kv is not None else 0)
+    monkeypatch.setattr(cache, "make_room", make_room)
+    monkeypatch.setattr(ad, "embed", embed)
+    tower_done, out = threading.Event(), {}
+    with _gated_copies(monkeypatch) as (gate, started):
+        a = threading.Thread(target=lambda: out.update(r=pipe.answer(new, "where?", **q)))
+        a.start()
+        assert tower_done.wait(120)
+        held = time.perf_counter()
+        a.join(0.3)
+        assert a.is_alive() and spilled.moving is not None    # the prefill waits for it
+        gate.set()
+        held = time.perf_counter() - held
+        a.join(120)
+    r = out["r"]
+    assert state["copying_in_tower"] and r.cache == "miss" and spilled.tier is Tier.HOST
+    assert r.timings_ms["room"] >= held * 1e3 > r.timings_ms["wait"], r.timings_ms
+    roomy = Pipeline(str(qwen), attention="dense", device="cpu")
+    assert r.answer == roomy.answer(new, "where?", **q).answer
     _consistent(cache)
 
 

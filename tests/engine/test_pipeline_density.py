@@ -65,9 +65,9 @@ def test_making_room_for_a_prefill_is_a_stage_of_its_own(pipe, monkeypatch):
     run on an 80 GB card had seconds of a new video's TTFT in no stage."""
     real = pipe.video_cache.make_room
 
-    def slow_room(need, wait_s=0.0):
+    def slow_room(need, wait_s=0.0, **kw):
         time.sleep(SLOW_S)                       # the spill's copies and host allocations
-        return real(need, wait_s=wait_s)
+        return real(need, wait_s=wait_s, **kw)
 
     monkeypatch.setattr(pipe.video_cache, "make_room", slow_room)
     r = pipe.answer(NEEDLE, "What colour is it?", fps=2, max_frames=3, max_new_tokens=2,
