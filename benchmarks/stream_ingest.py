@@ -243,7 +243,9 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
         if limit.over():
             rec["one_shot"] = {"skipped": f"time limit: {limit.elapsed():.0f} s used"}
         else:
+            before = _compiles().stats()
             rec["one_shot"] = e2e.request(pipe, case, video, mode, args)
+            rec["one_shot"]["compiles"] = _compiled_since(before)
             e2e.free_memory()
             t1 = rec["one_shot"].get("timings_ms") or {}
             say(clock, "ingest: one-shot " + (
@@ -274,6 +276,7 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
                                          f"{len(srec['pieces'])} pieces")
                     say(clock, "ingest: " + srec["cut_short"])
                     break
+                before = _compiles().stats()
                 try:
                     rep = s.append_frames(
                         piece.frames, media_seconds=max(piece.media_end - s.media_end, 0.0),
@@ -284,14 +287,18 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
                                f"{srec['error']['error'][:300]}")
                     break
                 rep = {**rep, "decode_ms": round(decode_s * 1e3, 3),
-                       "stream_tokens": s.length}
+                       "stream_tokens": s.length, "compiles": _compiled_since(before)}
                 srec["pieces"].append(rep)
                 k = len(srec["pieces"])
                 say(clock, f"ingest: piece {k}/{n_pieces}: {rep['frames']} frames "
                            f"{rep['tokens']} tokens, vision {_s(rep['vision_ms'])} s, prefill "
                            f"{_s(rep['prefill_ms'])} s ({rep.get('attention')}"
                            + (f", density {rep['density']:.3f}" if "density" in rep else "")
-                           + f"), stream {s.length} tokens")
+                           + f"), stream {s.length} tokens"
+                           + (f", {rep['compiles']['compiles']} Triton compilations "
+                              f"{rep['compiles']['seconds']:.2f} s "
+                              f"({', '.join(rep['compiles']['kernels'])})"
+                              if rep["compiles"]["compiles"] else ""))
                 if k in ask_after:
                     for j in range(args.asks):
                         srec["asks"].append(ask(s, args, k, n_pieces, j))
@@ -326,6 +333,26 @@ def ask(stream, args, after: int, n_pieces: int, j: int) -> dict:
             "wall_ms": _r((time.perf_counter() - t) * 1e3), "answer": str(res.answer)[:80]}
 
 
+def _compiles():
+    """mminfer.kernels.compiles, imported once TRITON_INTERPRET is settled (main sets it)."""
+    from mminfer.kernels import compiles
+    compiles.install()
+    return compiles
+
+
+def _compiled_since(before: dict) -> dict:
+    """The Triton compilations since ``before`` (compiles.stats()): how many, their seconds,
+    and per kernel how many (a piece's time that a new specialisation of a kernel's integer
+    arguments took; none under the interpreter)."""
+    now = _compiles().stats()
+    was = before["kernels"]
+    kernels = {k: v["compiles"] - was.get(k, {}).get("compiles", 0)
+               for k, v in now["kernels"].items()}
+    return {"compiles": now["compiles"] - before["compiles"],
+            "seconds": round(now["seconds"] - before["seconds"], 3),
+            "kernels": {k: n for k, n in kernels.items() if n}}
+
+
 def _prefill_ms(t: dict):
     parts = [t.get(k) for k in ("index", "attention", "llm_other")]
     return None if any(p is None for p in parts) else sum(parts)
@@ -343,6 +370,8 @@ def ingest_summary(rec: dict) -> dict:
                    pieces_prefill_s=_r(sum(p["prefill_ms"] for p in pieces) / 1e3),
                    pieces_decode_s=_r(sum(p["decode_ms"] for p in pieces) / 1e3),
                    sparse_pieces=sum(p.get("attention") == "sparse" for p in pieces),
+                   pieces_compiles=sum(p["compiles"]["compiles"] for p in pieces),
+                   pieces_compile_s=_r(sum(p["compiles"]["seconds"] for p in pieces)),
                    last_piece_s=_r((pieces[-1]["vision_ms"] + pieces[-1]["prefill_ms"]) / 1e3))
         out["pieces_s"] = _r(out["pieces_vision_s"] + out["pieces_prefill_s"])
     one = (rec.get("one_shot") or {}).get("timings_ms")
@@ -354,6 +383,7 @@ def ingest_summary(rec: dict) -> dict:
                    one_shot_vision_s=_r(one["vision"] / 1e3),
                    one_shot_prefill_s=_r(_prefill_ms(one) / 1e3),
                    one_shot_attention=oneshot.get("attention_ran"),
+                   one_shot_compile_s=(oneshot.get("compiles") or {}).get("seconds"),
                    one_shot_peak_gpu_gib=oneshot.get("peak_gpu_gib"))
         out["one_shot_s"] = _r(out["one_shot_vision_s"] + out["one_shot_prefill_s"])
     if pieces and "one_shot_s" in out:

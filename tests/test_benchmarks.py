@@ -867,6 +867,9 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     assert ing["same_visual_tokens"] and ing["one_shot_attention"] == "sparse"
     assert ing["pieces_s"] > 0 and ing["one_shot_s"] > 0 and ing["one_shot_vision_s"] > 0
     assert ing["ratio"] == pytest.approx(ing["pieces_s"] / ing["one_shot_s"], abs=2e-3)
+    # Triton compilations per piece (a new specialisation is a piece's second): none run by
+    # the interpreter
+    assert ing["pieces_compiles"] == 0 and ing["one_shot_compile_s"] == 0
     asks = rep["ingest"]["stream"]["asks"]
     assert [a["after_pieces"] for a in asks] == [2, 3, 6]          # 25 %, 50 %, 100 %
     assert all(a["ttft_ms"] > 0 and a["kv"] == "gpu" for a in asks)

@@ -38,7 +38,8 @@ from mminfer.engine.parallel import FrameShards, init_from_env, shard_decoder
 from mminfer.engine.rerun import dense_rerun, finish, keep_inputs
 from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
-from mminfer.kernels import fp8_attention, sparsity
+from mminfer.kernels import compiles, fp8_attention, sparsity
+from mminfer.kernels.runtime import compiled_gpu
 from mminfer.models.base import (VIDEO, Adapter, Conversation, PrepareOptions, Turn,
                                  resolve_checkpoint)
 from mminfer.models.decode import choose_path, decoder_of, step_batch
@@ -222,6 +223,8 @@ class Pipeline:
         if model is None:       # the embedded default model (mminfer/models/mminfer-embedded)
             model = default_model()
         self.device = _device(device)
+        if compiled_gpu(self.device.type == "cuda"):
+            compiles.install()      # Triton's compilations counted (/metrics) and logged
         self.tensor_parallel, self.rank = int(tensor_parallel), 0
         if self.tensor_parallel > 1:
             self.rank, local = init_from_env(self.tensor_parallel, self.device.type)

@@ -42,6 +42,7 @@ from mminfer import __version__
 from mminfer.engine.pipeline import Pipeline
 from mminfer.engine.timing import SERVED_STAGES as STAGE_ORDER
 from mminfer.errors import ConfigError
+from mminfer.kernels import compiles
 from mminfer.models.base import resolve_checkpoint
 from mminfer.models.embedded import resolve_model
 
@@ -106,6 +107,8 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
     metrics.watch_cache(lambda: getattr(getattr(worker.pipeline, "video_cache", None),
                                         "stats", lambda: None)())
     metrics.watch_store(video_store.stats)
+    # Triton's compilations: this process's, or the engines' under --data-parallel
+    metrics.watch_compiles(getattr(worker, "compile_stats", compiles.stats))
 
     @asynccontextmanager
     async def lifespan(app):

@@ -529,6 +529,18 @@ class DataParallelWorker(FrontWorker):
                               if isinstance(v, (int, float))})
         return dict(total) if seen else None
 
+    def compile_stats(self) -> dict:
+        """The running engines' Triton compilations, summed (an engine started again counts
+        its own from 0: its process compiles again)."""
+        kernels: dict = {}
+        for st in self._statuses():
+            for name, k in ((st.get("compiles") or {}).get("kernels") or {}).items():
+                got = kernels.setdefault(name, {"compiles": 0, "seconds": 0.0})
+                got["compiles"] += k["compiles"]
+                got["seconds"] += k["seconds"]
+        return {"compiles": sum(k["compiles"] for k in kernels.values()),
+                "seconds": sum(k["seconds"] for k in kernels.values()), "kernels": kernels}
+
     def engines_health(self, ids: bool = True) -> list[dict]:
         """Each engine, for /health (``ids``: with its running requests' ids)."""
         now = time.monotonic()

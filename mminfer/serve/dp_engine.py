@@ -50,6 +50,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from mminfer.errors import Cancelled, MMInferError, StreamNotFound
+from mminfer.kernels import compiles
 
 from .app import load_pipeline
 from . import live_ops
@@ -164,7 +165,8 @@ class Engine:
         out = {"state": w.state, "waiting": w.waiting, "running": w.running,
                "served": w.served, "stopped": w.stopped, "progress": w.progress(),
                "cache": cache.stats() if cache is not None else None, "videos": None,
-               "streams": live_ops.report(w.pipeline) if w.pipeline is not None else None}
+               "streams": live_ops.report(w.pipeline) if w.pipeline is not None else None,
+               "compiles": compiles.stats()}
         with self._lock:
             if videos != self._videos:
                 self._videos = videos

@@ -132,6 +132,8 @@ class Metrics:
         r.register(self._cache)
         self._streams = StreamsCollector(model)
         r.register(self._streams)
+        self._compiles = CompilesCollector(model)
+        r.register(self._compiles)
 
         # ---- the shadow-dense monitor (serve/shadow.py), per prompt-length bucket
         b = m + ["length_bucket"]
@@ -191,6 +193,10 @@ class Metrics:
     def watch_streams(self, stats):
         """``stats()``: the live streams' figures (serve/live.py ``stats``), or None."""
         self._streams.stats = stats
+
+    def watch_compiles(self, stats):
+        """``stats()``: the engine's Triton compilations (mminfer.kernels.compiles.stats)."""
+        self._compiles.stats = stats
 
     def observe_cache(self, cache: str | None):
         if cache:
@@ -283,6 +289,37 @@ class CacheCollector:
                 f = GaugeMetricFamily(f"mminfer:video_store_{name}", doc, labels=lab)
                 f.add_metric(m, st[key])
                 yield f
+
+
+class CompilesCollector:
+    """Triton's compilations in the engine, read at scrape time: a kernel compiles on the
+    first launch of each specialisation, a second or so inside one request's time."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.stats = lambda: None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            st = self.stats()
+        except Exception:                  # noqa: BLE001 - a scrape must not fail on it
+            logging.getLogger("mminfer.serve").exception("reading the compilations' stats")
+            st = None
+        if not st:
+            return
+        lab = ["model_name", "kernel"]
+        n = CounterMetricFamily("mminfer:triton_compiles", "Triton kernel compilations (one "
+                                "per new specialisation of a kernel's arguments)", labels=lab)
+        t = CounterMetricFamily("mminfer:triton_compile_seconds", "Seconds spent compiling "
+                                "Triton kernels", labels=lab)
+        for kernel, k in st.get("kernels", {}).items():
+            n.add_metric([self.model, kernel], k["compiles"])
+            t.add_metric([self.model, kernel], k["seconds"])
+        yield n
+        yield t
 
 
 class StreamsCollector:

@@ -1,0 +1,86 @@
+"""Triton compilations in this process: how many, of which kernels, and how long they took.
+
+A kernel compiles on the first launch of each of its specialisations, and Triton specialises
+an integer argument on its value (1, a multiple of 16, 32 or 64 bits): a count that comes from
+a request's data (a plan's most verticals, a length) can make a new variant in the middle of
+serving, a second or so of one request's time that no stage names. Counted here, through the
+hooks Triton calls around every compilation (``knobs.runtime.jit_cache_hook`` before, its
+``jit_post_compile_hook`` after; hooks set before are still called), logged with the
+specialisation, and served on ``/metrics``. Kernels run by the interpreter never compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from triton import knobs
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_started: dict = {}             # (thread, key) -> perf_counter at the compile's start
+_counts: dict[str, int] = {}    # kernel name -> compilations
+_seconds: dict[str, float] = {}
+_installed = False
+
+
+def _name(fn) -> str:
+    return getattr(fn, "name", None) or str(fn)
+
+
+def _before(**kw) -> None:
+    with _lock:
+        _started[(threading.get_ident(), kw.get("key"))] = time.perf_counter()
+
+
+def _after(**kw) -> None:
+    now = time.perf_counter()
+    name = _name(kw.get("fn"))
+    with _lock:
+        t0 = _started.pop((threading.get_ident(), kw.get("key")), None)
+        took = now - t0 if t0 is not None else 0.0
+        _counts[name] = _counts.get(name, 0) + 1
+        _seconds[name] = _seconds.get(name, 0.0) + took
+    log.info("Triton compiled %s in %.2f s: %s", name, took, kw.get("repr", ""))
+
+
+def _chain(ours, theirs):
+    """Our hook, then the one set before (which decides: a ``jit_cache_hook`` that returns
+    True skips the compilation, which is then not counted)."""
+    if theirs is None:
+        return ours
+
+    def hook(**kw):
+        ours(**kw)
+        skip = theirs(**kw)
+        if skip and ours is _before:
+            with _lock:
+                _started.pop((threading.get_ident(), kw.get("key")), None)
+        return skip
+
+    return hook
+
+
+def install() -> None:
+    """Count this process's Triton compilations from now on (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    rt = knobs.runtime
+    rt.jit_cache_hook = _chain(_before, rt.jit_cache_hook)
+    rt.jit_post_compile_hook = _chain(_after, rt.jit_post_compile_hook)
+
+
+def stats() -> dict:
+    """``{"compiles": n, "seconds": s, "kernels": {name: {"compiles", "seconds"}}}`` since
+    :func:`install`."""
+    with _lock:
+        kernels = {k: {"compiles": _counts[k], "seconds": round(_seconds[k], 6)}
+                   for k in sorted(_counts)}
+    return {"compiles": sum(v["compiles"] for v in kernels.values()),
+            "seconds": round(sum(v["seconds"] for v in kernels.values()), 6),
+            "kernels": kernels}

@@ -1,0 +1,99 @@
+"""Triton's compilations are counted per kernel, with their time, through the hooks Triton
+calls around each one; a hook set before ours is still called and still decides; /metrics
+serves the counts. On the GPU: a new specialisation of an integer argument (a multiple of
+16, or not) compiles once, and a value of a specialisation seen before compiles nothing."""
+
+import time
+
+import pytest
+import torch
+from triton import knobs
+
+from mminfer.kernels import compiles
+from mminfer.serve.metrics import Metrics
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """compiles as if never installed, Triton's hooks restored after the test."""
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(compiles, "_installed", False)
+    monkeypatch.setattr(compiles, "_counts", {})
+    monkeypatch.setattr(compiles, "_seconds", {})
+    monkeypatch.setattr(compiles, "_started", {})
+
+
+class _Fn:                       # what Triton passes as ``fn`` (its JitFunctionInfo)
+    def __init__(self, name):
+        self.name = name
+
+
+def _compile(key, name, took=0.01, skip_by=None):
+    """What Triton's JITFunction._do_compile calls: the cache hook (its True skips), the
+    compilation, then the post-compile hook."""
+    kw = dict(key=key, repr=f"{name}(n: i32)", fn=_Fn(name), compile={},
+              is_manual_warmup=False, already_compiled=False)
+    if knobs.runtime.jit_cache_hook(**kw):
+        return False
+    time.sleep(took)
+    knobs.runtime.jit_post_compile_hook(**kw)
+    return True
+
+
+def test_compilations_are_counted_per_kernel_with_their_time(fresh):
+    compiles.install()
+    compiles.install()                               # idempotent: counted once
+    assert _compile(("k1", "i32"), "_attn", took=0.02)
+    assert _compile(("k1", "i32D"), "_attn")
+    assert _compile(("k2", "i32"), "_proxy")
+    st = compiles.stats()
+    assert st["compiles"] == 3
+    assert st["kernels"]["_attn"]["compiles"] == 2 and st["kernels"]["_proxy"]["compiles"] == 1
+    assert st["kernels"]["_attn"]["seconds"] >= 0.02 + 0.01
+    assert st["seconds"] == pytest.approx(sum(k["seconds"] for k in st["kernels"].values()))
+    assert not compiles._started
+
+
+def test_a_hook_set_before_is_called_and_decides(fresh):
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(("cache", kw["key"])) or \
+        kw["key"][0] == "skip"
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(("post", kw["key"]))
+    compiles.install()
+    assert _compile(("run", "i32"), "_attn")
+    assert not _compile(("skip", "i32"), "_attn")          # theirs skipped it: not counted
+    assert seen == [("cache", ("run", "i32")), ("post", ("run", "i32")),
+                    ("cache", ("skip", "i32"))]
+    assert compiles.stats()["compiles"] == 1 and not compiles._started
+
+
+def test_metrics_serve_the_compilations():
+    m = Metrics("tiny")
+    m.watch_compiles(lambda: {"compiles": 3, "seconds": 1.5, "kernels": {
+        "_attn": {"compiles": 2, "seconds": 1.25}, "_proxy": {"compiles": 1, "seconds": 0.25}}})
+    text = m.exposition().decode()
+    assert 'mminfer:triton_compiles_total{kernel="_attn",model_name="tiny"} 2.0' in text
+    assert 'mminfer:triton_compile_seconds_total{kernel="_proxy",model_name="tiny"} 0.25' in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_new_specialisation_compiles_once_on_the_gpu(fresh):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _fill(X, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(X + offs, offs + n, mask=offs < n)
+
+    compiles.install()
+    x = torch.empty(64, device="cuda", dtype=torch.int32)
+    counts = []
+    for n in (17, 33, 32, 48, 19):       # not / not / a multiple of 16 / one / not
+        _fill[(1,)](x, n, BLOCK=64)
+        counts.append(compiles.stats()["kernels"].get("_fill", {}).get("compiles", 0))
+    torch.cuda.synchronize()
+    assert counts == [1, 1, 2, 2, 2]
+    assert compiles.stats()["kernels"]["_fill"]["seconds"] > 0
