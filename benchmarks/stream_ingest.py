@@ -292,7 +292,8 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
                 k = len(srec["pieces"])
                 say(clock, f"ingest: piece {k}/{n_pieces}: {rep['frames']} frames "
                            f"{rep['tokens']} tokens, vision {_s(rep['vision_ms'])} s, prefill "
-                           f"{_s(rep['prefill_ms'])} s ({rep.get('attention')}"
+                           f"{_s(rep['prefill_ms'])} s (index {_s(rep.get('index_ms'))} s, "
+                           f"attention {_s(rep.get('attention_ms'))} s; {rep.get('attention')}"
                            + (f", density {rep['density']:.3f}" if "density" in rep else "")
                            + f"), stream {s.length} tokens"
                            + (f", {rep['compiles']['compiles']} Triton compilations "
@@ -370,6 +371,8 @@ def ingest_summary(rec: dict) -> dict:
                    pieces_prefill_s=_r(sum(p["prefill_ms"] for p in pieces) / 1e3),
                    pieces_decode_s=_r(sum(p["decode_ms"] for p in pieces) / 1e3),
                    sparse_pieces=sum(p.get("attention") == "sparse" for p in pieces),
+                   pieces_index_s=_r(sum(p.get("index_ms", 0.0) for p in pieces) / 1e3),
+                   pieces_attention_s=_r(sum(p.get("attention_ms", 0.0) for p in pieces) / 1e3),
                    pieces_compiles=sum(p["compiles"]["compiles"] for p in pieces),
                    pieces_compile_s=_r(sum(p["compiles"]["seconds"] for p in pieces)),
                    last_piece_s=_r((pieces[-1]["vision_ms"] + pieces[-1]["prefill_ms"]) / 1e3))
@@ -384,6 +387,8 @@ def ingest_summary(rec: dict) -> dict:
                    one_shot_prefill_s=_r(_prefill_ms(one) / 1e3),
                    one_shot_attention=oneshot.get("attention_ran"),
                    one_shot_compile_s=(oneshot.get("compiles") or {}).get("seconds"),
+                   one_shot_index_s=_r(one.get("index", 0.0) / 1e3),
+                   one_shot_attention_s=_r(one.get("attention", 0.0) / 1e3),
                    one_shot_peak_gpu_gib=oneshot.get("peak_gpu_gib"))
         out["one_shot_s"] = _r(out["one_shot_vision_s"] + out["one_shot_prefill_s"])
     if pieces and "one_shot_s" in out:

@@ -870,6 +870,9 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     # Triton compilations per piece (a new specialisation is a piece's second): none run by
     # the interpreter
     assert ing["pieces_compiles"] == 0 and ing["one_shot_compile_s"] == 0
+    # where a piece's prefill goes: the estimate over every key so far, and the kernels
+    assert 0 < ing["pieces_index_s"] + ing["pieces_attention_s"] < ing["pieces_prefill_s"]
+    assert ing["one_shot_index_s"] > 0 and ing["one_shot_attention_s"] > 0
     asks = rep["ingest"]["stream"]["asks"]
     assert [a["after_pieces"] for a in asks] == [2, 3, 6]          # 25 %, 50 %, 100 %
     assert all(a["ttft_ms"] > 0 and a["kv"] == "gpu" for a in asks)

@@ -530,10 +530,11 @@ class Stream:
                 index = _index(layout, self.held_units + n_units)
                 attention = self._piece_attention(rows, index)
                 sparse = attention == "sparse"
+                timer = StageTimer(self.pipeline.device)   # the prefill's index, attention
                 ctx = self.pipeline.prefill_context(
                     index=index if sparse else None,
                     patterns=ad.patterns, mode=attention, cancel=check, keep_plans=sparse,
-                    unavailable=self.pipeline.sparse_unavailable)
+                    unavailable=self.pipeline.sparse_unavailable, timer=timer)
                 t = time.perf_counter()
                 with torch.inference_mode():
                     prefill(ad.text_model, embeds, kv, pos, ctx=ctx, kv_only_last=True,
@@ -541,6 +542,9 @@ class Stream:
                 if kv.layers[0].k_buf is not None and kv.layers[0].k_buf.is_cuda:
                     torch.cuda.current_stream(kv.layers[0].k_buf.device).synchronize()
                 report["prefill_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+                spent = timer.totals_ms()
+                for stage in ("index", "attention"):
+                    report[f"{stage}_ms"] = round(spent.get(stage, 0.0), 3)
                 report["attention"] = attention
                 counted = sparsity(ctx.densities) if sparse else None
                 if counted is not None:     # pairs computed over the piece's causal pairs

@@ -45,6 +45,7 @@ def test_pieces_below_the_threshold_run_dense(qwen):
     dense, _ = _ingest(qwen, frames, mode="dense")
     s, reports = _ingest(qwen, frames, mode="sparse", sparse_min_tokens=10 ** 6)
     assert [r["attention"] for r in reports] == ["dense", "dense"]
+    assert all(r["index_ms"] == 0.0 for r in reports)      # nothing estimated
     want = dense.generate(Q, max_new_tokens=4)[0]
     got = s.generate(Q, max_new_tokens=4)[0]
     assert torch.equal(got.prefill_logits, want.prefill_logits)
@@ -69,6 +70,9 @@ def test_full_budget_sparse_pieces_equal_the_dense_stream(qwen):
         ad.patterns = shipped
     assert [r["attention"] for r in reports] == ["sparse", "sparse"]
     assert all(r["density"] == 1.0 for r in reports)
+    # each piece's prefill says what its estimate and its kernels took
+    assert all(0 < r["index_ms"] + r["attention_ms"] < r["prefill_ms"] for r in reports)
+    assert all(r["index_ms"] > 0 for r in reports)
     assert_same(got, dense.generate(Q, max_new_tokens=4)[0])
     assert (res.attention, res.attention_requested) == ("sparse", "sparse")
 
