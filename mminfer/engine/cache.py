@@ -42,8 +42,10 @@ an entry on the host, one restores it and the others wait for that. A miss regis
 first build failed, was cancelled or was not kept: ten first requests for one video cost one
 prefill. Every wait goes through :meth:`VideoCache.wait`, which a scheduler overrides to give
 its GPU turn away while it waits. One lock guards the bookkeeping; no lock is held while a
-prefix is built or restored from the host (a spill that keeps a built or restored prefix
-within the device budget copies under it). A prefill that needs the memory asks
+prefix is built or restored from the host, nor while a spill copies: the entries that a
+built or restored prefix puts over the device budget are copied to the host on a thread of
+their own, off the budget from the moment they leave (a restore waits for them only when the
+device's free memory cannot take it meanwhile). A prefill that needs the memory asks
 :meth:`VideoCache.make_room` first: idle entries are copied to the host on a thread of their
 own, with no lock held and the turn given away (other questions are answered meanwhile; a
 question about an entry on its way waits for it, then restores it; the copies may go on
@@ -401,7 +403,11 @@ class VideoCache:
         with self._lock:
             lease.reserved = need
             self._reserving.add(lease)
-            self._fit_gpu(self.gpu_budget)
+            copying = self._fit_gpu(self.gpu_budget)
+        if copying is not None:          # the device's memory, not only the budget: wait for
+            free = self.free_bytes()     # the copies out when it is short of this entry
+            if free is not None and free < need * (1 + PREFILL_MARGIN):
+                self.wait(copying, own=True)
         entry.kv.move(self.device, headroom=room)
         with self._lock:
             entry.tier, entry.nbytes = Tier.GPU, entry.kv.held_bytes
@@ -410,15 +416,23 @@ class VideoCache:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _fit_gpu(self, budget: int, keep: Entry | None = None) -> None:
-        """Spill idle device entries (but ``keep``), least recently used first, until they
-        and the room reserved for builds and restores hold at most ``budget`` bytes (lock
-        held)."""
-        for key, e in list(self._entries.items()):
-            if self._bytes(Tier.GPU) + self._reserved <= budget:
-                break
-            if self._idle(e) and e is not keep:
-                self._spill(key, e)
+    def _fit_gpu(self, budget: int, keep: Entry | None = None) -> threading.Event | None:
+        """(Lock held.) Spill idle device entries (but ``keep``), least recently used first,
+        until they and the room reserved for builds and restores hold at most ``budget``
+        bytes: copied to the host on a thread of their own (:meth:`_copy_out`), off the
+        budget from the moment they are on their way, so nobody waits for the copies here
+        (a question about one waits for it, then restores it). Returns the copies' done
+        event, None when nothing is copied."""
+        over = self._bytes(Tier.GPU) - self._leaving() + self._reserved - budget
+        if over <= 0:
+            return None
+        moves, _ = self._pick_spills(over, keep=keep)
+        return self._copy_out(moves) if moves else None
+
+    def _leaving(self) -> int:
+        """(Lock held.) Device bytes of the entries on their way to the host."""
+        return sum(e.nbytes for e in self._entries.values()
+                   if e.moving is not None and e.tier is Tier.GPU)
 
     def _spill(self, key: str, e: Entry) -> None:
         """An idle device entry to the host tier (room made there, least recently used host
@@ -555,16 +569,16 @@ class VideoCache:
                 return
             self.wait(event, own=True)
 
-    def _pick_spills(self, short: int) -> tuple[list | None, int]:
-        """(Lock held.) Idle device entries, least recently used first, until their bytes
-        cover ``short``: each that fits the host tier is marked moving (its host room
-        reserved) and listed as ``(key, entry, host bytes)``, any other dropped. Returns the
-        list (None when no entry is idle) and the device bytes of all of them."""
+    def _pick_spills(self, short: int, keep: Entry | None = None) -> tuple[list | None, int]:
+        """(Lock held.) Idle device entries (but ``keep``), least recently used first, until
+        their bytes cover ``short``: each that fits the host tier is marked moving (its host
+        room reserved) and listed as ``(key, entry, host bytes)``, any other dropped. Returns
+        the list (None when no entry is idle) and the device bytes of all of them."""
         moves, freed, found = [], 0, False
         for key, e in list(self._entries.items()):
             if freed >= short:
                 break
-            if not self._idle(e):
+            if not self._idle(e) or e is keep:
                 continue
             found = True
             freed += e.nbytes
@@ -613,6 +627,10 @@ class VideoCache:
                         copies = e.kv.copies("cpu")
                 except Exception as ex:        # noqa: BLE001 - no host memory: dropped
                     err = ex
+                except BaseException as ex:    # noqa: BLE001 - interrupted: left where it is
+                    log.warning("video cache: a spill to the host was interrupted (%r); the "
+                                "entries stay on the device", ex)
+                    break
                 with self._lock:
                     self._host_moving -= need
                     kept = self._entries.get(key) is e and e.kv is not None
@@ -638,6 +656,21 @@ class VideoCache:
                 self._copying.discard(done)
             done.set()
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Until no copy to the host is on its way (the spills that keep the device within its
+        budget finish on their own; whoever needs them done, such as an operator's offload or
+        a test reading the tiers, waits here). False if ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                copying = next(iter(self._copying), None)
+            if copying is None:
+                return True
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            copying.wait(left)
+
     def read_in_tail(self) -> None:
         """A question decodes in its entry's tail (ForkKV ``claim=True``): counted."""
         with self._lock:
@@ -659,7 +692,9 @@ class VideoCache:
         dropped) and hand the allocator's free segments back; returns the device bytes the
         entries held. What a request that ran out of memory gets before it runs again: the
         room check before a prefill counts free memory, but an allocation can still fail
-        where freed blocks lie in pieces a large tensor cannot use."""
+        where freed blocks lie in pieces a large tensor cannot use. Copies already on their
+        way are waited for first (their memory is not free until they land)."""
+        self.settle()
         with self._lock:
             idle = [(k, e) for k, e in self._entries.items() if self._idle(e)]
             freed = sum(e.nbytes for _, e in idle)
@@ -673,6 +708,7 @@ class VideoCache:
     def offload(self) -> int:
         """Move every idle device entry to the host tier (within its budget); returns how
         many moved. For an operator freeing the device, and for measuring the host tier."""
+        self.settle()
         moved = 0
         with self._lock:
             for key, e in list(self._entries.items()):

@@ -50,6 +50,7 @@ def real_bytes(cache) -> dict:
 
 
 def _holds(cache, where):
+    assert cache.settle(30)            # the spills that keep the budgets have landed
     got, s = real_bytes(cache), cache.stats()
     assert got["gpu"] <= cache.gpu_budget and got["host"] <= cache.host_budget, (where, got)
     assert (got["gpu"], got["host"]) == (s["gpu_bytes"], s["host_bytes"]), (where, got, s)

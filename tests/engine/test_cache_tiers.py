@@ -49,19 +49,24 @@ def _cache(n_device, n_host):
 
 
 def _put(cache, key):
+    """A prefix built and kept, and the spills that keep the budget landed."""
     with cache.use(key) as lease:
         assert lease.status == "miss"
         lease.store(_entry())
+    assert cache.settle(30)
     return cache._entries.get(key)
 
 
 def _tiers(cache):
+    """Each entry's tier once the copies to the host on their way have landed."""
+    assert cache.settle(30)
     return {k: e.tier for k, e in cache._entries.items()}
 
 
 def _consistent(cache):
     """Counts are the entries' bytes per tier, nothing pinned, nothing reserved or pending,
     and every kept entry holds what it is charged."""
+    assert cache.settle(30)
     s = cache.stats()
     for tier in Tier:
         mine = [e for e in cache._entries.values() if e.tier is tier]
@@ -137,7 +142,7 @@ def test_a_failed_restore_leaves_the_entry_on_the_host(error, monkeypatch):
     first = _put(cache, K[0])
     rows = _rows(first)
     _put(cache, K[1])
-    assert first.tier is Tier.HOST
+    assert _tiers(cache)[K[0]] is Tier.HOST
 
     def fail(*a, **kw):
         raise error("no memory for it")
@@ -165,7 +170,7 @@ def test_a_failed_restore_leaves_the_entry_on_the_host(error, monkeypatch):
 def test_a_spill_that_fails_for_memory_drops_the_entry(monkeypatch):
     cache = _cache(1, 2)
     first = _put(cache, K[0])
-    monkeypatch.setattr(first.kv, "move", lambda *a, **kw: (_ for _ in ()).throw(
+    monkeypatch.setattr(first.kv, "copies", lambda *a, **kw: (_ for _ in ()).throw(
         MemoryError("no pinned memory")))
     _put(cache, K[1])                          # K[0] cannot go to the host: dropped
     assert _tiers(cache) == {K[1]: Tier.GPU} and first.kv is None
@@ -180,6 +185,8 @@ def test_a_spill_that_fails_for_memory_drops_the_entry(monkeypatch):
 
 
 def test_an_interrupted_spill_leaves_the_entry_on_the_device(monkeypatch):
+    """The copy out stopped by something other than a want of memory (its thread
+    interrupted): the entry stays on the device, whole and counted."""
     cache = _cache(1, 2)
     first = _put(cache, K[0])
     rows = _rows(first)
@@ -187,9 +194,8 @@ def test_an_interrupted_spill_leaves_the_entry_on_the_device(monkeypatch):
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(first.kv, "move", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        _put(cache, K[1])
+    monkeypatch.setattr(first.kv, "copies", interrupt)
+    _put(cache, K[1])
     # K[1] was built: kept; K[0] is whole on the device, counted, and nothing is pinned
     assert _tiers(cache) == {K[0]: Tier.GPU, K[1]: Tier.GPU} and _same_rows(first, rows)
     _consistent(cache)
@@ -270,7 +276,7 @@ def test_readers_of_a_host_entry_restore_it_once(monkeypatch):
     entry = _put(cache, K[0])
     rows = _rows(entry)
     _put(cache, K[1])
-    assert entry.tier is Tier.HOST
+    assert _tiers(cache)[K[0]] is Tier.HOST
     gate, moving, moves = threading.Event(), threading.Event(), []
     real = entry.kv.move
 
@@ -529,6 +535,88 @@ def test_make_room_ahead_returns_at_once_when_the_tower_fits(monkeypatch):
             gate.set()
             assert cache.make_room(int(0.9 * DEVICE_BYTES / 1.1)) == 0
     assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.GPU}
+    _consistent(cache)
+
+
+def test_keeping_the_budget_copies_out_while_the_store_and_others_go_on(monkeypatch):
+    """A built prefix over the device budget: the least recently used idle entry is copied to
+    the host on a thread of its own; the store returns at once, another video's question is
+    answered meanwhile, and a question about the entry on its way waits for it, then
+    restores it, whole."""
+    cache = _cache(2, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    rows = _rows(cache._entries[K[0]])
+    out, got = {}, {}
+    with _gated_copies(monkeypatch) as (gate, started):
+        def build():
+            with cache.use(K[2]) as lease:
+                lease.store(_entry())
+                out["stored"] = True
+                assert gate.wait(30)             # its answer goes on; the lease ends later
+        t = threading.Thread(target=build)
+        t.start()
+        assert started.wait(30)
+        for _ in range(500):
+            if out:
+                break
+            threading.Event().wait(0.01)
+        assert out == {"stored": True} and cache._entries[K[0]].moving is not None
+        with cache.use(K[1]) as lease:           # the lock is free: another video's question
+            assert lease.status == "hit"
+
+        def read_moving():
+            with cache.use(K[0]) as lease:
+                got["status"], got["same"] = lease.status, _same_rows(lease.entry, rows)
+
+        r = threading.Thread(target=read_moving)
+        r.start()
+        r.join(0.3)
+        assert r.is_alive()                      # it waits for the copy
+        gate.set()
+        t.join(30)
+        r.join(30)
+    assert got == {"status": "host", "same": True}
+    assert cache.counts["spilled_bytes"] >= HOST_BYTES
+    _consistent(cache)
+
+
+@pytest.mark.parametrize("device_short", [True, False])
+def test_a_restore_waits_for_its_copies_out_only_when_the_device_is_short(device_short,
+                                                                          monkeypatch):
+    """Bringing K[0] back puts the budget over: K[1] is copied out. The restore waits for
+    that copy when the device's free memory cannot take K[0] meanwhile, else not."""
+    cache = _cache(1, 4)
+    for k in K[:2]:
+        _put(cache, k)
+    assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.GPU}
+    _device_of(cache, int(1.5 * DEVICE_BYTES) if device_short else 100 * DEVICE_BYTES)
+    out, spilled = {}, cache._entries[K[1]]
+    gate, started, real = threading.Event(), threading.Event(), PrefixKV.copies
+
+    def copies(kv, device, **kw):                # K[1]'s copy out held (not the restore's)
+        if kv is spilled.kv:
+            started.set()
+            assert gate.wait(30)
+        return real(kv, device, **kw)
+
+    monkeypatch.setattr(PrefixKV, "copies", copies)
+
+    def restore():
+        with cache.use(K[0]) as lease:
+            out["status"] = lease.status
+
+    t = threading.Thread(target=restore)
+    t.start()
+    try:
+        assert started.wait(30)
+        t.join(0.5)
+        assert t.is_alive() == device_short and spilled.moving is not None
+    finally:
+        gate.set()
+        t.join(30)
+    assert out == {"status": "host"}
+    assert _tiers(cache) == {K[1]: Tier.HOST, K[0]: Tier.GPU}
     _consistent(cache)
 
 

@@ -177,10 +177,12 @@ def test_host_tier_spill_and_restore(qwen, mp4, tmp_path):
     pipe.video_cache.gpu_budget = int(size * 1.5)
     pipe.video_cache.host_budget = int(size * 2.5)
     assert pipe.answer(other, q, fps=4.0, max_new_tokens=3).cache == "miss"
+    assert pipe.video_cache.settle(30)          # the spill's copy to the host has landed
     s = pipe.video_cache.stats()
     assert (s["gpu_entries"], s["host_entries"], s["evictions_gpu"]) == (1, 1, 1)
     back = pipe.answer(mp4, q, fps=4.0, max_new_tokens=3)
     assert back.cache == "host" and back.answer == a.answer
+    assert pipe.video_cache.settle(30)
     s = pipe.video_cache.stats()
     assert s["host_hits"] == 1 and s["gpu_entries"] == 1 and s["host_entries"] == 1
     # no host tier: the least recently used is dropped, and is a miss again
