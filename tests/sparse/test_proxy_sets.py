@@ -134,3 +134,33 @@ def test_proxy_sets_on_gpu_bf16(layout):
             QuerySet(((0, 20), (n - 30, 30)), tuple(range(1, 7)), ((None, 1),) * 6),
             QuerySet(((n - 94, 64),), tuple(range(8, 14)), ((0,), (), (None,), (1,), (), ()))]
     _check(q, k, kgroup, D ** -0.5, {"mass_layout": layout}, dict(atol=1e-4, rtol=1e-3), sets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["persistent", "chunks"])
+def test_a_new_length_compiles_no_new_proxy_kernel(layout, monkeypatch):
+    """Once compiled, the proxy kernels run at any length and offset: key counts, key
+    blocks, chunks and offsets that are multiples of 16 or not (as a live stream's pieces
+    make them) compile nothing more."""
+    from triton import knobs
+
+    from mminfer.kernels import compiles
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(compiles, "_installed", False)
+    monkeypatch.setattr(compiles, "_counts", {})
+    monkeypatch.setattr(compiles, "_seconds", {})
+    compiles.install()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, Hkv, D = 1, 28, 4, 128
+    made = []
+    # keys: 8704 (136 blocks, 17 chunks), 8192 (128 and 16), 8200 (129, 17); offsets 0, 4100
+    for n, q_start in ((8704, 0), (8192, 0), (8200, 4100), (9001, 4096)):
+        q = torch.randn(B, H, n - q_start, D, device="cuda", generator=g).bfloat16()
+        k = torch.randn(B, Hkv, n, D, device="cuda", generator=g).bfloat16()
+        sets = [QuerySet(((n - 64, 64),), tuple(range(H)), ((None,),) * H)]
+        proxy_sets(q, k, sets, D ** -0.5, config={"mass_layout": layout}, q_start=q_start)
+        torch.cuda.synchronize()
+        made.append(compiles.stats()["compiles"])
+    assert made[0] >= 1 and made[1:] == [made[0]] * 3, made
