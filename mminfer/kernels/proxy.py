@@ -4,6 +4,7 @@ in one launch per pass (``proxy_sets``)."""
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,19 @@ GPU_BLOCK_N, CPU_BLOCK_N = 64, 16
 # measured lengths, unmeasured there.
 TUNING = {"kb_per": 8, "programs_per_sm": 4, "lse_warps": 4, "mass_warps": 4,
           "mass_layout": "auto", "chunks_from": 1 << 19}
+
+
+@contextmanager
+def mass_layout(layout: str):
+    """Every launch in the block takes the mass pass ``layout`` ("persistent" or "chunks"),
+    whatever its length: the warm-up compiles the chunked one, which only requests of
+    ``chunks_from`` keys and more run. Not for use while requests run."""
+    was = TUNING["mass_layout"]
+    TUNING["mass_layout"] = layout
+    try:
+        yield
+    finally:
+        TUNING["mass_layout"] = was
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import pytest
 from mminfer.errors import ConfigError, InputError, VideoError
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from mminfer.engine.pipeline import STAGES, Pipeline, pick_adapter
+from mminfer.kernels import proxy
 
 
 def write_mp4(path, n=16, w=96, h=64, fps=8):
@@ -204,14 +205,49 @@ def test_warmup_compiles_both_length_classes_before_the_first_request(tmp_path):
     real = pipe.adapter.prefill_prefix
 
     def prefill_prefix(prep, embeds, **kw):          # the path requests run: prefix first
-        seen.append((prep.prefix_len, kw["ctx"].mode))
+        seen.append((prep.prefix_len, kw["ctx"].mode, proxy.TUNING["mass_layout"]))
         return real(prep, embeds, **kw)
     pipe.adapter.prefill_prefix = prefill_prefix
     warm = pipe.warmup(force=True, frames=4)
-    assert warm["ran"] and warm["lengths"] == [n for n, _ in seen] and len(seen) == 2
-    assert sorted(n % 16 == 0 for n, _ in seen) == [False, True]
-    want = "sparse" if os.environ.get("TRITON_INTERPRET") == "1" else "dense"
-    assert {m for _, m in seen} == {want}
+    sparse = os.environ.get("TRITON_INTERPRET") == "1"
+    # sparse: a third prefill with the estimator's chunked mass pass, which only long
+    # prompts take otherwise
+    assert warm["ran"] and len(seen) == 2 + sparse
+    assert warm["lengths"] == [n for n, _, _ in seen[:2]]
+    assert sorted(n % 16 == 0 for n, _, _ in seen[:2]) == [False, True]
+    assert {m for _, m, _ in seen} == {"sparse" if sparse else "dense"}
+    assert [lay for _, _, lay in seen] == ["auto", "auto"] + ["chunks"] * sparse
+    assert proxy.TUNING["mass_layout"] == "auto"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_warmup_compiles_the_estimators_chunked_mass_pass_on_the_gpu(tmp_path, monkeypatch):
+    """Vertical-slash heads estimate through the proxy kernels; the warm-up compiles both
+    of their mass-pass layouts, so the first prompt of 512K keys or more (or the piece of a
+    live stream that reaches them) compiles no estimator kernel."""
+    from triton import knobs
+
+    from mminfer.kernels import compiles
+    from mminfer.sparse.patterns import HeadPattern, HeadPatternConfig, Pattern
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(compiles, "_installed", False)
+    monkeypatch.setattr(compiles, "_counts", {})
+    monkeypatch.setattr(compiles, "_seconds", {})
+    ckpt = save_tiny_qwen2_5_vl(tmp_path / "tiny")
+    pipe = Pipeline(str(ckpt), attention="auto", device="cuda", min_sparse_len=16)
+    ad = pipe.adapter
+    vs = HeadPattern.single(Pattern("vertical_slash", n_vertical=32, n_slash=32, window=32,
+                                    sink=4))
+    ad.patterns = HeadPatternConfig(ad.patterns.identity,
+                                    [[vs] * len(ad.patterns.layer(i))
+                                     for i in range(len(ad.patterns.layers))])
+    warm = pipe.warmup(frames=4)
+    assert warm["sparse"] and warm["mass_layouts"] == ["auto", "chunks"]
+    made = compiles.stats()["kernels"]
+    assert made.get("_sets_mass_kernel", {}).get("compiles", 0) >= 1
+    assert made.get("_sets_mass_chunk_kernel", {}).get("compiles", 0) >= 1
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
