@@ -96,6 +96,10 @@ def run(args) -> int:
 def _local(args, questions: Questions) -> int:
     hf_logging.disable_progress_bar()
     pipe = Pipeline(resolve_model(args.model), **pipeline_options(args))
+    # on a GPU, the kernels compile now (as the server's do before it is ready), not in
+    # the middle of the stream: the first piece of 512K keys would compile the estimator's
+    # chunked mass pass (nothing to compile on the CPU)
+    pipe.warmup()
     stream = Stream(pipe, fps=args.fps, options=PrepareOptions(max_pixels=args.max_pixels))
     source = LiveSource(args.source, args.fps, realtime=args.realtime)
     started = time.monotonic()

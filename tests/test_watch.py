@@ -11,6 +11,7 @@ import httpx
 
 from mminfer.cli import main
 from mminfer.engine.pipeline import Pipeline
+from mminfer.engine.streams import Stream
 from mminfer.serve.app import Settings, create_app
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples" / "videos"
@@ -24,9 +25,16 @@ def answers(capsys) -> list[dict]:
 
 def test_watch_in_process_answers_as_the_video_arrives(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("What colour is the background?\n"))
+    warmed, appended = [], []
+    real_warm, real_append = Pipeline.warmup, Stream.append_frames
+    # kernels are compiled before the first piece (on a GPU; a no-op here), as by the server
+    monkeypatch.setattr(Pipeline, "warmup", lambda self, **kw: (
+        warmed.append(len(appended)), real_warm(self, **kw))[1])
+    monkeypatch.setattr(Stream, "append_frames", lambda self, *a, **kw: (
+        appended.append(1), real_append(self, *a, **kw))[1])
     rc = main(["watch", str(NEEDLE), "--ask", Q, "--json", "--device", "cpu",
                "--max-new-tokens", "4"])
-    assert rc == 0
+    assert rc == 0 and warmed == [0] and appended
     got = answers(capsys)
     mine = [a for a in got if a["question"] == Q]
     assert [a["seen_until"] for a in mine] == [2.0, 4.0, 6.0, 8.0, 10.0]
