@@ -16,7 +16,8 @@ cached video once (its prefix is then in the video cache), then for ``--duration
   (round robin), each in its own connection, without waiting for the previous one.
 
 Per mode, ``spills``: the GiB of cached videos the server moved to its host tier meanwhile to
-make room for the new ones, and the seconds that took (its /metrics counters).
+make room for the new ones, and the seconds that took; ``compiles``: the Triton kernels it
+compiled meanwhile and their seconds (its /metrics counters).
 
 Several GPUs (``--data-parallel 1,2,...``): each count N above 1 starts ``mminfer serve
 --data-parallel N`` once per ``--dp-routing`` mode (``affinity``, ``round_robin``), N = 1 the
@@ -259,6 +260,7 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
         new_rows, hit_rows = [], []
         lock = threading.Lock()
         spills_before = server_counts(srv.url, *SPILLS)
+        compiles_before = server_counts(srv.url, *COMPILES)
         stop_at = time.monotonic() + a.duration_s
 
         def new_client(c):
@@ -312,6 +314,8 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
         health = httpx.get(f"{srv.url}/health", timeout=30).json()
         spilled, spill_s = (x - y for x, y in zip(server_counts(srv.url, *SPILLS),
                                                   spills_before))
+        compiled, compile_s = (x - y for x, y in zip(server_counts(srv.url, *COMPILES),
+                                                     compiles_before))
         hit = summary(hit_rows)
         hit_ok = [r for r in hit_rows if r["status"] == 200]
         hit["hit_rate"] = round(sum(r["cache"] in ("hit", "host") for r in hit_ok)
@@ -321,7 +325,10 @@ def run_mode(name, serve_args, a, env, scale: int = 1) -> dict:
                "elapsed_s": round(elapsed, 3), "answers_per_s": round(answered / elapsed, 3),
                "new_video": new, "hit": hit, "health_after": health,
                # cached videos moved to the host tier to make room for new ones
-               "spills": {"gib": round(spilled / 2**30, 3), "seconds": round(spill_s, 3)}}
+               "spills": {"gib": round(spilled / 2**30, 3), "seconds": round(spill_s, 3)},
+               # Triton kernels compiled while the workload ran (a new specialisation's
+               # second inside some request's time)
+               "compiles": {"count": int(compiled), "seconds": round(compile_s, 3)}}
         if new["errors"] or hit["errors"]:         # the server's side of a lost request
             out["server_log"] = "".join(srv.tail)[-8000:]
         return out
@@ -382,6 +389,7 @@ def decode_batches(url) -> tuple[float, float]:
 
 
 SPILLS = ("mminfer:prefix_cache_spilled_bytes_total", "mminfer:prefix_cache_spill_seconds_total")
+COMPILES = ("mminfer:triton_compiles_total", "mminfer:triton_compile_seconds_total")
 
 
 def _decode_at_once(srv, video, asks, a) -> dict:

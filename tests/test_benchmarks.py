@@ -513,6 +513,7 @@ def test_load_benchmark_drives_both_server_modes(tmp_path):
         assert hit["ttft_ms"]["p99"] is not None and new["per_minute"] > 0
         # the CPU's cache measures no free memory: nothing is moved to make room
         assert mode["spills"] == {"gib": 0.0, "seconds": 0.0}
+        assert mode["compiles"] == {"count": 0, "seconds": 0.0}    # the interpreter's
     assert "--max-num-seqs" in " ".join(rep["modes"]["serial"]["serve_args"])
     assert "serial" in proc.stdout and "scheduler" in proc.stdout
 
