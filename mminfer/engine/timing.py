@@ -20,7 +20,8 @@ import torch
 # hit, or a hit waiting for the layer in progress), wherever in its work it fell; ``restore``
 # brings a cached video prefix back from the host tier (0 on a miss and on a GPU hit); ``room``
 # makes the device memory a miss's prefill needs (idle cached prefixes moved to the host tier,
-# others' questions answered meanwhile; the time it waits for others to give theirs back is
+# others' questions answered meanwhile; before the vision tower, and before the prefill for
+# the copies still on their way; the time it waits for others to give theirs back is
 # ``wait``); ``decode`` (the video's
 # frames) .. ``llm_other`` build the prefix on a miss (``index`` + ``attention`` + ``llm_other``
 # are its LLM prefill) and are 0 on a hit; ``suffix`` prefills the question's rows over the
