@@ -104,6 +104,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -281,10 +282,13 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
                     say(clock, "ingest: " + srec["cut_short"])
                     break
                 before = _compiles().stats()
+                k = len(srec["pieces"]) + 1
                 try:
-                    rep = s.append_frames(
-                        piece.frames, media_seconds=max(piece.media_end - s.media_end, 0.0),
-                        next_sample=piece.next_sample)
+                    with _profiled(args, k) as prof:
+                        rep = s.append_frames(
+                            piece.frames,
+                            media_seconds=max(piece.media_end - s.media_end, 0.0),
+                            next_sample=piece.next_sample)
                 except Exception as err:      # a full stream or an OOM: what came is kept
                     srec["error"] = e2e._error(err)
                     say(clock, f"ingest: piece {len(srec['pieces']) + 1} failed: "
@@ -292,8 +296,9 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
                     break
                 rep = {**rep, "decode_ms": round(decode_s * 1e3, 3),
                        "stream_tokens": s.length, "compiles": _compiled_since(before)}
+                if prof is not None:
+                    rep["profile"] = _profile_summary(prof, Path(args.out) / f"piece{k}")
                 srec["pieces"].append(rep)
-                k = len(srec["pieces"])
                 say(clock, f"ingest: piece {k}/{n_pieces}: {rep['frames']} frames "
                            f"{rep['tokens']} tokens, vision {_s(rep['vision_ms'])} s, prefill "
                            f"{_s(rep['prefill_ms'])} s (index {_s(rep.get('index_ms'))} s, "
@@ -336,6 +341,45 @@ def ask(stream, args, after: int, n_pieces: int, j: int) -> dict:
             "ttft_ms": _r(tm.get("ttft")), "suffix_ms": _r(tm.get("suffix")),
             "generate_ms": _r(tm.get("generate")), "total_ms": _r(tm.get("total")),
             "wall_ms": _r((time.perf_counter() - t) * 1e3), "answer": str(res.answer)[:80]}
+
+
+@contextmanager
+def _profiled(args, piece: int):
+    """torch.profiler around piece ``piece`` if ``--profile-pieces`` names it (CPU and, on a
+    GPU, CUDA activity), else nothing: yields the profiler or None."""
+    if piece not in (args.profile_pieces or ()):
+        yield None
+        return
+    import torch
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
+        yield prof
+
+
+def _profile_summary(prof, stem: Path, top: int = 25) -> dict:
+    """A profiled piece's heaviest ops by device time and by host time (also written to
+    ``stem``.txt as profiler tables), for finding what a piece pays per key before it."""
+    import torch
+    events = prof.key_averages()
+    dev_attr = None
+    if len(events):
+        dev_attr = "device_time_total" if hasattr(events[0], "device_time_total") \
+            else "cuda_time_total"
+
+    def rows(attr):
+        if attr is None:
+            return []
+        ev = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:top]
+        return [{"op": e.key, "calls": e.count,
+                 "ms": round(getattr(e, attr, 0.0) / 1e3, 3)} for e in ev]
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    stem.with_suffix(".txt").write_text(events.table(sort_by=by, row_limit=top * 2))
+    return {"by_device_time": rows(dev_attr) if torch.cuda.is_available() else [],
+            "by_host_time": rows("self_cpu_time_total"), "table": str(stem.with_suffix(".txt"))}
 
 
 def _compiles():
@@ -849,6 +893,9 @@ def parse_args(argv=None):
     g.add_argument("--ask-at", type=float, nargs="+", default=[0.25, 0.5, 1.0],
                    help="ask after these shares of the pieces")
     g.add_argument("--asks", type=int, default=2, help="questions at each point")
+    g.add_argument("--profile-pieces", type=int, nargs="+", default=None, metavar="K",
+                   help="pieces (1-based) run under torch.profiler: their heaviest ops by "
+                        "device and host time in the report, tables in --out")
     g.add_argument("--warmup-frames", type=int, default=None,
                    help="frames of the warm-up one-shot (default 512; tiny 8)")
     g.add_argument("--ingest-max-s", type=float, default=None,

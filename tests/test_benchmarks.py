@@ -853,7 +853,8 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     pieces), and the keep-up rule tells a steady lag from a growing one."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_ingest.py"),
-                           "--tiny", "--pace", "200", "--search", "all", "--out", str(tmp_path)],
+                           "--tiny", "--pace", "200", "--search", "all", "--out", str(tmp_path),
+                           "--profile-pieces", "3"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads((tmp_path / "stream_ingest.json").read_text())
@@ -871,6 +872,12 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     # Triton compilations per piece (a new specialisation is a piece's second): none run by
     # the interpreter
     assert ing["pieces_compiles"] == 0 and ing["one_shot_compile_s"] == 0
+    # --profile-pieces 3: that piece's heaviest host ops, and the profiler's table
+    profiled = [p for p in rep["ingest"]["stream"]["pieces"] if "profile" in p]
+    assert [p["piece"] for p in profiled] == [3]
+    prof = profiled[0]["profile"]
+    assert prof["by_host_time"] and all(r["ms"] >= 0 for r in prof["by_host_time"])
+    assert (tmp_path / "piece3.txt").read_text().strip()
     # where a piece's prefill goes: the estimate over every key so far, and the kernels
     assert 0 < ing["pieces_index_s"] + ing["pieces_attention_s"] < ing["pieces_prefill_s"]
     assert ing["one_shot_index_s"] > 0 and ing["one_shot_attention_s"] > 0
