@@ -40,6 +40,8 @@ def _after(**kw) -> None:
     name = _name(kw.get("fn"))
     with _lock:
         t0 = _started.pop((threading.get_ident(), kw.get("key")), None)
+        if kw.get("already_compiled"):   # a binary loaded, not compiled (torch's inductor
+            return                       # calls the hook so for its own kernels)
         took = now - t0 if t0 is not None else 0.0
         _counts[name] = _counts.get(name, 0) + 1
         _seconds[name] = _seconds.get(name, 0.0) + took

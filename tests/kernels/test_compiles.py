@@ -55,6 +55,16 @@ def test_compilations_are_counted_per_kernel_with_their_time(fresh):
     assert not compiles._started
 
 
+def test_a_kernel_loaded_already_compiled_is_not_counted(fresh):
+    """torch's inductor calls the post-compile hook for binaries it loads
+    (``already_compiled=True``): nothing was compiled."""
+    compiles.install()
+    knobs.runtime.jit_post_compile_hook(key="k", repr="", fn=_Fn("triton_poi_fused"),
+                                        compile={}, is_manual_warmup=False,
+                                        already_compiled=True)
+    assert compiles.stats() == {"compiles": 0, "seconds": 0.0, "kernels": {}}
+
+
 def test_a_hook_set_before_is_called_and_decides(fresh):
     seen = []
     knobs.runtime.jit_cache_hook = lambda **kw: seen.append(("cache", kw["key"])) or \
