@@ -227,6 +227,16 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _scraped(stats, what: str):
+    """``stats()`` read at scrape time, None (and the error logged) if it raises: a scrape
+    must not fail on a figure."""
+    try:
+        return stats()
+    except Exception:                  # noqa: BLE001
+        logging.getLogger("mminfer.serve").exception("reading %s", what)
+        return None
+
+
 class CacheCollector:
     """The video cache's and the video store's figures, read at scrape time."""
 
@@ -240,11 +250,7 @@ class CacheCollector:
 
     def collect(self):
         m, lab = [self.model], ["model_name"]
-        try:
-            c = self.cache_stats()
-        except Exception:                  # noqa: BLE001 - a scrape must not fail on it
-            logging.getLogger("mminfer.serve").exception("reading the video cache's stats")
-            c = None
+        c = _scraped(self.cache_stats, "the video cache's stats")
         if c:
             for name, key, doc in (
                     ("queries", "queries", "Requests that looked their video's prefix up"),
@@ -278,11 +284,7 @@ class CacheCollector:
                 for tier in ("gpu", "host"):
                     f.add_metric(m + [tier], c.get(key.format(tier), 0) or 0)
                 yield f
-        try:
-            st = self.store_stats()
-        except Exception:                  # noqa: BLE001
-            logging.getLogger("mminfer.serve").exception("reading the video store's stats")
-            st = None
+        st = _scraped(self.store_stats, "the video store's stats")
         if st:
             for name, key, doc in (("bytes", "bytes", "Bytes of stored videos (/v1/videos)"),
                                    ("videos", "videos", "Stored videos (/v1/videos)")):
@@ -303,11 +305,7 @@ class CompilesCollector:
         return []
 
     def collect(self):
-        try:
-            st = self.stats()
-        except Exception:                  # noqa: BLE001 - a scrape must not fail on it
-            logging.getLogger("mminfer.serve").exception("reading the compilations' stats")
-            st = None
+        st = _scraped(self.stats, "the compilations' stats")
         if not st:
             return
         lab = ["model_name", "kernel"]
@@ -334,11 +332,7 @@ class StreamsCollector:
 
     def collect(self):
         m, lab = [self.model], ["model_name"]
-        try:
-            st = self.stats()
-        except Exception:                  # noqa: BLE001 - a scrape must not fail on it
-            logging.getLogger("mminfer.serve").exception("reading the streams' stats")
-            st = None
+        st = _scraped(self.stats, "the streams' stats")
         if not st:
             return
         for name, key, doc in (

@@ -107,3 +107,18 @@ def test_a_new_specialisation_compiles_once_on_the_gpu(fresh):
     torch.cuda.synchronize()
     assert counts == [1, 1, 2, 2, 2]
     assert compiles.stats()["kernels"]["_fill"]["seconds"] > 0
+
+
+def test_a_figure_that_raises_does_not_fail_the_scrape():
+    """Every collector reads its figures through one guard: one that raises is logged and
+    left out, and the rest of /metrics is served."""
+    def broken():
+        raise RuntimeError("gone")
+
+    m = Metrics("tiny")
+    m.watch_compiles(broken)
+    m.watch_cache(broken)
+    m.watch_streams(broken)
+    text = m.exposition().decode()
+    assert "mminfer:triton_compiles" not in text and "mminfer:prefix_cache_hits" not in text
+    assert "mminfer:model_info" in text
