@@ -27,7 +27,10 @@ _installed = False
 
 
 def _name(fn) -> str:
-    return getattr(fn, "name", None) or str(fn)
+    """The kernel's own name: Triton passes its ``__qualname__``, which for a kernel defined
+    inside a function (a test's, say) carries ``outer.<locals>.``."""
+    name = getattr(fn, "name", None) or str(fn)
+    return name.rsplit(".", 1)[-1]
 
 
 def _before(**kw) -> None:

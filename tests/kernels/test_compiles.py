@@ -55,6 +55,14 @@ def test_compilations_are_counted_per_kernel_with_their_time(fresh):
     assert not compiles._started
 
 
+def test_a_kernel_defined_in_a_function_is_counted_under_its_own_name(fresh):
+    """Triton passes the kernel's ``__qualname__`` (seen on an H100: a test's nested kernel
+    came as ``test_x.<locals>._fill`` and was not found under ``_fill``)."""
+    compiles.install()
+    assert _compile(("k", "i32"), "test_x.<locals>._fill")
+    assert list(compiles.stats()["kernels"]) == ["_fill"]
+
+
 def test_a_kernel_loaded_already_compiled_is_not_counted(fresh):
     """torch's inductor calls the post-compile hook for binaries it loads
     (``already_compiled=True``): nothing was compiled."""
