@@ -104,6 +104,9 @@ import signal
 import sys
 import threading
 import time
+import traceback
+import warnings
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -298,6 +301,10 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
                        "stream_tokens": s.length, "compiles": _compiled_since(before)}
                 if prof is not None:
                     rep["profile"] = _profile_summary(prof, Path(args.out) / f"piece{k}")
+                    say(clock, f"ingest: piece {k} profiled: {rep['profile']['syncs']} host "
+                               "waits for the device; "
+                               + ", ".join(f"{x['site']} x{x['calls']}"
+                                           for x in rep["profile"]["sync_sites"][:8]))
                 srec["pieces"].append(rep)
                 say(clock, f"ingest: piece {k}/{n_pieces}: {rep['frames']} frames "
                            f"{rep['tokens']} tokens, vision {_s(rep['vision_ms'])} s, prefill "
@@ -346,16 +353,49 @@ def ask(stream, args, after: int, n_pieces: int, j: int) -> dict:
 @contextmanager
 def _profiled(args, piece: int):
     """torch.profiler around piece ``piece`` if ``--profile-pieces`` names it (CPU and, on a
-    GPU, CUDA activity), else nothing: yields the profiler or None."""
+    GPU, CUDA activity), else nothing: yields the profiler or None. On a GPU the piece also
+    runs under torch's sync debug mode: each call that made the host wait for the device is
+    counted by its site (``prof.sync_sites``, a Counter; see :func:`sync_site`)."""
     if piece not in (args.profile_pieces or ()):
         yield None
         return
     import torch
     acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts, record_shapes=False) as prof:
-        yield prof
+    sites = Counter()
+    with torch.profiler.profile(activities=acts, record_shapes=False) as prof, \
+            warnings.catch_warnings():
+        prof.sync_sites = sites
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def hook(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                sites[sync_site(traceback.extract_stack()[:-1], f"{filename}:{lineno}")] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = hook
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield prof
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+def sync_site(stack, fallback: str) -> str:
+    """Where a synchronizing call came from: the innermost frame of the package (a kernel
+    launcher, the estimate, the plan), as ``mminfer/...py:line (function)``; else
+    ``fallback`` (the warning's own file and line)."""
+    for fr in reversed(stack):
+        f = fr.filename.replace(os.sep, "/")
+        if "/mminfer/" in f:
+            return f"mminfer/{f.rsplit('/mminfer/', 1)[1]}:{fr.lineno} ({fr.name})"
+    return fallback
 
 
 def _profile_summary(prof, stem: Path, top: int = 25) -> dict:
@@ -378,8 +418,12 @@ def _profile_summary(prof, stem: Path, top: int = 25) -> dict:
     stem.parent.mkdir(parents=True, exist_ok=True)
     by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     stem.with_suffix(".txt").write_text(events.table(sort_by=by, row_limit=top * 2))
+    sites = getattr(prof, "sync_sites", None) or Counter()
     return {"by_device_time": rows(dev_attr) if torch.cuda.is_available() else [],
-            "by_host_time": rows("self_cpu_time_total"), "table": str(stem.with_suffix(".txt"))}
+            "by_host_time": rows("self_cpu_time_total"), "table": str(stem.with_suffix(".txt")),
+            # the host's waits for the device, by site (none on the CPU)
+            "syncs": sum(sites.values()),
+            "sync_sites": [{"site": k, "calls": n} for k, n in sites.most_common(top)]}
 
 
 def _compiles():

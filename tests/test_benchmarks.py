@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -878,6 +879,7 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     prof = profiled[0]["profile"]
     assert prof["by_host_time"] and all(r["ms"] >= 0 for r in prof["by_host_time"])
     assert (tmp_path / "piece3.txt").read_text().strip()
+    assert prof["syncs"] == 0 and prof["sync_sites"] == []     # no device: nothing waits
     # where a piece's prefill goes: the estimate over every key so far, and the kernels
     assert 0 < ing["pieces_index_s"] + ing["pieces_attention_s"] < ing["pieces_prefill_s"]
     assert ing["one_shot_index_s"] > 0 and ing["one_shot_attention_s"] > 0
@@ -905,3 +907,21 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     assert bench.keeps_up([0.3, 0.5, 0.4, 0.6, 0.5, 0.4], limit_s=8.0) is True
     assert bench.keeps_up([0.3, 2.0, 4.0, 6.0, 8.0, 10.0], limit_s=8.0) is False
     assert bench.lag_slope([1.0, 2.0, 3.0, 4.0], piece_media_s=4.0) == 15.0   # 1 s per 4 s
+
+
+def test_a_sync_is_attributed_to_the_innermost_frame_of_the_package(monkeypatch):
+    """stream_ingest's profiled pieces count the host's waits for the device by site: the
+    innermost mminfer frame (the launcher or planner that asked), not torch's own code."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import stream_ingest     # benchmarks/ is not a package: on the path for this test only
+
+    def fr(path, line, name):
+        return traceback.FrameSummary(path, line, name)
+
+    stack = [fr("/x/benchmarks/stream_ingest.py", 10, "run"),
+             fr("/repo/mminfer/engine/streams.py", 20, "_ingest"),
+             fr("/repo/mminfer/kernels/plan.py", 410, "_rowline_programs"),
+             fr("/venv/torch/_tensor.py", 99, "item")]
+    assert stream_ingest.sync_site(stack, "f:1") == \
+        "mminfer/kernels/plan.py:410 (_rowline_programs)"
+    assert stream_ingest.sync_site(stack[:1], "f:1") == "f:1"
