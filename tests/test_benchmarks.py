@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -925,3 +926,26 @@ def test_a_sync_is_attributed_to_the_innermost_frame_of_the_package(monkeypatch)
     assert stream_ingest.sync_site(stack, "f:1") == \
         "mminfer/kernels/plan.py:410 (_rowline_programs)"
     assert stream_ingest.sync_site(stack[:1], "f:1") == "f:1"
+
+
+def test_a_profiled_piece_counts_the_sync_warnings_and_passes_the_others_on(monkeypatch):
+    """The capture itself: inside a profiled piece, a warning of a synchronizing call (what
+    torch's sync debug mode emits on a GPU) is counted by its site and not shown; any other
+    warning still reaches the handler set before."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import stream_ingest     # benchmarks/ is not a package: on the path for this test only
+
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda msg, *a, **k: shown.append(str(msg)))
+    args = SimpleNamespace(profile_pieces=[2])
+    with stream_ingest._profiled(args, 1) as prof:
+        assert prof is None                       # not a profiled piece
+    with stream_ingest._profiled(args, 2) as prof:
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+    assert sum(prof.sync_sites.values()) == 3 and len(prof.sync_sites) == 1
+    assert next(iter(prof.sync_sites)).startswith(__file__)    # no package frame: the line
+    assert shown == ["something else"]
+    warnings.warn("called a synchronizing CUDA operation")      # after it: shown again
+    assert shown == ["something else", "called a synchronizing CUDA operation"]
