@@ -67,6 +67,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mminfer.errors import Cancelled
@@ -90,6 +91,20 @@ SYNTH_TASKS = ("needle", "count", "order", "colour")
 SYNTH_SEED = 920000           # synthetic calibration videos: seeds no training or eval uses
 SYNTH_TOKENS = 16384          # "auto" frames: the most whose visual tokens fit this
 SYNTH_MAX_FRAMES = 768
+
+
+def device_drain(device):
+    """What a calibration step does before each of its checks: on a GPU, wait for the work it
+    queued so far. The host runs ahead of the GPU (a dense prefill of a 115K-token prompt
+    queues most of its layers in a fraction of a second, and nothing in it waits), so a check
+    that looked at once would let a request that pauses or stops the step wait behind every
+    layer already queued: measured on an H100, up to 15 s behind a step (TTFT 2.7x dense's,
+    and out of memory when the step did not unwind within ``evict_idle``'s 10 s). Drained, a
+    request waits for at most one layer, one decode step or one layer's search. On a CPU
+    the work is done when the call returns: nothing to wait for."""
+    if getattr(device, "type", device) != "cuda":
+        return lambda: None
+    return lambda: torch.cuda.current_stream(device).synchronize()
 
 
 def weights_digest(path) -> str:
@@ -307,8 +322,10 @@ class SelfCalibration:
                 return
             self._step = step
         base, paused = check or self._stop.is_set, [0.0]
+        drain = device_drain(getattr(getattr(pipeline, "adapter", None), "device", None))
 
         def timed_check():              # a pause inside is not the step's time
+            drain()
             t = time.perf_counter()
             try:
                 return base()
