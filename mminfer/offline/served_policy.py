@@ -395,7 +395,11 @@ class ServedCalibration:
         self.searched = [c.name for c in caps]
         for layer in layers:
             def fn(cancel, layer=layer):
-                got = [Capture(c.name, c.prefix_index, {layer: c.capture[layer]})
+                # the captures wait on the host (every layer of them would not fit beside
+                # the served model); the search runs where the model does, a layer at a time
+                dev = self.adapter.device
+                got = [Capture(c.name, c.prefix_index,
+                               {layer: tuple(t.to(dev) for t in c.capture[layer])})
                        for c in caps if layer in c.capture]
                 results[layer] = calibrate(
                     got, ident, budgets=s.budgets, gammas=s.gammas, min_density=s.min_density,

@@ -165,3 +165,55 @@ def test_the_ladder_draws_from_the_settings_families_and_hard(pipe):
     own = searched(replace(base, families=("grid",)))
     assert {lab.split("@")[0] for r in own.head_report for lab in r["candidates"]} == {"grid"}
     assert all(_kinds(r.config) <= {"grid"} for r in own.rungs)
+
+
+def test_the_per_head_search_runs_on_the_models_device(monkeypatch):
+    """The captures wait on the host; each layer's search gets them on the model's device (on
+    a GPU the kernels read nothing else: an H100 stopped self-calibration at layer 0 with
+    "cannot be accessed from Triton (cpu tensor?)"). Here the model's device is PyTorch's
+    meta device, which no CPU tensor is on."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    def search(caps, identity, **kw):
+        seen.extend(t.device.type for c in caps for lay in c.layers.values() for t in lay)
+        return None
+
+    monkeypatch.setattr(SP, "calibrate", search)
+    ad = SimpleNamespace(device=torch.device("meta"), identity=None)
+    qkv = tuple(torch.zeros(1, 2, 8, 4) for _ in range(3))
+    inp = SimpleNamespace(name="a", prefix_index=None, capture={0: qkv, 1: qkv})
+    cal = SP.ServedCalibration(ad, [inp])
+    steps = cal._search([inp])
+    next(steps)(None)
+    assert seen == ["meta"] * 3
+    assert all(t.device.type == "cpu" for t in inp.capture[0])      # the host copy stays
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_served_calibration_runs_its_steps_on_a_gpu():
+    """Every step of the served calibration on a GPU, as a server runs them in idle time: the
+    dense references (captures to the host), the per-head search with the kernels (captures
+    back on the device, a layer at a time), the ladder scored sparse. The CPU tests measure
+    with the reference engine on CPU tensors, where a tensor left on the wrong device does not
+    show."""
+    gpipe = Pipeline(None, attention="dense", device="cuda")
+    ad = gpipe.adapter
+    inputs = []
+    for spec in ("synth:needle:8:910000", "synth:count:8:910001"):
+        decoded, question, name = load_video(spec, ad, "")
+        inputs.append(SP.prepare(ad, decoded, question, name))
+    cal = SP.ServedCalibration(ad, inputs)
+    assert cal.engine == "kernel"
+    whats = []
+    for step in cal.steps():
+        step()
+        whats.append(step.what)
+    layers = ad.identity.layers
+    assert [w for w in whats if "search" in w] == [f"per-head search of layer {i}"
+                                                  for i in range(layers)]
+    assert any(r.rows for r in cal.rungs) and all(i.capture is None for i in inputs)
+    if cal.winner is not None:
+        assert not cal.config().uncalibrated
