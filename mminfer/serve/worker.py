@@ -232,6 +232,17 @@ def _memory_state() -> str:
         return f"memory state unknown ({e})"
 
 
+# A garbage collection after an out-of-memory error that freed at least this much of the device
+# is a reason to run the request again (less is noise: the allocator's own bookkeeping).
+RECLAIMED_BYTES = 256 << 20
+
+
+def _device_allocated() -> int:
+    """Bytes PyTorch's allocator holds for live tensors on the current CUDA device (0
+    without one)."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
 def _is_oom(exc: BaseException) -> bool:
     """Out of memory: the request fails, the model serves on. cuBLAS reports the same as an
     allocation failure (a new request thread's first GEMM creates its handle and workspace)."""
@@ -474,10 +485,12 @@ class ModelWorker:
         """:meth:`_run`; a request that runs out of memory before its first token was sent
         runs once more after every idle cached prefix has left the device (moved to the host
         tier or dropped), so an allocation the room check could not foresee (free memory in
-        pieces too small for a large tensor) costs that request time, not its answer. That time
-        (the failed attempt and the spill) is the answer's ``retry`` stage, and in its ``ttft``
-        and ``total``: the stages still add up. Where nothing idle is on the device, or a token
-        was sent, the error stands."""
+        pieces too small for a large tensor) costs that request time, not its answer. It also
+        runs again where nothing was idle but a garbage collection freed device memory (at
+        least ``RECLAIMED_BYTES``) that only reference cycles held. That time (the failed
+        attempt and the spill) is the answer's ``retry`` stage, and in its ``ttft`` and
+        ``total``: the stages still add up. Where neither freed anything, or a token was
+        sent, the error stands."""
         sent, first = [], job.on_token
         t0 = time.perf_counter()
         if first is not None:
@@ -495,15 +508,19 @@ class ModelWorker:
                     raise
                 error, e.__traceback__ = e, None   # its frames (the attempt's tensors) go
             evicted = self.scheduler.evict_idle()    # a paused calibration step's memory
-            gc.collect()
+            before = _device_allocated()
+            gc.collect()            # device memory held only by reference cycles goes too
+            reclaimed = before - _device_allocated()
             freed = cache.spill_idle()
-            if freed <= 0 and not evicted:
+            if freed <= 0 and not evicted and reclaimed < RECLAIMED_BYTES:
                 raise error
             log.warning("request %s ran out of memory (%s); %.2f GiB of idle cached prefixes "
-                        "left the device%s and it runs again", job.request_id,
+                        "left the device%s%s and it runs again", job.request_id,
                         str(error).splitlines()[0][:300] if str(error) else
                         type(error).__name__, freed / 2**30,
-                        ", a paused calibration step gave its memory up" if evicted else "")
+                        ", a paused calibration step gave its memory up" if evicted else "",
+                        f", a garbage collection freed {reclaimed / 2**30:.2f} GiB"
+                        if reclaimed >= RECLAIMED_BYTES else "")
             del error
             lost_ms = (time.perf_counter() - t0) * 1e3
             result = self._run(job)

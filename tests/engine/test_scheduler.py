@@ -600,3 +600,42 @@ def test_evict_idle_returns_at_once_without_idle_work():
     t0 = time.perf_counter()
     assert s.evict_idle() == 0
     assert time.perf_counter() - t0 < 1.0     # generous: no wait happens at all
+
+
+def test_a_finished_decode_step_leaves_nothing_of_its_answer_on_the_turn():
+    """A decode step's item holds its answer's cache; the turn sits in a reference cycle with
+    its request (job -> turn -> stop check -> job), so whatever it keeps lives until a full
+    garbage collection. Nothing may stay: not the item, nor the result, nor an error (whose
+    traceback holds the batch's frames) — after a step, after a failed step, after close."""
+    import gc
+    import weakref
+
+    class Cache:                                   # stands for the answer's KV cache
+        pass
+
+    s = Scheduler(gather_s=0.01)
+    gc.disable()
+    try:
+        for fail in (False, True):
+            cache = Cache()
+            alive = weakref.ref(cache)
+            t = s.turn("a")
+            assert t.acquire()
+            t.decoding()
+
+            def run(items, fail=fail):
+                if fail:
+                    raise MemoryError("no room")
+                return [("token", it) for it in items]
+
+            try:
+                out = t.decode(cache, run)
+                assert out[1] is cache
+                del out
+            except MemoryError:
+                assert fail
+            del cache
+            assert alive() is None, "the turn kept the answer's cache"
+            t.close()
+    finally:
+        gc.enable()

@@ -143,6 +143,34 @@ def test_answers_decoding_together_keep_their_own_tokens(server):
     assert 'id="now"' in page and "paused for short work" in page
 
 
+def test_an_answered_videos_cache_goes_with_its_entry_not_with_a_garbage_collection(server):
+    """Once a request is answered, only the video cache holds its prefix: dropping the entry
+    frees the KV at once. Nothing of the request (its turn, the last decode step's item, a
+    job in a reference cycle) may keep it until a full garbage collection, which a server
+    with a frozen heap runs rarely: on an H100 eight dropped 115K-token caches (52 GB) were
+    still held that way when a new video's prefill ran out of memory."""
+    import gc
+    import weakref
+
+    url = server.url
+    cache = server.app.state.worker.pipeline.video_cache
+    r = ask(url, SAMPLES / "order_1.mp4", "In which order do the shapes appear?",
+            max_new_tokens=4, max_frames=9)
+    assert r.status_code == 200 and r.json()["cache"] == "miss", r.text
+    gc.disable()
+    try:
+        with cache._lock:
+            held = [(k, e) for k, e in cache._entries.items() if e.kv is not None]
+            refs = [weakref.ref(e.kv) for _, e in held]
+            for k, e in held:
+                cache._drop(k, e)
+            del held
+        assert refs and all(ref() is None for ref in refs), \
+            "a dropped entry's KV outlived it (held by a reference cycle)"
+    finally:
+        gc.enable()
+
+
 def test_questions_about_one_cached_video_decode_together(server):
     """Three questions about one cached video at once: each forks the video's entry (the
     prefix shared and read only, its own rows apart), so none waits for another's answer:

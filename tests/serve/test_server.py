@@ -644,6 +644,49 @@ def test_out_of_memory_runs_again_once_idle_prefixes_left_the_device(ckpt, tmp_p
     assert "mminfer:prefix_cache_idle_spills_total" in metrics
 
 
+def test_out_of_memory_runs_again_when_a_garbage_collection_freed_device_memory(
+        ckpt, tmp_path, live_server, monkeypatch):
+    """With no idle cached prefix to move, a request out of memory still runs again when the
+    garbage collection before the retry freed device memory that reference cycles held (an
+    H100 had 52 GB held that way); when it freed less than RECLAIMED_BYTES the error stands.
+    No GPU here: the allocator's count is a stand-in that drops by what the collection
+    reclaims."""
+    from mminfer.serve import worker as W
+
+    app = create_app(Settings(model=str(ckpt), device="cpu", data_dir=str(tmp_path),
+                              api_key=None))
+    s = live_server(app)
+    pipe = app.state.worker.pipeline
+    real, calls, fail = pipe.adapter.prefill_prefix, [], []
+    held = {"bytes": 0}
+
+    def prefill_prefix(*args, **kwargs):
+        calls.append(1)
+        if fail:
+            fail.pop()
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 788 MiB")
+        return real(*args, **kwargs)
+
+    collect = W.gc.collect
+
+    def collected(*args):
+        held["bytes"] = 0                   # what only cycles held is gone
+        return collect(*args)
+
+    pipe.adapter.prefill_prefix = prefill_prefix
+    monkeypatch.setattr(W, "_device_allocated", lambda: held["bytes"])
+    monkeypatch.setattr(W.gc, "collect", collected)
+    for garbage, status, clip in ((W.RECLAIMED_BYTES // 2, 500, "colour_1"),
+                                  (52 << 30, 200, "colour_2")):
+        held["bytes"] = garbage
+        fail.append(1)
+        n = len(calls)
+        r = post_answer(s.url, (SAMPLES / f"{clip}.mp4").read_bytes())
+        assert r.status_code == status, r.text
+        assert len(calls) - n == (1 if status == 500 else 2)
+        assert pipe.video_cache.stats()["gpu_entries"] == (0 if status == 500 else 1)
+
+
 def test_the_loaded_model_is_kept_out_of_garbage_collections():
     """A full collection walks every tracked object holding the interpreter lock, and the
     event loop waits with it: the embedded model's 370,000 objects made 0.3 s /health stalls
