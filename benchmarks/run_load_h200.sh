@@ -35,6 +35,14 @@
 # between requests less dense's TTFT must exceed the longest step (status_after.progress).
 # load.json is written after each answer, so a call the timeout stops keeps what came.
 #   SELFCAL_S=600 bash benchmarks/run_load_h200.sh
+#
+# MODEL=longvila: the issue's second case instead: LongVILA-7B (random weights, e2e.py's
+# longvila1m checkpoint, context 1,064,960) with new 1.05M-token videos (4096 frames 640x360,
+# e2e's longvila1m video) back to back, questions about 4 cached 66K-token videos (256 frames)
+# at 2 a second; target: hits' TTFT p99 <= 2.0 s. No decode or self-calibration phase. A new
+# video's prefill holds 60 GB of bf16 KV: on an 80 GB H100 pass the FP8 flags, e.g.
+#   MODEL=longvila DURATION=90 bash benchmarks/run_load_h200.sh --modes scheduler \
+#     --serve-arg=--quantization=fp8 --serve-arg=--kv-cache-dtype=fp8
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/load}; mkdir -p "$OUT"
@@ -53,6 +61,16 @@ from pathlib import Path
 sys.path.insert(0, "benchmarks")
 import e2e
 work = Path(sys.argv[1])
+if os.environ.get("MODEL", "qwen") == "longvila":
+    lv = work / "longvila7b"
+    if not (lv / "config.json").is_file():
+        e2e.write_longvila(lv, "cuda", tiny=False, max_position=1064960, num_frames=4096)
+    videos = {"new1m.mp4": (4096, 360, 640)}
+    videos.update({f"lv_cached{i}.mp4": (256, 360, 640) for i in range(4)})
+    for name, (n, h, w) in videos.items():
+        if not (work / name).is_file():
+            print(name, e2e.write_video(work / name, n, h, w, 2.0))
+    sys.exit(0)
 base, long = work / "qwen7b", work / "qwen7b-long"
 if not (base / "config.json").is_file():
     e2e.write_qwen(base, "cuda", tiny=False)
@@ -67,6 +85,14 @@ for name, (n, h, w) in videos.items():
     if not (work / name).is_file():
         print(name, e2e.write_video(work / name, n, h, w, 2.0))
 PY
+if [ "${MODEL:-qwen}" = longvila ]; then
+  timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/longvila7b" \
+    --new-video "$WORK/new1m.mp4" $(for i in 0 1 2 3; do echo --cached-video "$WORK/lv_cached$i.mp4"; done) \
+    --duration-s "${DURATION:-120}" --hit-rate 2 --max-frames 4096 --max-new-tokens 16 \
+    --attention sparse --alone --decoders 0 \
+    --serve-arg=--kv-host-cache-gb="${HOST_KV_GB:-32}" --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"
+  exit
+fi
 if [ "${SELFCAL_S:-0}" != 0 ]; then
   timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/qwen7b-long" \
     --selfcal-video "$WORK/decode.mp4" --selfcal-s "$SELFCAL_S" \
