@@ -67,9 +67,9 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mminfer.engine.scheduler import device_drain
 from mminfer.errors import Cancelled
 from mminfer.models.base import resolve_checkpoint
 from mminfer.offline.capture import synthetic_video
@@ -91,20 +91,6 @@ SYNTH_TASKS = ("needle", "count", "order", "colour")
 SYNTH_SEED = 920000           # synthetic calibration videos: seeds no training or eval uses
 SYNTH_TOKENS = 16384          # "auto" frames: the most whose visual tokens fit this
 SYNTH_MAX_FRAMES = 768
-
-
-def device_drain(device):
-    """What a calibration step does before each of its checks: on a GPU, wait for the work it
-    queued so far. The host runs ahead of the GPU (a dense prefill of a 115K-token prompt
-    queues most of its layers in a fraction of a second, and nothing in it waits), so a check
-    that looked at once would let a request that pauses or stops the step wait behind every
-    layer already queued: measured on an H100, up to 15 s behind a step (TTFT 2.7x dense's,
-    and out of memory when the step did not unwind within ``evict_idle``'s 10 s). Drained, a
-    request waits for at most one layer, one decode step or one layer's search. On a CPU
-    the work is done when the call returns: nothing to wait for."""
-    if getattr(device, "type", device) != "cuda":
-        return lambda: None
-    return lambda: torch.cuda.current_stream(device).synchronize()
 
 
 def weights_digest(path) -> str:

@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mminfer.engine.interrupt import Guard, Interrupted
-from mminfer.engine.scheduler import Scheduler
+from mminfer.engine.scheduler import Scheduler, device_drain
 from mminfer.errors import (Cancelled, MMInferError, OutOfMemory, QueueFull, ShuttingDown,
                             WorkerDead)
 
@@ -542,6 +542,8 @@ class ModelWorker:
                 self._die(f"loading the model failed: {getattr(e, 'message', None) or e}")
                 log.error("model load failed: %s", e)
                 return
+            adapter = getattr(self.pipeline, "adapter", None)
+            self.scheduler.drain = device_drain(getattr(adapter, "device", None))
             freeze_heap()
             self.state = "ready"
             self._gauges()

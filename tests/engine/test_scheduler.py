@@ -639,3 +639,34 @@ def test_a_finished_decode_step_leaves_nothing_of_its_answer_on_the_turn():
             t.close()
     finally:
         gc.enable()
+
+
+def test_the_holder_drains_its_queued_work_at_each_step_boundary():
+    """At every step boundary the turn's holder first waits for the work it queued (on a GPU
+    the host runs ahead: a request handed the turn would queue behind every layer already
+    launched); only then does the policy hand the turn over. Here the drain is a stand-in
+    that logs: one per layer of a long prefill, and the hit's work comes after a drain."""
+    log = Log()
+    s = Scheduler(drain=lambda: log.add("drain"))
+    started = threading.Event()
+    long = threading.Thread(target=long_request, args=(s, log, "long"),
+                            kwargs=dict(layers=6, step_s=0.03, started=started))
+    long.start()
+    assert started.wait(10)
+    hit = threading.Thread(target=hit_request, args=(s, log, "hit"), kwargs=dict(tokens=1))
+    hit.start()
+    long.join(20)
+    hit.join(20)
+    items = log.items
+    layers = [i for i, it in enumerate(items) if it[0] == "long" and it[1] == "layer"]
+    assert len(layers) == 6
+    # every layer after the first follows a drain of the one before
+    assert all(items[i - 1] == ("drain",) or items[i - 1][0] == "hit" for i in layers[1:])
+    first_hit = next(i for i, it in enumerate(items) if it[0] == "hit")
+    assert ("drain",) in items[:first_hit]
+    assert items[first_hit - 1] == ("drain",)
+
+
+def test_a_cpu_device_has_nothing_to_drain():
+    from mminfer.engine.scheduler import device_drain
+    assert device_drain(None)() is None and device_drain("cpu")() is None

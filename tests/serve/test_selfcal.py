@@ -429,7 +429,7 @@ def test_a_step_drains_the_gpu_queue_before_each_check(tmp_path, monkeypatch, de
         def synchronize(self):
             events.append("drain")
 
-    monkeypatch.setattr(mod.torch.cuda, "current_stream", lambda dev=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: Stream())
     sc = mod.SelfCalibration(model_path=str(tmp_path), cache_dir=tmp_path / "cal")
     sc.state = "calibrating"
 
