@@ -520,6 +520,28 @@ def test_load_benchmark_drives_both_server_modes(tmp_path):
     assert "serial" in proc.stdout and "scheduler" in proc.stdout
 
 
+def test_load_benchmark_drives_a_longvila_server(tmp_path):
+    """The issue's second load case (run_load_h200.sh MODEL=longvila) at a tiny scale: a
+    LongVILA checkpoint in the real layout (e2e.py's writer, tiny shapes) through the real
+    server with the scheduler, every request answered, the hits hit."""
+    ckpt = tmp_path / "longvila"
+    _e2e().write_longvila(ckpt, "cpu", tiny=True, max_position=8192, num_frames=8)
+    videos = ROOT / "samples" / "videos"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--model", str(ckpt),
+         "--modes", "scheduler", "--new-video", str(videos / "needle_2.mp4"),
+         "--cached-video", str(videos / "needle_0.mp4"), "--duration-s", "4", "--hit-rate", "2",
+         "--max-frames", "8", "--max-new-tokens", "3", "--attention", "sparse",
+         "--serve-arg=--device", "--serve-arg=cpu", "--out", str(tmp_path / "out")],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mode = json.loads((tmp_path / "out" / "load.json").read_text())["modes"]["scheduler"]
+    new, hit = mode["new_video"], mode["hit"]
+    assert new["count"] >= 1 and hit["count"] >= 4 and new["errors"] == hit["errors"] == 0
+    assert set(hit["cache"]) == {"hit"} and set(new["cache"]) == {"miss"}
+
+
 def _alive(pid: int) -> bool:
     """The process exists and is not a zombie (a container's init may not reap orphans)."""
     try:
