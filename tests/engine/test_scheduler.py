@@ -670,3 +670,41 @@ def test_the_holder_drains_its_queued_work_at_each_step_boundary():
 def test_a_cpu_device_has_nothing_to_drain():
     from mminfer.engine.scheduler import device_drain
     assert device_drain(None)() is None and device_drain("cpu")() is None
+
+
+def test_the_gpu_drain_keeps_one_step_in_flight_per_thread(monkeypatch):
+    """On a GPU each boundary records an event on the caller's stream and waits for the one
+    before: the previous step is done, this one stays queued (the device never idles while
+    the host prepares the next). Threads (requests) keep their own. No GPU here: the event and
+    the stream are stand-ins that log."""
+    import torch
+
+    from mminfer.engine import scheduler as S
+
+    log = []
+
+    class Event:
+        n = 0
+
+        def __init__(self):
+            Event.n += 1
+            self.name = f"e{Event.n}"
+
+        def record(self, stream):
+            log.append(("record", self.name, stream))
+
+        def synchronize(self):
+            log.append(("wait", self.name))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    drain = S.device_drain(torch.device("cuda"))
+    for _ in range(3):
+        drain()
+    assert log == [("record", "e1", "stream"), ("record", "e2", "stream"), ("wait", "e1"),
+                   ("record", "e3", "stream"), ("wait", "e2")]
+    log.clear()
+    t = threading.Thread(target=drain)           # another request: nothing of this one's
+    t.start()
+    t.join(10)
+    assert log == [("record", "e4", "stream")]
