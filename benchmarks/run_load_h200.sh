@@ -61,39 +61,28 @@ from pathlib import Path
 sys.path.insert(0, "benchmarks")
 import e2e
 work = Path(sys.argv[1])
-if os.environ.get("MODEL", "qwen") == "longvila":
+if os.environ.get("MODEL", "qwen") == "longvila":   # e2e's longvila1m shapes
     lv = work / "longvila7b"
     if not (lv / "config.json").is_file():
         e2e.write_longvila(lv, "cuda", tiny=False, max_position=1064960, num_frames=4096)
     videos = {"new1m.mp4": (4096, 360, 640)}
     videos.update({f"lv_cached{i}.mp4": (256, 360, 640) for i in range(4)})
-    for name, (n, h, w) in videos.items():
-        if not (work / name).is_file():
-            print(name, e2e.write_video(work / name, n, h, w, 2.0))
-    sys.exit(0)
-base, long = work / "qwen7b", work / "qwen7b-long"
-if not (base / "config.json").is_file():
-    e2e.write_qwen(base, "cuda", tiny=False)
-if not (long / "config.json").is_file():
-    e2e.long_context_variant(base, long, 327680, 768 * e2e.QWEN_MAX_FRAME_PIXELS // 2)
-videos = {"new.mp4": (768, 560, 1008)}
-videos.update({f"cached{i}.mp4": (256, 560, 1008) for i in range(4)})
-videos["decode.mp4"] = (320, 560, 1008)          # 115K tokens: the decode target's caches
-if os.environ.get("SELFCAL_S", "0") != "0":      # the self-calibration phase's alone
-    videos = {"decode.mp4": videos["decode.mp4"]}
+else:
+    base, long = work / "qwen7b", work / "qwen7b-long"
+    if not (base / "config.json").is_file():
+        e2e.write_qwen(base, "cuda", tiny=False)
+    if not (long / "config.json").is_file():
+        e2e.long_context_variant(base, long, 327680, 768 * e2e.QWEN_MAX_FRAME_PIXELS // 2)
+    videos = {"new.mp4": (768, 560, 1008)}
+    videos.update({f"cached{i}.mp4": (256, 560, 1008) for i in range(4)})
+    videos["decode.mp4"] = (320, 560, 1008)      # 115K tokens: the decode target's caches
+    if os.environ.get("SELFCAL_S", "0") != "0":  # the self-calibration phase's alone
+        videos = {"decode.mp4": videos["decode.mp4"]}
 for name, (n, h, w) in videos.items():
     if not (work / name).is_file():
         print(name, e2e.write_video(work / name, n, h, w, 2.0))
 PY
-if [ "${MODEL:-qwen}" = longvila ]; then
-  timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/longvila7b" \
-    --new-video "$WORK/new1m.mp4" $(for i in 0 1 2 3; do echo --cached-video "$WORK/lv_cached$i.mp4"; done) \
-    --duration-s "${DURATION:-120}" --hit-rate 2 --max-frames 4096 --max-new-tokens 16 \
-    --attention sparse --alone --decoders 0 \
-    --serve-arg=--kv-host-cache-gb="${HOST_KV_GB:-32}" --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"
-  exit
-fi
-if [ "${SELFCAL_S:-0}" != 0 ]; then
+if [ "${SELFCAL_S:-0}" != 0 ] && [ "${MODEL:-qwen}" != longvila ]; then
   timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/qwen7b-long" \
     --selfcal-video "$WORK/decode.mp4" --selfcal-s "$SELFCAL_S" \
     --selfcal-rate "${SELFCAL_RATE:-0.0333}" --selfcal-baseline "${SELFCAL_BASELINE:-3}" \
@@ -102,9 +91,15 @@ if [ "${SELFCAL_S:-0}" != 0 ]; then
     --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"
   exit
 fi
-timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/qwen7b-long" \
-  --new-video "$WORK/new.mp4" $(for i in 0 1 2 3; do echo --cached-video "$WORK/cached$i.mp4"; done) \
-  --duration-s "${DURATION:-120}" --hit-rate 2 --max-frames 768 --max-new-tokens 16 \
-  --attention sparse --alone --decoders "${DECODERS:-8}" --decode-video "$WORK/decode.mp4" --decode-tokens 64 \
-  --decode-shared $([ -n "${DECODE_KV_GB:-}" ] && echo --decode-kv-cache-gb "$DECODE_KV_GB") \
+if [ "${MODEL:-qwen}" = longvila ]; then    # no decode phase
+  ckpt=longvila7b new=new1m.mp4 cached=lv_cached frames=4096 decode=(--decoders 0)
+else
+  ckpt=qwen7b-long new=new.mp4 cached=cached frames=768
+  decode=(--decoders "${DECODERS:-8}" --decode-video "$WORK/decode.mp4" --decode-tokens 64
+          --decode-shared $([ -n "${DECODE_KV_GB:-}" ] && echo --decode-kv-cache-gb "$DECODE_KV_GB"))
+fi
+timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/$ckpt" \
+  --new-video "$WORK/$new" $(for i in 0 1 2 3; do echo --cached-video "$WORK/$cached$i.mp4"; done) \
+  --duration-s "${DURATION:-120}" --hit-rate 2 --max-frames "$frames" --max-new-tokens 16 \
+  --attention sparse --alone "${decode[@]}" \
   --serve-arg=--kv-host-cache-gb="${HOST_KV_GB:-32}" --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"
