@@ -74,12 +74,12 @@ def device_drain(device):
     dense prefill or a calibration step queues many layers without waiting, so a boundary
     that looked at once would hand the turn to a request whose kernels then queue behind all
     of them. A self-calibration step did that on an H100 (requests waited up to 15 s for it:
-    TTFT 2.67x dense's; with a full synchronize at each check, 1.04x). Each call records an event on the caller's stream
-    and waits for the previous call's: the step before this one is done, this one stays
-    queued, so the GPU is never left idle while the host prepares the next step (a full
-    synchronize at every layer would leave it idle that long). Per thread: each request runs
-    on its own. Copies on a stream of their own go on. On a CPU the work is done when the
-    call returns: nothing to wait for."""
+    TTFT 2.67x dense's; with a full synchronize at each check, 1.04x). Each call records an
+    event on the caller's stream and waits for the previous call's: the step before this one
+    is done, this one stays queued, so the GPU is never left idle while the host prepares the
+    next step (a full synchronize at every layer would leave it idle that long). Per thread:
+    each request runs on its own. Copies on a stream of their own go on. On a CPU the work
+    is done when the call returns: nothing to wait for."""
     if getattr(device, "type", device) != "cuda":
         return lambda: None
     last = threading.local()

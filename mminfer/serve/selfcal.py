@@ -308,7 +308,10 @@ class SelfCalibration:
                 return
             self._step = step
         base, paused = check or self._stop.is_set, [0.0]
-        drain = device_drain(getattr(getattr(pipeline, "adapter", None), "device", None))
+        # the preempt flag is looked at only once the GPU caught up (device_drain); a
+        # caller's check (the scheduler's turn checkpoint) drains the queue itself
+        drain = (lambda: None) if check is not None else device_drain(
+            getattr(getattr(pipeline, "adapter", None), "device", None))
 
         def timed_check():              # a pause inside is not the step's time
             drain()

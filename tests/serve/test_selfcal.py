@@ -413,10 +413,12 @@ def test_a_failing_calibration_step_stops_calibrating_not_the_server():
 
 
 def test_a_step_drains_the_gpu_queue_before_each_check(tmp_path, monkeypatch):
-    """A calibration step drains the device's queue (engine.scheduler.device_drain, for the
-    model's device) before every check: a request that pauses or stops it then waits for at
-    most a layer or two of it, not for every layer the host queued ahead of the GPU (seen on
-    an H100: up to 15 s). The drain here is a stand-in that logs."""
+    """A calibration step under the serial worker (its own preempt flag) drains the device's
+    queue (engine.scheduler.device_drain, for the model's device) before every check: a
+    request that stops it then waits for a layer or two of it, not for every layer the host
+    queued ahead of the GPU (seen on an H100: up to 15 s). A caller's check, the scheduler's
+    turn checkpoint, drains by itself: the step adds no second drain. The drain here is a
+    stand-in that logs."""
     from types import SimpleNamespace
 
     from mminfer.offline.served_policy import Step
@@ -437,9 +439,14 @@ def test_a_step_drains_the_gpu_queue_before_each_check(tmp_path, monkeypatch):
             events.append(f"layer {layer}")
             assert not cancel()
 
-    sc._step = Step("three layers", fn)
     pipe = SimpleNamespace(adapter=SimpleNamespace(device=torch.device("cuda")))
-    sc.run_step(pipe, check=lambda: events.append("check") and False)
+    sc._step = Step("three layers", fn)
+    sc.run_step(pipe)                                   # the serial worker's way
     assert devices == [torch.device("cuda")]
-    assert events == [e for i in range(3) for e in [f"layer {i}", "drain", "check"]]
+    assert events == [e for i in range(3) for e in [f"layer {i}", "drain"]]
     assert sc.steps_run == 1 and sc._step is None
+    events.clear()
+    sc._step = Step("three layers", fn)
+    sc.run_step(pipe, check=lambda: events.append("check") and False)    # the scheduler's
+    assert events == [e for i in range(3) for e in [f"layer {i}", "check"]]
+    assert sc.steps_run == 2
