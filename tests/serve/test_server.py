@@ -153,7 +153,10 @@ def test_chat_completions_with_data_url(srv):
     u = d["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert 1 <= u["completion_tokens"] <= 5
-    assert choice["finish_reason"] == ("length" if u["completion_tokens"] == 5 else "stop")
+    # fewer than 5: an end token came; 5: the limit, or an end token sampled as the 5th (it
+    # counts, as in vLLM; temperature 0.7 draws it now and then: a busy-machine run did)
+    assert choice["finish_reason"] == "stop" if u["completion_tokens"] < 5 else \
+        choice["finish_reason"] in ("length", "stop")
     assert list(d["timings"]) == list(STAGE_ORDER) and d["timings"]["vision"] > 0
     assert d["mminfer"]["video"]["frames"] == 10                # fps 1 of a 10 s video
     # the same video at 2 fps: twice the frames, more prompt tokens
