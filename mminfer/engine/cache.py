@@ -257,6 +257,19 @@ class VideoCache:
         while not event.wait(WAIT_POLL_S):
             pass
 
+    def release_idle(self) -> int:
+        """Ask idle-time work that holds device memory (a paused self-calibration step) to
+        give it up, and wait for it; returns how many were asked. :meth:`make_room` calls it
+        when the device is short, before it spills entries; a scheduler overrides it
+        (Scheduler.evict_idle). Without one there is no such work."""
+        return 0
+
+    @property
+    def measures_room(self) -> bool:
+        """Whether :meth:`make_room` can measure the device's free memory (CUDA), so it can
+        tell when paused idle work must give its memory up."""
+        return self.device.type == "cuda"
+
     def wait_for_build(self, pending: PendingBuild) -> None:
         """Until the build of ``pending.key`` another request runs has ended (kept or not)."""
         self.wait(pending.done)
@@ -506,14 +519,18 @@ class VideoCache:
         embeddings and its activations). When the idle entries this call sends to the host
         cover the whole need, it returns as soon as that much is free and their copies go on
         meanwhile, overlapping that work; the call before the prefill, without it, waits for
-        what is left of them."""
+        what is left of them.
+
+        Paused idle work (a calibration step) that holds memory gives it up first, once the
+        device is short (:meth:`release_idle`): a user's cached prefix outranks it."""
         want = int(need_bytes * (1 + PREFILL_MARGIN))
         ahead = None if ahead_bytes is None else int(ahead_bytes * (1 + PREFILL_MARGIN))
         deadline = time.monotonic() + wait_s
         rounds = None       # of spills: an entry a question brought back meanwhile is not
-        while True:         # chased around forever
+        idle_asked = False  # chased around forever
+        while True:
             woken = threading.Event()      # a request leaving the cache, or the deadline
-            copying, moves = None, None
+            copying, moves, ask_idle = None, None, False
             with self._lock:
                 free = self.free_bytes()
                 if free is None:
@@ -523,6 +540,8 @@ class VideoCache:
                 short = want - free
                 if short > 0 and self._copying:      # memory on its way out: wait for it
                     copying = next(iter(self._copying))
+                elif short > 0 and not idle_asked:
+                    ask_idle = idle_asked = True
                 elif short > 0 and rounds > 0:
                     moves, freed = self._pick_spills(short)
                 rounds -= moves is not None
@@ -535,6 +554,9 @@ class VideoCache:
                     self.counts["room_waits"] += 1
             if copying is not None:
                 self.wait(copying, own=True)
+                continue
+            if ask_idle:                   # no lock held: the idle work unwinds meanwhile
+                self.release_idle()
                 continue
             if moves is not None:          # entries dropped or on their way: measure again
                 if moves:

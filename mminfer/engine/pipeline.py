@@ -69,6 +69,14 @@ STAGES = PIPELINE_STAGES     # the timings of an answer, in order (mminfer.engin
 _current_turn: contextvars.ContextVar = contextvars.ContextVar("mminfer_turn", default=None)
 
 
+def _release_idle() -> int:
+    """The video cache's release_idle: the request's scheduler makes paused idle work (a
+    calibration step) give up its memory; a request with the model to itself has none."""
+    turn = _current_turn.get()
+    sched = getattr(turn, "sched", None)
+    return 0 if sched is None else sched.evict_idle()
+
+
 def _cache_wait(event, own: bool = False) -> None:
     """The video cache's wait (for another request's build of a prefix, or its restore from
     the host tier; ``own``: for the request's own room copied to the host): the request's
@@ -273,6 +281,7 @@ class Pipeline:
         self.video_cache = VideoCache(self.device, gpu_bytes,
                                       int(float(kv_host_cache_gb or 0) * 2**30))
         self.video_cache.wait = _cache_wait
+        self.video_cache.release_idle = _release_idle
         # the server's self-calibration (serve/selfcal.py): ``prefix_observer(adapter, prep,
         # embeds)`` sees each prompt before its prefix's prefill overwrites the embeddings
         # (it may keep a copy, and return ``answered(gen, dense, greedy)``, called with the
@@ -549,7 +558,8 @@ class Pipeline:
                 built = None
                 if lease.entry is None:
                     # building the prefix is the long work the scheduler admits one at a time
-                    with turn.long():
+                    # paused idle work keeps its memory unless the room check comes up short
+                    with turn.long(room_checked=self.video_cache.measures_room):
                         built = self._build_prefix(video_path, conv, sampling, mode, options,
                                                    timer, check, keep_for_shadow,
                                                    shadow_max_bytes, max_new_tokens,

@@ -33,9 +33,10 @@ step), then the prefill resumes.
 turn at all, and pauses at its checkpoints as soon as one does: it keeps its frame and resumes
 where it stopped once every request has gone, so a long calibration step is not thrown away by
 each cache hit or follow-up question between its layers. A paused step still holds its memory,
-so a long prefill admitted to build a prefix (which needs room), or a request out of memory
-(``evict_idle``), first makes the paused idle work give up: it unwinds, its memory freed, before
-the prefill goes on, and runs again from its start later.
+so a long prefill admitted to build a prefix whose room check comes up short, or a request out
+of memory (``evict_idle``), first makes the paused idle work give up: it unwinds, its memory
+freed, before the prefill goes on, and runs again from its start later. Where the room check
+cannot measure the device (the CPU), every long prefill makes it give up at its start.
 
 Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
 steps and gives the turn up; whichever of them is granted the turn first waits for the other
@@ -410,11 +411,15 @@ class Turn:
             ok = self._queue_for_turn()
         return not ok
 
-    def long(self) -> "_Phase":
+    def long(self, room_checked: bool = False) -> "_Phase":
         """``with turn.long():`` — building a prefix: admitted as the one long prefill (waiting
         for the one before to finish), paused at its checkpoints by the policy; afterwards FIRST
-        work again (its question's rows come right after)."""
-        return _Phase(self)
+        work again (its question's rows come right after). Paused idle work gives up its
+        memory at the start, unless ``room_checked``: the work measures the device's free
+        memory before it allocates and evicts idle work only when that comes up short
+        (VideoCache.make_room), so a calibration step paused by a new video resumes after it
+        instead of running again from its start."""
+        return _Phase(self, room_checked)
 
     def _begin_long(self) -> bool:
         s = self.sched
@@ -636,13 +641,14 @@ _NONE = object()
 
 
 class _Phase:
-    def __init__(self, turn: Turn):
-        self.turn = turn
+    def __init__(self, turn: Turn, room_checked: bool):
+        self.turn, self.room_checked = turn, room_checked
 
     def __enter__(self):
         if not self.turn._begin_long():
             raise Cancelled("request cancelled while waiting to build its video's prefix")
-        self.turn.sched.evict_idle()       # the prefix needs room: paused idle work goes
+        if not self.room_checked:          # the prefix needs room: paused idle work goes
+            self.turn.sched.evict_idle()
         return self.turn
 
     def __exit__(self, *exc):
@@ -671,7 +677,7 @@ class Solo:
     def checkpoint(self) -> bool:
         return self.stopping()
 
-    def long(self):
+    def long(self, room_checked: bool = False):
         return _SoloPhase()
 
     def decoding(self):

@@ -15,7 +15,8 @@ import torch
 
 from lab.toy.tiny import save_tiny_qwen2_5_vl
 from mminfer.engine import pipeline as pipeline_mod
-from mminfer.engine.cache import Entry, PrefixFacts, Tier, VideoCache, cache_key
+from mminfer.engine.cache import (PREFILL_MARGIN, Entry, PrefixFacts, Tier, VideoCache,
+                                  cache_key)
 from mminfer.engine.pipeline import Pipeline
 from mminfer.engine.scheduler import Scheduler
 from mminfer.errors import Cancelled, MemoryBusy
@@ -350,6 +351,32 @@ def test_make_room_spills_idle_entries_then_waits_for_a_reader_to_end(ahead):
     assert short == 0 and done["ended_first"]
     assert _tiers(cache) == {K[0]: Tier.HOST, K[1]: Tier.HOST}
     assert cache.counts["room_waits"] >= 1
+    _consistent(cache)
+
+
+def test_make_room_asks_paused_idle_work_for_its_memory_first_and_only_when_short():
+    """A paused calibration step's memory goes before a user's cached entry leaves the
+    device, and only when the device is short: with room to spare the step keeps it."""
+    cache = _cache(4, 4)
+    _put(cache, K[0])
+    held = {"idle": DEVICE_BYTES}               # what the paused step holds
+    cache.free_bytes = lambda: 3 * DEVICE_BYTES - cache._bytes(Tier.GPU) - held["idle"]
+    asked = []
+
+    def release():                              # Scheduler.evict_idle's part
+        asked.append(cache._entries[K[0]].tier)
+        n, held["idle"] = int(held["idle"] > 0), 0
+        return n
+
+    cache.release_idle = release
+    one = int(DEVICE_BYTES / (1 + PREFILL_MARGIN))    # one entry's bytes with the margin
+    with cache.use(K[1]) as lease:
+        assert lease.status == "miss"
+        assert cache.make_room(one) == 0 and asked == []       # free already: kept
+        assert cache.make_room(2 * one) == 0                   # the step's memory covers it
+        assert asked == [Tier.GPU] and _tiers(cache) == {K[0]: Tier.GPU}
+        assert cache.make_room(3 * one) == 0                   # then the idle entry goes
+        assert asked == [Tier.GPU, Tier.GPU] and _tiers(cache) == {K[0]: Tier.HOST}
     _consistent(cache)
 
 
@@ -883,6 +910,55 @@ def test_a_hit_is_answered_while_a_new_videos_room_is_copied_out(qwen, mp4, tmp_
     again = pipe.answer(mp4, "where?", **q)
     assert again.cache == "host" and again.answer == first.answer
     _consistent(cache)
+
+
+@pytest.mark.parametrize("room", ["enough", "short"])
+def test_a_new_video_leaves_a_paused_calibration_step_its_memory_while_room_allows(
+        qwen, mp4, tmp_path, monkeypatch, room):
+    """Through Pipeline.answer and the scheduler, on a device whose memory the cache measures:
+    a new video's prefix build pauses the idle work (a calibration step) and, with room to
+    spare, leaves it its memory, so it goes on from where it stopped afterwards instead of
+    running again from its start; short of room, it gives its memory up before the prefill."""
+    monkeypatch.setattr(VideoCache, "measures_room", property(lambda self: True))
+    pipe = Pipeline(str(qwen), attention="dense", device="cpu")
+    new = write_video(tmp_path / "new.mp4", n_frames=20, fps=8.0, width=96, height=64,
+                      noise=True)
+    sched, log, ran = Scheduler(), [], threading.Event()
+    # short: the device has room only once the paused step's memory is freed
+    pipe.video_cache.free_bytes = lambda: (1 << 40) if room == "enough" or \
+        sched.idle_evictions else 0
+
+    def idle_work(layers=60):
+        t = sched.turn("idle")
+        try:
+            assert t.idle()
+            for i in range(layers):
+                if t.checkpoint():
+                    log.append(("gave up", i))
+                    return
+                log.append(("layer", i))
+                ran.set()
+                time.sleep(0.02)
+            log.append(("done", layers))
+        finally:
+            t.close()
+
+    a = threading.Thread(target=idle_work)
+    a.start()
+    assert ran.wait(30)
+    turn = sched.turn("new")
+    try:
+        out = pipe.answer(new, "where?", turn=turn, fps=4.0, max_new_tokens=2)
+    finally:
+        turn.close()
+    a.join(30)
+    assert out.cache == "miss" and not a.is_alive()
+    assert sched.idle_pauses >= 1
+    if room == "enough":          # paused, resumed at the layer after the last it ran
+        assert log[-1] == ("done", 60) and sched.idle_evictions == 0
+        assert [x[1] for x in log if x[0] == "layer"] == list(range(60))
+    else:
+        assert log[-1][0] == "gave up" and sched.idle_evictions == 1
 
 
 def test_a_new_videos_room_is_copied_out_while_its_vision_tower_runs(qwen, mp4, tmp_path,
