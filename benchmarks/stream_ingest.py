@@ -208,6 +208,12 @@ def run_ingest(args, report: dict, save, clock: Limit) -> None:
                     kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     rec["load_s"] = round(time.perf_counter() - t, 2)
     sparse_ok = pipe.sparse_unavailable is None and pipe.adapter.patterns is not None
+    if sparse_ok and args.piece_lines is not None:     # checked as a config field is
+        from mminfer.sparse.patterns import HeadPatternConfig
+        d = pipe.adapter.patterns.to_dict()
+        d.setdefault("estimation", {})["piece_lines"] = args.piece_lines
+        pipe.adapter.patterns = HeadPatternConfig.from_dict(d)
+    rec["piece_lines"] = pipe.adapter.patterns.piece_lines if sparse_ok else None
     mode = "sparse" if args.attention == "sparse" and sparse_ok else "dense"
     rec["attention"] = mode
     if mode != args.attention:
@@ -937,6 +943,9 @@ def parse_args(argv=None):
     g.add_argument("--ask-at", type=float, nargs="+", default=[0.25, 0.5, 1.0],
                    help="ask after these shares of the pieces")
     g.add_argument("--asks", type=int, default=2, help="questions at each point")
+    g.add_argument("--piece-lines", type=float, default=None,
+                   help="the pieces' share of the count budgets (the config's "
+                        "estimation.piece_lines; default: the config's, 1 when unset)")
     g.add_argument("--profile-pieces", type=int, nargs="+", default=None, metavar="K",
                    help="pieces (1-based) run under torch.profiler: their heaviest ops by "
                         "device and host time in the report, tables in --out")

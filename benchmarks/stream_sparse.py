@@ -163,6 +163,9 @@ def main(argv=None):
     ap.add_argument("--piece", type=int, default=3072, help="video tokens per piece")
     ap.add_argument("--min-piece", type=int, default=0,
                     help="pieces of fewer rows run dense (the stream's sparse_min_tokens)")
+    ap.add_argument("--piece-lines", type=float, default=None,
+                    help="the pieces' share of the count budgets (the config's "
+                         "estimation.piece_lines; default: the config's, 1 when unset)")
     ap.add_argument("--per-task", type=int, default=3)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--seed0", type=int, default=E.HELDOUT_SEED_MIN + 40_000)
@@ -177,6 +180,11 @@ def main(argv=None):
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     pipe = Pipeline(None, attention="dense", device=args.device, dtype=dtype)
     ad = pipe.adapter
+    if args.piece_lines is not None:           # checked as a config field is
+        from mminfer.sparse.patterns import HeadPatternConfig
+        d = ad.patterns.to_dict()
+        d.setdefault("estimation", {})["piece_lines"] = args.piece_lines
+        ad.patterns = HeadPatternConfig.from_dict(d)
     answers = E.answer_ids(ad.tokenizer)
     block = tuple(args.block) if args.block else None
     records, t0, k = [], time.time(), 0

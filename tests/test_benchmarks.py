@@ -878,7 +878,7 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_ingest.py"),
                            "--tiny", "--pace", "200", "--search", "all", "--out", str(tmp_path),
-                           "--profile-pieces", "3"],
+                           "--profile-pieces", "3", "--piece-lines", "0.5"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads((tmp_path / "stream_ingest.json").read_text())
@@ -888,6 +888,7 @@ def test_stream_ingest_benchmark_measures_the_live_video_targets(tmp_path):
     assert plan["kv_gb_bf16"] == 60.4
     assert rep["full_size_plan"]["realtime"][0]["kv_gb_bf16"] == 82.6     # 8 streams, 10 min
 
+    assert rep["ingest"]["piece_lines"] == 0.5      # the pieces' share of the line budgets
     ing = rep["ingest"]["summary"]
     assert ing["complete"] and ing["pieces"] == 6 and ing["sparse_pieces"] == 6
     assert ing["same_visual_tokens"] and ing["one_shot_attention"] == "sparse"

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -340,11 +341,37 @@ class HeadPatternConfig:
     names: dict = field(default_factory=dict, repr=False, compare=False)
     # How online estimation reads this model (ESTIMATION's keys); empty: the method's default.
     estimation: dict = field(default_factory=dict)
+    # piece_heads' scaled patterns: share -> id(HeadPattern) -> (it, scaled); keeping the
+    # pattern itself keeps its id from being reused while it is cached
+    _pieces: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def spread_queries(self) -> int:
         """Queries spread over the sequence that estimation adds to the last ones (0: none)."""
         return int(self.estimation.get("spread_queries", 0))
+
+    @property
+    def piece_lines(self) -> float:
+        """The share of a count budget's lines a piece's plan takes (1: all; ESTIMATION)."""
+        return float(self.estimation.get("piece_lines", 1.0))
+
+    def piece_heads(self, heads: list) -> list:
+        """``heads`` (one layer's HeadPatterns) as a plan of rows appended at an offset (a
+        live stream's piece) uses them: vertical_slash's count budgets (also as a grid's
+        fallback) scaled by :attr:`piece_lines`. A one-shot prefill's row sees on average
+        half of its plan's lines (those before it), a piece's rows nearly all of theirs:
+        at 0.5 a video ingested in pieces computes about the tiles of its one-shot prefill
+        (lab/experiments/piece_tiles.py). The same objects when the share is 1."""
+        share = self.piece_lines
+        if share >= 1.0:
+            return heads
+        cache, out = self._pieces.setdefault(share, {}), []
+        for hp in heads:
+            got = cache.get(id(hp))
+            if got is None or got[0] is not hp:      # (a copied config's cache: not its own)
+                got = cache[id(hp)] = (hp, _piece_head(hp, share))
+            out.append(got[1])
+        return out
 
     # ------------------------------------------------------------------ access
     def layer(self, i: int) -> list:
@@ -459,7 +486,24 @@ class HeadPatternConfig:
 ESTIMATION = {"spread_queries": (int, "queries spread evenly over the sequence (past its "
                                       "first eighth) that the proxy reads besides the last ones: "
                                       "for heads whose attention depends on content, which the "
-                                      "last queries alone do not show")}
+                                      "last queries alone do not show"),
+              "piece_lines": (float, "the share (0, 1] of vertical_slash's count budgets "
+                                     "(n_vertical, n_slash) that the plan of a piece appended "
+                                     "at an offset (a live stream's) takes: its rows see nearly "
+                                     "all of its lines, a one-shot's rows half on average")}
+
+
+def _piece_pattern(p: Pattern, share: float) -> Pattern:
+    if p.kind == "vertical_slash" and p.gamma is None:
+        return replace(p, n_vertical=max(1, math.ceil(p.n_vertical * share)),
+                       n_slash=max(1, math.ceil(p.n_slash * share)))
+    if p.kind == "grid" and p.fallback is not None:
+        return replace(p, fallback=_piece_pattern(p.fallback, share))
+    return p
+
+
+def _piece_head(hp: HeadPattern, share: float) -> HeadPattern:
+    return HeadPattern(hp.boundary, {k: _piece_pattern(p, share) for k, p in hp.patterns.items()})
 
 
 def _estimation(e: Any) -> dict:
@@ -470,10 +514,14 @@ def _estimation(e: Any) -> dict:
         raise ConfigError(f"config estimation: unknown field(s) {', '.join(sorted(extra))} "
                           f"(known: {', '.join(ESTIMATION)})")
     for name, (typ, _) in ESTIMATION.items():
-        if name in e and (not isinstance(e[name], typ) or isinstance(e[name], bool)
+        ok = (int, float) if typ is float else typ       # a share may be written as 1
+        if name in e and (not isinstance(e[name], ok) or isinstance(e[name], bool)
                           or e[name] < 0):
             raise ConfigError(f"config estimation.{name} must be a {typ.__name__} >= 0, "
                               f"got {e[name]!r}")
+    if "piece_lines" in e and not 0 < e["piece_lines"] <= 1:
+        raise ConfigError(f"config estimation.piece_lines must be in (0, 1], "
+                          f"got {e['piece_lines']!r}")
     return dict(e)
 
 

@@ -126,6 +126,40 @@ def test_the_hook_runs_a_piece_sparse_and_full_budgets_give_the_dense_prefill():
     assert (got["sparse"] - want).abs().max() > 1e-4
 
 
+def test_the_hook_plans_a_piece_with_the_configs_share_of_the_lines():
+    """``estimation.piece_lines`` reaches a piece's plan through the hook (the whole prompt's
+    prefill keeps the full budgets): fewer vertical_slash lines, fewer tiles."""
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    from mminfer.models.hooks import PrefillContext, register
+    from mminfer.models.prefill import prefill
+    from mminfer.sparse.patterns import HeadPatternConfig, ModelIdentity
+
+    cfg = Qwen2Config(vocab_size=100, hidden_size=192, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.set_attn_implementation(register())
+    ident = ModelIdentity("tiny", "main", 2, 6, 2, 32)     # (the last layer: the last row only)
+    heads = [HeadPattern.single(vertical_slash(n_vertical=24, n_slash=8, window=8, sink=2))] * 6
+    vs = {}
+    with torch.no_grad():
+        embeds = model.model.get_input_embeddings()(torch.randint(0, 100, (1, INDEX.n)))
+        for share in (1.0, 0.5):
+            cache = DynamicCache()
+            prefill(model.model, embeds[:, :ALIGNED].clone(), cache)
+            ctx = PrefillContext(index=INDEX, mode="sparse", keep_plans=True,
+                                 patterns=HeadPatternConfig(ident, [heads] * 2,
+                                                            estimation={"piece_lines": share}))
+            prefill(model.model, embeds[:, ALIGNED:].clone(), cache, ctx=ctx, append=True)
+            plan = ctx.densities[0]
+            spec = next(sp for sp in plan.specs if type(sp).__name__ == "VerticalSlash")
+            vs[share] = (int((spec.slashes >= 0).sum(-1).max()),
+                         plan.density()["tiles"]["vertical_slash"])
+    assert vs[1.0][0] == 8 and vs[0.5][0] == 4, vs       # slashes per head: 8, then 4
+    assert vs[0.5][1] < vs[1.0][1], vs
+
+
 def test_a_sparse_piece_over_an_fp8_cache_attends_to_its_quantised_keys():
     """Over an FP8 cache a piece's rows see the cache's quantised keys, dense (the FP8
     flash-decoding kernel) or sparse (dequantised for the layer): at full budgets the two
