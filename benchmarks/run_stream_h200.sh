@@ -12,7 +12,10 @@
 # one-minute pieces (120 frames, 30,840 rows each: 35 pieces), questions after 25, 50 and
 # 100 % of them. Targets: the pieces' vision + prefill <= 1.3x the one-shot's; every TTFT
 # <= 0.3 s. The stream's KV at the end: 60.4 GB bf16 (fits the default streams' budget,
-# half the card; on an H100 add --kv-cache-dtype fp8).
+# half the card; on an H100 add --kv-cache-dtype fp8). `--piece-lines 0.5`: the pieces take
+# half of the config's vertical_slash line budgets (estimation.piece_lines; at full budgets
+# they visit 1.74x the one-shot's tiles, lab/NOTES.md §19); a second OUT in the same warm
+# machine's next call gives the two side by side.
 #
 #   bash benchmarks/run_stream_h200.sh realtime   # target 3, ~6-7 min (estimated)
 # `mminfer serve` on 127.0.0.1 with Qwen2.5-VL-7B (random weights, max_position_embeddings
