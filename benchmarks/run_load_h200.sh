@@ -96,10 +96,12 @@ if [ "${MODEL:-qwen}" = longvila ]; then    # no decode phase
 else
   ckpt=qwen7b-long new=new.mp4 cached=cached frames=768
   decode=(--decoders "${DECODERS:-8}" --decode-video "$WORK/decode.mp4" --decode-tokens 64
-          --decode-shared $([ -n "${DECODE_KV_GB:-}" ] && echo --decode-kv-cache-gb "$DECODE_KV_GB"))
+          --decode-shared
+          $([ -n "${DECODE_KV_GB:-}" ] && echo --decode-kv-cache-gb "$DECODE_KV_GB"))
 fi
 timeout -k 10 "${TIMEOUT:-570}" python3 benchmarks/load.py --model "$WORK/$ckpt" \
-  --new-video "$WORK/$new" $(for i in 0 1 2 3; do echo --cached-video "$WORK/$cached$i.mp4"; done) \
+  --new-video "$WORK/$new" \
+  $(for i in 0 1 2 3; do echo --cached-video "$WORK/$cached$i.mp4"; done) \
   --duration-s "${DURATION:-120}" --hit-rate 2 --max-frames "$frames" --max-new-tokens 16 \
   --attention sparse --alone "${decode[@]}" \
   --serve-arg=--kv-host-cache-gb="${HOST_KV_GB:-32}" --out "$OUT" "$@" 2>&1 | tee "$OUT/load.log"

@@ -20,7 +20,8 @@ progress. It checks before every decoder layer, decode step and candidate's run;
 that arrives meanwhile pauses it there (the scheduler's IDLE work, serve/worker.py): the step
 keeps its frame and resumes where it stopped once no request is left, unless a request
 building a prefix finds the device short (VideoCache.make_room), or one runs out of memory;
-then it gives up the room it holds and runs again from its start later (as every step does under ``--max-num-seqs 1``). The steps:
+then it gives up the room it holds and runs again from its start later (as every step does
+under ``--max-num-seqs 1``). The steps:
 
 1. synthetic videos (``synth:TASK:FRAMES:SEED``, rendered in-process) prepared and run through
    the vision tower, before any request arrives; with ``--calibrate-from-requests`` (the
