@@ -83,7 +83,7 @@ def main() -> None:
     for share in a.shares:
         cfg.estimation["piece_lines"] = share
         total = tiles(0, bounds[0], heads)[0] + sum(
-            tiles(s, e, cfg.piece_heads(heads))[0] for s, e in zip(bounds, bounds[1:]))
+            tiles(s, e, cfg.piece_layer(a.layer)[:7])[0] for s, e in zip(bounds, bounds[1:]))
         print(f"piece_lines {share}: pieces {total} tiles, {total / one:.2f}x the one-shot's "
               f"({time.time() - t0:.0f} s)")
 

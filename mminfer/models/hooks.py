@@ -191,9 +191,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     B, H, N, D = query.shape
     out = torch.empty(B, N, H, D, dtype=query.dtype, device=query.device)
     # tensor parallel: this rank holds global heads tp_rank * H + h (engine/parallel.py)
-    heads = ctx.patterns.heads_for_rank(layer, getattr(module, "tp_rank", 0), H)
-    if kv_len > N:          # a piece appended at an offset (a live stream's): its line budget
-        heads = ctx.patterns.piece_heads(heads)
+    # (kv_len > N: a piece appended at an offset, a live stream's: its share of the lines)
+    heads = ctx.patterns.heads_for_rank(layer, getattr(module, "tp_rank", 0), H,
+                                        piece=kv_len > N)
     bm, bn = ctx.block or (None, None)
     res = layer_attention(query, key, value, ctx.index, heads,
                           return_plan=ctx.keep_plans, scale=scaling, out=out.transpose(1, 2),

@@ -341,9 +341,8 @@ class HeadPatternConfig:
     names: dict = field(default_factory=dict, repr=False, compare=False)
     # How online estimation reads this model (ESTIMATION's keys); empty: the method's default.
     estimation: dict = field(default_factory=dict)
-    # piece_heads' scaled patterns: share -> id(HeadPattern) -> (it, scaled); keeping the
-    # pattern itself keeps its id from being reused while it is cached
-    _pieces: dict = field(default_factory=dict, repr=False, compare=False)
+    # piece_layer's layers, derived once per share (init=False: a replace() starts afresh)
+    _pieces: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def spread_queries(self) -> int:
@@ -355,23 +354,23 @@ class HeadPatternConfig:
         """The share of a count budget's lines a piece's plan takes (1: all; ESTIMATION)."""
         return float(self.estimation.get("piece_lines", 1.0))
 
-    def piece_heads(self, heads: list) -> list:
-        """``heads`` (one layer's HeadPatterns) as a plan of rows appended at an offset (a
-        live stream's piece) uses them: vertical_slash's count budgets (also as a grid's
-        fallback) scaled by :attr:`piece_lines`. A one-shot prefill's row sees on average
-        half of its plan's lines (those before it), a piece's rows nearly all of theirs:
-        at 0.5 a video ingested in pieces computes about the tiles of its one-shot prefill
-        (lab/experiments/piece_tiles.py). The same objects when the share is 1."""
-        share = self.piece_lines
+    def piece_layer(self, i: int) -> list:
+        """Layer ``i``'s HeadPatterns as the plan of rows appended at an offset (a live
+        stream's piece) uses them: vertical_slash's count budgets (also as a grid's fallback)
+        scaled by :attr:`piece_lines`. A one-shot prefill's row sees on average half of its
+        plan's lines (those before it), a piece's rows nearly all of theirs: at 0.5 a video
+        ingested in pieces computes about the tiles of its one-shot prefill
+        (lab/experiments/piece_tiles.py). The layer itself when the share is 1."""
+        row, share = self.layer(i), self.piece_lines
         if share >= 1.0:
-            return heads
-        cache, out = self._pieces.setdefault(share, {}), []
-        for hp in heads:
-            got = cache.get(id(hp))
-            if got is None or got[0] is not hp:      # (a copied config's cache: not its own)
-                got = cache[id(hp)] = (hp, _piece_head(hp, share))
-            out.append(got[1])
-        return out
+            return row
+        if share not in self._pieces:
+            made: dict = {}                    # a pattern several heads share: scaled once
+            for hp in (hp for layer in self.layers for hp in layer):
+                if id(hp) not in made:
+                    made[id(hp)] = _piece_head(hp, share)
+            self._pieces[share] = [[made[id(hp)] for hp in layer] for layer in self.layers]
+        return self._pieces[share][i]
 
     # ------------------------------------------------------------------ access
     def layer(self, i: int) -> list:
@@ -380,9 +379,11 @@ class HeadPatternConfig:
             raise ConfigError(f"layer {i} is outside the config's {len(self.layers)} layers")
         return self.layers[i]
 
-    def heads_for_rank(self, layer: int, rank: int, local_heads: int) -> list:
-        """Tensor parallelism: rank ``r`` holds global heads ``r * local_heads + h``."""
-        row = self.layer(layer)
+    def heads_for_rank(self, layer: int, rank: int, local_heads: int,
+                       piece: bool = False) -> list:
+        """Tensor parallelism: rank ``r`` holds global heads ``r * local_heads + h``;
+        ``piece``: as a piece's plan uses them (:meth:`piece_layer`)."""
+        row = self.piece_layer(layer) if piece else self.layer(layer)
         lo = rank * local_heads
         if rank < 0 or lo + local_heads > len(row):
             raise ConfigError(f"rank {rank} x {local_heads} local heads exceeds the "

@@ -18,9 +18,9 @@ VS = vertical_slash(n_vertical=64, n_slash=16, window=16, sink=4)
 IDENT = ModelIdentity("tiny", "main", 1, 4, 4, 32)
 
 
-def _config(**estimation):
-    return HeadPatternConfig(IDENT, [[HeadPattern.single(VS)] * 4], uncalibrated=False,
-                             estimation=estimation)
+def _config(heads=None, **estimation):
+    return HeadPatternConfig(IDENT, [heads or [HeadPattern.single(VS)] * 4],
+                             uncalibrated=False, estimation=estimation)
 
 
 def test_a_piece_takes_its_share_of_the_count_budgets_and_nothing_else_changes():
@@ -28,16 +28,19 @@ def test_a_piece_takes_its_share_of_the_count_budgets_and_nothing_else_changes()
              HeadPattern("q", {"video": grid(fallback=VS), "text": a_shape(sink=4, window=8)}),
              HeadPattern.single(vertical_slash(gamma=0.9, window=16)),
              HeadPattern.single(block(top_k=3, window=16))]
-    cfg = _config(piece_lines=0.3)
-    got = cfg.piece_heads(heads)
+    cfg = _config(heads, piece_lines=0.3)
+    got = cfg.piece_layer(0)
     assert got[0].boundary == "k" and got[0].patterns["all"] == vertical_slash(
         n_vertical=20, n_slash=5, window=16, sink=4)                 # ceil(64 * .3), ceil(16 * .3)
     assert got[1].patterns["video"].fallback.n_vertical == 20
     assert got[1].patterns["video"].window == heads[1].patterns["video"].window
     assert got[1].patterns["text"] == heads[1].patterns["text"]
     assert got[2] == heads[2] and got[3] == heads[3]                 # mass and block budgets
-    assert cfg.piece_heads(heads)[0] is got[0]                       # built once
-    assert _config().piece_heads(heads) is heads                     # default: all of them
+    assert cfg.piece_layer(0) is got                                 # built once
+    assert cfg.heads_for_rank(0, 0, 2, piece=True) == got[:2] != heads[:2]
+    assert cfg.heads_for_rank(0, 0, 2) == heads[:2]                  # the whole prompt's
+    default = _config(heads)
+    assert default.piece_layer(0) is default.layers[0]               # default: all of them
 
 
 def test_the_share_is_read_checked_and_written():
@@ -76,6 +79,6 @@ def test_pieces_at_half_the_lines_visit_about_the_one_shot_prefills_tiles():
     for share in (1.0, 0.5):
         cfg = _config(piece_lines=share)
         ratio[share] = (tiles(0, first, heads) + sum(
-            tiles(s, s + piece, cfg.piece_heads(heads)) for s in range(first, N, piece))) / one
+            tiles(s, s + piece, cfg.piece_layer(0)) for s in range(first, N, piece))) / one
     assert ratio[1.0] > 1.3, ratio                  # 1.49 measured
     assert 0.8 < ratio[0.5] < 1.1, ratio             # 0.97 measured
