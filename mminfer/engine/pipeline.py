@@ -329,6 +329,18 @@ class Pipeline:
         hidden = self.adapter.text_model.layers[0].self_attn.q_proj.in_features
         return n * hidden * (torch.finfo(self.dtype).bits // 8)
 
+    def make_room(self, turn, need_bytes: int, ahead_bytes: int | None = None) -> int:
+        """The video cache's room check (VideoCache.make_room, no wait for other requests)
+        for work outside the cache that allocates ``need_bytes`` on the device (a live
+        stream's piece), on ``turn``: paused idle work gives its memory up first when the
+        device is short, then idle cached videos spill; the cache's waits give the turn
+        away. Returns the bytes still short (0 on a device it cannot measure)."""
+        token = _current_turn.set(turn)
+        try:
+            return self.video_cache.make_room(need_bytes, ahead_bytes=ahead_bytes)
+        finally:
+            _current_turn.reset(token)
+
     def _refuse_if_short(self, need: int, short: int) -> None:
         """A prefill still ``short`` of its room after the cache's wait is refused (503)
         rather than started into an out-of-memory error. Not under tensor parallelism: its

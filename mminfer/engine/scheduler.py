@@ -33,10 +33,11 @@ step), then the prefill resumes.
 turn at all, and pauses at its checkpoints as soon as one does: it keeps its frame and resumes
 where it stopped once every request has gone, so a long calibration step is not thrown away by
 each cache hit or follow-up question between its layers. A paused step still holds its memory,
-so a long prefill admitted to build a prefix whose room check comes up short, or a request out
-of memory (``evict_idle``), first makes the paused idle work give up: it unwinds, its memory
-freed, before the prefill goes on, and runs again from its start later. Where the room check
-cannot measure the device (the CPU), every long prefill makes it give up at its start.
+so a long prefill admitted to build a prefix (or a stream's piece) whose room check comes up
+short, or a request out of memory (``evict_idle``), first makes the paused idle work give up:
+it unwinds, its memory freed, before the prefill goes on, and runs again from its start later.
+Where the room check cannot measure the device (the CPU), every long prefill makes it give up
+at its start.
 
 Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
 steps and gives the turn up; whichever of them is granted the turn first waits for the other

@@ -87,7 +87,8 @@ import torch
 
 from mminfer import video as videolib
 from mminfer.engine.cache import Tier
-from mminfer.engine.pipeline import AnswerResult, _check_context, check_request
+from mminfer.engine.pipeline import (VISION_WORKSPACE_BYTES, AnswerResult, _check_context,
+                                     check_request)
 from mminfer.engine.scheduler import DECODE, Solo
 from mminfer.engine.timing import PIPELINE_STAGES, StageTimer
 from mminfer.errors import (Cancelled, InputError, ServiceUnavailable, StreamBusy, StreamClosed,
@@ -514,15 +515,21 @@ class Stream:
             layer.headroom = min(max(QUESTION_ROOM, new_len // 2),
                                  max(room_rows - new_len, QUESTION_ROOM))
         before = self.length
+        pipe = self.pipeline
+        need, embed = self._piece_bytes(kv, rows, new_len)
         try:
-            with turn.long():
+            # paused idle work (a calibration step) keeps its memory while the device has
+            # room for the piece: the room check asks it to give up only when short
+            with turn.long(room_checked=pipe.video_cache.measures_room):
                 if check():
                     raise Cancelled("request cancelled before the piece's vision")
+                pipe.make_room(turn, need, ahead_bytes=embed + VISION_WORKSPACE_BYTES)
                 t = time.perf_counter()
                 embeds = layout.embed_units(frames[:used], cancel=check)
                 if head:
                     embeds = torch.cat([layout.head_embeds(), embeds], dim=1)
                 report["vision_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+                pipe.make_room(turn, need - embed)       # the embeddings are made
                 # positions are absolute: the rows a window dropped still count
                 pos = layout.positions(before + head + self.dropped_rows, self.units, n_units)
                 if head:
@@ -587,6 +594,21 @@ class Stream:
         p = self.pipeline
         return choose_attention(self.mode, index.n, patterns=self.ad.patterns, index=index,
                                 min_sparse_len=p.min_sparse_len, unavailable=p.sparse_unavailable)
+
+    def _piece_bytes(self, kv, rows: int, new_len: int) -> tuple[int, int]:
+        """Device bytes a piece of ``rows`` rows allocates at its peak, past what the stream
+        already holds, and those of its embeddings: the larger buffers when the cache grows
+        to ``new_len`` rows and its room (layer by layer, one layer's old buffer alive while
+        its rows are copied), and the prefill's working memory for the piece's rows
+        (Pipeline.prefill_bytes without their KV, which the buffers hold)."""
+        pipe = self.pipeline
+        per_row = pipe.kv_bytes_per_token
+        cap = kv.capacity
+        grow = 0
+        if cap < new_len:
+            grow = (new_len + kv.layers[0].headroom - cap) * per_row \
+                + cap * per_row // max(len(kv.layers), 1)
+        return grow + pipe.prefill_bytes(rows) - rows * per_row, pipe.embed_bytes(rows)
 
     def _check_room(self, layout, new_len: int, n_units: int) -> tuple[int, int]:
         """Room for the stream to hold ``new_len`` rows (``n_units`` units more) and a

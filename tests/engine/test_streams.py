@@ -8,12 +8,14 @@ back exact; past both budgets a stream is full, or (keep="window") drops its old
 says so, its positions absolute."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from lab.toy.tiny_longvila import save_tiny_longvila
+from mminfer.engine.cache import VideoCache
 from mminfer.engine.pipeline import Pipeline
 from mminfer.engine.scheduler import Scheduler
 from mminfer.engine.streams import FULL, QUESTION_ROOM, Stream, Streams
@@ -502,3 +504,53 @@ def test_a_stream_with_an_open_question_is_not_moved_to_the_host(qwen):
     assert a.status()["kv"]["where"] == "host" and b.length > b_len
     assert reg.counts["spills"] >= 1
     assert_same(a.generate(Q, max_new_tokens=8)[0], want, tol=1e-5)
+
+
+@pytest.mark.parametrize("room", ["enough", "short"])
+def test_a_piece_leaves_a_paused_calibration_step_its_memory_while_room_allows(
+        qwen, monkeypatch, room):
+    """On a device whose memory the video cache measures, a stream's piece pauses idle work
+    (a calibration step) and, with room for the piece's peak, leaves it its memory: it goes
+    on from the layer it stopped at. Short of room, it gives its memory up before the piece's
+    vision. The room asked for covers the bytes the stream's cache grows by."""
+    monkeypatch.setattr(VideoCache, "measures_room", property(lambda self: True))
+    cache = qwen.video_cache
+    sched, log, ran, asked = Scheduler(), [], threading.Event(), []
+    monkeypatch.setattr(cache, "free_bytes", lambda: (1 << 40) if room == "enough" or
+                        sched.idle_evictions else 0)
+    real = cache.make_room
+    monkeypatch.setattr(cache, "make_room", lambda need, *a, **k: asked.append(need) or
+                        real(need, *a, **k))
+    s = Stream(qwen, fps=FPS, options=PIXELS)
+    s.append_frames(random_frames(2, seed=15))
+    s.kv.trim(0)                                  # no room: the piece grows the buffers
+    held = s.kv.held_bytes
+
+    def idle_work(layers=60):
+        t = sched.turn("idle")
+        try:
+            assert t.idle()
+            for i in range(layers):
+                if t.checkpoint():
+                    log.append(("gave up", i))
+                    return
+                log.append(("layer", i))
+                ran.set()
+                time.sleep(0.02)
+            log.append(("done", layers))
+        finally:
+            t.close()
+
+    a = threading.Thread(target=idle_work)
+    a.start()
+    assert ran.wait(30)
+    done = threading.Event()
+    _piece(sched, s, random_frames(2, seed=16), done)()
+    a.join(30)
+    assert done.is_set() and not a.is_alive() and s.frames == 4
+    assert sched.idle_pauses >= 1 and asked and asked[0] >= s.kv.held_bytes - held > 0
+    if room == "enough":          # paused, resumed at the layer after the last it ran
+        assert log[-1] == ("done", 60) and sched.idle_evictions == 0
+        assert [x[1] for x in log if x[0] == "layer"] == list(range(60))
+    else:
+        assert log[-1][0] == "gave up" and sched.idle_evictions == 1
