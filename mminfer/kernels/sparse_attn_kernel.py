@@ -137,7 +137,15 @@ def _keys(acc, m_i, l_i, q, qpos, lo, full_end, hi, Kb, Vb, skn, svn, KGb, kgrou
     return acc, m_i, l_i
 
 
-@triton.jit
+# The counts a launch takes from its plan (row blocks, programs, slots, the most verticals,
+# slashes and key blocks of a slot, the queries' offset) are not specialised: Triton compiles
+# a variant per integer that is 1 or a multiple of 16, and these change with every plan (each
+# candidate config a calibration scores, each piece of a live stream); they bound loops and
+# index rows. Compiled mid-serving, each variant took 2-8 s on an H100 while requests waited
+# (benchmarks/results/2026-12-07-selfcal-h100-06c658a). The key count ``N`` stays specialised:
+# Pipeline.warmup compiles both of its classes.
+@triton.jit(do_not_specialize=["n_table", "n_programs", "n_slots", "nv_max", "ns_max",
+                               "nb_max", "q_start"])
 def _sparse_attn_fwd(
     Q, K, V, O, OS, L, LS,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
