@@ -48,7 +48,37 @@ def _after(**kw) -> None:
         took = now - t0 if t0 is not None else 0.0
         _counts[name] = _counts.get(name, 0) + 1
         _seconds[name] = _seconds.get(name, 0.0) + took
-    log.info("Triton compiled %s in %.2f s: %s", name, took, kw.get("repr", ""))
+    log.info("Triton compiled %s in %.2f s: %s", name, took,
+             specialisation(kw) or kw.get("repr", ""))
+
+
+def specialisation(kw) -> str:
+    """What a variant was compiled for, by argument name, from the hook's ``compile``
+    arguments (Triton 3.6's ``repr`` no longer shows it): the integers specialised as 1
+    (``n=1``) or as multiples of 16 (``n%16``; any other integer is neither), then the
+    constexprs' values. Pointers, nearly always 16-byte aligned, are left out. Empty when
+    the hook passed none of it."""
+    c = kw.get("compile") or {}
+    sig = c.get("signature") or {}
+    names = list(sig)
+    fn = getattr(kw.get("fn"), "jit_function", None)
+    declared = {p.name for p in getattr(fn, "params", ()) if getattr(p, "is_constexpr", False)}
+
+    def name(path):
+        return names[path[0]] if len(path) == 1 and path[0] < len(names) else None
+
+    ones, sixteens, constexprs = [], [], []
+    for path, value in (c.get("constants") or {}).items():
+        n = name(path)
+        if n is not None:
+            (constexprs if n in declared else ones).append(f"{n}={value}")
+    for path, attrs in ((c.get("configs") or [{}])[0] or {}).items():
+        n = name(path)
+        if n is not None and str(sig[n])[:1] in "iu" and ["tt.divisibility", 16] in attrs:
+            sixteens.append(f"{n}%16")
+    parts = [("ints " + ", ".join(ones + sixteens)) if ones or sixteens else "",
+             ("constexprs " + ", ".join(constexprs)) if constexprs else ""]
+    return "; ".join(p for p in parts if p)
 
 
 def _chain(ours, theirs):

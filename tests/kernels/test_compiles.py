@@ -167,3 +167,41 @@ def test_plans_of_other_counts_compile_no_new_sparse_kernel(fresh):
         torch.cuda.synchronize()
         made.append(compiles.stats()["kernels"]["_sparse_attn_fwd"]["compiles"])
     assert made[0] >= 1 and made[1:] == [made[0]] * 3, made
+
+
+class _Param:
+    def __init__(self, name, is_constexpr=False):
+        self.name, self.is_constexpr = name, is_constexpr
+
+
+def _hook_kwargs(params, args):
+    """The hook's arguments for a launch of a kernel with ``params`` ((name, constexpr)) on
+    ``args``, built as Triton 3.6 builds them (JITFunction._pack_args over the binder's
+    specialisation, native_specialize_impl per argument)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JitFunctionInfo, native_specialize_impl
+    spec = [("constexpr", a) if cx else native_specialize_impl(BaseBackend, a, False, True, True)
+            for (_, cx), a in zip(params, args)]
+    signature = {p: s[0] for (p, _), s in zip(params, spec)}
+    constants = {(i,): a for i, (s, a) in enumerate(zip(spec, args)) if s[0] == "constexpr"}
+    attrs = {(i,): BaseBackend.parse_attr(s[1]) for i, s in enumerate(spec)
+             if isinstance(s[1], str)}
+    fn = type("Fn", (), {"params": [_Param(p, cx) for p, cx in params]})()
+    return dict(key="k", repr="_k[num_warps=4](Q: ()", compile={
+        "key": "k", "signature": signature, "constants": constants, "configs": [attrs]},
+        fn=JitFunctionInfo(None, "_k", fn), is_manual_warmup=False, already_compiled=False)
+
+
+def test_a_compile_is_logged_with_the_classes_of_its_integers(fresh, caplog):
+    """Triton 3.6's repr no longer names the specialisation; the log does, by argument name:
+    which integers were 1 or multiples of 16, and the constexprs (pointers left out)."""
+    import logging
+    params = [("X", False), ("n", False), ("m", False), ("one", False), ("BLOCK", True)]
+    kw = _hook_kwargs(params, [torch.empty(4), 32, 17, 1, 64])
+    assert compiles.specialisation(kw) == "ints one=1, n%16; constexprs BLOCK=64"
+    compiles.install()
+    with caplog.at_level(logging.INFO, logger="mminfer.kernels.compiles"):
+        knobs.runtime.jit_cache_hook(**kw)
+        knobs.runtime.jit_post_compile_hook(**kw)
+    assert "ints one=1, n%16; constexprs BLOCK=64" in caplog.text
+    assert compiles.specialisation({"repr": "old"}) == ""
