@@ -37,7 +37,9 @@ so a long prefill admitted to build a prefix (or a stream's piece) whose room ch
 short, or a request out of memory (``evict_idle``), first makes the paused idle work give up:
 it unwinds, its memory freed, before the prefill goes on, and runs again from its start later.
 Where the room check cannot measure the device (the CPU), every long prefill makes it give up
-at its start.
+at its start. A Triton compilation inside idle work's launch (seconds of host work, no GPU, no
+checkpoint possible) is a pause too: the turn is handed over as it starts and taken back, as
+idle work, once it ends (mminfer.kernels.compiles' listeners).
 
 Decode steps go together: an answer's step (``Turn.decode``) joins the batch of pending
 steps and gives the turn up; whichever of them is granted the turn first waits for the other
@@ -66,6 +68,7 @@ import time
 import torch
 
 from mminfer.errors import Cancelled
+from mminfer.kernels import compiles
 
 FIRST, DECODE, LONG, IDLE = "first", "decode", "long", "idle"
 
@@ -94,6 +97,35 @@ def device_drain(device):
         if prev is not None:
             prev.synchronize()
     return drain
+
+
+# per thread: the idle turn it runs (Turn.idle), and the one handed over for a compilation
+_here = threading.local()
+
+
+def _compile_started() -> None:
+    """A Triton compilation starts in this thread (mminfer.kernels.compiles): idle work that
+    holds the turn here hands it over for it. A compilation is seconds of host work (LLVM,
+    ptxas) inside one launch, where no checkpoint can be, and touches no GPU; requests waited
+    for a calibration step's (17 of 2-8 s on an H100: TTFT up to 3.16x dense's)."""
+    t = getattr(_here, "idle", None)
+    if t is not None and t.held and not t.closed and t.kind == IDLE:
+        t._hand_over_for_compile()
+        _here.compiling = t
+
+
+def _compile_done() -> None:
+    """The compilation ended: the idle work takes the turn back before its launch runs, or
+    stops (Cancelled) if it was evicted or asked to stop meanwhile."""
+    t = getattr(_here, "compiling", None)
+    if t is None:
+        return
+    _here.compiling = None
+    if not t._back_from_compile():
+        raise Cancelled("idle work stopped while a kernel compiled")
+
+
+compiles.add_listener(_compile_started, _compile_done)
 
 
 class Scheduler:
@@ -133,6 +165,7 @@ class Scheduler:
         self.switches = 0                        # turns handed from one request to another
         self.idle_pauses = 0                     # idle work paused for requests
         self.idle_evictions = 0                  # paused idle work made to give up its memory
+        self.idle_compiles = 0                   # turns idle work handed over to compile
 
     # ------------------------------------------------------------ requests
     def turn(self, name: str = "", stop=None) -> "Turn":
@@ -170,6 +203,7 @@ class Scheduler:
         return {"active": sum(1 for t in turns if t.kind != IDLE),
                 "idle": sum(1 for t in turns if t.kind == IDLE),
                 "idle_pauses": self.idle_pauses, "idle_evictions": self.idle_evictions,
+                "idle_compiles": self.idle_compiles,
                 "prefilling": sum(1 for t in turns if t.kind == LONG),
                 "paused": paused,
                 "decoding": sum(1 for t in turns if t.kind == DECODE),
@@ -337,8 +371,26 @@ class Turn:
 
     def idle(self) -> bool:
         """Wait for the turn as IDLE work (granted only while no request has a turn); False if
-        asked to stop or evicted meanwhile."""
+        asked to stop or evicted meanwhile. The calling thread is the work's: a compilation
+        in it hands the turn over (:func:`_compile_started`)."""
+        _here.idle = self
         return self._enter(IDLE)
+
+    def _hand_over_for_compile(self) -> None:
+        """(Idle work holding the turn, a compilation starting in its thread.)"""
+        s = self.sched
+        with s._lock:
+            s._leave_holder(self, time.perf_counter())
+            s.switches += 1
+            s.idle_compiles += 1
+            self.held = False
+            s._grant()
+
+    def _back_from_compile(self) -> bool:
+        """The compilation ended: the turn again, as idle work (once no request has one);
+        False if evicted or asked to stop meanwhile."""
+        with self.sched._lock:
+            return self._queue_for_turn()
 
     def _enter(self, kind: str) -> bool:
         s = self.sched
@@ -624,6 +676,8 @@ class Turn:
             s._poke_gatherer()
             if self.kind == IDLE:
                 s._idle_gone.notify_all()
+        if getattr(_here, "idle", None) is self:
+            _here.idle = None
 
     # ------------------------------------------------------------ the wait stage
     def _gap_start(self):

@@ -24,6 +24,8 @@ _started: dict = {}             # (thread, key) -> perf_counter at the compile's
 _counts: dict[str, int] = {}    # kernel name -> compilations
 _seconds: dict[str, float] = {}
 _installed = False
+# (before, after) pairs called around every compilation, in the compiling thread (add_listener)
+_listeners: list = []
 
 
 def _name(fn) -> str:
@@ -33,9 +35,24 @@ def _name(fn) -> str:
     return name.rsplit(".", 1)[-1]
 
 
+def add_listener(before, after) -> None:
+    """Call ``before()`` in the compiling thread as a compilation starts and ``after()`` once
+    it ended (also when a hook set before ours skipped it), from :func:`install` on: the
+    scheduler hands the model's turn over meanwhile (Scheduler's idle work). ``after`` may
+    raise; the kernel's launch then raises it."""
+    with _lock:
+        _listeners.append((before, after))
+
+
+def _notify(which: int) -> None:
+    for pair in list(_listeners):
+        pair[which]()
+
+
 def _before(**kw) -> None:
     with _lock:
         _started[(threading.get_ident(), kw.get("key"))] = time.perf_counter()
+    _notify(0)
 
 
 def _after(**kw) -> None:
@@ -43,13 +60,15 @@ def _after(**kw) -> None:
     name = _name(kw.get("fn"))
     with _lock:
         t0 = _started.pop((threading.get_ident(), kw.get("key")), None)
-        if kw.get("already_compiled"):   # a binary loaded, not compiled (torch's inductor
-            return                       # calls the hook so for its own kernels)
-        took = now - t0 if t0 is not None else 0.0
-        _counts[name] = _counts.get(name, 0) + 1
-        _seconds[name] = _seconds.get(name, 0.0) + took
-    log.info("Triton compiled %s in %.2f s: %s", name, took,
-             specialisation(kw) or kw.get("repr", ""))
+        loaded = kw.get("already_compiled")   # a binary loaded, not compiled (torch's
+        if not loaded:                        # inductor calls the hook so for its own)
+            took = now - t0 if t0 is not None else 0.0
+            _counts[name] = _counts.get(name, 0) + 1
+            _seconds[name] = _seconds.get(name, 0.0) + took
+    if not loaded:
+        log.info("Triton compiled %s in %.2f s: %s", name, took,
+                 specialisation(kw) or kw.get("repr", ""))
+    _notify(1)                  # a listener acts only where its ``before`` did
 
 
 def specialisation(kw) -> str:
@@ -88,11 +107,16 @@ def _chain(ours, theirs):
         return ours
 
     def hook(**kw):
-        ours(**kw)
+        try:
+            ours(**kw)
+        except BaseException:            # a listener's: theirs is still called
+            theirs(**kw)
+            raise
         skip = theirs(**kw)
         if skip and ours is _before:
             with _lock:
                 _started.pop((threading.get_ident(), kw.get("key")), None)
+            _notify(1)                   # no compilation, no post-compile hook
         return skip
 
     return hook

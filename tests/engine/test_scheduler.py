@@ -708,3 +708,103 @@ def test_the_gpu_drain_keeps_one_step_in_flight_per_thread(monkeypatch):
     t.start()
     t.join(10)
     assert log == [("record", "e4", "stream")]
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """Triton's compile hooks as a server installs them (mminfer.kernels.compiles), restored
+    after the test: ``_compile`` below calls them as Triton's launch does."""
+    from triton import knobs
+
+    from mminfer.kernels import compiles
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    for name, value in (("_installed", False), ("_counts", {}), ("_seconds", {}),
+                        ("_started", {})):
+        monkeypatch.setattr(compiles, name, value)
+    compiles.install()
+    return knobs.runtime
+
+
+def _compile(rt, until):
+    """What Triton's launch does around a compilation (JITFunction._do_compile): the cache
+    hook, host work (here: until ``until`` is set), the post-compile hook."""
+    kw = dict(key="k", repr="_k()", fn=None, compile={}, is_manual_warmup=False,
+              already_compiled=False)
+    rt.jit_cache_hook(**kw)
+    assert until.wait(30)
+    rt.jit_post_compile_hook(**kw)
+
+
+def _compiling_idle(s, rt, log, compile_end):
+    """Idle work whose one launch compiles until ``compile_end``, then runs."""
+    t = s.turn("idle")
+    try:
+        assert t.idle()
+        log.add("idle", "compile")
+        _compile(rt, compile_end)
+        log.add("idle", "launch", t.held)
+    except Cancelled:
+        log.add("idle", "stopped")
+    finally:
+        t.close()
+
+
+def test_idle_work_hands_the_turn_over_while_a_kernel_compiles(hooks):
+    """A compilation inside idle work's launch (seconds of host work where no checkpoint can
+    be) is a pause: a request that comes meanwhile gets the turn at once, and the idle work
+    takes it back, to launch, only once the request has gone. A request's own compilation
+    keeps its turn."""
+    s, log, compile_end = Scheduler(), Log(), threading.Event()
+    a = threading.Thread(target=_compiling_idle, args=(s, hooks, log, compile_end))
+    a.start()
+    _wait_for(lambda: ("idle", "compile") in log.items)
+    own_compile_end, hit_done = threading.Event(), threading.Event()
+
+    def hit():
+        t = s.turn("hit")
+        try:
+            assert t.acquire()
+            log.add("hit", "acquired")
+            own_compile_end.set()
+            _compile(hooks, own_compile_end)          # its own: it keeps the turn
+            log.add("hit", "compiled", t.held)
+            assert hit_done.wait(30)
+            log.add("hit", "closed")
+        finally:
+            t.close()
+
+    b = threading.Thread(target=hit)
+    b.start()
+    try:
+        _wait_for(lambda: ("hit", "compiled", True) in log.items)
+        compile_end.set()                  # the idle work's compilation ends: it waits
+        time.sleep(0.2)
+        assert not any(x[:2] == ("idle", "launch") for x in log.items)
+    finally:
+        compile_end.set()
+        hit_done.set()
+        b.join(30)
+        a.join(30)
+    assert log.index(("hit", "closed")) < log.index(("idle", "launch", True))
+    assert s.idle_compiles == 1 and s.state()["idle_compiles"] == 1
+
+
+def test_idle_work_evicted_while_it_compiles_stops_after_the_compilation(hooks):
+    """A request that needs the memory evicts idle work in the middle of a compilation: the
+    launch raises Cancelled once the compilation ends, and the work's turn closes."""
+    s, log, compile_end = Scheduler(), Log(), threading.Event()
+    a = threading.Thread(target=_compiling_idle, args=(s, hooks, log, compile_end))
+    a.start()
+    _wait_for(lambda: ("idle", "compile") in log.items)
+    t = s.turn("long")
+    try:
+        assert t.acquire()                 # at once: the idle work handed the turn over
+        threading.Timer(0.2, compile_end.set).start()
+        assert s.evict_idle() == 1         # waits for the idle work to unwind
+    finally:
+        compile_end.set()
+        t.close()
+        a.join(30)
+    assert log.items[-1] == ("idle", "stopped") and s.idle_evictions == 1
+    assert s.state()["idle"] == 0
