@@ -107,7 +107,9 @@ def _compile_started() -> None:
     """A Triton compilation starts in this thread (mminfer.kernels.compiles): idle work that
     holds the turn here hands it over for it. A compilation is seconds of host work (LLVM,
     ptxas) inside one launch, where no checkpoint can be, and touches no GPU; requests waited
-    for a calibration step's (17 of 2-8 s on an H100: TTFT up to 3.16x dense's)."""
+    for a calibration step's (17 of 2-8 s on an H100: TTFT up to 3.16x dense's). Triton's
+    compile hooks run in the launching thread around a synchronous compilation; its async
+    compile mode (never entered here) would end the compilation on another thread."""
     t = getattr(_here, "idle", None)
     if t is not None and t.held and not t.closed and t.kind == IDLE:
         t._hand_over_for_compile()
