@@ -383,8 +383,7 @@ class Turn:
         s = self.sched
         with s._lock:
             s._leave_holder(self, time.perf_counter())
-            s.switches += 1
-            s.idle_compiles += 1
+            s.idle_compiles += 1          # not a switch: the turn may go to nobody
             self.held = False
             s._grant()
 
