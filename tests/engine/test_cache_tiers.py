@@ -22,6 +22,7 @@ from mminfer.engine.scheduler import Scheduler
 from mminfer.errors import Cancelled, MemoryBusy
 from mminfer.models.kv import ForkKV, PrefixKV, tail_rows
 from mminfer.sparse.modality import ModalityIndex
+from tests.engine.test_scheduler import idle_work_around
 
 from conftest import write_video
 
@@ -923,42 +924,19 @@ def test_a_new_video_leaves_a_paused_calibration_step_its_memory_while_room_allo
     pipe = Pipeline(str(qwen), attention="dense", device="cpu")
     new = write_video(tmp_path / "new.mp4", n_frames=20, fps=8.0, width=96, height=64,
                       noise=True)
-    sched, log, ran = Scheduler(), [], threading.Event()
+    sched = Scheduler()
     # short: the device has room only once the paused step's memory is freed
     pipe.video_cache.free_bytes = lambda: (1 << 40) if room == "enough" or \
         sched.idle_evictions else 0
 
-    def idle_work(layers=60):
-        t = sched.turn("idle")
+    def new_video():
+        turn = sched.turn("new")
         try:
-            assert t.idle()
-            for i in range(layers):
-                if t.checkpoint():
-                    log.append(("gave up", i))
-                    return
-                log.append(("layer", i))
-                ran.set()
-                time.sleep(0.02)
-            log.append(("done", layers))
+            return pipe.answer(new, "where?", turn=turn, fps=4.0, max_new_tokens=2)
         finally:
-            t.close()
+            turn.close()
 
-    a = threading.Thread(target=idle_work)
-    a.start()
-    assert ran.wait(30)
-    turn = sched.turn("new")
-    try:
-        out = pipe.answer(new, "where?", turn=turn, fps=4.0, max_new_tokens=2)
-    finally:
-        turn.close()
-    a.join(30)
-    assert out.cache == "miss" and not a.is_alive()
-    assert sched.idle_pauses >= 1
-    if room == "enough":          # paused, resumed at the layer after the last it ran
-        assert log[-1] == ("done", 60) and sched.idle_evictions == 0
-        assert [x[1] for x in log if x[0] == "layer"] == list(range(60))
-    else:
-        assert log[-1][0] == "gave up" and sched.idle_evictions == 1
+    assert idle_work_around(sched, room, new_video).cache == "miss"
 
 
 def test_a_new_videos_room_is_copied_out_while_its_vision_tower_runs(qwen, mp4, tmp_path,

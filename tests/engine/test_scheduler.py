@@ -529,6 +529,30 @@ def idle_work(s, log, layers=6, step_s=0.02, started=None, stop=None):
         t.close()
 
 
+def idle_work_around(sched, room, run, layers=60):
+    """``run()`` (a request's long work on ``sched``) while idle work of ``layers`` layers
+    holds the turn, on a device whose memory is measured: with ``room == "enough"`` the idle
+    work paused and went on from the layer it stopped at, never evicted; short of room, it
+    gave up (evicted once). Returns what ``run()`` returned."""
+    log, started = Log(), threading.Event()
+    a = threading.Thread(target=idle_work, args=(sched, log),
+                         kwargs=dict(layers=layers, step_s=0.02, started=started))
+    a.start()
+    assert started.wait(30)
+    _wait_for(lambda: ("idle", "layer", 0) in log.items)
+    try:
+        out = run()
+    finally:
+        a.join(30)
+    assert not a.is_alive() and sched.idle_pauses >= 1
+    if room == "enough":          # paused, resumed at the layer after the last it ran
+        assert log.items[-1] == ("idle", "done") and sched.idle_evictions == 0
+        assert [x[2] for x in log.items if x[:2] == ("idle", "layer")] == list(range(layers))
+    else:
+        assert log.items[-1][:2] == ("idle", "gave up") and sched.idle_evictions == 1
+    return out
+
+
 def test_idle_work_pauses_for_a_hit_and_resumes_where_it_stopped():
     s, log, started = Scheduler(), Log(), threading.Event()
     a = threading.Thread(target=idle_work, args=(s, log),
