@@ -48,7 +48,10 @@ against the median of the baseline's others); the time to the first sparse answe
 none came within ``--selfcal-s``), the ratios' max and p99 and how many exceed 1.05; the
 calibration state over time (``/v1/models``' ``self_calibration``, polled, each change kept)
 and at the end, and whether the config was stored. ``--selfcal-baseline-file F`` keeps the
-baseline in F and reuses it for the same stream (a later run on the same machine). The load
+baseline in F and reuses it for the same stream (a later run on the same machine). The
+calibrating server runs with ``--calibration-max-density 1``: random weights hold only
+near-dense, where the default would stay dense (no faster), and the phase measures the way
+to a sparse answer. The load
 modes' and the decode phase's servers do not calibrate (``--no-self-calibrate``).
 
 Reported per mode and class: count, errors (no request may be lost: every one answered 200),
@@ -614,7 +617,11 @@ def run_selfcal(common, a, env, save=None) -> dict:
     caldir = tempfile.TemporaryDirectory(prefix="mminfer-selfcal-")
     assert not any(Path(caldir.name).iterdir())   # no config measured for any weights
     try:
-        srv = start_server(a, "selfcal", common + ["--calibration-dir", caldir.name], env)
+        # random weights hold the thresholds only near-dense (0.999 on an H100), which the
+        # server's default --calibration-max-density rightly refuses: the phase measures the
+        # way to a sparse answer, so it lets any density serve
+        srv = start_server(a, "selfcal", common + ["--calibration-dir", caldir.name,
+                                                   "--calibration-max-density", "1"], env)
     except Exception as e:  # noqa: BLE001 - reported with the baseline
         caldir.cleanup()
         return {**out, "failed": f"{type(e).__name__}: {e}"}

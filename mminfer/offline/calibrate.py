@@ -216,8 +216,9 @@ def candidate_patterns(index: ModalityIndex, n: int, budget: float, *, block_m: 
 def resize_config(base: HeadPatternConfig, index: ModalityIndex, n: int, density: float, *,
                   block_m: int = 128, block_n: int = 64) -> HeadPatternConfig:
     """``base`` with every head's pattern (kind, boundary and regions kept; a grid keeps its
-    lines, a block its stride) replaced by the candidate of that kind sized to ``density`` at length ``n``: the
-    density sweep of ``benchmarks/quality.py`` and the sparse check of the embedded model."""
+    lines, a block its stride) replaced by the candidate of that kind sized to ``density`` at
+    length ``n``: the density sweep of ``benchmarks/quality.py`` and the sparse check of the
+    embedded model."""
     c = candidate_patterns(index, n, density, block_m=block_m, block_n=block_n)
 
     def resize(p):

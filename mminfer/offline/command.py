@@ -30,7 +30,8 @@ from .thresholds import check_thresholds
 
 
 def run(args) -> int:
-    problem = check_thresholds(args.calibration_min_agreement, args.calibration_max_kl)
+    problem = check_thresholds(args.calibration_min_agreement, args.calibration_max_kl,
+                               args.calibration_max_density)
     if problem:
         raise InputError(problem)
     served = bool(args.model and args.videos) and args.answer_kl is None and not args.reselect
@@ -138,7 +139,8 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
     lo, hi = args.calibration_min_agreement, args.calibration_max_kl
     settings = replace(SearchSettings.for_device(ad.device), bounds=ladder, hard=args.hard,
                        families=tuple(args.families) if args.families else None,
-                       engine=None if args.engine == "auto" else args.engine)
+                       engine=None if args.engine == "auto" else args.engine,
+                       max_served_density=args.calibration_max_density)
     cal = ServedCalibration(ad, _served_inputs(ad, args.videos, args), min_agreement=lo,
                             max_kl=hi, settings=settings, log=print)
     cal.head_config, cal.head_report = cfg, report
@@ -180,16 +182,18 @@ def _served_step(args, ad, cfg, report, ladder) -> int:
               f"(agreement {c['agreement']:.3f}, mean KL {c['mean_kl']:.4f}, density "
               f"{_fmt_density(c['mean_density'])}) {where}; wrote {args.out} and {report_path}")
         return 0
-    why = (f"no rung of the ladder (per-head bounds {' '.join(f'{b:g}' for b in ladder)}) "
+    why = (cal.why_none() if cal.too_dense is not None else
+           f"no rung of the ladder (per-head bounds {' '.join(f'{b:g}' for b in ladder)}) "
            f"holds {want} on the {len(cal.frozen or [])} videos" if not failed else
            f"the rungs that held on the videos ({' '.join(f'{b:g}' for b in failed)}) failed "
            f"on the held-out videos and no tighter one holds")
     cfg.uncalibrated = True
     cfg.provenance = dict(cfg.provenance, served_policy={
         "objective": OBJECTIVE, "verdict": "fail", "why": why, "min_agreement": lo,
-        "max_kl": hi, "rungs": [{"bound": r.bound, **{k: round(v, 6) if isinstance(v, float)
-                                                     else v for k, v in r.summary().items()}}
-                                for r in cal.rungs if r.rows],
+        "max_kl": hi, "max_density": settings.max_served_density,
+        "rungs": [{"bound": r.bound, **{k: round(v, 6) if isinstance(v, float) else v
+                                        for k, v in r.summary().items()}}
+                  for r in cal.rungs if r.rows],
         "gates_failed": failed})
     cfg.save(args.out)
     Path(report_path).write_text(json.dumps(report, indent=1))

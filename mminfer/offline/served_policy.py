@@ -48,7 +48,7 @@ from mminfer.models.prefill import DEFAULT_CHUNK, prefill
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
 from .calibrate import Capture, calibrate, reselect, with_dense_text
-from .thresholds import MAX_KL, MIN_AGREEMENT
+from .thresholds import MAX_KL, MAX_SERVED_DENSITY, MIN_AGREEMENT
 
 
 # ---------------------------------------------------------------------- inputs
@@ -219,7 +219,12 @@ class SearchSettings:
     inputs longer than this are scored but not searched (their q/k/v of every layer would
     not fit the host: 8 GB at 32K tokens for a 7B); ``engine``/``block``: how a sparse layer
     runs while measuring (None: the kernels with 128 x 64 tiles on a GPU; on a CPU the exact
-    reference engine with 16 x 16 tiles, which needs no Triton interpreter)."""
+    reference engine with 16 x 16 tiles, which needs no Triton interpreter);
+    ``max_served_density``: a rung that holds at a higher mean density is no winner, and the
+    calibration ends there (tighter rungs are denser still): it would serve no faster than
+    dense. The default is measured: on an H100 a config holding at density 0.999 answered
+    1.08x dense's TTFT (the estimate on top of nearly all the work), and attention is not all
+    of a prefill, so the break-even lies below 0.9 (BENCHMARKS.md, self-calibration)."""
     budgets: tuple = (0.1, 0.2)
     gammas: tuple = (0.9, 0.95, 0.99)
     min_density: float = 0.0
@@ -231,6 +236,7 @@ class SearchSettings:
     search_tokens: int = 32768
     engine: str | None = None
     block: tuple | None = None
+    max_served_density: float = MAX_SERVED_DENSITY
 
     @classmethod
     def for_device(cls, device) -> "SearchSettings":
@@ -291,6 +297,7 @@ class ServedCalibration:
         self.head_report: list | None = None
         self.rungs: list[Rung] = []
         self.winner: Rung | None = None
+        self.too_dense: Rung | None = None     # the rung that held, but too densely to pay
         self.searched: list[str] = []
         self.frozen: list | None = None
         self.select: Callable | None = None
@@ -364,7 +371,7 @@ class ServedCalibration:
         bound below ``tighter_than`` (a caller whose winner failed elsewhere asks for the
         next): the first that holds is the winner (``self.winner``, None when none does). A
         rung with more answers off than the agreement bound allows skips its other inputs."""
-        self.winner = None
+        self.winner = self.too_dense = None
         inputs = self.frozen
         for rung in sorted(self.rungs, key=lambda r: -r.bound):
             if tighter_than is not None and rung.bound >= tighter_than:
@@ -380,8 +387,26 @@ class ServedCalibration:
                      f"{s['agreement']:.3f}, mean KL {s['mean_kl']:.4f}, density "
                      f"{_fmt(s['mean_density'])} on {s['n']} of {len(inputs)} inputs")
             if s["n"] == len(inputs) and holds(s, self.min_agreement, self.max_kl):
+                if s["mean_density"] is not None and \
+                        s["mean_density"] > self.settings.max_served_density:
+                    self.too_dense = rung
+                    self.log(f"per-head bound {rung.bound:g} holds, but at density "
+                             f"{s['mean_density']:.3f} (more than "
+                             f"{self.settings.max_served_density:g}): it would serve no faster "
+                             "than dense, and tighter rungs are denser")
+                    return
                 self.winner = rung
                 return
+
+    def why_none(self) -> str:
+        """Why no rung won (after :meth:`ladder_steps`), in words."""
+        if self.too_dense is not None:
+            d = self.too_dense.summary()["mean_density"]
+            return (f"the loosest rung that holds the thresholds (per-head bound "
+                    f"{self.too_dense.bound:g}) does so at density {d:.3f}, above "
+                    f"{self.settings.max_served_density:g}: sparse would be no faster than "
+                    "dense")
+        return "no config of the ladder held the thresholds on the calibration inputs"
 
     def _can_hold(self, rung: Rung, n: int) -> bool:
         misses = sum(not r["answer_agree"] for r in rung.rows)
@@ -452,7 +477,8 @@ class ServedCalibration:
                 **({"families": sorted(self.settings.families)} if self.settings.families
                    else {}),
                 "min_agreement": self.min_agreement,
-                "max_kl": self.max_kl, "engine": self.engine, "block": list(self.block),
+                "max_kl": self.max_kl, "max_density": self.settings.max_served_density,
+                "engine": self.engine, "block": list(self.block),
                 "max_new_tokens": self.settings.max_new_tokens,
                 "inputs": [{"name": i.name, "source": i.source, "tokens": i.tokens}
                            for i in inputs],

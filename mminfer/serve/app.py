@@ -94,6 +94,7 @@ def create_app(settings: Settings | None = None, worker: ModelWorker | None = No
             from_requests=s.calibrate_from_requests,
             capture_bytes=int(s.calibration_capture_mb * 2**20),
             min_agreement=s.calibration_min_agreement, max_kl=s.calibration_max_kl,
+            max_density=s.calibration_max_density,
             requests=s.calibration_requests, gate_requests=s.calibration_gate_requests,
             window=s.calibration_window, synthetic=s.calibration_synthetic,
             synthetic_frames=s.calibration_synthetic_frames)

@@ -258,6 +258,7 @@ def add_arguments(p: argparse.ArgumentParser):
                         "memory) at most")
     add_threshold_arguments(g, min_agreement=d.calibration_min_agreement,
                             max_kl=d.calibration_max_kl,
+                            max_density=d.calibration_max_density,
                             what="calibration, gate, and the drift check")
     g.add_argument("--calibration-requests", type=int, default=d.calibration_requests,
                    help="requests calibrated on (besides the synthetic videos)")
@@ -311,10 +312,12 @@ def settings_from(args):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
     if not (0 <= args.calibration_min_agreement <= 1 and args.calibration_max_kl >= 0
+            and 0 < args.calibration_max_density <= 1
             and args.calibration_capture_mb >= 0 and args.calibration_requests >= 0
             and args.calibration_gate_requests >= 1 and args.calibration_window >= 1
             and args.calibration_synthetic >= 1 and args.calibration_synthetic_frames >= 0):
-        raise ConfigError("--calibration-min-agreement must be in [0, 1], --calibration-max-kl "
+        raise ConfigError("--calibration-min-agreement must be in [0, 1], "
+                          "--calibration-max-density in (0, 1], --calibration-max-kl "
                           "and --calibration-capture-mb >= 0, --calibration-requests >= 0, "
                           "--calibration-gate-requests, --calibration-window and "
                           "--calibration-synthetic >= 1, --calibration-synthetic-frames >= 0")
@@ -363,6 +366,7 @@ def settings_from(args):
         calibration_capture_mb=args.calibration_capture_mb,
         calibration_min_agreement=args.calibration_min_agreement,
         calibration_max_kl=args.calibration_max_kl,
+        calibration_max_density=args.calibration_max_density,
         calibration_requests=args.calibration_requests,
         calibration_gate_requests=args.calibration_gate_requests,
         calibration_window=args.calibration_window,

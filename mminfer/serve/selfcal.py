@@ -66,6 +66,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -77,7 +78,7 @@ from mminfer.offline.capture import synthetic_video
 from mminfer.offline.served_policy import (SearchSettings, ServedCalibration, Step,
                                            answered_reference, captures, holds, keep, prepare,
                                            summarize)
-from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
+from mminfer.offline.thresholds import MAX_KL, MAX_SERVED_DENSITY, MIN_AGREEMENT
 from mminfer.models.hooks import AUTO_NEVER
 from mminfer.sparse.patterns import HeadPatternConfig, default_config
 
@@ -177,11 +178,13 @@ class SelfCalibration:
 
     def __init__(self, *, model_path: str, cache_dir, from_requests: bool = True,
                  capture_bytes: int = 8 << 30, min_agreement: float = MIN_AGREEMENT,
-                 max_kl: float = MAX_KL, requests: int = 8, gate_requests: int = 16,
+                 max_kl: float = MAX_KL, max_density: float = MAX_SERVED_DENSITY,
+                 requests: int = 8, gate_requests: int = 16,
                  window: int = 50, synthetic: int = 3, synthetic_frames: int = 0,
                  settings=None):
-        if not 0 <= min_agreement <= 1 or max_kl < 0:
-            raise ValueError("min_agreement must be in [0, 1] and max_kl >= 0")
+        if not 0 <= min_agreement <= 1 or max_kl < 0 or not 0 < max_density <= 1:
+            raise ValueError("min_agreement must be in [0, 1], max_kl >= 0 and max_density "
+                             "in (0, 1]")
         if gate_requests < 1 or window < 1 or synthetic < 1 or requests < 0:
             raise ValueError("gate_requests, window and synthetic must be >= 1, requests >= 0")
         self.model_path = model_path
@@ -196,6 +199,7 @@ class SelfCalibration:
         self.synthetic = int(synthetic)
         self.synthetic_frames = int(synthetic_frames)
         self.search = settings               # served_policy.SearchSettings (None: device's)
+        self.max_density = float(max_density)   # the settings' max_served_density
         self.state = "new"     # new | off | calibrating | gating | serving | failed | error
         self.source: str | None = None       # where the config that serves came from
         self.digest: str | None = None
@@ -387,8 +391,7 @@ class SelfCalibration:
             failure here is the calibration's (the input keeps no reference), never the
             request's."""
             cal = self.cal
-            settings = cal.settings if cal is not None else (
-                self.search or SearchSettings.for_device(adapter.device))
+            settings = cal.settings if cal is not None else self._settings()
             searched = cal is not None and cal.head_config is not None
             if not (dense and greedy) or inp.reference is not None or \
                     captures(settings, searched, inp):
@@ -417,15 +420,14 @@ class SelfCalibration:
         # what comes after is held out for the gate
         self.round = 1
         self.cal = cal = ServedCalibration(ad, self.inputs, min_agreement=self.min_agreement,
-                                           max_kl=self.max_kl, settings=self.search,
+                                           max_kl=self.max_kl, settings=self._settings(),
                                            log=lambda m: log.info("self-calibration: %s", m))
         cal.select = self._select
         yield from cal.steps(ready=self._enough_requests)
         held_k = 0
         while True:
             if cal.winner is None:
-                self._give_up("no config of the ladder held the thresholds on the calibration "
-                              "inputs")
+                self._give_up(cal.why_none())
                 return
             self.state = "gating"
             self.gate_rows = []
@@ -474,6 +476,10 @@ class SelfCalibration:
             self.round += 1
             self.state = "calibrating"
             yield from cal.ladder_steps(tighter_than=cal.winner.bound)
+
+    def _settings(self):
+        s = self.search or SearchSettings.for_device(self.pipeline.adapter.device)
+        return replace(s, max_served_density=self.max_density)
 
     def _select(self, inputs: list) -> list:
         """The calibration inputs among those kept: the synthetic ones and the first

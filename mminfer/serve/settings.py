@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from mminfer.offline.thresholds import MAX_KL, MIN_AGREEMENT
+from mminfer.offline.thresholds import MAX_KL, MAX_SERVED_DENSITY, MIN_AGREEMENT
 
 from .tenants import env_keys
 
@@ -131,6 +131,7 @@ class Settings:
     calibration_capture_mb: float = 8192.0    # kept prompts at most (host memory)
     calibration_min_agreement: float = MIN_AGREEMENT  # greedy answers as dense's, at least
     calibration_max_kl: float = MAX_KL    # mean last-token KL(dense || sparse), at most
+    calibration_max_density: float = MAX_SERVED_DENSITY   # denser: no faster than dense
     calibration_requests: int = 8         # requests calibrated on
     calibration_gate_requests: int = 16   # held-out requests the gate runs on
     calibration_window: int = 50          # shadow comparisons judged for drift

@@ -36,7 +36,6 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

@@ -22,7 +22,9 @@ from mminfer.sparse.patterns import HeadPatternConfig
 
 VIDEOS = ["synth:needle:8:900000", "synth:count:8:900001"]
 HELD_OUT = ["synth:order:8:900002"]
-SMALL = ["--device", "cpu", "--budget", "0.3", "--gamma", "0.9"]
+# 77-token prompts: any sparse plan of them is near-dense, so no density ceiling (the
+# default one is for real lengths; test_a_rung_that_holds_only_densely_fails sets one)
+SMALL = ["--calibration-max-density", "1", "--device", "cpu", "--budget", "0.3", "--gamma", "0.9"]
 
 
 def parse(argv):
@@ -38,9 +40,10 @@ def test_the_thresholds_are_the_servers_flags_with_its_defaults():
     p = argparse.ArgumentParser()
     serve_arguments(p)
     served = p.parse_args([])
-    for name in ("calibration_min_agreement", "calibration_max_kl"):
+    for name in ("calibration_min_agreement", "calibration_max_kl", "calibration_max_density"):
         assert getattr(offline, name) == getattr(served, name) == getattr(Settings(), name)
     assert (offline.calibration_min_agreement, offline.calibration_max_kl) == (0.98, 0.02)
+    assert offline.calibration_max_density == 0.85
 
 
 def test_pass_writes_the_winner_with_what_it_measured(tmp_path, capsys):
@@ -92,6 +95,23 @@ def test_fail_marks_the_config_uncalibrated_and_exits_1(tmp_path, capsys):
     assert (tmp_path / "cfg.report.json").is_file()
 
 
+def test_a_rung_that_holds_only_densely_fails(tmp_path, capsys):
+    """The loosest rung that holds does so at a density above --calibration-max-density: it
+    would serve no faster than dense, so the run says FAIL there (tighter rungs, denser,
+    are not scored)."""
+    out = tmp_path / "cfg.json"
+    assert run(parse(["--model", str(default_model()), "--videos", VIDEOS[0], "--out",
+                      str(out), *SMALL, "--calibration-max-density", "0.05"])) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL: the loosest rung that holds the thresholds" in printed
+    assert "above 0.05: sparse would be no faster than dense" in printed
+    sp = HeadPatternConfig.load(out).provenance["served_policy"]
+    assert sp["verdict"] == "fail" and sp["max_density"] == 0.05
+    held = sp["rungs"][-1]
+    assert held["mean_density"] > 0.05 and held["agreement"] >= 0.98
+    assert all(r["bound"] > held["bound"] for r in sp["rungs"][:-1])   # none tighter
+
+
 def test_what_needs_the_model_says_so(tmp_path):
     out = ["--out", str(tmp_path / "x.json")]
     with pytest.raises(InputError, match="ladder scored on the answers"):
@@ -100,6 +120,8 @@ def test_what_needs_the_model_says_so(tmp_path):
         run(parse([str(tmp_path), "--gate-videos", VIDEOS[0], *out]))
     with pytest.raises(InputError, match="--calibration-min-agreement must be in"):
         run(parse([str(tmp_path), "--calibration-min-agreement", "1.5", *out]))
+    with pytest.raises(InputError, match=r"--calibration-max-density in \(0, 1\]"):
+        run(parse([str(tmp_path), "--calibration-max-density", "0", *out]))
 
 
 def _kinds(cfg) -> set:

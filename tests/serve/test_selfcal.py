@@ -328,6 +328,32 @@ def test_synthetic_only_keeps_no_prompt_and_gates_on_held_out_videos(model_dir, 
     assert (tmp_path / "cal" / f"{sc.digest}.json").is_file()
 
 
+@needs_sparse
+def test_a_config_that_holds_only_densely_is_not_served(model_dir, tmp_path):
+    """A rung that holds the thresholds, but at a mean density above --calibration-max-density,
+    would serve no faster than dense: the calibration ends there (no tighter, denser rung is
+    scored, nothing is gated or stored) and the server stays dense, saying why."""
+    from mminfer.engine.pipeline import Pipeline
+    from mminfer.serve.selfcal import SelfCalibration
+    pipe = Pipeline(str(model_dir), device="cpu", min_sparse_len=0)
+    sc = SelfCalibration(model_path=str(model_dir), cache_dir=tmp_path / "cal",
+                         from_requests=False, gate_requests=2, synthetic=2, synthetic_frames=8,
+                         min_agreement=MIN_AGREEMENT, max_kl=MAX_KL, max_density=0.05)
+    sc.attach(pipe)
+    steps = 0
+    while sc.ready():
+        sc.run_step(pipe)
+        steps += 1
+        assert steps < 100
+    assert sc.state == "failed" and pipe.adapter.patterns.uncalibrated, sc.status()
+    assert "sparse would be no faster than dense" in sc.why and "above 0.05" in sc.why
+    held = sc.cal.too_dense
+    assert held.summary()["mean_density"] > 0.05
+    assert not any(r.rows for r in sc.cal.rungs if r.bound < held.bound)   # none tighter
+    assert sc.gates == {"pass": 0, "fail": 0} and not (tmp_path / "cal").exists()
+    assert sc.status()["state"] == "failed"
+
+
 def test_a_requests_dense_answer_is_its_calibration_reference(model_dir, tmp_path):
     """A kept request's greedy dense answer is its dense reference (its first token's logits
     and first tokens), so idle time does not prefill the prompt again: equal to the
