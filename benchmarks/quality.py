@@ -143,8 +143,29 @@ def rendered(specs, workers):
     try:
         yield from pool.imap(render, specs)
     finally:
-        pool.terminate()
+        stop_pool(pool)
+
+
+def stop_pool(pool, wait_s: float = 10.0) -> bool:
+    """Stop the rendering pool within about ``wait_s`` s; False when it had to kill the
+    workers. ``Pool.terminate`` can deadlock when it comes mid-run (a SIGINT in ``imap``): a
+    worker blocked writing a large rendered video into the full result pipe holds the lock
+    that terminate's own sentinel needs, and nothing reads the pipe any more. The run must
+    still write its tables, so terminate gets ``wait_s`` s in a thread of its own; then the
+    workers are killed (which lets a blocked terminate finish) and the run goes on."""
+    import multiprocessing as mp
+    import threading
+    t = threading.Thread(target=pool.terminate, name="pool-terminate", daemon=True)
+    t.start()
+    t.join(wait_s)
+    if not t.is_alive():
         pool.join()
+        return True
+    for child in mp.active_children():
+        child.kill()
+    log(f"the rendering pool did not stop in {wait_s:g} s: its workers were killed")
+    t.join(wait_s)
+    return False
 
 
 # ------------------------------------------------------------------------- model

@@ -147,6 +147,37 @@ def test_sigint_with_rendering_workers_keeps_the_videos_done(tmp_path):
     assert (out / "tables.md").is_file()
 
 
+def test_a_pool_whose_terminate_deadlocks_is_stopped_by_killing_its_workers(Q):
+    """Pool.terminate can block for good mid-run (a worker stuck writing into the full result
+    pipe holds the lock terminate needs): stop_pool gives it its time, then kills the
+    workers, which unblocks it, and returns; a pool that stops is just stopped."""
+    import multiprocessing as mp
+    import time
+    worker = mp.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+    worker.start()
+
+    class Stuck:                     # terminate returns only once the worker is gone
+        joined = False
+
+        def terminate(self):
+            while worker.is_alive():
+                time.sleep(0.05)
+
+        def join(self):
+            self.joined = True
+
+    t0 = time.monotonic()
+    try:
+        assert Q.stop_pool(Stuck(), wait_s=0.5) is False
+    finally:
+        if worker.is_alive():
+            worker.kill()
+    assert worker.exitcode is not None and worker.exitcode < 0       # killed, not done
+    assert time.monotonic() - t0 < 60            # 2 x wait_s, with room for a busy machine
+    pool = mp.get_context("fork").Pool(1)
+    assert Q.stop_pool(pool) is True
+
+
 def test_more_configs_are_modes_checked_against_the_model(Q, tmp_path):
     """``--configs`` turns each file into a mode named by its stem, on the same videos; a
     config of another model shape, or two files of one stem, stop the run before any video."""
