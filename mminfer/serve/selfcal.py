@@ -586,7 +586,8 @@ class SelfCalibration:
         out = {"state": self.state,
                "serving": "sparse" if self.state == "serving" else "dense",
                "config": self.source, "weights_digest": self.digest,
-               "thresholds": {"min_agreement": self.min_agreement, "max_kl": self.max_kl},
+               "thresholds": {"min_agreement": self.min_agreement, "max_kl": self.max_kl,
+                              "max_density": self.max_density},
                "measured": self.measured and {
                    "how": self.measured.get("objective"),
                    "calibration": self.measured.get("calibration"),
@@ -629,7 +630,8 @@ class SelfCalibration:
                      f"{sum(k for _, k in win) / len(win):.4f})" if win else ""))
         last = self.fallbacks[-1]["why"] if self.fallbacks else None
         return (f"thresholds: agreement >= {self.min_agreement:g}, mean KL <= "
-                f"{self.max_kl:g}; {window}; {self.configs_tried()} configs tried, "
+                f"{self.max_kl:g}, density <= {self.max_density:g}; {window}; "
+                f"{self.configs_tried()} configs tried, "
                 f"{self.gates['pass']} gates passed, {self.gates['fail']} failed; "
                 f"{sum(self.drift_checks.values())} drift checks, {len(self.fallbacks)} "
                 f"fallbacks to dense" + (f" (last: {last})" if last else ""))

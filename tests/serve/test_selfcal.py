@@ -191,7 +191,7 @@ def test_calibrates_gates_switches_stores_and_falls_back(model_dir, tmp_path):
         assert "sparse" in st["summary"] and "gate on 2 held-out requests" in st["summary"]
         page = httpx.get(f"{url}/report").text
         assert 'id="self-calibration" data-state="serving" data-serving="sparse"' in page
-        assert "thresholds: agreement &gt;= 0.98, mean KL &lt;= 0.05" in page
+        assert "thresholds: agreement &gt;= 0.98, mean KL &lt;= 0.05, density &lt;= 0.85" in page
         assert "1 gates passed, 0 failed" in page and "0 fallbacks to dense" in page
         assert st["counts"]["gates"] == {"pass": 1, "fail": 0}
         # requests kept after the search (the gate's among them) had their own dense answers
@@ -351,7 +351,9 @@ def test_a_config_that_holds_only_densely_is_not_served(model_dir, tmp_path):
     assert held.summary()["mean_density"] > 0.05
     assert not any(r.rows for r in sc.cal.rungs if r.bound < held.bound)   # none tighter
     assert sc.gates == {"pass": 0, "fail": 0} and not (tmp_path / "cal").exists()
-    assert sc.status()["state"] == "failed"
+    st = sc.status()
+    assert st["state"] == "failed" and st["thresholds"]["max_density"] == 0.05
+    assert "density <= 0.05" in st["checks"]
 
 
 def test_a_requests_dense_answer_is_its_calibration_reference(model_dir, tmp_path):
