@@ -88,7 +88,8 @@ def main():
                   f"identical {same}", flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             with open(a.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1,
+                          default=lambda o: o.tolist())
 
 
 if __name__ == "__main__":
