@@ -139,19 +139,24 @@ def test_proxy_sets_on_gpu_bf16(layout):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["persistent", "chunks"])
-def test_a_new_length_compiles_no_new_proxy_kernel(layout, monkeypatch):
+def test_a_new_length_compiles_no_new_proxy_kernel(layout):
     """Once compiled, the proxy kernels run at any length and offset: key counts, key
     blocks, chunks and offsets that are multiples of 16 or not (as a live stream's pieces
-    make them) compile nothing more."""
-    from triton import knobs
+    make them) compile nothing more. Counted in Triton's own caches of compiled variants,
+    not by compile hooks: an earlier test in the process may have compiled them already
+    (the H100 run of the whole GPU suite saw [0, 0, 0, 0] from the hooks)."""
+    from mminfer.kernels import proxy_kernel as PK
 
-    from mminfer.kernels import compiles
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    monkeypatch.setattr(compiles, "_installed", False)
-    monkeypatch.setattr(compiles, "_counts", {})
-    monkeypatch.setattr(compiles, "_seconds", {})
-    compiles.install()
+    def variants():
+        total = 0
+        for fn in (PK._sets_lse_kernel, PK._sets_mass_kernel, PK._sets_mass_chunk_kernel,
+                   PK._fold_lse_kernel):
+            caches = getattr(fn, "device_caches", None)
+            if caches is None:
+                pytest.skip("this Triton keeps its compiled kernels elsewhere")
+            total += sum(len(c[0]) for c in caches.values())
+        return total
+
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, Hkv, D = 1, 28, 4, 128
     made = []
@@ -162,5 +167,5 @@ def test_a_new_length_compiles_no_new_proxy_kernel(layout, monkeypatch):
         sets = [QuerySet(((n - 64, 64),), tuple(range(H)), ((None,),) * H)]
         proxy_sets(q, k, sets, D ** -0.5, config={"mass_layout": layout}, q_start=q_start)
         torch.cuda.synchronize()
-        made.append(compiles.stats()["compiles"])
+        made.append(variants())
     assert made[0] >= 1 and made[1:] == [made[0]] * 3, made
