@@ -12,7 +12,10 @@ The weights are identified by a digest of their files, not by a path (:func:`wei
 a copy of a checkpoint elsewhere, or under another name, finds its config; a fine-tune does not.
 The calibration cache (``--calibration-dir``, default ``<data-dir>/calibration``) holds
 ``<digest>.json``, a head-pattern config whose provenance says how it was measured; the next
-start with the same weights serves it at once.
+start with the same weights serves it at once. A calibration that ends with no config (no rung
+holds, or only too densely; every candidate failed the gate) leaves ``<digest>.failed.json``:
+why, and the thresholds it ran under. A start with the same weights and thresholds serves
+dense at once and says so; other thresholds, or removing the file, calibrate again.
 
 Until a config passes, the server serves dense, and in idle time it works through small steps
 (offline/served_policy.py). A step starts only while nothing is queued, uploading or in
@@ -123,7 +126,8 @@ def weights_digest(path) -> str:
 
 class CalibrationCache:
     """Measured configs by weights digest: ``<dir>/<digest>.json`` (a HeadPatternConfig
-    file), ``<digest>.rejected.json`` once drift retired it."""
+    file), ``<digest>.rejected.json`` once drift retired it, ``<digest>.failed.json`` when a
+    calibration found none."""
 
     def __init__(self, root):
         self.root = Path(root)
@@ -152,6 +156,28 @@ class CalibrationCache:
         p = self.path(digest)
         tmp = p.with_suffix(".tmp")
         cfg.save(tmp)
+        tmp.replace(p)
+        self.failed_path(digest).unlink(missing_ok=True)    # other thresholds found one
+        return p
+
+    def failed_path(self, digest: str) -> Path:
+        return self.root / f"{digest}.failed.json"
+
+    def load_failure(self, digest: str) -> dict | None:
+        """The verdict of a calibration of these weights that ended with no config, or None
+        (an unreadable record is none: the next calibration writes it again)."""
+        p = self.failed_path(digest)
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return None
+        return d if isinstance(d, dict) and isinstance(d.get("thresholds"), dict) else None
+
+    def save_failure(self, digest: str, record: dict) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        p = self.failed_path(digest)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(p)
         return p
 
@@ -262,7 +288,20 @@ class SelfCalibration:
             log.info("self-calibration: serving the checkpoint's measured config; checking it "
                      "on the shadow monitor's comparisons")
             return
+        failure = self.cache.load_failure(self.digest)
+        if failure is not None and failure["thresholds"] == self.thresholds():
+            self.state = "failed"
+            self.why = (f"a calibration of these weights ({failure.get('date', '?')}) ended "
+                        f"with no config under the same thresholds: {failure.get('why')}; "
+                        f"other thresholds calibrate again, as does removing "
+                        f"{self.cache.failed_path(self.digest)}")
+            log.warning("self-calibration: %s; serving dense", self.why)
+            return
         self._start("no measured config for these weights (digest %s)" % self.digest)
+
+    def thresholds(self) -> dict:
+        return {"min_agreement": self.min_agreement, "max_kl": self.max_kl,
+                "max_density": self.max_density}
 
     def _start(self, why: str):
         self._tried_before = self.configs_tried()
@@ -526,10 +565,24 @@ class SelfCalibration:
         return n
 
     def _give_up(self, why: str):
+        """No config holds: serve dense, and store the verdict under the digest, so the next
+        start with these weights and thresholds does not spend its idle time on the same
+        calibration again (a run with other thresholds, or without the file, does)."""
         self.state, self.why = "failed", why
         self.pipeline.prefix_observer = None
+        sources = _count_sources([{"source": i.source} for i in self.inputs])
         self.inputs = []
         log.warning("self-calibration: %s; serving dense", why)
+        if self.digest is None:
+            return
+        record = {"why": why, "date": _now(), "thresholds": self.thresholds(),
+                  "inputs": sources, "configs_tried": self.configs_tried(),
+                  "gates_failed": list(self.gates_failed)}
+        try:
+            log.info("self-calibration: stored the verdict in %s",
+                     self.cache.save_failure(self.digest, record))
+        except OSError as e:
+            log.warning("self-calibration: could not store the verdict: %s", e)
 
     # ------------------------------------------------------------ serving and checking
     def _install(self, cfg, source: str):
@@ -586,8 +639,7 @@ class SelfCalibration:
         out = {"state": self.state,
                "serving": "sparse" if self.state == "serving" else "dense",
                "config": self.source, "weights_digest": self.digest,
-               "thresholds": {"min_agreement": self.min_agreement, "max_kl": self.max_kl,
-                              "max_density": self.max_density},
+               "thresholds": self.thresholds(),
                "measured": self.measured and {
                    "how": self.measured.get("objective"),
                    "calibration": self.measured.get("calibration"),

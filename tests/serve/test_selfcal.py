@@ -76,6 +76,15 @@ def test_cache_restamps_identity_and_rejects(tmp_path):
     assert cache.load("d1", ident) is None
     rej = json.loads((tmp_path / "cal" / "d1.rejected.json").read_text())
     assert rej["provenance"]["rejected"]["why"] == "drift"
+    # a failure's verdict: read back; a torn file is none; a config stored later replaces it
+    assert cache.load_failure("d1") is None
+    cache.save_failure("d1", {"why": "no rung holds", "thresholds": {"max_kl": 0.02}})
+    assert cache.load_failure("d1")["why"] == "no rung holds"
+    cache.failed_path("d1").write_text('{"why": ')
+    assert cache.load_failure("d1") is None
+    cache.save_failure("d1", {"why": "no rung holds", "thresholds": {"max_kl": 0.02}})
+    cache.save("d1", cfg)
+    assert cache.load_failure("d1") is None and not cache.failed_path("d1").exists()
 
 
 # ---------------------------------------------------------------------- the server
@@ -350,10 +359,27 @@ def test_a_config_that_holds_only_densely_is_not_served(model_dir, tmp_path):
     held = sc.cal.too_dense
     assert held.summary()["mean_density"] > 0.05
     assert not any(r.rows for r in sc.cal.rungs if r.bound < held.bound)   # none tighter
-    assert sc.gates == {"pass": 0, "fail": 0} and not (tmp_path / "cal").exists()
+    assert sc.gates == {"pass": 0, "fail": 0} and not sc.cache.path(sc.digest).exists()
     st = sc.status()
     assert st["state"] == "failed" and st["thresholds"]["max_density"] == 0.05
     assert "density <= 0.05" in st["checks"]
+    # the verdict is stored: the next start with these weights and thresholds runs no step
+    rec = json.loads(sc.cache.failed_path(sc.digest).read_text())
+    assert rec["why"] == sc.why and rec["thresholds"] == sc.thresholds()
+    assert rec["inputs"] == {"requests": 0, "synthetic": 2} and rec["configs_tried"] >= 1
+    again = SelfCalibration(model_path=str(model_dir), cache_dir=tmp_path / "cal",
+                            from_requests=False, gate_requests=2, synthetic=2,
+                            synthetic_frames=8, min_agreement=MIN_AGREEMENT, max_kl=MAX_KL,
+                            max_density=0.05)
+    again.attach(pipe)
+    assert again.state == "failed" and not again.ready() and again.steps_run == 0
+    assert sc.why in again.why and str(sc.cache.failed_path(sc.digest)) in again.why
+    # other thresholds calibrate again
+    other = SelfCalibration(model_path=str(model_dir), cache_dir=tmp_path / "cal",
+                            from_requests=False, synthetic=2, synthetic_frames=8,
+                            max_density=0.06)
+    other.attach(pipe)
+    assert other.state == "calibrating" and other.ready()
 
 
 def test_a_requests_dense_answer_is_its_calibration_reference(model_dir, tmp_path):
