@@ -101,7 +101,15 @@ def test_offset_on_the_block_grid_gives_the_one_shot_rows(device, dtype, n, bloc
     whole = sparse_attention(q, k, v, one)
     part = sparse_attention(q[:, :, q_start:].contiguous(), k, v, piece)
     if device == "cpu":
-        assert torch.equal(part, whole[:, :, q_start:])
+        # Blocks are the one-shot's programs over the same keys: bit for bit. The grid's row
+        # lines (head 1) are gathered into tiles of their own, and a line sits at another
+        # place in its tile when the piece starts later; numpy's matmul under the
+        # interpreter may round a row by its place (seen on one CPU, 1.3e-6; not on another).
+        lines = [1]
+        rest = [h for h in range(hq) if h not in lines]
+        assert torch.equal(part[:, rest], whole[:, rest, q_start:])
+        torch.testing.assert_close(part[:, lines], whole[:, lines, q_start:],
+                                   atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=1e-5)
     else:   # compiled variants specialise on the offset's value: rounding may differ
         assert (part.float() - whole[:, :, q_start:].float()).abs().max() < 2e-2
     ref = plan_attention(q[:, :, q_start:], k, v, piece)
