@@ -959,6 +959,8 @@ def test_a_new_videos_room_is_copied_out_while_its_vision_tower_runs(qwen, mp4, 
     def make_room(need, wait_s=0.0, ahead_bytes=None):
         if ahead_bytes is not None:   # short by the entry for the whole need, not the tower's
             state["free0"] = max(int(need * 1.1), int(ahead_bytes * 1.1) + spilled.nbytes) + 1
+        else:                         # the prefill's: its "room" timer started before this
+            state["room_t0"] = time.perf_counter()
         return real_room(need, wait_s, ahead_bytes)
 
     def embed(prep, **kw):
@@ -978,11 +980,16 @@ def test_a_new_videos_room_is_copied_out_while_its_vision_tower_runs(qwen, mp4, 
         a = threading.Thread(target=lambda: out.update(r=pipe.answer(new, "where?", **q)))
         a.start()
         assert tower_done.wait(120)
-        held = time.perf_counter()
         a.join(0.3)
         assert a.is_alive() and spilled.moving is not None    # the prefill waits for it
+        deadline = time.monotonic() + 120
+        while "room_t0" not in state and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # the room the prefill waited for lasts at least from its call until the copy may
+        # end (measured from the call, not from this thread's wake-up: on a busy machine the
+        # answering thread may reach the call later than this one wakes)
+        held = time.perf_counter() - state["room_t0"]
         gate.set()
-        held = time.perf_counter() - held
         a.join(120)
     r = out["r"]
     assert state["copying_in_tower"] and r.cache == "miss" and spilled.tier is Tier.HOST
