@@ -222,9 +222,10 @@ class SearchSettings:
     reference engine with 16 x 16 tiles, which needs no Triton interpreter);
     ``max_served_density``: a rung that holds at a higher mean density is no winner, and the
     calibration ends there (tighter rungs are denser still): it would serve no faster than
-    dense. The default is measured: on an H100 a config holding at density 0.999 answered
-    1.08x dense's TTFT (the estimate on top of nearly all the work), and attention is not all
-    of a prefill, so the break-even lies below 0.9 (BENCHMARKS.md, self-calibration)."""
+    dense. The default is reasoned from one measurement, not a sweep: on an H100 a config
+    holding at density 0.999 answered 1.08x dense's TTFT (the estimate on top of nearly all
+    the work), and attention is not all of a prefill, so the break-even lies below 0.9
+    (BENCHMARKS.md, self-calibration)."""
     budgets: tuple = (0.1, 0.2)
     gammas: tuple = (0.9, 0.95, 0.99)
     min_density: float = 0.0
